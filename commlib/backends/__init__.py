@@ -1,0 +1,1 @@
+"""Transports: how bytes move. Every backend implements the contract in ``base``."""

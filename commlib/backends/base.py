@@ -1,0 +1,95 @@
+"""The contract every transport implements; ``reference`` is its executable specification.
+
+The Buffer validates all input, resolves configs, and sets the CUDA stream (the comm stream)
+before it calls a backend; a backend allocates its outputs on the current stream and never
+synchronises the device unless the call needs a host-side count (non-cached dispatch without
+num_worst_tokens).
+
+Semantics every backend must reproduce bit for bit (BF16; FP8 rows and scales are moved, not
+changed, so they are bit-exact too):
+  dispatch: rank r receives every token t of source s with is_token_in_rank_s[t][r], once,
+    rows grouped by source rank in rank order, token order within a source. recv_topk_idx holds
+    local expert ids (global - r * num_local_experts) and -1 for experts elsewhere;
+    recv_topk_weights holds the weight for local experts and 0 elsewhere. With
+    num_worst_tokens > 0 outputs have that many rows; rows past the received count are 0 in
+    recv_x / scales, -1 in recv_topk_idx, 0 in recv_topk_weights, and the per-expert list is [].
+  combine: combined_x[t] = bf16(acc) with acc = 0.f; for r in rank order over ranks holding t:
+    acc += float(row of t on r); then acc += float(bias0[t]); acc += float(bias1[t]).
+    On several nodes the rows of one node are first reduced the same way in local-rank order
+    and cast to bf16 before crossing the network; the home rank then sums the node partials in
+    node order. combined_topk_weights likewise in float32 (no cast).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from ..config import Config
+from ..handle import DispatchHandle
+from ..layout import Layout
+
+
+@dataclasses.dataclass
+class DispatchRequest:
+    x: torch.Tensor                          # [T, H] bf16, or float8_e4m3fn when x_scales is given
+    x_scales: Optional[torch.Tensor]         # [T, H / 128] float32 (FP8 only)
+    topk_idx: Optional[torch.Tensor]         # [T, K] int64 (None in cached mode)
+    topk_weights: Optional[torch.Tensor]     # [T, K] float32 (None allowed)
+    layout: Optional[Layout]                 # None in cached mode
+    handle: Optional[DispatchHandle]         # given in cached mode
+    num_experts: int                         # 0 in cached mode (taken from the handle)
+    expert_alignment: int
+    num_worst_tokens: int
+    config: Config
+
+
+@dataclasses.dataclass
+class DispatchResult:
+    recv_x: torch.Tensor                     # [N, H]
+    recv_x_scales: Optional[torch.Tensor]    # [N, H / 128] float32 (FP8 only)
+    recv_topk_idx: Optional[torch.Tensor]    # [N, K] int64, None in cached mode or without topk
+    recv_topk_weights: Optional[torch.Tensor]  # [N, K] float32, None in cached mode or without weights
+    num_recv_tokens_per_expert_list: Optional[list]  # [local experts] ints, None in cached mode
+    handle: DispatchHandle
+
+
+@dataclasses.dataclass
+class CombineRequest:
+    x: torch.Tensor                          # [N, H] bf16, rows as dispatch delivered them
+    handle: DispatchHandle
+    topk_weights: Optional[torch.Tensor]     # [N, K] float32
+    bias: Sequence[torch.Tensor]             # 0 to 2 tensors [T, H] bf16
+    config: Config
+
+
+@dataclasses.dataclass
+class CombineResult:
+    combined_x: torch.Tensor                 # [T, H] bf16
+    combined_topk_weights: Optional[torch.Tensor]  # [T, K] float32
+
+
+class Backend:
+    """Base class. ``buffer`` gives group, topology, device, num_nvl_bytes, num_rdma_bytes."""
+
+    name = "base"
+
+    def __init__(self, buffer) -> None:
+        self.buffer = buffer
+        self.topology = buffer.topology
+        # Rows moved, for tests and benchmarks: internode = rows that crossed between nodes,
+        # intranode = rows that moved between two ranks of one node (local copies not counted).
+        self.counters = {"internode_rows": 0, "intranode_rows": 0, "local_rows": 0}
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
+        raise NotImplementedError
+
+    def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        raise NotImplementedError
+
+    def combine(self, req: CombineRequest) -> CombineResult:
+        raise NotImplementedError
+
+    def destroy(self) -> None:
+        pass

@@ -1,0 +1,363 @@
+"""Reference backend: the executable specification, on torch.distributed collectives.
+
+It runs the same algorithm as the GPU engines, hop by hop, with all_to_all_single:
+  one node:  dispatch = one exchange of rows among the ranks; combine = the reverse + a sum.
+  M nodes:   dispatch = (1) each token crosses to a node once, to the rank with the sender's local
+             rank there (the "rail" peer), then (2) that forwarder fans it out to the ranks of its
+             node that hold the token's experts. Combine reverses it: the forwarder reduces the
+             rows of its node (float32, local-rank order, cast to bf16) before one row per node
+             crosses back, and the home rank sums the node partials in node order.
+Rows travel as raw bytes (gloo refuses bf16 / int16 in all_to_all_single), so every column of a
+token (hidden, FP8 scales, source index, top-k ids and weights) moves in one collective.
+On a gloo group with CUDA tensors the collectives run on CPU copies.
+
+Legend: T tokens here, H hidden, K top-k, R ranks, P ranks per node, M nodes, C channels,
+N rows received, J rows a forwarder received in the network hop.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import layout as L
+from ..handle import DispatchHandle
+from ..validate import CommlibError
+from .base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
+
+_BIG = 1 << 31
+
+
+class _Packer:
+    """Packs several per-row tensors into one uint8 [n, bytes] matrix and back."""
+
+    def __init__(self, columns: Sequence[tuple[str, torch.dtype, tuple]]):
+        self.columns = list(columns)  # (name, dtype, trailing shape)
+        self.widths = []
+        for _, dtype, shape in self.columns:
+            n = 1
+            for s in shape:
+                n *= s
+            self.widths.append(n * torch.empty(0, dtype=dtype).element_size())
+        self.row_bytes = sum(self.widths)
+
+    def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        n = tensors[0].shape[0]
+        if n == 0:
+            return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=tensors[0].device)
+        parts = [t.contiguous().reshape(n, -1).view(torch.uint8) for t in tensors]
+        return torch.cat(parts, dim=1)
+
+    def unpack(self, rows: torch.Tensor) -> dict:
+        out, offset = {}, 0
+        n = rows.shape[0]
+        for (name, dtype, shape), w in zip(self.columns, self.widths):
+            if n == 0:
+                out[name] = torch.empty(0, *shape, dtype=dtype, device=rows.device)
+            else:
+                out[name] = rows[:, offset:offset + w].contiguous().view(dtype).reshape(n, *shape)
+            offset += w
+        return out
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def __init__(self, buffer) -> None:
+        super().__init__(buffer)
+        self.group = buffer.group
+        backend = dist.get_backend(self.group)
+        self.comm_device = torch.device("cpu") if backend == "gloo" else buffer.device
+
+    # ------------------------------------------------------------------ collectives
+    def _to_comm(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t.to(self.comm_device)
+
+    def _a2a_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        rows = rows.to(self.comm_device).contiguous()
+        out = torch.empty(sum(recv_counts), rows.shape[1], dtype=rows.dtype, device=self.comm_device)
+        dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.group)
+        return out
+
+    def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """[n] int64 -> [R, n] int64 (row r from rank r)."""
+        row = row.to(self.comm_device, torch.int64).contiguous()
+        out = torch.empty(self.topology.num_ranks * row.numel(), dtype=torch.int64, device=self.comm_device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, row, group=self.group)
+        return out.view(self.topology.num_ranks, row.numel()).cpu()
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        return L.dispatch_layout(topk_idx, num_experts, self.topology)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        topo = self.topology
+        me, R = topo.rank, topo.num_ranks
+        x, scales = req.x, req.x_scales
+        T, H = x.shape
+        out_device = x.device
+        cached = req.handle is not None
+        C = req.handle.num_channels if cached else req.config.num_channels
+        is_tir = (req.handle.is_token_in_rank if cached else req.layout.is_token_in_rank).to(self.comm_device)
+
+        # ---- metadata: counts matrix, errors agreed on by every rank ----
+        if cached:
+            h = req.handle
+            rank_prefix = h.rank_prefix_matrix.cpu()
+            counts_all = torch.diff(rank_prefix.to(torch.int64), dim=0,
+                                    prepend=torch.zeros(1, R, dtype=torch.int64))
+            chan_prefix = h.channel_prefix_matrix
+            recv_chan_prefix = h.recv_channel_prefix_matrix
+            num_experts = h.num_experts
+        else:
+            num_experts = req.num_experts
+            send_counts = is_tir.sum(dim=0).to(torch.int64)
+            node_excess = 0
+            if topo.num_nodes > 1:
+                nodes_per_token = L.token_in_node(is_tir, topo).sum(dim=1)
+                limit = self.buffer.max_nodes_per_token
+                node_excess = int((nodes_per_token > limit).sum())
+            row = torch.cat([send_counts.cpu(), torch.tensor([node_excess])])
+            gathered = self._all_gather_rows(row)
+            counts_all = gathered[:, :R]
+            bad = [(r, int(gathered[r, R])) for r in range(R) if gathered[r, R] > 0]
+            if bad:
+                raise ValueError(
+                    f"[commlib rank {me}] routing sends tokens to more than max_nodes_per_token="
+                    f"{self.buffer.max_nodes_per_token} nodes (rank, tokens over the limit): {bad}; use a "
+                    "node-limited gate (commlib.routing.group_limited_topk) or raise the Buffer's max_nodes_per_token")
+            rank_prefix = torch.cumsum(counts_all, dim=0).to(torch.int32)
+            chan_prefix = L.channel_prefix_matrix(is_tir, C)
+            recv_chan_prefix = self._a2a_rows(chan_prefix.view(torch.uint8).view(R, -1).cpu(),
+                                              [1] * R, [1] * R).view(torch.int32).view(R, C)
+        recv_counts = counts_all[:, me].tolist()
+        num_recv = int(sum(recv_counts))
+        worst = req.num_worst_tokens
+        if worst:
+            totals = counts_all.sum(dim=0)
+            over = [(r, int(totals[r])) for r in range(R) if totals[r] > worst]
+            if over:
+                raise ValueError(f"[commlib rank {me}] num_worst_tokens={worst} is smaller than the rows some "
+                                 f"ranks receive (rank, rows): {over}")
+
+        # ---- the payload: one byte row per token ----
+        K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+        has_w = req.topk_weights is not None
+        cols = [("x", x.dtype, (H,))]
+        tensors = [x]
+        if scales is not None:
+            cols.append(("scales", torch.float32, (scales.shape[1],)))
+            tensors.append(scales)
+        cols.append(("src_idx", torch.int32, ()))
+        tensors.append(torch.arange(T, dtype=torch.int32, device=out_device))
+        if K:
+            cols.append(("topk_idx", torch.int64, (K,)))
+            tensors.append(req.topk_idx)
+            if has_w:
+                cols.append(("topk_w", torch.float32, (K,)))
+                tensors.append(req.topk_weights)
+        packer = _Packer(cols)
+        payload = packer.pack([self._to_comm(t) for t in tensors])
+
+        if topo.num_nodes == 1:
+            recv, plan = self._dispatch_flat(payload, is_tir, counts_all)
+        else:
+            recv, plan = self._dispatch_hierarchical(payload, packer, is_tir, counts_all, req, num_experts, cached)
+        cols_out = packer.unpack(recv)
+
+        # ---- outputs ----
+        rows = max(num_recv, worst) if worst else num_recv
+        recv_x = _pad(cols_out["x"], rows, 0).to(out_device)
+        recv_scales = _pad(cols_out["scales"], rows, 0).to(out_device) if scales is not None else None
+        recv_src_idx = _pad(cols_out["src_idx"], rows, -1).to(out_device)
+        recv_topk_idx = recv_topk_w = per_expert = None
+        num_local = num_experts // R
+        if not cached and K:
+            local_idx = L.local_expert_ids(cols_out["topk_idx"], me, num_local)
+            if not worst:
+                per_expert = L.tokens_per_expert_list(local_idx, num_local, req.expert_alignment)
+            else:
+                per_expert = []
+            recv_topk_idx = _pad(local_idx, rows, -1).to(out_device)
+            if has_w:
+                w = torch.where(local_idx >= 0, cols_out["topk_w"], torch.zeros_like(cols_out["topk_w"]))
+                recv_topk_w = _pad(w, rows, 0).to(out_device)
+        elif not cached:
+            per_expert = [] if worst else [0] * num_local
+
+        if cached:
+            handle = req.handle
+        else:
+            handle = DispatchHandle(
+                rank_prefix_matrix=rank_prefix.to(out_device),
+                channel_prefix_matrix=chan_prefix.to(out_device),
+                recv_channel_prefix_matrix=recv_chan_prefix.to(out_device),
+                recv_src_idx=recv_src_idx,
+                is_token_in_rank=is_tir.to(out_device),
+                send_head=L.send_head(is_tir, rank_prefix.to(is_tir.device), me).to(out_device),
+                topology=topo, num_tokens=T, hidden=H, num_experts=num_experts, num_channels=C,
+                num_recv_tokens=None if worst else num_recv, num_worst_tokens=worst, backend=self.name,
+                extra={"plan": plan, "num_recv": num_recv, "counts_all": counts_all},
+            )
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert, handle)
+
+    def _dispatch_flat(self, payload, is_tir, counts_all):
+        me, R = self.topology.rank, self.topology.num_ranks
+        order = [torch.nonzero(is_tir[:, r]).flatten() for r in range(R)]
+        send = payload[torch.cat(order)] if order else payload[:0]
+        send_counts = [int(o.numel()) for o in order]
+        recv_counts = counts_all[:, me].tolist()
+        recv = self._a2a_rows(send, send_counts, recv_counts)
+        self._count_rows(send_counts, intranode=True)
+        return recv, {"order": order, "recv_counts": recv_counts}
+
+    def _dispatch_hierarchical(self, payload, packer, is_tir, counts_all, req, num_experts, cached):
+        topo = self.topology
+        me, R, P, M = topo.rank, topo.num_ranks, topo.ranks_per_node, topo.num_nodes
+        node, local = topo.node, topo.local_rank
+        in_node = L.token_in_node(is_tir, topo)
+
+        # (1) network hop: each token once to each node it needs, to the rail peer there.
+        order1 = [torch.nonzero(in_node[:, m]).flatten() for m in range(M)]
+        send1_counts = [0] * R
+        for m in range(M):
+            send1_counts[topo.global_rank(m, local)] = int(order1[m].numel())
+        counts1 = self._all_gather_rows(torch.tensor(send1_counts))
+        recv1_counts = counts1[:, me].tolist()
+        send1 = payload[torch.cat(order1)]
+        recv1 = self._a2a_rows(send1, send1_counts, recv1_counts)
+        self._count_rows(send1_counts, intranode=False)
+
+        # (2) NVLink fan-out: the forwarder sends each row to the ranks of its node that need it.
+        #     Which ranks: from the routing the row carries (or the plan kept in the handle).
+        J = recv1.shape[0]
+        src_rank1 = torch.repeat_interleave(torch.arange(R), torch.tensor(recv1_counts)).to(torch.int32)
+        if cached:
+            fwd_mask = req.handle.extra["plan"]["fwd_mask"]
+        else:
+            topk = packer.unpack(recv1)["topk_idx"]
+            tir = L.token_in_rank(topk, num_experts, R)  # [J, R]
+            fwd_mask = tir[:, node * P:(node + 1) * P].contiguous()
+        fwd_order = [torch.nonzero(fwd_mask[:, p]).flatten() for p in range(P)]
+        send2 = torch.cat([recv1[o] for o in fwd_order]) if J else recv1[:0]
+        send2_src = torch.cat([src_rank1[o] for o in fwd_order]) if J else src_rank1[:0]
+        send2_counts = [0] * R
+        for p in range(P):
+            send2_counts[topo.global_rank(node, p)] = int(fwd_order[p].numel())
+        counts2 = self._all_gather_rows(torch.tensor(send2_counts))
+        recv2_counts = counts2[:, me].tolist()
+        src_col = send2_src.view(torch.uint8).view(-1, 4)
+        recv2 = self._a2a_rows(torch.cat([send2, src_col], dim=1), send2_counts, recv2_counts)
+        self._count_rows(send2_counts, intranode=True)
+        arrived_src = recv2[:, -4:].contiguous().view(torch.int32).flatten().to(torch.int64)
+        recv2 = recv2[:, :-4]
+        src_idx = packer.unpack(recv2)["src_idx"].flatten().to(torch.int64)
+        # Arrival order is by forwarder; the output is grouped by source rank, token order within.
+        sort = torch.argsort(arrived_src * _BIG + src_idx, stable=True)
+        plan = {"order1": order1, "recv1_counts": recv1_counts, "send1_counts": send1_counts,
+                "fwd_mask": fwd_mask, "fwd_order": fwd_order, "send2_counts": send2_counts,
+                "recv2_counts": recv2_counts, "sort": sort}
+        return recv2[sort], plan
+
+    def _count_rows(self, send_counts: list[int], intranode: bool) -> None:
+        topo = self.topology
+        for r, n in enumerate(send_counts):
+            if r == topo.rank:
+                self.counters["local_rows"] += n
+            elif topo.node_of(r) != topo.node:
+                self.counters["internode_rows"] += n
+            else:
+                self.counters["intranode_rows"] += n
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, req: CombineRequest) -> CombineResult:
+        h = req.handle
+        topo = self.topology
+        T, H = h.num_tokens, req.x.shape[1]
+        out_device = req.x.device
+        if h.backend != self.name or "plan" not in h.extra:
+            raise CommlibError(f"[commlib rank {topo.rank}] handle was made by backend {h.backend!r}, "
+                               f"not {self.name!r}")
+        n = h.extra["num_recv"]
+        y = req.x[:n]
+        w = req.topk_weights[:n] if req.topk_weights is not None else None
+        K = w.shape[1] if w is not None else 0
+        cols = [("y", torch.bfloat16, (H,))] + ([("w", torch.float32, (K,))] if K else [])
+        packer = _Packer(cols)
+        payload = packer.pack([self._to_comm(y)] + ([self._to_comm(w)] if K else []))
+        if topo.num_nodes == 1:
+            acc_y, acc_w = self._combine_flat(payload, packer, h, T, H, K)
+        else:
+            acc_y, acc_w = self._combine_hierarchical(payload, packer, h, T, H, K)
+        for b in req.bias:
+            acc_y += b.to(acc_y.device).float()
+        combined_x = acc_y.to(torch.bfloat16).to(out_device)
+        combined_w = acc_w.to(out_device) if K else None
+        return CombineResult(combined_x, combined_w)
+
+    def _combine_flat(self, payload, packer, h, T, H, K):
+        plan = h.extra["plan"]
+        R = self.topology.num_ranks
+        order = plan["order"]
+        back_counts = [int(o.numel()) for o in order]
+        recv = self._a2a_rows(payload, plan["recv_counts"], back_counts)
+        self._count_rows(plan["recv_counts"], intranode=True)
+        cols = packer.unpack(recv)
+        acc_y = torch.zeros(T, H, dtype=torch.float32, device=recv.device)
+        acc_w = torch.zeros(T, K, dtype=torch.float32, device=recv.device) if K else None
+        start = 0
+        for r in range(R):  # rank order: the summation order every backend uses
+            idx, cnt = order[r], back_counts[r]
+            acc_y[idx] += cols["y"][start:start + cnt].float()
+            if K:
+                acc_w[idx] += cols["w"][start:start + cnt]
+            start += cnt
+        return acc_y, acc_w
+
+    def _combine_hierarchical(self, payload, packer, h, T, H, K):
+        topo = self.topology
+        P, M = topo.ranks_per_node, topo.num_nodes
+        plan = h.extra["plan"]
+        # Undo the sort: back to arrival order, then to the forwarders that sent each row.
+        arrival = torch.empty_like(payload)
+        arrival[plan["sort"]] = payload
+        back2 = self._a2a_rows(arrival, plan["recv2_counts"], plan["send2_counts"])
+        self._count_rows(plan["recv2_counts"], intranode=True)
+        cols2 = packer.unpack(back2)
+        J = int(sum(plan["recv1_counts"]))
+        part_y = torch.zeros(J, H, dtype=torch.float32, device=back2.device)
+        part_w = torch.zeros(J, K, dtype=torch.float32, device=back2.device) if K else None
+        start = 0
+        for p in range(P):  # local-rank order inside the node
+            idx = plan["fwd_order"][p]
+            cnt = int(idx.numel())
+            part_y[idx] += cols2["y"][start:start + cnt].float()
+            if K:
+                part_w[idx] += cols2["w"][start:start + cnt]
+            start += cnt
+        # One bf16 row per (token, node) crosses the network back.
+        partial = packer.pack([part_y.to(torch.bfloat16)] + ([part_w] if K else []))
+        back1 = self._a2a_rows(partial, plan["recv1_counts"], plan["send1_counts"])
+        self._count_rows(plan["recv1_counts"], intranode=False)
+        cols1 = packer.unpack(back1)
+        acc_y = torch.zeros(T, H, dtype=torch.float32, device=back1.device)
+        acc_w = torch.zeros(T, K, dtype=torch.float32, device=back1.device) if K else None
+        start = 0
+        for m in range(M):  # node order
+            idx = plan["order1"][m]
+            cnt = int(idx.numel())
+            acc_y[idx] += cols1["y"][start:start + cnt].float()
+            if K:
+                acc_w[idx] += cols1["w"][start:start + cnt]
+            start += cnt
+        return acc_y, acc_w
+
+
+def _pad(t: torch.Tensor, rows: int, value) -> torch.Tensor:
+    if t.shape[0] >= rows:
+        return t
+    pad = torch.full((rows - t.shape[0], *t.shape[1:]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad])

@@ -1,0 +1,446 @@
+"""Buffer: DeepEP-compatible dispatch / combine / get_dispatch_layout.
+
+Legend: T tokens on this rank, H hidden, K top-k, E experts, R ranks, N rows received.
+
+A Buffer owns the communication state of one expert-parallel group: the transport (backend), the
+comm stream, and (for GPU backends) the peer buffers exchanged once at creation. All validation
+happens here, before any byte moves; backends get clean requests (commlib/backends/base.py).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import env
+from .backends.base import Backend, CombineRequest, DispatchRequest
+from .config import Config, default_combine_config, default_dispatch_config
+from .handle import DispatchHandle
+from .layout import Layout
+from .overlap import EventOverlap
+from .topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology
+from .validate import (CommlibError, check_layout, check_num_experts, check_routing, check_tensor,
+                       same_device, split_x)
+
+_buffer_ids = itertools.count(1)
+
+XType = Union[torch.Tensor, tuple]
+
+
+def _cupy_available() -> bool:
+    try:
+        import cupy  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - any import failure means no GPU kernels
+        return False
+
+
+class Buffer:
+    """The communication buffer of one expert-parallel group (a drop-in for ``deep_ep.Buffer``).
+
+    Args:
+        group: the torch.distributed group of the EP ranks (None: ``comm``, or the default group).
+        num_nvl_bytes: bytes of the NVLink buffer; size it with
+            ``Config.get_nvl_buffer_size_hint(hidden_bytes, ranks_per_node)``.
+        num_rdma_bytes: bytes of the network staging buffer (several nodes);
+            ``Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)``.
+        low_latency_mode: DeepEP's decode mode (not available yet: raises NotImplementedError).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: accepted for API
+            compatibility; they tune InfiniBand queue pairs / MNNVL, which commlib does not use.
+        explicitly_destroy: if True the caller must call ``destroy()``; otherwise resources are
+            released when the Buffer is garbage-collected.
+        comm: an mpi4py communicator used when ``group`` is None.
+        backend: "auto" | "reference" | "nvlink" (keyword only; default from COMMLIB_BACKEND).
+        ranks_per_node: override the launcher's ranks per node (emulated nodes).
+        max_nodes_per_token: node-limited routing bound checked on several nodes (default 4).
+    """
+
+    num_sms: int = env.num_sms()
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, comm=None, *, backend: Optional[str] = None,
+                 ranks_per_node: Optional[int] = None,
+                 max_nodes_per_token: int = DEFAULT_MAX_NODES_PER_TOKEN) -> None:
+        if group is None:
+            if comm is not None:
+                from .dist import group_from_comm
+                group = group_from_comm(comm)
+            elif dist.is_initialized():
+                group = dist.group.WORLD
+            else:
+                raise ValueError("Buffer: pass a torch.distributed group or an mpi4py comm "
+                                 "(torch.distributed is not initialised)")
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Buffer: {name} must be a non-negative int, got {value!r}")
+        if low_latency_mode:
+            raise NotImplementedError("Buffer: low_latency_mode=True is not implemented yet; "
+                                      "use normal mode (dispatch/combine)")
+        if max_nodes_per_token <= 0:
+            raise ValueError(f"Buffer: max_nodes_per_token must be positive, got {max_nodes_per_token}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.topology = Topology.detect(self.rank, self.num_ranks, ranks_per_node)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.max_nodes_per_token = max_nodes_per_token
+        self.timeout_s = env.timeout_s()
+        self.buffer_id = next(_buffer_ids) + (os.getpid() << 20)
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if torch.cuda.is_available() else torch.device("cpu"))
+        self.comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._destroyed = False
+        self._check_world_agrees()
+        self.backend_name = self._choose_backend(backend)
+        self.backend: Backend = self._make_backend(self.backend_name)
+
+    # ------------------------------------------------------------------ set-up
+    def _check_world_agrees(self) -> None:
+        """Every rank must build the Buffer with the same sizes and topology."""
+        mine = (self.num_nvl_bytes, self.num_rdma_bytes, self.topology.ranks_per_node, self.num_ranks)
+        everyone = [None] * self.num_ranks
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for r, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise ValueError(
+                    f"[commlib rank {self.rank}] Buffer arguments differ between ranks: rank {r} has "
+                    f"(num_nvl_bytes, num_rdma_bytes, ranks_per_node, world) = {theirs}, this rank {mine}")
+
+    def _choose_backend(self, requested: Optional[str]) -> str:
+        name = (requested or env.backend()).lower()
+        if name not in ("auto", "reference", "nvlink", "hierarchical"):
+            raise ValueError(f"Buffer: backend must be auto, reference, nvlink or hierarchical, got {name!r}")
+        if name == "auto":
+            if self.device.type == "cuda" and self.topology.num_nodes == 1 and _cupy_available():
+                return "nvlink"
+            return "reference"
+        if name in ("nvlink", "hierarchical") and self.device.type != "cuda":
+            raise ValueError(f"Buffer: backend {name!r} needs CUDA GPUs; this rank has none")
+        if name == "nvlink" and self.topology.num_nodes != 1:
+            raise ValueError(f"Buffer: the nvlink backend serves one node; the topology has "
+                             f"{self.topology.num_nodes} nodes (use auto or reference)")
+        if name == "hierarchical":
+            raise NotImplementedError("Buffer: the hierarchical GPU backend is not implemented yet; "
+                                      "use backend='reference' for several nodes")
+        return name
+
+    def _make_backend(self, name: str) -> Backend:
+        if name == "nvlink":
+            from .backends.nvlink import NVLinkBackend
+            return NVLinkBackend(self)
+        from .backends.reference import ReferenceBackend
+        return ReferenceBackend(self)
+
+    def destroy(self) -> None:
+        """Release peer buffers and streams. The Buffer refuses every call afterwards."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self.backend.destroy()
+
+    def __del__(self) -> None:
+        try:
+            if not self.explicitly_destroy and not self._destroyed:
+                self.backend.destroy()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def _alive(self) -> None:
+        if self._destroyed:
+            raise CommlibError(f"[commlib rank {self.rank}] Buffer used after destroy()")
+        failed = getattr(self.backend, "failed", None)
+        if failed:
+            raise CommlibError(f"[commlib rank {self.rank}] Buffer is unusable after an earlier failure: {failed}")
+
+    # ------------------------------------------------------------------ static API (DeepEP)
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """SMs every later default config uses (even: two CTAs per channel)."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"Buffer.set_num_sms: expected a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return default_dispatch_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return default_combine_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True when the GPU kernels can be built for sm_90 (they are compiled at first use)."""
+        return _cupy_available()
+
+    def capture(self) -> EventOverlap:
+        """An EventOverlap marking the current point of the current stream (None event on CPU)."""
+        if self.device.type != "cuda":
+            return EventOverlap(None)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event)
+
+    @property
+    def counters(self) -> dict:
+        """Rows moved so far: internode_rows, intranode_rows, local_rows."""
+        return dict(self.backend.counters)
+
+    # ------------------------------------------------------------------ streams
+    def _run(self, fn, inputs: Sequence, previous_event: Optional[EventOverlap], async_finish: bool,
+             allocate_on_comm_stream: bool):
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+        if self.comm_stream is None:
+            return fn(), EventOverlap(None)
+        compute = torch.cuda.current_stream()
+        if previous_event is not None and previous_event.event is not None:
+            self.comm_stream.wait_event(previous_event.event)
+        else:
+            self.comm_stream.wait_stream(compute)
+        with torch.cuda.stream(self.comm_stream):
+            result = fn()
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(self.comm_stream)
+        for t in _tensors_of(result):
+            t.record_stream(compute)
+        event = torch.cuda.Event()
+        event.record(self.comm_stream)
+        if not async_finish:
+            compute.wait_event(event)
+        return result, EventOverlap(event, [t for t in inputs if isinstance(t, torch.Tensor)] if async_finish else None)
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """Routing -> counts.
+
+        Args:
+            topk_idx: [T, K] int64 expert ids (-1 = empty slot).
+            num_experts: E, divisible by the number of ranks.
+        Returns:
+            (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None on one
+            node, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)
+        """
+        self._alive()
+        check_num_experts(num_experts, self.num_ranks, self.rank)
+        check_tensor("topk_idx", topk_idx, self.rank, dtype=torch.int64, dim=2, device=self.device)
+        self._check_expert_ids(topk_idx, num_experts)
+        layout, event = self._run(lambda: self.backend.get_dispatch_layout(topk_idx, num_experts),
+                                  [topk_idx], previous_event, async_finish, allocate_on_comm_stream)
+        return (layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank, layout.num_tokens_per_expert,
+                layout.is_token_in_rank, event)
+
+    def _check_expert_ids(self, topk_idx: torch.Tensor, num_experts: int) -> None:
+        # On the GPU engines the layout kernel checks ids itself (a host check would cost a sync).
+        if self.backend_name == "reference" or not topk_idx.is_cuda:
+            from .validate import expert_id_error
+            msg = expert_id_error(topk_idx, num_experts)
+            if msg:
+                raise ValueError(f"[commlib rank {self.rank}] {msg}")
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: XType, handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token to the ranks holding its experts (once per rank).
+
+        Args:
+            x: [T, H] bf16, or (FP8 E4M3 [T, H], float32 scales [T, H / 128]).
+            handle: a previous dispatch's handle: cached mode (same routing; no layout, no count
+                exchange; topk outputs are None).
+            num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert:
+                what get_dispatch_layout returned (computed here if omitted, given topk_idx and
+                num_tokens_per_expert or ... see below).
+            topk_idx: [T, K] int64; topk_weights: [T, K] float32 or None.
+            expert_alignment: per-expert counts are rounded up to a multiple of this.
+            num_worst_tokens: > 0 pads outputs to that many rows and avoids any host sync.
+        Returns:
+            (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)
+            recv_x: [N, H] bf16 or (fp8 [N, H], scales [N, H / 128]); rows grouped by source rank.
+        """
+        self._alive()
+        data, scales = split_x(x, self.rank, self.device)
+        T, H = data.shape
+        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment <= 0:
+            raise ValueError(f"[commlib rank {self.rank}] expert_alignment must be a positive int, got {expert_alignment!r}")
+        if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"[commlib rank {self.rank}] num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
+        config = self._resolve_config(config, "dispatch", T, H)
+        hidden_bytes = H * data.element_size()
+        self._check_capacity(T, hidden_bytes, config)
+
+        if handle is not None:
+            self._check_handle(handle, T, H)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError(f"[commlib rank {self.rank}] cached dispatch (handle given) takes no topk_idx / topk_weights")
+            req = DispatchRequest(data, scales, None, None, None, handle, handle.num_experts, expert_alignment,
+                                  num_worst_tokens, config)
+        else:
+            if topk_idx is None:
+                raise ValueError(f"[commlib rank {self.rank}] dispatch needs topk_idx (or a handle for cached mode)")
+            check_routing(topk_idx, topk_weights, T, self.rank, self.device)
+            if num_tokens_per_expert is None:
+                raise ValueError(f"[commlib rank {self.rank}] dispatch needs num_tokens_per_expert "
+                                 "(from get_dispatch_layout) to know num_experts")
+            num_experts = int(num_tokens_per_expert.shape[0])
+            check_num_experts(num_experts, self.num_ranks, self.rank)
+            R = self.num_ranks
+            if num_tokens_per_rank is None or is_token_in_rank is None:
+                layout = self.backend.get_dispatch_layout(topk_idx, num_experts)
+            else:
+                check_layout("num_tokens_per_rank", num_tokens_per_rank, (R,), torch.int32, self.rank, self.device)
+                check_layout("is_token_in_rank", is_token_in_rank, (T, R), torch.bool, self.rank, self.device)
+                check_layout("num_tokens_per_expert", num_tokens_per_expert, (num_experts,), torch.int32,
+                             self.rank, self.device)
+                rdma = num_tokens_per_rdma_rank
+                if self.topology.num_nodes > 1 and rdma is not None:
+                    check_layout("num_tokens_per_rdma_rank", rdma, (self.topology.num_nodes,), torch.int32,
+                                 self.rank, self.device)
+                layout = Layout(num_tokens_per_rank, rdma, num_tokens_per_expert, is_token_in_rank)
+            self._check_expert_ids(topk_idx, num_experts)
+            req = DispatchRequest(data, scales, topk_idx, topk_weights, layout, None, num_experts,
+                                  expert_alignment, num_worst_tokens, config)
+
+        inputs = [data, scales, topk_idx, topk_weights, is_token_in_rank]
+        res, event = self._run(lambda: self.backend.dispatch(req), inputs, previous_event, async_finish,
+                               allocate_on_comm_stream)
+        res.handle.buffer_id = self.buffer_id
+        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
+        return (recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
+                res.handle, event)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Sequence[torch.Tensor], None] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Return each received row to its token's home rank and sum the rows of each token.
+
+        Args:
+            x: [N, H] bf16, rows in the order dispatch delivered them.
+            handle: the dispatch handle.
+            topk_weights: [N, K] float32 (summed the same way) or None.
+            bias: None, a [T, H] bf16 tensor, or a tuple of up to two, added after the sum.
+        Returns:
+            (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event)
+        """
+        self._alive()
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"[commlib rank {self.rank}] handle must be the DispatchHandle dispatch returned, "
+                            f"got {type(handle).__name__}")
+        self._check_handle(handle, None, None)
+        check_tensor("x", x, self.rank, dtype=torch.bfloat16, dim=2, device=self.device)
+        N = handle.recv_src_idx.shape[0]
+        if x.shape[0] != N:
+            raise ValueError(f"[commlib rank {self.rank}] combine x has {x.shape[0]} rows but the handle "
+                             f"received {N}")
+        T, H = handle.num_tokens, x.shape[1]
+        if handle.hidden and H != handle.hidden:
+            raise ValueError(f"[commlib rank {self.rank}] combine x has hidden {H}, the dispatch had {handle.hidden}")
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, self.rank, dtype=torch.float32, dim=2, device=self.device)
+            if topk_weights.shape[0] != N:
+                raise ValueError(f"[commlib rank {self.rank}] topk_weights has {topk_weights.shape[0]} rows, "
+                                 f"expected {N}")
+        biases: tuple = ()
+        if bias is not None:
+            biases = (bias,) if isinstance(bias, torch.Tensor) else tuple(b for b in bias if b is not None)
+            if len(biases) > 2:
+                raise ValueError(f"[commlib rank {self.rank}] bias takes at most two tensors, got {len(biases)}")
+            for i, b in enumerate(biases):
+                check_tensor(f"bias[{i}]", b, self.rank, dtype=torch.bfloat16, dim=2, device=self.device)
+                if tuple(b.shape) != (T, H):
+                    raise ValueError(f"[commlib rank {self.rank}] bias[{i}] must have shape [{T}, {H}], "
+                                     f"got {list(b.shape)}")
+        config = self._resolve_config(config, "combine", T, H)
+        self._check_capacity(T, H * 2, config)
+        req = CombineRequest(x, handle, topk_weights, biases, config)
+        res, event = self._run(lambda: self.backend.combine(req), [x, topk_weights, *biases], previous_event,
+                               async_finish, allocate_on_comm_stream)
+        return res.combined_x, res.combined_topk_weights, event
+
+    # ------------------------------------------------------------------ helpers
+    def _resolve_config(self, config: Optional[Config], kind: str, num_tokens: int, hidden: int) -> Config:
+        if config is not None:
+            if not isinstance(config, Config):
+                raise TypeError(f"[commlib rank {self.rank}] config must be a commlib.Config, got {type(config).__name__}")
+            return config
+        try:
+            from . import tune
+            cached = tune.cached_config(kind=kind, num_ranks=self.num_ranks,
+                                        ranks_per_node=self.topology.ranks_per_node, hidden=hidden,
+                                        dtype="bf16", num_tokens=num_tokens, device=self.device)
+        except (ImportError, AttributeError):
+            cached = None
+        if cached is not None:
+            return cached
+        return (Buffer.get_dispatch_config if kind == "dispatch" else Buffer.get_combine_config)(self.num_ranks)
+
+    def _check_capacity(self, num_tokens: int, hidden_bytes: int, config: Config) -> None:
+        """The call must fit the buffers this Buffer was built with."""
+        per_channel = math.ceil(num_tokens / config.num_channels) if num_tokens else 0
+        P = self.topology.ranks_per_node
+        if per_channel > config.num_max_nvl_chunked_recv_tokens:
+            raise ValueError(
+                f"[commlib rank {self.rank}] x has {num_tokens} tokens, more than the config's capacity "
+                f"{config.max_tokens_per_call()} (= {config.num_channels} channels x "
+                f"num_max_nvl_chunked_recv_tokens {config.num_max_nvl_chunked_recv_tokens}); pass a Config with a "
+                f"larger num_max_nvl_chunked_recv_tokens and size num_nvl_bytes with "
+                f"config.get_nvl_buffer_size_hint(hidden_bytes, {P})")
+        need = config.get_nvl_buffer_size_hint(hidden_bytes, P)
+        if self.num_nvl_bytes < need:
+            raise ValueError(
+                f"[commlib rank {self.rank}] num_nvl_bytes={self.num_nvl_bytes} is too small for rows of "
+                f"{hidden_bytes} bytes with this config: build the Buffer with num_nvl_bytes >= "
+                f"config.get_nvl_buffer_size_hint({hidden_bytes}, {P}) = {need}")
+        if self.topology.num_nodes > 1:
+            need = config.get_rdma_buffer_size_hint(hidden_bytes, self.num_ranks)
+            if self.num_rdma_bytes < need:
+                raise ValueError(
+                    f"[commlib rank {self.rank}] num_rdma_bytes={self.num_rdma_bytes} is too small for "
+                    f"{self.topology.num_nodes} nodes: build the Buffer with num_rdma_bytes >= "
+                    f"config.get_rdma_buffer_size_hint({hidden_bytes}, {self.num_ranks}) = {need}")
+
+    def _check_handle(self, handle: DispatchHandle, num_tokens: Optional[int], hidden: Optional[int]) -> None:
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"[commlib rank {self.rank}] handle must be a DispatchHandle, got {type(handle).__name__}")
+        if handle.buffer_id != self.buffer_id:
+            raise ValueError(f"[commlib rank {self.rank}] handle was made by another Buffer "
+                             f"(id {handle.buffer_id}, this one {self.buffer_id})")
+        if num_tokens is not None and handle.num_tokens != num_tokens:
+            raise ValueError(f"[commlib rank {self.rank}] cached dispatch: x has {num_tokens} tokens, the handle "
+                             f"was made for {handle.num_tokens}")
+        if hidden is not None and handle.hidden and handle.hidden != hidden:
+            raise ValueError(f"[commlib rank {self.rank}] cached dispatch: x has hidden {hidden}, the handle "
+                             f"was made for {handle.hidden}")
+
+
+def _tensors_of(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors_of(getattr(obj, name))
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors_of(item)

@@ -1,0 +1,98 @@
+"""Every ``COMMLIB_*`` environment variable is read here, and only here.
+
+Variables:
+  COMMLIB_BACKEND          auto | reference | nvlink | hierarchical   (default auto)
+  COMMLIB_RANKS_PER_NODE   ranks per (emulated) node; overrides the launcher's local size
+  COMMLIB_TIMEOUT_S        seconds any host or device wait may take before raising (default 100)
+  COMMLIB_NUM_SMS          default SM budget for Buffer.set_num_sms (default 20)
+  COMMLIB_DEBUG_SMID       1: communication kernels record %smid per CTA
+  COMMLIB_PLAIN_LDST       1: kernels use plain loads/stores instead of the PTX cache hints
+  COMMLIB_TUNING_CACHE     path of the tuning cache JSON file
+  COMMLIB_AUTOTUNE         1: tune on first use when no cached config exists
+  COMMLIB_KERNEL_CACHE     folder for compiled kernels (CuPy's cache by default)
+"""
+from __future__ import annotations
+
+import os
+
+
+def _get(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _int(name: str, default: int) -> int:
+    raw = _get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r} is not an integer") from e
+
+
+def _float(name: str, default: float) -> float:
+    raw = _get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r} is not a number") from e
+
+
+def _flag(name: str) -> bool:
+    return (_get(name, "0") or "0").lower() in ("1", "true", "yes", "on")
+
+
+def backend() -> str:
+    value = (_get("COMMLIB_BACKEND", "auto") or "auto").lower()
+    if value not in ("auto", "reference", "nvlink", "hierarchical"):
+        raise ValueError(f"COMMLIB_BACKEND={value!r}: expected auto, reference, nvlink or hierarchical")
+    return value
+
+
+def ranks_per_node() -> int | None:
+    """Ranks per node from COMMLIB_RANKS_PER_NODE, else the launcher (torchrun, Open MPI, MPICH)."""
+    for name in ("COMMLIB_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                 "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+        raw = _get(name)
+        if raw:
+            try:
+                value = int(raw)
+            except ValueError as e:
+                raise ValueError(f"{name}={raw!r} is not an integer") from e
+            if value <= 0:
+                raise ValueError(f"{name}={raw!r} must be positive")
+            return value
+    return None
+
+
+def timeout_s() -> float:
+    value = _float("COMMLIB_TIMEOUT_S", 100.0)
+    if value <= 0:
+        raise ValueError(f"COMMLIB_TIMEOUT_S={value} must be positive")
+    return value
+
+
+def num_sms() -> int:
+    return _int("COMMLIB_NUM_SMS", 20)
+
+
+def debug_smid() -> bool:
+    return _flag("COMMLIB_DEBUG_SMID")
+
+
+def plain_ldst() -> bool:
+    return _flag("COMMLIB_PLAIN_LDST")
+
+
+def tuning_cache() -> str | None:
+    return _get("COMMLIB_TUNING_CACHE")
+
+
+def autotune() -> bool:
+    return _flag("COMMLIB_AUTOTUNE")
+
+
+def kernel_cache() -> str | None:
+    return _get("COMMLIB_KERNEL_CACHE")

@@ -1,0 +1,115 @@
+"""Start N local ranks (processes) with torch.distributed set up, for tests, the main job and benchmarks.
+
+``parallel_launch(world_size, worker, *args)`` spawns ``world_size`` processes; each calls
+``worker(ctx, *args)`` with a ``RankContext``. The return value of rank 0 is handed back; an
+exception in any rank is re-raised in the parent with that rank's traceback. Ranks get a GPU each
+(round-robin, several processes per GPU when world_size > GPUs) when ``use_gpu`` is set and CUDA
+is present; the process group is NCCL with one process per GPU, otherwise gloo.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# NVLink multicast stays off in everything commlib starts (it can take shared GPUs down).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclasses.dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    device: torch.device
+    group: Any  # the default process group
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: bool,
+           worker: Callable, args: tuple, queue) -> None:
+    os.environ.update(SAFE_ENV)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["COMMLIB_RANKS_PER_NODE"] = str(ranks_per_node)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        device = torch.device("cpu")
+        backend = "gloo"
+        if use_gpu and torch.cuda.is_available():
+            num_gpus = torch.cuda.device_count()
+            device = torch.device("cuda", rank % num_gpus)
+            torch.cuda.set_device(device)
+            if world_size <= num_gpus:
+                backend = "nccl"
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+        ctx = RankContext(rank, world_size, ranks_per_node, device, dist.group.WORLD)
+        result = worker(ctx, *args)
+        queue.put((rank, "ok", result if rank == 0 else None))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent with the traceback
+        queue.put((rank, "error", traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def parallel_launch(world_size: int, worker: Callable, *args: Any, ranks_per_node: Optional[int] = None,
+                    use_gpu: bool = False, timeout_s: float = 600.0) -> Any:
+    """Run ``worker(ctx, *args)`` on ``world_size`` local ranks; return rank 0's result."""
+    ranks_per_node = ranks_per_node or world_size
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, ranks_per_node, port, use_gpu, worker, args, queue),
+                         daemon=False) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    import time
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, tuple[str, Any]] = {}
+    errors = []
+    while len(results) < world_size:
+        if not queue.empty():
+            rank, status, payload = queue.get()
+            results[rank] = (status, payload)
+            if status == "error":
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break
+            continue
+        if time.monotonic() > deadline:
+            errors.append(f"timed out after {timeout_s:.0f} s; ranks that finished: {sorted(results)}")
+            break
+        dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+        if dead and queue.empty():
+            time.sleep(0.2)
+            if queue.empty():
+                errors.append(f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+                break
+        time.sleep(0.01)
+    if errors:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+        raise RuntimeError("parallel_launch failed:\n" + "\n".join(errors))
+    for p in procs:
+        p.join(timeout=60)
+    return results[0][1]

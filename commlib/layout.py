@@ -1,0 +1,102 @@
+"""Routing -> counts: the layout every backend agrees on, written with plain torch ops.
+
+Legend: T tokens on this rank, K top-k slots, E experts, R ranks, C channels, M nodes.
+These functions are the specification the GPU layout kernel is tested against.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .topology import Topology
+
+topk_idx_t = torch.int64
+
+
+@dataclasses.dataclass
+class Layout:
+    num_tokens_per_rank: torch.Tensor        # [R] int32
+    num_tokens_per_rdma_rank: Optional[torch.Tensor]  # [M] int32, None on one node
+    num_tokens_per_expert: torch.Tensor      # [E] int32
+    is_token_in_rank: torch.Tensor           # [T, R] bool
+
+
+def expert_ranks(topk_idx_TK: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """[T, K] int64: rank owning each selected expert, -1 for empty (-1) slots."""
+    experts_per_rank = num_experts // num_ranks
+    ranks = torch.div(topk_idx_TK, experts_per_rank, rounding_mode="floor")
+    return torch.where(topk_idx_TK >= 0, ranks, torch.full_like(ranks, -1))
+
+
+def token_in_rank(topk_idx_TK: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """[T, R] bool: does token t have at least one expert on rank r."""
+    ranks_TK = expert_ranks(topk_idx_TK, num_experts, num_ranks)
+    valid_TK = ranks_TK >= 0
+    hits_TR = torch.zeros(topk_idx_TK.shape[0], num_ranks, dtype=torch.int32, device=topk_idx_TK.device)
+    hits_TR.scatter_add_(1, ranks_TK.clamp(min=0), valid_TK.to(torch.int32))
+    return hits_TR > 0
+
+
+def token_in_node(is_token_in_rank_TR: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """[T, M] bool: does token t have at least one expert on node m."""
+    T = is_token_in_rank_TR.shape[0]
+    return is_token_in_rank_TR.view(T, topo.num_nodes, topo.ranks_per_node).any(dim=2)
+
+
+def dispatch_layout(topk_idx_TK: torch.Tensor, num_experts: int, topo: Topology) -> Layout:
+    is_token_in_rank_TR = token_in_rank(topk_idx_TK, num_experts, topo.num_ranks)
+    num_tokens_per_rank = is_token_in_rank_TR.sum(dim=0, dtype=torch.int32)
+    valid = topk_idx_TK[topk_idx_TK >= 0]
+    num_tokens_per_expert = torch.bincount(valid, minlength=num_experts).to(torch.int32)
+    num_tokens_per_rdma_rank = None
+    if topo.num_nodes > 1:
+        num_tokens_per_rdma_rank = token_in_node(is_token_in_rank_TR, topo).sum(dim=0, dtype=torch.int32)
+    return Layout(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank_TR)
+
+
+def channel_starts(num_tokens: int, num_channels: int) -> list[int]:
+    """Start token of each channel, plus the end: channel c owns [starts[c], starts[c+1]).
+
+    Tokens are split into contiguous ranges of ceil(T / C) tokens (the last ranges may be empty).
+    """
+    per = (num_tokens + num_channels - 1) // num_channels if num_channels > 0 else 0
+    return [min(c * per, num_tokens) for c in range(num_channels)] + [num_tokens]
+
+
+def channel_prefix_matrix(is_token_in_rank_TR: torch.Tensor, num_channels: int) -> torch.Tensor:
+    """[R, C] int32: tokens this rank sends to rank r from channels before c (exclusive prefix)."""
+    T, R = is_token_in_rank_TR.shape
+    cum = torch.zeros(T + 1, R, dtype=torch.int32, device=is_token_in_rank_TR.device)
+    cum[1:] = torch.cumsum(is_token_in_rank_TR.to(torch.int32), dim=0)
+    starts = torch.tensor(channel_starts(T, num_channels)[:-1], dtype=torch.int64, device=cum.device)
+    return cum.index_select(0, starts).t().contiguous()
+
+
+def send_head(is_token_in_rank_TR: torch.Tensor, rank_prefix_matrix_RR: torch.Tensor, rank: int) -> torch.Tensor:
+    """[T, R] int32: row of token t in rank r's recv_x (-1 if not sent there).
+
+    Rows on rank r are grouped by source rank, so token t of rank `rank` lands after all rows
+    from lower ranks (rank_prefix_matrix[rank-1][r]) plus the tokens before t that also go to r.
+    """
+    in_rank = is_token_in_rank_TR.to(torch.int32)
+    before = torch.cumsum(in_rank, dim=0) - in_rank
+    base = rank_prefix_matrix_RR[rank - 1] if rank > 0 else torch.zeros_like(rank_prefix_matrix_RR[0])
+    head = before + base.to(torch.int32).unsqueeze(0)
+    return torch.where(is_token_in_rank_TR, head, torch.full_like(head, -1)).to(torch.int32)
+
+
+def local_expert_ids(topk_idx_NK: torch.Tensor, rank: int, num_local_experts: int) -> torch.Tensor:
+    """Global expert ids -> this rank's local ids; -1 for experts elsewhere (and for -1 slots)."""
+    local = topk_idx_NK - rank * num_local_experts
+    keep = (topk_idx_NK >= 0) & (local >= 0) & (local < num_local_experts)
+    return torch.where(keep, local, torch.full_like(local, -1))
+
+
+def tokens_per_expert_list(recv_topk_idx_NK: torch.Tensor, num_local_experts: int, expert_alignment: int) -> list[int]:
+    """Received tokens per local expert, each rounded up to a multiple of expert_alignment."""
+    valid = recv_topk_idx_NK[recv_topk_idx_NK >= 0]
+    counts = torch.bincount(valid.cpu(), minlength=num_local_experts).tolist()
+    a = expert_alignment
+    return [(c + a - 1) // a * a for c in counts]

@@ -1,0 +1,316 @@
+"""Cases run inside spawned CPU worlds (see worlds.py); each checks every rank against the oracle.
+
+Every rank regenerates every rank's inputs from (case seed, rank), so the oracle needs no
+communication and shares no code with the library.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+import commlib
+from commlib import routing
+from commlib.config import Config
+from commlib.fp8 import per_token_cast_to_fp8, per_token_cast_back
+from commlib.layout import channel_prefix_matrix, channel_starts
+
+import oracle as O
+
+E, H, K = 32, 256, 4
+ROUTINGS = ("random", "group_limited", "one_expert", "silent_rank", "zero_tokens", "some_empty")
+
+
+def num_tokens_of(rank: int, routing_name: str) -> int:
+    if routing_name == "zero_tokens" and rank == 0:
+        return 0
+    return 20 + 3 * rank
+
+
+def make_inputs(seed: int, rank: int, routing_name: str, num_ranks: int):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    T = num_tokens_of(rank, routing_name)
+    x = (torch.randn(T, H, generator=g) * (1 + rank)).to(torch.bfloat16)
+    if routing_name == "group_limited":
+        scores = torch.sigmoid(torch.randn(T, E, generator=g))
+        idx, w = routing.group_limited_topk(scores, num_groups=4, topk_groups=2, topk=K)
+    else:
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.int64)
+        w = torch.rand(T, K, generator=g)
+        if routing_name == "one_expert":
+            idx[:, :] = -1
+            idx[:, 0] = 5
+        elif routing_name == "silent_rank" and rank == 1 % num_ranks and num_ranks > 1:
+            idx[:, :] = -1
+        elif routing_name == "some_empty":
+            drop = torch.rand(T, K, generator=g) < 0.3
+            idx[drop] = -1
+    return x, idx.to(torch.int64).contiguous(), w.to(torch.float32).contiguous()
+
+
+def make_buffer(ctx, ranks_per_node: int, hidden_bytes: int = H * 2, **kw):
+    cfg = commlib.Buffer.get_dispatch_config(ctx.world_size)
+    return commlib.Buffer(ctx.group, cfg.get_nvl_buffer_size_hint(hidden_bytes, ranks_per_node),
+                          cfg.get_rdma_buffer_size_hint(hidden_bytes, ctx.world_size),
+                          ranks_per_node=ranks_per_node, backend="reference", **kw)
+
+
+def topologies(world: int) -> list[int]:
+    return [p for p in (world, 4, 2, 1) if p <= world and world % p == 0][:4]
+
+
+def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int) -> None:
+    R, me = ctx.world_size, ctx.rank
+    inputs = [make_inputs(seed, r, routing_name, R) for r in range(R)]
+    xs = [i[0] for i in inputs]
+    idxs = [i[1] for i in inputs]
+    ws = [i[2] for i in inputs]
+    x, idx, w = inputs[me]
+    buf = make_buffer(ctx, ranks_per_node)
+    tag = f"[{routing_name} rpn={ranks_per_node} fp8={fp8}]"
+
+    # ---- layout ----
+    ntr, nrr, nte, tir, _ = buf.get_dispatch_layout(idx, E)
+    exp_tir = torch.zeros(idx.shape[0], R, dtype=torch.bool)
+    for t in range(idx.shape[0]):
+        for r in O.ranks_of_token(idx[t].tolist(), E, R):
+            exp_tir[t, r] = True
+    assert torch.equal(tir, exp_tir), tag
+    assert torch.equal(ntr, exp_tir.sum(0).int()), tag
+    exp_nte = torch.zeros(E, dtype=torch.int32)
+    for e in idx[idx >= 0].tolist():
+        exp_nte[e] += 1
+    assert torch.equal(nte, exp_nte), tag
+    M = R // ranks_per_node
+    if M == 1:
+        assert nrr is None
+    else:
+        exp_nrr = exp_tir.view(-1, M, ranks_per_node).any(2).sum(0).int()
+        assert torch.equal(nrr, exp_nrr), tag
+
+    # ---- dispatch ----
+    if fp8:
+        q = [per_token_cast_to_fp8(xx) if xx.shape[0] else (torch.empty(0, H, dtype=torch.float8_e4m3fn),
+                                                              torch.empty(0, H // 128)) for xx in xs]
+        x_in = q[me]
+        data_all = [qq[0] for qq in q]
+        scales_all = [qq[1] for qq in q]
+    else:
+        x_in = x
+        data_all = xs
+    before = buf.counters
+    recv_x, recv_idx, recv_w, per_expert, handle, event = buf.dispatch(
+        x_in, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
+        num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
+    event.current_stream_wait()
+    exp = O.dispatch_oracle(data_all, idxs, ws, E, R, me)
+    got_x = recv_x[0] if fp8 else recv_x
+    assert bytes_equal(got_x, exp["recv_x"]), f"{tag} recv_x"
+    if fp8:
+        exp_s = O.dispatch_oracle(scales_all, idxs, ws, E, R, me)["recv_x"]
+        assert bytes_equal(recv_x[1], exp_s), f"{tag} recv scales"
+    assert torch.equal(recv_idx, exp["recv_topk_idx"]), f"{tag} recv_topk_idx"
+    assert torch.equal(recv_w, exp["recv_topk_weights"]), f"{tag} recv_topk_weights"
+    assert per_expert == exp["per_expert"], f"{tag} per-expert {per_expert} != {exp['per_expert']}"
+    assert torch.equal(handle[0], exp["rank_prefix_matrix"]), f"{tag} rank_prefix_matrix"
+    assert torch.equal(handle.rank_prefix_matrix, handle[0])
+    assert torch.equal(handle.recv_src_idx, exp["recv_src_idx"]), f"{tag} recv_src_idx"
+    assert torch.equal(handle.recv_src_rank, exp["recv_src_rank"]), f"{tag} recv_src_rank"
+    assert handle.num_recv_tokens == exp["recv_x"].shape[0]
+
+    # channel prefix matrices and send_head against their definitions
+    C = handle.num_channels
+    assert torch.equal(handle.channel_prefix_matrix, channel_prefix_matrix(exp_tir, C)), tag
+    for s in range(R):
+        in_me = torch.tensor([me in O.ranks_of_token(idxs[s][t].tolist(), E, R) for t in range(idxs[s].shape[0])],
+                             dtype=torch.int32)
+        starts = channel_starts(idxs[s].shape[0], C)
+        cum = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(in_me, 0).int()])
+        assert handle.recv_channel_prefix_matrix[s].tolist() == [int(cum[st]) for st in starts[:-1]], f"{tag} recv chan"
+    oracles = [O.dispatch_oracle(data_all, idxs, ws, E, R, r) for r in range(R)]
+    for r in range(R):
+        pos = {(int(s), int(t)): i for i, (s, t) in enumerate(zip(oracles[r]["recv_src_rank"], oracles[r]["recv_src_idx"]))}
+        for t in range(idx.shape[0]):
+            assert int(handle.send_head[t, r]) == pos.get((me, t), -1), f"{tag} send_head[{t},{r}]"
+
+    # once-per-node: rows that crossed between nodes are the minimum
+    after = buf.counters
+    crossed = torch.tensor([after["internode_rows"] - before["internode_rows"]])
+    torch.distributed.all_reduce(crossed)
+    assert int(crossed) == O.min_internode_rows(idxs, E, R, ranks_per_node), f"{tag} internode rows {int(crossed)}"
+
+    # ---- cached dispatch = fresh dispatch ----
+    recv2, i2, w2, l2, h2, _ = buf.dispatch(x_in, handle=handle)
+    assert i2 is None and w2 is None and l2 is None and h2 is handle
+    if fp8:
+        assert bytes_equal(recv2[0], recv_x[0]) and bytes_equal(recv2[1], recv_x[1]), f"{tag} cached"
+    else:
+        assert bytes_equal(recv2, recv_x), f"{tag} cached"
+
+    # ---- combine: rows scaled per rank so the summation order matters ----
+    def rows_for(r):
+        o = oracles[r]
+        base = per_token_cast_back(o["recv_x"], O.dispatch_oracle(scales_all, idxs, ws, E, R, r)["recv_x"]) \
+            if fp8 else o["recv_x"]
+        return (base.float() * (1 + r / 8)).to(torch.bfloat16)
+    ys = [rows_for(r) for r in range(R)]
+    srcs = [list(zip(oracles[r]["recv_src_rank"].tolist(), oracles[r]["recv_src_idx"].tolist())) for r in range(R)]
+    T = idx.shape[0]
+    g = torch.Generator().manual_seed(seed + 7 * me)
+    bias = (torch.randn(T, H, generator=g).to(torch.bfloat16), torch.randn(T, H, generator=g).to(torch.bfloat16))
+    for biases in ((), bias[:1], bias):
+        cx, cw, _ = buf.combine(ys[me], handle, recv_w, bias=biases if biases else None)
+        exp_cx = O.combine_oracle(ys, srcs, T, H, me, ranks_per_node, R, biases)
+        assert bytes_equal(cx, exp_cx), f"{tag} combine ({len(biases)} biases)"
+        ws_rows = [oracles[r]["recv_topk_weights"] for r in range(R)]
+        exp_cw = O.combine_weights_oracle(ws_rows, srcs, T, K, me, ranks_per_node, R)
+        assert torch.equal(cw, exp_cw), f"{tag} combined weights"
+    # combine of the unchanged rows on one node = x times the number of ranks reached
+    if ranks_per_node == R and not fp8:
+        cx, cw, _ = buf.combine(recv_x, handle)
+        assert cw is None
+        k = exp_tir.sum(1, keepdim=True).float()
+        assert bytes_equal(cx, (x.float() * k + 0.0).to(torch.bfloat16)), f"{tag} combine = x * ranks"
+    buf.destroy()
+
+
+def _routing_case(name):
+    def case(ctx):
+        for i, p in enumerate(topologies(ctx.world_size)):
+            check_full(ctx, p, name, fp8=False, seed=zlib.crc32(name.encode()) % 1000 + i)
+            if name in ("random", "group_limited", "some_empty"):
+                check_full(ctx, p, name, fp8=True, seed=zlib.crc32(name.encode()) % 1000 + 50 + i)
+    return case
+
+
+for _name in ROUTINGS:
+    globals()[f"case_routing_{_name}"] = _routing_case(_name)
+
+
+def case_options(ctx):
+    """expert_alignment, num_worst_tokens padding, and a too-small num_worst_tokens."""
+    R, me = ctx.world_size, ctx.rank
+    for p in topologies(R)[:2]:
+        inputs = [make_inputs(11, r, "random", R) for r in range(R)]
+        xs, idxs, ws = [i[0] for i in inputs], [i[1] for i in inputs], [i[2] for i in inputs]
+        x, idx, w = inputs[me]
+        buf = make_buffer(ctx, p)
+        ntr, nrr, nte, tir, _ = buf.get_dispatch_layout(idx, E)
+        exp = O.dispatch_oracle(xs, idxs, ws, E, R, me, alignment=8)
+        _, _, _, lst, _, _ = buf.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr,
+                                          is_token_in_rank=tir, num_tokens_per_expert=nte, topk_idx=idx,
+                                          topk_weights=w, expert_alignment=8)
+        assert lst == exp["per_expert"] and all(c % 8 == 0 for c in lst), lst
+        n_max = max(O.dispatch_oracle(xs, idxs, ws, E, R, r)["recv_x"].shape[0] for r in range(R))
+        worst = n_max + 5
+        rx, ri, rw, lst, h, _ = buf.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr,
+                                             is_token_in_rank=tir, num_tokens_per_expert=nte, topk_idx=idx,
+                                             topk_weights=w, num_worst_tokens=worst)
+        n = exp["recv_x"].shape[0]
+        assert rx.shape[0] == worst and ri.shape[0] == worst and rw.shape[0] == worst
+        assert lst == [] and h.num_recv_tokens is None
+        assert bytes_equal(rx[:n], exp["recv_x"]) and bool((rx[n:] == 0).all())
+        assert torch.equal(ri[:n], exp["recv_topk_idx"]) and bool((ri[n:] == -1).all())
+        assert torch.equal(rw[:n], exp["recv_topk_weights"]) and bool((rw[n:] == 0).all())
+        cx, _, _ = buf.combine(rx, h)
+        cx_ref, _, _ = buf.combine(rx, h)
+        assert bytes_equal(cx, cx_ref)
+        try:
+            buf.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
+                         num_tokens_per_expert=nte, topk_idx=idx, num_worst_tokens=max(n_max - 1, 1))
+        except ValueError as e:
+            assert "num_worst_tokens" in str(e)
+        else:
+            if n_max > 1:
+                raise AssertionError("too-small num_worst_tokens was accepted")
+        buf.destroy()
+
+
+def case_node_limit(ctx):
+    """A token reaching more nodes than max_nodes_per_token is refused on every rank."""
+    R = ctx.world_size
+    if R < 5:
+        return
+    buf = make_buffer(ctx, 1, max_nodes_per_token=4)
+    per = E // R
+    x = torch.randn(2, H).to(torch.bfloat16)
+    idx = torch.tensor([[0, per, 2 * per, 3 * per, 4 * per], [0, -1, -1, -1, -1]], dtype=torch.int64)
+    ntr, nrr, nte, tir, _ = buf.get_dispatch_layout(idx, E)
+    try:
+        buf.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
+                     num_tokens_per_expert=nte, topk_idx=idx)
+    except ValueError as e:
+        assert "max_nodes_per_token" in str(e), e
+    else:
+        raise AssertionError("5-node routing was accepted with the limit at 4")
+    buf.destroy()
+    buf = make_buffer(ctx, 1, max_nodes_per_token=8)  # raising the limit lets it through
+    ntr, nrr, nte, tir, _ = buf.get_dispatch_layout(idx, E)
+    rx, *_ = buf.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
+                          num_tokens_per_expert=nte, topk_idx=idx)
+    buf.destroy()
+
+
+def _expect(exc_type, words, fn):
+    try:
+        fn()
+    except exc_type as e:
+        for word in words:
+            assert word in str(e), f"error {e!r} does not mention {word!r}"
+        return
+    raise AssertionError(f"expected {exc_type.__name__} mentioning {words}")
+
+
+def case_bad_input(ctx):
+    """Bad input: a clear error naming the argument, raised before anything is sent."""
+    R = ctx.world_size
+    buf = make_buffer(ctx, R)
+    x, idx, w = make_inputs(3, ctx.rank, "random", R)
+    ntr, nrr, nte, tir, _ = buf.get_dispatch_layout(idx, E)
+    lay = dict(num_tokens_per_rank=ntr, is_token_in_rank=tir, num_tokens_per_expert=nte)
+    _expect(TypeError, ["x", "bfloat16"], lambda: buf.dispatch(x.float(), topk_idx=idx, **lay))
+    _expect(TypeError, ["topk_idx", "int64"], lambda: buf.dispatch(x, topk_idx=idx.int(), **lay))
+    _expect(TypeError, ["topk_weights", "float32"], lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w.double(), **lay))
+    _expect(ValueError, ["topk_idx", "rows"], lambda: buf.dispatch(x, topk_idx=idx[:-1], **lay))
+    _expect(ValueError, ["x", "2-D"], lambda: buf.dispatch(x[0], topk_idx=idx, **lay))
+    _expect(ValueError, ["contiguous"], lambda: buf.dispatch(x.t().contiguous().t(), topk_idx=idx, **lay))
+    bad = idx.clone()
+    bad[0, 0] = E
+    _expect(ValueError, ["topk_idx", str(E)], lambda: buf.get_dispatch_layout(bad, E))
+    _expect(ValueError, ["topk_idx"], lambda: buf.dispatch(x, topk_idx=bad, **lay))
+    bad[0, 0] = -2
+    _expect(ValueError, ["topk_idx", "-2"], lambda: buf.get_dispatch_layout(bad, E))
+    if R > 1:
+        _expect(ValueError, ["num_experts", "divisible"], lambda: buf.get_dispatch_layout(idx, R * 8 + 1))
+    q, s = per_token_cast_to_fp8(torch.randn(4, 256))
+    _expect(ValueError, ["scales", "shape"], lambda: buf.dispatch((q, s[:, :1].contiguous()), topk_idx=idx[:4], **{
+        "num_tokens_per_rank": ntr, "is_token_in_rank": tir[:4].contiguous(), "num_tokens_per_expert": nte}))
+    odd = torch.zeros(4, 200, dtype=torch.float8_e4m3fn)
+    _expect(ValueError, ["multiple of 128"], lambda: buf.dispatch((odd, torch.ones(4, 1)), topk_idx=idx[:4], **lay))
+    _expect(ValueError, ["is_token_in_rank", "shape"],
+            lambda: buf.dispatch(x, topk_idx=idx, num_tokens_per_rank=ntr, is_token_in_rank=tir[:-1].contiguous(),
+                                 num_tokens_per_expert=nte))
+    # x larger than the buffer: the message says which size hint to pass
+    big = Config(2, 8, 16)  # 1 channel of 16 slots
+    _expect(ValueError, ["get_nvl_buffer_size_hint", "num_max_nvl_chunked_recv_tokens"],
+            lambda: buf.dispatch(x, topk_idx=idx, config=big, **lay))
+    small = commlib.Buffer(ctx.group, 1024, ranks_per_node=R, backend="reference")
+    _expect(ValueError, ["num_nvl_bytes", "get_nvl_buffer_size_hint"], lambda: small.dispatch(x, topk_idx=idx, **lay))
+    # combine: wrong rows, wrong bias, foreign handle, use after destroy
+    rx, ri, rw, _, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **lay)
+    _expect(ValueError, ["rows"], lambda: buf.combine(torch.cat([rx, rx[:1]]), h))
+    _expect(ValueError, ["bias[0]", "shape"], lambda: buf.combine(rx, h, bias=torch.zeros(1, H, dtype=torch.bfloat16)))
+    _expect(TypeError, ["handle"], lambda: buf.combine(rx, tuple(h)))
+    _expect(ValueError, ["another Buffer"], lambda: small.combine(rx, h))
+    _expect(TypeError, ["Config"], lambda: buf.dispatch(x, topk_idx=idx, config=object(), **lay))
+    for args in ((3, 8, 16), (4, 32, 16), (0, 1, 1)):
+        _expect(ValueError, ["Config"], lambda: Config(*args))
+    _expect(ValueError, ["even"], lambda: commlib.Buffer.set_num_sms(7))
+    small.destroy()
+    buf.destroy()
+    _expect(RuntimeError, ["destroy"], lambda: buf.dispatch(x, topk_idx=idx, **lay))
+    _expect(NotImplementedError, ["low_latency_mode"], lambda: commlib.Buffer(ctx.group, 0, low_latency_mode=True))

@@ -1,0 +1,105 @@
+"""Single-process unit tests: config, topology, layout helpers, FP8, routing, handle."""
+import pytest
+import torch
+
+import commlib
+from commlib import env, routing
+from commlib.config import Config, row_slot_bytes
+from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8, roundtrip_bound
+from commlib.layout import channel_prefix_matrix, channel_starts, dispatch_layout, send_head
+from commlib.topology import Topology
+
+
+def test_config_validation_and_hints():
+    c = Config(20, 32, 512)
+    assert c.num_channels == 10 and c.max_tokens_per_call() == 5120
+    assert c.get_nvl_buffer_size_hint(7168 * 2, 2) > 2 * 2 * 10 * 512 * 7168 * 2
+    assert row_slot_bytes(14336) >= 14336 + 14336 // 32
+    for bad, word in (((21, 8, 16), "even"), ((20, 32, 16), "must not exceed"), ((20, 0, 16), "positive"),
+                      ((20, 8, 16, 64, 32), "rdma")):
+        with pytest.raises(ValueError, match=word):
+            Config(*bad)
+    with pytest.raises(TypeError):
+        Config(20.0, 8, 16)
+    assert commlib.Buffer.get_dispatch_config(8).num_sms == commlib.Buffer.num_sms
+
+
+def test_topology(monkeypatch):
+    t = Topology(rank=5, num_ranks=8, ranks_per_node=4)
+    assert (t.num_nodes, t.node, t.local_rank) == (2, 1, 1)
+    assert t.node_ranks() == [4, 5, 6, 7] and t.rail_ranks() == [1, 5]
+    monkeypatch.setenv("COMMLIB_RANKS_PER_NODE", "2")
+    assert Topology.detect(3, 8).ranks_per_node == 2
+    monkeypatch.delenv("COMMLIB_RANKS_PER_NODE")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert Topology.detect(3, 8).num_nodes == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="divide"):
+        Topology.detect(0, 8)
+    monkeypatch.setenv("COMMLIB_RANKS_PER_NODE", "x")
+    with pytest.raises(ValueError, match="COMMLIB_RANKS_PER_NODE"):
+        env.ranks_per_node()
+
+
+def test_layout_helpers():
+    assert channel_starts(10, 4) == [0, 3, 6, 9, 10]
+    assert channel_starts(0, 3) == [0, 0, 0, 0]
+    topo = Topology(0, 4, 2)
+    idx = torch.tensor([[0, 5], [2, -1], [7, 6], [-1, -1]])
+    lay = dispatch_layout(idx, 8, topo)
+    assert lay.is_token_in_rank.tolist() == [[True, False, True, False], [False, True, False, False],
+                                             [False, False, False, True], [False, False, False, False]]
+    assert lay.num_tokens_per_rank.tolist() == [1, 1, 1, 1]
+    assert lay.num_tokens_per_rdma_rank.tolist() == [2, 2]
+    assert lay.num_tokens_per_expert.tolist() == [1, 0, 1, 0, 0, 1, 1, 1]
+    cp = channel_prefix_matrix(lay.is_token_in_rank, 2)
+    assert cp.tolist() == [[0, 1], [0, 1], [0, 1], [0, 0]]
+    rpm = torch.tensor([[1, 1, 1, 1], [3, 2, 2, 2], [4, 4, 4, 4], [5, 5, 5, 5]], dtype=torch.int32)
+    sh = send_head(lay.is_token_in_rank, rpm, 1)
+    assert sh[:, 0].tolist() == [1, -1, -1, -1] and sh[:, 3].tolist() == [-1, -1, 1, -1]
+
+
+def test_fp8_roundtrip_within_bound():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 512, generator=g) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    x[3] = 0
+    q, s = per_token_cast_to_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 4)
+    back = per_token_cast_back(q, s, torch.float32)
+    assert bool(((back - x).abs() <= roundtrip_bound(x)).all())
+    assert bool((back[3] == 0).all())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        per_token_cast_to_fp8(torch.zeros(2, 100))
+
+
+def test_group_limited_topk_limits_groups():
+    g = torch.Generator().manual_seed(1)
+    scores = routing.random_scores(256, 64, g)
+    idx, w = routing.group_limited_topk(scores, num_groups=8, topk_groups=3, topk=6)
+    assert idx.shape == (256, 6) and idx.dtype == torch.int64
+    groups = idx // 8
+    assert max(len(set(row)) for row in groups.tolist()) <= 3
+    assert torch.allclose(w.sum(1), torch.ones(256))
+    assert all(len(set(row)) == 6 for row in idx.tolist())
+    with pytest.raises(ValueError, match="divide"):
+        routing.group_limited_topk(scores, 7, 2, 4)
+
+
+def test_handle_positional_access():
+    t = lambda *s: torch.zeros(*s)  # noqa: E731
+    h = commlib.DispatchHandle(t(2, 2), t(2, 1), t(2, 1), t(3), t(4, 2), t(4, 2))
+    assert len(h) == 6 and h[0] is h.rank_prefix_matrix and list(h)[5] is h.send_head
+    rpm, *_ = h
+    assert rpm is h.rank_prefix_matrix
+
+
+def test_deepep_api_surface():
+    for name in ("Buffer", "Config", "EventOverlap", "topk_idx_t"):
+        assert hasattr(commlib, name)
+    assert commlib.topk_idx_t is torch.int64
+    for name in ("set_num_sms", "get_dispatch_config", "get_combine_config", "is_sm90_compiled",
+                 "get_dispatch_layout", "dispatch", "combine", "destroy", "capture"):
+        assert hasattr(commlib.Buffer, name)
+    ev = commlib.EventOverlap(None)
+    with ev:
+        ev.current_stream_wait()

@@ -279,6 +279,30 @@ class Buffer:
             recv_x: [N, H] bf16 or (fp8 [N, H], scales [N, H / 128]); rows grouped by source rank.
         """
         self._alive()
+        try:
+            req = self._prepare_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                         num_worst_tokens, config)
+        except (TypeError, ValueError):
+            self._rejected(2 if handle is not None else 1)
+            raise
+        inputs = [req.x, req.x_scales, topk_idx, topk_weights, is_token_in_rank]
+        res, event = self._run(lambda: self.backend.dispatch(req), inputs, previous_event, async_finish,
+                               allocate_on_comm_stream)
+        res.handle.buffer_id = self.buffer_id
+        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
+        return (recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
+                res.handle, event)
+
+    def _rejected(self, op: int) -> None:
+        """Input refused on this rank: backends that agree per call let the peers know."""
+        notify = getattr(self.backend, "on_rejected", None)
+        if notify is not None:
+            notify(op)
+
+    def _prepare_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                          config) -> DispatchRequest:
         data, scales = split_x(x, self.rank, self.device)
         T, H = data.shape
         if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment <= 0:
@@ -293,8 +317,8 @@ class Buffer:
             self._check_handle(handle, T, H)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError(f"[commlib rank {self.rank}] cached dispatch (handle given) takes no topk_idx / topk_weights")
-            req = DispatchRequest(data, scales, None, None, None, handle, handle.num_experts, expert_alignment,
-                                  num_worst_tokens, config)
+            return DispatchRequest(data, scales, None, None, None, handle, handle.num_experts, expert_alignment,
+                                   num_worst_tokens, config)
         else:
             if topk_idx is None:
                 raise ValueError(f"[commlib rank {self.rank}] dispatch needs topk_idx (or a handle for cached mode)")
@@ -320,14 +344,7 @@ class Buffer:
             self._check_expert_ids(topk_idx, num_experts)
             req = DispatchRequest(data, scales, topk_idx, topk_weights, layout, None, num_experts,
                                   expert_alignment, num_worst_tokens, config)
-
-        inputs = [data, scales, topk_idx, topk_weights, is_token_in_rank]
-        res, event = self._run(lambda: self.backend.dispatch(req), inputs, previous_event, async_finish,
-                               allocate_on_comm_stream)
-        res.handle.buffer_id = self.buffer_id
-        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
-        return (recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
-                res.handle, event)
+        return req
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
@@ -345,6 +362,16 @@ class Buffer:
             (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event)
         """
         self._alive()
+        try:
+            req = self._prepare_combine(x, handle, topk_weights, bias, config)
+        except (TypeError, ValueError):
+            self._rejected(3)
+            raise
+        res, event = self._run(lambda: self.backend.combine(req), [x, topk_weights, *req.bias], previous_event,
+                               async_finish, allocate_on_comm_stream)
+        return res.combined_x, res.combined_topk_weights, event
+
+    def _prepare_combine(self, x, handle, topk_weights, bias, config) -> CombineRequest:
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"[commlib rank {self.rank}] handle must be the DispatchHandle dispatch returned, "
                             f"got {type(handle).__name__}")
@@ -374,10 +401,7 @@ class Buffer:
                                      f"got {list(b.shape)}")
         config = self._resolve_config(config, "combine", T, H)
         self._check_capacity(T, H * 2, config)
-        req = CombineRequest(x, handle, topk_weights, biases, config)
-        res, event = self._run(lambda: self.backend.combine(req), [x, topk_weights, *biases], previous_event,
-                               async_finish, allocate_on_comm_stream)
-        return res.combined_x, res.combined_topk_weights, event
+        return CombineRequest(x, handle, topk_weights, biases, config)
 
     # ------------------------------------------------------------------ helpers
     def _resolve_config(self, config: Optional[Config], kind: str, num_tokens: int, hidden: int) -> Config:

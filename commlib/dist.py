@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from typing import Any, Optional
 
 import torch
@@ -19,7 +20,8 @@ def _mpi_rank_size() -> Optional[tuple[int, int, int]]:
     """(rank, size, local_rank) from an MPI launcher's environment, or None."""
     pairs = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
              ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-             ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"))
+             ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+             ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
     for r, s, l in pairs:
         if r in os.environ and s in os.environ:
             return int(os.environ[r]), int(os.environ[s]), int(os.environ.get(l, os.environ[r]))
@@ -60,7 +62,10 @@ def init_distributed(backend: Optional[str] = None, comm: Any = None,
     local_rank = env_info[2] if env_info else rank
     if rank == 0:
         from .launch import free_port
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        # One host: loopback. Several: this host's address, reachable by the other nodes.
+        local_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", os.environ.get("MPI_LOCALNRANKS", size)))
+        default = "127.0.0.1" if local_size >= size else socket.gethostbyname(socket.gethostname())
+        addr = os.environ.get("MASTER_ADDR", default)
         port = int(os.environ.get("MASTER_PORT", 0)) or free_port()
         info = (addr, port)
     else:

@@ -71,8 +71,12 @@ def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: 
 
 
 def parallel_launch(world_size: int, worker: Callable, *args: Any, ranks_per_node: Optional[int] = None,
-                    use_gpu: bool = False, timeout_s: float = 600.0) -> Any:
-    """Run ``worker(ctx, *args)`` on ``world_size`` local ranks; return rank 0's result."""
+                    use_gpu: bool = False, timeout_s: float = 600.0, allow_exit: bool = False) -> Any:
+    """Run ``worker(ctx, *args)`` on ``world_size`` local ranks; return rank 0's result.
+
+    ``allow_exit``: ranks that end with exit code 0 without reporting (fault-injection tests that
+    make a rank leave) count as finished instead of being waited for.
+    """
     ranks_per_node = ranks_per_node or world_size
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -96,6 +100,10 @@ def parallel_launch(world_size: int, worker: Callable, *args: Any, ranks_per_nod
         if time.monotonic() > deadline:
             errors.append(f"timed out after {timeout_s:.0f} s; ranks that finished: {sorted(results)}")
             break
+        if allow_exit and queue.empty():
+            for i, p in enumerate(procs):
+                if p.exitcode == 0 and i not in results:
+                    results[i] = ("exited", None)
         dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
         if dead and queue.empty():
             time.sleep(0.2)

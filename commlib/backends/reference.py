@@ -16,6 +16,7 @@ N rows received, J rows a forwarder received in the network hop.
 """
 from __future__ import annotations
 
+import datetime
 from typing import Optional, Sequence
 
 import torch
@@ -27,6 +28,11 @@ from ..validate import CommlibError
 from .base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
 
 _BIG = 1 << 31
+
+# What every rank must agree on before an op moves data (checked in the first collective).
+SIG_FIELDS = ("op", "call", "hidden", "num_experts", "fp8", "topk", "topk_weights", "num_sms",
+              "nvl_send_tokens", "nvl_recv_tokens")
+_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine"}
 
 
 class _Packer:
@@ -69,6 +75,65 @@ class ReferenceBackend(Backend):
         self.group = buffer.group
         backend = dist.get_backend(self.group)
         self.comm_device = torch.device("cpu") if backend == "gloo" else buffer.device
+        self.calls = 0          # ops issued on this Buffer; identical on every rank unless ranks diverge
+        self.failed: Optional[str] = None
+        self._phase = ""
+
+    # ------------------------------------------------------------------ waits and agreement
+    def _wait(self, work) -> None:
+        """Wait for a collective, at most COMMLIB_TIMEOUT_S; a timeout poisons the Buffer."""
+        timeout = self.buffer.timeout_s
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError for timeouts and dead peers
+            me = self.topology.rank
+            reason = "timed out" if "timed out" in str(e).lower() else f"failed ({str(e).strip()[:200]})"
+            self.failed = (f"[commlib rank {me}] {self._phase} {reason} after waiting up to {timeout:g} s for "
+                           f"collective of op #{self.calls} (COMMLIB_TIMEOUT_S): a peer exited, skipped this "
+                           "call, or is stuck elsewhere")
+            raise CommlibError(self.failed) from e
+
+    def signature(self, op: int, hidden: int, num_experts: int, fp8: bool, topk: int, weights: bool,
+                  config) -> list[int]:
+        return [op, self.calls, hidden, num_experts, int(fp8), topk, int(weights), config.num_sms,
+                config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens]
+
+    def on_rejected(self, op: int) -> None:
+        """This rank's input was refused: tell the peers (they are waiting in the agreement)."""
+        self.calls += 1
+        self._phase = f"{_OPS[op]} (reporting this rank's input error)"
+        sig = [op, self.calls] + [0] * (len(SIG_FIELDS) - 2)
+        try:
+            self._all_gather_rows(torch.tensor([1, *sig] + [0] * self._extra_len, dtype=torch.int64))
+        except CommlibError:
+            pass
+
+    def _agree(self, sig: list[int], extra: list[int]) -> torch.Tensor:
+        """All-gather [error, signature, extra]; raise on every rank if any rank refused its input
+        or the ranks disagree on the op. Returns the gathered extras [R, len(extra)]."""
+        me, R = self.topology.rank, self.topology.num_ranks
+        self._phase = f"{_OPS[sig[0]]} (agreement + count exchange)"
+        n = len(sig)
+        # Fixed length whatever the op, so mismatched ops meet in a same-sized collective.
+        row = [0, *sig, *extra] + [0] * (self._extra_len - len(extra))
+        g = self._all_gather_rows(torch.tensor(row, dtype=torch.int64))
+        refused = [r for r in range(R) if g[r, 0]]
+        if refused:
+            raise ValueError(f"[commlib rank {me}] {_OPS[sig[0]]} aborted: rank(s) {refused} rejected their "
+                             "input (see the error on those ranks); nothing was sent")
+        for r in range(R):
+            theirs = g[r, 1:1 + n].tolist()
+            if theirs != sig:
+                diffs = [f"{SIG_FIELDS[i]}: rank {r} has {_OPS.get(theirs[i], theirs[i]) if i == 0 else theirs[i]}, "
+                         f"rank {me} has {_OPS.get(sig[i], sig[i]) if i == 0 else sig[i]}"
+                         for i in range(n) if theirs[i] != sig[i]]
+                raise ValueError(f"[commlib rank {me}] ranks disagree on the op: " + "; ".join(diffs)
+                                 + " (every rank must make the same sequence of calls with the same shapes/config)")
+        return g[:, 1 + n:1 + n + len(extra)]
+
+    @property
+    def _extra_len(self) -> int:
+        return self.topology.num_ranks + 1  # dispatch: per-rank counts + tokens over the node limit
 
     # ------------------------------------------------------------------ collectives
     def _to_comm(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -77,7 +142,7 @@ class ReferenceBackend(Backend):
     def _a2a_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         rows = rows.to(self.comm_device).contiguous()
         out = torch.empty(sum(recv_counts), rows.shape[1], dtype=rows.dtype, device=self.comm_device)
-        dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.group)
+        self._wait(dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.group, async_op=True))
         return out
 
     def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
@@ -85,7 +150,7 @@ class ReferenceBackend(Backend):
         row = row.to(self.comm_device, torch.int64).contiguous()
         out = torch.empty(self.topology.num_ranks * row.numel(), dtype=torch.int64, device=self.comm_device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, row, group=self.group)
+        self._wait(gather(out, row, group=self.group, async_op=True))
         return out.view(self.topology.num_ranks, row.numel()).cpu()
 
     # ------------------------------------------------------------------ layout
@@ -101,6 +166,10 @@ class ReferenceBackend(Backend):
         out_device = x.device
         cached = req.handle is not None
         C = req.handle.num_channels if cached else req.config.num_channels
+        self.calls += 1
+        K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+        sig = self.signature(2 if cached else 1, H, req.handle.num_experts if cached else req.num_experts,
+                             scales is not None, K, req.topk_weights is not None, req.config)
         is_tir = (req.handle.is_token_in_rank if cached else req.layout.is_token_in_rank).to(self.comm_device)
 
         # ---- metadata: counts matrix, errors agreed on by every rank ----
@@ -112,6 +181,7 @@ class ReferenceBackend(Backend):
             chan_prefix = h.channel_prefix_matrix
             recv_chan_prefix = h.recv_channel_prefix_matrix
             num_experts = h.num_experts
+            self._agree(sig, [])
         else:
             num_experts = req.num_experts
             send_counts = is_tir.sum(dim=0).to(torch.int64)
@@ -120,8 +190,7 @@ class ReferenceBackend(Backend):
                 nodes_per_token = L.token_in_node(is_tir, topo).sum(dim=1)
                 limit = self.buffer.max_nodes_per_token
                 node_excess = int((nodes_per_token > limit).sum())
-            row = torch.cat([send_counts.cpu(), torch.tensor([node_excess])])
-            gathered = self._all_gather_rows(row)
+            gathered = self._agree(sig, send_counts.cpu().tolist() + [node_excess])
             counts_all = gathered[:, :R]
             bad = [(r, int(gathered[r, R])) for r in range(R) if gathered[r, R] > 0]
             if bad:
@@ -144,7 +213,7 @@ class ReferenceBackend(Backend):
                                  f"ranks receive (rank, rows): {over}")
 
         # ---- the payload: one byte row per token ----
-        K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+        self._phase = "dispatch (data exchange)"
         has_w = req.topk_weights is not None
         cols = [("x", x.dtype, (H,))]
         tensors = [x]
@@ -234,7 +303,7 @@ class ReferenceBackend(Backend):
         # (2) NVLink fan-out: the forwarder sends each row to the ranks of its node that need it.
         #     Which ranks: from the routing the row carries (or the plan kept in the handle).
         J = recv1.shape[0]
-        src_rank1 = torch.repeat_interleave(torch.arange(R), torch.tensor(recv1_counts)).to(torch.int32)
+        src_rank1 = torch.repeat_interleave(torch.arange(R), torch.tensor(recv1_counts)).to(torch.int32).to(recv1.device)
         if cached:
             fwd_mask = req.handle.extra["plan"]["fwd_mask"]
         else:
@@ -285,6 +354,9 @@ class ReferenceBackend(Backend):
         y = req.x[:n]
         w = req.topk_weights[:n] if req.topk_weights is not None else None
         K = w.shape[1] if w is not None else 0
+        self.calls += 1
+        self._agree(self.signature(3, H, h.num_experts, False, K, w is not None, req.config), [])
+        self._phase = "combine (data exchange)"
         cols = [("y", torch.bfloat16, (H,))] + ([("w", torch.float32, (K,))] if K else [])
         packer = _Packer(cols)
         payload = packer.pack([self._to_comm(y)] + ([self._to_comm(w)] if K else []))

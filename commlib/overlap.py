@@ -34,3 +34,11 @@ class EventOverlap:
 
     def __repr__(self) -> str:
         return f"EventOverlap(event={'set' if self.event is not None else None})"
+
+
+def __getattr__(name):
+    # The dual-pipeline schedule lives in commlib.pipeline; reachable here under the name.
+    if name in ("dual_forward", "dual_backward", "overlapped_forward_backward", "StagedModule"):
+        from . import pipeline
+        return getattr(pipeline, name)
+    raise AttributeError(name)

@@ -1,0 +1,484 @@
+"""A Mixture-of-Experts layer with expert parallelism through Buffer + commlib.autograd, its
+single-process equivalent, and a transformer block split into pipeline stages.
+
+Legend: T tokens on this rank, H hidden, I expert intermediate size, E experts, L local experts
+(E / ranks), K top-k, N rows this rank received, M routed (row, slot) pairs, B batch, S sequence.
+
+Numerics, stated once: activations cross the wire in bf16 (dispatch moves ``x_TH.to(bf16)``,
+the expert partial sum of a row is cast to bf16 before combine, combine sums in float32 and
+returns bf16). The single-process layer (``buffer=None``) reproduces exactly that rounding for a
+world of ``num_ranks`` virtual ranks: every rank's experts run on the same rows, in the same order,
+as they would behind a real dispatch, and the emulated dispatch/combine sum in float32 in rank
+order. The forward is therefore bit-identical to expert parallelism with the same parameters;
+the backward differs only where the replicated (non-expert) parameters' gradients are summed
+across ranks by an all-reduce instead of inside one matmul.
+
+Parameters: with ``full_init=True`` (default) every rank draws the full [E, ...] expert tensors
+from the torch RNG and keeps its slice, so an expert-parallel model and a single-process model
+built after the same ``torch.manual_seed`` hold identical parameters. ``full_init=False`` draws
+only the local experts (big models; benchmarks).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import autograd as ops
+from .fp8 import per_token_cast_back, per_token_cast_to_fp8
+from .layout import local_expert_ids, token_in_rank
+from .pipeline import StagedModule
+from .routing import group_limited_topk
+
+COMM_DTYPE = torch.bfloat16
+
+
+@dataclasses.dataclass
+class MoEConfig:
+    hidden: int
+    num_experts: int
+    topk: int
+    expert_hidden: int                 # I: intermediate size of one routed expert
+    num_groups: int = 1                # expert groups of the group-limited gate (one per node in V3)
+    topk_groups: int = 1               # groups a token may use
+    num_shared_experts: int = 0        # 0 or more shared experts (one dense MLP of that many * I)
+    routed_scaling: float = 1.0        # V3 scales routed weights by 2.5
+    expert_dtype: torch.dtype = torch.float32   # parameters (and compute) of experts
+    expert_impl: str = "auto"          # "loop" | "grouped_mm" | "auto" (grouped_mm on CUDA bf16)
+    fp8_dispatch: bool = False         # dispatch moves E4M3 + scales (hidden % 128 == 0); gradients bf16
+
+    def __post_init__(self) -> None:
+        if self.num_experts % self.num_groups != 0:
+            raise ValueError(f"MoEConfig: num_groups ({self.num_groups}) must divide num_experts ({self.num_experts})")
+        if self.fp8_dispatch and self.hidden % 128 != 0:
+            raise ValueError(f"MoEConfig: fp8_dispatch needs hidden % 128 == 0, got hidden {self.hidden}")
+        if self.expert_impl not in ("auto", "loop", "grouped_mm"):
+            raise ValueError(f"MoEConfig: expert_impl must be auto, loop or grouped_mm, got {self.expert_impl!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Experts
+# ------------------------------------------------------------------------------------------------
+
+def _grouped_matmul(x_MA: torch.Tensor, w_LAB: torch.Tensor, counts: list[int], impl: str) -> torch.Tensor:
+    """Rows of x grouped by expert (counts[e] rows for expert e, in order) times w[e] -> [M, B]."""
+    use_gmm = impl == "grouped_mm" or (impl == "auto" and x_MA.is_cuda and x_MA.dtype == torch.bfloat16
+                                        and hasattr(torch, "_grouped_mm"))
+    if use_gmm:
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(x_MA.device, non_blocking=True)
+        return torch._grouped_mm(x_MA, w_LAB, offs=offs)
+    outs = [x_e @ w_LAB[e] for e, x_e in enumerate(torch.split(x_MA, counts))]
+    return torch.cat(outs) if outs else x_MA.new_zeros(0, w_LAB.shape[2])
+
+
+def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_NK: torch.Tensor,
+                   w_gate_up_LHI: torch.Tensor, w_down_LIH: torch.Tensor,
+                   counts: Optional[list[int]] = None, impl: str = "auto") -> torch.Tensor:
+    """y[n] = sum over slots k with topk_idx[n, k] >= 0 of topk_weights[n, k] * mlp_{topk_idx[n, k]}(x[n]).
+
+    x_NH: rows (any float dtype, computed in the weights' dtype); topk_idx_NK: local expert ids
+    (-1 = not here); w_gate_up_LHI: [L, H, 2I] (gate | up); w_down_LIH: [L, I, H]; counts: rows
+    per local expert (dispatch's ``num_recv_tokens_per_expert_list`` with alignment 1), computed
+    here (a host sync) when None. Returns [N, H] in the weights' dtype.
+    Rows are permuted so each expert's rows are contiguous (stable: source order kept), then one
+    grouped GEMM per projection, then scattered back and summed per row.
+    """
+    N, K = topk_idx_NK.shape
+    L = w_gate_up_LHI.shape[0]
+    flat_idx = topk_idx_NK.reshape(-1)
+    if counts is None:
+        counts = torch.bincount(flat_idx[flat_idx >= 0], minlength=L).tolist()
+    if len(counts) != L:
+        raise ValueError(f"routed_experts: counts has {len(counts)} entries for {L} local experts")
+    M = sum(counts)
+    key = torch.where(flat_idx >= 0, flat_idx, torch.full_like(flat_idx, L))
+    order_M = torch.argsort(key, stable=True)[:M]
+    rows_M = torch.div(order_M, K, rounding_mode="floor")
+    dtype = w_gate_up_LHI.dtype
+    x_MH = x_NH.index_select(0, rows_M).to(dtype)
+    weights_M = topk_weights_NK.reshape(-1).index_select(0, order_M).to(dtype)
+    gate_up = _grouped_matmul(x_MH, w_gate_up_LHI, counts, impl)
+    gate, up = gate_up.chunk(2, dim=1)
+    out_MH = _grouped_matmul(F.silu(gate) * up, w_down_LIH, counts, impl)
+    out_MH = out_MH * weights_M.unsqueeze(1)
+    # A row may meet several local experts: accumulate in float32 (index_add runs in the tensor's
+    # dtype), cast once. On CPU the order is fixed; on GPUs index_add uses atomics (order varies).
+    y = torch.zeros(N, x_NH.shape[1], dtype=torch.float32, device=x_NH.device)
+    return y.index_add(0, rows_M, out_MH.float()).to(dtype)
+
+
+class Experts(nn.Module):
+    """Experts [first, first + num_local) of num_experts SwiGLU MLPs, weights stacked for grouped GEMMs."""
+
+    def __init__(self, hidden: int, expert_hidden: int, num_experts: int, first: int, num_local: int,
+                 dtype: torch.dtype = torch.float32, full_init: bool = True, device=None) -> None:
+        super().__init__()
+        n = num_experts if full_init else num_local
+        std1, std2 = 1.0 / math.sqrt(hidden), 1.0 / math.sqrt(expert_hidden)
+        w1 = torch.randn(n, hidden, 2 * expert_hidden, device=device) * std1
+        w2 = torch.randn(n, expert_hidden, hidden, device=device) * std2
+        if full_init:
+            w1, w2 = w1[first:first + num_local], w2[first:first + num_local]
+        self.w_gate_up = nn.Parameter(w1.to(dtype).contiguous())
+        self.w_down = nn.Parameter(w2.to(dtype).contiguous())
+        self.first, self.num_local = first, num_local
+
+    def forward(self, x_NH, topk_idx_NK, topk_weights_NK, counts=None, impl="auto", lo=0, hi=None):
+        """Experts [lo, hi) of this module on local ids 0 .. hi - lo (see routed_experts)."""
+        hi = self.num_local if hi is None else hi
+        return routed_experts(x_NH, topk_idx_NK, topk_weights_NK, self.w_gate_up[lo:hi], self.w_down[lo:hi],
+                              counts, impl)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inner: int, device=None) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * inner, bias=False, device=device)
+        self.down = nn.Linear(inner, hidden, bias=False, device=device)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Router(nn.Module):
+    """Sigmoid gate with group-limited top-k (DeepSeek-V3), float32."""
+
+    def __init__(self, cfg: MoEConfig, device=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.randn(cfg.num_experts, cfg.hidden, device=device) / math.sqrt(cfg.hidden))
+
+    def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores_TE = torch.sigmoid(F.linear(x_TH.float(), self.weight.float()))
+        topk_idx_TK, topk_weights_TK = group_limited_topk(scores_TE, self.cfg.num_groups, self.cfg.topk_groups,
+                                                          self.cfg.topk)
+        if self.cfg.routed_scaling != 1.0:
+            topk_weights_TK = topk_weights_TK * self.cfg.routed_scaling
+        return topk_idx_TK, topk_weights_TK.contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# Emulated communication for the single-process layer (same rounding as Buffer.dispatch/combine)
+# ------------------------------------------------------------------------------------------------
+
+class _EmulatedDispatch(torch.autograd.Function):
+    """x_TH bf16 -> rows of every virtual rank; backward sums in float32 in rank order (= combine)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, *rows_per_rank):
+        ctx.num_tokens = x_TH.shape[0]
+        ctx.save_for_backward(*rows_per_rank)
+        return tuple(x_TH.index_select(0, rows) for rows in rows_per_rank)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows_per_rank = ctx.saved_tensors
+        acc = None
+        for rows, g in zip(rows_per_rank, grads):
+            if g is None:
+                continue
+            if acc is None:
+                acc = torch.zeros(ctx.num_tokens, g.shape[1], dtype=torch.float32, device=g.device)
+            acc[rows] += g.float()
+        return (None if acc is None else acc.to(COMM_DTYPE),) + (None,) * len(rows_per_rank)
+
+
+class _FP8StraightThrough(torch.autograd.Function):
+    """E4M3 round trip of x (what an FP8 dispatch delivers); the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return per_token_cast_back(*per_token_cast_to_fp8(x), x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _EmulatedCombine(torch.autograd.Function):
+    """Rows of every virtual rank (bf16) -> float32 sum in rank order -> bf16; backward = copy back."""
+
+    @staticmethod
+    def forward(ctx, num_tokens, rows_per_rank, *ys):
+        ctx.rows_per_rank = rows_per_rank
+        acc = torch.zeros(num_tokens, ys[0].shape[1], dtype=torch.float32, device=ys[0].device)
+        for rows, y in zip(rows_per_rank, ys):
+            acc[rows] += y.float()
+        return acc.to(COMM_DTYPE)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.to(COMM_DTYPE)
+        return (None, None) + tuple(grad.index_select(0, rows) for rows in ctx.rows_per_rank)
+
+
+# ------------------------------------------------------------------------------------------------
+# The MoE layer
+# ------------------------------------------------------------------------------------------------
+
+class MoELayer(nn.Module):
+    """Router + routed experts (+ shared experts), expert-parallel over ``buffer``'s ranks.
+
+    buffer: a commlib Buffer (expert parallelism: this rank holds experts [rank * L, (rank+1) * L)),
+    or None: all experts local, emulating ``num_ranks`` ranks' bf16 communication exactly.
+    forward(x [T, H] float) -> [T, H] in x's dtype.
+    """
+
+    def __init__(self, cfg: MoEConfig, buffer=None, num_ranks: Optional[int] = None, full_init: bool = True,
+                 device=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.buffer = buffer
+        self.rank = buffer.rank if buffer is not None else 0
+        self.num_ranks = buffer.num_ranks if buffer is not None else (num_ranks or 1)
+        if cfg.num_experts % self.num_ranks != 0:
+            raise ValueError(f"MoELayer: num_experts ({cfg.num_experts}) must be divisible by the {self.num_ranks} ranks")
+        self.num_local = cfg.num_experts // self.num_ranks if buffer is not None else cfg.num_experts
+        first = self.rank * self.num_local if buffer is not None else 0
+        self.router = Router(cfg, device=device)
+        self.experts = Experts(cfg.hidden, cfg.expert_hidden, cfg.num_experts, first, self.num_local,
+                               cfg.expert_dtype, full_init=full_init or buffer is None, device=device)
+        self.shared = (SwiGLU(cfg.hidden, cfg.num_shared_experts * cfg.expert_hidden, device=device)
+                       if cfg.num_shared_experts > 0 else None)
+
+    # --- pieces, shared by forward() and the pipeline stages (commlib.pipeline) ---
+    def route(self, x_TH: torch.Tensor):
+        """-> (x_TH bf16 for the wire, topk_idx [T, K] int64, topk_weights [T, K] float32)."""
+        topk_idx, topk_weights = self.router(x_TH)
+        return x_TH.to(COMM_DTYPE).contiguous(), topk_idx, topk_weights
+
+    def expert_compute(self, recv_x_NH, recv_topk_idx_NK, recv_topk_weights_NK, counts=None) -> torch.Tensor:
+        """Received rows -> weighted expert output per row, bf16 [N, H] for combine."""
+        y = self.experts(recv_x_NH, recv_topk_idx_NK, recv_topk_weights_NK, counts, self.cfg.expert_impl)
+        return y.to(COMM_DTYPE)
+
+    def shared_compute(self, x_TH: torch.Tensor) -> Optional[torch.Tensor]:
+        return self.shared(x_TH) if self.shared is not None else None
+
+    @staticmethod
+    def finish(combined_TH: torch.Tensor, shared_TH: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        y = combined_TH.to(dtype)
+        return y if shared_TH is None else y + shared_TH.to(dtype)
+
+    # --- whole layer ---
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        if self.buffer is None:
+            R = self.num_ranks
+            chunks = list(x_TH.chunk(R)) if x_TH.shape[0] % R == 0 else [x_TH]
+            return torch.cat(self.forward_chunks(chunks))
+        x_wire, topk_idx, topk_weights = self.route(x_TH)
+        out = ops.dispatch(self.buffer, x_wire, topk_idx, topk_weights, self.cfg.num_experts,
+                           fp8=self.cfg.fp8_dispatch)
+        y_NH = self.expert_compute(out.recv_x, out.recv_topk_idx, out.recv_topk_weights,
+                                   out.num_recv_tokens_per_expert_list)
+        combined, _ = ops.combine(self.buffer, y_NH, out.handle)
+        return self.finish(combined, self.shared_compute(x_TH), x_TH.dtype)
+
+    def forward_chunks(self, xs: list) -> list:
+        """Single-process layer on the tokens of every virtual rank (xs[r]: rank r's [T_r, H]).
+
+        What is per-rank under expert parallelism (router, shared expert) runs per chunk, so its
+        parameter gradients are sums of per-rank contributions as after an all-reduce; every
+        virtual rank r's experts get the rows a real dispatch would give rank r, in the same order.
+        """
+        if self.buffer is not None:
+            raise RuntimeError("MoELayer.forward_chunks is the single-process path (buffer=None)")
+        routed = [self.route(x) for x in xs]
+        x_wire = torch.cat([r[0] for r in routed])
+        topk_idx = torch.cat([r[1] for r in routed])
+        topk_weights = torch.cat([r[2] for r in routed])
+        R, L = self.num_ranks, self.cfg.num_experts // self.num_ranks
+        in_rank_TR = token_in_rank(topk_idx, self.cfg.num_experts, R)
+        rows = [in_rank_TR[:, r].nonzero().flatten() for r in range(R)]
+        if self.cfg.fp8_dispatch:
+            x_wire = _FP8StraightThrough.apply(x_wire)
+        recv_x = _EmulatedDispatch.apply(x_wire, *rows)
+        ys = []
+        for r in range(R):
+            idx_r = local_expert_ids(topk_idx.index_select(0, rows[r]), r, L)
+            w_r = topk_weights.index_select(0, rows[r])
+            w_r = torch.where(idx_r >= 0, w_r, torch.zeros_like(w_r))
+            y = self.experts(recv_x[r], idx_r, w_r, None, self.cfg.expert_impl, lo=r * L, hi=(r + 1) * L)
+            ys.append(y.to(COMM_DTYPE))
+        combined = _EmulatedCombine.apply(x_wire.shape[0], rows, *ys).split([x.shape[0] for x in xs])
+        return [self.finish(c, self.shared_compute(x), x.dtype) for c, x in zip(combined, xs)]
+
+
+# ------------------------------------------------------------------------------------------------
+# A transformer block (attention + MoE), with its pipeline stages
+# ------------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, device=device))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention (SDPA), x: [B, S, H]; heads of ``head_dim`` (default H / heads)."""
+
+    def __init__(self, hidden: int, num_heads: int, device=None, dtype=None, head_dim: Optional[int] = None) -> None:
+        super().__init__()
+        if head_dim is None:
+            if hidden % num_heads != 0:
+                raise ValueError(f"Attention: num_heads ({num_heads}) must divide hidden ({hidden})")
+            head_dim = hidden // num_heads
+        self.num_heads, self.head_dim = num_heads, head_dim
+        inner = num_heads * head_dim
+        self.qkv = nn.Linear(hidden, 3 * inner, bias=False, device=device, dtype=dtype)
+        self.out = nn.Linear(inner, hidden, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x_BSH):
+        B, S, _ = x_BSH.shape
+        q, k, v = self.qkv(x_BSH).view(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+
+
+class MoEBlock(nn.Module):
+    """h = h + attn(norm1(h)); h = h + moe(norm2(h)). h: [B, S, H].
+
+    Pipeline stages (commlib.pipeline), carry keys in brackets:
+      attn     compute  [h] -> [h, x_norm, x_wire, topk_idx, topk_weights]
+      dispatch comm     [x_wire, topk_idx, topk_weights] -> [recv_x, recv_topk_idx, recv_topk_weights, counts, handle]
+      experts  compute  [recv_*, counts, x_norm] -> [y, shared]
+      combine  comm     [y, handle] -> [combined]
+      finish   compute  [h, combined, shared] -> [h]   (merged into the next block's attn stage)
+    """
+
+    def __init__(self, cfg: MoEConfig, num_heads: int, buffer=None, num_ranks: Optional[int] = None,
+                 full_init: bool = True, device=None, attn_dtype=None, head_dim: Optional[int] = None) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden, device=device)
+        self.attn = Attention(cfg.hidden, num_heads, device=device, dtype=attn_dtype, head_dim=head_dim)
+        self.norm2 = RMSNorm(cfg.hidden, device=device)
+        self.moe = MoELayer(cfg, buffer=buffer, num_ranks=num_ranks, full_init=full_init, device=device)
+
+    def forward(self, h_BSH: torch.Tensor) -> torch.Tensor:
+        h_BSH, x = self._attention(h_BSH)
+        return h_BSH + self.moe(x).view_as(h_BSH)
+
+    def _attention(self, h_BSH):
+        a = self.attn(self.norm1(h_BSH).to(self.attn.qkv.weight.dtype)).to(h_BSH.dtype)
+        h_BSH = h_BSH + a
+        return h_BSH, self.norm2(h_BSH).flatten(0, 1)
+
+    def forward_chunks(self, hs: list) -> list:
+        """Single-process block on every virtual rank's sequences (see MoELayer.forward_chunks)."""
+        pairs = [self._attention(h) for h in hs]
+        moe_out = self.moe.forward_chunks([x for _, x in pairs])
+        return [h + y.view_as(h) for (h, _), y in zip(pairs, moe_out)]
+
+    # --- stages ---
+    def stage_attn(self, carry: dict) -> dict:
+        h, x_norm = self._attention(carry["h"])
+        x_wire, topk_idx, topk_weights = self.moe.route(x_norm)
+        return {"h": h, "x_norm": x_norm, "x_wire": x_wire, "topk_idx": topk_idx, "topk_weights": topk_weights}
+
+    def stage_experts(self, carry: dict) -> dict:
+        out = {k: v for k, v in carry.items()
+               if k not in ("recv_x", "recv_topk_idx", "recv_topk_weights", "counts", "x_norm")}
+        out["y"] = self.moe.expert_compute(carry["recv_x"], carry["recv_topk_idx"], carry["recv_topk_weights"],
+                                           carry["counts"])
+        shared = self.moe.shared_compute(carry["x_norm"])
+        if shared is not None:
+            out["shared"] = shared
+        return out
+
+    @staticmethod
+    def stage_finish(carry: dict) -> dict:
+        h = carry["h"]
+        moe_out = MoELayer.finish(carry["combined"], carry.get("shared"), h.dtype).view_as(h)
+        return {"h": h + moe_out}
+
+
+# ------------------------------------------------------------------------------------------------
+# A model: optional embedding, MoE blocks, optional head; staged for the dual pipeline
+# ------------------------------------------------------------------------------------------------
+
+class MoEModel(StagedModule):
+    """[embedding] -> num_layers x MoEBlock -> [final norm + LM head].
+
+    With ``vocab_size`` the input is token ids [B, S] int64 and the output logits [B, S, V] (a
+    whole small LM); without, input and output are hidden states [B, S, H] (one DualPipe chunk).
+    With a Buffer (expert parallelism) ``forward`` runs the staged chain (commlib.pipeline), so the
+    dual-pipeline schedules can interleave two micro-batches; ``staged=False`` runs the blocks as
+    plain modules through the autograd ops instead. Without a Buffer it is the single-process
+    equivalent (same parameters under the same seed, same bf16 wire rounding).
+    """
+
+    def __init__(self, cfg: MoEConfig, num_layers: int, num_heads: int, buffer=None,
+                 num_ranks: Optional[int] = None, vocab_size: Optional[int] = None, max_seq_len: int = 0,
+                 full_init: bool = True, staged: bool = True, device=None, attn_dtype=None,
+                 head_dim: Optional[int] = None) -> None:
+        super().__init__()
+        self.cfg, self.buffer, self.staged = cfg, buffer, staged
+        self.vocab_size = vocab_size
+        if vocab_size is not None:
+            self.embed = nn.Embedding(vocab_size, cfg.hidden, device=device)
+            self.pos = nn.Parameter(torch.randn(max_seq_len, cfg.hidden, device=device) * 0.02)
+        self.blocks = nn.ModuleList(MoEBlock(cfg, num_heads, buffer=buffer, num_ranks=num_ranks,
+                                             full_init=full_init, device=device, attn_dtype=attn_dtype,
+                                             head_dim=head_dim)
+                                    for _ in range(num_layers))
+        if vocab_size is not None:
+            self.norm = RMSNorm(cfg.hidden, device=device)
+            self.head = nn.Linear(cfg.hidden, vocab_size, bias=False, device=device)
+
+    output_keys = ("out",)
+
+    def make_carry(self, x):
+        return {"x": x}
+
+    def _prologue(self, x):
+        if self.vocab_size is None:
+            return x
+        return self.embed(x) + self.pos[: x.shape[1]]
+
+    def _epilogue(self, h):
+        if self.vocab_size is None:
+            return h
+        return self.head(self.norm(h))
+
+    def stages(self) -> list:
+        from .pipeline import CombineStage, ComputeStage, DispatchStage
+        out = []
+        num_experts = self.cfg.num_experts
+        for l, blk in enumerate(self.blocks):
+            def attn(c, l=l, blk=blk):
+                if l == 0:
+                    c = {"h": self._prologue(c["x"])}
+                else:
+                    c = MoEBlock.stage_finish(c)
+                return blk.stage_attn(c)
+            out += [ComputeStage(f"attn{l}", attn),
+                    DispatchStage(self.buffer, num_experts, name=f"dispatch{l}", fp8=self.cfg.fp8_dispatch),
+                    ComputeStage(f"experts{l}", blk.stage_experts),
+                    CombineStage(self.buffer, name=f"combine{l}")]
+        out.append(ComputeStage("finish", lambda c: {"out": self._epilogue(MoEBlock.stage_finish(c)["h"])}))
+        return out
+
+    def forward(self, x):
+        if self.buffer is not None and self.staged:
+            return StagedModule.forward(self, x)
+        R = self.blocks[0].moe.num_ranks if len(self.blocks) else 1
+        if self.buffer is None and R > 1 and x.shape[0] % R == 0:
+            # Single process standing in for R ranks: rank r's sequences are the r-th chunk of the
+            # batch; per-rank work runs per chunk (see MoELayer.forward_chunks).
+            hs = [self._prologue(c) for c in x.chunk(R)]
+            for blk in self.blocks:
+                hs = blk.forward_chunks(hs)
+            return torch.cat([self._epilogue(h) for h in hs])
+        h = self._prologue(x)
+        for blk in self.blocks:
+            h = blk(h)
+        return self._epilogue(h)

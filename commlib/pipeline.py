@@ -1,0 +1,697 @@
+"""The dual pipeline: two micro-batches through a MoE model, one communicating while the other
+computes (DeepSeek-V3's two-micro-batch overlap), forward, backward, and forward-with-backward
+(DualPipe's ``overlapped_forward_backward`` hook).
+
+How it works
+------------
+A ``StagedModule`` describes its forward as a chain of stages that alternate between compute
+(attention, router, experts, ... any differentiable torch code) and communication (dispatch,
+combine). The chain passes a *carry*, a dict of named tensors (and handles), from stage to stage.
+
+Running a chain records, per compute stage, its inputs as fresh autograd leaves and its outputs,
+so its backward can run on its own: ``torch.autograd.backward(outputs, grads)`` then read the
+leaves' ``.grad``. Communication stages have hand-written backwards (dispatch -> combine of the
+gradients, combine -> cached dispatch; commlib.autograd). A chain is thus a list of forward steps
+and, later, a list of backward steps, each step one stage, and two such lists can be interleaved.
+
+The schedule (``_interleave``) zips two step lists: whenever one list's next step is compute and
+the other's is communication, both are issued together, compute first. Compute kernels go to the
+current (compute) stream; communication goes to the Buffer's comm stream, ordered *only* through
+events: a comm step passes ``previous_event`` = the event recorded right after the stage that
+produced its input, with ``async_finish=True``; the next compute stage of that micro-batch calls
+``event.current_stream_wait()`` before it starts. Nothing in the schedule synchronises the device
+or the host, except what a non-cached dispatch itself needs (its receive count); issuing compute
+first means that host wait happens while the GPU already has the other micro-batch's compute
+queued. When both lists' next steps are of the same kind, one runs alone; after that the lists
+stay out of phase, so in steady state every comm step is paired with a compute step:
+
+  forward+backward (``overlapped_forward_backward``, F = micro-batch 0 forward, B = micro-batch 1
+  backward), per MoE block::
+
+      compute stream: B.finish | F.attn       | B.experts    | F.experts     | B.attn
+      comm stream:             | B.combine'   | F.dispatch   | B.dispatch'   | F.combine
+      (' = backward: combine' is a cached dispatch of grads, dispatch' a combine of grads)
+
+  two forwards (``dual_forward``) or two backwards (``dual_backward``)::
+
+      compute stream: 0.attn | 1.attn     | 0.experts  | 1.experts  | 0.finish ...
+      comm stream:           | 0.dispatch | 1.dispatch | 0.combine  | 1.combine
+
+On CPU events are None and every call is synchronous: the same steps run in the same order with
+the same results (every rank runs the same schedule, so collectives match across ranks).
+
+Autograd integration
+--------------------
+``StagedModule.__call__`` runs the chain on its own and returns outputs attached to the chain by
+an autograd node: an ordinary ``loss.backward()`` reaching them runs the chain's backward stage by
+stage (sequentially) and then passes the input gradients on, so a staged module also works in any
+plain training loop or non-overlapped pipeline step. The overlapped schedules instead let that
+node capture the output gradients, run the chain's backward steps interleaved with the other
+micro-batch, and pass the input gradients on at the end. A staged module's inputs must be leaves,
+or tensors used nowhere else in the graph (their gradient is pushed by a separate backward call).
+
+Gradients accumulate into ``.grad`` per stage; with both micro-batches starting from zero grads
+the result equals the sequential order bit for bit (two summands commute exactly).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from . import autograd as ops
+from .fp8 import per_token_cast_back, per_token_cast_to_fp8
+from .overlap import EventOverlap
+
+Carry = dict
+
+
+# ------------------------------------------------------------------------------------------------
+# Stages
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ComputeStage:
+    """Differentiable torch code: fn(carry) -> new carry (keep keys it does not touch)."""
+    name: str
+    fn: Callable[[Carry], Carry]
+    kind: str = "compute"
+
+
+class CommStage:
+    """Communication with a hand-written backward. Subclasses set consumes / produces.
+
+    The schedule calls, in order (forward; backward likewise with grads):
+      prepare_forward(inputs)  on the compute stream, at the end of the producing compute step,
+                               before the event the communication waits for (casts, FP8 quantize)
+      forward(inputs, previous_event, async_finish) -> (produced, saved, event)
+                               communication only: no work on the compute stream
+      finalize_forward(produced) on the compute stream, after waiting for the event (dequantize)
+    """
+    kind = "comm"
+    name = "comm"
+    consumes: tuple = ()
+    produces: tuple = ()
+
+    def prepare_forward(self, inputs: dict) -> dict:
+        return inputs
+
+    def forward(self, inputs: dict, previous_event, async_finish: bool):
+        raise NotImplementedError
+
+    def finalize_forward(self, produced: dict) -> dict:
+        return produced
+
+    def prepare_backward(self, saved, grads: dict) -> dict:
+        """grads: {produced key: grad or None} -> what backward takes."""
+        return grads
+
+    def backward(self, saved, grads: dict, previous_event, async_finish: bool):
+        """-> (grads of consumed keys: dict, event)."""
+        raise NotImplementedError
+
+    def comm_stream(self):
+        return None
+
+
+class DispatchStage(CommStage):
+    """[x_wire, topk_idx, topk_weights] -> [recv_x, recv_topk_idx, recv_topk_weights, counts, handle].
+
+    fp8=True: x_wire (bf16) is quantized before the move and recv_x dequantized to bf16 after;
+    the backward moves bf16 gradients (straight-through, as commlib.autograd.dispatch(fp8=True)).
+    """
+    consumes = ("x_wire", "topk_idx", "topk_weights")
+    produces = ("recv_x", "recv_topk_idx", "recv_topk_weights", "counts", "handle")
+
+    def __init__(self, buffer, num_experts: int, name: str = "dispatch", config=None, fp8: bool = False) -> None:
+        self.buffer, self.num_experts, self.name, self.config, self.fp8 = buffer, num_experts, name, config, fp8
+
+    def comm_stream(self):
+        return getattr(self.buffer, "comm_stream", None)
+
+    def prepare_forward(self, inputs):
+        if self.fp8:
+            inputs = dict(inputs, x_wire=per_token_cast_to_fp8(inputs["x_wire"]))
+        return inputs
+
+    def forward(self, inputs, previous_event, async_finish):
+        out = ops.dispatch_forward(self.buffer, inputs["x_wire"], inputs["topk_idx"], inputs["topk_weights"],
+                                   self.num_experts, config=self.config, previous_event=previous_event,
+                                   async_finish=async_finish)
+        produced = {"recv_x": out.recv_x, "recv_topk_idx": out.recv_topk_idx,
+                    "recv_topk_weights": out.recv_topk_weights, "counts": out.num_recv_tokens_per_expert_list,
+                    "handle": out.handle}
+        data = out.recv_x[0] if isinstance(out.recv_x, tuple) else out.recv_x
+        saved = (out.handle, out.recv_topk_idx, data.shape, data.device)
+        return produced, saved, out.event
+
+    def finalize_forward(self, produced):
+        if isinstance(produced["recv_x"], tuple):
+            produced = dict(produced, recv_x=per_token_cast_back(*produced["recv_x"], torch.bfloat16))
+        return produced
+
+    def prepare_backward(self, saved, grads):
+        _, recv_topk_idx, shape, device = saved
+        g_x = grads.get("recv_x")
+        if g_x is None:
+            g_x = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        g_w = grads.get("recv_topk_weights")
+        if g_w is None:
+            g_w = torch.zeros(recv_topk_idx.shape, dtype=torch.float32, device=device)
+        g_x, g_w = ops.prepare_dispatch_grads(g_x, g_w, recv_topk_idx)
+        return {"recv_x": g_x, "recv_topk_weights": g_w}
+
+    def backward(self, saved, grads, previous_event, async_finish):
+        handle, recv_topk_idx = saved[0], saved[1]
+        grad_x, grad_w, event = ops.dispatch_backward(self.buffer, handle, grads["recv_x"], grads["recv_topk_weights"],
+                                                      recv_topk_idx, config=self.config, prepared=True,
+                                                      previous_event=previous_event, async_finish=async_finish)
+        return {"x_wire": grad_x, "topk_weights": grad_w}, event
+
+
+class CombineStage(CommStage):
+    """[y, handle] -> [combined]."""
+    consumes = ("y", "handle")
+    produces = ("combined",)
+
+    def __init__(self, buffer, name: str = "combine", config=None) -> None:
+        self.buffer, self.name, self.config = buffer, name, config
+
+    def comm_stream(self):
+        return getattr(self.buffer, "comm_stream", None)
+
+    def prepare_forward(self, inputs):
+        return dict(inputs, y=inputs["y"].contiguous())
+
+    def forward(self, inputs, previous_event, async_finish):
+        combined, _, event = ops.combine_forward(self.buffer, inputs["y"], inputs["handle"], config=self.config,
+                                                 previous_event=previous_event, async_finish=async_finish)
+        handle = inputs["handle"]
+        return {"combined": combined}, (handle, (handle.num_tokens, inputs["y"].shape[1]), inputs["y"].device), event
+
+    def prepare_backward(self, saved, grads):
+        _, shape, device = saved
+        g = grads.get("combined")
+        if g is None:
+            g = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        return {"combined": g.to(torch.bfloat16).contiguous()}
+
+    def backward(self, saved, grads, previous_event, async_finish):
+        grad_y, event = ops.combine_backward(self.buffer, saved[0], grads["combined"], config=self.config,
+                                             previous_event=previous_event, async_finish=async_finish)
+        return {"y": grad_y}, event
+
+
+# ------------------------------------------------------------------------------------------------
+# Timeline (optional): spans of every step on its stream, for benchmarks and plots
+# ------------------------------------------------------------------------------------------------
+
+class Timeline:
+    """Records (label, stream, start, end) of every step. CUDA: timing events on the stream the
+    step runs on, read after a sync (``spans()``); CPU: wall-clock times (all sequential there)."""
+
+    def __init__(self) -> None:
+        self._raw: list = []
+
+    def begin(self, label: str, stream_kind: str, cuda_stream=None, wait_event: Optional[EventOverlap] = None):
+        if cuda_stream is None:
+            return (label, stream_kind, time.perf_counter(), None)
+        if stream_kind == "comm":
+            # The comm stream waits where the Buffer will make it wait, so that "start" is when
+            # the step can really begin, not when the host issued it.
+            if wait_event is not None and wait_event.event is not None:
+                cuda_stream.wait_event(wait_event.event)
+            else:
+                cuda_stream.wait_stream(torch.cuda.current_stream())
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(cuda_stream)
+        return (label, stream_kind, ev, cuda_stream)
+
+    def end(self, token) -> None:
+        label, kind, start, cuda_stream = token
+        if cuda_stream is None:
+            self._raw.append((label, kind, start, time.perf_counter()))
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(cuda_stream)  # after the step's kernels on that stream
+        self._raw.append((label, kind, start, end))
+
+    def spans(self) -> list[dict]:
+        """[{label, stream, start_ms, end_ms}], times relative to the earliest start (syncs the device)."""
+        if not self._raw:
+            return []
+        if isinstance(self._raw[0][2], torch.cuda.Event):
+            torch.cuda.synchronize()
+            t0 = self._raw[0][2]
+            out = [{"label": l, "stream": k, "start_ms": t0.elapsed_time(s), "end_ms": t0.elapsed_time(e)}
+                   for l, k, s, e in self._raw]
+        else:
+            t0 = self._raw[0][2]
+            out = [{"label": l, "stream": k, "start_ms": (s - t0) * 1e3, "end_ms": (e - t0) * 1e3}
+                   for l, k, s, e in self._raw]
+        base = min(o["start_ms"] for o in out)
+        for o in out:
+            o["start_ms"] -= base
+            o["end_ms"] -= base
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Chains: one micro-batch through one staged module
+# ------------------------------------------------------------------------------------------------
+
+def _is_float_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _capture(device: torch.device) -> Optional[EventOverlap]:
+    """An event at the current point of the current stream (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return EventOverlap(ev)
+
+
+@dataclasses.dataclass
+class Step:
+    kind: str            # "compute" | "comm" | "none" (bookkeeping, never paired)
+    label: str
+    run: Callable[[], None]
+
+
+class Chain:
+    """One micro-batch in one StagedModule: forward records, then the backward.
+
+    Event bookkeeping: ``ready`` is the event right after the last compute step (what the next
+    comm step passes as previous_event); ``pending`` is the event of the last comm step (what the
+    next compute step waits for). ``prepared`` holds the next comm step's inputs, prepared at the
+    end of the compute step that produced them; ``to_finalize`` the last comm step's outputs,
+    finalized at the start of the compute step that consumes them.
+    """
+
+    def __init__(self, module: "StagedModule", stages: Sequence, inputs: tuple, carry: Carry,
+                 tag: str = "") -> None:
+        self.module, self.stages, self.tag = module, list(stages), tag
+        self.inputs = inputs                  # the module's real inputs (gradients pushed here at the end)
+        self.carry = carry
+        self.grad_enabled = torch.is_grad_enabled()
+        self.records: list = [None] * len(self.stages)
+        self.device = next((v.device for v in carry.values() if isinstance(v, torch.Tensor)),
+                           torch.device("cpu"))
+        self.ready: Optional[EventOverlap] = None
+        self.pending: Optional[EventOverlap] = None
+        self.prepared: Optional[tuple] = None         # (stage index, prepared inputs or grads)
+        self.to_finalize: Optional[tuple] = None      # (stage, produced) awaiting finalize
+        self.grads: dict = {}
+        self.intercept = False
+        self.output_grads: Optional[tuple] = None
+        self.output_keys: tuple = ()
+        self.done_backward = False
+
+    def _settle(self, backward: bool) -> None:
+        """Wait for the last comm step and finalize its outputs (on the compute stream)."""
+        if self.pending is not None:
+            self.pending.current_stream_wait()
+            self.pending = None
+        if self.to_finalize is not None:
+            stage, produced = self.to_finalize
+            self.to_finalize = None
+            if backward:
+                self.grads.update(produced)
+            else:
+                self.carry.update(stage.finalize_forward(produced))
+
+    def _comm_inputs(self, i: int, overlap: bool, backward: bool):
+        """The prepared inputs of comm step i and the event it waits for."""
+        stage = self.stages[i]
+        if self.prepared is not None and self.prepared[0] == i:
+            prepared = self.prepared[1]
+            self.prepared = None
+            return prepared, (self.ready if overlap else None)
+        # Not prepared by a compute step (a chain starting with comm, or two comm stages in a row):
+        # settle, prepare here and wait for the current stream.
+        self._settle(backward)
+        prepared = (stage.prepare_backward(self.records[i], {k: self.grads.get(k) for k in stage.produces})
+                    if backward else stage.prepare_forward({k: self.carry[k] for k in stage.consumes}))
+        return prepared, (_capture(self.device) if overlap else None)
+
+    # --- forward ---
+    def _forward_compute(self, i: int, timeline: Optional[Timeline]) -> None:
+        stage = self.stages[i]
+        self._settle(backward=False)
+        tok = timeline.begin(f"{self.tag}F.{stage.name}", "compute", _cur_stream(self.device)) if timeline else None
+        if self.grad_enabled:
+            leaves = {k: (v.detach().requires_grad_(True) if _is_float_tensor(v) else v)
+                      for k, v in self.carry.items()}
+            with torch.enable_grad():
+                out = stage.fn(dict(leaves))
+            self.records[i] = (leaves, out)
+        else:
+            out = stage.fn(dict(self.carry))
+        self.carry = out
+        nxt = self.stages[i + 1] if i + 1 < len(self.stages) else None
+        if nxt is not None and nxt.kind == "comm":
+            missing = [k for k in nxt.consumes if k not in out]
+            if missing:
+                raise KeyError(f"pipeline stage {nxt.name!r} needs carry keys {missing}; "
+                               f"stage {stage.name!r} left {sorted(out)}")
+            self.prepared = (i + 1, nxt.prepare_forward({k: out[k] for k in nxt.consumes}))
+        if timeline:
+            timeline.end(tok)
+        self.ready = _capture(self.device)
+
+    def _forward_comm(self, i: int, overlap: bool, timeline: Optional[Timeline]) -> None:
+        stage = self.stages[i]
+        inputs, prev = self._comm_inputs(i, overlap, backward=False)
+        tok = timeline.begin(f"{self.tag}F.{stage.name}", "comm", stage.comm_stream(), prev) if timeline else None
+        produced, saved, event = stage.forward(inputs, prev, overlap)
+        if timeline:
+            timeline.end(tok)
+        self.carry = {k: v for k, v in self.carry.items() if k not in stage.consumes}
+        self.records[i] = saved if self.grad_enabled else None
+        self.to_finalize = (stage, produced)
+        if overlap:
+            self.pending, self.ready = event, event
+
+    def forward_steps(self, overlap: bool, timeline: Optional[Timeline] = None) -> list[Step]:
+        steps = []
+        for i, stage in enumerate(self.stages):
+            label = f"{self.tag}F.{stage.name}"
+            if stage.kind == "compute":
+                steps.append(Step("compute", label, lambda i=i: self._forward_compute(i, timeline)))
+            else:
+                steps.append(Step("comm", label, lambda i=i: self._forward_comm(i, overlap, timeline)))
+        steps.append(Step("none", f"{self.tag}F.end", lambda: self._settle(backward=False)))
+        return steps
+
+    # --- backward ---
+    def _backward_compute(self, i: int, timeline: Optional[Timeline]) -> None:
+        stage = self.stages[i]
+        self._settle(backward=True)
+        leaves, out = self.records[i]
+        tok = timeline.begin(f"{self.tag}B.{stage.name}", "compute", _cur_stream(self.device)) if timeline else None
+        tensors, grads = [], []
+        for k, t in out.items():
+            g = self.grads.get(k)
+            if g is not None and isinstance(t, torch.Tensor) and t.requires_grad:
+                tensors.append(t)
+                grads.append(g.to(t.dtype) if g.dtype != t.dtype else g)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        self.grads = {k: v.grad for k, v in leaves.items() if _is_float_tensor(v) and v.grad is not None}
+        self.records[i] = None
+        prv = self.stages[i - 1] if i > 0 else None
+        if prv is not None and prv.kind == "comm":
+            self.prepared = (i - 1, prv.prepare_backward(self.records[i - 1],
+                                                         {k: self.grads.get(k) for k in prv.produces}))
+        if timeline:
+            timeline.end(tok)
+        self.ready = _capture(self.device)
+
+    def _backward_comm(self, i: int, overlap: bool, timeline: Optional[Timeline]) -> None:
+        stage = self.stages[i]
+        grads_out, prev = self._comm_inputs(i, overlap, backward=True)
+        tok = timeline.begin(f"{self.tag}B.{stage.name}", "comm", stage.comm_stream(), prev) if timeline else None
+        grads_in, event = stage.backward(self.records[i], grads_out, prev, overlap)
+        if timeline:
+            timeline.end(tok)
+        self.grads = {k: g for k, g in self.grads.items() if k not in stage.produces}
+        self.to_finalize = (stage, {k: g for k, g in grads_in.items() if g is not None})
+        self.records[i] = None
+        if overlap and event is not None:
+            self.pending, self.ready = event, event
+
+    def backward_steps(self, overlap: bool, timeline: Optional[Timeline] = None) -> list[Step]:
+        if self.output_grads is None:
+            raise RuntimeError("pipeline: backward of a micro-batch whose output gradients were not captured")
+        if self.done_backward:
+            raise RuntimeError("pipeline: the backward of this micro-batch already ran")
+        self.grads = {k: g for k, g in zip(self.output_keys, self.output_grads) if g is not None}
+        self.ready = _capture(self.device)
+        steps = []
+        for i in reversed(range(len(self.stages))):
+            stage = self.stages[i]
+            label = f"{self.tag}B.{stage.name}"
+            if stage.kind == "compute":
+                steps.append(Step("compute", label, lambda i=i: self._backward_compute(i, timeline)))
+            else:
+                steps.append(Step("comm", label, lambda i=i: self._backward_comm(i, overlap, timeline)))
+        steps.append(Step("none", f"{self.tag}B.end", self._backward_end))
+        return steps
+
+    def _backward_end(self) -> None:
+        """Pass the first stage's input gradients on to the module's real inputs."""
+        self._settle(backward=True)
+        self.done_backward = True
+        tensors, grads = [], []
+        for k, t in self.module.input_keys_and_tensors(self.inputs):
+            g = self.grads.get(k)
+            if g is not None and isinstance(t, torch.Tensor) and t.requires_grad:
+                tensors.append(t)
+                grads.append(g.to(t.dtype) if g.dtype != t.dtype else g)
+        self.grads, self.records, self.output_grads = {}, [], None
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+    def run_backward_now(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Sequential backward (when a plain ``.backward()`` reaches the chain's outputs)."""
+        self.output_grads = tuple(grads)
+        _interleave(self.backward_steps(overlap=False), [])
+
+
+def _cur_stream(device: torch.device):
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+class _Attach(torch.autograd.Function):
+    """Ties a chain's outputs to the chain: its backward runs (or, intercepting, captures) the chain's."""
+
+    @staticmethod
+    def forward(ctx, chain, *outs):
+        ctx.commlib_chain = chain
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        chain = ctx.commlib_chain
+        ctx.commlib_chain = None
+        if chain is not None:
+            if chain.intercept:
+                chain.output_grads = grads
+            else:
+                chain.run_backward_now(grads)
+        return (None,) * (1 + len(grads))
+
+
+def _find_chains(tensors: Iterable) -> list:
+    """Chains whose attached outputs these tensors' graphs reach (stopping at each chain)."""
+    found, seen = [], set()
+    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        chain = getattr(node, "commlib_chain", None)
+        if chain is not None:
+            found.append(chain)
+            continue
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return found
+
+
+class _Intercept:
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+
+    def __enter__(self):
+        self.chain.intercept = True
+        return self.chain
+
+    def __exit__(self, *exc):
+        self.chain.intercept = False
+
+
+def _capture_output_grads(tensors: Sequence[torch.Tensor], grads: Optional[Sequence]) -> Optional[Chain]:
+    """Run the backward of ``tensors`` up to the one chain it reaches, capturing that chain's
+    output gradients (the chain's own backward is not run). Returns the chain, or None when the
+    graph reaches no chain or several (the backward then simply ran to completion)."""
+    chains = _find_chains(tensors)
+    if len(chains) != 1:
+        torch.autograd.backward(list(tensors), grads)
+        return None
+    chain = chains[0]
+    with _Intercept(chain):
+        torch.autograd.backward(list(tensors), grads)
+    if chain.output_grads is None:  # the graph did not need the chain after all
+        return None
+    return chain
+
+
+# ------------------------------------------------------------------------------------------------
+# The schedule
+# ------------------------------------------------------------------------------------------------
+
+def _interleave(a: list[Step], b: list[Step], lead: int = 0) -> None:
+    """Issue two step lists, pairing a compute step of one with a comm step of the other.
+
+    Paired steps: compute is issued first, so its kernels are queued before the comm step does
+    any host-side waiting. When both next steps are of the same kind, the list ``lead`` (0 = a,
+    1 = b) issues its step alone; the lists then stay out of phase.
+    """
+    i = j = 0
+    while i < len(a) or j < len(b):
+        sa = a[i] if i < len(a) else None
+        sb = b[j] if j < len(b) else None
+        if sa is not None and sa.kind == "none":
+            sa.run(); i += 1
+            continue
+        if sb is not None and sb.kind == "none":
+            sb.run(); j += 1
+            continue
+        if sa is not None and sb is not None and sa.kind != sb.kind:
+            comp, comm = (sa, sb) if sa.kind == "compute" else (sb, sa)
+            comp.run()
+            comm.run()
+            i += 1
+            j += 1
+        elif sa is not None and (sb is None or lead == 0):
+            sa.run(); i += 1
+        else:
+            sb.run(); j += 1
+
+
+# ------------------------------------------------------------------------------------------------
+# StagedModule and the public schedules
+# ------------------------------------------------------------------------------------------------
+
+class StagedModule(nn.Module):
+    """An nn.Module whose forward is a chain of compute / comm stages.
+
+    Subclasses implement:
+      stages() -> list of ComputeStage / CommStage (alternating is best, not required)
+      make_carry(*inputs) -> the first stage's carry
+      output_keys -> tuple of carry keys returned (in order) by forward
+    and may override input_keys_and_tensors(inputs) -> [(carry key, input tensor)] naming which
+    carry key's gradient belongs to which input (default: make_carry's keys, by identity).
+    """
+
+    output_keys: tuple = ("h",)
+
+    def stages(self) -> list:
+        raise NotImplementedError
+
+    def make_carry(self, *inputs) -> Carry:
+        raise NotImplementedError
+
+    def input_keys_and_tensors(self, inputs: tuple) -> list:
+        carry = self.make_carry(*inputs)
+        ids = {id(t): t for t in inputs if isinstance(t, torch.Tensor)}
+        return [(k, v) for k, v in carry.items() if isinstance(v, torch.Tensor) and id(v) in ids]
+
+    def start(self, *inputs, tag: str = "") -> Chain:
+        return Chain(self, self.stages(), inputs, self.make_carry(*inputs), tag)
+
+    def finish(self, chain: Chain):
+        """The chain's outputs, attached for autograd (a tensor, or a tuple if several)."""
+        outs = tuple(chain.carry[k] for k in self.output_keys)
+        chain.carry = {}
+        if chain.grad_enabled and any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
+            chain.output_keys = self.output_keys
+            # Detached inputs: the outer backward must not reach the last stage's graph, which
+            # the chain's own backward runs (a second traversal would find it freed).
+            outs = _Attach.apply(chain, *(o.detach().requires_grad_(o.requires_grad) for o in outs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def forward(self, *inputs):
+        chain = self.start(*inputs)
+        _interleave(chain.forward_steps(overlap=False), [])
+        return self.finish(chain)
+
+    @classmethod
+    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
+                                    output_grads1):
+        """DualPipe's hook; see commlib.pipeline.overlapped_forward_backward."""
+        return overlapped_forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
+                                           output_grads1)
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _run(a: list[Step], b: list[Step], overlap: bool, lead: int) -> None:
+    if overlap:
+        _interleave(a, b, lead)
+    else:  # the baseline: one micro-batch after the other, every communication stream-ordered
+        _interleave(a, [])
+        _interleave(b, [])
+
+
+def dual_forward(module: StagedModule, inputs0: Sequence, inputs1: Sequence, timeline: Optional[Timeline] = None,
+                 overlap: bool = True):
+    """Forward of two micro-batches through ``module``, one's communication overlapping the
+    other's compute. Returns (outputs0, outputs1), each attached for autograd like module(*inputs).
+    ``overlap=False`` runs micro-batch 0 then 1 with synchronous communication (the baseline)."""
+    c0, c1 = module.start(*inputs0, tag="0."), module.start(*inputs1, tag="1.")
+    _run(c0.forward_steps(overlap, timeline), c1.forward_steps(overlap, timeline), overlap, lead=0)
+    return module.finish(c0), module.finish(c1)
+
+
+def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timeline] = None,
+                  overlap: bool = True) -> None:
+    """Backward of two micro-batches (each: a loss with grads None, or outputs with their
+    gradients, as for torch.autograd.backward), one's communication overlapping the other's
+    compute. ``overlap=False``: micro-batch 0 then 1, synchronous communication."""
+    t0, t1 = _as_list(tensors0), _as_list(tensors1)
+    chain0 = _capture_output_grads(t0, grads0 if grads0 is None else _as_list(grads0))
+    chain1 = _capture_output_grads(t1, grads1 if grads1 is None else _as_list(grads1))
+    if chain0 is not None and not chain0.tag:
+        chain0.tag = "0."
+    if chain1 is not None and not chain1.tag:
+        chain1.tag = "1."
+    s0 = chain0.backward_steps(overlap, timeline) if chain0 is not None else []
+    s1 = chain1.backward_steps(overlap, timeline) if chain1 is not None else []
+    _run(s0, s1, overlap, lead=0)
+
+
+def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criterion0: Optional[Callable],
+                                labels0: Optional[Sequence], module1: StagedModule, loss1: Optional[torch.Tensor],
+                                outputs1: Optional[Sequence], output_grads1: Optional[Sequence],
+                                timeline: Optional[Timeline] = None, overlap: bool = True):
+    """Forward of micro-batch 0 through module0 interleaved with the backward of micro-batch 1
+    through module1 (DualPipe's ``overlapped_forward_backward`` contract).
+
+    loss1: micro-batch 1's loss (last pipeline stage), or None and then outputs1 / output_grads1
+    are module1's outputs and their gradients. The backward of the loss (criterion, head) up to
+    module1's outputs runs first, then module1's stages backward, paired with module0's stages
+    forward, then module1's input gradients are passed on (leaves get ``.grad``).
+    Returns (outputs0 as a list, loss0 = criterion0(*outputs0, *labels0) or None).
+    ``overlap=False``: the forward, then the backward, synchronous communication (the baseline).
+    """
+    if loss1 is not None:
+        chain1 = _capture_output_grads([loss1], None)
+        loss1.detach_()
+    elif outputs1:
+        chain1 = _capture_output_grads(list(outputs1), list(output_grads1))
+    else:
+        chain1 = None
+    if not isinstance(module0, StagedModule):
+        raise TypeError(f"overlapped_forward_backward: module0 must be a StagedModule, got {type(module0).__name__}")
+    chain0 = module0.start(*inputs0, tag="0.")
+    if chain1 is not None and not chain1.tag:
+        chain1.tag = "1."
+    b_steps = chain1.backward_steps(overlap, timeline) if chain1 is not None else []
+    # Backward leads: its first step (the last compute stage's backward, small) runs alone, so the
+    # forward's first compute (attention) pairs with the backward's first comm (combine').
+    _run(chain0.forward_steps(overlap, timeline), b_steps, overlap, lead=1)
+    outputs0 = module0.finish(chain0)
+    outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else list(outputs0)
+    loss0 = criterion0(*outputs0, *(labels0 or [])) if criterion0 is not None else None
+    return outputs0, loss0

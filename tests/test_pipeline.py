@@ -1,0 +1,272 @@
+"""commlib.pipeline and commlib.moe on CPU ranks: the staged MoE model equals the plain one and the
+single-process equivalent; the dual schedules (two forwards, two backwards, DualPipe's
+forward-with-backward hook) give the same outputs and gradients as running the micro-batches one
+after the other, bit for bit; the schedule pairs every comm step with a compute step; the
+overlap benchmark runs at tiny shapes.
+
+One world of 2 ranks runs every case (spawning ranks is the expensive part on CPU).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worlds import run_world
+
+WORLD = 2
+CASES = ["staged_equals_plain_and_single_process", "dual_forward_backward", "overlapped_forward_backward",
+         "schedule_pairs_comm_with_compute", "fp8_dispatch_stage", "inference_no_grad", "bench_overlap_smoke"]
+
+H, E, K, HEADS, LAYERS, SEQ, VOCAB = 64, 8, 2, 4, 2, 8, 40
+
+
+def _cfg(hidden=H, **kw):
+    from commlib.moe import MoEConfig
+    return MoEConfig(hidden=hidden, num_experts=E, topk=K, expert_hidden=32, num_groups=2, topk_groups=2,
+                     num_shared_experts=1, **kw)
+
+
+_BUFFERS = {}
+
+
+def _buf(ctx, hidden=H):
+    from commlib import Buffer
+    if hidden not in _BUFFERS:
+        cfg = Buffer.get_dispatch_config(ctx.world_size)
+        _BUFFERS[hidden] = Buffer(ctx.group, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(hidden * 2, ctx.world_size))
+    return _BUFFERS[hidden]
+
+
+def _model(ctx, buffer, vocab=VOCAB, seed=0, hidden=H, **cfg_kw):
+    from commlib.moe import MoEModel
+    torch.manual_seed(seed)
+    return MoEModel(_cfg(hidden, **cfg_kw), LAYERS, HEADS, buffer=buffer, num_ranks=ctx.world_size,
+                    vocab_size=vocab, max_seq_len=SEQ)
+
+
+def _tokens(ctx, batch_per_rank=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, VOCAB, (ctx.world_size * batch_per_rank, SEQ), generator=g)
+    return toks, toks[ctx.rank * batch_per_rank:(ctx.rank + 1) * batch_per_rank]
+
+
+def _loss(out):
+    return out.float().pow(2).mean()
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_grads(a, b, what):
+    assert a.keys() == b.keys(), f"{what}: different parameters got gradients"
+    for n in a:
+        assert torch.equal(a[n], b[n]), f"{what}: gradient of {n} differs (max {(a[n] - b[n]).abs().max()})"
+
+
+# ------------------------------------------------------------------ cases
+
+def case_staged_equals_plain_and_single_process(ctx):
+    import torch.distributed as dist
+    model = _model(ctx, _buf(ctx))
+    single = _model(ctx, None)
+    everything, mine = _tokens(ctx)
+    out = model(mine)
+    model.staged = False
+    out_plain = model(mine)
+    model.staged = True
+    assert torch.equal(out, out_plain), "staged and plain EP forwards differ"
+    B = mine.shape[0]
+    out_single = single(everything)[ctx.rank * B:(ctx.rank + 1) * B]
+    # Same rows reach the same experts in the same order and the emulated wire rounds like the
+    # real one, so the forward is bit-identical.
+    assert torch.equal(out, out_single), f"EP and single-process forwards differ: {(out - out_single).abs().max()}"
+
+    n_global = everything.numel()
+    (out.float().pow(2).sum() / n_global).backward()
+    g_staged = _grads(model)
+    model.zero_grad(set_to_none=True)
+    model.staged = False
+    (model(mine).float().pow(2).sum() / n_global).backward()
+    model.staged = True
+    _assert_same_grads(g_staged, _grads(model), "staged vs plain")
+
+    (single(everything).float().pow(2).sum() / n_global).backward()
+    L = E // ctx.world_size
+    for (name, p), (name_s, p_s) in zip(model.named_parameters(), single.named_parameters()):
+        assert name == name_s
+        grad = g_staged[name]
+        if "experts" in name:
+            ref = p_s.grad[ctx.rank * L:(ctx.rank + 1) * L]
+        else:
+            grad = grad.clone()
+            dist.all_reduce(grad)  # replicated parameters: sum the ranks' contributions
+            ref = p_s.grad
+        torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def case_dual_forward_backward(ctx):
+    from commlib import pipeline as P
+    model = _model(ctx, _buf(ctx))
+    _, mine = _tokens(ctx, batch_per_rank=2, seed=2)
+    mb0, mb1 = mine[:1], mine[1:]
+    s0, s1 = model(mb0), model(mb1)
+    _loss(s0).backward()
+    _loss(s1).backward()
+    g_seq = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    o0, o1 = P.dual_forward(model, (mb0,), (mb1,))
+    assert torch.equal(o0, s0) and torch.equal(o1, s1)
+    P.dual_backward(_loss(o0), None, _loss(o1), None)
+    _assert_same_grads(g_seq, _grads(model), "dual vs sequential")
+
+    # Outputs + gradients form (as a pipeline stage that is not last would call it).
+    model.zero_grad(set_to_none=True)
+    o0, o1 = P.dual_forward(model, (mb0,), (mb1,))
+    g0 = torch.autograd.grad(_loss(o0), o0)[0]
+    g1 = torch.autograd.grad(_loss(o1), o1)[0]
+    P.dual_backward(o0, g0, o1, g1)
+    _assert_same_grads(g_seq, _grads(model), "dual (outputs, grads) vs sequential")
+
+
+def case_overlapped_forward_backward(ctx):
+    """DualPipe's contract on a hidden-state chunk: inputs are leaves, input grads land in .grad."""
+    from commlib import pipeline as P
+    chunk = _model(ctx, _buf(ctx), vocab=None, seed=3)
+    g = torch.Generator().manual_seed(10 + ctx.rank)
+    h0 = torch.randn(1, SEQ, H, generator=g)
+    h1 = torch.randn(1, SEQ, H, generator=g)
+    target = torch.randn(1, SEQ, H, generator=g)
+
+    def criterion(out, tgt):
+        return (out.float() - tgt).pow(2).mean()
+
+    # Reference: micro-batch 1 forward + backward, micro-batch 0 forward, one after the other.
+    x1 = h1.clone().requires_grad_()
+    criterion(chunk(x1), target).backward()
+    ref_grads, ref_x1_grad = _grads(chunk), x1.grad.clone()
+    chunk.zero_grad(set_to_none=True)
+    x0 = h0.clone().requires_grad_()
+    ref_out0 = chunk(x0)
+
+    for mode in ("loss", "outputs"):
+        chunk.zero_grad(set_to_none=True)
+        x1 = h1.clone().requires_grad_()
+        out1 = chunk(x1)
+        x0 = h0.clone().requires_grad_()
+        if mode == "loss":       # last pipeline stage: DualPipe passes loss1 and no outputs
+            loss1 = criterion(out1, target)
+            outs0, loss0 = type(chunk).overlapped_forward_backward(chunk, [x0], criterion, [target],
+                                                                   chunk, loss1, [], [])
+            assert loss1.grad_fn is None  # detached, as DualPipe expects
+        else:                    # middle stage: outputs and their gradients
+            grad1 = torch.autograd.grad(criterion(out1, target), out1)[0]
+            outs0, loss0 = P.overlapped_forward_backward(chunk, [x0], None, None, chunk, None, [out1], [grad1])
+            assert loss0 is None
+        assert isinstance(outs0, list) and torch.equal(outs0[0], ref_out0)
+        assert outs0[0]._base is None  # DualPipe frees outputs and refuses views
+        _assert_same_grads(ref_grads, _grads(chunk), f"overlapped F/B ({mode}) vs sequential")
+        assert torch.equal(x1.grad, ref_x1_grad), f"input gradient of micro-batch 1 ({mode})"
+        # micro-batch 0's outputs stay attached: its backward later works as usual.
+        criterion(outs0[0], target).backward()
+        assert x0.grad is not None
+
+
+def case_schedule_pairs_comm_with_compute(ctx):
+    """Issue order (CPU timeline = host order): after the first step every comm step is issued
+    right after a compute step of the other micro-batch."""
+    from commlib import pipeline as P
+    model = _model(ctx, _buf(ctx))
+    _, mine = _tokens(ctx, batch_per_rank=2, seed=4)
+    tl = P.Timeline()
+    o0, o1 = P.dual_forward(model, (mine[:1],), (mine[1:],), timeline=tl)
+    fwd = [s["label"] for s in tl.spans()]
+    assert fwd[:4] == ["0.F.attn0", "1.F.attn0", "0.F.dispatch0", "0.F.experts0"], fwd
+    _check_pairs(fwd)
+    tl = P.Timeline()
+    P.dual_backward(_loss(o0), None, _loss(o1), None, timeline=tl)
+    _check_pairs([s["label"] for s in tl.spans()])
+
+    tl = P.Timeline()
+    out1 = model(mine[1:])
+    P.overlapped_forward_backward(model, [mine[:1]], _loss, [], model, _loss(out1), [], [], timeline=tl)
+    fb = [s["label"] for s in tl.spans()]
+    # DeepSeek-V3's pairing: attention with combine', dispatch with experts', experts with dispatch', ...
+    assert fb[:7] == ["1.B.finish", "0.F.attn0", "1.B.combine1", "1.B.experts1", "0.F.dispatch0",
+                      "0.F.experts0", "1.B.dispatch1"], fb
+    _check_pairs(fb)
+
+
+def _check_pairs(labels):
+    comm = ("dispatch", "combine")
+    for i, label in enumerate(labels):
+        if any(c in label for c in comm):
+            prev = labels[i - 1]
+            assert not any(c in prev for c in comm), f"{label} not paired with compute: {labels}"
+            assert prev.split(".")[0] != label.split(".")[0], f"{label} paired with its own micro-batch: {labels}"
+
+
+def case_fp8_dispatch_stage(ctx):
+    from commlib import pipeline as P
+    model = _model(ctx, _buf(ctx, 128), hidden=128, fp8_dispatch=True)
+    single = _model(ctx, None, hidden=128, fp8_dispatch=True)
+    everything, mine = _tokens(ctx, seed=5)
+    out = model(mine)
+    model.staged = False
+    out_plain = model(mine)
+    model.staged = True
+    assert torch.equal(out, out_plain)
+    B = mine.shape[0]
+    assert torch.equal(out, single(everything)[ctx.rank * B:(ctx.rank + 1) * B])
+    _loss(out).backward()
+    g_staged = _grads(model)
+    model.zero_grad(set_to_none=True)
+    o0, o1 = P.dual_forward(model, (mine[:1],), (mine[1:],))
+    assert torch.equal(o0, model(mine[:1]).detach()) and torch.equal(o1, model(mine[1:]).detach())
+    model.zero_grad(set_to_none=True)
+    model.staged = False
+    _loss(model(mine)).backward()
+    model.staged = True
+    _assert_same_grads(g_staged, _grads(model), "fp8 staged vs plain")
+
+
+def case_inference_no_grad(ctx):
+    from commlib import pipeline as P
+    model = _model(ctx, _buf(ctx))
+    _, mine = _tokens(ctx, seed=6)
+    with torch.no_grad():
+        ref0, ref1 = model(mine[:1]), model(mine[1:])
+        o0, o1 = P.dual_forward(model, (mine[:1],), (mine[1:],))
+    assert not o0.requires_grad
+    assert torch.equal(o0, ref0) and torch.equal(o1, ref1)
+
+
+def case_bench_overlap_smoke(ctx):
+    import importlib.util
+    import os
+    import tempfile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_overlap", os.path.join(root, "benchmarks", "bench_overlap.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = bench.parse_args(["--tokens", "16", "--hidden", "64", "--experts", "8", "--topk", "2",
+                                 "--expert-hidden", "32", "--heads", "4", "--layers", "1", "--warmup", "1",
+                                 "--iters", "2", "--out-dir", out_dir])
+        result = bench.run(ctx, args)
+        if ctx.rank == 0:
+            assert result["figures"]["forward"]["sequential_ms"] > 0
+            assert os.path.exists(result["json_path"])
+
+
+# ------------------------------------------------------------------ pytest entry
+
+@pytest.fixture(scope="module")
+def results():
+    return run_world(WORLD, "test_pipeline", CASES)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_pipeline(results, name):
+    assert results[name] is None, results[name]

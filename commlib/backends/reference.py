@@ -200,7 +200,7 @@ class ReferenceBackend(Backend):
                     "node-limited gate (commlib.routing.group_limited_topk) or raise the Buffer's max_nodes_per_token")
             rank_prefix = torch.cumsum(counts_all, dim=0).to(torch.int32)
             chan_prefix = L.channel_prefix_matrix(is_tir, C)
-            recv_chan_prefix = self._a2a_rows(chan_prefix.view(torch.uint8).view(R, -1).cpu(),
+            recv_chan_prefix = self._a2a_rows(chan_prefix.contiguous().view(torch.uint8).view(R, -1).cpu(),
                                               [1] * R, [1] * R).view(torch.int32).view(R, C)
         recv_counts = counts_all[:, me].tolist()
         num_recv = int(sum(recv_counts))

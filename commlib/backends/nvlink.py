@@ -1,0 +1,402 @@
+"""NVLink engine: dispatch / combine inside one node, kernels writing straight into peer memory.
+
+Legend: T tokens on this rank, H hidden, K top-k, E experts, L = E / R local experts, R ranks,
+C channels, N rows received.
+
+Peer memory: each rank cudaMallocs ONE buffer of ``num_nvl_bytes`` (CuPy's runtime, not torch's
+allocator, so the IPC handle covers exactly this allocation), zeroes it, and exchanges its
+cudaIpc handle with ``all_gather_object`` on the Buffer's group (NCCL or gloo: the group only
+carries these few bytes, never data). Works between processes sharing a GPU too.
+
+Buffer layout (every rank the same; csrc/common.cuh and commlib/kernels.py hold the offsets):
+  [0, CONTROL_BYTES)          progress / done words, notify slots (see csrc/notify.cu)
+  [CONTROL, CONTROL + B)      dispatch staging: [source rank][channel][slot] (csrc/dispatch.cu)
+  [CONTROL + B, CONTROL + 2B) combine staging: [source rank][channel][slot] (csrc/combine.cu)
+with B = (num_nvl_bytes - CONTROL_BYTES) / 2. Slots per (source, channel) are whatever fits
+(at least the config's num_max_nvl_chunked_recv_tokens when the buffer was sized with
+Config.get_nvl_buffer_size_hint).
+
+Calls never reset anything: kernels keep per-(kind, role, channel) sequence counters in device
+memory, so eager calls and CUDA-graph replays interleave freely as long as every rank makes the
+same calls in the same order (the DeepEP contract).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+from .. import kernels as K
+from ..config import CONTROL_BYTES
+from ..handle import DispatchHandle
+from ..layout import Layout, dispatch_layout
+from ..validate import CommlibError
+from .base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
+
+SLOT_ALIGN = 128          # staging slots never share a cache line (a line read early could be stale)
+SMID_KINDS = {"notify": 0, "dispatch": 1, "combine": 2}
+_MAX_LAYOUT_SHARED = 48 * 1024
+
+
+def _align(n: int, a: int = 16) -> int:
+    return (n + a - 1) // a * a
+
+
+def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Contiguous and 16-byte aligned (the kernels use 16-byte vectors; a sliced view may not be)."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+class NVLinkBackend(Backend):
+    """Intranode GPU backend over CUDA IPC peer pointers (see module docstring)."""
+
+    name = "nvlink"
+
+    def __init__(self, buffer) -> None:
+        super().__init__(buffer)
+        topo = self.topology
+        self.rank, self.num_ranks = topo.rank, topo.num_ranks
+        if topo.num_nodes != 1:
+            raise ValueError(f"[commlib rank {self.rank}] the nvlink backend serves one node, "
+                             f"the topology has {topo.num_nodes}")
+        if self.num_ranks > K.MAX_RANKS:
+            raise ValueError(f"[commlib rank {self.rank}] the nvlink backend supports at most {K.MAX_RANKS} "
+                             f"ranks per node, got {self.num_ranks}")
+        self.device = buffer.device
+        if self.device.type != "cuda":
+            raise ValueError(f"[commlib rank {self.rank}] the nvlink backend needs a CUDA device")
+        self.group = buffer.group
+        self.timeout_ns = int(float(buffer.timeout_s) * 1e9)
+        self.failed: Optional[str] = None
+        self._base: Optional[int] = None
+        self._peer_ptrs: dict[int, int] = {}
+        cp = K.cupy()
+        self.num_bytes = max(int(buffer.num_nvl_bytes), CONTROL_BYTES)
+        self.region_bytes = ((self.num_bytes - CONTROL_BYTES) // 2) // SLOT_ALIGN * SLOT_ALIGN
+        dev = self.device.index
+        with cp.cuda.Device(dev):
+            self._base = int(cp.cuda.runtime.malloc(self.num_bytes))
+            cp.cuda.runtime.memset(self._base, 0, self.num_bytes)
+            cp.cuda.runtime.deviceSynchronize()
+            handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self._base))
+        everyone: list = [None] * self.num_ranks
+        dist.all_gather_object(everyone, (handle, os.getpid(), dev), group=self.group)
+        bases = []
+        with cp.cuda.Device(dev):
+            for r, (h, _pid, _dev) in enumerate(everyone):
+                if r == self.rank:
+                    bases.append(self._base)
+                    continue
+                p = int(cp.cuda.runtime.ipcOpenMemHandle(h))
+                self._peer_ptrs[r] = p
+                bases.append(p)
+        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
+        self.seq_counters = torch.zeros(K.NUM_SEQ_COUNTERS, dtype=torch.int64, device=self.device)
+        self._layout_scratch: dict = {}  # per stream: [ticket, error word] int32
+        self._smids = torch.full((len(SMID_KINDS), 256), -1, dtype=torch.int32, device=self.device) \
+            if env.debug_smid() else None
+        self._smid_grid = {kind: 0 for kind in SMID_KINDS}
+        K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
+        torch.cuda.synchronize(self.device)
+        # Every rank has opened every handle before any kernel writes into a peer.
+        dist.all_gather_object([None] * self.num_ranks, self.rank, group=self.group)
+
+    # ------------------------------------------------------------------ lifecycle
+    def destroy(self) -> None:
+        """Close peer mappings and free this rank's buffer. Collective-free (safe from __del__)."""
+        if self._base is None:
+            return
+        cp = K.cupy()
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - a failed context still frees what it can
+            pass
+        with cp.cuda.Device(self.device.index):
+            for p in self._peer_ptrs.values():
+                try:
+                    cp.cuda.runtime.ipcCloseMemHandle(p)
+                except Exception:  # noqa: BLE001
+                    pass
+            try:
+                cp.cuda.runtime.free(self._base)
+            except Exception:  # noqa: BLE001
+                pass
+        self._peer_ptrs.clear()
+        self._base = None
+
+    def _alive(self) -> None:
+        if self._base is None:
+            raise CommlibError(f"[commlib rank {self.rank}] nvlink backend used after destroy()")
+        if self.failed:
+            raise CommlibError(f"[commlib rank {self.rank}] nvlink backend is unusable after an earlier failure: "
+                               f"{self.failed}")
+
+    def _host_read(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """The one device -> host copy of a call; a device-side timeout surfaces here."""
+        try:
+            return t.cpu()
+        except Exception as e:  # noqa: BLE001 - RuntimeError / torch.AcceleratorError from a trapped kernel
+            self.failed = f"{what}: {e}"
+            raise CommlibError(f"[commlib rank {self.rank}] {what} failed on the device (a peer did not "
+                               f"take part in time, or a kernel faulted; see the '[commlib] rank ... timeout' "
+                               f"line above): {e}") from e
+
+    # ------------------------------------------------------------------ debug
+    def _smid_ptr(self, kind: str, grid: int):
+        if self._smids is None:
+            return K.u64(0)
+        self._smid_grid[kind] = grid
+        return K.u64(self._smids[SMID_KINDS[kind]].data_ptr())
+
+    def last_smids(self, kind: str = "dispatch") -> list[int]:
+        """%smid of every CTA of the last ``kind`` launch (COMMLIB_DEBUG_SMID=1 only; syncs)."""
+        if self._smids is None:
+            raise RuntimeError("last_smids needs COMMLIB_DEBUG_SMID=1 when the Buffer is created")
+        n = self._smid_grid[kind]
+        return self._smids[SMID_KINDS[kind], :n].tolist()
+
+    def layout_error_count(self) -> int:
+        """Top-k ids outside [-1, E) the layout kernel has seen so far (syncs)."""
+        return int(sum(int(s[1].item()) for s in self._layout_scratch.values()))
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
+        R = self.num_ranks
+        T, Kk = topk_idx.shape
+        if (R + num_experts) * 4 > _MAX_LAYOUT_SHARED:  # huge expert counts: the torch version
+            return dispatch_layout(topk_idx, num_experts, self.topology)
+        topk = topk_idx.contiguous()
+        dev = self.device
+        ntpr = torch.empty(R, dtype=torch.int32, device=dev)
+        ntpe = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        tir = torch.empty((T, R), dtype=torch.bool, device=dev)
+        blocks = max(1, math.ceil(T / K.LAYOUT_THREADS))
+        partials = torch.empty(blocks * (R + num_experts), dtype=torch.int32, device=dev) if blocks > 1 else None
+        stream = torch.cuda.current_stream(dev)
+        scratch = self._layout_scratch.get(stream.cuda_stream)
+        if scratch is None:  # one ticket per stream: layouts on two streams must not share it
+            scratch = torch.zeros(2, dtype=torch.int32, device=dev)
+            self._layout_scratch[stream.cuda_stream] = scratch
+        K.launch("layout", "layout_kernel", blocks, K.LAYOUT_THREADS,
+                 (K.ptr(topk), K.i32(T), K.i32(Kk), K.i32(num_experts), K.i32(R),
+                  K.ptr(ntpr), K.ptr(ntpe), K.ptr(tir), K.ptr(partials), K.ptr(scratch)),
+                 shared_mem=(R + num_experts) * 4)
+        return Layout(ntpr, None, ntpe, tir)
+
+    # ------------------------------------------------------------------ geometry
+    def _capacity(self, slot_bytes: int, num_channels: int) -> int:
+        return self.region_bytes // (self.num_ranks * num_channels * slot_bytes)
+
+    def _check_channels(self, num_channels: int, num_tokens: int, slot_bytes: int, what: str) -> int:
+        if num_channels > K.MAX_CHANNELS:
+            raise ValueError(f"[commlib rank {self.rank}] {what}: {num_channels} channels, the nvlink backend "
+                             f"supports at most {K.MAX_CHANNELS} (num_sms <= {2 * K.MAX_CHANNELS})")
+        cap = self._capacity(slot_bytes, num_channels)
+        per = math.ceil(num_tokens / num_channels) if num_tokens else 0
+        if per > cap:
+            raise ValueError(f"[commlib rank {self.rank}] {what}: {num_tokens} tokens need {per} slots per channel, "
+                             f"the NVLink buffer ({self.num_bytes} bytes) holds {cap} slots of {slot_bytes} bytes "
+                             f"per (rank, channel); build the Buffer with a larger num_nvl_bytes "
+                             f"(Config.get_nvl_buffer_size_hint)")
+        return cap
+
+    @staticmethod
+    def _round(send_chunk: int, family: str) -> int:
+        """Tokens (rows) per published round: the config's send chunk, rounded to whole passes of
+        the sender's copy warps (every warp but the publisher)."""
+        warps = K.threads(family) // 32 - 1
+        return _align(max(1, int(send_chunk)), warps)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        self._alive()
+        R, me, dev = self.num_ranks, self.rank, self.device
+        x = _aligned(req.x)
+        T, H = x.shape
+        hidden_bytes = H * x.element_size()
+        if hidden_bytes % 16:
+            raise ValueError(f"[commlib rank {me}] nvlink dispatch: x rows must be a multiple of 16 bytes, "
+                             f"got hidden {H} x {x.element_size()} bytes")
+        scales = req.x_scales.contiguous() if req.x_scales is not None else None
+        S = scales.shape[1] if scales is not None else 0
+        cached = req.handle is not None
+        worst = int(req.num_worst_tokens)
+        if cached:
+            h = req.handle
+            if h.backend != self.name:
+                raise CommlibError(f"[commlib rank {me}] handle was made by backend {h.backend!r}, not {self.name!r}")
+            C, E = h.num_channels, h.num_experts
+            tir = h.is_token_in_rank
+            rpm, cpm, rcp = h.rank_prefix_matrix, h.channel_prefix_matrix, h.recv_channel_prefix_matrix
+            topk = weights = None
+        else:
+            C, E = req.config.num_channels, req.num_experts
+            tir = req.layout.is_token_in_rank.contiguous()
+            topk = req.topk_idx.contiguous() if req.topk_idx is not None else None
+            weights = req.topk_weights.contiguous() if req.topk_weights is not None else None
+        Kk = topk.shape[1] if topk is not None else 0
+        L = E // R
+        off_scales = _align(hidden_bytes)
+        off_meta = off_scales + _align(S * 4)
+        slot_bytes = _align(off_meta + 4 * (1 + 2 * Kk), SLOT_ALIGN)
+        cap = self._check_channels(C, T, slot_bytes, "dispatch")
+
+        host = None
+        counts = None
+        if not cached:
+            slot_words = K.notify_slot_words(R)
+            if K.NOTIFY_WORD_EXPERT + L > slot_words:
+                raise ValueError(f"[commlib rank {me}] nvlink dispatch: {L} experts per rank do not fit the count "
+                                 f"exchange slot ({slot_words - K.NOTIFY_WORD_EXPERT} at most)")
+            cpm = torch.empty((R, C), dtype=torch.int32, device=dev)
+            rpm = torch.empty((R, R), dtype=torch.int32, device=dev)
+            rcp = torch.empty((R, C), dtype=torch.int32, device=dev)
+            counts = torch.empty(K.HOST_COUNTS_EXPERT + L, dtype=torch.int32, device=dev)
+            layout = req.layout
+            K.launch("notify", "notify_kernel", 1, K.NOTIFY_THREADS,
+                     (K.ptr(tir), K.i32(T), K.ptr(layout.num_tokens_per_rank.contiguous()),
+                      K.ptr(layout.num_tokens_per_expert.contiguous()), K.ptr(topk), K.i32(Kk), K.i32(E),
+                      K.ptr(cpm), K.ptr(rpm), K.ptr(rcp), K.ptr(counts),
+                      K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C), K.i32(slot_words), K.i32(0),
+                      K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns)))
+            if not worst:
+                host = self._host_read(counts, "dispatch count exchange").tolist()
+                self._raise_bad_ids(host)
+                N = host[0]
+            else:
+                N = worst
+        else:
+            if worst:
+                N = worst
+            elif h.num_recv_tokens is not None:
+                N = int(h.num_recv_tokens)
+            else:
+                N = int(self._host_read(rpm[R - 1, me], "cached dispatch row count"))
+
+        recv_x = torch.empty((N, H), dtype=x.dtype, device=dev)
+        recv_scales = torch.empty((N, S), dtype=torch.float32, device=dev) if scales is not None else None
+        recv_src_idx = send_head = recv_topk_idx = recv_topk_w = None
+        if not cached:
+            recv_src_idx = torch.empty(N, dtype=torch.int32, device=dev)
+            send_head = torch.empty((T, R), dtype=torch.int32, device=dev)
+            if topk is not None:
+                recv_topk_idx = torch.empty((N, Kk), dtype=torch.int64, device=dev)
+                if weights is not None:
+                    recv_topk_w = torch.empty((N, Kk), dtype=torch.float32, device=dev)
+        num_sms = req.config.num_sms
+        flags = 0 if cached else 1
+        K.launch("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"),
+                 (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir),
+                  K.ptr(rpm), K.ptr(cpm), K.ptr(rcp),
+                  K.ptr(recv_x), K.ptr(recv_scales), K.ptr(recv_src_idx), K.ptr(recv_topk_idx), K.ptr(recv_topk_w),
+                  K.ptr(send_head),
+                  K.i32(T), K.i32(hidden_bytes // 16), K.i32(S), K.i32(Kk), K.i32(L), K.i32(N),
+                  K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C),
+                  K.u64(CONTROL_BYTES), K.i32(cap), K.i32(slot_bytes), K.i32(off_scales), K.i32(off_meta),
+                  K.i32(self._round(req.config.num_max_nvl_chunked_send_tokens, "dispatch")), K.i32(flags),
+                  # with num_worst_tokens the host never sees the counts: the kernel checks the error word
+                  K.u64(counts.data_ptr() + 4 * K.HOST_COUNTS["bad_rank"]) if (counts is not None and worst) else K.u64(0),
+                  K.ptr(self.seq_counters), self._smid_ptr("dispatch", num_sms), K.u64(self.timeout_ns)))
+
+        if cached:
+            handle = req.handle
+            self._count(handle.extra.get("send_counts"))
+            return DispatchResult(recv_x, recv_scales, None, None, None, handle)
+        extra = {}
+        per_expert: list = []
+        if host is not None:
+            sent = host[4:4 + R]
+            extra = {"send_counts": sent, "recv_counts": host[12:12 + R]}
+            self._count(sent)
+            a = req.expert_alignment
+            per_expert = [(c + a - 1) // a * a for c in host[K.HOST_COUNTS_EXPERT:K.HOST_COUNTS_EXPERT + L]]
+            if topk is None:
+                per_expert = [0] * L
+        handle = DispatchHandle(
+            rank_prefix_matrix=rpm, channel_prefix_matrix=cpm, recv_channel_prefix_matrix=rcp,
+            recv_src_idx=recv_src_idx, is_token_in_rank=tir, send_head=send_head,
+            topology=self.topology, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
+            num_recv_tokens=None if worst else N, num_worst_tokens=worst, backend=self.name, extra=extra)
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert, handle)
+
+    def _raise_bad_ids(self, host: list) -> None:
+        hc = K.HOST_COUNTS
+        bad_me, bad_rank, bad_value = host[hc["bad_me"]], host[hc["bad_rank"]], host[hc["bad_value"]]
+        if bad_me and bad_me != K.NOTIFY_REJECTED:
+            raise ValueError(f"[commlib rank {self.rank}] topk_idx holds expert ids outside [-1, num_experts) "
+                             f"({bad_me} of them); nothing was sent")
+        if bad_rank >= 0:
+            what = ("rejected its dispatch input" if bad_value == K.NOTIFY_REJECTED else
+                    f"has topk_idx with {bad_value} expert ids outside [-1, num_experts)")
+            raise ValueError(f"[commlib rank {self.rank}] dispatch aborted: rank {bad_rank} {what} "
+                             "(see the error on that rank); nothing was sent")
+
+    def on_rejected(self, op: int) -> None:
+        """The Buffer refused this rank's input (op 1 = dispatch, 2 = cached dispatch, 3 = combine).
+
+        For a dispatch the peers are (or will be) in the count exchange: take part in it with the
+        REJECTED word so they raise too (with num_worst_tokens they return all-padding outputs).
+        Cached dispatch and combine have no exchange: the peers time out (COMMLIB_TIMEOUT_S) with a
+        '[commlib] ... timeout' line naming this rank.
+        """
+        if op != 1 or self._base is None or self.failed:
+            return
+        R, dev = self.num_ranks, self.device
+        rpm = torch.empty((R, R), dtype=torch.int32, device=dev)
+        cpm = torch.empty((R, 1), dtype=torch.int32, device=dev)
+        rcp = torch.empty((R, 1), dtype=torch.int32, device=dev)
+        counts = torch.empty(K.HOST_COUNTS_EXPERT, dtype=torch.int32, device=dev)
+        K.launch("notify", "notify_kernel", 1, K.NOTIFY_THREADS,
+                 (K.u64(0), K.i32(0), K.u64(0), K.u64(0), K.u64(0), K.i32(0), K.i32(0),
+                  K.ptr(cpm), K.ptr(rpm), K.ptr(rcp), K.ptr(counts),
+                  K.ptr(self.peer_bases), K.i32(self.rank), K.i32(R), K.i32(1), K.i32(K.notify_slot_words(R)),
+                  K.i32(1), K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns)))
+
+    def _count(self, send_counts: Optional[list]) -> None:
+        if not send_counts:
+            return
+        for r, n in enumerate(send_counts):
+            key = "local_rows" if r == self.rank else "intranode_rows"
+            self.counters[key] += int(n)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, req: CombineRequest) -> CombineResult:
+        self._alive()
+        h = req.handle
+        R, me, dev = self.num_ranks, self.rank, self.device
+        if h.backend != self.name:
+            raise CommlibError(f"[commlib rank {me}] handle was made by backend {h.backend!r}, not {self.name!r}")
+        x = _aligned(req.x)
+        N, H = x.shape
+        hidden_bytes = H * x.element_size()
+        if x.dtype != torch.bfloat16 or hidden_bytes % 16:
+            raise ValueError(f"[commlib rank {me}] nvlink combine: x must be bf16 with hidden a multiple of 8, "
+                             f"got {x.dtype} hidden {H}")
+        T, C = h.num_tokens, h.num_channels
+        w = req.topk_weights.contiguous() if req.topk_weights is not None else None
+        Kk = w.shape[1] if w is not None else 0
+        biases = [_aligned(b) for b in req.bias] + [None, None]
+        off_w = _align(hidden_bytes)
+        slot_bytes = _align(off_w + 4 * Kk, SLOT_ALIGN)
+        cap = self._check_channels(C, T, slot_bytes, "combine")
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        out_w = torch.empty((T, Kk), dtype=torch.float32, device=dev) if w is not None else None
+        num_sms = req.config.num_sms
+        K.launch("combine", "combine_kernel", num_sms, K.threads("combine"),
+                 (K.ptr(x), K.ptr(w), K.ptr(h.send_head),
+                  K.ptr(h.rank_prefix_matrix), K.ptr(h.channel_prefix_matrix), K.ptr(h.recv_channel_prefix_matrix),
+                  K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(out), K.ptr(out_w),
+                  K.i32(T), K.i32(hidden_bytes // 16), K.i32(Kk),
+                  K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C),
+                  K.u64(CONTROL_BYTES + self.region_bytes), K.i32(cap), K.i32(slot_bytes), K.i32(off_w),
+                  K.i32(self._round(req.config.num_max_nvl_chunked_send_tokens, "combine")),
+                  K.ptr(self.seq_counters), self._smid_ptr("combine", num_sms), K.u64(self.timeout_ns)))
+        self._count(h.extra.get("recv_counts"))
+        return CombineResult(out, out_w)

@@ -1,0 +1,267 @@
+// combine.cu: return every received row to its token's home rank and sum each token's rows there.
+//
+// Grid: num_sms CTAs; CTA pair p serves channels p, p + num_sms/2, ... of the dispatch handle's
+// channel split. Even CTA = sender, odd CTA = receiver of the channel.
+//
+// Buffer regions (byte offsets from a rank's NVLink buffer base; common.cuh has the control ones):
+//   COMBINE region [src][c][slot]   at region_offset in home rank h's buffer, slot_bytes per slot:
+//       written by rank src's sender CTA c: slot i = the i-th row src received from h on channel c
+//       (those rows are contiguous in src's x: rank_prefix + recv_channel_prefix gives the range),
+//       read by h's receiver CTA c. Slot = [hidden bf16][K float32 weights].
+//   COMBINE_TAIL [src][c] u64 in h's buffer: (seq << 32) | rows written, release-stored by src's
+//       sender after each round; acquire-polled by h's receiver warps for the rows they need.
+//   COMBINE_DONE [h][c] u64 in src's buffer: = seq, release-stored by h's receiver CTA c after it
+//       read every slot; src's sender waits for seq - 1 before writing the next call's slots.
+//
+// Sender CTA: warps 0 .. W-2 copy rows (row j of the channel's concatenated per-destination list
+// goes to warp j % (W-1) within its round); warp W-1 publishes the tails after each round.
+// Receiver CTA: warp w sums tokens start + w, start + w + W, ...: for token t and each rank r in
+// rank order with send_head[t][r] >= 0, the row is x[send_head[t][me]] for r = me (no copy) and
+// staging slot send_head[t][r] - rank_prefix[me - 1][r] - channel_prefix[r][c] of source r
+// otherwise; acc = 0.f; acc += row (fp32, rank order); acc += bias0; acc += bias1; cast to bf16
+// (round to nearest even). The weights are summed the same way, in fp32.
+#include "common.cuh"
+
+#ifndef COMMLIB_COMBINE_THREADS
+#define COMMLIB_COMBINE_THREADS 1024
+#endif
+#ifndef COMMLIB_COMBINE_COPY_UNROLL
+#define COMMLIB_COMBINE_COPY_UNROLL 4  // sender: 16-byte vectors in flight per lane
+#endif
+#ifndef COMMLIB_COMBINE_SUM_UNROLL
+#define COMMLIB_COMBINE_SUM_UNROLL 2   // receiver: vectors per rank, two ranks' loads in flight at once
+#endif
+#define COMBINE_COPY_UNROLL COMMLIB_COMBINE_COPY_UNROLL
+#define COMBINE_SUM_UNROLL COMMLIB_COMBINE_SUM_UNROLL
+
+struct CombineArgs {
+    const int4* x; const float* topk_weights; const int* send_head;
+    const int* rank_prefix_matrix; const int* channel_prefix_matrix; const int* recv_channel_prefix_matrix;
+    const int4* bias0; const int4* bias1;
+    int4* combined_x; float* combined_topk_weights;
+    int num_tokens, hidden_int4, num_topk;
+    const u64* peer_bases; int rank, num_ranks, num_channels;
+    u64 region_offset; int slot_capacity, slot_bytes, slot_off_weights, round_rows;
+    u64 timeout_ns;
+};
+
+__device__ __forceinline__ u64 combine_slot(const CombineArgs& a, u64 base, int src, int c, int i) {
+    return base + a.region_offset +
+           ((u64)(src * a.num_channels + c) * (u64)a.slot_capacity + (u64)i) * (u64)a.slot_bytes;
+}
+
+__device__ __forceinline__ int rows_before_c(const int* rpm, int num_ranks, int s, int r) {
+    return s > 0 ? rpm[(s - 1) * num_ranks + r] : 0;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Sender
+// ------------------------------------------------------------------------------------------------
+
+__device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
+    __shared__ int s_dst[COMMLIB_MAX_RANKS], s_off[COMMLIB_MAX_RANKS + 1], s_base[COMMLIB_MAX_RANKS];
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int publisher = num_warps - 1, num_copy_warps = num_warps - 1;
+    const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk;
+    const u64 own = a.peer_bases[me];
+    const int* rpm = a.rank_prefix_matrix;
+    if (warp == publisher) {
+        const WaitSite site = {"combine", "combine done (previous call consumed)", me, c, false};
+        const bool active = lane < R && lane != me;
+        warp_wait_geq(flag_at(own, COMMLIB_OFF_COMBINE_DONE, (active ? lane : 0) * COMMLIB_MAX_CHANNELS + c),
+                      seq - 1, active, lane, site, a.timeout_ns);
+        if (lane == 0) {
+            // home ranks, starting after me so the ranks spread over the links
+            int off = 0;
+            for (int j = 0; j < R - 1; ++j) {
+                const int s = (me + 1 + j) % R;
+                const int before = rows_before_c(rpm, R, s, me);
+                const int total_s = rpm[s * R + me] - before;
+                const int lo = a.recv_channel_prefix_matrix[s * C + c];
+                const int hi = c + 1 < C ? a.recv_channel_prefix_matrix[s * C + c + 1] : total_s;
+                s_dst[j] = s;
+                s_off[j] = off;
+                s_base[j] = before + lo;
+                off += hi - lo;
+            }
+            s_off[R - 1] = off;
+        }
+    }
+    __syncthreads();
+    const int num_items = s_off[R - 1];
+    for (int round_start = 0; round_start < num_items; round_start += a.round_rows) {
+        const int round_end = min(round_start + a.round_rows, num_items);
+        if (warp != publisher) {
+            int j = 0;
+            for (int item = round_start + warp; item < round_end; item += num_copy_warps) {
+                while (item >= s_off[j + 1]) ++j;
+                const int i = item - s_off[j];
+                const int row = s_base[j] + i;
+                const u64 slot = combine_slot(a, a.peer_bases[s_dst[j]], me, c, i);
+                const float wv = (a.topk_weights != nullptr && lane < K) ? __ldg(a.topk_weights + (i64)row * K + lane) : 0.f;
+                const int4* src = a.x + (i64)row * a.hidden_int4;
+                int4* dst = reinterpret_cast<int4*>(slot);
+                for (int v0 = lane; v0 < a.hidden_int4; v0 += 32 * COMBINE_COPY_UNROLL) {
+                    int4 v[COMBINE_COPY_UNROLL];
+#pragma unroll
+                    for (int u = 0; u < COMBINE_COPY_UNROLL; ++u)
+                        if (v0 + u * 32 < a.hidden_int4) v[u] = ld_nc_v4(src + v0 + u * 32);
+#pragma unroll
+                    for (int u = 0; u < COMBINE_COPY_UNROLL; ++u)
+                        if (v0 + u * 32 < a.hidden_int4) st_na_v4(dst + v0 + u * 32, v[u]);
+                }
+                if (a.topk_weights != nullptr && lane < K) reinterpret_cast<float*>(slot + a.slot_off_weights)[lane] = wv;
+            }
+        }
+        __syncthreads();  // the round's rows are issued; the release below covers them
+        if (warp == publisher && lane < R - 1) {
+            const int lo = s_off[lane], hi = s_off[lane + 1];
+            if (round_start < hi && round_end > lo)  // this round wrote rows for destination lane
+                st_release_sys(flag_at(a.peer_bases[s_dst[lane]], COMMLIB_OFF_COMBINE_TAIL, me * COMMLIB_MAX_CHANNELS + c),
+                               tail_word(seq, (u32)(min(round_end, hi) - lo)));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Receiver
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void load_vectors(int4 (&v)[COMBINE_SUM_UNROLL], const int4* p, int i, int n) {
+#pragma unroll
+    for (int u = 0; u < COMBINE_SUM_UNROLL; ++u)
+        v[u] = (i + u * 32 < n) ? ld_nc_v4(p + i + u * 32) : make_int4(0, 0, 0, 0);
+}
+
+__device__ void combine_recv(const CombineArgs& a, int c, u64 seq) {
+    __shared__ u64 s_row_all[32][COMMLIB_MAX_RANKS];  // per warp: row pointer of each rank
+    __shared__ u64 s_w_all[32][COMMLIB_MAX_RANKS];    // per warp: weights pointer of each rank
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk;
+    const int H4 = a.hidden_int4;
+    const u64 own = a.peer_bases[me];
+    u64* s_row = s_row_all[warp];
+    u64* s_w = s_w_all[warp];
+    int start, end;
+    channel_range(a.num_tokens, C, c, &start, &end);
+
+    // lane r < R: where rank r's rows for this channel start in my staging
+    const int r_lane = lane < R ? lane : 0;
+    const int slot_base = lane < R ? rows_before_c(a.rank_prefix_matrix, R, me, r_lane) + a.channel_prefix_matrix[r_lane * C + c] : 0;
+    const u64* tail = flag_at(own, COMMLIB_OFF_COMBINE_TAIL, r_lane * COMMLIB_MAX_CHANNELS + c);
+    const WaitSite site = {"combine", "combine tail (sender progress)", me, c, true};
+    u32 ready = 0;  // lane r: rows of rank r acquired so far
+
+    for (int t = start + warp; t < end; t += num_warps) {
+        const int h = lane < R ? __ldg(a.send_head + (i64)t * R + lane) : -1;
+        const bool valid = h >= 0;
+        const u32 vmask = __ballot_sync(FULL_MASK, valid);
+        u32 need = 0;
+        if (valid) {
+            if (lane == me) {
+                s_row[lane] = (u64)(a.x + (i64)h * H4);
+                s_w[lane] = (u64)(a.topk_weights + (i64)h * K);
+            } else {
+                const int i = h - slot_base;
+                const u64 slot = combine_slot(a, own, lane, c, i);
+                s_row[lane] = slot;
+                s_w[lane] = slot + a.slot_off_weights;
+                need = (u32)(i + 1);
+            }
+        }
+        if (__any_sync(FULL_MASK, need > ready)) {
+            const bool act = need > ready;
+            const u64 v = warp_wait_geq(tail, tail_word(seq, need), act, r_lane, site, a.timeout_ns);
+            if (act) ready = (u32)v;
+        }
+        __syncwarp();
+        // weights first: their loads overlap the rows'; summed in rank order like the rows
+        float wsum = 0.f;
+        if (a.combined_topk_weights != nullptr && lane < K) {
+            float wr[COMMLIB_MAX_RANKS];
+#pragma unroll
+            for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+                wr[r] = ((vmask >> r) & 1u) ? __ldcg(reinterpret_cast<const float*>(s_w[r]) + lane) : 0.f;
+#pragma unroll
+            for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+                if ((vmask >> r) & 1u) wsum = add_rn(wsum, wr[r]);
+        }
+
+        const int4* b0 = a.bias0 != nullptr ? a.bias0 + (i64)t * H4 : nullptr;
+        const int4* b1 = a.bias1 != nullptr ? a.bias1 + (i64)t * H4 : nullptr;
+        int4* out = a.combined_x + (i64)t * H4;
+        for (int i = lane; i < H4; i += 32 * COMBINE_SUM_UNROLL) {
+            float acc[COMBINE_SUM_UNROLL][8];
+#pragma unroll
+            for (int u = 0; u < COMBINE_SUM_UNROLL; ++u)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+            u32 m = vmask;
+            while (m) {  // two ranks at a time: their loads are in flight together; adds stay in rank order
+                const int ra = __ffs(m) - 1;
+                m &= m - 1;
+                int4 va[COMBINE_SUM_UNROLL], vb[COMBINE_SUM_UNROLL];
+                load_vectors(va, reinterpret_cast<const int4*>(s_row[ra]), i, H4);
+                const bool two = m != 0;
+                if (two) {
+                    const int rb = __ffs(m) - 1;
+                    m &= m - 1;
+                    load_vectors(vb, reinterpret_cast<const int4*>(s_row[rb]), i, H4);
+                }
+#pragma unroll
+                for (int u = 0; u < COMBINE_SUM_UNROLL; ++u) acc_bf16x8(acc[u], va[u]);
+                if (two) {
+#pragma unroll
+                    for (int u = 0; u < COMBINE_SUM_UNROLL; ++u) acc_bf16x8(acc[u], vb[u]);
+                }
+            }
+            if (b0 != nullptr) {
+                int4 vb0[COMBINE_SUM_UNROLL];
+                load_vectors(vb0, b0, i, H4);
+#pragma unroll
+                for (int u = 0; u < COMBINE_SUM_UNROLL; ++u) acc_bf16x8(acc[u], vb0[u]);
+            }
+            if (b1 != nullptr) {
+                int4 vb1[COMBINE_SUM_UNROLL];
+                load_vectors(vb1, b1, i, H4);
+#pragma unroll
+                for (int u = 0; u < COMBINE_SUM_UNROLL; ++u) acc_bf16x8(acc[u], vb1[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < COMBINE_SUM_UNROLL; ++u)
+                if (i + u * 32 < H4) st_na_v4(out + i + u * 32, pack_bf16x8(acc[u]));
+        }
+        if (a.combined_topk_weights != nullptr && lane < K) a.combined_topk_weights[(i64)t * K + lane] = wsum;
+        __syncwarp();  // s_row / s_w are rewritten by the next token
+    }
+    __syncthreads();  // every slot of this channel is read: hand them back to the senders
+    if (warp == 0 && lane < R && lane != me)
+        st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_COMBINE_DONE, me * COMMLIB_MAX_CHANNELS + c), seq);
+}
+
+extern "C" __global__ void __launch_bounds__(COMMLIB_COMBINE_THREADS, 1) combine_kernel(
+    const int4* x, const float* topk_weights, const int* send_head,
+    const int* rank_prefix_matrix, const int* channel_prefix_matrix, const int* recv_channel_prefix_matrix,
+    const int4* bias0, const int4* bias1, int4* combined_x, float* combined_topk_weights,
+    int num_tokens, int hidden_int4, int num_topk,
+    const u64* peer_bases, int rank, int num_ranks, int num_channels,
+    u64 region_offset, int slot_capacity, int slot_bytes, int slot_off_weights, int round_rows,
+    u64* seq_counters, u32* smids, u64 timeout_ns) {
+    const CombineArgs a = {x, topk_weights, send_head, rank_prefix_matrix, channel_prefix_matrix,
+                           recv_channel_prefix_matrix, bias0, bias1, combined_x, combined_topk_weights,
+                           num_tokens, hidden_int4, num_topk, peer_bases, rank, num_ranks, num_channels,
+                           region_offset, slot_capacity, slot_bytes, slot_off_weights, round_rows, timeout_ns};
+    __shared__ u64 s_seq;
+    if (smids != nullptr && threadIdx.x == 0) smids[blockIdx.x] = get_smid();
+    const int role = blockIdx.x & 1;
+    const int num_pairs = gridDim.x >> 1;
+    for (int c = blockIdx.x >> 1; c < num_channels; c += num_pairs) {
+        if (threadIdx.x == 0) s_seq = read_seq(seq_counters, COMMLIB_SEQ_COMBINE, role, c);
+        __syncthreads();
+        const u64 seq = s_seq;
+        if (role == 0) combine_send(a, c, seq);
+        else combine_recv(a, c, seq);
+        __syncthreads();
+        if (threadIdx.x == 0) seq_counters[COMMLIB_SEQ_INDEX(COMMLIB_SEQ_COMBINE, role, c)] = seq;
+    }
+}

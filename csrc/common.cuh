@@ -1,0 +1,243 @@
+// common.cuh: the device helpers every commlib kernel shares (PTX wrappers, waits, bf16 math).
+//
+// Compiled by NVRTC through CuPy (commlib/kernels.py), which pastes this file in front of each
+// kernel family, so it uses no host headers: only builtin types (int4, ...) and inline PTX.
+// kernels.py also defines the buffer-layout constants (COMMLIB_OFF_*) with -D; the defaults below
+// only let `nvcc -c csrc/X.cu` check a file on its own.
+//
+// COMMLIB_PLAIN=1 swaps the cache-hinted 16-byte loads/stores for plain C++ ones, so a benchmark
+// can show what the hints buy (COMMLIB_PLAIN_LDST=1 at run time picks that build).
+#pragma once
+
+#if !defined(__CUDACC_RTC__)
+#include <cstdio>  // nvcc checks only; NVRTC has device printf built in
+#endif
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef long long i64;
+
+#ifndef COMMLIB_PLAIN
+#define COMMLIB_PLAIN 0
+#endif
+
+// Limits shared with commlib/kernels.py (it passes the same numbers with -D).
+#ifndef COMMLIB_MAX_RANKS
+#define COMMLIB_MAX_RANKS 8          // NVLink peers of one node; rank masks fit one byte
+#endif
+#ifndef COMMLIB_MAX_CHANNELS
+#define COMMLIB_MAX_CHANNELS 128     // num_sms <= 256
+#endif
+// Control region (the first CONTROL_BYTES of every rank's buffer), byte offsets.
+#ifndef COMMLIB_OFF_DISPATCH_TAIL
+#define COMMLIB_OFF_DISPATCH_TAIL 0          // u64 [src rank][channel]: sender progress, written by src
+#define COMMLIB_OFF_DISPATCH_DONE 8192       // u64 [dst rank][channel]: "consumed up to seq", written by dst
+#define COMMLIB_OFF_COMBINE_TAIL 16384       // u64 [src rank][channel]
+#define COMMLIB_OFF_COMBINE_DONE 24576       // u64 [dst rank][channel]
+#define COMMLIB_OFF_NOTIFY_FLAG 32768        // u64 [parity][src rank]
+#define COMMLIB_OFF_NOTIFY_DATA 36864        // int [parity][src rank][slot_words]
+#endif
+// Notify slot words (int32 offsets inside one source's slot).
+#define COMMLIB_NW_NTPR 0                    // [R] the source's num_tokens_per_rank
+#define COMMLIB_NW_BAD 8                     // bad top-k ids the source saw
+#define COMMLIB_NW_CPM 16                    // [C] the source's channel prefix towards this rank
+#define COMMLIB_NW_EXPERT (16 + COMMLIB_MAX_CHANNELS)  // [L] the source's tokens per local expert
+
+// Sequence counters (kernels.py sizes the array): u64 [kind][role][channel].
+#define COMMLIB_SEQ_DISPATCH 0
+#define COMMLIB_SEQ_COMBINE 1
+#define COMMLIB_SEQ_NOTIFY 2
+#define COMMLIB_SEQ_INDEX(kind, role, channel) (((kind) * 2 + (role)) * COMMLIB_MAX_CHANNELS + (channel))
+
+#define FULL_MASK 0xffffffffu
+
+// ------------------------------------------------------------------------------------------------
+// Identity and time
+// ------------------------------------------------------------------------------------------------
+
+// Which SM this CTA runs on: the debug mode records it so a test can prove the SM budget.
+__device__ __forceinline__ u32 get_smid() {
+    u32 id;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+    return id;
+}
+
+// Nanoseconds on a clock shared by all SMs (clock64 is per SM and stops when the SM idles), so a
+// wait's deadline means the same on every CTA. It ticks coarsely (~1 us), fine for timeouts.
+__device__ __forceinline__ u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Bulk data: 16-byte vectors
+// ------------------------------------------------------------------------------------------------
+
+// Load of data nobody writes during this kernel, or written before an acquire we already did:
+//   .nc                read-only (texture) path: does not compete with the coherent L1 traffic
+//   .L1::no_allocate   the row is used once; keeping it in L1 only evicts things we reuse
+//   .L2::256B          prefetch the whole 256-byte sector group: rows are read front to back
+// asm volatile keeps it after the acquire loads that guard it (the compiler must not hoist it).
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+#if COMMLIB_PLAIN
+    return *p;  // ld.global: may allocate in L1, no prefetch hint
+#else
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#endif
+}
+
+// Store of a row nobody on this SM reads again: .L1::no_allocate skips L1. To a peer pointer this
+// is a posted NVLink write; ordering against the progress word comes from the release store.
+__device__ __forceinline__ void st_na_v4(int4* p, int4 v) {
+#if COMMLIB_PLAIN
+    *p = v;     // st.global: default (write-back) policy
+#else
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#endif
+}
+
+// Small fields (scales, ids, weights): plain volatile accesses keep program order against the
+// asm volatile data path without pulling them through a cache we do not reuse.
+template <typename T>
+__device__ __forceinline__ T ld_volatile(const T* p) { return *(const volatile T*)p; }
+template <typename T>
+__device__ __forceinline__ void st_volatile(T* p, T v) { *(volatile T*)p = v; }
+
+// ------------------------------------------------------------------------------------------------
+// Flags between GPUs
+// ------------------------------------------------------------------------------------------------
+
+// Publish progress to another GPU: every write this thread performed (and, through the CTA
+// barrier before it, every write of the CTA) becomes visible system-wide before the flag does.
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+
+// Read a flag another GPU publishes: later loads of this thread cannot be satisfied before it
+// (so they see the rows the flag announces). The "memory" clobber stops compiler reordering too.
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// What a wait is for, printed when it times out.
+struct WaitSite {
+    const char* kernel;   // "dispatch", "combine", "notify"
+    const char* counter;  // "dispatch tail", "dispatch done", ...
+    int rank;             // this rank
+    int channel;          // channel, -1 if none
+    bool is_tail;         // the word is (seq << 32) | count (printed as such), else a plain sequence flag
+};
+
+// Warp-wide wait: each lane waits until *p_lane >= expected_lane (lanes with active == false only
+// take part). Every lane does its own acquire load, so every lane may read the data afterwards.
+// The loop exits for the whole warp at once; on timeout one lane names what it waited for
+// (rank, channel, counter, the peer rank = `peer`, expected vs seen; a progress word v is printed
+// as seq = v >> 32 and count = v & 0xffffffff) and the kernel traps. Returns this lane's last value.
+__device__ __noinline__ u64 warp_wait_geq(const u64* p_lane, u64 expected_lane, bool active, int peer,
+                                          WaitSite site, u64 timeout_ns) {
+    u64 seen = active ? ld_acquire_sys(p_lane) : 0;
+    bool ok = !active || seen >= expected_lane;
+    if (__all_sync(FULL_MASK, ok)) return seen;
+    const u64 start = global_timer_ns();
+    while (true) {
+        if (!ok) {
+            seen = ld_acquire_sys(p_lane);
+            ok = seen >= expected_lane;
+        }
+        if (__all_sync(FULL_MASK, ok)) return seen;
+        const bool late = global_timer_ns() - start > timeout_ns;
+        const u32 late_mask = __ballot_sync(FULL_MASK, late && !ok);
+        if (late_mask) {
+            const int lane = threadIdx.x & 31;
+            if (lane == __ffs(late_mask) - 1) {
+                if (site.is_tail)
+                    printf("[commlib] rank %d timeout in %s channel %d waiting for %s from rank %d: "
+                           "expected seq %llu count >= %llu, seen seq %llu count %llu\n",
+                           site.rank, site.kernel, site.channel, site.counter, peer, expected_lane >> 32,
+                           expected_lane & 0xffffffffull, seen >> 32, seen & 0xffffffffull);
+                else
+                    printf("[commlib] rank %d timeout in %s channel %d waiting for %s from rank %d: "
+                           "expected >= %llu, seen %llu\n",
+                           site.rank, site.kernel, site.channel, site.counter, peer, expected_lane, seen);
+            }
+            __syncwarp();
+            asm volatile("trap;");
+        }
+    }
+}
+
+// Progress words pack (seq << 32) | count so a stale word from an older call always compares
+// smaller than any word of this call: no reset is ever needed.
+__device__ __forceinline__ u64 tail_word(u64 seq, u32 count) { return (seq << 32) | (u64)count; }
+
+// ------------------------------------------------------------------------------------------------
+// BF16 <-> FP32 without cuda_bf16.h (NVRTC has no host headers; these are exact/IEEE)
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float bf16_lo(u32 pair) { return __uint_as_float(pair << 16); }
+__device__ __forceinline__ float bf16_hi(u32 pair) { return __uint_as_float(pair & 0xffff0000u); }
+
+// IEEE round-to-nearest add that ignores -ftz (CuPy compiles with -ftz=true; torch does not flush
+// denormals, and combine must match torch bit for bit). Also never fused into an FMA.
+__device__ __forceinline__ float add_rn(float a, float b) {
+    float c;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
+    return c;
+}
+
+// Two floats -> two bf16 (round to nearest even, what torch's .to(bfloat16) does): lo in bits 0-15.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Accumulate 8 bf16 (one int4) into acc[0..7].
+__device__ __forceinline__ void acc_bf16x8(float* acc, int4 v) {
+    acc[0] = add_rn(acc[0], bf16_lo((u32)v.x)); acc[1] = add_rn(acc[1], bf16_hi((u32)v.x));
+    acc[2] = add_rn(acc[2], bf16_lo((u32)v.y)); acc[3] = add_rn(acc[3], bf16_hi((u32)v.y));
+    acc[4] = add_rn(acc[4], bf16_lo((u32)v.z)); acc[5] = add_rn(acc[5], bf16_hi((u32)v.z));
+    acc[6] = add_rn(acc[6], bf16_lo((u32)v.w)); acc[7] = add_rn(acc[7], bf16_hi((u32)v.w));
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+    int4 v;
+    v.x = (int)pack_bf16x2(acc[0], acc[1]);
+    v.y = (int)pack_bf16x2(acc[2], acc[3]);
+    v.z = (int)pack_bf16x2(acc[4], acc[5]);
+    v.w = (int)pack_bf16x2(acc[6], acc[7]);
+    return v;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Small helpers
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
+__device__ __forceinline__ u32 lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
+
+// Channel c owns tokens [c * per, min((c + 1) * per, T)) with per = ceil(T / C) (layout.channel_starts).
+__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int c, int* start, int* end) {
+    const int per = (num_tokens + num_channels - 1) / num_channels;
+    const int s = min(c * per, num_tokens);
+    *start = s;
+    *end = min(s + per, num_tokens);
+}
+
+__device__ __forceinline__ u64* flag_at(u64 base, u64 offset, int index) {
+    return reinterpret_cast<u64*>(base + offset) + index;
+}
+
+// The per-CTA sequence number of this call for (kind, role, channel): the counters live in local
+// device memory, so CUDA-graph replays advance them too, and every rank runs the same calls.
+__device__ __forceinline__ u64 read_seq(const u64* seq_counters, int kind, int role, int channel) {
+    return seq_counters[COMMLIB_SEQ_INDEX(kind, role, channel)] + 1;
+}

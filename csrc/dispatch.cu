@@ -1,0 +1,400 @@
+// dispatch.cu: move each token once to every rank that holds one of its experts (one node, NVLink).
+//
+// Grid: num_sms CTAs; CTA pair p = blockIdx.x / 2 serves channels p, p + num_sms/2, ... (one in the
+// usual case). Even CTA = sender, odd CTA = receiver of the channel. Channel c owns the token range
+// channel_range(T, C, c) of every rank.
+//
+// Buffer regions (byte offsets from a rank's NVLink buffer base; common.cuh has the control ones):
+//   DISPATCH region [src][c][slot]   at region_offset in rank d's buffer, slot_bytes per slot:
+//       written by rank src's sender CTA c (slot i = the i-th token of channel c that goes to d),
+//       read by rank d's receiver CTA c. No ring: a call never reuses a slot, so senders never wait
+//       for receivers inside a call. Slot = [hidden bytes][FP8 scales][meta: src token, K local
+//       expert ids (int32, -1 elsewhere), K weights (0 elsewhere)].
+//   DISPATCH_TAIL [src][c] u64 in rank d's buffer: (seq << 32) | tokens written, release-stored by
+//       src's sender after each round of round_tokens tokens; acquire-polled by d's receiver.
+//   DISPATCH_DONE [d][c] u64 in rank src's buffer: = seq, release-stored by d's receiver CTA c once
+//       it has copied everything src sent it on channel c; src's sender waits for seq - 1 before its
+//       first write of the next call (the only cross-call dependency: no resets, no barriers).
+// Local destination: the sender copies x straight into recv_x (no staging), in the same warp pass
+// that pushes the token to the peers, so x is read once.
+//
+// Sender CTA: warps 0 .. W-2 copy tokens (token j of the channel with a destination goes to warp
+// j % (W-1)); warp W-1 publishes tails after each round's __syncthreads (its release fence
+// overlaps the next round's copies) and writes send_head. Every warp scans the round's
+// is_token_in_rank rows with ballots itself, so no shared scan state and no extra barriers.
+// Receiver CTA: all warps copy rows from the staging slots into recv_x (row = rank_prefix of the
+// source + recv_channel_prefix + i), converting nothing: the sender already wrote local ids.
+// Rows past the received count (num_worst_tokens) are padded by the receiver CTAs.
+#include "common.cuh"
+
+#ifndef COMMLIB_DISPATCH_THREADS
+#define COMMLIB_DISPATCH_THREADS 1024
+#endif
+#ifndef COMMLIB_DISPATCH_UNROLL
+#define COMMLIB_DISPATCH_UNROLL 4      // 16-byte vectors in flight per lane
+#endif
+#ifndef COMMLIB_LOCAL_IN_RECEIVER
+#define COMMLIB_LOCAL_IN_RECEIVER 1    // 1: the receiver CTA copies the local half (x -> recv_x), the sender only pushes
+#endif
+#define DISPATCH_UNROLL COMMLIB_DISPATCH_UNROLL
+
+#define DISPATCH_FLAG_WRITE_HANDLE 1  // write send_head and recv_src_idx (non-cached mode)
+
+struct DispatchArgs {
+    const int4* x; const float* x_scales; const i64* topk_idx; const float* topk_weights;
+    const unsigned char* is_token_in_rank;
+    const int* rank_prefix_matrix; const int* channel_prefix_matrix; const int* recv_channel_prefix_matrix;
+    int4* recv_x; float* recv_x_scales; int* recv_src_idx; i64* recv_topk_idx; float* recv_topk_weights;
+    int* send_head;
+    int num_tokens, hidden_int4, num_scales, num_topk, num_local_experts, num_out_rows;
+    const u64* peer_bases; int rank, num_ranks, num_channels;
+    u64 region_offset; int slot_capacity, slot_bytes, slot_off_scales, slot_off_meta;
+    int round_tokens, flags;
+    u64 timeout_ns;
+};
+
+// Rows [first, num_out_rows) = 0 / -1 / 0 (num_worst_tokens padding), spread over channels and warps.
+__device__ void dispatch_pad(const DispatchArgs& a, int c, int first) {
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int K = a.num_topk, S = a.num_scales;
+    const int4 zero = make_int4(0, 0, 0, 0);
+    for (int row = first + c * num_warps + warp; row < a.num_out_rows; row += a.num_channels * num_warps) {
+        int4* dst = a.recv_x + (i64)row * a.hidden_int4;
+        for (int i = lane; i < a.hidden_int4; i += 32) st_na_v4(dst + i, zero);
+        for (int k = lane; k < S; k += 32) a.recv_x_scales[(i64)row * S + k] = 0.f;
+        if (lane == 0 && (a.flags & DISPATCH_FLAG_WRITE_HANDLE)) a.recv_src_idx[row] = -1;
+        if (a.recv_topk_idx != nullptr && lane < K) {
+            a.recv_topk_idx[(i64)row * K + lane] = -1;
+            if (a.recv_topk_weights != nullptr) a.recv_topk_weights[(i64)row * K + lane] = 0.f;
+        }
+    }
+}
+
+__device__ __forceinline__ u64 dispatch_slot(const DispatchArgs& a, u64 base, int src, int c, int i) {
+    return base + a.region_offset +
+           ((u64)(src * a.num_channels + c) * (u64)a.slot_capacity + (u64)i) * (u64)a.slot_bytes;
+}
+
+// rank_prefix_matrix[s - 1][r]: rows rank r receives from ranks before s.
+__device__ __forceinline__ int rows_before(const int* rpm, int num_ranks, int s, int r) {
+    return s > 0 ? rpm[(s - 1) * num_ranks + r] : 0;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Sender
+// ------------------------------------------------------------------------------------------------
+
+// One warp copies token `tok` to every rank in dmask. Lane r < R holds slot_r (its index among the
+// channel's tokens for rank r). s_dst: this warp's scratch (destination row of each rank).
+__device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c, int tok, u32 dmask, int my_slot,
+                                                    int local_base, u64* s_dst) {
+    const int lane = lane_id();
+    const int R = a.num_ranks, K = a.num_topk, S = a.num_scales;
+    // The small fields are loaded first: their latency overlaps the row's instead of adding to it.
+    float sc0 = 0.f, sc1 = 0.f;
+    if (lane < S) sc0 = __ldg(a.x_scales + (i64)tok * S + lane);
+    if (lane + 32 < S) sc1 = __ldg(a.x_scales + (i64)tok * S + lane + 32);
+    i64 e = -1;
+    float w = 0.f;
+    if (lane < K) {
+        e = __ldg(a.topk_idx + (i64)tok * K + lane);
+        if (a.topk_weights != nullptr) w = __ldg(a.topk_weights + (i64)tok * K + lane);
+    }
+    if (lane < R && ((dmask >> lane) & 1u)) {
+        u64 dst;
+        if (lane == a.rank) {
+            const int row = local_base + my_slot;
+            dst = row < a.num_out_rows ? (u64)(a.recv_x + (i64)row * a.hidden_int4) : 0;  // 0: overflow, drop
+        } else {
+            dst = dispatch_slot(a, a.peer_bases[lane], a.rank, c, my_slot);
+        }
+        s_dst[lane] = dst;
+    }
+    // the local row index travels in lane `rank`'s my_slot
+    const int local_row = local_base + __shfl_sync(FULL_MASK, my_slot, a.rank);
+    __syncwarp();
+
+    // hidden: read once, store to every destination
+    const int4* src = a.x + (i64)tok * a.hidden_int4;
+    for (int i = lane; i < a.hidden_int4; i += 32 * DISPATCH_UNROLL) {
+        int4 v[DISPATCH_UNROLL];
+#pragma unroll
+        for (int u = 0; u < DISPATCH_UNROLL; ++u)
+            if (i + u * 32 < a.hidden_int4) v[u] = ld_nc_v4(src + i + u * 32);
+        u32 m = dmask;
+        while (m) {
+            const int r = __ffs(m) - 1;
+            m &= m - 1;
+            int4* dst = reinterpret_cast<int4*>(s_dst[r]);
+            if (dst == nullptr) continue;
+#pragma unroll
+            for (int u = 0; u < DISPATCH_UNROLL; ++u)
+                if (i + u * 32 < a.hidden_int4) st_na_v4(dst + i + u * 32, v[u]);
+        }
+    }
+    // Small fields: plain stores (the round's release orders them before the tail, like the rows).
+    u32 m = dmask;
+    while (m) {
+        const int r = __ffs(m) - 1;
+        m &= m - 1;
+        if (s_dst[r] == 0) continue;
+        const bool local = r == a.rank;
+        if (S > 0) {  // FP8 scales
+            float* out = local ? a.recv_x_scales + (i64)local_row * S : reinterpret_cast<float*>(s_dst[r] + a.slot_off_scales);
+            if (lane < S) out[lane] = sc0;
+            if (lane + 32 < S) out[lane + 32] = sc1;
+            for (int j = lane + 64; j < S; j += 32) out[j] = __ldg(a.x_scales + (i64)tok * S + j);
+        }
+        if (lane < K) {  // top-k: global ids -> the destination's local ids (-1 elsewhere), weights masked to 0
+            const i64 lid = e - (i64)r * a.num_local_experts;
+            const bool keep = e >= 0 && lid >= 0 && lid < a.num_local_experts;
+            const int id = keep ? (int)lid : -1;
+            const float wv = keep ? w : 0.f;
+            if (local) {
+                a.recv_topk_idx[(i64)local_row * K + lane] = (i64)id;
+                if (a.recv_topk_weights != nullptr) a.recv_topk_weights[(i64)local_row * K + lane] = wv;
+            } else {
+                int* meta = reinterpret_cast<int*>(s_dst[r] + a.slot_off_meta);
+                meta[1 + lane] = id;
+                reinterpret_cast<float*>(meta)[1 + K + lane] = wv;
+            }
+        }
+        if (lane == 0) {
+            if (!local) reinterpret_cast<int*>(s_dst[r] + a.slot_off_meta)[0] = tok;
+            else if (a.flags & DISPATCH_FLAG_WRITE_HANDLE) a.recv_src_idx[local_row] = tok;
+        }
+    }
+    __syncwarp();  // s_dst is rewritten by the next token
+}
+
+__device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
+    __shared__ u64 s_dst_all[32][COMMLIB_MAX_RANKS];
+    __shared__ int s_head_base[COMMLIB_MAX_RANKS];
+    const int warp = warp_id(), lane = lane_id();
+    const int num_warps = blockDim.x >> 5;
+    const int publisher = num_warps - 1, num_copy_warps = num_warps - 1;
+    const int R = a.num_ranks, C = a.num_channels, me = a.rank;
+    const u64 own = a.peer_bases[me];
+    int start, end;
+    channel_range(a.num_tokens, C, c, &start, &end);
+
+    if (warp == publisher) {
+        // The previous call's receivers must be done with our slots before we overwrite them.
+        const WaitSite site = {"dispatch", "dispatch done (previous call consumed)", me, c, false};
+        const bool active = lane < R && lane != me;
+        warp_wait_geq(flag_at(own, COMMLIB_OFF_DISPATCH_DONE, (active ? lane : 0) * COMMLIB_MAX_CHANNELS + c),
+                      seq - 1, active, lane, site, a.timeout_ns);
+        if (lane < R)  // row of this channel's first token in rank lane's recv_x
+            s_head_base[lane] = rows_before(a.rank_prefix_matrix, R, me, lane) + a.channel_prefix_matrix[lane * C + c];
+    }
+    __syncthreads();
+    const int local_base = s_head_base[me];
+    u64* s_dst = s_dst_all[warp];
+
+    int count[COMMLIB_MAX_RANKS];  // tokens so far per destination: identical in every warp
+#pragma unroll
+    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) count[r] = 0;
+    int items = 0;  // tokens the sender copies so far (with a destination it serves)
+    // destinations the sender copies to: all, or only the peers when the receiver does the local half
+    const u32 serve = COMMLIB_LOCAL_IN_RECEIVER ? ~(1u << me) : ~0u;
+    for (int round_start = start; round_start < end; round_start += a.round_tokens) {
+        const int round_end = min(round_start + a.round_tokens, end);
+        for (int sb = round_start; sb < round_end; sb += 32) {
+            const int t = sb + lane;
+            u32 bits = 0;
+            if (t < round_end)
+                for (int r = 0; r < R; ++r) bits |= (u32)(a.is_token_in_rank[(i64)t * R + r] != 0) << r;
+            int slot[COMMLIB_MAX_RANKS];
+#pragma unroll
+            for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
+                const u32 m = __ballot_sync(FULL_MASK, (bits >> r) & 1u);
+                slot[r] = count[r] + __popc(m & lanemask_lt());
+                count[r] += __popc(m);
+            }
+            const u32 any = __ballot_sync(FULL_MASK, (bits & serve) != 0);
+            const int item = items + __popc(any & lanemask_lt());
+            items += __popc(any);
+            if (warp == publisher) {
+                if ((a.flags & DISPATCH_FLAG_WRITE_HANDLE) && t < round_end) {
+#pragma unroll
+                    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+                        if (r < R) a.send_head[(i64)t * R + r] = ((bits >> r) & 1u) ? s_head_base[r] + slot[r] : -1;
+                }
+            } else {
+                u32 mine = __ballot_sync(FULL_MASK, (bits & serve) != 0 && item % num_copy_warps == warp);
+                while (mine) {
+                    const int l = __ffs(mine) - 1;
+                    mine &= mine - 1;
+                    const u32 dmask = __shfl_sync(FULL_MASK, bits, l) & serve;
+                    int my_slot = 0;
+#pragma unroll
+                    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
+                        const int v = __shfl_sync(FULL_MASK, slot[r], l);
+                        if (lane == r) my_slot = v;
+                    }
+                    dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst);
+                }
+            }
+        }
+        __syncthreads();  // every copy of this round is issued; the release below covers them
+        if (warp == publisher && lane < R && lane != me) {
+            int mine = 0;
+#pragma unroll
+            for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+                if (lane == r) mine = count[r];
+            st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_DISPATCH_TAIL, me * COMMLIB_MAX_CHANNELS + c),
+                           tail_word(seq, (u32)mine));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Receiver
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n) {
+    for (int i = lane_id(); i < n; i += 32 * DISPATCH_UNROLL) {
+        int4 v[DISPATCH_UNROLL];
+#pragma unroll
+        for (int u = 0; u < DISPATCH_UNROLL; ++u)
+            if (i + u * 32 < n) v[u] = ld_nc_v4(src + i + u * 32);
+#pragma unroll
+        for (int u = 0; u < DISPATCH_UNROLL; ++u)
+            if (i + u * 32 < n) st_na_v4(dst + i + u * 32, v[u]);
+    }
+}
+
+__device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq) {
+    __shared__ int s_src[COMMLIB_MAX_RANKS], s_off[COMMLIB_MAX_RANKS + 1], s_base[COMMLIB_MAX_RANKS];
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk, S = a.num_scales;
+    const u64 own = a.peer_bases[me];
+    const int* rpm = a.rank_prefix_matrix;
+    if (threadIdx.x == 0) {
+        // remote sources, starting after me so ranks do not all read the same source first
+        int off = 0;
+        for (int j = 0; j < R - 1; ++j) {
+            const int s = (me + 1 + j) % R;
+            const int before = rows_before(rpm, R, s, me);
+            const int total_s = rpm[s * R + me] - before;
+            const int lo = a.recv_channel_prefix_matrix[s * C + c];
+            const int hi = c + 1 < C ? a.recv_channel_prefix_matrix[s * C + c + 1] : total_s;
+            s_src[j] = s;
+            s_off[j] = off;
+            s_base[j] = before + lo;
+            off += hi - lo;
+        }
+        s_off[R - 1] = off;
+    }
+    __syncthreads();
+    const int num_items = s_off[R - 1];
+    const WaitSite site = {"dispatch", "dispatch tail (sender progress)", me, c, true};
+#if COMMLIB_LOCAL_IN_RECEIVER
+    {   // the local half first (no waiting): tokens of this channel that stay here, x -> recv_x
+        __shared__ u64 s_dst_all[32][COMMLIB_MAX_RANKS];
+        int start, end;
+        channel_range(a.num_tokens, C, c, &start, &end);
+        const int local_base = rows_before(rpm, R, me, me) + a.channel_prefix_matrix[me * C + c];
+        int count = 0;
+        for (int sb = start; sb < end; sb += 32) {
+            const int t = sb + lane;
+            const bool in = t < end && a.is_token_in_rank[(i64)t * R + me] != 0;
+            const u32 m = __ballot_sync(FULL_MASK, in);
+            const int slot = count + __popc(m & lanemask_lt());
+            count += __popc(m);
+            u32 mine = __ballot_sync(FULL_MASK, in && slot % num_warps == warp);
+            while (mine) {
+                const int l = __ffs(mine) - 1;
+                mine &= mine - 1;
+                dispatch_copy_token(a, c, sb + l, 1u << me, __shfl_sync(FULL_MASK, slot, l), local_base,
+                                    s_dst_all[warp]);
+            }
+        }
+    }
+#endif
+
+    int j = 0;
+    u32 ready = 0;  // this lane's last acquired count for source s_src[j]
+    for (int item = warp; item < num_items; item += num_warps) {
+        int jj = j;
+        while (item >= s_off[jj + 1]) ++jj;
+        if (jj != j) { j = jj; ready = 0; }
+        const int s = s_src[j];
+        const int i = item - s_off[j];
+        if (__any_sync(FULL_MASK, (u32)i >= ready)) {
+            const u64 v = warp_wait_geq(flag_at(own, COMMLIB_OFF_DISPATCH_TAIL, s * COMMLIB_MAX_CHANNELS + c),
+                                        tail_word(seq, (u32)(i + 1)), true, s, site, a.timeout_ns);
+            ready = (u32)v;
+        }
+        const int row = s_base[j] + i;
+        if (row >= a.num_out_rows) continue;  // more rows than num_worst_tokens: dropped
+        const u64 slot = dispatch_slot(a, own, s, c, i);
+        // small fields first (L2 loads, after this lane's acquire), so their latency hides under the row
+        const float* scales = reinterpret_cast<const float*>(slot + a.slot_off_scales);
+        const int* meta = reinterpret_cast<const int*>(slot + a.slot_off_meta);
+        float sc0 = 0.f, sc1 = 0.f, wv = 0.f;
+        int src = 0, id = -1;
+        if (lane < S) sc0 = __ldcg(scales + lane);
+        if (lane + 32 < S) sc1 = __ldcg(scales + lane + 32);
+        if (lane == 0) src = __ldcg(meta);
+        if (lane < K) {
+            id = __ldcg(meta + 1 + lane);
+            wv = __ldcg(reinterpret_cast<const float*>(meta) + 1 + K + lane);
+        }
+        copy_row(a.recv_x + (i64)row * a.hidden_int4, reinterpret_cast<const int4*>(slot), a.hidden_int4);
+        if (lane < S) a.recv_x_scales[(i64)row * S + lane] = sc0;
+        if (lane + 32 < S) a.recv_x_scales[(i64)row * S + lane + 32] = sc1;
+        for (int k = lane + 64; k < S; k += 32) a.recv_x_scales[(i64)row * S + k] = __ldcg(scales + k);
+        if (lane == 0 && (a.flags & DISPATCH_FLAG_WRITE_HANDLE)) a.recv_src_idx[row] = src;
+        if (a.recv_topk_idx != nullptr && lane < K) {
+            a.recv_topk_idx[(i64)row * K + lane] = (i64)id;
+            if (a.recv_topk_weights != nullptr) a.recv_topk_weights[(i64)row * K + lane] = wv;
+        }
+    }
+    __syncthreads();  // all slots of this channel are read: hand them back to the senders
+    if (warp == 0 && lane < R && lane != me)
+        st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_DISPATCH_DONE, me * COMMLIB_MAX_CHANNELS + c), seq);
+
+    // num_worst_tokens: rows past the received count
+    dispatch_pad(a, c, rpm[(R - 1) * R + me]);
+}
+
+extern "C" __global__ void __launch_bounds__(COMMLIB_DISPATCH_THREADS, 1) dispatch_kernel(
+    const int4* x, const float* x_scales, const i64* topk_idx, const float* topk_weights,
+    const unsigned char* is_token_in_rank,
+    const int* rank_prefix_matrix, const int* channel_prefix_matrix, const int* recv_channel_prefix_matrix,
+    int4* recv_x, float* recv_x_scales, int* recv_src_idx, i64* recv_topk_idx, float* recv_topk_weights,
+    int* send_head,
+    int num_tokens, int hidden_int4, int num_scales, int num_topk, int num_local_experts, int num_out_rows,
+    const u64* peer_bases, int rank, int num_ranks, int num_channels,
+    u64 region_offset, int slot_capacity, int slot_bytes, int slot_off_scales, int slot_off_meta,
+    int round_tokens, int flags, const int* abort_word, u64* seq_counters, u32* smids, u64 timeout_ns) {
+    const DispatchArgs a = {x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                            rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+                            recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights, send_head,
+                            num_tokens, hidden_int4, num_scales, num_topk, num_local_experts, num_out_rows,
+                            peer_bases, rank, num_ranks, num_channels,
+                            region_offset, slot_capacity, slot_bytes, slot_off_scales, slot_off_meta,
+                            round_tokens, flags, timeout_ns};
+    __shared__ u64 s_seq;
+    if (smids != nullptr && threadIdx.x == 0) smids[blockIdx.x] = get_smid();
+    const int role = blockIdx.x & 1;  // 0 = sender, 1 = receiver
+    const int num_pairs = gridDim.x >> 1;
+    // num_worst_tokens calls cannot raise on the host: if the count exchange found bad input on any
+    // rank (every rank sees the same word), nothing moves, every row is padding, and the sequence
+    // counters stay put, exactly as if the call had not happened (the rejecting rank never ran it).
+    if (abort_word != nullptr && ld_volatile(abort_word) >= 0) {
+        if (role == 1)
+            for (int c = blockIdx.x >> 1; c < num_channels; c += num_pairs) dispatch_pad(a, c, 0);
+        return;
+    }
+    for (int c = blockIdx.x >> 1; c < num_channels; c += num_pairs) {
+        if (threadIdx.x == 0) s_seq = read_seq(seq_counters, COMMLIB_SEQ_DISPATCH, role, c);
+        __syncthreads();
+        const u64 seq = s_seq;
+        if (role == 0) dispatch_send(a, c, seq);
+        else dispatch_recv(a, c, seq);
+        __syncthreads();
+        if (threadIdx.x == 0) seq_counters[COMMLIB_SEQ_INDEX(COMMLIB_SEQ_DISPATCH, role, c)] = seq;
+    }
+}

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: install, compile, test and benchmark the NVLink engine.
+#
+#   bash scripts/gpu_check.sh OUTDIR
+#
+# Stages (each under a hard `timeout`, clamped to what is left of GPU_CHECK_BUDGET_S, so a hang can
+# never eat the device lease): env (nvidia-smi topo, versions), compile (every kernel family, both
+# load/store modes), smoke (2 ranks, one case), tests2 (2-rank world, every case), bench
+# (benchmarks/bench_intranode.py --json), shared (4 and 8 ranks on 2 GPUs), timeout (device-timeout test),
+# cpu (the CPU-side checks of tests/gpu).
+# Everything is logged to OUTDIR/gpu_check.log; the bench JSON (+ PNG) lands in OUTDIR and
+# benchmarks/results/.
+#
+# Subsets: GPU_CHECK_ONLY=all (default) | quick (compile, smoke, bench at 4096 tokens) | tests | bench,
+# or a comma list of stage names. BENCH_ARGS adds/overrides benchmark flags.
+# COMMLIB_TEST_CASES=a,b limits the 2-rank world to some cases (tests/gpu/nvlink_cases.py).
+set -u
+OUTDIR=${1:-${OUT:-/tmp/gpu_check}}
+mkdir -p "$OUTDIR"
+LOG="$OUTDIR/gpu_check.log"
+: >"$LOG"
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+
+# NVLink multicast stays off in everything started here (it can take shared GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export COMMLIB_TIMEOUT_S=${COMMLIB_TIMEOUT_S:-20}
+PY=${PYTHON:-python3}
+ONLY=${GPU_CHECK_ONLY:-all}
+BUDGET=${GPU_CHECK_BUDGET_S:-520}
+START=$(date +%s)
+SUMMARY=()
+
+case "$ONLY" in
+  all) STAGES="env,compile,smoke,tests2,bench,shared,timeout,cpu" ;;
+  quick) STAGES="env,compile,smoke,bench"; BENCH_ARGS="--tokens 4096 ${BENCH_ARGS:-}" ;;
+  tests) STAGES="env,compile,smoke,tests2,shared,timeout,cpu" ;;
+  bench) STAGES="env,compile,bench" ;;
+  *) STAGES="$ONLY" ;;
+esac
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+log() { echo "$@" | tee -a "$LOG"; }
+
+# stage NAME TIMEOUT_S CMD...: run CMD under timeout (clamped to the remaining budget), log it.
+stage() {
+  local name=$1 limit=$2; shift 2
+  want "$name" || return 0
+  local now left t0 rc
+  now=$(date +%s); left=$((BUDGET - (now - START)))
+  if (( left < 15 )); then SUMMARY+=("$name: SKIPPED (budget spent)"); log "[gpu_check] skip $name: budget spent"; return 0; fi
+  (( limit > left )) && limit=$left
+  log "[gpu_check] === $name (timeout ${limit}s) $(date +%T): $*"
+  t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  local dt=$(( $(date +%s) - t0 ))
+  if (( rc == 0 )); then SUMMARY+=("$name: ok (${dt}s)"); elif (( rc == 124 || rc == 137 )); then
+    SUMMARY+=("$name: TIMEOUT after ${dt}s"); else SUMMARY+=("$name: FAILED rc=$rc (${dt}s)"); fi
+  return 0
+}
+
+env_info() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi topo -m
+  $PY - <<'EOF'
+import torch, sys
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "gpus", torch.cuda.device_count())
+try:
+    import cupy
+    print("cupy", cupy.__version__, "nvrtc", cupy.cuda.nvrtc.getVersion())
+except Exception as e:
+    print("cupy missing:", e)
+EOF
+  $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 && echo "pip install -e . ok" \
+    || echo "pip install -e . failed (using PYTHONPATH=$REPO)"
+}
+
+compile_kernels() {
+  $PY - <<'EOF'
+import time, torch
+from commlib import kernels
+torch.cuda.init()
+for plain in (False, True):
+    t0 = time.perf_counter()
+    kernels.compile_all(plain)
+    print(f"[compile] plain={plain}: 4 families in {time.perf_counter() - t0:.2f} s")
+EOF
+}
+
+export -f env_info compile_kernels
+export PY
+stage env 60 bash -c env_info
+stage compile 90 bash -c compile_kernels
+stage smoke 90 env COMMLIB_TEST_CASES=smoke $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "two_ranks" -p no:cacheprovider
+stage tests2 200 $PY -m pytest tests/gpu/test_nvlink.py -q -s -k "two_ranks" -p no:cacheprovider
+stage bench 200 $PY benchmarks/bench_intranode.py --json "$OUTDIR" --plot --plain --sms 8,12,16,24,32 --chunks 64,128 ${BENCH_ARGS:-}
+# the same world under other kernel builds (space-separated KEY=V,KEY=V lists), to qualify them
+for v in ${GPU_CHECK_TEST_VARIANTS:-}; do
+  stage tests2 120 env COMMLIB_TEST_KERNEL_VARIANT="$v" $PY -m pytest tests/gpu/test_nvlink.py -q -k "two_ranks" -p no:cacheprovider
+  SUMMARY[-1]="${SUMMARY[-1]} [variant $v]"
+done
+stage shared 150 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "shared_gpus" -p no:cacheprovider
+stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout" -p no:cacheprovider
+stage cpu 60 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "imports or assemble or nvrtc" -p no:cacheprovider
+
+# keep a copy of the benchmark JSON with the repository's results
+if want bench; then
+  mkdir -p benchmarks/results
+  for f in "$OUTDIR"/bench_intranode_*.json "$OUTDIR"/bench_intranode_*.png; do
+    [ -f "$f" ] && cp "$f" benchmarks/results/ && log "[gpu_check] copied $(basename "$f") to benchmarks/results/"
+  done
+fi
+
+log "[gpu_check] ===== summary ($(( $(date +%s) - START ))s of ${BUDGET}s budget)"
+for s in "${SUMMARY[@]}"; do log "  $s"; done
+if want bench; then grep -E "^#? +(dispatch|combine)|\[target\]|\[layout\]|\[host\]|^#   +(dispatch|combine)|^#  +op" "$LOG" | tail -80; fi

@@ -1,0 +1,415 @@
+"""NVLink engine cases, run inside spawned GPU worlds (tests/worlds.py runs ``case_<name>(ctx)``).
+
+Every case makes the same calls through two Buffers of the same world, one on the nvlink backend
+and one forced to the reference backend (the executable specification), and compares every output
+bit for bit (raw bytes: FP8 rows and scales are moved, never converted, so they are exact too).
+Each rank draws only its own inputs (seeded by case and rank).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from commlib import routing
+from commlib.buffer import Buffer
+from commlib.config import Config
+from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8
+
+_BUFFERS: dict = {}  # per process: Buffers are built once per world (creation is collective)
+
+# Test harness knob (not a library setting): run every case under another kernel build, e.g.
+# COMMLIB_TEST_KERNEL_VARIANT="LOCAL_IN_RECEIVER=1,DISPATCH_THREADS=1024" (keys: kernels.DEFAULT_VARIANT).
+_VARIANT = os.environ.get("COMMLIB_TEST_KERNEL_VARIANT", "")
+if _VARIANT:
+    from commlib import kernels as _K
+    _K.set_variant({k: int(v) for k, v in (kv.split("=") for kv in _VARIANT.split(",") if kv)})
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+# Every case's config fits this one (<= 20 SMs, <= 256 slots, rows <= 7168 bf16).
+_SIZE_CFG = Config(20, 32, 256, 64, 1024)
+_SIZE_HIDDEN_BYTES = 7168 * 2
+
+
+def buffers(ctx, key: str = "main"):
+    """(nvlink Buffer, reference Buffer), built once per world and key."""
+    if key not in _BUFFERS:
+        nbytes = _SIZE_CFG.get_nvl_buffer_size_hint(_SIZE_HIDDEN_BYTES, ctx.world_size)
+        nv = Buffer(ctx.group, nbytes, backend="nvlink", explicitly_destroy=True)
+        ref = Buffer(ctx.group, nbytes, backend="reference", explicitly_destroy=True)
+        assert nv.backend.name == "nvlink", nv.backend.name
+        _BUFFERS[key] = (nv, ref)
+    return _BUFFERS[key]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
+
+
+def dev_hash(t: torch.Tensor) -> torch.Tensor:
+    """Position-weighted byte sum, on the device (one host sync per comparison, not per tensor)."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    b = t.contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    w = torch.arange(b.numel(), device=t.device, dtype=torch.int64) % 65521 + 1
+    return (b * w).sum() * 7 + b.numel()
+
+
+def check_same(got, want, what: str) -> None:
+    if got is None or want is None:
+        assert got is None and want is None, f"{what}: one side is None (nvlink {type(got)}, reference {type(want)})"
+        return
+    if isinstance(got, (list, tuple)) and not isinstance(got, torch.Tensor):
+        assert list(got) == list(want), f"{what}: {got} != {want}"
+        return
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    if got.numel() == 0:
+        return
+    a, b = raw(got), raw(want)
+    if not torch.equal(a, b):
+        g, w = got.detach().cpu(), want.detach().cpu()
+        diff = (raw(g).view(-1) != raw(w).view(-1)).nonzero()
+        first = int(diff[0]) // max(1, g.element_size())
+        raise AssertionError(f"{what}: {diff.numel()} bytes differ; first element {first}: "
+                             f"nvlink {g.reshape(-1)[first].item()} vs reference {w.reshape(-1)[first].item()}")
+
+
+def make_routing(name: str, T: int, E: int, K: int, rank: int, R: int, g: torch.Generator):
+    L = E // R
+    if name == "group_limited":
+        groups = 8 if E % 8 == 0 and K <= 4 * (E // 8) else R
+        scores = torch.sigmoid(torch.randn(T, E, generator=g))
+        idx, w = routing.group_limited_topk(scores, num_groups=groups, topk_groups=min(4, groups), topk=K)
+        return idx, w
+    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices if T else torch.empty(0, K, dtype=torch.int64)
+    w = torch.rand(T, K, generator=g)
+    if name == "one_expert":
+        idx[:, :] = -1
+        idx[:, 0] = 3 % E
+    elif name == "silent_rank" and rank == 1 % R:
+        idx[:, :] = -1
+    elif name == "some_empty":
+        idx[torch.rand(T, K, generator=g) < 0.3] = -1
+    elif name == "all_local":
+        idx = rank * L + torch.rand(T, L, generator=g).topk(min(K, L), dim=1).indices
+    elif name == "all_remote":
+        idx = ((rank + 1) % R) * L + torch.rand(T, L, generator=g).topk(min(K, L), dim=1).indices
+    return idx.to(torch.int64), w.float()
+
+
+def make_x(T: int, H: int, fp8: bool, g: torch.Generator, dev):
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    if fp8:
+        q, s = per_token_cast_to_fp8(x)
+        return (q.contiguous(), s.contiguous()), x
+    return x, x
+
+
+def as_bf16(recv_x):
+    if isinstance(recv_x, tuple):
+        q, s = recv_x
+        return per_token_cast_back(q, s) if q.shape[0] else torch.empty(0, q.shape[1], dtype=torch.bfloat16,
+                                                                        device=q.device)
+    return recv_x
+
+
+def run_case(ctx, *, routing_name="random", T=64, H=256, E=32, K=4, fp8=False, weights=True, worst=0,
+             alignment=1, cfg: Config, combine_cfg: Config | None = None, num_bias=0, seed=0, cached=True,
+             key="main", token_counts=None):
+    """Dispatch + cached dispatch + combine through both Buffers; compare everything."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    combine_cfg = combine_cfg or cfg
+    nv, ref = buffers(ctx, key)
+    g = torch.Generator().manual_seed(seed * 7919 + me)
+    if token_counts is not None:
+        T = token_counts[me]
+    elif routing_name == "zero_tokens" and me == 0:
+        T = 0
+    idx, w = make_routing(routing_name, T, E, K, me, R, g)
+    idx, w = idx.to(dev), w.to(dev)
+    x, x_bf = make_x(T, H, fp8, g, dev)
+    biases = tuple(torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev) for _ in range(num_bias))
+    tag = f"[{routing_name} T={T} H={H} E={E} K={K} fp8={fp8} w={weights} worst={worst} sms={cfg.num_sms}]"
+    out = {}
+    for name, buf in (("nvlink", nv), ("reference", ref)):
+        ntpr, nrr, ntpe, tir, _ = buf.get_dispatch_layout(idx, E)
+        rx, ridx, rw, per_expert, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
+            num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w if weights else None,
+            expert_alignment=alignment, num_worst_tokens=worst, config=cfg)
+        res = {"layout": (ntpr, nrr, ntpe, tir), "recv_x": rx, "idx": ridx, "w": rw, "per_expert": per_expert,
+               "handle": handle}
+        if cached:
+            x2, _ = make_x(T, H, fp8, torch.Generator().manual_seed(seed * 31 + me + 1), dev)
+            res["cached"] = buf.dispatch(x2, handle=handle, config=cfg)[0]
+        y = as_bf16(rx)
+        y = (y.float() * (1.0 + 0.25 * me)).to(torch.bfloat16)
+        cx, cw, _ = buf.combine(y, handle, topk_weights=rw, bias=biases or None, config=combine_cfg)
+        res["combined"] = (cx, cw)
+        out[name] = res
+    a, b = out["nvlink"], out["reference"]
+    for i, nm in enumerate(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
+                            "is_token_in_rank")):
+        check_same(a["layout"][i], b["layout"][i], f"{tag} layout.{nm}")
+    if isinstance(a["recv_x"], tuple):
+        check_same(a["recv_x"][0], b["recv_x"][0], f"{tag} recv_x (fp8)")
+        check_same(a["recv_x"][1], b["recv_x"][1], f"{tag} recv_x scales")
+    else:
+        check_same(a["recv_x"], b["recv_x"], f"{tag} recv_x")
+    check_same(a["idx"], b["idx"], f"{tag} recv_topk_idx")
+    check_same(a["w"], b["w"], f"{tag} recv_topk_weights")
+    assert a["per_expert"] == b["per_expert"], f"{tag} per-expert list {a['per_expert']} != {b['per_expert']}"
+    ha, hb = a["handle"], b["handle"]
+    for nm in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+               "is_token_in_rank", "send_head"):
+        check_same(getattr(ha, nm), getattr(hb, nm), f"{tag} handle.{nm}")
+    for nm in ("num_tokens", "hidden", "num_experts", "num_channels", "num_recv_tokens", "num_worst_tokens"):
+        assert getattr(ha, nm) == getattr(hb, nm), f"{tag} handle.{nm}: {getattr(ha, nm)} != {getattr(hb, nm)}"
+    if cached:
+        ca, cb = a["cached"], b["cached"]
+        if isinstance(ca, tuple):
+            check_same(ca[0], cb[0], f"{tag} cached recv_x (fp8)")
+            check_same(ca[1], cb[1], f"{tag} cached scales")
+        else:
+            check_same(ca, cb, f"{tag} cached recv_x")
+    check_same(a["combined"][0], b["combined"][0], f"{tag} combined_x")
+    check_same(a["combined"][1], b["combined"][1], f"{tag} combined_topk_weights")
+    return out
+
+
+def default_cfg(num_sms=20, send=32, recv=256) -> Config:
+    return Config(num_sms, send, recv, 64, 1024)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2 ranks (one per GPU)
+# ------------------------------------------------------------------------------------------------
+
+def case_smoke(ctx):
+    run_case(ctx, cfg=default_cfg(), T=40, H=256, seed=1)
+
+
+def case_routings_bf16(ctx):
+    cfg = default_cfg()
+    for i, name in enumerate(("random", "group_limited", "one_expert", "silent_rank", "zero_tokens",
+                              "some_empty", "all_local", "all_remote")):
+        run_case(ctx, routing_name=name, cfg=cfg, T=96 + 7 * i, H=512, E=64, K=6, seed=10 + i, num_bias=i % 3)
+
+
+def case_routings_fp8(ctx):
+    cfg = default_cfg()
+    for i, name in enumerate(("random", "group_limited", "silent_rank", "zero_tokens", "some_empty")):
+        run_case(ctx, routing_name=name, cfg=cfg, T=80 + 5 * i, H=1024, E=64, K=6, fp8=True, seed=30 + i,
+                 weights=i % 2 == 0)
+
+
+def case_odd_hidden(ctx):
+    # 1000 bf16 = 125 vectors: partial unrolled passes, rows not a multiple of 512 bytes
+    run_case(ctx, cfg=default_cfg(), T=77, H=1000, E=16, K=3, seed=40, num_bias=2)
+    run_case(ctx, cfg=default_cfg(num_sms=4, send=8, recv=256), T=150, H=264, E=16, K=2, seed=41)
+
+
+def case_v3_shape(ctx):
+    # the real model shape on a few hundred tokens: 7168 hidden, top-8 of 256, group-limited
+    cfg = default_cfg(recv=128)
+    run_case(ctx, routing_name="group_limited", cfg=cfg, T=600, H=7168, E=256, K=8, seed=50, num_bias=1)
+    run_case(ctx, routing_name="group_limited", cfg=cfg, T=333, H=7168, E=256, K=8, fp8=True, seed=51)
+
+
+def case_options(ctx):
+    cfg = default_cfg()
+    run_case(ctx, cfg=cfg, T=90, H=256, E=32, K=4, alignment=16, seed=60)
+    run_case(ctx, cfg=cfg, T=90, H=256, E=32, K=4, worst=400, seed=61, num_bias=2)
+    run_case(ctx, cfg=cfg, T=90, H=256, E=32, K=4, worst=400, fp8=False, weights=False, seed=62)
+    run_case(ctx, cfg=cfg, T=0, H=256, E=32, K=4, worst=16, seed=63, token_counts=[0, 0])
+    run_case(ctx, cfg=cfg, T=50, H=256, E=32, K=4, seed=64, token_counts=[0, 50])
+    # combine with fewer SMs than the dispatch used (CTA pairs serve several channels)
+    run_case(ctx, cfg=cfg, combine_cfg=default_cfg(num_sms=6), T=200, H=512, E=32, K=4, seed=65)
+    # many rounds per channel (send chunk 8), few channels
+    run_case(ctx, cfg=default_cfg(num_sms=4, send=8, recv=256), T=500, H=256, E=32, K=4, seed=66)
+
+
+def case_bad_ids(ctx):
+    """Ids outside [-1, E) on one rank: every rank raises ValueError before data moves; the
+    Buffer keeps working afterwards."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    cfg = default_cfg()
+    nv, _ = buffers(ctx)
+    E, K, T = 32, 4, 20
+    idx = torch.randint(0, E, (T, K), device=dev)
+    if me == 0:
+        idx[3, 1] = E + 5
+    x = torch.randn(T, 256, device=dev).to(torch.bfloat16)
+    ntpr, _, ntpe, tir, _ = nv.get_dispatch_layout(idx, E)
+    try:
+        nv.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir, num_tokens_per_expert=ntpe, topk_idx=idx,
+                    config=cfg)
+    except ValueError as e:
+        msg = str(e)
+        assert "outside [-1, num_experts)" in msg and f"rank {me}" in msg, msg
+        if me != 0:
+            assert "rank 0" in msg, msg
+    else:
+        raise AssertionError("dispatch with bad expert ids did not raise")
+    if me == 0:
+        assert nv.backend.layout_error_count() >= 1
+    # with num_worst_tokens: no host sync, so no raise; outputs are all padding on every rank
+    ntpr, _, ntpe, tir, _ = nv.get_dispatch_layout(idx, E)
+    rx, ridx, rw, lst, h, _ = nv.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir,
+                                          num_tokens_per_expert=ntpe, topk_idx=idx, num_worst_tokens=64,
+                                          config=cfg)
+    assert rx.shape[0] == 64 and int(rx.float().abs().sum()) == 0 and bool((ridx == -1).all()), "not padding"
+    run_case(ctx, cfg=cfg, T=30, H=256, seed=70)  # still in step
+
+
+def case_rejected_input(ctx):
+    """One rank's Buffer refuses its input (wrong dtype): the peers raise too, nobody hangs."""
+    me, dev = ctx.rank, ctx.device
+    cfg = default_cfg()
+    nv, _ = buffers(ctx)
+    E, K, T = 32, 4, 20
+    idx = torch.randint(0, E, (T, K), device=dev)
+    x = torch.randn(T, 256, device=dev).to(torch.bfloat16)
+    if me == 1:
+        x = x.float()
+    ntpr, _, ntpe, tir, _ = nv.get_dispatch_layout(idx, E)
+    try:
+        nv.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir, num_tokens_per_expert=ntpe, topk_idx=idx,
+                    config=cfg)
+    except (TypeError, ValueError) as e:
+        if me != 1:
+            assert "rank 1" in str(e), str(e)
+    else:
+        raise AssertionError("no error")
+    run_case(ctx, cfg=cfg, T=30, H=256, seed=71)
+
+
+def case_cuda_graph(ctx):
+    """layout + dispatch (num_worst_tokens) + combine captured once, replayed with fresh inputs."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    cfg = default_cfg()
+    nv, ref = buffers(ctx)
+    T, H, E, K, W = 64, 256, 32, 4, 64 * R
+    x_s = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    idx_s = torch.zeros(T, K, dtype=torch.int64, device=dev)
+    w_s = torch.zeros(T, K, dtype=torch.float32, device=dev)
+
+    def step(buf):
+        ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx_s, E)
+        rx, ridx, rw, _, handle, _ = buf.dispatch(x_s, num_tokens_per_rank=ntpr, is_token_in_rank=tir,
+                                                  num_tokens_per_expert=ntpe, topk_idx=idx_s, topk_weights=w_s,
+                                                  num_worst_tokens=W, config=cfg)
+        cx, cw, _ = buf.combine(rx, handle, topk_weights=rw, config=cfg)
+        return rx, ridx, rw, handle.send_head, cx, cw
+
+    def fill(seed):
+        g = torch.Generator().manual_seed(seed * 100 + me)
+        idx, w = make_routing("some_empty", T, E, K, me, R, g)
+        x_s.copy_(torch.randn(T, H, generator=g).to(torch.bfloat16))
+        idx_s.copy_(idx)
+        w_s.copy_(w)
+
+    fill(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(nv)  # warm up on the capture stream's pool
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        static_out = step(nv)
+    for it in range(4):
+        fill(it + 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step(ref)
+        names = ("recv_x", "recv_topk_idx", "recv_topk_weights", "send_head", "combined_x", "combined_w")
+        for nm, got, exp in zip(names, static_out, want):
+            check_same(got, exp, f"[graph replay {it}] {nm}")
+
+
+def case_smid(ctx):
+    """With COMMLIB_DEBUG_SMID=1, every kernel records %smid per CTA: a dispatch and a combine use
+    exactly num_sms CTAs on at most num_sms SMs, also while a long GEMM runs on another stream."""
+    os.environ["COMMLIB_DEBUG_SMID"] = "1"
+    try:
+        nv, _ = buffers(ctx, key="smid")
+    finally:
+        os.environ.pop("COMMLIB_DEBUG_SMID", None)
+    me, dev = ctx.rank, ctx.device
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    for num_sms in (20, 8):
+        cfg = default_cfg(num_sms=num_sms)
+        torch.cuda.synchronize()
+        dist.barrier()
+        with torch.cuda.stream(side):
+            for _ in range(20):
+                a = a @ a / 64
+        run_case(ctx, cfg=cfg, T=200, H=512, E=32, K=4, seed=80 + num_sms, key="smid", cached=False)
+        torch.cuda.synchronize()
+        for kind in ("dispatch", "combine"):
+            ids = nv.backend.last_smids(kind)
+            assert len(ids) == num_sms and min(ids) >= 0, f"{kind}: {ids}"
+            assert len(set(ids)) <= num_sms, f"{kind}: {len(set(ids))} SMs for {num_sms} CTAs"
+        if me == 0:
+            print(f"[smid] num_sms={num_sms} dispatch SMs {sorted(set(nv.backend.last_smids('dispatch')))}",
+                  flush=True)
+
+
+def case_pressure(ctx):
+    """1000 dispatch/combine rounds, fresh random routing and sizes each round, every result equal
+    to the reference's (one hash comparison per round)."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    cfg = default_cfg(recv=64)
+    nv, ref = buffers(ctx, key="pressure")
+    E, K, H = 32, 4, 512
+    rounds = int(os.environ.get("COMMLIB_TEST_PRESSURE_ROUNDS", "1000"))
+    g = torch.Generator(device=dev).manual_seed(1234 + me)
+    t0 = time.perf_counter()
+    for it in range(rounds):
+        T = int(torch.randint(0, 160, (1,), generator=g, device=dev).item())
+        idx = torch.rand(T, E, generator=g, device=dev).topk(K, dim=1).indices
+        idx[torch.rand(T, K, generator=g, device=dev) < 0.1] = -1
+        w = torch.rand(T, K, generator=g, device=dev)
+        x = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
+        worst = 160 * R if it % 5 == 3 else 0
+        hashes = []
+        for buf in (nv, ref):
+            ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx, E)
+            rx, ridx, rw, _, h, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir,
+                                                 num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w,
+                                                 num_worst_tokens=worst, config=cfg)
+            if it % 7 == 0:
+                rx = buf.dispatch(x * 2, handle=h, num_worst_tokens=worst, config=cfg)[0]
+            cx, cw, _ = buf.combine(rx, h, topk_weights=rw, config=cfg)
+            hashes.append(torch.stack([dev_hash(t) for t in (rx, ridx, rw, h.send_head, cx, cw)]))
+        if not torch.equal(hashes[0], hashes[1]):
+            raise AssertionError(f"round {it} (T={T}, worst={worst}): nvlink {hashes[0].tolist()} != "
+                                 f"reference {hashes[1].tolist()}")
+    if me == 0:
+        print(f"[pressure] {rounds} rounds in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4 and 8 ranks (several processes per GPU: time-sliced, so small)
+# ------------------------------------------------------------------------------------------------
+
+def case_many_ranks(ctx):
+    R = ctx.world_size
+    cfg = default_cfg(num_sms=4, send=8, recv=64)
+    for i, name in enumerate(("random", "group_limited", "silent_rank", "zero_tokens", "one_expert")):
+        run_case(ctx, routing_name=name, cfg=cfg, T=24 + i, H=256, E=8 * R, K=4, seed=90 + i, num_bias=i % 3)
+    run_case(ctx, cfg=cfg, T=30, H=256, E=8 * R, K=4, fp8=False, worst=40 * R, seed=96)
+    run_case(ctx, cfg=cfg, T=30, H=512, E=8 * R, K=4, fp8=True, seed=97)

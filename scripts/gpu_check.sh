@@ -37,6 +37,7 @@ case "$ONLY" in
   quick) STAGES="env,compile,smoke,bench"; BENCH_ARGS="--tokens 4096 ${BENCH_ARGS:-}" ;;
   tests) STAGES="env,compile,smoke,tests2,shared,timeout,cpu" ;;
   bench) STAGES="env,compile,bench" ;;
+  final) STAGES="env,compile,smoke,main,a2a,long,overlap,tune" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -105,6 +106,18 @@ done
 stage shared 150 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "shared_gpus" -p no:cacheprovider
 stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout" -p no:cacheprovider
 stage cpu 60 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "imports or assemble or nvrtc" -p no:cacheprovider
+
+# Whole-library stages: the main job, the mpirun sweep (+ plot), the 10k-round long run, the dual
+# pipeline and the tuner; their JSON/PNG go to OUTDIR/results (packed into results.tar.gz).
+RES=${RESULTS_DIR:-/tmp/commlib_results}; rm -rf "$RES"; mkdir -p "$RES"
+stage main 120 $PY -m commlib.bench --json "$RES/bench_main_gpu.json"
+stage a2a 150 env NP=2 PYTHON=$PY bash scripts/launch_mpirun.sh benchmarks/alltoall_perf.py -b 512 -e 8K -f 2 --fp8 --json "$RES/alltoall_perf_gpu.json"
+stage plot 60 $PY benchmarks/plot.py "$RES/alltoall_perf_gpu.json" --out "$RES"
+stage long 200 env COMMLIB_TEST_LONG_ROUNDS=${LONG_ROUNDS:-10000} $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -p no:cacheprovider
+stage overlap 150 $PY benchmarks/bench_overlap.py --preset balanced --out-dir "$RES"
+stage overlap 120 $PY benchmarks/bench_overlap.py --preset v3 --out-dir "$RES"
+stage tune 200 $PY benchmarks/bench_tune.py ${TUNE_ARGS:-} --json "$RES/tune_gpu.json"
+if ls "$RES"/* >/dev/null 2>&1; then tar -czf "$OUTDIR/results.tar.gz" -C "$RES" . && log "[gpu_check] packed $(ls "$RES" | wc -l) result files"; fi
 
 # keep a copy of the benchmark JSON with the repository's results
 if want bench; then

@@ -102,6 +102,7 @@ class Buffer:
         self.comm_stream = (torch.cuda.Stream(device=self.device, priority=-1)
                             if self.device.type == "cuda" else None)
         self._destroyed = False
+        self._tuned: dict = {}
         self._check_world_agrees()
         self.backend_name = self._choose_backend(backend)
         self.backend: Backend = self._make_backend(self.backend_name)
@@ -312,7 +313,7 @@ class Buffer:
             raise ValueError(f"[commlib rank {self.rank}] expert_alignment must be a positive int, got {expert_alignment!r}")
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise ValueError(f"[commlib rank {self.rank}] num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
-        config = self._resolve_config(config, "dispatch", T, H)
+        config = self._resolve_config(config, "dispatch", T, H, "fp8" if scales is not None else "bf16")
         hidden_bytes = H * data.element_size()
         self._check_capacity(T, hidden_bytes, config)
 
@@ -407,20 +408,29 @@ class Buffer:
         return CombineRequest(x, handle, topk_weights, biases, config)
 
     # ------------------------------------------------------------------ helpers
-    def _resolve_config(self, config: Optional[Config], kind: str, num_tokens: int, hidden: int) -> Config:
+    def _resolve_config(self, config: Optional[Config], kind: str, num_tokens: int, hidden: int,
+                        dtype: str = "bf16") -> Config:
         if config is not None:
             if not isinstance(config, Config):
                 raise TypeError(f"[commlib rank {self.rank}] config must be a commlib.Config, got {type(config).__name__}")
             return config
-        try:
-            from . import tune
-            cached = tune.cached_config(kind=kind, num_ranks=self.num_ranks,
-                                        ranks_per_node=self.topology.ranks_per_node, hidden=hidden,
-                                        dtype="bf16", num_tokens=num_tokens, device=self.device)
-        except (ImportError, AttributeError):
-            cached = None
-        if cached is not None:
-            return cached
+        # A tuned config (commlib.tune) for this shape, looked up once per (kind, hidden, dtype, token
+        # bucket) and remembered. The lookup is local (no collective on the hot path): ranks must call
+        # with token counts in the same power-of-two bucket, as with any per-shape config. With
+        # COMMLIB_AUTOTUNE=1 a miss tunes now, collectively.
+        from . import tune
+        key = (kind, hidden, dtype, tune.token_bucket(num_tokens), Buffer.num_sms)
+        if key not in self._tuned:
+            if env.autotune():
+                found = tune.get_config(self, kind, (num_tokens, hidden), dtype)
+            else:
+                found = tune.cached_config(kind=kind, num_ranks=self.num_ranks,
+                                           ranks_per_node=self.topology.ranks_per_node, hidden=hidden,
+                                           dtype=dtype, num_tokens=num_tokens, device=self.device,
+                                           num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=self.num_rdma_bytes)
+            self._tuned[key] = found
+        if self._tuned[key] is not None:
+            return self._tuned[key]
         return (Buffer.get_dispatch_config if kind == "dispatch" else Buffer.get_combine_config)(self.num_ranks)
 
     def _check_capacity(self, num_tokens: int, hidden_bytes: int, config: Config) -> None:

@@ -215,10 +215,15 @@ class Buffer:
             self.comm_stream.wait_stream(compute)
         with torch.cuda.stream(self.comm_stream):
             result = fn()
-        for t in inputs:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(self.comm_stream)
-        for t in _tensors_of(result):
+        # Outputs were allocated on the comm stream and are used on the compute stream: tell the
+        # allocator. Inputs only need it when the caller may free them before the comm stream is
+        # done (async_finish); otherwise the compute stream waits below before anything reuses them.
+        # A handle passed in (cached mode) was recorded when it was made.
+        if async_finish:
+            for t in inputs:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self.comm_stream)
+        for t in _tensors_of(result, skip=inputs):
             t.record_stream(compute)
         event = torch.cuda.Event()
         event.record(self.comm_stream)
@@ -290,7 +295,7 @@ class Buffer:
         except (TypeError, ValueError):
             self._rejected(2 if handle is not None else 1)
             raise
-        inputs = [req.x, req.x_scales, topk_idx, topk_weights, is_token_in_rank]
+        inputs = [req.x, req.x_scales, topk_idx, topk_weights, is_token_in_rank, handle]
         res, event = self._run(lambda: self.backend.dispatch(req), inputs, previous_event, async_finish,
                                allocate_on_comm_stream)
         res.handle.buffer_id = self.buffer_id
@@ -371,7 +376,7 @@ class Buffer:
         except (TypeError, ValueError):
             self._rejected(3)
             raise
-        res, event = self._run(lambda: self.backend.combine(req), [x, topk_weights, *req.bias], previous_event,
+        res, event = self._run(lambda: self.backend.combine(req), [x, topk_weights, *req.bias, handle], previous_event,
                                async_finish, allocate_on_comm_stream)
         return res.combined_x, res.combined_topk_weights, event
 
@@ -472,12 +477,15 @@ class Buffer:
                              f"was made for {handle.hidden}")
 
 
-def _tensors_of(obj):
+def _tensors_of(obj, skip=()):
+    """Tensors inside a result (dataclasses, tuples), not descending into objects listed in ``skip``."""
+    if any(obj is s for s in skip):
+        return
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif hasattr(obj, "__dataclass_fields__"):
+    elif isinstance(obj, DispatchHandle) or hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
-            yield from _tensors_of(getattr(obj, name))
+            yield from _tensors_of(getattr(obj, name), skip)
     elif isinstance(obj, (tuple, list)):
         for item in obj:
-            yield from _tensors_of(item)
+            yield from _tensors_of(item, skip)

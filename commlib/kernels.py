@@ -138,17 +138,25 @@ def options(plain: bool, knobs: Optional[dict] = None) -> tuple:
     return ("-std=c++17", "--gpu-architecture=sm_90") + tuple(f"-D{k}={v}" for k, v in defines.items())
 
 
+_functions: dict = {}  # (family, name, plain, variant, device) -> CuPy function: the launch hot path
+
+
 def _function(family: str, name: str, plain: bool):
     cp = cupy()
     device = cp.cuda.runtime.getDevice()
     knobs = tuple(sorted(_variant.items()))
+    fkey = (family, name, plain, knobs, device)
+    fn = _functions.get(fkey)
+    if fn is not None:
+        return fn
     key = (family, plain, knobs, device)
     with _lock:
         module = _modules.get(key)
         if module is None:
             module = cp.RawModule(code=source(family), options=options(plain, dict(knobs)))
             _modules[key] = module
-        return module.get_function(name)
+        fn = _functions[fkey] = module.get_function(name)
+        return fn
 
 
 def compile_all(plain: Optional[bool] = None) -> dict:

@@ -50,9 +50,6 @@ __device__ __forceinline__ u64 combine_slot(const CombineArgs& a, u64 base, int 
            ((u64)(src * a.num_channels + c) * (u64)a.slot_capacity + (u64)i) * (u64)a.slot_bytes;
 }
 
-__device__ __forceinline__ int rows_before_c(const int* rpm, int num_ranks, int s, int r) {
-    return s > 0 ? rpm[(s - 1) * num_ranks + r] : 0;
-}
 
 // ------------------------------------------------------------------------------------------------
 // Sender
@@ -70,22 +67,8 @@ __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
         const bool active = lane < R && lane != me;
         warp_wait_geq(flag_at(own, COMMLIB_OFF_COMBINE_DONE, (active ? lane : 0) * COMMLIB_MAX_CHANNELS + c),
                       seq - 1, active, lane, site, a.timeout_ns);
-        if (lane == 0) {
-            // home ranks, starting after me so the ranks spread over the links
-            int off = 0;
-            for (int j = 0; j < R - 1; ++j) {
-                const int s = (me + 1 + j) % R;
-                const int before = rows_before_c(rpm, R, s, me);
-                const int total_s = rpm[s * R + me] - before;
-                const int lo = a.recv_channel_prefix_matrix[s * C + c];
-                const int hi = c + 1 < C ? a.recv_channel_prefix_matrix[s * C + c + 1] : total_s;
-                s_dst[j] = s;
-                s_off[j] = off;
-                s_base[j] = before + lo;
-                off += hi - lo;
-            }
-            s_off[R - 1] = off;
-        }
+        if (lane == 0)  // home ranks, starting after me so the ranks spread over the links
+            channel_remote_rows(rpm, a.recv_channel_prefix_matrix, R, C, me, c, s_dst, s_off, s_base);
     }
     __syncthreads();
     const int num_items = s_off[R - 1];
@@ -147,7 +130,7 @@ __device__ void combine_recv(const CombineArgs& a, int c, u64 seq) {
 
     // lane r < R: where rank r's rows for this channel start in my staging
     const int r_lane = lane < R ? lane : 0;
-    const int slot_base = lane < R ? rows_before_c(a.rank_prefix_matrix, R, me, r_lane) + a.channel_prefix_matrix[r_lane * C + c] : 0;
+    const int slot_base = lane < R ? rows_before(a.rank_prefix_matrix, R, me, r_lane) + a.channel_prefix_matrix[r_lane * C + c] : 0;
     const u64* tail = flag_at(own, COMMLIB_OFF_COMBINE_TAIL, r_lane * COMMLIB_MAX_CHANNELS + c);
     const WaitSite site = {"combine", "combine tail (sender progress)", me, c, true};
     u32 ready = 0;  // lane r: rows of rank r acquired so far

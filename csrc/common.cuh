@@ -241,3 +241,33 @@ __device__ __forceinline__ u64* flag_at(u64 base, u64 offset, int index) {
 __device__ __forceinline__ u64 read_seq(const u64* seq_counters, int kind, int role, int channel) {
     return seq_counters[COMMLIB_SEQ_INDEX(kind, role, channel)] + 1;
 }
+
+// ------------------------------------------------------------------------------------------------
+// Row bookkeeping shared by dispatch (receiver) and combine (sender)
+// ------------------------------------------------------------------------------------------------
+
+// rank_prefix_matrix[s - 1][r]: rows rank r receives from ranks before s.
+__device__ __forceinline__ int rows_before(const int* rpm, int num_ranks, int s, int r) {
+    return s > 0 ? rpm[(s - 1) * num_ranks + r] : 0;
+}
+
+// Channel c's share of the rows rank `me` received from each remote rank, remote ranks taken in
+// the order me+1, me+2, ... (so ranks do not all start on the same peer). For the j-th of them:
+// out_rank[j] = the rank, out_base[j] = its first row in me's recv_x, out_off[j] = where its rows
+// start in the channel's work list; out_off[R - 1] = the list's length.
+__device__ __forceinline__ void channel_remote_rows(const int* rpm, const int* recv_channel_prefix, int R, int C,
+                                                    int me, int c, int* out_rank, int* out_off, int* out_base) {
+    int off = 0;
+    for (int j = 0; j < R - 1; ++j) {
+        const int s = (me + 1 + j) % R;
+        const int before = rows_before(rpm, R, s, me);
+        const int total_s = rpm[s * R + me] - before;
+        const int lo = recv_channel_prefix[s * C + c];
+        const int hi = c + 1 < C ? recv_channel_prefix[s * C + c + 1] : total_s;
+        out_rank[j] = s;
+        out_off[j] = off;
+        out_base[j] = before + lo;
+        off += hi - lo;
+    }
+    out_off[R - 1] = off;
+}

@@ -75,10 +75,6 @@ __device__ __forceinline__ u64 dispatch_slot(const DispatchArgs& a, u64 base, in
            ((u64)(src * a.num_channels + c) * (u64)a.slot_capacity + (u64)i) * (u64)a.slot_bytes;
 }
 
-// rank_prefix_matrix[s - 1][r]: rows rank r receives from ranks before s.
-__device__ __forceinline__ int rows_before(const int* rpm, int num_ranks, int s, int r) {
-    return s > 0 ? rpm[(s - 1) * num_ranks + r] : 0;
-}
 
 // ------------------------------------------------------------------------------------------------
 // Sender
@@ -270,22 +266,8 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq) {
     const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk, S = a.num_scales;
     const u64 own = a.peer_bases[me];
     const int* rpm = a.rank_prefix_matrix;
-    if (threadIdx.x == 0) {
-        // remote sources, starting after me so ranks do not all read the same source first
-        int off = 0;
-        for (int j = 0; j < R - 1; ++j) {
-            const int s = (me + 1 + j) % R;
-            const int before = rows_before(rpm, R, s, me);
-            const int total_s = rpm[s * R + me] - before;
-            const int lo = a.recv_channel_prefix_matrix[s * C + c];
-            const int hi = c + 1 < C ? a.recv_channel_prefix_matrix[s * C + c + 1] : total_s;
-            s_src[j] = s;
-            s_off[j] = off;
-            s_base[j] = before + lo;
-            off += hi - lo;
-        }
-        s_off[R - 1] = off;
-    }
+    if (threadIdx.x == 0)  // remote sources, starting after me so ranks do not all read the same source first
+        channel_remote_rows(rpm, a.recv_channel_prefix_matrix, R, C, me, c, s_src, s_off, s_base);
     __syncthreads();
     const int num_items = s_off[R - 1];
     const WaitSite site = {"dispatch", "dispatch tail (sender progress)", me, c, true};

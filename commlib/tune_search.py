@@ -29,6 +29,7 @@ DEFAULT_RDMA_RECV = (256, 512, 1024, 2048, 4096)
 
 TimeFn = Callable[[Config], Sequence[float]]
 
+
 def _tup(config: Config) -> tuple:
     """Config -> its fields in order (dataclasses.astuple deep-copies: too slow for 10^4 candidates)."""
     return tuple(getattr(config, name) for name in FIELDS)
@@ -42,6 +43,7 @@ _DTYPE_ALIASES = {
 
 _DTYPE_BYTES = {"bfloat16": 2, "float8_e4m3fn": 1, "float16": 2, "float32": 4}
 
+
 def dtype_name(dtype: Any) -> str:
     """torch.bfloat16 / "bf16" / "bfloat16" -> "bfloat16" (the spelling stored in cache keys)."""
     raw = str(dtype).lower().removeprefix("torch.")
@@ -49,8 +51,10 @@ def dtype_name(dtype: Any) -> str:
         raise ValueError(f"unsupported dtype {dtype!r}: expected one of {sorted(_DTYPE_ALIASES)}")
     return _DTYPE_ALIASES[raw]
 
+
 def dtype_bytes(dtype: Any) -> int:
     return _DTYPE_BYTES[dtype_name(dtype)]
+
 
 def token_bucket(num_tokens: int) -> int:
     """Smallest power of two >= num_tokens (1 for 0): the token count a cached config serves."""
@@ -58,9 +62,11 @@ def token_bucket(num_tokens: int) -> int:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     return 1 << max(0, int(num_tokens) - 1).bit_length()
 
+
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be 'dispatch' or 'combine', got {kind!r}")
+
 
 def _fits(config: Config, num_tokens: int, num_ranks: int, ranks_per_node: int, hidden_bytes: int,
           num_nvl_bytes: Optional[int], num_rdma_bytes: Optional[int]) -> bool:
@@ -79,6 +85,8 @@ def _fits(config: Config, num_tokens: int, num_ranks: int, ranks_per_node: int, 
 
 # -------------------------------------------------------------------------------- search space
 @dataclasses.dataclass(frozen=True)
+
+
 class SearchSpace:
     """Candidate values per Config field, and what every candidate must satisfy.
 
@@ -138,6 +146,8 @@ def default_space(kind: str, num_ranks: int, ranks_per_node: int, hidden: int, d
 
 # ------------------------------------------------------------------------------------- search
 @dataclasses.dataclass
+
+
 class Trial:
     """The samples of one config; ``batch_medians`` has one entry per batch (one repeated timing)."""
     config: Config
@@ -162,6 +172,8 @@ class Trial:
 
 
 @dataclasses.dataclass
+
+
 class SearchResult:
     config: Config                   # what to use: the winner, or the default when the gain is within noise
     best: Config                     # fastest candidate measured

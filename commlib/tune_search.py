@@ -34,12 +34,14 @@ def _tup(config: Config) -> tuple:
     """Config -> its fields in order (dataclasses.astuple deep-copies: too slow for 10^4 candidates)."""
     return tuple(getattr(config, name) for name in FIELDS)
 
+
 _DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
     "float16": "float16", "fp16": "float16", "half": "float16",
     "float32": "float32", "fp32": "float32", "float": "float32",
 }
+
 
 _DTYPE_BYTES = {"bfloat16": 2, "float8_e4m3fn": 1, "float16": 2, "float32": 4}
 
@@ -83,10 +85,9 @@ def _fits(config: Config, num_tokens: int, num_ranks: int, ranks_per_node: int, 
         return False
     return True
 
+
 # -------------------------------------------------------------------------------- search space
 @dataclasses.dataclass(frozen=True)
-
-
 class SearchSpace:
     """Candidate values per Config field, and what every candidate must satisfy.
 
@@ -146,8 +147,6 @@ def default_space(kind: str, num_ranks: int, ranks_per_node: int, hidden: int, d
 
 # ------------------------------------------------------------------------------------- search
 @dataclasses.dataclass
-
-
 class Trial:
     """The samples of one config; ``batch_medians`` has one entry per batch (one repeated timing)."""
     config: Config
@@ -172,8 +171,6 @@ class Trial:
 
 
 @dataclasses.dataclass
-
-
 class SearchResult:
     config: Config                   # what to use: the winner, or the default when the gain is within noise
     best: Config                     # fastest candidate measured

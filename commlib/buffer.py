@@ -48,7 +48,8 @@ class Buffer:
             ``Config.get_nvl_buffer_size_hint(hidden_bytes, ranks_per_node)``.
         num_rdma_bytes: bytes of the network staging buffer (several nodes);
             ``Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)``.
-        low_latency_mode: DeepEP's decode mode (not available yet: raises NotImplementedError).
+        low_latency_mode: DeepEP's decode mode (low_latency_dispatch / low_latency_combine); on the
+            reference backend only so far (GPU kernels: NotImplementedError).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: accepted for API
             compatibility; they tune InfiniBand queue pairs / MNNVL, which commlib does not use.
         explicitly_destroy: if True the caller must call ``destroy()``; otherwise resources are
@@ -79,9 +80,6 @@ class Buffer:
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Buffer: {name} must be a non-negative int, got {value!r}")
-        if low_latency_mode:
-            raise NotImplementedError("Buffer: low_latency_mode=True is not implemented yet; "
-                                      "use normal mode (dispatch/combine)")
         if max_nodes_per_token <= 0:
             raise ValueError(f"Buffer: max_nodes_per_token must be positive, got {max_nodes_per_token}")
         self.group = group
@@ -106,6 +104,15 @@ class Buffer:
         self._check_world_agrees()
         self.backend_name = self._choose_backend(backend)
         self.backend: Backend = self._make_backend(self.backend_name)
+        self._low_latency = None
+        if low_latency_mode:
+            if self.backend_name != "reference":
+                self.backend.destroy()
+                raise NotImplementedError(
+                    f"Buffer: low_latency_mode=True has no {self.backend_name} kernels yet; pass backend='reference' "
+                    "(torch.distributed collectives, same semantics)")
+            from .low_latency import LowLatencyReference
+            self._low_latency = LowLatencyReference(self, self.backend)
 
     # ------------------------------------------------------------------ set-up
     def _check_world_agrees(self) -> None:
@@ -411,6 +418,53 @@ class Buffer:
         config = self._resolve_config(config, "combine", T, H)
         self._check_capacity(T, H * 2, config)
         return CombineRequest(x, handle, topk_weights, biases, config)
+
+    # ------------------------------------------------------------------ low-latency mode (decode)
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of ``num_rdma_bytes`` a low-latency Buffer needs."""
+        from .low_latency import rdma_size_hint
+        return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def _ll(self):
+        self._alive()
+        if self._low_latency is None:
+            raise RuntimeError(f"[commlib rank {self.rank}] build the Buffer with low_latency_mode=True to use "
+                               "low-latency dispatch/combine")
+        return self._low_latency
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """DeepEP clears its signalling buffers here; the reference transport keeps none."""
+        self._ll()
+
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """[local experts, R * M, H] bf16 that a ``zero_copy=True`` combine reads (two alternate)."""
+        return self._ll().next_combine_buffer(handle)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
+        """Decode-mode dispatch (see commlib.low_latency): returns (recv_x, recv_count, handle, event, hook).
+
+        x: [T, H] bf16 (T <= num_max_dispatch_tokens_per_rank); topk_idx: [T, K] int64.
+        recv_x: [L, R * M, H] bf16, or (E4M3 [L, R * M, H], scales) with use_fp8; recv_count: [L] int32.
+        """
+        ll = self._ll()
+        (recv_x, recv_count, handle, hook), event = self._run(
+            lambda: ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                use_ue8m0, return_recv_hook), [x, topk_idx], None, async_finish, False)
+        return recv_x, recv_count, handle, event, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None):
+        """Decode-mode combine: (combined_x [T, H] bf16, event, hook); the top-k weighted sum."""
+        ll = self._ll()
+        (combined, hook), event = self._run(
+            lambda: ll.combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out),
+            [x, topk_idx, topk_weights], None, async_finish, False)
+        return combined, event, hook
 
     # ------------------------------------------------------------------ helpers
     def _resolve_config(self, config: Optional[Config], kind: str, num_tokens: int, hidden: int,

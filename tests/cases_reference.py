@@ -313,4 +313,6 @@ def case_bad_input(ctx):
     small.destroy()
     buf.destroy()
     _expect(RuntimeError, ["destroy"], lambda: buf.dispatch(x, topk_idx=idx, **lay))
-    _expect(NotImplementedError, ["low_latency_mode"], lambda: commlib.Buffer(ctx.group, 0, low_latency_mode=True))
+    normal = make_buffer(ctx, R)
+    _expect(RuntimeError, ["low_latency_mode=True"], lambda: normal.low_latency_dispatch(x, idx, 64, E))
+    normal.destroy()

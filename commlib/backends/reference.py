@@ -32,7 +32,7 @@ _BIG = 1 << 31
 # What every rank must agree on before an op moves data (checked in the first collective).
 SIG_FIELDS = ("op", "call", "hidden", "num_experts", "fp8", "topk", "topk_weights", "num_sms",
               "nvl_send_tokens", "nvl_recv_tokens")
-_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine"}
+_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low_latency_dispatch", 5: "low_latency_combine"}
 
 
 class _Packer:

@@ -1,0 +1,248 @@
+"""Low-latency mode (decode): DeepEP v1's low_latency_dispatch / low_latency_combine, reference semantics.
+
+Legend: T tokens here (T <= M = num_max_dispatch_tokens_per_rank), H hidden, K top-k, E experts,
+R ranks, L = E / R local experts.
+
+dispatch: every (token, top-k slot) with expert e >= 0 is one row for expert e (a token reaches
+  an expert once per slot, not once per rank). Output ``recv_x`` is [L, R * M, H]: expert e's rows
+  packed from row 0, grouped by source rank in rank order, token order within a source;
+  ``recv_count[e]`` of them are valid, the rest are zero. FP8 (``use_fp8``): the sender casts
+  each 128-channel block with scale = amax / 448 (``round_scale``: rounded up to a power of two;
+  ``use_ue8m0``: the power-of-two scales' exponents packed four per int32, [L, R * M, H / 512]),
+  so ``recv_x`` is (E4M3 [L, R * M, H], scales [L, R * M, H / 128] float32 or packed int32).
+combine: combined[t] = bf16(acc), acc = 0.f; for k in 0..K-1 with topk_idx[t, k] >= 0:
+  acc += topk_weights[t, k] * float(row of (t, k) on its expert's rank). Rows travel as bf16.
+Shapes are static (no host-visible counts), which is what makes the GPU path graph-capturable.
+With ``return_recv_hook=True`` the call returns a hook; calling it completes the receive (here
+the data has already arrived, so the hook only marks the handle received).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from .fp8 import BLOCK, FP8_MAX
+from .validate import check_tensor
+
+_MIN_AMAX = 1e-4
+
+
+@dataclasses.dataclass
+class LowLatencyHandle:
+    src_info: torch.Tensor        # [L, R * M] int32: token index on the source rank of each row (-1 padding)
+    layout_range: torch.Tensor    # [L, R] int64: (first row << 32) | rows, per (local expert, source rank)
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    buffer_id: int = 0
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def __getitem__(self, index):  # DeepEP reads the handle as a tuple
+        return (self.src_info, self.layout_range, self.num_max_dispatch_tokens_per_rank, self.hidden,
+                self.num_experts)[index]
+
+
+def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Bytes of buffer the low-latency path needs (two alternating halves, dispatch + combine rows)."""
+    for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                    ("num_ranks", num_ranks), ("num_experts", num_experts)):
+        if v <= 0:
+            raise ValueError(f"get_low_latency_rdma_size_hint: {name} must be positive, got {v}")
+    slots = num_experts * num_max_dispatch_tokens_per_rank            # rows a rank may receive
+    dispatch_row = hidden * 2 + hidden // BLOCK * 4 + 16              # bf16 or fp8 + scales + meta
+    combine_row = hidden * 2
+    return 2 * slots * (dispatch_row + combine_row)
+
+
+def cast_fp8(x: torch.Tensor, round_scale: bool, use_ue8m0: bool):
+    """[n, H] -> (E4M3 [n, H], scales [n, H/128] float32, or exponents packed [n, H/512] int32)."""
+    n, H = x.shape
+    blocks = x.float().view(n, H // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=2).clamp(min=_MIN_AMAX) / FP8_MAX
+    if round_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(n, H)
+    if not use_ue8m0:
+        return q, scale.contiguous()
+    exps = (torch.log2(scale).round().to(torch.int32) + 127).to(torch.uint8)    # UE8M0: the biased exponent
+    return q, exps.view(n, H // (4 * BLOCK), 4).contiguous().view(torch.int32).view(n, H // (4 * BLOCK))
+
+
+def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
+    """[..., H/512] int32 -> [..., H/128] float32 power-of-two scales."""
+    exps = packed.contiguous().view(torch.uint8).to(torch.int32) - 127
+    return torch.exp2(exps.float())
+
+
+class LowLatencyReference:
+    """The reference transport for low-latency mode (torch.distributed all_to_all of byte rows)."""
+
+    def __init__(self, buffer, backend) -> None:
+        self.buffer = buffer
+        self.backend = backend   # the ReferenceBackend: its collectives carry timeouts
+        self._combine_buffers: list = [None, None]
+        self._next = 0
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x, topk_idx, M: int, num_experts: int, use_fp8: bool, round_scale: bool,
+                 use_ue8m0: bool, return_recv_hook: bool):
+        b, rank, R = self.buffer, self.buffer.rank, self.buffer.num_ranks
+        check_tensor("x", x, rank, dtype=torch.bfloat16, dim=2, device=b.device)
+        check_tensor("topk_idx", topk_idx, rank, dtype=torch.int64, dim=2, device=b.device)
+        T, H = x.shape
+        if topk_idx.shape[0] != T:
+            raise ValueError(f"[commlib rank {rank}] topk_idx has {topk_idx.shape[0]} rows but x has {T} tokens")
+        if T > M:
+            raise ValueError(f"[commlib rank {rank}] x has {T} tokens, more than num_max_dispatch_tokens_per_rank={M}")
+        if num_experts <= 0 or num_experts % R:
+            raise ValueError(f"[commlib rank {rank}] num_experts ({num_experts}) must be divisible by the number "
+                             f"of ranks ({R})")
+        if use_fp8 and H % BLOCK:
+            raise ValueError(f"[commlib rank {rank}] FP8 low-latency dispatch: hidden ({H}) must be a multiple of {BLOCK}")
+        if use_ue8m0 and (not use_fp8 or not round_scale or H % (4 * BLOCK)):
+            raise ValueError(f"[commlib rank {rank}] use_ue8m0 needs use_fp8, round_scale and hidden % 512 == 0")
+        if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= num_experts):
+            raise ValueError(f"[commlib rank {rank}] topk_idx holds expert ids outside [-1, {num_experts})")
+        need = rdma_size_hint(M, H, R, num_experts)
+        if b.num_rdma_bytes < need:
+            raise ValueError(f"[commlib rank {rank}] num_rdma_bytes={b.num_rdma_bytes} is too small: build the "
+                             f"Buffer with num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint({M}, {H}, {R}, "
+                             f"{num_experts}) = {need}")
+        L = num_experts // R
+        dev = self.backend.comm_device
+        idx = topk_idx.to(dev)
+        tok, slot = torch.nonzero(idx >= 0, as_tuple=True)            # (token, k) pairs, token-major
+        experts = idx[tok, slot]
+        dest = experts // L
+        order = torch.argsort(dest * (T + 1) * 64 + tok * 64 + slot, stable=True)   # by destination rank
+        tok, experts, dest = tok[order], experts[order], dest[order]
+        rows = x.to(dev)[tok]
+        cols = []
+        if use_fp8:
+            q, s = cast_fp8(rows, round_scale, use_ue8m0) if rows.shape[0] else (
+                torch.empty(0, H, dtype=torch.float8_e4m3fn, device=dev),
+                torch.empty(0, H // (4 * BLOCK) if use_ue8m0 else H // BLOCK,
+                            dtype=torch.int32 if use_ue8m0 else torch.float32, device=dev))
+            sw = s.shape[1] * 4
+            cols += [q.view(torch.uint8), s.contiguous().view(torch.uint8).view(-1, sw)]
+        else:
+            cols += [rows.contiguous().view(torch.uint8).view(-1, 2 * H)]
+        meta = torch.stack([tok.to(torch.int32), (experts % L).to(torch.int32)], dim=1)
+        cols.append(meta.view(torch.uint8).view(-1, 8))
+        payload = torch.cat(cols, dim=1)
+        send_counts = torch.bincount(dest, minlength=R).tolist()
+        self.backend.calls += 1
+        counts = self.backend._agree(self.backend.signature(4, H, num_experts, use_fp8, topk_idx.shape[1],
+                                                            False, b.get_dispatch_config(R)),
+                                     send_counts + [0])
+        recv_counts = counts[:, rank].tolist()
+        self.backend._phase = "low_latency_dispatch (data exchange)"
+        recv = self.backend._a2a_rows(payload, send_counts, recv_counts)
+        meta_r = recv[:, -8:].contiguous().view(torch.int32).view(-1, 2)
+        src_rank = torch.repeat_interleave(torch.arange(R, device=dev), torch.tensor(recv_counts, device=dev))
+        local = meta_r[:, 1].to(torch.int64)
+        # rows per (local expert): sources in rank order, tokens in order (stable sort keeps arrival order)
+        pos = torch.argsort(local * (R + 1) + src_rank, stable=True)
+        recv, local, src_rank, src_tok = recv[pos], local[pos], src_rank[pos], meta_r[pos, 0]
+        recv_count = torch.bincount(local, minlength=L).to(torch.int32)
+        first = torch.cumsum(recv_count.to(torch.int64), 0) - recv_count.to(torch.int64)
+        row_in_expert = torch.arange(local.numel(), device=dev) - first[local]
+        width = H if use_fp8 else 2 * H
+        out_x = torch.zeros(L, R * M, width, dtype=torch.uint8, device=dev)
+        out_x[local, row_in_expert] = recv[:, :width]
+        src_info = torch.full((L, R * M), -1, dtype=torch.int32, device=dev)
+        src_info[local, row_in_expert] = src_tok
+        per = torch.zeros(L, R, dtype=torch.int64, device=dev)
+        per.index_put_((local, src_rank), torch.ones_like(local), accumulate=True)
+        start = torch.cumsum(per, 1) - per
+        layout_range = (start << 32) | per
+        out_dev = x.device
+        if use_fp8:
+            recv_q = out_x.view(torch.float8_e4m3fn).to(out_dev)
+            sw = (H // (4 * BLOCK)) * 4 if use_ue8m0 else (H // BLOCK) * 4
+            s_bytes = torch.zeros(L, R * M, sw, dtype=torch.uint8, device=dev)
+            s_bytes[local, row_in_expert] = recv[:, width:width + sw]
+            scales = s_bytes.view(torch.int32 if use_ue8m0 else torch.float32).to(out_dev)
+            recv_x = (recv_q, scales)
+        else:
+            recv_x = out_x.view(torch.bfloat16).to(out_dev)
+        handle = LowLatencyHandle(src_info.to(out_dev), layout_range.to(out_dev), M, H, num_experts,
+                                  buffer_id=b.buffer_id,
+                                  extra={"send_counts": send_counts, "recv_counts": recv_counts, "order": order.cpu(),
+                                         "tok": tok.cpu(), "slot": slot[order].cpu(), "pos": pos.cpu(),
+                                         "local": local.cpu(), "row": row_in_expert.cpu(), "T": T,
+                                         "K": topk_idx.shape[1], "received": not return_recv_hook})
+        hook = self._hook(handle) if return_recv_hook else None
+        return recv_x, recv_count.to(out_dev), handle, hook
+
+    @staticmethod
+    def _hook(handle: LowLatencyHandle) -> Callable[[], None]:
+        def hook() -> None:
+            handle.extra["received"] = True
+        return hook
+
+    # ------------------------------------------------------------------ combine
+    def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The [L, R * M, H] bf16 buffer a zero-copy combine reads (two alternate, as in DeepEP)."""
+        b = self.buffer
+        L = handle.num_experts // b.num_ranks
+        shape = (L, b.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        i = self._next
+        self._next ^= 1
+        buf = self._combine_buffers[i]
+        if buf is None or tuple(buf.shape) != shape:
+            buf = self._combine_buffers[i] = torch.zeros(shape, dtype=torch.bfloat16, device=b.device)
+        return buf
+
+    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, zero_copy: bool,
+                return_recv_hook: bool, out: Optional[torch.Tensor]):
+        b, rank, R = self.buffer, self.buffer.rank, self.buffer.num_ranks
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError(f"[commlib rank {rank}] handle must come from low_latency_dispatch, got {type(handle).__name__}")
+        if handle.buffer_id != b.buffer_id:
+            raise ValueError(f"[commlib rank {rank}] handle was made by another Buffer")
+        if not handle.extra.get("received"):
+            raise ValueError(f"[commlib rank {rank}] call the dispatch's receive hook before low_latency_combine")
+        L = handle.num_experts // R
+        M, H = handle.num_max_dispatch_tokens_per_rank, handle.hidden
+        if zero_copy and not any(x is buf for buf in self._combine_buffers if buf is not None):
+            raise ValueError(f"[commlib rank {rank}] zero_copy=True needs x from get_next_low_latency_combine_buffer")
+        check_tensor("x", x, rank, dtype=torch.bfloat16, dim=3, device=b.device)
+        if tuple(x.shape) != (L, R * M, H):
+            raise ValueError(f"[commlib rank {rank}] x must have shape [{L}, {R * M}, {H}], got {list(x.shape)}")
+        T, K = handle.extra["T"], handle.extra["K"]
+        check_tensor("topk_idx", topk_idx, rank, dtype=torch.int64, dim=2, device=b.device)
+        check_tensor("topk_weights", topk_weights, rank, dtype=torch.float32, dim=2, device=b.device)
+        if tuple(topk_idx.shape) != (T, K) or tuple(topk_weights.shape) != (T, K):
+            raise ValueError(f"[commlib rank {rank}] topk_idx / topk_weights must be [{T}, {K}] as in the dispatch")
+        if out is not None:
+            check_tensor("out", out, rank, dtype=torch.bfloat16, dim=2, device=b.device)
+            if tuple(out.shape) != (T, H):
+                raise ValueError(f"[commlib rank {rank}] out must have shape [{T}, {H}], got {list(out.shape)}")
+        ex = handle.extra
+        dev = self.backend.comm_device
+        rows = x.to(dev)[ex["local"].to(dev), ex["row"].to(dev)]                   # sorted order
+        arrival = torch.empty_like(rows)
+        arrival[ex["pos"].to(dev)] = rows
+        self.backend.calls += 1
+        self.backend._agree(self.backend.signature(5, H, handle.num_experts, False, K, True,
+                                                   b.get_combine_config(R)), [0] * (R + 1))
+        self.backend._phase = "low_latency_combine (data exchange)"
+        back = self.backend._a2a_rows(arrival.contiguous().view(torch.uint8).view(-1, 2 * H),
+                                      ex["recv_counts"], ex["send_counts"]).view(torch.bfloat16)
+        # back[i] is the row of pair i in the send order: (tok[i], slot[i])
+        vals = torch.zeros(T, K, H, dtype=torch.float32, device=dev)
+        vals[ex["tok"].to(dev), ex["slot"].to(dev)] = back.float()
+        w = topk_weights.to(dev)
+        acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        for k in range(K):  # slot order, multiply then add (two roundings): what every backend computes
+            valid = (topk_idx[:, k] >= 0).to(dev)
+            acc = torch.where(valid.unsqueeze(1), acc + w[:, k:k + 1] * vals[:, k], acc)
+        result = acc.to(torch.bfloat16).to(x.device)
+        if out is not None:
+            out.copy_(result)
+            result = out
+        hook = (lambda: None) if return_recv_hook else None
+        return result, hook

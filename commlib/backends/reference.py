@@ -285,8 +285,8 @@ class ReferenceBackend(Backend):
 
     def _dispatch_hierarchical(self, payload, packer, is_tir, counts_all, req, num_experts, cached):
         topo = self.topology
-        me, R, P, M = topo.rank, topo.num_ranks, topo.ranks_per_node, topo.num_nodes
-        node, local = topo.node, topo.local_rank
+        me, R, M = topo.rank, topo.num_ranks, topo.num_nodes
+        local = topo.local_rank
         in_node = L.token_in_node(is_tir, topo)
 
         # (1) network hop: each token once to each node it needs, to the rail peer there.
@@ -297,18 +297,34 @@ class ReferenceBackend(Backend):
         counts1 = self._all_gather_rows(torch.tensor(send1_counts))
         recv1_counts = counts1[:, me].tolist()
         send1 = payload[torch.cat(order1)]
-        recv1 = self._a2a_rows(send1, send1_counts, recv1_counts)
+        recv1 = self._network_a2a(send1, send1_counts, recv1_counts)
         self._count_rows(send1_counts, intranode=False)
-
-        # (2) NVLink fan-out: the forwarder sends each row to the ranks of its node that need it.
-        #     Which ranks: from the routing the row carries (or the plan kept in the handle).
-        J = recv1.shape[0]
         src_rank1 = torch.repeat_interleave(torch.arange(R), torch.tensor(recv1_counts)).to(torch.int32).to(recv1.device)
-        if cached:
-            fwd_mask = req.handle.extra["plan"]["fwd_mask"]
+
+        # (2) fan-out inside the node, then rows grouped by source rank, token order within.
+        plan = {"order1": order1, "recv1_counts": recv1_counts, "send1_counts": send1_counts}
+        arrived, arrived_src, fanout_plan = self._fanout(recv1, src_rank1, packer, num_experts,
+                                                         req.handle.extra["plan"] if cached else None, req)
+        plan.update(fanout_plan)
+        src_idx = packer.unpack(arrived)["src_idx"].flatten().to(torch.int64)
+        plan["sort"] = torch.argsort(arrived_src.to(torch.int64) * _BIG + src_idx, stable=True)
+        return arrived[plan["sort"]], plan
+
+    def _network_a2a(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """The network hop (counts are world-sized; only rail peers are non-zero)."""
+        return self._a2a_rows(rows, send_counts, recv_counts)
+
+    def _fanout(self, recv1, src_rank1, packer, num_experts, cached_plan, req):
+        """Forward each row the network hop delivered to the ranks of this node that need it.
+
+        Returns (rows as they arrive here, their source ranks, plan entries for combine)."""
+        topo = self.topology
+        me, R, P, node = topo.rank, topo.num_ranks, topo.ranks_per_node, topo.node
+        J = recv1.shape[0]
+        if cached_plan is not None:
+            fwd_mask = cached_plan["fwd_mask"]
         else:
-            topk = packer.unpack(recv1)["topk_idx"]
-            tir = L.token_in_rank(topk, num_experts, R)  # [J, R]
+            tir = L.token_in_rank(packer.unpack(recv1)["topk_idx"], num_experts, R)  # [J, R]
             fwd_mask = tir[:, node * P:(node + 1) * P].contiguous()
         fwd_order = [torch.nonzero(fwd_mask[:, p]).flatten() for p in range(P)]
         send2 = torch.cat([recv1[o] for o in fwd_order]) if J else recv1[:0]
@@ -321,15 +337,10 @@ class ReferenceBackend(Backend):
         src_col = send2_src.view(torch.uint8).view(-1, 4)
         recv2 = self._a2a_rows(torch.cat([send2, src_col], dim=1), send2_counts, recv2_counts)
         self._count_rows(send2_counts, intranode=True)
-        arrived_src = recv2[:, -4:].contiguous().view(torch.int32).flatten().to(torch.int64)
-        recv2 = recv2[:, :-4]
-        src_idx = packer.unpack(recv2)["src_idx"].flatten().to(torch.int64)
-        # Arrival order is by forwarder; the output is grouped by source rank, token order within.
-        sort = torch.argsort(arrived_src * _BIG + src_idx, stable=True)
-        plan = {"order1": order1, "recv1_counts": recv1_counts, "send1_counts": send1_counts,
-                "fwd_mask": fwd_mask, "fwd_order": fwd_order, "send2_counts": send2_counts,
-                "recv2_counts": recv2_counts, "sort": sort}
-        return recv2[sort], plan
+        arrived_src = recv2[:, -4:].contiguous().view(torch.int32).flatten()
+        plan = {"fwd_mask": fwd_mask, "fwd_order": fwd_order, "send2_counts": send2_counts,
+                "recv2_counts": recv2_counts}
+        return recv2[:, :-4], arrived_src, plan
 
     def _count_rows(self, send_counts: list[int], intranode: bool) -> None:
         topo = self.topology
@@ -390,12 +401,32 @@ class ReferenceBackend(Backend):
         return acc_y, acc_w
 
     def _combine_hierarchical(self, payload, packer, h, T, H, K):
-        topo = self.topology
-        P, M = topo.ranks_per_node, topo.num_nodes
+        M = self.topology.num_nodes
         plan = h.extra["plan"]
-        # Undo the sort: back to arrival order, then to the forwarders that sent each row.
+        # Undo the sort (back to arrival order), reduce inside the node: one bf16 row per (token, node).
         arrival = torch.empty_like(payload)
         arrival[plan["sort"]] = payload
+        part_y, part_w = self._fanout_reduce(arrival, packer, plan, H, K)
+        partial = packer.pack([part_y] + ([part_w] if K else []))
+        back1 = self._network_a2a(partial, plan["recv1_counts"], plan["send1_counts"])
+        self._count_rows(plan["recv1_counts"], intranode=False)
+        cols1 = packer.unpack(back1)
+        acc_y = torch.zeros(T, H, dtype=torch.float32, device=back1.device)
+        acc_w = torch.zeros(T, K, dtype=torch.float32, device=back1.device) if K else None
+        start = 0
+        for m in range(M):  # node order
+            idx = plan["order1"][m]
+            cnt = int(idx.numel())
+            acc_y[idx] += cols1["y"][start:start + cnt].float()
+            if K:
+                acc_w[idx] += cols1["w"][start:start + cnt]
+            start += cnt
+        return acc_y, acc_w
+
+    def _fanout_reduce(self, arrival, packer, plan, H, K):
+        """Combine's half of the fan-out: rows back to their forwarder, summed there in float32 in
+        local-rank order; returns (bf16 [J, H], float32 [J, K] or None)."""
+        P = self.topology.ranks_per_node
         back2 = self._a2a_rows(arrival, plan["recv2_counts"], plan["send2_counts"])
         self._count_rows(plan["recv2_counts"], intranode=True)
         cols2 = packer.unpack(back2)
@@ -410,22 +441,7 @@ class ReferenceBackend(Backend):
             if K:
                 part_w[idx] += cols2["w"][start:start + cnt]
             start += cnt
-        # One bf16 row per (token, node) crosses the network back.
-        partial = packer.pack([part_y.to(torch.bfloat16)] + ([part_w] if K else []))
-        back1 = self._a2a_rows(partial, plan["recv1_counts"], plan["send1_counts"])
-        self._count_rows(plan["recv1_counts"], intranode=False)
-        cols1 = packer.unpack(back1)
-        acc_y = torch.zeros(T, H, dtype=torch.float32, device=back1.device)
-        acc_w = torch.zeros(T, K, dtype=torch.float32, device=back1.device) if K else None
-        start = 0
-        for m in range(M):  # node order
-            idx = plan["order1"][m]
-            cnt = int(idx.numel())
-            acc_y[idx] += cols1["y"][start:start + cnt].float()
-            if K:
-                acc_w[idx] += cols1["w"][start:start + cnt]
-            start += cnt
-        return acc_y, acc_w
+        return part_y.to(torch.bfloat16), part_w
 
 
 def _pad(t: torch.Tensor, rows: int, value) -> torch.Tensor:

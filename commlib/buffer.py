@@ -134,20 +134,23 @@ class Buffer:
             if self.device.type == "cuda" and self.topology.num_nodes == 1 and _cupy_available():
                 return "nvlink"
             return "reference"
-        if name in ("nvlink", "hierarchical") and self.device.type != "cuda":
+        if name == "nvlink" and self.device.type != "cuda":
             raise ValueError(f"Buffer: backend {name!r} needs CUDA GPUs; this rank has none")
         if name == "nvlink" and self.topology.num_nodes != 1:
             raise ValueError(f"Buffer: the nvlink backend serves one node; the topology has "
-                             f"{self.topology.num_nodes} nodes (use auto or reference)")
-        if name == "hierarchical":
-            raise NotImplementedError("Buffer: the hierarchical GPU backend is not implemented yet; "
-                                      "use backend='reference' for several nodes")
+                             f"{self.topology.num_nodes} nodes (use hierarchical, auto or reference)")
+        if name == "hierarchical" and self.topology.num_nodes < 2:
+            raise ValueError("Buffer: the hierarchical backend needs several nodes (set ranks_per_node / "
+                             "COMMLIB_RANKS_PER_NODE), or use nvlink / reference on one node")
         return name
 
     def _make_backend(self, name: str) -> Backend:
         if name == "nvlink":
             from .backends.nvlink import NVLinkBackend
             return NVLinkBackend(self)
+        if name == "hierarchical":
+            from .backends.hierarchical import HierarchicalBackend
+            return HierarchicalBackend(self)
         from .backends.reference import ReferenceBackend
         return ReferenceBackend(self)
 

@@ -33,9 +33,9 @@ START=$(date +%s)
 SUMMARY=()
 
 case "$ONLY" in
-  all) STAGES="env,compile,smoke,tests2,bench,shared,timeout,cpu" ;;
+  all) STAGES="env,compile,smoke,tests2,bench,shared,hier,timeout,cpu" ;;
   quick) STAGES="env,compile,smoke,bench"; BENCH_ARGS="--tokens 4096 ${BENCH_ARGS:-}" ;;
-  tests) STAGES="env,compile,smoke,tests2,shared,timeout,cpu" ;;
+  tests) STAGES="env,compile,smoke,tests2,shared,hier,timeout,cpu" ;;
   bench) STAGES="env,compile,bench" ;;
   final) STAGES="env,compile,smoke,main,a2a,long,overlap,tune" ;;
   *) STAGES="$ONLY" ;;
@@ -104,6 +104,7 @@ for v in ${GPU_CHECK_TEST_VARIANTS:-}; do
   SUMMARY[-1]="${SUMMARY[-1]} [variant $v]"
 done
 stage shared 150 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "shared_gpus" -p no:cacheprovider
+stage hier 150 $PY -m pytest tests/gpu/test_hierarchical_gpu.py -x -q -p no:cacheprovider
 stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout" -p no:cacheprovider
 stage cpu 60 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "imports or assemble or nvrtc" -p no:cacheprovider
 

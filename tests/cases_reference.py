@@ -48,11 +48,11 @@ def make_inputs(seed: int, rank: int, routing_name: str, num_ranks: int):
     return x, idx.to(torch.int64).contiguous(), w.to(torch.float32).contiguous()
 
 
-def make_buffer(ctx, ranks_per_node: int, hidden_bytes: int = H * 2, **kw):
+def make_buffer(ctx, ranks_per_node: int, hidden_bytes: int = H * 2, backend: str = "reference", **kw):
     cfg = commlib.Buffer.get_dispatch_config(ctx.world_size)
     return commlib.Buffer(ctx.group, cfg.get_nvl_buffer_size_hint(hidden_bytes, ranks_per_node),
                           cfg.get_rdma_buffer_size_hint(hidden_bytes, ctx.world_size),
-                          ranks_per_node=ranks_per_node, backend="reference", **kw)
+                          ranks_per_node=ranks_per_node, backend=backend, **kw)
 
 
 def topologies(world: int) -> list[int]:
@@ -63,15 +63,15 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int) -> None:
+def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int, backend: str = "reference") -> None:
     R, me = ctx.world_size, ctx.rank
     inputs = [make_inputs(seed, r, routing_name, R) for r in range(R)]
     xs = [i[0] for i in inputs]
     idxs = [i[1] for i in inputs]
     ws = [i[2] for i in inputs]
     x, idx, w = inputs[me]
-    buf = make_buffer(ctx, ranks_per_node)
-    tag = f"[{routing_name} rpn={ranks_per_node} fp8={fp8}]"
+    buf = make_buffer(ctx, ranks_per_node, backend=backend)
+    tag = f"[{backend} {routing_name} rpn={ranks_per_node} fp8={fp8}]"
 
     # ---- layout ----
     ntr, nrr, nte, tir, _ = buf.get_dispatch_layout(idx, E)
@@ -316,3 +316,12 @@ def case_bad_input(ctx):
     normal = make_buffer(ctx, R)
     _expect(RuntimeError, ["low_latency_mode=True"], lambda: normal.low_latency_dispatch(x, idx, 64, E))
     normal.destroy()
+
+
+def case_hierarchical_engine(ctx):
+    """The hierarchical engine (rail-group network hop + intranode Buffer fan-out) gives exactly
+    the reference's outputs, handles and once-per-node row counts, on every multi-node topology."""
+    for i, p in enumerate(t for t in topologies(ctx.world_size) if ctx.world_size // t > 1):
+        for j, name in enumerate(("random", "group_limited", "some_empty", "zero_tokens", "silent_rank")):
+            check_full(ctx, p, name, fp8=False, seed=500 + 10 * i + j, backend="hierarchical")
+        check_full(ctx, p, "random", fp8=True, seed=560 + i, backend="hierarchical")

@@ -9,9 +9,9 @@ from worlds import run_world
 ROUTING_CASES = [f"routing_{name}" for name in C.ROUTINGS]
 CASES = {
     1: ROUTING_CASES + ["options", "bad_input"],
-    2: ROUTING_CASES + ["options", "bad_input"],
-    4: ROUTING_CASES + ["options"],
-    8: ROUTING_CASES + ["options", "node_limit"],
+    2: ROUTING_CASES + ["options", "bad_input", "hierarchical_engine"],
+    4: ROUTING_CASES + ["options", "hierarchical_engine"],
+    8: ROUTING_CASES + ["options", "node_limit", "hierarchical_engine"],
 }
 
 

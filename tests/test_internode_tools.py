@@ -26,3 +26,10 @@ def test_main_writes_json(tmp_path):
     assert {r["ep"] for r in rows} == {16, 64} and {r["machine"] for r in rows} == {"H800", "H200"}
     assert all(r["time_us"] > 0 and r["speedup_vs_flat"] >= 1.0 for r in rows)
     assert doc["assumptions"]["net_efficiency"] == 0.85
+
+
+def test_bench_internode_smoke(capsys):
+    import bench_internode
+    assert bench_internode.main(["--tokens", "32", "--hidden", "256", "--iters", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "not InfiniBand" in out and "#wrong 0" in out

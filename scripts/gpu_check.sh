@@ -38,6 +38,7 @@ case "$ONLY" in
   tests) STAGES="env,compile,smoke,tests2,shared,hier,timeout,cpu" ;;
   bench) STAGES="env,compile,bench" ;;
   final) STAGES="env,compile,smoke,main,a2a,long,overlap,tune" ;;
+  next) STAGES="env,compile,hier,internode" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -118,6 +119,7 @@ stage long 200 env COMMLIB_TEST_LONG_ROUNDS=${LONG_ROUNDS:-10000} $PY -m pytest 
 stage overlap 150 $PY benchmarks/bench_overlap.py --preset balanced --out-dir "$RES"
 stage overlap 120 $PY benchmarks/bench_overlap.py --preset v3 --out-dir "$RES"
 stage tune 200 $PY benchmarks/bench_tune.py ${TUNE_ARGS:-} --json "$RES/tune_gpu.json"
+stage internode 150 $PY benchmarks/bench_internode.py --json "$RES/bench_internode_gpu.json"
 if ls "$RES"/* >/dev/null 2>&1; then tar -czf "$OUTDIR/results.tar.gz" -C "$RES" . && log "[gpu_check] packed $(ls "$RES" | wc -l) result files"; fi
 
 # keep a copy of the benchmark JSON with the repository's results

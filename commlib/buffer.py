@@ -23,8 +23,7 @@ from .handle import DispatchHandle
 from .layout import Layout
 from .overlap import EventOverlap
 from .topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology
-from .validate import (CommlibError, check_layout, check_num_experts, check_routing, check_tensor,
-                       same_device, split_x)
+from .validate import CommlibError, check_layout, check_num_experts, check_routing, check_tensor, split_x
 
 _buffer_ids = itertools.count(1)
 

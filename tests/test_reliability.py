@@ -9,7 +9,6 @@ import torch
 
 import commlib
 from commlib.launch import parallel_launch
-from commlib.validate import CommlibError
 
 TIMEOUT_S = 3.0
 E, H, K, T = 16, 128, 4, 12

@@ -85,7 +85,7 @@ class HierarchicalBackend(ReferenceBackend):
 
     def _fanout(self, recv1, src_rank1, packer, num_experts, cached_plan, req):
         topo = self.topology
-        P, M, node = topo.ranks_per_node, topo.num_nodes, topo.node
+        M, node = topo.num_nodes, topo.node
         J, row_bytes = recv1.shape
         width = _pad16(row_bytes + 4)
         rows = torch.zeros(J, width, dtype=torch.uint8, device=recv1.device)

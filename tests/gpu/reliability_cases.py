@@ -17,7 +17,7 @@ def _rss_mb() -> float:
 
 
 def case_long_run(ctx):
-    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    me, dev = ctx.rank, ctx.device
     rounds = int(os.environ.get("COMMLIB_TEST_LONG_ROUNDS", "10000"))
     cfg = default_cfg(recv=64)
     nv, ref = buffers(ctx, key="long")

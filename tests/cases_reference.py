@@ -63,7 +63,8 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int, backend: str = "reference") -> None:
+def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int, backend: str = "reference",
+               config=None) -> None:
     R, me = ctx.world_size, ctx.rank
     inputs = [make_inputs(seed, r, routing_name, R) for r in range(R)]
     xs = [i[0] for i in inputs]
@@ -105,7 +106,7 @@ def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int
     before = buf.counters
     recv_x, recv_idx, recv_w, per_expert, handle, event = buf.dispatch(
         x_in, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
-        num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
+        num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w, config=config)
     event.current_stream_wait()
     exp = O.dispatch_oracle(data_all, idxs, ws, E, R, me)
     got_x = recv_x[0] if fp8 else recv_x
@@ -144,7 +145,7 @@ def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int
     assert int(crossed) == O.min_internode_rows(idxs, E, R, ranks_per_node), f"{tag} internode rows {int(crossed)}"
 
     # ---- cached dispatch = fresh dispatch ----
-    recv2, i2, w2, l2, h2, _ = buf.dispatch(x_in, handle=handle)
+    recv2, i2, w2, l2, h2, _ = buf.dispatch(x_in, handle=handle, config=config)
     assert i2 is None and w2 is None and l2 is None and h2 is handle
     if fp8:
         assert bytes_equal(recv2[0], recv_x[0]) and bytes_equal(recv2[1], recv_x[1]), f"{tag} cached"
@@ -325,3 +326,7 @@ def case_hierarchical_engine(ctx):
         for j, name in enumerate(("random", "group_limited", "some_empty", "zero_tokens", "silent_rank")):
             check_full(ctx, p, name, fp8=False, seed=500 + 10 * i + j, backend="hierarchical")
         check_full(ctx, p, "random", fp8=True, seed=560 + i, backend="hierarchical")
+        # small network chunks: several pipelined chunks per call (chunk 3 rows, capacity 1024)
+        chunked = Config(20, 32, 1024, 3, 1024)
+        check_full(ctx, p, "group_limited", fp8=False, seed=570 + i, backend="hierarchical", config=chunked)
+        check_full(ctx, p, "some_empty", fp8=True, seed=580 + i, backend="hierarchical", config=chunked)

@@ -12,23 +12,36 @@ transports:
 Metadata (counts, the rank prefix matrix, channel prefixes) stays on the world group, so handles
 and outputs are those of the reference backend, bit for bit.
 
+Pipelining: the network hop moves in chunks of ``Config.num_max_rdma_chunked_send_tokens`` rows per
+(source, destination node); chunk k+1 is on the wire (an async collective) while chunk k is fanned
+out inside the node, and combine mirrors it (chunk k's node reduction overlaps chunk k-1's trip
+back). Every rank runs the same number of chunks (the largest any rail pair needs), since each
+chunk's fan-out is a collective of the node.
+
 The forwarded row is the reference's packed byte row (hidden, FP8 scales, source token, top-k ids
 and weights) plus the source rank, padded to 16 bytes and viewed as bf16: the intranode engine
 moves it unchanged. Its routing there is the node-local view of the token's experts.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .. import layout as L
 from .base import CombineRequest, DispatchRequest
-from .reference import ReferenceBackend
+from .reference import _BIG, ReferenceBackend
 
 
 def _pad16(n: int) -> int:
     return (n + 15) // 16 * 16
+
+
+def _clip(count: int, k: int, chunk: int) -> int:
+    """Rows of chunk k out of ``count`` rows cut into chunks of ``chunk``."""
+    return max(0, min(chunk, count - k * chunk))
 
 
 class HierarchicalBackend(ReferenceBackend):
@@ -60,15 +73,100 @@ class HierarchicalBackend(ReferenceBackend):
             self._node_buffer.destroy()
             self._node_buffer = None
 
-    # ------------------------------------------------------------------ network hop
-    def _network_a2a(self, rows, send_counts, recv_counts):
-        rail = self.topology.rail_ranks()
-        send = [send_counts[r] for r in rail]
-        recv = [recv_counts[r] for r in rail]
-        rows = rows.to(self.comm_device).contiguous()
-        out = torch.empty(sum(recv), rows.shape[1], dtype=rows.dtype, device=self.comm_device)
-        self._wait(dist.all_to_all_single(out, rows, recv, send, group=self.rail_group, async_op=True))
-        return out
+    # ------------------------------------------------------------------ pipelined hops
+    def _dispatch_hierarchical(self, payload, packer, is_tir, counts_all, req, num_experts, cached):
+        topo = self.topology
+        me, R, M = topo.rank, topo.num_ranks, topo.num_nodes
+        rail = topo.rail_ranks()
+        in_node = L.token_in_node(is_tir, topo)
+        order1 = [torch.nonzero(in_node[:, m]).flatten() for m in range(M)]
+        send1_counts = [0] * R
+        for m in range(M):
+            send1_counts[rail[m]] = int(order1[m].numel())
+        counts1 = self._all_gather_rows(torch.tensor(send1_counts))
+        recv1_counts = counts1[:, me].tolist()
+        chunk = req.config.num_max_rdma_chunked_send_tokens
+        num_chunks = max(1, math.ceil(int(counts1.max()) / chunk))  # the same on every rank
+        rows_to = [payload[order1[m]].to(self.comm_device) for m in range(M)]
+        from_rail = [recv1_counts[r] for r in rail]
+        cached_plan = req.handle.extra["plan"] if cached else None
+
+        def post(k):
+            send_counts = [_clip(int(order1[m].numel()), k, chunk) for m in range(M)]
+            recv_counts = [_clip(n, k, chunk) for n in from_rail]
+            send = torch.cat([rows_to[m][k * chunk:k * chunk + send_counts[m]] for m in range(M)])
+            out = torch.empty(sum(recv_counts), payload.shape[1], dtype=payload.dtype, device=self.comm_device)
+            work = dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts, group=self.rail_group,
+                                          async_op=True)
+            return out, work, recv_counts
+
+        arrived, arrived_src, node_handles = [], [], []
+        in_flight = post(0)
+        for k in range(num_chunks):
+            recv1, work, recv_counts = in_flight
+            self._wait(work)
+            if k + 1 < num_chunks:
+                in_flight = post(k + 1)  # on the wire while this chunk fans out
+            src_rank1 = torch.repeat_interleave(torch.tensor(rail, dtype=torch.int32), torch.tensor(recv_counts))
+            got, got_src, fplan = self._fanout(recv1, src_rank1.to(recv1.device), packer, num_experts,
+                                               {"node_handle": cached_plan["node_handles"][k]} if cached else None,
+                                               req)
+            arrived.append(got)
+            arrived_src.append(got_src)
+            node_handles.append(fplan["node_handle"])
+        self._count_rows(send1_counts, intranode=False)
+        rows = torch.cat(arrived)
+        src = torch.cat(arrived_src).to(torch.int64)
+        src_idx = packer.unpack(rows)["src_idx"].flatten().to(torch.int64)
+        sort = torch.argsort(src * _BIG + src_idx, stable=True)
+        plan = {"order1": order1, "recv1_counts": recv1_counts, "send1_counts": send1_counts, "chunk": chunk,
+                "num_chunks": num_chunks, "node_handles": node_handles,
+                "arrived_rows": [int(a.shape[0]) for a in arrived], "sort": sort}
+        return rows[sort], plan
+
+    def _combine_hierarchical(self, payload, packer, h, T, H, K):
+        topo = self.topology
+        M = topo.num_nodes
+        rail = topo.rail_ranks()
+        plan = h.extra["plan"]
+        chunk, num_chunks = plan["chunk"], plan["num_chunks"]
+        arrival = torch.empty_like(payload)
+        arrival[plan["sort"]] = payload
+        parts = arrival.split(plan["arrived_rows"])
+        from_rail = [plan["recv1_counts"][r] for r in rail]
+        to_node = [int(plan["order1"][m].numel()) for m in range(M)]
+        back = [[] for _ in range(M)]   # partial rows from node m, chunk by chunk
+        pending = None
+
+        def land(p):
+            out, work, counts = p
+            self._wait(work)
+            for m, part in enumerate(out.split(counts)):
+                back[m].append(part)
+
+        for k in range(num_chunks):
+            part_y, part_w = self._reduce(parts[k], packer, plan["node_handles"][k], K)
+            partial = packer.pack([part_y] + ([part_w] if K else [])).to(self.comm_device)
+            send_counts = [_clip(n, k, chunk) for n in from_rail]
+            recv_counts = [_clip(n, k, chunk) for n in to_node]
+            out = torch.empty(sum(recv_counts), partial.shape[1], dtype=partial.dtype, device=self.comm_device)
+            work = dist.all_to_all_single(out, partial.contiguous(), recv_counts, send_counts, group=self.rail_group,
+                                          async_op=True)
+            if pending is not None:
+                land(pending)      # chunk k-1 came back while chunk k was reduced in the node
+            pending = (out, work, recv_counts)
+        land(pending)
+        self._count_rows(plan["recv1_counts"], intranode=False)
+        dev = self.comm_device
+        acc_y = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        acc_w = torch.zeros(T, K, dtype=torch.float32, device=dev) if K else None
+        for m in range(M):  # node order: the summation order every backend uses
+            cols = packer.unpack(torch.cat(back[m]))
+            idx = plan["order1"][m]
+            acc_y[idx] += cols["y"].float()
+            if K:
+                acc_w[idx] += cols["w"]
+        return acc_y, acc_w
 
     # ------------------------------------------------------------------ fan-out
     def _node(self, row_bytes: int, config):
@@ -121,11 +219,12 @@ class HierarchicalBackend(ReferenceBackend):
             key = "local_rows" if p == topo.local_rank else "intranode_rows"
             self.counters[key] += n
 
-    def _fanout_reduce(self, arrival, packer, plan, H, K):
-        cols = packer.unpack(arrival)
+    def _reduce(self, rows, packer, node_handle, K):
+        """One chunk's node reduction: the intranode Buffer's combine (float32 sum in local-rank
+        order, cast to bf16). Returns (bf16 [J_k, H], float32 [J_k, K] or None)."""
+        cols = packer.unpack(rows)
         y = cols["y"].to(self.buffer.device).contiguous()
         w = cols["w"].to(self.buffer.device).contiguous() if K else None
-        node_handle = plan["node_handle"]
         config = self.buffer.get_combine_config(self.topology.ranks_per_node)
         res = self._node_buffer.backend.combine(CombineRequest(y, node_handle, w, (), config))
         self._count_node_rows(node_handle)

@@ -62,7 +62,11 @@ class _Packer:
             if n == 0:
                 out[name] = torch.empty(0, *shape, dtype=dtype, device=rows.device)
             else:
-                out[name] = rows[:, offset:offset + w].contiguous().view(dtype).reshape(n, *shape)
+                # a fresh buffer: a one-row slice counts as contiguous but keeps an offset and a
+                # row stride the wider dtype cannot view
+                chunk = torch.empty(n, w, dtype=torch.uint8, device=rows.device)
+                chunk.copy_(rows[:, offset:offset + w])
+                out[name] = chunk.view(dtype).reshape(n, *shape)
             offset += w
         return out
 

@@ -24,6 +24,7 @@ moves it unchanged. Its routing there is the node-local view of the token's expe
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -53,11 +54,26 @@ class HierarchicalBackend(ReferenceBackend):
         if topo.num_nodes < 2:
             raise ValueError(f"[commlib rank {topo.rank}] the hierarchical engine needs several nodes, the "
                              "topology has one (use nvlink or reference)")
+        # One SM budget: NCCL's CTAs for the network hop are capped through the communicator config
+        # and taken out of the fan-out's num_sms (both run at once when the hop is pipelined).
+        self.network_ctas = 0
+        rail_options = None
+        if dist.get_backend(self.group) == "nccl":
+            self.network_ctas = max(2, buffer.num_sms // 5)
+            try:
+                rail_options = dist.ProcessGroupNCCL.Options()
+                rail_options.config.min_ctas = 1
+                rail_options.config.max_ctas = self.network_ctas
+            except AttributeError:  # an NCCL build without the config knobs: uncapped, said once
+                import warnings
+                warnings.warn("commlib: this torch/NCCL cannot cap NCCL's CTAs; the network hop's CTAs are "
+                              "not taken out of the SM budget")
+                rail_options, self.network_ctas = None, 0
         # Every rank creates every group, in the same order (torch.distributed's rule).
         world_ranks = dist.get_process_group_ranks(self.group)
         self.rail_group = self.node_group = None
         for l in range(topo.ranks_per_node):
-            g = dist.new_group([world_ranks[r] for r in topo.rail_ranks(l)])
+            g = dist.new_group([world_ranks[r] for r in topo.rail_ranks(l)], pg_options=rail_options)
             if l == topo.local_rank:
                 self.rail_group = g
         for n in range(topo.num_nodes):
@@ -190,7 +206,7 @@ class HierarchicalBackend(ReferenceBackend):
         rows[:, :row_bytes] = recv1
         rows[:, row_bytes:row_bytes + 4] = src_rank1.view(torch.uint8).view(-1, 4)
         x = rows.view(torch.bfloat16).to(self.buffer.device)
-        config = req.config
+        config = self._fanout_config(req.config)
         node_backend = self._node(width, config)
         if cached_plan is not None:
             sub = DispatchRequest(x, None, None, None, None, cached_plan["node_handle"], 0, 1, 0, config)
@@ -210,6 +226,13 @@ class HierarchicalBackend(ReferenceBackend):
         arrived_src = got[:, row_bytes:row_bytes + 4].contiguous().view(torch.int32).flatten()
         return got[:, :row_bytes].contiguous(), arrived_src, {"node_handle": node_handle}
 
+    def _fanout_config(self, config):
+        """The call's config less the network hop's CTAs (even, at least one channel)."""
+        if not self.network_ctas:
+            return config
+        sms = max(2, (config.num_sms - self.network_ctas) // 2 * 2)
+        return dataclasses.replace(config, num_sms=sms)
+
     def _count_node_rows(self, node_handle) -> None:
         """Rows the fan-out moved (from the node handle: send_head >= 0 marks a row sent to that rank)."""
         topo = self.topology
@@ -225,7 +248,7 @@ class HierarchicalBackend(ReferenceBackend):
         cols = packer.unpack(rows)
         y = cols["y"].to(self.buffer.device).contiguous()
         w = cols["w"].to(self.buffer.device).contiguous() if K else None
-        config = self.buffer.get_combine_config(self.topology.ranks_per_node)
+        config = self._fanout_config(self.buffer.get_combine_config(self.topology.ranks_per_node))
         res = self._node_buffer.backend.combine(CombineRequest(y, node_handle, w, (), config))
         self._count_node_rows(node_handle)
         part_w = res.combined_topk_weights.to(self.comm_device) if K else None

@@ -28,10 +28,8 @@ import argparse
 import datetime
 import json
 import math
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -347,14 +345,9 @@ def verdicts(result: dict) -> list[str]:
 
 
 def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-        return (sha or "unknown") + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    from commlib.bench import git_commit as commit_info
+    info = commit_info()
+    return info["commit"] + ("-dirty" if info["dirty"] else "")
 
 
 def write_json(result: dict, target: str) -> Path:

@@ -34,7 +34,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -97,11 +96,9 @@ def _resolve_shapes(args, on_gpu: bool) -> dict:
 
 
 def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except Exception:  # noqa: BLE001 - no git is fine
-        return None
+    from commlib.bench import git_commit
+    commit = git_commit()["commit"]
+    return None if commit == "unknown" else commit
 
 
 class _Clock:

@@ -359,9 +359,12 @@ def repo_root() -> Optional[Path]:
 
 
 def git_commit() -> dict:
+    """{"commit", "dirty"} of the checkout; COMMLIB_GIT_COMMIT where there is no .git (the device
+    machine receives the working tree without it). Every benchmark records this."""
+    from . import env
     root = repo_root()
-    info = {"commit": "unknown", "dirty": None}
-    if root is None:
+    info = {"commit": env.git_commit() or "unknown", "dirty": None}
+    if root is None or not (root / ".git").exists():
         return info
     try:
         info["commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,

@@ -10,6 +10,7 @@ Variables:
   COMMLIB_TUNING_CACHE     path of the tuning cache JSON file
   COMMLIB_AUTOTUNE         1: tune on first use when no cached config exists
   COMMLIB_KERNEL_CACHE     folder for compiled kernels (CuPy's cache by default)
+  COMMLIB_GIT_COMMIT       commit to record in results where the tree has no .git (device runs)
 """
 from __future__ import annotations
 
@@ -96,3 +97,7 @@ def autotune() -> bool:
 
 def kernel_cache() -> str | None:
     return _get("COMMLIB_KERNEL_CACHE")
+
+
+def git_commit() -> str | None:
+    return _get("COMMLIB_GIT_COMMIT") or None

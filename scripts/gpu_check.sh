@@ -26,6 +26,9 @@ REPO=$(pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export COMMLIB_TIMEOUT_S=${COMMLIB_TIMEOUT_S:-20}
+# The device gets the tree without .git: write `git rev-parse --short HEAD > .git_commit` before the
+# run so the results record the commit they measured.
+export COMMLIB_GIT_COMMIT=${COMMLIB_GIT_COMMIT:-$(cat .git_commit 2>/dev/null || true)}
 PY=${PYTHON:-python3}
 ONLY=${GPU_CHECK_ONLY:-all}
 BUDGET=${GPU_CHECK_BUDGET_S:-520}

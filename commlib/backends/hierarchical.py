@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .. import layout as L
 from .base import CombineRequest, DispatchRequest
-from .reference import _BIG, ReferenceBackend
+from .reference import _BIG, ReferenceBackend, sum_rows
 
 
 def _pad16(n: int) -> int:
@@ -173,16 +173,8 @@ class HierarchicalBackend(ReferenceBackend):
             pending = (out, work, recv_counts)
         land(pending)
         self._count_rows(plan["recv1_counts"], intranode=False)
-        dev = self.comm_device
-        acc_y = torch.zeros(T, H, dtype=torch.float32, device=dev)
-        acc_w = torch.zeros(T, K, dtype=torch.float32, device=dev) if K else None
-        for m in range(M):  # node order: the summation order every backend uses
-            cols = packer.unpack(torch.cat(back[m]))
-            idx = plan["order1"][m]
-            acc_y[idx] += cols["y"].float()
-            if K:
-                acc_w[idx] += cols["w"]
-        return acc_y, acc_w
+        rows = torch.cat([part for m in range(M) for part in back[m]])  # node order
+        return sum_rows(packer.unpack(rows), plan["order1"], T, H, K)
 
     # ------------------------------------------------------------------ fan-out
     def _node(self, row_bytes: int, config):

@@ -387,25 +387,13 @@ class ReferenceBackend(Backend):
 
     def _combine_flat(self, payload, packer, h, T, H, K):
         plan = h.extra["plan"]
-        R = self.topology.num_ranks
         order = plan["order"]
         back_counts = [int(o.numel()) for o in order]
         recv = self._a2a_rows(payload, plan["recv_counts"], back_counts)
         self._count_rows(plan["recv_counts"], intranode=True)
-        cols = packer.unpack(recv)
-        acc_y = torch.zeros(T, H, dtype=torch.float32, device=recv.device)
-        acc_w = torch.zeros(T, K, dtype=torch.float32, device=recv.device) if K else None
-        start = 0
-        for r in range(R):  # rank order: the summation order every backend uses
-            idx, cnt = order[r], back_counts[r]
-            acc_y[idx] += cols["y"][start:start + cnt].float()
-            if K:
-                acc_w[idx] += cols["w"][start:start + cnt]
-            start += cnt
-        return acc_y, acc_w
+        return sum_rows(packer.unpack(recv), order, T, H, K)  # rank order
 
     def _combine_hierarchical(self, payload, packer, h, T, H, K):
-        M = self.topology.num_nodes
         plan = h.extra["plan"]
         # Undo the sort (back to arrival order), reduce inside the node: one bf16 row per (token, node).
         arrival = torch.empty_like(payload)
@@ -414,38 +402,33 @@ class ReferenceBackend(Backend):
         partial = packer.pack([part_y] + ([part_w] if K else []))
         back1 = self._network_a2a(partial, plan["recv1_counts"], plan["send1_counts"])
         self._count_rows(plan["recv1_counts"], intranode=False)
-        cols1 = packer.unpack(back1)
-        acc_y = torch.zeros(T, H, dtype=torch.float32, device=back1.device)
-        acc_w = torch.zeros(T, K, dtype=torch.float32, device=back1.device) if K else None
-        start = 0
-        for m in range(M):  # node order
-            idx = plan["order1"][m]
-            cnt = int(idx.numel())
-            acc_y[idx] += cols1["y"][start:start + cnt].float()
-            if K:
-                acc_w[idx] += cols1["w"][start:start + cnt]
-            start += cnt
-        return acc_y, acc_w
+        return sum_rows(packer.unpack(back1), plan["order1"], T, H, K)  # node order
 
     def _fanout_reduce(self, arrival, packer, plan, H, K):
         """Combine's half of the fan-out: rows back to their forwarder, summed there in float32 in
         local-rank order; returns (bf16 [J, H], float32 [J, K] or None)."""
-        P = self.topology.ranks_per_node
         back2 = self._a2a_rows(arrival, plan["recv2_counts"], plan["send2_counts"])
         self._count_rows(plan["recv2_counts"], intranode=True)
-        cols2 = packer.unpack(back2)
         J = int(sum(plan["recv1_counts"]))
-        part_y = torch.zeros(J, H, dtype=torch.float32, device=back2.device)
-        part_w = torch.zeros(J, K, dtype=torch.float32, device=back2.device) if K else None
-        start = 0
-        for p in range(P):  # local-rank order inside the node
-            idx = plan["fwd_order"][p]
-            cnt = int(idx.numel())
-            part_y[idx] += cols2["y"][start:start + cnt].float()
-            if K:
-                part_w[idx] += cols2["w"][start:start + cnt]
-            start += cnt
+        part_y, part_w = sum_rows(packer.unpack(back2), plan["fwd_order"], J, H, K)  # local-rank order
         return part_y.to(torch.bfloat16), part_w
+
+
+def sum_rows(cols: dict, orders, num_targets: int, hidden: int, topk: int):
+    """The summation every backend reproduces: rows ``cols["y"]`` (and weights ``cols["w"]``) come
+    grouped as ``orders`` lists their targets, group after group; each is added in float32, starting
+    from 0, to its target row in that group order. Returns (float32 [n, H], float32 [n, K] or None)."""
+    device = cols["y"].device
+    acc_y = torch.zeros(num_targets, hidden, dtype=torch.float32, device=device)
+    acc_w = torch.zeros(num_targets, topk, dtype=torch.float32, device=device) if topk else None
+    start = 0
+    for idx in orders:
+        cnt = int(idx.numel())
+        acc_y[idx] += cols["y"][start:start + cnt].float()
+        if topk:
+            acc_w[idx] += cols["w"][start:start + cnt]
+        start += cnt
+    return acc_y, acc_w
 
 
 def _pad(t: torch.Tensor, rows: int, value) -> torch.Tensor:

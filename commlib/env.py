@@ -7,6 +7,7 @@ Variables:
   COMMLIB_NUM_SMS          default SM budget for Buffer.set_num_sms (default 20)
   COMMLIB_DEBUG_SMID       1: communication kernels record %smid per CTA
   COMMLIB_PLAIN_LDST       1: kernels use plain loads/stores instead of the PTX cache hints
+  COMMLIB_FAST_LAUNCH      0: launch kernels through CuPy instead of cuLaunchKernel via ctypes (default 1)
   COMMLIB_TUNING_CACHE     path of the tuning cache JSON file
   COMMLIB_AUTOTUNE         1: tune on first use when no cached config exists
   COMMLIB_KERNEL_CACHE     folder for compiled kernels (CuPy's cache by default)
@@ -85,6 +86,10 @@ def debug_smid() -> bool:
 
 def plain_ldst() -> bool:
     return _flag("COMMLIB_PLAIN_LDST")
+
+
+def fast_launch() -> bool:
+    return (_get("COMMLIB_FAST_LAUNCH", "1") or "1").lower() not in ("0", "false", "no", "off")
 
 
 def tuning_cache() -> str | None:

@@ -100,8 +100,10 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     unknown = set(overrides or {}) - set(DEFAULT_VARIANT)
     if unknown:
         raise ValueError(f"unknown kernel variant keys {sorted(unknown)}; known: {sorted(DEFAULT_VARIANT)}")
+    global _variant_key
     _variant = dict(DEFAULT_VARIANT)
     _variant.update({k: int(v) for k, v in (overrides or {}).items()})
+    _variant_key = tuple(sorted(_variant.items()))
     return dict(_variant)
 
 
@@ -139,21 +141,22 @@ def options(plain: bool, knobs: Optional[dict] = None) -> tuple:
 
 
 _functions: dict = {}  # (family, name, plain, variant, device) -> CuPy function: the launch hot path
+_variant_key: tuple = tuple(sorted(_variant.items()))
 
 
-def _function(family: str, name: str, plain: bool):
+def _function(family: str, name: str, plain: bool, device: Optional[int] = None):
     cp = cupy()
-    device = cp.cuda.runtime.getDevice()
-    knobs = tuple(sorted(_variant.items()))
-    fkey = (family, name, plain, knobs, device)
+    if device is None:
+        device = cp.cuda.runtime.getDevice()
+    fkey = (family, name, plain, _variant_key, device)
     fn = _functions.get(fkey)
     if fn is not None:
         return fn
-    key = (family, plain, knobs, device)
+    key = (family, plain, _variant_key, device)
     with _lock:
         module = _modules.get(key)
         if module is None:
-            module = cp.RawModule(code=source(family), options=options(plain, dict(knobs)))
+            module = cp.RawModule(code=source(family), options=options(plain, dict(_variant_key)))
             _modules[key] = module
         fn = _functions[fkey] = module.get_function(name)
         return fn
@@ -170,35 +173,174 @@ def compile_all(plain: Optional[bool] = None) -> dict:
     return out
 
 
-def _current_stream():
+# ---------------------------------------------------------------------------------------------
+# Launching. The hot path packs the arguments with one struct.pack_into into a buffer whose
+# per-argument addresses were computed once from the kernel's C signature, and calls the driver's
+# cuLaunchKernel through ctypes on torch's raw current stream: a few microseconds per launch,
+# where CuPy's generic argument conversion and stream context cost tens (benchmarks/profile_host.py).
+# ---------------------------------------------------------------------------------------------
+
+# C parameter type -> struct code. Pointers are 'Q' (a device address as a Python int).
+_C_TYPES = {"int": "i", "i32": "i", "unsigned": "I", "u32": "I", "unsigned int": "I",
+            "u64": "Q", "i64": "q", "long long": "q", "unsigned long long": "Q", "size_t": "Q",
+            "float": "f", "double": "d"}
+
+
+def kernel_signature(family: str, name: str) -> str:
+    """struct codes of the parameters of ``extern "C" __global__ ... name(...)`` in csrc/<family>.cu."""
+    import re
+
+    text = (CSRC / f"{family}.cu").read_text()
+    m = re.search(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?'
+                  + re.escape(name) + r"\s*\(", text)
+    if m is None:
+        raise RuntimeError(f'csrc/{family}.cu has no extern "C" __global__ kernel {name!r}')
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        i += 1
+    params = re.sub(r"//[^\n]*|/\*.*?\*/", " ", text[m.end():i - 1], flags=re.S)
+    codes = []
+    for p in (q.strip() for q in params.split(",")):
+        if not p:
+            continue
+        if "*" in p:
+            codes.append("Q")
+            continue
+        words = [w for w in p.replace("const", " ").replace("__restrict__", " ").split()][:-1]
+        ctype = " ".join(words)
+        if ctype not in _C_TYPES:
+            raise RuntimeError(f"csrc/{family}.cu {name}: parameter {p!r} has a type kernels.py cannot pass")
+        codes.append(_C_TYPES[ctype])
+    return "".join(codes)
+
+
+def param_offsets(codes: str) -> list:
+    """Byte offset of each argument inside ``struct.pack("@" + codes, ...)`` (native alignment)."""
+    import struct
+
+    return [struct.calcsize("@" + codes[:k + 1]) - struct.calcsize("@" + codes[k]) for k in range(len(codes))]
+
+
+class _Launcher:
+    """One kernel on one device: its CUfunction, argument layout and a reusable argument buffer."""
+
+    __slots__ = ("fn", "handle", "fmt", "count", "buf", "params", "np_types")
+
+    def __init__(self, family: str, name: str, plain: bool, device: int) -> None:
+        import ctypes
+        import struct
+
+        self.fn = _function(family, name, plain, device)
+        self.handle = int(getattr(self.fn, "ptr", 0) or 0)
+        codes = kernel_signature(family, name)
+        self.fmt = struct.Struct("@" + codes)
+        self.count = len(codes)
+        self.buf = ctypes.create_string_buffer(max(self.fmt.size, 8))
+        base = ctypes.addressof(self.buf)
+        self.params = (ctypes.c_void_p * max(1, len(codes)))(*[base + o for o in param_offsets(codes)])
+        self.np_types = [{"i": np.int32, "I": np.uint32, "q": np.int64, "Q": np.uint64, "f": np.float32,
+                          "d": np.float64}[c] for c in codes]
+
+
+_launchers: dict = {}
+_driver = None  # (cuLaunchKernel, cuGetErrorName) from libcuda through ctypes, False when unavailable
+
+
+def _driver_api():
+    global _driver
+    if _driver is None:
+        try:
+            import ctypes
+
+            lib = ctypes.PyDLL("libcuda.so.1")  # PyDLL: the GIL stays held, the argument buffer is ours
+            launch_fn = lib.cuLaunchKernel
+            launch_fn.restype = ctypes.c_int
+            launch_fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            name_fn = lib.cuGetErrorName
+            name_fn.restype = ctypes.c_int
+            name_fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            _driver = (launch_fn, name_fn)
+        except (OSError, AttributeError):
+            _driver = False
+    return _driver
+
+
+def _launcher(family: str, name: str, device: int) -> _Launcher:
+    key = (family, name, plain_mode(), _variant_key, device)
+    lau = _launchers.get(key)
+    if lau is None:
+        lau = _launchers[key] = _Launcher(family, name, key[2], device)
+    return lau
+
+
+def _raw_stream(device: int) -> int:
     import torch
 
-    cp = cupy()
-    s = torch.cuda.current_stream()
-    key = (s.cuda_stream, s.device.index)
-    stream = _streams.get(key)
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _device() -> int:
+    import torch
+
+    return torch._C._cuda_getDevice()
+
+
+def _issue(lau: _Launcher, grid: int, block: int, args: Sequence, shared_mem: int, device: int) -> None:
+    if len(args) != lau.count:
+        raise TypeError(f"kernel takes {lau.count} arguments, got {len(args)}")
+    stream = _raw_stream(device)
+    drv = _driver_api() if _fast_launch else False
+    if drv and lau.handle:
+        lau.fmt.pack_into(lau.buf, 0, *args)
+        rc = drv[0](lau.handle, grid, 1, 1, block, 1, 1, shared_mem, stream, lau.params, None)
+        if rc:
+            import ctypes
+
+            err = ctypes.c_char_p()
+            drv[1](rc, ctypes.byref(err))
+            raise RuntimeError(f"cuLaunchKernel failed: {(err.value or b'?').decode()} ({rc})")
+        return
+    # CuPy's own launch (no libcuda through ctypes, or COMMLIB_FAST_LAUNCH=0): typed numpy scalars
+    typed = tuple(t(v) for t, v in zip(lau.np_types, args))
+    lau.fn((int(grid),), (int(block),), typed, shared_mem=int(shared_mem), stream=_cupy_stream(stream, device))
+
+
+def _cupy_stream(raw: int, device: int):
+    stream = _streams.get((raw, device))
     if stream is None:
-        stream = cp.cuda.ExternalStream(s.cuda_stream, s.device.index)
-        _streams[key] = stream
+        stream = _streams[(raw, device)] = cupy().cuda.ExternalStream(raw, device)
     return stream
 
 
-def launch(family: str, name: str, grid: int, block: int, args: Sequence, shared_mem: int = 0) -> None:
-    """Launch ``name`` from ``csrc/<family>.cu`` on torch's current stream."""
-    fn = _function(family, name, plain_mode())
-    with _current_stream():  # CuPy launches on its current stream: torch's, wrapped
-        if _recording is None:
-            fn((int(grid),), (int(block),), tuple(args), shared_mem=int(shared_mem))
-            return
-        import torch
+_fast_launch = env.fast_launch()
 
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if _sleep_cycles:  # keep the device busy while the host issues the launch
-            torch.cuda._sleep(_sleep_cycles)
-        start.record()
-        fn((int(grid),), (int(block),), tuple(args), shared_mem=int(shared_mem))
-        end.record()
-        _recording.append((name, start, end))
+
+def set_fast_launch(enabled: Optional[bool]) -> None:
+    """Launch through the driver (True) or CuPy (False); None follows COMMLIB_FAST_LAUNCH. For tests/A-B."""
+    global _fast_launch
+    _fast_launch = env.fast_launch() if enabled is None else bool(enabled)
+
+
+def launch(family: str, name: str, grid: int, block: int, args: Sequence, shared_mem: int = 0) -> None:
+    """Launch ``name`` from ``csrc/<family>.cu`` on torch's current stream of the current device.
+
+    ``args`` are Python ints / floats in the kernel's parameter order (device pointers as ints: ``ptr(t)``).
+    """
+    device = _device()
+    lau = _launcher(family, name, device)
+    if _recording is None:
+        _issue(lau, grid, block, args, shared_mem, device)
+        return
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if _sleep_cycles:  # keep the device busy while the host issues the launch
+        torch.cuda._sleep(_sleep_cycles)
+    start.record()
+    _issue(lau, grid, block, args, shared_mem, device)
+    end.record()
+    _recording.append((name, start, end))
 
 
 @contextlib.contextmanager
@@ -222,19 +364,18 @@ def record_launches(sleep_cycles: int = 0):
 # Argument helpers
 # ---------------------------------------------------------------------------------------------
 
-def ptr(t) -> np.uint64:
+def ptr(t) -> int:
     """Device address of a tensor (0 for None or an empty tensor)."""
-    if t is None:
-        return np.uint64(0)
-    return np.uint64(t.data_ptr())
+    return 0 if t is None else t.data_ptr()
 
 
-def i32(v: int) -> np.int32:
-    return np.int32(v)
+def i32(v: int) -> int:
+    """An int argument (range-checked against the kernel's C type when packed)."""
+    return int(v)
 
 
-def u64(v: int) -> np.uint64:
-    return np.uint64(v)
+def u64(v: int) -> int:
+    return int(v)
 
 
 def notify_slot_words(num_ranks: int) -> int:

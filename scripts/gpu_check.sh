@@ -11,8 +11,9 @@
 # Everything is logged to OUTDIR/gpu_check.log; the bench JSON (+ PNG) lands in OUTDIR and
 # benchmarks/results/.
 #
-# Subsets: GPU_CHECK_ONLY=all (default) | quick (compile, smoke, bench at 4096 tokens) | tests | bench,
-# or a comma list of stage names. BENCH_ARGS adds/overrides benchmark flags.
+# Subsets: GPU_CHECK_ONLY=all (default) | quick (compile, smoke, bench at 4096 tokens) | tests | bench | host,
+# or a comma list of stage names. BENCH_ARGS adds/overrides benchmark flags; BENCH_FLAGS replaces the
+# default sweep flags (--plot --plain --sms ... --chunks ...).
 # COMMLIB_TEST_CASES=a,b limits the 2-rank world to some cases (tests/gpu/nvlink_cases.py).
 set -u
 OUTDIR=${1:-${OUT:-/tmp/gpu_check}}
@@ -42,6 +43,7 @@ case "$ONLY" in
   bench) STAGES="env,compile,bench" ;;
   final) STAGES="env,compile,smoke,main,a2a,long,overlap,tune" ;;
   next) STAGES="env,compile,hier,internode" ;;
+  host) STAGES="env,compile,smoke,tests2,profile,bench,hier,internode" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -101,7 +103,10 @@ stage env 60 bash -c env_info
 stage compile 90 bash -c compile_kernels
 stage smoke 90 env COMMLIB_TEST_CASES=smoke $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "two_ranks" -p no:cacheprovider
 stage tests2 200 $PY -m pytest tests/gpu/test_nvlink.py -q -s -k "two_ranks" -p no:cacheprovider
-stage bench 200 $PY benchmarks/bench_intranode.py --json "$OUTDIR" --plot --plain --sms 8,12,16,24,32 --chunks 64,128 ${BENCH_ARGS:-}
+# host time per call, fast launch path vs CuPy's (COMMLIB_FAST_LAUNCH=0)
+stage profile 90 $PY benchmarks/profile_host.py --fp8 --calls 300
+stage profile 90 env COMMLIB_FAST_LAUNCH=0 $PY benchmarks/profile_host.py --fp8 --calls 300
+stage bench 200 $PY benchmarks/bench_intranode.py --json "$OUTDIR" ${BENCH_FLAGS:---plot --plain --sms 8,12,16,24,32 --chunks 64,128} ${BENCH_ARGS:-}
 # the same world under other kernel builds (space-separated KEY=V,KEY=V lists), to qualify them
 for v in ${GPU_CHECK_TEST_VARIANTS:-}; do
   stage tests2 120 env COMMLIB_TEST_KERNEL_VARIANT="$v" $PY -m pytest tests/gpu/test_nvlink.py -q -k "two_ranks" -p no:cacheprovider

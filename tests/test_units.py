@@ -103,3 +103,23 @@ def test_deepep_api_surface():
     ev = commlib.EventOverlap(None)
     with ev:
         ev.current_stream_wait()
+
+
+def test_kernel_signatures_and_argument_layout():
+    """The fast launch path packs arguments from the kernels' C signatures: every family parses,
+    the layout kernel's is what nvlink.py passes, and offsets follow native alignment."""
+    import struct
+
+    from commlib import kernels as K
+
+    for family, names in K._FAMILIES.items():
+        for name in names:
+            codes = K.kernel_signature(family, name)
+            assert codes and set(codes) <= set("iIqQfd"), (name, codes)
+    assert K.kernel_signature("layout", "layout_kernel") == "QiiiiQQQQQ"
+    codes = "QiiQiQ"
+    offsets = K.param_offsets(codes)
+    assert offsets == [0, 8, 12, 16, 24, 32]
+    packed = struct.pack("@" + codes, 1, 2, 3, 4, 5, 6)
+    assert [struct.unpack_from("@" + c, packed, o)[0] for c, o in zip(codes, offsets)] == [1, 2, 3, 4, 5, 6]
+    assert K.ptr(None) == 0 and K.i32(7) == 7

@@ -27,6 +27,7 @@ if ROOT not in sys.path:
 from commlib import bench as B  # noqa: E402
 
 OPS = ["dispatch_bf16", "dispatch_bf16_cached", "dispatch_fp8", "combine"]
+BASELINE_OPS = ["a2a_dispatch_bf16", "a2a_combine"]  # flat all_to_all_single over every rank, same run
 
 
 def _row_bytes(op: str, hidden: int) -> int:
@@ -41,7 +42,9 @@ def _worker(ctx, w, iters: int, warmup: int):
     nvl, rdma = B.buffer_bytes(w.hidden, R, ctx.ranks_per_node, R // ctx.ranks_per_node)
     buf = Buffer(ctx.group, nvl, rdma, backend="hierarchical", ranks_per_node=ctx.ranks_per_node)
     ref = Buffer(ctx.group, nvl, rdma, backend="reference", ranks_per_node=ctx.ranks_per_node)
-    rows = B.measure(buf, ref, ctx.group, w, OPS, iters, warmup)
+    rows = B.measure(buf, ref, ctx.group, w, OPS + BASELINE_OPS, iters, warmup)
+    # the reference backend (same algorithm, torch collectives for both hops) timed in the same run
+    ref_table = B.gather(B.measure(ref, None, ctx.group, w, OPS, iters, warmup, check=False), ctx.group)
     # rows per call that crossed nodes / moved inside a node: counter deltas over one call of each op
     inp = B.make_inputs(w, ctx.rank, buf.device)
     x, idx, wts = inp["x"], inp["topk_idx"], inp["topk_weights"]
@@ -56,6 +59,9 @@ def _worker(ctx, w, iters: int, warmup: int):
              "dispatch_fp8": lambda: dispatch(per_token_cast_to_fp8(x)),
              "combine": lambda: buf.combine(y, handle, topk_weights=recv_w)}
     for r in rows:
+        if r["op"] not in calls:
+            r["net_rows"] = r["nvl_rows"] = 0.0  # not counted: the flat baseline has no node hops
+            continue
         before = buf.counters
         calls[r["op"]]()
         after = buf.counters
@@ -66,6 +72,10 @@ def _worker(ctx, w, iters: int, warmup: int):
         r["net_rows"] = sum(e[0] for e in everyone) / R  # mean rows per rank
         r["nvl_rows"] = sum(e[1] for e in everyone) / R
     table = B.gather(rows, ctx.group)
+    if table is not None:
+        for r in ref_table:
+            r.update(op="reference_" + r["op"], net_rows=0.0, nvl_rows=0.0)
+        table += ref_table
     info = {"backend": buf.backend_name, "buffer_device": str(buf.device), "process_group": dist.get_backend(ctx.group),
             "num_nodes": buf.topology.num_nodes, "ranks_per_node": buf.topology.ranks_per_node}
     buf.destroy()
@@ -102,14 +112,14 @@ def main(argv=None) -> int:
     link = "NVLink via NCCL" if gpus else "loopback via gloo"
     print(f"# bench_internode: {nodes} emulated nodes x {a.ranks_per_node}, backend {info['backend']} on "
           f"{info['buffer_device']}; the 'network' here is {link}, not InfiniBand")
-    print(f"# {'op':>22} {'tokens':>7} {'time(us)':>10} {'algbw':>8} {'net rows':>9} {'net GB/s':>9} "
+    print(f"# {'op':>30} {'tokens':>7} {'time(us)':>10} {'algbw':>8} {'net rows':>9} {'net GB/s':>9} "
           f"{'nvl rows':>9} {'nvl GB/s':>9} {'#wrong':>7}")
     for r in rows:
         rb = _row_bytes(r["op"], a.hidden)
         t = r["time_us"]
         r["net_gbps"] = r["net_rows"] * rb / t / 1e3 if t else 0.0
         r["nvl_gbps"] = r["nvl_rows"] * rb / t / 1e3 if t else 0.0
-        print(f"  {r['op']:>22} {r['tokens']:>7} {t:>10.1f} {r['algbw_gbps']:>8.2f} {r['net_rows']:>9.0f} "
+        print(f"  {r['op']:>30} {r['tokens']:>7} {t:>10.1f} {r['algbw_gbps']:>8.2f} {r['net_rows']:>9.0f} "
               f"{r['net_gbps']:>9.2f} {r['nvl_rows']:>9.0f} {r['nvl_gbps']:>9.2f} {r['wrong']:>7}")
     wrong = sum(r["wrong"] for r in rows)
     if a.json is not None:

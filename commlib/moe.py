@@ -64,12 +64,32 @@ class MoEConfig:
 # Experts
 # ------------------------------------------------------------------------------------------------
 
-def _grouped_matmul(x_MA: torch.Tensor, w_LAB: torch.Tensor, counts: list[int], impl: str) -> torch.Tensor:
+def _use_grouped_mm(x_MA: torch.Tensor, impl: str) -> bool:
+    return impl == "grouped_mm" or (impl == "auto" and x_MA.is_cuda and x_MA.dtype == torch.bfloat16
+                                    and hasattr(torch, "_grouped_mm"))
+
+
+def _group_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+    """End row of every group, int32 on ``device``, without a host wait.
+
+    The host -> device copy goes through pinned memory: a copy from pageable memory makes the
+    driver synchronise with the stream first (CUDA's "API synchronization behavior"), which would
+    stall the host until the GPU reaches this point, i.e. until the dispatch this expert stage
+    waits for has finished. In the dual pipeline that delayed the next communication the host
+    issues by a whole stage.
+    """
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if device.type == "cuda":
+        offs = offs.pin_memory()  # the caching host allocator keeps it alive until the copy is done
+    return offs.to(device, non_blocking=True)
+
+
+def _grouped_matmul(x_MA: torch.Tensor, w_LAB: torch.Tensor, counts: list[int], impl: str,
+                    offs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows of x grouped by expert (counts[e] rows for expert e, in order) times w[e] -> [M, B]."""
-    use_gmm = impl == "grouped_mm" or (impl == "auto" and x_MA.is_cuda and x_MA.dtype == torch.bfloat16
-                                        and hasattr(torch, "_grouped_mm"))
-    if use_gmm:
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(x_MA.device, non_blocking=True)
+    if _use_grouped_mm(x_MA, impl):
+        if offs is None:
+            offs = _group_offsets(counts, x_MA.device)
         return torch._grouped_mm(x_MA, w_LAB, offs=offs)
     outs = [x_e @ w_LAB[e] for e, x_e in enumerate(torch.split(x_MA, counts))]
     return torch.cat(outs) if outs else x_MA.new_zeros(0, w_LAB.shape[2])
@@ -101,14 +121,16 @@ def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_N
     dtype = w_gate_up_LHI.dtype
     x_MH = x_NH.index_select(0, rows_M).to(dtype)
     weights_M = topk_weights_NK.reshape(-1).index_select(0, order_M).to(dtype)
-    gate_up = _grouped_matmul(x_MH, w_gate_up_LHI, counts, impl)
+    offs = _group_offsets(counts, x_MH.device) if _use_grouped_mm(x_MH, impl) else None  # one copy, both GEMMs
+    gate_up = _grouped_matmul(x_MH, w_gate_up_LHI, counts, impl, offs)
     gate, up = gate_up.chunk(2, dim=1)
-    out_MH = _grouped_matmul(F.silu(gate) * up, w_down_LIH, counts, impl)
+    out_MH = _grouped_matmul(F.silu(gate) * up, w_down_LIH, counts, impl, offs)
     out_MH = out_MH * weights_M.unsqueeze(1)
     # A row may meet several local experts: accumulate in float32 (index_add runs in the tensor's
     # dtype), cast once. On CPU the order is fixed; on GPUs index_add uses atomics (order varies).
+    # In place on fresh zeros: the out-of-place index_add would first copy the [N, H] float32 zeros.
     y = torch.zeros(N, x_NH.shape[1], dtype=torch.float32, device=x_NH.device)
-    return y.index_add(0, rows_M, out_MH.float()).to(dtype)
+    return y.index_add_(0, rows_M, out_MH.float()).to(dtype)
 
 
 class Experts(nn.Module):
@@ -347,6 +369,9 @@ class Attention(nn.Module):
 class MoEBlock(nn.Module):
     """h = h + attn(norm1(h)); h = h + moe(norm2(h)). h: [B, S, H].
 
+    ``num_heads=0``: no attention (and no norm1): h = h + moe(norm2(h)), a MoE layer alone (the
+    overlap benchmark uses it to bring compute down to the communication's size).
+
     Pipeline stages (commlib.pipeline), carry keys in brackets:
       attn     compute  [h] -> [h, x_norm, x_wire, topk_idx, topk_weights]
       dispatch comm     [x_wire, topk_idx, topk_weights] -> [recv_x, recv_topk_idx, recv_topk_weights, counts, handle]
@@ -358,8 +383,11 @@ class MoEBlock(nn.Module):
     def __init__(self, cfg: MoEConfig, num_heads: int, buffer=None, num_ranks: Optional[int] = None,
                  full_init: bool = True, device=None, attn_dtype=None, head_dim: Optional[int] = None) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(cfg.hidden, device=device)
-        self.attn = Attention(cfg.hidden, num_heads, device=device, dtype=attn_dtype, head_dim=head_dim)
+        if num_heads < 0:
+            raise ValueError(f"MoEBlock: num_heads must be >= 0 (0 = no attention), got {num_heads}")
+        self.norm1 = RMSNorm(cfg.hidden, device=device) if num_heads > 0 else None
+        self.attn = (Attention(cfg.hidden, num_heads, device=device, dtype=attn_dtype, head_dim=head_dim)
+                     if num_heads > 0 else None)
         self.norm2 = RMSNorm(cfg.hidden, device=device)
         self.moe = MoELayer(cfg, buffer=buffer, num_ranks=num_ranks, full_init=full_init, device=device)
 
@@ -368,8 +396,9 @@ class MoEBlock(nn.Module):
         return h_BSH + self.moe(x).view_as(h_BSH)
 
     def _attention(self, h_BSH):
-        a = self.attn(self.norm1(h_BSH).to(self.attn.qkv.weight.dtype)).to(h_BSH.dtype)
-        h_BSH = h_BSH + a
+        if self.attn is not None:
+            a = self.attn(self.norm1(h_BSH).to(self.attn.qkv.weight.dtype)).to(h_BSH.dtype)
+            h_BSH = h_BSH + a
         return h_BSH, self.norm2(h_BSH).flatten(0, 1)
 
     def forward_chunks(self, hs: list) -> list:

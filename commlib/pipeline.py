@@ -15,18 +15,34 @@ gradients, combine -> cached dispatch; commlib.autograd). A chain is thus a list
 and, later, a list of backward steps, each step one stage, and two such lists can be interleaved.
 
 The schedule (``_interleave``) zips two step lists: whenever one list's next step is compute and
-the other's is communication, both are issued together, compute first. Compute kernels go to the
-current (compute) stream; communication goes to the Buffer's comm stream, ordered *only* through
-events: a comm step passes ``previous_event`` = the event recorded right after the stage that
-produced its input, with ``async_finish=True``; the next compute stage of that micro-batch calls
-``event.current_stream_wait()`` before it starts. Nothing in the schedule synchronises the device
-or the host, except what a non-cached dispatch itself needs (its receive count); issuing compute
-first means that host wait happens while the GPU already has the other micro-batch's compute
-queued. When both lists' next steps are of the same kind, one runs alone; after that the lists
-stay out of phase, so in steady state every comm step is paired with a compute step:
+the other's is communication, both are issued together. Compute kernels go to the current
+(compute) stream; communication goes to the Buffer's comm stream, ordered *only* through events:
+a comm step passes ``previous_event`` = the event recorded right after the stage that produced its
+input, with ``async_finish=True``; the next compute stage of that micro-batch calls
+``event.current_stream_wait()`` before it starts. When both lists' next steps are of the same kind,
+one runs alone; after that the lists stay out of phase, so in steady state every comm step is
+paired with a compute step.
+
+Issue-order rule (which of a pair the host issues first): the host issues in program order, and a
+compute step costs it a long time (an autograd backward launches dozens of kernels; the model's
+stages are partly host-bound), so a comm step issued after its partner reaches the comm stream
+late, and the comm stream idles although its input was ready long before. Hence: **the comm step
+first**, since its inputs were produced by the micro-batch's previous step and it only enqueues
+work on the comm stream. The one exception is a step that waits on the host: a non-cached
+dispatch reads its receive count (count exchange), so the host blocks until the comm stream has
+run everything queued before it; that step goes **second**, so the compute stream has the other
+micro-batch's work queued while the host waits (``CommStage.blocks_host``). Combine, the cached
+dispatch of combine's backward (receive count from the handle) and the combine of dispatch's
+backward never wait. ``issue_order="comm_first"`` / ``"compute_first"`` force one order (for
+measurements). The order changes neither the pairs nor the sequence of comm steps, so every rank
+runs the same collectives in the same order. Backward runs stage by stage: each compute stage's
+backward is its own ``torch.autograd.backward(stage outputs, explicit grads)``, so comm steps of
+the other micro-batch are issued between those pieces.
 
   forward+backward (``overlapped_forward_backward``, F = micro-batch 0 forward, B = micro-batch 1
-  backward), per MoE block::
+  backward), per MoE block, in host issue order (comm steps marked *)::
+
+      B.finish | *B.combine' F.attn | B.experts' *F.dispatch | *B.dispatch' F.experts | *F.combine B.attn
 
       compute stream: B.finish | F.attn       | B.experts    | F.experts     | B.attn
       comm stream:             | B.combine'   | F.dispatch   | B.dispatch'   | F.combine
@@ -56,6 +72,7 @@ the result equals the sequential order bit for bit (two summands commute exactly
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -116,6 +133,11 @@ class CommStage:
     def comm_stream(self):
         return None
 
+    def blocks_host(self, backward: bool) -> bool:
+        """Whether the call waits on the host for the device (e.g. a receive count). The schedule
+        issues such a step after its paired compute step, every other comm step before it."""
+        return False
+
 
 class DispatchStage(CommStage):
     """[x_wire, topk_idx, topk_weights] -> [recv_x, recv_topk_idx, recv_topk_weights, counts, handle].
@@ -131,6 +153,12 @@ class DispatchStage(CommStage):
 
     def comm_stream(self):
         return getattr(self.buffer, "comm_stream", None)
+
+    def blocks_host(self, backward: bool) -> bool:
+        # The forward is a non-cached dispatch: the host reads the receive count (count exchange),
+        # so it waits until the comm stream has run everything queued before it plus the notify.
+        # The backward is a combine of the gradients: no host wait.
+        return not backward
 
     def prepare_forward(self, inputs):
         if self.fp8:
@@ -281,6 +309,7 @@ class Step:
     kind: str            # "compute" | "comm" | "none" (bookkeeping, never paired)
     label: str
     run: Callable[[], None]
+    blocks_host: bool = False   # comm steps: the call waits on the host (non-cached dispatch)
 
 
 class Chain:
@@ -384,7 +413,8 @@ class Chain:
             if stage.kind == "compute":
                 steps.append(Step("compute", label, lambda i=i: self._forward_compute(i, timeline)))
             else:
-                steps.append(Step("comm", label, lambda i=i: self._forward_comm(i, overlap, timeline)))
+                steps.append(Step("comm", label, lambda i=i: self._forward_comm(i, overlap, timeline),
+                                  blocks_host=stage.blocks_host(backward=False)))
         steps.append(Step("none", f"{self.tag}F.end", lambda: self._settle(backward=False)))
         return steps
 
@@ -439,7 +469,8 @@ class Chain:
             if stage.kind == "compute":
                 steps.append(Step("compute", label, lambda i=i: self._backward_compute(i, timeline)))
             else:
-                steps.append(Step("comm", label, lambda i=i: self._backward_comm(i, overlap, timeline)))
+                steps.append(Step("comm", label, lambda i=i: self._backward_comm(i, overlap, timeline),
+                                  blocks_host=stage.blocks_host(backward=True)))
         steps.append(Step("none", f"{self.tag}B.end", self._backward_end))
         return steps
 
@@ -536,12 +567,39 @@ def _capture_output_grads(tensors: Sequence[torch.Tensor], grads: Optional[Seque
 # The schedule
 # ------------------------------------------------------------------------------------------------
 
-def _interleave(a: list[Step], b: list[Step], lead: int = 0) -> None:
+ISSUE_ORDERS = ("auto", "comm_first", "compute_first")
+
+
+def _issue_order(order: Optional[str]) -> str:
+    """The issue order of paired steps: the argument, else $COMMLIB_ISSUE_ORDER, else "auto"."""
+    if order is None:
+        order = os.environ.get("COMMLIB_ISSUE_ORDER", "") or "auto"
+    if order not in ISSUE_ORDERS:
+        raise ValueError(f"pipeline: issue order must be one of {ISSUE_ORDERS}, got {order!r}")
+    return order
+
+
+def _comm_first(comm: Step, order: str) -> bool:
+    if order == "auto":
+        return not comm.blocks_host
+    return order == "comm_first"
+
+
+def _interleave(a: list[Step], b: list[Step], lead: int = 0, order: str = "auto") -> None:
     """Issue two step lists, pairing a compute step of one with a comm step of the other.
 
-    Paired steps: compute is issued first, so its kernels are queued before the comm step does
-    any host-side waiting. When both next steps are of the same kind, the list ``lead`` (0 = a,
-    1 = b) issues its step alone; the lists then stay out of phase.
+    Issue order of a pair (``order``):
+      "auto"          the comm step first, so the comm stream gets its work before the host spends
+                      its time issuing the (many) kernels of the compute step, unless the comm step
+                      waits on the host (a non-cached dispatch reading its receive count): that one
+                      goes second, so the compute stream has the other micro-batch's work queued
+                      while the host waits.
+      "comm_first"    always the comm step first; "compute_first" always the compute step first
+                      (the schedule before the issue-order rule; kept for measurements).
+    When both next steps are of the same kind, the list ``lead`` (0 = a, 1 = b) issues its step
+    alone; the lists then stay out of phase. The order never changes which steps are paired, nor
+    the order of the comm steps among themselves, so every rank still runs the same collectives in
+    the same order whatever it chooses.
     """
     i = j = 0
     while i < len(a) or j < len(b):
@@ -555,8 +613,12 @@ def _interleave(a: list[Step], b: list[Step], lead: int = 0) -> None:
             continue
         if sa is not None and sb is not None and sa.kind != sb.kind:
             comp, comm = (sa, sb) if sa.kind == "compute" else (sb, sa)
-            comp.run()
-            comm.run()
+            if _comm_first(comm, order):
+                comm.run()
+                comp.run()
+            else:
+                comp.run()
+                comm.run()
             i += 1
             j += 1
         elif sa is not None and (sb is None or lead == 0):
@@ -626,29 +688,34 @@ def _as_list(x) -> list:
     return [x] if isinstance(x, torch.Tensor) else list(x)
 
 
-def _run(a: list[Step], b: list[Step], overlap: bool, lead: int) -> None:
+def _run(a: list[Step], b: list[Step], overlap: bool, lead: int, issue_order: Optional[str] = None) -> None:
+    order = _issue_order(issue_order)
     if overlap:
-        _interleave(a, b, lead)
+        _interleave(a, b, lead, order)
     else:  # the baseline: one micro-batch after the other, every communication stream-ordered
         _interleave(a, [])
         _interleave(b, [])
 
 
 def dual_forward(module: StagedModule, inputs0: Sequence, inputs1: Sequence, timeline: Optional[Timeline] = None,
-                 overlap: bool = True):
+                 overlap: bool = True, issue_order: Optional[str] = None):
     """Forward of two micro-batches through ``module``, one's communication overlapping the
     other's compute. Returns (outputs0, outputs1), each attached for autograd like module(*inputs).
-    ``overlap=False`` runs micro-batch 0 then 1 with synchronous communication (the baseline)."""
+    ``overlap=False`` runs micro-batch 0 then 1 with synchronous communication (the baseline).
+    ``issue_order``: see ``_interleave`` (default "auto", or $COMMLIB_ISSUE_ORDER)."""
+    issue_order = _issue_order(issue_order)
     c0, c1 = module.start(*inputs0, tag="0."), module.start(*inputs1, tag="1.")
-    _run(c0.forward_steps(overlap, timeline), c1.forward_steps(overlap, timeline), overlap, lead=0)
+    _run(c0.forward_steps(overlap, timeline), c1.forward_steps(overlap, timeline), overlap, lead=0,
+         issue_order=issue_order)
     return module.finish(c0), module.finish(c1)
 
 
 def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timeline] = None,
-                  overlap: bool = True) -> None:
+                  overlap: bool = True, issue_order: Optional[str] = None) -> None:
     """Backward of two micro-batches (each: a loss with grads None, or outputs with their
     gradients, as for torch.autograd.backward), one's communication overlapping the other's
     compute. ``overlap=False``: micro-batch 0 then 1, synchronous communication."""
+    issue_order = _issue_order(issue_order)
     t0, t1 = _as_list(tensors0), _as_list(tensors1)
     chain0 = _capture_output_grads(t0, grads0 if grads0 is None else _as_list(grads0))
     chain1 = _capture_output_grads(t1, grads1 if grads1 is None else _as_list(grads1))
@@ -658,13 +725,14 @@ def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timelin
         chain1.tag = "1."
     s0 = chain0.backward_steps(overlap, timeline) if chain0 is not None else []
     s1 = chain1.backward_steps(overlap, timeline) if chain1 is not None else []
-    _run(s0, s1, overlap, lead=0)
+    _run(s0, s1, overlap, lead=0, issue_order=issue_order)
 
 
 def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criterion0: Optional[Callable],
                                 labels0: Optional[Sequence], module1: StagedModule, loss1: Optional[torch.Tensor],
                                 outputs1: Optional[Sequence], output_grads1: Optional[Sequence],
-                                timeline: Optional[Timeline] = None, overlap: bool = True):
+                                timeline: Optional[Timeline] = None, overlap: bool = True,
+                                issue_order: Optional[str] = None):
     """Forward of micro-batch 0 through module0 interleaved with the backward of micro-batch 1
     through module1 (DualPipe's ``overlapped_forward_backward`` contract).
 
@@ -675,6 +743,7 @@ def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criter
     Returns (outputs0 as a list, loss0 = criterion0(*outputs0, *labels0) or None).
     ``overlap=False``: the forward, then the backward, synchronous communication (the baseline).
     """
+    issue_order = _issue_order(issue_order)
     if loss1 is not None:
         chain1 = _capture_output_grads([loss1], None)
         loss1.detach_()
@@ -690,7 +759,7 @@ def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criter
     b_steps = chain1.backward_steps(overlap, timeline) if chain1 is not None else []
     # Backward leads: its first step (the last compute stage's backward, small) runs alone, so the
     # forward's first compute (attention) pairs with the backward's first comm (combine').
-    _run(chain0.forward_steps(overlap, timeline), b_steps, overlap, lead=1)
+    _run(chain0.forward_steps(overlap, timeline), b_steps, overlap, lead=1, issue_order=issue_order)
     outputs0 = module0.finish(chain0)
     outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else list(outputs0)
     loss0 = criterion0(*outputs0, *(labels0 or [])) if criterion0 is not None else None

@@ -44,6 +44,7 @@ case "$ONLY" in
   final) STAGES="env,compile,smoke,main,a2a,long,overlap,tune" ;;
   next) STAGES="env,compile,hier,internode" ;;
   host) STAGES="env,compile,smoke,tests2,profile,bench,hier,internode" ;;
+  ll) STAGES="env,compile,llgpu,llbench" ;;   # low-latency mode: its GPU tests and its benchmark
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -93,7 +94,7 @@ torch.cuda.init()
 for plain in (False, True):
     t0 = time.perf_counter()
     kernels.compile_all(plain)
-    print(f"[compile] plain={plain}: 4 families in {time.perf_counter() - t0:.2f} s")
+    print(f"[compile] plain={plain}: {len(kernels._FAMILIES)} families in {time.perf_counter() - t0:.2f} s")
 EOF
 }
 
@@ -116,6 +117,7 @@ stage shared 150 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "shared_gpus" -
 stage hier 150 $PY -m pytest tests/gpu/test_hierarchical_gpu.py -x -q -p no:cacheprovider
 stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout" -p no:cacheprovider
 stage cpu 60 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "imports or assemble or nvrtc" -p no:cacheprovider
+stage llgpu 150 $PY -m pytest tests/gpu/test_low_latency_gpu.py -x -q -s -p no:cacheprovider
 
 # Whole-library stages: the main job, the mpirun sweep (+ plot), the 10k-round long run, the dual
 # pipeline and the tuner; their JSON/PNG go to OUTDIR/results (packed into results.tar.gz).
@@ -124,10 +126,12 @@ stage main 120 $PY -m commlib.bench --json "$RES/bench_main_gpu.json"
 stage a2a 150 env NP=2 PYTHON=$PY bash scripts/launch_mpirun.sh benchmarks/alltoall_perf.py -b 512 -e 8K -f 2 --fp8 --json "$RES/alltoall_perf_gpu.json"
 stage plot 60 $PY benchmarks/plot.py "$RES/alltoall_perf_gpu.json" --out "$RES"
 stage long 200 env COMMLIB_TEST_LONG_ROUNDS=${LONG_ROUNDS:-10000} $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -p no:cacheprovider
+stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_fb --out-dir "$RES"
 stage overlap 150 $PY benchmarks/bench_overlap.py --preset balanced --out-dir "$RES"
 stage overlap 120 $PY benchmarks/bench_overlap.py --preset v3 --out-dir "$RES"
 stage tune 200 $PY benchmarks/bench_tune.py ${TUNE_ARGS:-} --json "$RES/tune_gpu.json"
 stage internode 150 $PY benchmarks/bench_internode.py --json "$RES/bench_internode_gpu.json"
+stage llbench 120 $PY benchmarks/bench_low_latency.py --json "$RES/bench_low_latency_gpu.json"
 if ls "$RES"/* >/dev/null 2>&1; then tar -czf "$OUTDIR/results.tar.gz" -C "$RES" . && log "[gpu_check] packed $(ls "$RES" | wc -l) result files"; fi
 
 # keep a copy of the benchmark JSON with the repository's results

@@ -1,8 +1,9 @@
 """commlib.pipeline and commlib.moe on CPU ranks: the staged MoE model equals the plain one and the
 single-process equivalent; the dual schedules (two forwards, two backwards, DualPipe's
 forward-with-backward hook) give the same outputs and gradients as running the micro-batches one
-after the other, bit for bit; the schedule pairs every comm step with a compute step; the
-overlap benchmark runs at tiny shapes.
+after the other, bit for bit, in every issue order; the schedule pairs every comm step with a
+compute step and follows the issue-order rule (comm first unless it waits on the host); the
+overlap benchmark runs at tiny shapes (also its calibrated balanced_fb preset).
 
 One world of 2 ranks runs every case (spawning ranks is the expensive part on CPU).
 """
@@ -15,7 +16,8 @@ from worlds import run_world
 
 WORLD = 2
 CASES = ["staged_equals_plain_and_single_process", "dual_forward_backward", "overlapped_forward_backward",
-         "schedule_pairs_comm_with_compute", "fp8_dispatch_stage", "inference_no_grad", "bench_overlap_smoke"]
+         "schedule_pairs_comm_with_compute", "issue_orders_same_results", "fp8_dispatch_stage", "inference_no_grad",
+         "moe_layer_without_attention", "bench_overlap_smoke", "bench_overlap_balanced_fb_smoke"]
 
 H, E, K, HEADS, LAYERS, SEQ, VOCAB = 64, 8, 2, 4, 2, 8, 40
 
@@ -174,37 +176,88 @@ def case_overlapped_forward_backward(ctx):
 
 
 def case_schedule_pairs_comm_with_compute(ctx):
-    """Issue order (CPU timeline = host order): after the first step every comm step is issued
-    right after a compute step of the other micro-batch."""
+    """Issue order (CPU timeline = host order): every comm step is paired with a compute step of
+    the other micro-batch, and the issue-order rule holds: a comm step that does not wait on the
+    host goes first (the comm stream is fed before the host issues the compute kernels), a forward
+    dispatch (it reads its receive count on the host) goes right after its compute partner."""
     from commlib import pipeline as P
     model = _model(ctx, _buf(ctx))
     _, mine = _tokens(ctx, batch_per_rank=2, seed=4)
     tl = P.Timeline()
     o0, o1 = P.dual_forward(model, (mine[:1],), (mine[1:],), timeline=tl)
     fwd = [s["label"] for s in tl.spans()]
-    assert fwd[:4] == ["0.F.attn0", "1.F.attn0", "0.F.dispatch0", "0.F.experts0"], fwd
+    assert fwd[:7] == ["0.F.attn0", "1.F.attn0", "0.F.dispatch0", "0.F.experts0", "1.F.dispatch0",
+                       "0.F.combine0", "1.F.experts0"], fwd
     _check_pairs(fwd)
     tl = P.Timeline()
     P.dual_backward(_loss(o0), None, _loss(o1), None, timeline=tl)
-    _check_pairs([s["label"] for s in tl.spans()])
+    bwd = [s["label"] for s in tl.spans()]
+    assert bwd[:5] == ["0.B.finish", "0.B.combine1", "1.B.finish", "1.B.combine1", "0.B.experts1"], bwd
+    _check_pairs(bwd)
 
-    tl = P.Timeline()
-    out1 = model(mine[1:])
-    P.overlapped_forward_backward(model, [mine[:1]], _loss, [], model, _loss(out1), [], [], timeline=tl)
-    fb = [s["label"] for s in tl.spans()]
-    # DeepSeek-V3's pairing: attention with combine', dispatch with experts', experts with dispatch', ...
-    assert fb[:7] == ["1.B.finish", "0.F.attn0", "1.B.combine1", "1.B.experts1", "0.F.dispatch0",
-                      "0.F.experts0", "1.B.dispatch1"], fb
+    def fwd_bwd_labels(order):
+        tl = P.Timeline()
+        out1 = model(mine[1:])
+        P.overlapped_forward_backward(model, [mine[:1]], _loss, [], model, _loss(out1), [], [], timeline=tl,
+                                      issue_order=order)
+        return [s["label"] for s in tl.spans()]
+
+    fb = fwd_bwd_labels(None)
+    # DeepSeek-V3's pairing: attention with combine', dispatch with experts', experts with dispatch',
+    # ...; combine' and dispatch' (no host wait) are issued before their partner, dispatch after.
+    assert fb[:7] == ["1.B.finish", "1.B.combine1", "0.F.attn0", "1.B.experts1", "0.F.dispatch0",
+                      "1.B.dispatch1", "0.F.experts0"], fb
     _check_pairs(fb)
+    # The other orders pair the same steps and keep the comm steps in the same order.
+    for order in ("comm_first", "compute_first"):
+        other = fwd_bwd_labels(order)
+        _check_pairs(other, order)
+        comm = [l for l in fb if _is_comm(l)]
+        assert [l for l in other if _is_comm(l)] == comm, (order, other)
+        assert sorted(other) == sorted(fb)
+    assert fwd_bwd_labels("compute_first")[:7] == ["1.B.finish", "0.F.attn0", "1.B.combine1", "1.B.experts1",
+                                                   "0.F.dispatch0", "0.F.experts0", "1.B.dispatch1"]
 
 
-def _check_pairs(labels):
-    comm = ("dispatch", "combine")
+def _is_comm(label):
+    return any(c in label for c in ("dispatch", "combine"))
+
+
+def _check_pairs(labels, order="auto"):
+    """Every comm step sits next to a compute step of the other micro-batch: after it when the comm
+    step goes first (order "comm_first", or "auto" and not a forward dispatch), else before it."""
     for i, label in enumerate(labels):
-        if any(c in label for c in comm):
-            prev = labels[i - 1]
-            assert not any(c in prev for c in comm), f"{label} not paired with compute: {labels}"
-            assert prev.split(".")[0] != label.split(".")[0], f"{label} paired with its own micro-batch: {labels}"
+        if not _is_comm(label):
+            continue
+        blocks_host = ".F.dispatch" in label
+        first = order == "comm_first" or (order == "auto" and not blocks_host)
+        partner = labels[i + 1] if first else labels[i - 1]
+        assert not _is_comm(partner), f"{label} not paired with compute ({order}): {labels}"
+        assert partner.split(".")[0] != label.split(".")[0], f"{label} paired with its own micro-batch: {labels}"
+
+
+def case_issue_orders_same_results(ctx):
+    """Every issue order gives the sequential outputs and gradients bit for bit."""
+    from commlib import pipeline as P
+    model = _model(ctx, _buf(ctx))
+    _, mine = _tokens(ctx, batch_per_rank=2, seed=7)
+    mb0, mb1 = mine[:1], mine[1:]
+    s0, s1 = model(mb0), model(mb1)
+    _loss(s0).backward()
+    _loss(s1).backward()
+    g_seq = _grads(model)
+    for order in P.ISSUE_ORDERS:
+        model.zero_grad(set_to_none=True)
+        o0, o1 = P.dual_forward(model, (mb0,), (mb1,), issue_order=order)
+        assert torch.equal(o0, s0) and torch.equal(o1, s1), order
+        P.dual_backward(_loss(o0), None, _loss(o1), None, issue_order=order)
+        _assert_same_grads(g_seq, _grads(model), f"dual ({order}) vs sequential")
+    try:
+        P.dual_forward(model, (mb0,), (mb1,), issue_order="bogus")
+    except ValueError as e:
+        assert "issue order" in str(e)
+    else:
+        raise AssertionError("an unknown issue order was accepted")
 
 
 def case_fp8_dispatch_stage(ctx):
@@ -242,14 +295,42 @@ def case_inference_no_grad(ctx):
     assert torch.equal(o0, ref0) and torch.equal(o1, ref1)
 
 
-def case_bench_overlap_smoke(ctx):
+def case_moe_layer_without_attention(ctx):
+    """num_heads=0 (the MoE layer alone, bench_overlap's balanced_fb): EP == single process, dual == sequential."""
+    from commlib import pipeline as P
+    from commlib.moe import MoEModel
+    torch.manual_seed(0)
+    model = MoEModel(_cfg(), 1, 0, buffer=_buf(ctx), num_ranks=ctx.world_size, vocab_size=VOCAB, max_seq_len=SEQ)
+    torch.manual_seed(0)
+    single = MoEModel(_cfg(), 1, 0, buffer=None, num_ranks=ctx.world_size, vocab_size=VOCAB, max_seq_len=SEQ)
+    assert model.blocks[0].attn is None and model.blocks[0].norm1 is None
+    everything, mine = _tokens(ctx, seed=8)
+    B = mine.shape[0]
+    out = model(mine)
+    assert torch.equal(out, single(everything)[ctx.rank * B:(ctx.rank + 1) * B])
+    _loss(model(mine[:1])).backward()
+    _loss(model(mine[1:])).backward()
+    g_seq = _grads(model)
+    model.zero_grad(set_to_none=True)
+    o0, o1 = P.dual_forward(model, (mine[:1],), (mine[1:],))
+    P.dual_backward(_loss(o0), None, _loss(o1), None)
+    _assert_same_grads(g_seq, _grads(model), "no-attention dual vs sequential")
+
+
+def _load_bench():
     import importlib.util
     import os
-    import tempfile
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("bench_overlap", os.path.join(root, "benchmarks", "bench_overlap.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def case_bench_overlap_smoke(ctx):
+    import os
+    import tempfile
+    bench = _load_bench()
     with tempfile.TemporaryDirectory() as out_dir:
         args = bench.parse_args(["--tokens", "16", "--hidden", "64", "--experts", "8", "--topk", "2",
                                  "--expert-hidden", "32", "--heads", "4", "--layers", "1", "--warmup", "1",
@@ -257,6 +338,29 @@ def case_bench_overlap_smoke(ctx):
         result = bench.run(ctx, args)
         if ctx.rank == 0:
             assert result["figures"]["forward"]["sequential_ms"] > 0
+            assert os.path.exists(result["json_path"])
+            assert result["calibration"] is None and result["issue_order"] == "auto"
+            for f in result["figures"].values():
+                assert f["comm_over_compute"] > 0 and set(f["verdict"]) == {
+                    "dual_over_max_ok", "comm_about_equal_compute", "speedup_target_applies", "speedup_ok"}
+
+
+def case_bench_overlap_balanced_fb_smoke(ctx):
+    """The balanced_fb preset at tiny shapes: no attention, expert_hidden calibrated (two sizes here)."""
+    import os
+    import tempfile
+    bench = _load_bench()
+    bench.CALIBRATION_SIZES = (16, 32)
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = bench.parse_args(["--preset", "balanced_fb", "--tokens", "16", "--hidden", "64", "--warmup", "1",
+                                 "--iters", "1", "--no-plot", "--issue-order", "comm_first", "--out-dir", out_dir])
+        result = bench.run(ctx, args)
+        if ctx.rank == 0:
+            assert result["shapes"]["heads"] == 0 and result["issue_order"] == "comm_first"
+            cal = result["calibration"]
+            assert cal is not None and cal["chosen"] in (16, 32) and cal["trials"]
+            assert result["shapes"]["expert_hidden"] == cal["chosen"]
+            assert result["check"]["ok"]
             assert os.path.exists(result["json_path"])
 
 

@@ -47,8 +47,9 @@ class Buffer:
             ``Config.get_nvl_buffer_size_hint(hidden_bytes, ranks_per_node)``.
         num_rdma_bytes: bytes of the network staging buffer (several nodes);
             ``Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)``.
-        low_latency_mode: DeepEP's decode mode (low_latency_dispatch / low_latency_combine); on the
-            reference backend only so far (GPU kernels: NotImplementedError).
+        low_latency_mode: DeepEP's decode mode (low_latency_dispatch / low_latency_combine): GPU
+            kernels on the nvlink backend (commlib/backends/nvlink_ll.py), collectives on the
+            reference backend; hierarchical: NotImplementedError.
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: accepted for API
             compatibility; they tune InfiniBand queue pairs / MNNVL, which commlib does not use.
         explicitly_destroy: if True the caller must call ``destroy()``; otherwise resources are
@@ -106,13 +107,21 @@ class Buffer:
         self.backend: Backend = self._make_backend(self.backend_name)
         self._low_latency = None
         if low_latency_mode:
-            if self.backend_name != "reference":
+            if self.backend_name == "nvlink":
+                from .backends.nvlink_ll import NVLinkLowLatency
+                try:
+                    self._low_latency = NVLinkLowLatency(self, self.backend)
+                except BaseException:
+                    self.backend.destroy()
+                    raise
+            elif self.backend_name == "reference":
+                from .low_latency import LowLatencyReference
+                self._low_latency = LowLatencyReference(self, self.backend)
+            else:
                 self.backend.destroy()
                 raise NotImplementedError(
-                    f"Buffer: low_latency_mode=True has no {self.backend_name} kernels yet; pass backend='reference' "
-                    "(torch.distributed collectives, same semantics)")
-            from .low_latency import LowLatencyReference
-            self._low_latency = LowLatencyReference(self, self.backend)
+                    f"Buffer: low_latency_mode=True has no {self.backend_name} kernels yet; pass backend='nvlink' "
+                    "(one node) or backend='reference' (torch.distributed collectives, same semantics)")
 
     # ------------------------------------------------------------------ set-up
     def _check_world_agrees(self) -> None:
@@ -131,8 +140,8 @@ class Buffer:
         if name not in ("auto", "reference", "nvlink", "hierarchical"):
             raise ValueError(f"Buffer: backend must be auto, reference, nvlink or hierarchical, got {name!r}")
         if name == "auto":
-            if self.device.type == "cuda" and self.topology.num_nodes == 1 and _cupy_available():
-                return "nvlink"
+            if self.device.type == "cuda" and _cupy_available():
+                return "nvlink" if self.topology.num_nodes == 1 else "hierarchical"
             return "reference"
         if name == "nvlink" and self.device.type != "cuda":
             raise ValueError(f"Buffer: backend {name!r} needs CUDA GPUs; this rank has none")
@@ -159,11 +168,15 @@ class Buffer:
         if self._destroyed:
             return
         self._destroyed = True
+        if self._low_latency is not None:
+            self._low_latency.destroy()
         self.backend.destroy()
 
     def __del__(self) -> None:
         try:
             if not self.explicitly_destroy and not self._destroyed:
+                if getattr(self, "_low_latency", None) is not None:
+                    self._low_latency.destroy()
                 self.backend.destroy()
         except Exception:  # noqa: BLE001 - never raise from a finaliser
             pass
@@ -218,6 +231,22 @@ class Buffer:
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
         if self.comm_stream is None:
             return fn(), EventOverlap(None)
+        try:
+            return self._run_cuda(fn, inputs, previous_event, async_finish)
+        except CommlibError:
+            raise
+        except RuntimeError as e:
+            # A sticky CUDA error (a kernel trapped on a device timeout or a peer mismatch, a dead
+            # peer's memory): the context is unusable, so is this Buffer from now on.
+            text = str(e)
+            if "CUDA" not in text and "cuda" not in text and "cuLaunchKernel" not in text:
+                raise
+            if hasattr(self.backend, "failed") and not self.backend.failed:
+                self.backend.failed = f"[commlib rank {self.rank}] CUDA error during a call: {text.strip()[:300]}"
+            raise CommlibError(f"[commlib rank {self.rank}] CUDA error during a call; this Buffer is unusable "
+                               f"from now on (see the '[commlib]' device line above, if any): {text.strip()[:300]}") from e
+
+    def _run_cuda(self, fn, inputs: Sequence, previous_event: Optional[EventOverlap], async_finish: bool):
         compute = self._current_stream()
         if previous_event is not None and previous_event.event is not None:
             self.comm_stream.wait_event(previous_event.event)
@@ -456,7 +485,7 @@ class Buffer:
         return self._low_latency
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """DeepEP clears its signalling buffers here; the reference transport keeps none."""
+        """DeepEP clears its signalling buffers here; commlib's never need it (sequence numbers)."""
         self._ll()
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:

@@ -31,12 +31,17 @@ CONTROL_LAYOUT = {
     "COMMLIB_OFF_COMBINE_TAIL": 2 * 8 * MAX_RANKS * MAX_CHANNELS,
     "COMMLIB_OFF_COMBINE_DONE": 3 * 8 * MAX_RANKS * MAX_CHANNELS,
     "COMMLIB_OFF_NOTIFY_FLAG": 4 * 8 * MAX_RANKS * MAX_CHANNELS,
-    "COMMLIB_OFF_NOTIFY_DATA": 4 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
+    # per-call signature words u64 [src][channel] (csrc/common.cuh call_signature), then the notify slots
+    "COMMLIB_OFF_DISPATCH_SIG": 4 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
+    "COMMLIB_OFF_COMBINE_SIG": 5 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
+    "COMMLIB_OFF_NOTIFY_DATA": 6 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
 }
 NOTIFY_WORD_EXPERT = 16 + MAX_CHANNELS       # COMMLIB_NW_EXPERT
-HOST_COUNTS = {"total": 0, "bad_me": 1, "bad_rank": 2, "bad_value": 3, "sent": 4, "recv": 12, "expert": 20}
+HOST_COUNTS = {"total": 0, "bad_me": 1, "bad_rank": 2, "bad_value": 3, "sent": 4, "recv": 12,
+               "sig_rank": 20, "sig": 21, "expert": 28}  # sig: [NOTIFY_SIG_WORDS] of rank sig_rank
 HOST_COUNTS_EXPERT = HOST_COUNTS["expert"]   # HC_* in notify.cu
 NOTIFY_REJECTED = 0x40000000                 # REJECTED in notify.cu
+NOTIFY_SIG_WORDS = 7                         # COMMLIB_NW_SIG_WORDS: what ranks must agree on (notify.cu)
 NUM_SEQ_COUNTERS = 3 * 2 * MAX_CHANNELS      # [kind][role][channel]
 LAYOUT_THREADS = 256
 NOTIFY_THREADS = 512
@@ -58,6 +63,7 @@ _FAMILIES = {
     "notify": ("notify_kernel",),
     "dispatch": ("dispatch_kernel",),
     "combine": ("combine_kernel",),
+    "low_latency": ("ll_dispatch_kernel", "ll_combine_kernel"),
 }
 
 _lock = threading.Lock()

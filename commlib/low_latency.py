@@ -60,7 +60,10 @@ def cast_fp8(x: torch.Tensor, round_scale: bool, use_ue8m0: bool):
     """[n, H] -> (E4M3 [n, H], scales [n, H/128] float32, or exponents packed [n, H/512] int32)."""
     n, H = x.shape
     blocks = x.float().view(n, H // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=2).clamp(min=_MIN_AMAX) / FP8_MAX
+    amax = blocks.abs().amax(dim=2).clamp(min=_MIN_AMAX)
+    # a true division on every device: torch's CUDA `tensor / python scalar` multiplies by the
+    # rounded reciprocal instead, which moves some scales by one ulp (the GPU kernel divides too)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if round_scale:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(n, H)
@@ -76,40 +79,99 @@ def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exps.float())
 
 
-class LowLatencyReference:
-    """The reference transport for low-latency mode (torch.distributed all_to_all of byte rows)."""
+def check_dispatch_args(b, x, topk_idx, M: int, num_experts: int, use_fp8: bool, round_scale: bool,
+                        use_ue8m0: bool, check_ids: bool = True) -> None:
+    """Reject bad low_latency_dispatch input (every engine). ``check_ids`` reads topk_idx on the
+    host; GPU engines skip it (no host sync: their kernels ignore ids outside [0, num_experts))."""
+    rank, R = b.rank, b.num_ranks
+    check_tensor("x", x, rank, dtype=torch.bfloat16, dim=2, device=b.device)
+    check_tensor("topk_idx", topk_idx, rank, dtype=torch.int64, dim=2, device=b.device)
+    T, H = x.shape
+    if topk_idx.shape[0] != T:
+        raise ValueError(f"[commlib rank {rank}] topk_idx has {topk_idx.shape[0]} rows but x has {T} tokens")
+    if T > M:
+        raise ValueError(f"[commlib rank {rank}] x has {T} tokens, more than num_max_dispatch_tokens_per_rank={M}")
+    if num_experts <= 0 or num_experts % R:
+        raise ValueError(f"[commlib rank {rank}] num_experts ({num_experts}) must be divisible by the number "
+                         f"of ranks ({R})")
+    if use_fp8 and H % BLOCK:
+        raise ValueError(f"[commlib rank {rank}] FP8 low-latency dispatch: hidden ({H}) must be a multiple of {BLOCK}")
+    if use_ue8m0 and (not use_fp8 or not round_scale or H % (4 * BLOCK)):
+        raise ValueError(f"[commlib rank {rank}] use_ue8m0 needs use_fp8, round_scale and hidden % 512 == 0")
+    if check_ids and topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= num_experts):
+        raise ValueError(f"[commlib rank {rank}] topk_idx holds expert ids outside [-1, {num_experts})")
+    need = rdma_size_hint(M, H, R, num_experts)
+    if b.num_rdma_bytes < need:
+        raise ValueError(f"[commlib rank {rank}] num_rdma_bytes={b.num_rdma_bytes} is too small: build the "
+                         f"Buffer with num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint({M}, {H}, {R}, "
+                         f"{num_experts}) = {need}")
+
+
+def check_combine_args(b, combine_buffers, x, topk_idx, topk_weights, handle: LowLatencyHandle, zero_copy: bool,
+                       out) -> None:
+    """Reject bad low_latency_combine input (every engine)."""
+    rank, R = b.rank, b.num_ranks
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(f"[commlib rank {rank}] handle must come from low_latency_dispatch, got {type(handle).__name__}")
+    if handle.buffer_id != b.buffer_id:
+        raise ValueError(f"[commlib rank {rank}] handle was made by another Buffer")
+    if not handle.extra.get("received"):
+        raise ValueError(f"[commlib rank {rank}] call the dispatch's receive hook before low_latency_combine")
+    L = handle.num_experts // R
+    M, H = handle.num_max_dispatch_tokens_per_rank, handle.hidden
+    if zero_copy and not any(x is buf for buf in combine_buffers if buf is not None):
+        raise ValueError(f"[commlib rank {rank}] zero_copy=True needs x from get_next_low_latency_combine_buffer")
+    check_tensor("x", x, rank, dtype=torch.bfloat16, dim=3, device=b.device)
+    if tuple(x.shape) != (L, R * M, H):
+        raise ValueError(f"[commlib rank {rank}] x must have shape [{L}, {R * M}, {H}], got {list(x.shape)}")
+    T, K = handle.extra["T"], handle.extra["K"]
+    check_tensor("topk_idx", topk_idx, rank, dtype=torch.int64, dim=2, device=b.device)
+    check_tensor("topk_weights", topk_weights, rank, dtype=torch.float32, dim=2, device=b.device)
+    if tuple(topk_idx.shape) != (T, K) or tuple(topk_weights.shape) != (T, K):
+        raise ValueError(f"[commlib rank {rank}] topk_idx / topk_weights must be [{T}, {K}] as in the dispatch")
+    if out is not None:
+        check_tensor("out", out, rank, dtype=torch.bfloat16, dim=2, device=b.device)
+        if tuple(out.shape) != (T, H):
+            raise ValueError(f"[commlib rank {rank}] out must have shape [{T}, {H}], got {list(out.shape)}")
+
+
+class LowLatencyEngine:
+    """What every low-latency engine shares: the Buffer, and the two alternating combine inputs."""
 
     def __init__(self, buffer, backend) -> None:
         self.buffer = buffer
-        self.backend = backend   # the ReferenceBackend: its collectives carry timeouts
+        self.backend = backend
         self._combine_buffers: list = [None, None]
         self._next = 0
+
+    def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The [L, R * M, H] bf16 buffer a zero-copy combine reads (two alternate, as in DeepEP)."""
+        b = self.buffer
+        L = handle.num_experts // b.num_ranks
+        shape = (L, b.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        i = self._next
+        self._next ^= 1
+        buf = self._combine_buffers[i]
+        if buf is None or tuple(buf.shape) != shape:
+            buf = self._combine_buffers[i] = torch.zeros(shape, dtype=torch.bfloat16, device=b.device)
+        return buf
+
+    def destroy(self) -> None:
+        """Release what the engine holds beyond the backend (nothing here)."""
+
+
+class LowLatencyReference(LowLatencyEngine):
+    """The reference transport for low-latency mode (torch.distributed all_to_all of byte rows).
+
+    ``backend`` is the ReferenceBackend: its collectives carry timeouts.
+    """
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx, M: int, num_experts: int, use_fp8: bool, round_scale: bool,
                  use_ue8m0: bool, return_recv_hook: bool):
         b, rank, R = self.buffer, self.buffer.rank, self.buffer.num_ranks
-        check_tensor("x", x, rank, dtype=torch.bfloat16, dim=2, device=b.device)
-        check_tensor("topk_idx", topk_idx, rank, dtype=torch.int64, dim=2, device=b.device)
+        check_dispatch_args(b, x, topk_idx, M, num_experts, use_fp8, round_scale, use_ue8m0)
         T, H = x.shape
-        if topk_idx.shape[0] != T:
-            raise ValueError(f"[commlib rank {rank}] topk_idx has {topk_idx.shape[0]} rows but x has {T} tokens")
-        if T > M:
-            raise ValueError(f"[commlib rank {rank}] x has {T} tokens, more than num_max_dispatch_tokens_per_rank={M}")
-        if num_experts <= 0 or num_experts % R:
-            raise ValueError(f"[commlib rank {rank}] num_experts ({num_experts}) must be divisible by the number "
-                             f"of ranks ({R})")
-        if use_fp8 and H % BLOCK:
-            raise ValueError(f"[commlib rank {rank}] FP8 low-latency dispatch: hidden ({H}) must be a multiple of {BLOCK}")
-        if use_ue8m0 and (not use_fp8 or not round_scale or H % (4 * BLOCK)):
-            raise ValueError(f"[commlib rank {rank}] use_ue8m0 needs use_fp8, round_scale and hidden % 512 == 0")
-        if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= num_experts):
-            raise ValueError(f"[commlib rank {rank}] topk_idx holds expert ids outside [-1, {num_experts})")
-        need = rdma_size_hint(M, H, R, num_experts)
-        if b.num_rdma_bytes < need:
-            raise ValueError(f"[commlib rank {rank}] num_rdma_bytes={b.num_rdma_bytes} is too small: build the "
-                             f"Buffer with num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint({M}, {H}, {R}, "
-                             f"{num_experts}) = {need}")
         L = num_experts // R
         dev = self.backend.comm_device
         idx = topk_idx.to(dev)
@@ -184,43 +246,12 @@ class LowLatencyReference:
         return hook
 
     # ------------------------------------------------------------------ combine
-    def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """The [L, R * M, H] bf16 buffer a zero-copy combine reads (two alternate, as in DeepEP)."""
-        b = self.buffer
-        L = handle.num_experts // b.num_ranks
-        shape = (L, b.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-        i = self._next
-        self._next ^= 1
-        buf = self._combine_buffers[i]
-        if buf is None or tuple(buf.shape) != shape:
-            buf = self._combine_buffers[i] = torch.zeros(shape, dtype=torch.bfloat16, device=b.device)
-        return buf
-
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, zero_copy: bool,
                 return_recv_hook: bool, out: Optional[torch.Tensor]):
-        b, rank, R = self.buffer, self.buffer.rank, self.buffer.num_ranks
-        if not isinstance(handle, LowLatencyHandle):
-            raise TypeError(f"[commlib rank {rank}] handle must come from low_latency_dispatch, got {type(handle).__name__}")
-        if handle.buffer_id != b.buffer_id:
-            raise ValueError(f"[commlib rank {rank}] handle was made by another Buffer")
-        if not handle.extra.get("received"):
-            raise ValueError(f"[commlib rank {rank}] call the dispatch's receive hook before low_latency_combine")
-        L = handle.num_experts // R
-        M, H = handle.num_max_dispatch_tokens_per_rank, handle.hidden
-        if zero_copy and not any(x is buf for buf in self._combine_buffers if buf is not None):
-            raise ValueError(f"[commlib rank {rank}] zero_copy=True needs x from get_next_low_latency_combine_buffer")
-        check_tensor("x", x, rank, dtype=torch.bfloat16, dim=3, device=b.device)
-        if tuple(x.shape) != (L, R * M, H):
-            raise ValueError(f"[commlib rank {rank}] x must have shape [{L}, {R * M}, {H}], got {list(x.shape)}")
+        b, R = self.buffer, self.buffer.num_ranks
+        check_combine_args(b, self._combine_buffers, x, topk_idx, topk_weights, handle, zero_copy, out)
+        H = handle.hidden
         T, K = handle.extra["T"], handle.extra["K"]
-        check_tensor("topk_idx", topk_idx, rank, dtype=torch.int64, dim=2, device=b.device)
-        check_tensor("topk_weights", topk_weights, rank, dtype=torch.float32, dim=2, device=b.device)
-        if tuple(topk_idx.shape) != (T, K) or tuple(topk_weights.shape) != (T, K):
-            raise ValueError(f"[commlib rank {rank}] topk_idx / topk_weights must be [{T}, {K}] as in the dispatch")
-        if out is not None:
-            check_tensor("out", out, rank, dtype=torch.bfloat16, dim=2, device=b.device)
-            if tuple(out.shape) != (T, H):
-                raise ValueError(f"[commlib rank {rank}] out must have shape [{T}, {H}], got {list(out.shape)}")
         ex = handle.extra
         dev = self.backend.comm_device
         rows = x.to(dev)[ex["local"].to(dev), ex["row"].to(dev)]                   # sorted order

@@ -71,6 +71,10 @@ __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
             channel_remote_rows(rpm, a.recv_channel_prefix_matrix, R, C, me, c, s_dst, s_off, s_base);
     }
     __syncthreads();
+    // this call's signature, before any tail: the same lane's first release below publishes it
+    if (warp == publisher && lane < R - 1)
+        st_volatile(signature_at(a.peer_bases[s_dst[lane]], COMMLIB_OFF_COMBINE_SIG, me, c),
+                    call_signature(COMMLIB_SIG_COMBINE, seq, a.hidden_int4, 0, K, C));
     const int num_items = s_off[R - 1];
     for (int round_start = 0; round_start < num_items; round_start += a.round_rows) {
         const int round_end = min(round_start + a.round_rows, num_items);
@@ -154,7 +158,10 @@ __device__ void combine_recv(const CombineArgs& a, int c, u64 seq) {
         }
         if (__any_sync(FULL_MASK, need > ready)) {
             const bool act = need > ready;
-            const u64 v = warp_wait_geq(tail, tail_word(seq, need), act, r_lane, site, a.timeout_ns);
+            // ready == 0: this warp's first rows of rank r_lane; is it the same call, same slot geometry?
+            const u64 v = warp_wait_geq_signed(tail, tail_word(seq, need), act, r_lane, site, a.timeout_ns,
+                                               (COMMLIB_OFF_COMBINE_SIG - COMMLIB_OFF_COMBINE_TAIL) / 8,
+                                               call_signature(COMMLIB_SIG_COMBINE, seq, H4, 0, K, C), ready == 0);
             if (act) ready = (u32)v;
         }
         __syncwarp();

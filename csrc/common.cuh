@@ -35,11 +35,17 @@ typedef long long i64;
 #define COMMLIB_OFF_COMBINE_TAIL 16384       // u64 [src rank][channel]
 #define COMMLIB_OFF_COMBINE_DONE 24576       // u64 [dst rank][channel]
 #define COMMLIB_OFF_NOTIFY_FLAG 32768        // u64 [parity][src rank]
-#define COMMLIB_OFF_NOTIFY_DATA 36864        // int [parity][src rank][slot_words]
+#define COMMLIB_OFF_NOTIFY_DATA 53248        // int [parity][src rank][slot_words]
+#endif
+#ifndef COMMLIB_OFF_DISPATCH_SIG
+#define COMMLIB_OFF_DISPATCH_SIG 36864       // u64 [src rank][channel]: src sender's call_signature, written by src
+#define COMMLIB_OFF_COMBINE_SIG 45056        // u64 [src rank][channel]
 #endif
 // Notify slot words (int32 offsets inside one source's slot).
 #define COMMLIB_NW_NTPR 0                    // [R] the source's num_tokens_per_rank
 #define COMMLIB_NW_BAD 8                     // bad top-k ids the source saw
+#define COMMLIB_NW_SIG 9                     // [NW_SIG_WORDS] the source's call signature (notify.cu)
+#define COMMLIB_NW_SIG_WORDS 7
 #define COMMLIB_NW_CPM 16                    // [C] the source's channel prefix towards this rank
 #define COMMLIB_NW_EXPERT (16 + COMMLIB_MAX_CHANNELS)  // [L] the source's tokens per local expert
 
@@ -178,6 +184,68 @@ __device__ __noinline__ u64 warp_wait_geq(const u64* p_lane, u64 expected_lane, 
 __device__ __forceinline__ u64 tail_word(u64 seq, u32 count) { return (seq << 32) | (u64)count; }
 
 // ------------------------------------------------------------------------------------------------
+// Per-call signatures of the data kernels (cached dispatch and combine have no count exchange)
+// ------------------------------------------------------------------------------------------------
+
+// What a receiver must agree on with a sender before it reads the sender's staging slots: the
+// slot geometry (hidden, FP8 scales, top-k entries), the channel split and the call. Each sender
+// CTA writes it once per call into every destination's SIG word [src][channel] before its first
+// tail release (same thread, so the release publishes it); each receiver warp compares it right
+// after its first acquire of that source's tail, before it reads a row. Packed, so one word says it:
+//   bits  0-15 call sequence number (low 16 bits)   bits 16-18 kind (1 dispatch, 2 combine)
+//   bits 19-26 channels   bits 27-32 top-k   bits 33-42 FP8 scales per token   bits 43-63 hidden int4
+#define COMMLIB_SIG_DISPATCH 1u
+#define COMMLIB_SIG_COMBINE 2u
+__device__ __forceinline__ u64 call_signature(u32 kind, u64 seq, int hidden_int4, int num_scales, int num_topk,
+                                              int num_channels) {
+    return (seq & 0xffffull) | ((u64)(kind & 7u) << 16) | ((u64)((u32)num_channels & 0xffu) << 19) |
+           ((u64)((u32)num_topk & 0x3fu) << 27) | ((u64)((u32)num_scales & 0x3ffu) << 33) |
+           ((u64)((u32)hidden_int4 & 0x1fffffu) << 43);
+}
+
+__device__ __forceinline__ u64* signature_at(u64 base, u64 region_offset, int src, int channel) {
+    return reinterpret_cast<u64*>(base + region_offset) + (src * COMMLIB_MAX_CHANNELS + channel);
+}
+
+// A receiver found `seen` where it expected `expected` (0: the source never wrote one there): the
+// calling lanes print (those with `print`), then trap, as the device timeout does: the host sees a
+// CUDA error and the Buffer refuses further calls. Never returns (no registers kept across it).
+__device__ __noinline__ __attribute__((noreturn)) void signature_mismatch_trap(const char* kernel, int rank,
+                                                                               int channel, int peer, u64 expected,
+                                                                               u64 seen, bool print) {
+    if (print) {
+        const u64 ke = (expected >> 16) & 7, ks = (seen >> 16) & 7;
+        printf("[commlib] rank %d %s channel %d: signature mismatch with rank %d (expected %s seq %llu hidden %llu "
+               "bytes scales %llu topk %llu channels %llu, seen %s seq %llu hidden %llu bytes scales %llu topk %llu "
+               "channels %llu): the ranks' calls differ (hidden, dtype, top-k, Config or call order); none of its "
+               "rows is read\n",
+               rank, kernel, channel, peer, ke == 1 ? "dispatch" : ke == 2 ? "combine" : "none", expected & 0xffffull,
+               (expected >> 43) * 16, (expected >> 33) & 0x3ffull, (expected >> 27) & 0x3full,
+               (expected >> 19) & 0xffull, ks == 1 ? "dispatch" : ks == 2 ? "combine" : "none", seen & 0xffffull,
+               (seen >> 43) * 16, (seen >> 33) & 0x3ffull, (seen >> 27) & 0x3full, (seen >> 19) & 0xffull);
+    }
+    __syncwarp(__activemask());  // the reporting lane prints before any lane of the warp traps
+    asm volatile("trap;");
+    __builtin_unreachable();
+}
+
+// warp_wait_geq on a progress word, then, for lanes with `check` (a receiver's first wait on that
+// source this call), the source's signature word: it sits sig_delta words after the progress word
+// (the SIG and TAIL regions are both [src][channel]), written before the release we just acquired.
+// On a mismatch the first such lane reports (rank, kernel, channel, both signatures) and the warp
+// traps. Whole warp, like warp_wait_geq; the check costs one load per source and call.
+__device__ __noinline__ u64 warp_wait_geq_signed(const u64* p_lane, u64 expected_lane, bool active, int peer,
+                                                 WaitSite site, u64 timeout_ns, int sig_delta, u64 expected_sig,
+                                                 bool check) {
+    const u64 v = warp_wait_geq(p_lane, expected_lane, active, peer, site, timeout_ns);
+    const u64 seen = (active && check) ? ld_volatile(p_lane + sig_delta) : expected_sig;
+    const u32 bad = __ballot_sync(FULL_MASK, seen != expected_sig);
+    if (bad) signature_mismatch_trap(site.kernel, site.rank, site.channel, peer, expected_sig, seen,
+                                     (threadIdx.x & 31) == __ffs(bad) - 1);
+    return v;
+}
+
+// ------------------------------------------------------------------------------------------------
 // BF16 <-> FP32 without cuda_bf16.h (NVRTC has no host headers; these are exact/IEEE)
 // ------------------------------------------------------------------------------------------------
 
@@ -189,6 +257,19 @@ __device__ __forceinline__ float bf16_hi(u32 pair) { return __uint_as_float(pair
 __device__ __forceinline__ float add_rn(float a, float b) {
     float c;
     asm("add.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
+    return c;
+}
+
+// The same for multiply and divide (IEEE, no flush, never contracted): the low-latency combine's
+// w * row and the FP8 cast's x / scale must round exactly as torch's separate kernels do.
+__device__ __forceinline__ float mul_rn(float a, float b) {
+    float c;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
+    return c;
+}
+__device__ __forceinline__ float div_rn(float a, float b) {
+    float c;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
     return c;
 }
 

@@ -184,6 +184,11 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
             s_head_base[lane] = rows_before(a.rank_prefix_matrix, R, me, lane) + a.channel_prefix_matrix[lane * C + c];
     }
     __syncthreads();
+    // This call's signature, once the previous call's receivers are done (the wait above): copy warp
+    // 0 writes it, and the first round's __syncthreads + tail release publish it like the rows.
+    if (warp == 0 && lane < R && lane != me)
+        st_volatile(signature_at(a.peer_bases[lane], COMMLIB_OFF_DISPATCH_SIG, me, c),
+                    call_signature(COMMLIB_SIG_DISPATCH, seq, a.hidden_int4, a.num_scales, a.num_topk, C));
     const int local_base = s_head_base[me];
     u64* s_dst = s_dst_all[warp];
 
@@ -306,6 +311,12 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq) {
         if (__any_sync(FULL_MASK, (u32)i >= ready)) {
             const u64 v = warp_wait_geq(flag_at(own, COMMLIB_OFF_DISPATCH_TAIL, s * COMMLIB_MAX_CHANNELS + c),
                                         tail_word(seq, (u32)(i + 1)), true, s, site, a.timeout_ns);
+            if (ready == 0) {  // this warp's first rows of source s: same call, same slot geometry?
+                const u64 expected = call_signature(COMMLIB_SIG_DISPATCH, seq, a.hidden_int4, S, K, C);
+                const u64 seen = ld_volatile(signature_at(own, COMMLIB_OFF_DISPATCH_SIG, s, c));
+                if (seen != expected)  // warp-uniform: lane 0 reports, the warp traps
+                    signature_mismatch_trap("dispatch", me, c, s, expected, seen, lane == 0);
+            }
             ready = (u32)v;
         }
         const int row = s_base[j] + i;

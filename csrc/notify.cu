@@ -5,6 +5,11 @@
 //       (its slot for destination d), read by rank d's notify CTA. Words of a slot:
 //         NW_NTPR   [R]  src's num_tokens_per_rank (every destination, for the rank prefix matrix)
 //         NW_BAD         top-k ids outside [-1, E) that src saw (so every rank raises, not only src)
+//         NW_SIG    [7]  src's call signature: hidden, x element bytes, FP8 scales per token, top-k,
+//                        weights given, num_experts, channels. Every rank compares every peer's with
+//                        its own (rejected sources excepted) and reports the lowest differing rank in
+//                        host_counts, so every rank raises before any data moves (the dispatch kernel
+//                        is never launched); with num_worst_tokens (no host read) it prints and traps.
 //         NW_CPM    [C]  src's channel prefix towards d (d's recv_channel_prefix_matrix row src)
 //         NW_EXPERT [L]  src's tokens per expert for d's experts
 //   NOTIFY_FLAG [parity][src] u64, in rank d's buffer: release-stored = seq by src after its slot.
@@ -20,8 +25,13 @@
 #define HC_BAD_VALUE 3    // that rank's bad word (REJECTED: its Buffer refused its input)
 #define HC_SENT 4         // [R] rows this rank sends to each rank
 #define HC_RECV 12        // [R] rows this rank receives from each rank
-#define HC_EXPERT 20      // [L] rows received per local expert
+#define HC_SIG_RANK 20    // lowest rank whose signature differs from this rank's, -1 if none
+#define HC_SIG 21         // [NW_SIG_WORDS] that rank's signature (the host knows its own)
+#define HC_EXPERT 28      // [L] rows received per local expert
 #define REJECTED 0x40000000
+#define NOTIFY_MODE_REJECTED 1   // this rank's Buffer refused its input (takes part with zero counts)
+#define NOTIFY_MODE_NO_HOST 2    // num_worst_tokens: the host never reads host_counts, so a
+                                 // signature mismatch is printed and traps here
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(512) notify_kernel(
@@ -31,9 +41,14 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
     int* __restrict__ channel_prefix_matrix, int* __restrict__ rank_prefix_matrix,
     int* __restrict__ recv_channel_prefix_matrix, int* __restrict__ host_counts,
     const u64* __restrict__ peer_bases, int rank, int num_ranks, int num_channels, int slot_words,
-    int rejected, u64* seq_counters, u32* smids, u64 timeout_ns) {
-    // rejected = 1: this rank's Buffer refused its input; it still takes part (with zero counts and
-    // the REJECTED word) so the peers raise instead of waiting. Null count pointers read as 0.
+    int mode, int hidden, int elem_bytes, int num_scales, int has_weights,
+    u64* seq_counters, u32* smids, u64 timeout_ns) {
+    // mode & NOTIFY_MODE_REJECTED: this rank's Buffer refused its input; it still takes part (with
+    // zero counts and the REJECTED word) so the peers raise instead of waiting. Null count pointers
+    // read as 0.
+    const int rejected = mode & NOTIFY_MODE_REJECTED;
+    const int my_sig[COMMLIB_NW_SIG_WORDS] = {hidden, elem_bytes, num_scales, num_topk, has_weights, num_experts,
+                                              num_channels};
     __shared__ int s_count[COMMLIB_MAX_RANKS][COMMLIB_MAX_CHANNELS];  // then: exclusive prefix
     __shared__ int s_bad;
     const int R = num_ranks, C = num_channels;
@@ -109,6 +124,7 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
         int v;
         if (w < COMMLIB_NW_BAD) v = (w < R && num_tokens_per_rank != nullptr) ? num_tokens_per_rank[w] : 0;
         else if (w == COMMLIB_NW_BAD) v = rejected ? REJECTED : s_bad;
+        else if (w < COMMLIB_NW_SIG + COMMLIB_NW_SIG_WORDS) v = rejected ? 0 : my_sig[w - COMMLIB_NW_SIG];
         else if (w < COMMLIB_NW_CPM) v = 0;
         else if (w < COMMLIB_NW_EXPERT) v = (w - COMMLIB_NW_CPM) < C ? s_count[d][w - COMMLIB_NW_CPM] : 0;
         else v = num_tokens_per_expert != nullptr ? num_tokens_per_expert[d * L + (w - COMMLIB_NW_EXPERT)] : 0;
@@ -160,6 +176,30 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
         host_counts[HC_BAD_ME] = rejected ? REJECTED : s_bad;
         host_counts[HC_BAD_RANK] = bad_rank;
         host_counts[HC_BAD_VALUE] = bad_value;
+        // signatures: the lowest rank that disagrees with this one (a rejected rank's is empty)
+        int sig_rank = -1, sig_field = -1;
+        for (int s = 0; s < R && sig_rank < 0 && !rejected; ++s) {
+            const int* slot = slots + (i64)s * slot_words;
+            if (ld_volatile(slot + COMMLIB_NW_BAD) == REJECTED) continue;
+            for (int f = 0; f < COMMLIB_NW_SIG_WORDS; ++f)
+                if (ld_volatile(slot + COMMLIB_NW_SIG + f) != my_sig[f]) { sig_rank = s; sig_field = f; break; }
+        }
+        host_counts[HC_SIG_RANK] = sig_rank;
+        for (int f = 0; f < COMMLIB_NW_SIG_WORDS; ++f)
+            host_counts[HC_SIG + f] = sig_rank >= 0 ? ld_volatile(slots + (i64)sig_rank * slot_words + COMMLIB_NW_SIG + f)
+                                                    : 0;
+        if (sig_rank >= 0 && (mode & NOTIFY_MODE_NO_HOST)) {
+            // every rank sees a disagreement (some peer differs from it) and has already written its
+            // slots, so every rank ends here: nobody waits for a trapped peer
+            const char* names[COMMLIB_NW_SIG_WORDS] = {"hidden", "x element bytes (dtype)", "FP8 scales per token",
+                                                       "num_topk", "topk_weights given", "num_experts",
+                                                       "num_channels (Config.num_sms / 2)"};
+            printf("[commlib] rank %d notify: ranks disagree on %s: rank %d has %d, rank %d has %d (dispatch with "
+                   "num_worst_tokens cannot raise on the host, so nothing is sent and the kernel traps)\n",
+                   rank, names[sig_field], sig_rank, ld_volatile(slots + (i64)sig_rank * slot_words + COMMLIB_NW_SIG + sig_field),
+                   rank, my_sig[sig_field]);
+            asm volatile("trap;");
+        }
     }
     __syncthreads();
     if (threadIdx.x == 0) seq_counters[COMMLIB_SEQ_INDEX(COMMLIB_SEQ_NOTIFY, 0, 0)] = seq;

@@ -7,6 +7,7 @@
 # never eat the device lease): env (nvidia-smi topo, versions), compile (every kernel family, both
 # load/store modes), smoke (2 ranks, one case), tests2 (2-rank world, every case), bench
 # (benchmarks/bench_intranode.py --json), shared (4 and 8 ranks on 2 GPUs), timeout (device-timeout test),
+# faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu).
 # Everything is logged to OUTDIR/gpu_check.log; the bench JSON (+ PNG) lands in OUTDIR and
 # benchmarks/results/.
@@ -37,9 +38,9 @@ START=$(date +%s)
 SUMMARY=()
 
 case "$ONLY" in
-  all) STAGES="env,compile,smoke,tests2,bench,shared,hier,timeout,cpu" ;;
+  all) STAGES="env,compile,smoke,tests2,bench,shared,hier,timeout,faults,cpu" ;;
   quick) STAGES="env,compile,smoke,bench"; BENCH_ARGS="--tokens 4096 ${BENCH_ARGS:-}" ;;
-  tests) STAGES="env,compile,smoke,tests2,shared,hier,timeout,cpu" ;;
+  tests) STAGES="env,compile,smoke,tests2,shared,hier,timeout,faults,cpu" ;;
   bench) STAGES="env,compile,bench" ;;
   final) STAGES="env,compile,smoke,main,a2a,long,overlap,tune" ;;
   next) STAGES="env,compile,hier,internode" ;;
@@ -116,6 +117,8 @@ done
 stage shared 150 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "shared_gpus" -p no:cacheprovider
 stage hier 150 $PY -m pytest tests/gpu/test_hierarchical_gpu.py -x -q -p no:cacheprovider
 stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout" -p no:cacheprovider
+# fault injection: disagreeing ranks (one world), traps / timeouts (one short world each; logs in OUTDIR/faults)
+stage faults 150 env COMMLIB_FAULT_LOG_DIR="$OUTDIR/faults" $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k "not long_run" -p no:cacheprovider
 stage cpu 60 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "imports or assemble or nvrtc" -p no:cacheprovider
 stage llgpu 150 $PY -m pytest tests/gpu/test_low_latency_gpu.py -x -q -s -p no:cacheprovider
 
@@ -125,7 +128,7 @@ RES=${RESULTS_DIR:-/tmp/commlib_results}; rm -rf "$RES"; mkdir -p "$RES"
 stage main 120 $PY -m commlib.bench --json "$RES/bench_main_gpu.json"
 stage a2a 150 env NP=2 PYTHON=$PY bash scripts/launch_mpirun.sh benchmarks/alltoall_perf.py -b 512 -e 8K -f 2 --fp8 --json "$RES/alltoall_perf_gpu.json"
 stage plot 60 $PY benchmarks/plot.py "$RES/alltoall_perf_gpu.json" --out "$RES"
-stage long 200 env COMMLIB_TEST_LONG_ROUNDS=${LONG_ROUNDS:-10000} $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -p no:cacheprovider
+stage long 200 env COMMLIB_TEST_LONG_ROUNDS=${LONG_ROUNDS:-10000} $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k long_run -p no:cacheprovider
 stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_fb --out-dir "$RES"
 stage overlap 150 $PY benchmarks/bench_overlap.py --preset balanced --out-dir "$RES"
 stage overlap 120 $PY benchmarks/bench_overlap.py --preset v3 --out-dir "$RES"

@@ -23,7 +23,6 @@ same calls in the same order (the DeepEP contract).
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -36,10 +35,31 @@ from ..handle import DispatchHandle
 from ..layout import Layout, dispatch_layout
 from ..validate import CommlibError
 from .base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
+from .peer_memory import PeerMemory
 
 SLOT_ALIGN = 128          # staging slots never share a cache line (a line read early could be stale)
 SMID_KINDS = {"notify": 0, "dispatch": 1, "combine": 2}
 _MAX_LAYOUT_SHARED = 48 * 1024
+# Count exchange (csrc/notify.cu): the mode word and the call signature every rank compares.
+NOTIFY_MODE_REJECTED = 1   # this rank's Buffer refused its input: take part, with zero counts
+NOTIFY_MODE_NO_HOST = 2    # num_worst_tokens: the host never reads the counts, so a mismatch traps
+NOTIFY_SIG_FIELDS = ("hidden", "x dtype", "FP8 scales per token", "num_topk", "topk_weights",
+                     "num_experts", "num_channels")  # K.NOTIFY_SIG_WORDS words, notify.cu's order
+
+
+class RankDisagreement(CommlibError, ValueError):
+    """Ranks called the same op with different shapes / dtype / Config: raised on every rank before
+    any data moved; the Buffer stays usable (every rank is still in step)."""
+
+
+def _sig_value(field: str, v: int) -> str:
+    if field == "x dtype":
+        return {1: "fp8 (1 byte per element)", 2: "bf16 (2 bytes per element)"}.get(v, f"{v} bytes per element")
+    if field == "topk_weights":
+        return "given" if v else "None"
+    if field == "num_channels":
+        return f"{v} (Config.num_sms {2 * v})"
+    return str(v)
 
 
 def _align(n: int, a: int = 16) -> int:
@@ -77,27 +97,11 @@ class NVLinkBackend(Backend):
         self.failed: Optional[str] = None
         self._base: Optional[int] = None
         self._peer_ptrs: dict[int, int] = {}
-        cp = K.cupy()
         self.num_bytes = max(int(buffer.num_nvl_bytes), CONTROL_BYTES)
         self.region_bytes = ((self.num_bytes - CONTROL_BYTES) // 2) // SLOT_ALIGN * SLOT_ALIGN
-        dev = self.device.index
-        with cp.cuda.Device(dev):
-            self._base = int(cp.cuda.runtime.malloc(self.num_bytes))
-            cp.cuda.runtime.memset(self._base, 0, self.num_bytes)
-            cp.cuda.runtime.deviceSynchronize()
-            handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self._base))
-        everyone: list = [None] * self.num_ranks
-        dist.all_gather_object(everyone, (handle, os.getpid(), dev), group=self.group)
-        bases = []
-        with cp.cuda.Device(dev):
-            for r, (h, _pid, _dev) in enumerate(everyone):
-                if r == self.rank:
-                    bases.append(self._base)
-                    continue
-                p = int(cp.cuda.runtime.ipcOpenMemHandle(h))
-                self._peer_ptrs[r] = p
-                bases.append(p)
-        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
+        self._mem = PeerMemory(self.num_bytes, self.group, self.rank, self.num_ranks, self.device)
+        self._base, self._peer_ptrs = self._mem.base, self._mem.peer_ptrs
+        self.peer_bases = self._mem.peer_bases
         self.seq_counters = torch.zeros(K.NUM_SEQ_COUNTERS, dtype=torch.int64, device=self.device)
         self._layout_scratch: dict = {}  # per stream: [ticket, error word] int32
         self._smids = torch.full((len(SMID_KINDS), 256), -1, dtype=torch.int32, device=self.device) \
@@ -113,21 +117,11 @@ class NVLinkBackend(Backend):
         """Close peer mappings and free this rank's buffer. Collective-free (safe from __del__)."""
         if self._base is None:
             return
-        cp = K.cupy()
         try:
             torch.cuda.synchronize(self.device)
         except Exception:  # noqa: BLE001 - a failed context still frees what it can
             pass
-        with cp.cuda.Device(self.device.index):
-            for p in self._peer_ptrs.values():
-                try:
-                    cp.cuda.runtime.ipcCloseMemHandle(p)
-                except Exception:  # noqa: BLE001
-                    pass
-            try:
-                cp.cuda.runtime.free(self._base)
-            except Exception:  # noqa: BLE001
-                pass
+        self._mem.close()
         self._peer_ptrs.clear()
         self._base = None
 
@@ -215,8 +209,25 @@ class NVLinkBackend(Backend):
         return _align(max(1, int(send_chunk)), warps)
 
     # ------------------------------------------------------------------ dispatch
+    def _device_failure(self, what: str, e: BaseException) -> CommlibError:
+        """A CUDA error in a call (a kernel of this or an earlier call trapped: device timeout or
+        signature mismatch, whose '[commlib] rank ...' line is on stdout): the context is gone, so
+        the Buffer refuses every later call."""
+        self.failed = f"{what}: {e}"
+        return CommlibError(f"[commlib rank {self.rank}] {what} failed on the device (a peer did not take part "
+                            f"in time, the ranks' calls differ, or a kernel faulted; see the '[commlib] rank ...' "
+                            f"line printed by the device): {e}")
+
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         self._alive()
+        try:
+            return self._dispatch(req)
+        except RuntimeError as e:  # CUDA errors (torch.AcceleratorError, cuLaunchKernel); not ValueError
+            if isinstance(e, CommlibError):
+                raise
+            raise self._device_failure("dispatch", e) from e
+
+    def _dispatch(self, req: DispatchRequest) -> DispatchResult:
         R, me, dev = self.num_ranks, self.rank, self.device
         x = _aligned(req.x)
         T, H = x.shape
@@ -260,15 +271,19 @@ class NVLinkBackend(Backend):
             rcp = torch.empty((R, C), dtype=torch.int32, device=dev)
             counts = torch.empty(K.HOST_COUNTS_EXPERT + L, dtype=torch.int32, device=dev)
             layout = req.layout
+            # what every rank must agree on (NOTIFY_SIG_FIELDS); notify.cu compares the ranks'
+            sig = [H, x.element_size(), S, Kk, int(weights is not None), E, C]
             K.launch("notify", "notify_kernel", 1, K.NOTIFY_THREADS,
                      (K.ptr(tir), K.i32(T), K.ptr(layout.num_tokens_per_rank.contiguous()),
                       K.ptr(layout.num_tokens_per_expert.contiguous()), K.ptr(topk), K.i32(Kk), K.i32(E),
                       K.ptr(cpm), K.ptr(rpm), K.ptr(rcp), K.ptr(counts),
-                      K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C), K.i32(slot_words), K.i32(0),
+                      K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C), K.i32(slot_words),
+                      K.i32(NOTIFY_MODE_NO_HOST if worst else 0), K.i32(sig[0]), K.i32(sig[1]), K.i32(sig[2]),
+                      K.i32(sig[4]),
                       K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns)))
             if not worst:
                 host = self._host_read(counts, "dispatch count exchange").tolist()
-                self._raise_bad_ids(host)
+                self._raise_bad_ids(host, sig)
                 N = host[0]
             else:
                 N = worst
@@ -326,7 +341,9 @@ class NVLinkBackend(Backend):
             num_recv_tokens=None if worst else N, num_worst_tokens=worst, backend=self.name, extra=extra)
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert, handle)
 
-    def _raise_bad_ids(self, host: list) -> None:
+    def _raise_bad_ids(self, host: list, sig: Optional[list] = None) -> None:
+        """Raise what the count exchange found, on every rank alike: bad top-k ids (here or on a
+        peer), a peer that rejected its input, or ranks whose call signatures differ."""
         hc = K.HOST_COUNTS
         bad_me, bad_rank, bad_value = host[hc["bad_me"]], host[hc["bad_rank"]], host[hc["bad_value"]]
         if bad_me and bad_me != K.NOTIFY_REJECTED:
@@ -337,6 +354,16 @@ class NVLinkBackend(Backend):
                     f"has topk_idx with {bad_value} expert ids outside [-1, num_experts)")
             raise ValueError(f"[commlib rank {self.rank}] dispatch aborted: rank {bad_rank} {what} "
                              "(see the error on that rank); nothing was sent")
+        other = host[hc["sig_rank"]]
+        if sig is not None and other >= 0:
+            me = self.rank
+            theirs = host[hc["sig"]:hc["sig"] + K.NOTIFY_SIG_WORDS]
+            diffs = [f"{f}: rank {other} has {_sig_value(f, t)}, rank {me} has {_sig_value(f, m)}"
+                     for f, t, m in zip(NOTIFY_SIG_FIELDS, theirs, sig) if t != m]
+            raise RankDisagreement(f"[commlib rank {me}] dispatch aborted: ranks disagree on the op: "
+                                   + "; ".join(diffs or [f"signature of rank {other}"])
+                                   + " (every rank must make the same sequence of calls with the same "
+                                     "shapes/config); nothing was sent")
 
     def on_rejected(self, op: int) -> None:
         """The Buffer refused this rank's input (op 1 = dispatch, 2 = cached dispatch, 3 = combine).
@@ -357,7 +384,8 @@ class NVLinkBackend(Backend):
                  (K.u64(0), K.i32(0), K.u64(0), K.u64(0), K.u64(0), K.i32(0), K.i32(0),
                   K.ptr(cpm), K.ptr(rpm), K.ptr(rcp), K.ptr(counts),
                   K.ptr(self.peer_bases), K.i32(self.rank), K.i32(R), K.i32(1), K.i32(K.notify_slot_words(R)),
-                  K.i32(1), K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns)))
+                  K.i32(NOTIFY_MODE_REJECTED), K.i32(0), K.i32(0), K.i32(0), K.i32(0),
+                  K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns)))
 
     def _count(self, send_counts: Optional[list]) -> None:
         if not send_counts:
@@ -369,6 +397,14 @@ class NVLinkBackend(Backend):
     # ------------------------------------------------------------------ combine
     def combine(self, req: CombineRequest) -> CombineResult:
         self._alive()
+        try:
+            return self._combine(req)
+        except RuntimeError as e:  # CUDA errors (see dispatch)
+            if isinstance(e, CommlibError):
+                raise
+            raise self._device_failure("combine", e) from e
+
+    def _combine(self, req: CombineRequest) -> CombineResult:
         h = req.handle
         R, me, dev = self.num_ranks, self.rank, self.device
         if h.backend != self.name:

@@ -1,6 +1,27 @@
-"""Long GPU run: 10,000 rounds on the NVLink engine, hashes equal to the reference, memory flat."""
+"""GPU reliability (issue: reliability) on the NVLink engine.
+
+- Long run: 10,000 rounds, hashes equal to the reference, memory flat (reliability_cases.case_long_run).
+- Fault injection (gpu_check.sh stage `faults`):
+  * ranks disagree on num_experts / hidden / dtype / Config in a dispatch: the count exchange compares
+    every rank's call signature, so every rank raises RankDisagreement (a CommlibError and a
+    ValueError) naming the field and both values, before any data moves; the Buffer keeps working.
+    These never trap, so they share one 2-GPU world (reliability_cases.case_disagree_*).
+  * cached dispatch / combine with different shapes on the ranks: the receiver's signature check
+    prints '[commlib] rank R dispatch|combine channel c: signature mismatch with rank S ...' and
+    traps; a rank skips a combine; a rank calls dispatch twice (the peer calls combine); a rank
+    exits before dispatch: the device waits time out with a '[commlib] rank R timeout in ...' line.
+    Every surviving rank raises within COMMLIB_TIMEOUT_S, and its Buffer refuses further calls.
+    A trapped CUDA context cannot be reused, so each of these runs in its own short world
+    (tests/gpu/reliability_faults.py, both ranks on one GPU, gloo group), two worlds at a time.
+- CPU-side (always run): the NVLink backend's host path with the launches mocked: launch
+  arguments match the kernels' C signatures, the mismatch message, poisoning after a CUDA error.
+"""
+import ctypes
 import os
+import struct
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,10 +32,301 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 pytestmark = pytest.mark.gpu
 
+FAULT_TIMEOUT_S = 4          # COMMLIB_TIMEOUT_S inside the fault worlds
+TRAP_CASES = ["sig_cached_dispatch", "sig_combine", "skip_combine", "dispatch_twice", "exit_before_dispatch"]
+DISAGREE_CASES = ["disagree_num_experts", "disagree_hidden", "disagree_dtype", "disagree_config",
+                  "disagree_combine_sms_is_fine"]
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+def _have_cupy() -> bool:
+    try:
+        import cupy  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+needs_2_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not _have_cupy(),
+                                  reason="needs 2 GPUs and CuPy")
+
+
+@needs_2_gpus
 def test_long_run_10k_rounds():
     from worlds import run_world
     os.environ.setdefault("COMMLIB_TIMEOUT_S", "60")
     results = run_world(2, "reliability_cases", ["long_run"], use_gpu=True, timeout_s=900)
     assert results["long_run"] is None, results["long_run"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Notify-level disagreement: one world, no traps
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def disagree_world():
+    from worlds import run_world
+    old = os.environ.get("COMMLIB_TIMEOUT_S")
+    os.environ["COMMLIB_TIMEOUT_S"] = str(FAULT_TIMEOUT_S + 1)
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    try:
+        return run_world(2, "reliability_cases", DISAGREE_CASES, use_gpu=True, timeout_s=240)
+    finally:
+        if old is None:
+            os.environ.pop("COMMLIB_TIMEOUT_S", None)
+        else:
+            os.environ["COMMLIB_TIMEOUT_S"] = old
+
+
+@needs_2_gpus
+@pytest.mark.parametrize("name", DISAGREE_CASES)
+def test_ranks_disagree_gpu(disagree_world, name):
+    assert disagree_world[name] is None, disagree_world[name]
+
+
+# ------------------------------------------------------------------------------------------------
+# Trapping faults: one short world each (both ranks on one GPU), a few at a time
+# ------------------------------------------------------------------------------------------------
+
+_TRAP_RESULTS: dict = {}
+
+
+def _run_trap_worlds() -> dict:
+    """Start every trap world (CUDA_VISIBLE_DEVICES = one GPU each, round robin), at most one per GPU
+    at a time; returns {case: (returncode, output, seconds)}."""
+    if _TRAP_RESULTS:
+        return _TRAP_RESULTS
+    num_gpus = torch.cuda.device_count()
+    pending = list(TRAP_CASES)
+    running: dict = {}  # gpu -> (case, Popen, t0, log path)
+    logdir = Path(os.environ.get("COMMLIB_FAULT_LOG_DIR", "/tmp/commlib_faults"))
+    logdir.mkdir(parents=True, exist_ok=True)
+    while pending or running:
+        for gpu in range(num_gpus):
+            if gpu not in running and pending:
+                case = pending.pop(0)
+                env = dict(os.environ, COMMLIB_TIMEOUT_S=str(FAULT_TIMEOUT_S), CUDA_VISIBLE_DEVICES=str(gpu),
+                           PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                           NVSHMEM_DISABLE_NVLS="1")
+                env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), str(HERE), env.get("PYTHONPATH", "")])
+                log = logdir / f"{case}.log"
+                fh = open(log, "w")
+                proc = subprocess.Popen([sys.executable, str(HERE / "reliability_faults.py"), case], stdout=fh,
+                                        stderr=subprocess.STDOUT, env=env)
+                running[gpu] = (case, proc, time.monotonic(), log, fh)
+        for gpu, (case, proc, t0, log, fh) in list(running.items()):
+            rc = proc.poll()
+            if rc is None and time.monotonic() - t0 > 120:
+                proc.kill()
+                rc = proc.wait()
+            if rc is not None:
+                fh.close()
+                _TRAP_RESULTS[case] = (rc, log.read_text(errors="replace"), time.monotonic() - t0)
+                del running[gpu]
+        time.sleep(0.1)
+    return _TRAP_RESULTS
+
+
+def _outcomes(out: str) -> dict:
+    """rank -> (status, seconds, text) from the worlds' '[fault] rank R: STATUS after S s: TEXT' lines."""
+    res = {}
+    for line in out.splitlines():
+        if line.startswith("[fault] rank "):
+            head, _, text = line.partition(": ")
+            if len(head.split()) != 3:  # '[fault] rank R after: ...' lines are not the outcome
+                continue
+            rank = int(head.split()[2])
+            status, _, rest = text.partition(" after ")
+            secs, _, msg = rest.partition(" s: ")
+            res[rank] = (status, float(secs or 0), msg)
+    return res
+
+
+@needs_2_gpus
+@pytest.mark.parametrize("case", TRAP_CASES)
+def test_fault_world(case):
+    rc, out, took = _run_trap_worlds()[case]
+    print(f"--- {case}: rc {rc}, {took:.1f} s ---\n{out[-3000:]}")
+    res = _outcomes(out)
+    tail = out[-4000:]
+    limit = FAULT_TIMEOUT_S + 6  # device timeout + a sync + the report
+    if case in ("sig_cached_dispatch", "sig_combine"):
+        kernel = "dispatch" if case == "sig_cached_dispatch" else "combine"
+        assert f"{kernel} channel" in out and "signature mismatch with rank" in out, tail
+        survivors = [0, 1]
+    elif case == "skip_combine":
+        assert "[commlib] rank 0 timeout in combine channel" in out and "from rank 1" in out, tail
+        survivors = [0]
+    elif case == "dispatch_twice":
+        assert "[commlib] rank 0 timeout in notify channel -1 waiting for notify flag from rank 1" in out, tail
+        assert "[commlib] rank 1 timeout in combine channel" in out, tail
+        survivors = [0, 1]
+    else:  # exit_before_dispatch: a timeout, or a fault if the dead rank's memory went away
+        survivors = [0]
+    for r in survivors:
+        assert r in res, f"rank {r} reported nothing:\n{tail}"
+        status, secs, msg = res[r]
+        assert status == "RAISED", f"rank {r}: {status} {msg}\n{tail}"
+        assert secs < limit, f"rank {r} took {secs:.1f} s (COMMLIB_TIMEOUT_S={FAULT_TIMEOUT_S})"
+    # after the failure the Buffer refuses further calls: every later call raises
+    for r in survivors:
+        for tag in ("after", "again"):
+            line = next((ln for ln in out.splitlines() if ln.startswith(f"[fault] rank {r} {tag}: ")), "")
+            assert line and "no error" not in line, f"rank {r} {tag}: {line!r}\n{tail}"
+    if case in ("dispatch_twice", "exit_before_dispatch"):
+        # the count exchange's host read saw the failure: CommlibError, then the Buffer is poisoned
+        status, _, msg = res[0]
+        assert msg.startswith("CommlibError") and "failed on the device" in msg, msg
+        assert any(ln.startswith("[fault] rank 0 again: CommlibError") and "unusable after an earlier failure" in ln
+                   for ln in out.splitlines()), tail
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU-side: the host path of the NVLink backend with the kernel launches mocked
+# ------------------------------------------------------------------------------------------------
+
+class _FakeTopology:
+    def __init__(self, rank, num_ranks):
+        self.rank, self.num_ranks, self.num_nodes = rank, num_ranks, 1
+        self.ranks_per_node = num_ranks
+
+
+def _fake_backend(rank=0, R=2):
+    from commlib.backends.nvlink import NVLinkBackend
+
+    be = NVLinkBackend.__new__(NVLinkBackend)
+    be.topology = _FakeTopology(rank, R)
+    be.counters = {"internode_rows": 0, "intranode_rows": 0, "local_rows": 0}
+    be.rank, be.num_ranks, be.device = rank, R, torch.device("cpu")
+    be.failed, be._base = None, 1
+    be.num_bytes, be.region_bytes = 1 << 26, 1 << 25
+    be.peer_bases = torch.zeros(R, dtype=torch.int64)
+    be.seq_counters = torch.zeros(3 * 2 * 128, dtype=torch.int64)
+    be.timeout_ns = 10**9
+    be._smids, be._smid_grid = None, {"notify": 0, "dispatch": 0, "combine": 0}
+    return be
+
+
+def _mock_launch(monkeypatch, on_notify=None, fail=False):
+    from commlib import kernels as K
+
+    calls = []
+
+    def launch(family, name, grid, block, args, shared_mem=0):
+        codes = K.kernel_signature(family, name)
+        assert len(args) == len(codes), f"{name}: {len(args)} arguments, the kernel takes {len(codes)}"
+        struct.pack("@" + codes, *[int(a) for a in args])  # every value fits its C type
+        if fail:
+            raise RuntimeError("cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_INSTRUCTION (715)")
+        calls.append((name, list(args)))
+        if name == "notify_kernel" and on_notify is not None:
+            on_notify(list(args))
+
+    monkeypatch.setattr(K, "launch", launch)
+    return calls
+
+
+def _dispatch_req(T=8, H=256, E=8, Kk=2, fp8=False, num_sms=4, worst=0):
+    from commlib.backends.base import DispatchRequest
+    from commlib.config import Config
+    from commlib.layout import Layout
+
+    x = torch.zeros(T, H, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    scales = torch.ones(T, H // 128) if fp8 else None
+    idx = torch.zeros(T, Kk, dtype=torch.int64)
+    w = torch.ones(T, Kk)
+    lay = Layout(torch.zeros(2, dtype=torch.int32), None, torch.zeros(E, dtype=torch.int32),
+                 torch.zeros(T, 2, dtype=torch.bool))
+    return DispatchRequest(x, scales, idx, w, lay, None, E, 1, worst, Config(num_sms, 8, 64, 64, 1024))
+
+
+def _fill_counts(args, values: dict):
+    """Write host_counts the way notify.cu would (args[10] = host_counts pointer, CPU tensor)."""
+    from commlib import kernels as K
+
+    n = K.HOST_COUNTS_EXPERT
+    words = (ctypes.c_int32 * n).from_address(int(args[10]))
+    for i in range(n):
+        words[i] = 0
+    words[K.HOST_COUNTS["bad_rank"]] = -1
+    words[K.HOST_COUNTS["sig_rank"]] = -1
+    for k, v in values.items():
+        if isinstance(v, list):
+            for j, x in enumerate(v):
+                words[K.HOST_COUNTS[k] + j] = x
+        else:
+            words[K.HOST_COUNTS[k]] = v
+
+
+def test_host_signature_mismatch_message(monkeypatch):
+    """The notify launch carries the signature; a peer's differing one raises on this rank with the
+    fields and both values, as RankDisagreement (CommlibError and ValueError); the Buffer stays usable."""
+    pytest.importorskip("numpy")
+    from commlib.backends.nvlink import RankDisagreement
+    from commlib.validate import CommlibError
+
+    be = _fake_backend()
+    theirs = [256, 1, 2, 2, 1, 16, 2]  # rank 1: fp8 (1 byte, 2 scales), 16 experts
+    calls = _mock_launch(monkeypatch, on_notify=lambda a: _fill_counts(a, {"sig_rank": 1, "sig": theirs}))
+    with pytest.raises(RankDisagreement) as ei:
+        be.dispatch(_dispatch_req())
+    msg = str(ei.value)
+    assert isinstance(ei.value, CommlibError) and isinstance(ei.value, ValueError)
+    assert "ranks disagree" in msg and "nothing was sent" in msg, msg
+    assert "x dtype: rank 1 has fp8" in msg and "rank 0 has bf16" in msg, msg
+    assert "num_experts: rank 1 has 16, rank 0 has 8" in msg and "FP8 scales per token" in msg, msg
+    assert "hidden" not in msg.split("disagree")[1].split(";")[0], msg  # hidden agrees: not listed
+    assert [c[0] for c in calls] == ["notify_kernel"], "the dispatch kernel must not run after a mismatch"
+    notify_args = calls[0][1]
+    assert notify_args[16:21] == [0, 256, 2, 0, 1], notify_args  # mode, hidden, element bytes, scales, weights
+    assert be.failed is None  # every rank raised before data moved: still usable
+
+
+def test_host_config_mismatch_names_num_sms(monkeypatch):
+    from commlib.backends.nvlink import RankDisagreement
+
+    be = _fake_backend()
+    theirs = [256, 2, 0, 2, 1, 8, 5]  # rank 1 runs num_sms 10
+    _mock_launch(monkeypatch, on_notify=lambda a: _fill_counts(a, {"sig_rank": 1, "sig": theirs}))
+    with pytest.raises(RankDisagreement, match=r"num_channels: rank 1 has 5 \(Config.num_sms 10\), rank 0 has 2"):
+        be.dispatch(_dispatch_req())
+
+
+def test_host_launch_arguments_match_kernels(monkeypatch):
+    """dispatch (plain, num_worst_tokens), cached dispatch, combine and on_rejected pass exactly the
+    kernels' parameters, each fitting its C type."""
+    from commlib.backends.base import CombineRequest
+    from commlib.config import Config
+
+    be = _fake_backend()
+    calls = _mock_launch(monkeypatch, on_notify=lambda a: _fill_counts(a, {"total": 0}))
+    res = be.dispatch(_dispatch_req())
+    assert [c[0] for c in calls] == ["notify_kernel", "dispatch_kernel"]
+    calls.clear()
+    be.dispatch(_dispatch_req(worst=16, fp8=True))
+    assert calls[0][1][16] == 2, "num_worst_tokens: the notify kernel traps on a mismatch (mode NO_HOST)"
+    calls.clear()
+    req = _dispatch_req()
+    req.handle, req.topk_idx, req.topk_weights, req.layout = res.handle, None, None, None
+    be.dispatch(req)
+    assert [c[0] for c in calls] == ["dispatch_kernel"]
+    calls.clear()
+    be.combine(CombineRequest(torch.zeros(0, 256, dtype=torch.bfloat16), res.handle, torch.zeros(0, 2), (),
+                              Config(4, 8, 64, 64, 1024)))
+    assert [c[0] for c in calls] == ["combine_kernel"]
+    calls.clear()
+    be.on_rejected(1)
+    assert calls[0][0] == "notify_kernel" and calls[0][1][16] == 1  # mode REJECTED
+
+
+def test_host_device_failure_poisons_buffer(monkeypatch):
+    """A CUDA error in a call (a trapped kernel) raises CommlibError and the backend refuses later calls."""
+    from commlib.validate import CommlibError
+
+    be = _fake_backend()
+    _mock_launch(monkeypatch, fail=True)
+    with pytest.raises(CommlibError, match="failed on the device"):
+        be.dispatch(_dispatch_req())
+    assert be.failed
+    with pytest.raises(CommlibError, match="unusable after an earlier failure"):
+        be.dispatch(_dispatch_req())

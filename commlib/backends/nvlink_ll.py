@@ -1,0 +1,245 @@
+"""Low-latency (decode) mode on the NVLink engine: csrc/low_latency.cu over a CUDA IPC buffer.
+
+Legend: T tokens here (T <= M = num_max_dispatch_tokens_per_rank), H hidden, K top-k, E experts,
+R ranks, L = E / R local experts.
+
+Same methods and results as commlib.low_latency.LowLatencyReference (the executable
+specification), with static shapes and no host sync, so dispatch + combine can be captured in a
+CUDA graph and replayed. Differences, all documented in the issue's terms:
+  - rows of ``recv_x`` past ``recv_count`` are left as they are (DeepEP's behaviour; zeroing
+    [L, R * M, H] costs more than the whole call at decode shapes). ``pad_zeros = True`` on the
+    engine (``buffer._low_latency``) zeroes them, as the reference does. ``src_info`` padding is
+    always -1.
+  - expert ids outside [-1, E) are not checked on the host (that would be a sync): the kernels
+    treat them as -1. A token that reaches one expert through more than M of its (token, slot)
+    pairs from one source (repeated ids) loses the pairs past M.
+  - at most two calls of each kind may be in flight (return_recv_hook); the hooks must be called
+    in call order. Both are checked on the host; on the device a third send waits for the first
+    receive and times out with a '[commlib] rank ... timeout' line instead of corrupting it.
+
+Memory: one IPC buffer per rank (commlib.backends.peer_memory) of CONTROL_BYTES +
+``num_rdma_bytes`` + SLACK bytes, separate from the NVLink engine's buffer:
+  [0, CONTROL_BYTES)   count words, combine flags (per half), done words (see csrc/low_latency.cu)
+  then  dispatch half 0, dispatch half 1 (E * M slots each), combine half 0, combine half 1
+        (E * M bf16 rows each); the halves' sizes come from the size hint's row sizes, so a call
+        of either dtype fits the same halves.
+Two calls in flight with different (M, H, E) are not supported (their halves would overlap).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels as K
+from ..fp8 import BLOCK
+from ..low_latency import LowLatencyEngine, LowLatencyHandle, check_combine_args, check_dispatch_args
+from .nvlink import _aligned
+from .peer_memory import PeerMemory
+
+THREADS = 1024              # COMMLIB_LL_THREADS in csrc/low_latency.cu
+MAX_EXPERTS = 2048          # LL_MAX_EXPERTS in csrc/low_latency.cu: words per half of the control arrays
+MAX_TOPK = 32               # one warp per top-k slot (dispatch), one lane per slot (combine)
+OFF_COUNT = 0                               # u64 [2 halves][MAX_EXPERTS]: (local expert, source) counts
+OFF_COMBINE_FLAG = OFF_COUNT + 2 * MAX_EXPERTS * 8      # u64 [2][MAX_EXPERTS]: per global expert
+OFF_DISPATCH_DONE = OFF_COMBINE_FLAG + 2 * MAX_EXPERTS * 8   # u64 [MAX_RANKS]
+OFF_COMBINE_DONE = OFF_DISPATCH_DONE + 8 * K.MAX_RANKS       # u64 [MAX_RANKS]
+CONTROL_BYTES = 69632       # the words above, rounded up to 4 KB
+SLACK = 4096                # the halves are 16-byte aligned: a few bytes past the size hint
+SEND, RECV = 1, 2           # LL_SEND / LL_RECV phases
+FP8_MODES = {"bf16": 0, "fp8": 1, "fp8_pow2": 2, "fp8_ue8m0": 3}
+assert OFF_COMBINE_DONE + 8 * K.MAX_RANKS <= CONTROL_BYTES
+
+_call_ids = itertools.count(1)
+
+
+def _align(n: int, a: int = 16) -> int:
+    return (n + a - 1) // a * a
+
+
+def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool) -> dict:
+    """Byte offsets of one call's regions and slot layout (the same on every rank)."""
+    row_d = 2 * H + H // BLOCK * 4 + 16          # rdma_size_hint's dispatch row
+    half_d = _align(E * M * row_d)
+    half_c = E * M * 2 * H
+    data_bytes = H if use_fp8 else 2 * H
+    scale_bytes = (H // BLOCK if use_ue8m0 else H // BLOCK * 4) if use_fp8 else 0
+    off_scales = _align(data_bytes)
+    off_meta = off_scales + _align(scale_bytes)
+    slot_bytes = off_meta + 16
+    assert slot_bytes <= row_d, (slot_bytes, row_d)
+    return {"off_dispatch": CONTROL_BYTES, "half_dispatch": half_d,
+            "off_combine": CONTROL_BYTES + 2 * half_d, "half_combine": half_c,
+            "end": CONTROL_BYTES + 2 * half_d + 2 * half_c,
+            "slot_bytes": slot_bytes, "slot_off_scales": off_scales, "slot_off_meta": off_meta}
+
+
+class NVLinkLowLatency(LowLatencyEngine):
+    """Low-latency dispatch / combine kernels over CUDA IPC (see module docstring)."""
+
+    def __init__(self, buffer, backend) -> None:
+        super().__init__(buffer, backend)
+        self.rank, self.num_ranks = buffer.rank, buffer.num_ranks
+        self.device = buffer.device
+        self.timeout_ns = int(float(buffer.timeout_s) * 1e9)
+        self.pad_zeros = False
+        # CTAs per launch: up to one per SM (the fused send + receive kernel needs every CTA resident)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.capacity = CONTROL_BYTES + int(buffer.num_rdma_bytes) + SLACK
+        self.mem: Optional[PeerMemory] = PeerMemory(self.capacity, buffer.group, self.rank, self.num_ranks,
+                                                    self.device)
+        # [dispatch send, dispatch recv, combine send, combine recv] sequence numbers, then tickets
+        self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
+        self._pending = {"dispatch": collections.deque(), "combine": collections.deque()}
+        K.compile_all()
+        torch.cuda.synchronize(self.device)
+        # every rank has opened every handle before any kernel writes into a peer
+        dist.all_gather_object([None] * self.num_ranks, self.rank, group=buffer.group)
+
+    def destroy(self) -> None:
+        if self.mem is None:
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - a failed context still frees what it can
+            pass
+        self.mem.close()
+        self.mem = None
+
+    def _alive(self) -> None:
+        if self.mem is None:
+            raise RuntimeError(f"[commlib rank {self.rank}] low-latency buffer used after destroy()")
+
+    def _geometry(self, M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool) -> dict:
+        g = geometry(M, H, E, use_fp8, use_ue8m0)
+        if g["end"] > self.capacity:  # cannot happen when num_rdma_bytes >= the size hint
+            raise ValueError(f"[commlib rank {self.rank}] low-latency buffer too small: {g['end']} bytes needed, "
+                             f"{self.capacity} allocated")
+        return g
+
+    def _check_gpu_limits(self, H: int, Kk: int, E: int, use_fp8: bool) -> None:
+        me = self.rank
+        if not use_fp8 and H % 8:
+            raise ValueError(f"[commlib rank {me}] nvlink low-latency dispatch: hidden ({H}) must be a multiple of 8")
+        if Kk > MAX_TOPK:
+            raise ValueError(f"[commlib rank {me}] nvlink low-latency mode: top-k ({Kk}) must be <= {MAX_TOPK}")
+        if E > MAX_EXPERTS:
+            raise ValueError(f"[commlib rank {me}] nvlink low-latency mode: num_experts ({E}) must be <= {MAX_EXPERTS}")
+
+    def _grid(self, *work: int) -> int:
+        return max(1, min(int(self.num_sms), max(work)))
+
+    def _issue(self, kind: str, hook: bool) -> Optional[int]:
+        """Host-side order of the calls in flight (the device pairs the k-th send with the k-th receive)."""
+        pending = self._pending[kind]
+        if not hook:
+            if pending:
+                raise ValueError(f"[commlib rank {self.rank}] low_latency_{kind}: call the receive hook of the "
+                                 f"previous call first ({len(pending)} pending)")
+            return None
+        if len(pending) >= 2:
+            raise ValueError(f"[commlib rank {self.rank}] low_latency_{kind}: two calls are already in flight; "
+                             "call the oldest receive hook first (two buffer halves)")
+        call = next(_call_ids)
+        pending.append(call)
+        return call
+
+    def _make_hook(self, kind: str, call: int, receive, handle: Optional[LowLatencyHandle]):
+        def hook() -> None:
+            pending = self._pending[kind]
+            if not pending or pending[0] != call:
+                raise ValueError(f"[commlib rank {self.rank}] low_latency_{kind} receive hooks must be called once "
+                                 "each, in call order")
+            self._alive()
+            pending.popleft()
+            self.buffer._run(receive, [], None, False, False)
+            if handle is not None:
+                handle.extra["received"] = True
+        return hook
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x, topk_idx, M: int, num_experts: int, use_fp8: bool, round_scale: bool,
+                 use_ue8m0: bool, return_recv_hook: bool):
+        self._alive()
+        b, R, me, dev = self.buffer, self.num_ranks, self.rank, self.device
+        check_dispatch_args(b, x, topk_idx, M, num_experts, use_fp8, round_scale, use_ue8m0, check_ids=False)
+        T, H = x.shape
+        Kk = topk_idx.shape[1]
+        E, L, RM = num_experts, num_experts // R, R * M
+        self._check_gpu_limits(H, Kk, E, use_fp8)
+        geo = self._geometry(M, H, E, use_fp8, use_ue8m0)
+        mode = FP8_MODES["bf16" if not use_fp8 else "fp8_ue8m0" if use_ue8m0 else "fp8_pow2" if round_scale
+                         else "fp8"]
+        call = self._issue("dispatch", return_recv_hook)
+        x = _aligned(x)
+        idx = topk_idx.contiguous()
+        if use_fp8:
+            recv_data = torch.empty((L, RM, H), dtype=torch.float8_e4m3fn, device=dev)
+            recv_scales = (torch.empty((L, RM, H // (4 * BLOCK)), dtype=torch.int32, device=dev) if use_ue8m0 else
+                           torch.empty((L, RM, H // BLOCK), dtype=torch.float32, device=dev))
+            recv_x = (recv_data, recv_scales)
+        else:
+            recv_data = recv_x = torch.empty((L, RM, H), dtype=torch.bfloat16, device=dev)
+            recv_scales = None
+        src_info = torch.empty((L, RM), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((L, R), dtype=torch.int64, device=dev)
+        recv_count = torch.empty(L, dtype=torch.int32, device=dev)
+        pos = torch.empty((T, Kk), dtype=torch.int32, device=dev)
+        tail = (K.ptr(self.mem.peer_bases), K.i32(me), K.i32(R),
+                K.u64(OFF_COUNT), K.u64(OFF_DISPATCH_DONE), K.u64(geo["off_dispatch"]), K.u64(geo["half_dispatch"]),
+                K.i32(MAX_EXPERTS), K.i32(geo["slot_bytes"]), K.i32(geo["slot_off_scales"]),
+                K.i32(geo["slot_off_meta"]), K.ptr(self.state), K.u64(self.timeout_ns))
+        head = (K.ptr(x), K.ptr(idx), K.ptr(pos), K.ptr(recv_data), K.ptr(recv_scales), K.ptr(src_info),
+                K.ptr(layout_range), K.ptr(recv_count),
+                K.i32(T), K.i32(H), K.i32(Kk), K.i32(E), K.i32(M), K.i32(mode), K.i32(int(self.pad_zeros)))
+        grid = self._grid(T, L)
+        keep = (x, idx)  # a hook's launch passes the same pointers: keep them allocated until then
+
+        def launch(phases: int) -> None:
+            assert keep
+            K.launch("low_latency", "ll_dispatch_kernel", grid, THREADS, head + (K.i32(phases),) + tail)
+
+        launch(SEND if return_recv_hook else SEND | RECV)
+        handle = LowLatencyHandle(src_info, layout_range, M, H, E, buffer_id=b.buffer_id,
+                                  extra={"pos": pos, "T": T, "K": Kk, "received": not return_recv_hook,
+                                         "engine": "nvlink"})
+        hook = self._make_hook("dispatch", call, lambda: launch(RECV), handle) if return_recv_hook else None
+        return recv_x, recv_count, handle, hook
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, zero_copy: bool,
+                return_recv_hook: bool, out: Optional[torch.Tensor]):
+        self._alive()
+        b, R, me, dev = self.buffer, self.num_ranks, self.rank, self.device
+        check_combine_args(b, self._combine_buffers, x, topk_idx, topk_weights, handle, zero_copy, out)
+        if handle.extra.get("engine") != "nvlink":
+            raise ValueError(f"[commlib rank {me}] handle was not made by the nvlink low-latency engine")
+        M, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        T, Kk, L = handle.extra["T"], handle.extra["K"], E // R
+        geo = self._geometry(M, H, E, False, False)
+        call = self._issue("combine", return_recv_hook)
+        x = _aligned(x)
+        idx = topk_idx.contiguous()
+        w = topk_weights.contiguous()
+        direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
+        result = out if direct else torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        args_head = (K.ptr(x), K.ptr(idx), K.ptr(w), K.ptr(handle.extra["pos"]), K.ptr(handle.layout_range),
+                     K.ptr(result), K.i32(T), K.i32(H), K.i32(Kk), K.i32(E), K.i32(M))
+        args_tail = (K.ptr(self.mem.peer_bases), K.i32(me), K.i32(R),
+                     K.u64(OFF_COMBINE_FLAG), K.u64(OFF_COMBINE_DONE), K.u64(geo["off_combine"]),
+                     K.u64(geo["half_combine"]), K.i32(MAX_EXPERTS), K.ptr(self.state), K.u64(self.timeout_ns))
+        grid = self._grid(T, L)
+        keep = (x, idx, w, handle)  # the receive half (a hook) reads idx, w and the handle's pos
+
+        def launch(phases: int) -> None:
+            assert keep
+            K.launch("low_latency", "ll_combine_kernel", grid, THREADS, args_head + (K.i32(phases),) + args_tail)
+            if phases & RECV and out is not None and not direct:
+                out.copy_(result)
+
+        launch(SEND if return_recv_hook else SEND | RECV)
+        hook = self._make_hook("combine", call, lambda: launch(RECV), None) if return_recv_hook else None
+        return (out if out is not None else result), hook

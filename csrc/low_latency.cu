@@ -1,0 +1,481 @@
+// low_latency.cu: decode-mode dispatch / combine (DeepEP v1's low-latency API) inside one node.
+//
+// Semantics: commlib/low_latency.py (LowLatencyReference); this file reproduces them bit for bit.
+// Legend: T tokens of this rank, K top-k, E experts, R ranks, L = E / R local experts, H hidden,
+// M = num_max_dispatch_tokens_per_rank. Expert g lives on rank g / L as local expert g % L.
+//
+// Each call has a sequence number per (kind, phase): state[] (local device memory, one array per
+// Buffer) holds the last finished one, so calls and CUDA-graph replays advance it alike and every
+// rank numbers its calls the same way. Call `seq` uses buffer half seq & 1; words carry seq, so
+// nothing is ever reset.
+//
+// Buffer regions (byte offsets from a rank's low-latency IPC buffer; commlib/backends/nvlink_ll.py
+// computes them and passes them in):
+//   COUNT [half][local expert e][src s] u64 in rank d: (seq << 32) | rows, release-stored by src's
+//       dispatch sender (the CTA that finishes last) after all its rows for d's expert e are
+//       written; acquire-polled by d's dispatch receiver (the CTA that owns expert e).
+//   DISPATCH_DONE [d] u64 in rank src: = seq, release-stored by d's dispatch receiver (last CTA)
+//       once it has read every staging row of call seq; src's sender waits for seq - 2 before it
+//       writes into the same half again (so at most two calls are in flight, never corrupted).
+//   DISPATCH half [e][src][M] slots in rank d: slot p of (e, src) = the p-th (token, slot) pair of
+//       src routed to expert e, in token order then top-k slot order. Written by src's sender CTA
+//       that owns the token; read by d's receiver. Slot = [row: bf16 2H or E4M3 H bytes][scales:
+//       float per 128 channels, or one UE8M0 byte per 128 channels][meta: source token index].
+//   COMBINE_FLAG [half][g] u64 in rank src: = seq, release-stored by g's rank (the CTA owning local
+//       expert g % L) after every row of g for src is written; acquire-polled by src's receiver.
+//   COMBINE_DONE [h] u64 in the expert ranks: = seq, release-stored by h's combine receiver (last
+//       CTA) after it read every slot of call seq; expert ranks wait for seq - 2 before writing.
+//   COMBINE half [g][M] slots (bf16 2H) in rank src: slot p = expert g's output for src's p-th
+//       pair routed to g (the dispatch's pos[t, k]).
+//
+// Dispatch sender: CTA b takes tokens b, b + grid, ...; warp k < K finds pos[t, k] (a prefix count
+// of expert topk_idx[t, k] over the pairs before (t, k): deterministic, no atomics); then all warps
+// read the token once, cast it (FP8: 16 lanes per 128-channel block, amax by shuffles) and store it
+// into the K destination slots. The last CTA to finish (ticket) histograms the routing and
+// publishes the E count words. Dispatch receiver: CTA b owns local experts b, b + grid, ...; warp 0
+// waits for the R count words of its expert, writes layout_range / recv_count, then all warps copy
+// rows from the staging slots into recv_x (sources in rank order, slots in order).
+// Combine sender: CTA b owns local experts b, b + grid, ...: rows of (e, src) go to src's slots,
+// then one flag per (e, src). Combine receiver: CTA b takes tokens; warp 0 waits for the K flags,
+// then every thread sums 8 channels: acc = 0; acc = acc + w[k] * row[k] for k in order (fp32,
+// two roundings), bf16 at the end.
+//
+// phases: LL_SEND | LL_RECV in one launch (no hook), or one phase per launch (return_recv_hook:
+// the sender returns at once, the hook launches the receiver; no SM waits in between).
+#include "common.cuh"
+
+#ifndef COMMLIB_LL_THREADS
+#define COMMLIB_LL_THREADS 1024        // commlib/backends/nvlink_ll.py launches this many
+#endif
+#define LL_UNROLL 4
+#define LL_MAX_EXPERTS 2048            // nvlink_ll.MAX_EXPERTS
+
+#define LL_SEND 1
+#define LL_RECV 2
+// state[]: sequence numbers, then the last-CTA tickets, per (kind, phase)
+#define LL_DISPATCH_SEND 0
+#define LL_DISPATCH_RECV 1
+#define LL_COMBINE_SEND 2
+#define LL_COMBINE_RECV 3
+#define LL_TICKET(i) (4 + (i))
+
+#define LL_FP8_NONE 0                  // bf16 rows
+#define LL_FP8_FLOAT 1                 // scale = amax / 448
+#define LL_FP8_POW2 2                  // round_scale: rounded up to a power of two
+#define LL_FP8_UE8M0 3                 // round_scale + exponents as bytes
+
+struct LLDispatchArgs {
+    const int4* x; const i64* topk_idx; int* pos;
+    int4* recv_x; unsigned char* recv_scales; int* src_info; i64* layout_range; int* recv_count;
+    int num_tokens, hidden, num_topk, num_experts, max_tokens, fp8_mode, pad_zero;
+    const u64* peer_bases; int rank, num_ranks;
+    u64 off_count, off_done, off_data, half_bytes;
+    int words_per_half, slot_bytes, slot_off_scales, slot_off_meta;
+    u64* state; u64 timeout_ns;
+};
+
+struct LLCombineArgs {
+    const int4* x; const i64* topk_idx; const float* topk_weights; const int* pos; const i64* layout_range;
+    int4* out;
+    int num_tokens, hidden, num_topk, num_experts, max_tokens;
+    const u64* peer_bases; int rank, num_ranks;
+    u64 off_flag, off_done, off_data, half_bytes;
+    int words_per_half;
+    u64* state; u64 timeout_ns;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Helpers
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void st_na_u64(u64* p, u64 v) {
+#if COMMLIB_PLAIN
+    *p = v;
+#else
+    asm volatile("st.global.L1::no_allocate.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+#endif
+}
+
+// Grid-wide "last one out": every CTA calls it once (all threads); it returns true in the CTA that
+// arrives last, which then sees every other CTA's writes (each CTA fences before its ticket) and
+// may publish them to the peers with a release store. The ticket is reset for the next launch.
+__device__ bool last_cta(u64* ticket) {
+    __shared__ int s_last;
+    __threadfence_system();  // each thread's stores (to peers too) before the CTA's ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        const u64 old = atomicAdd(reinterpret_cast<unsigned long long*>(ticket), 1ull);
+        const bool last = old == (u64)gridDim.x - 1;
+        if (last) {
+            __threadfence();
+            st_volatile(ticket, (u64)0);
+        }
+        s_last = last;
+    }
+    __syncthreads();
+    return s_last != 0;
+}
+
+// exp2(ceil(log2(s))) for a positive normal float, exactly (the reference's round_scale).
+__device__ __forceinline__ float pow2_ceil(float s) {
+    const u32 b = __float_as_uint(s);
+    const u32 e = b & 0x7f800000u;
+    return __uint_as_float((b & 0x007fffffu) ? e + 0x00800000u : e);
+}
+
+// Four floats -> four E4M3 bytes (round to nearest even; |v| <= 448 here, so satfinite never clips).
+__device__ __forceinline__ u32 pack_e4m3x4(float a, float b, float c, float d) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return (u32)lo | ((u32)hi << 16);
+}
+
+__device__ __forceinline__ float abs_exact(float v) { return __uint_as_float(__float_as_uint(v) & 0x7fffffffu); }
+
+// Copy n 16-byte vectors (one warp): src was published by a peer (coherent L2 loads after the acquire).
+__device__ __forceinline__ void warp_copy_cg(int4* dst, const int4* src, int n) {
+    for (int i = lane_id(); i < n; i += 32 * LL_UNROLL) {
+        int4 v[LL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < LL_UNROLL; ++u)
+            if (i + u * 32 < n) v[u] = __ldcg(src + i + u * 32);
+#pragma unroll
+        for (int u = 0; u < LL_UNROLL; ++u)
+            if (i + u * 32 < n) st_na_v4(dst + i + u * 32, v[u]);
+    }
+}
+
+// Each lane of warp 0 with lane < R waits until word[lane] >= expected (no-op when !enabled).
+__device__ __forceinline__ void wait_ranks(u64 base, u64 off, int R, u64 expected, bool enabled, WaitSite site,
+                                           u64 timeout_ns) {
+    const int lane = lane_id();
+    const bool active = enabled && lane < R;
+    warp_wait_geq(flag_at(base, off, active ? lane : 0), expected, active, lane, site, timeout_ns);
+}
+
+__device__ __forceinline__ u64 read_state(const u64* state, int i) { return ld_volatile(state + i) + 1; }
+
+// ------------------------------------------------------------------------------------------------
+// Dispatch
+// ------------------------------------------------------------------------------------------------
+
+__device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
+    __shared__ u64 s_dst[32];
+    __shared__ int s_hist[LL_MAX_EXPERTS];
+    const int warp = warp_id(), lane = lane_id();
+    const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
+    const int half = (int)(seq & 1);
+    const u64 own = a.peer_bases[a.rank];
+    const u64 data = a.off_data + (u64)half * a.half_bytes;
+    if (warp == 0) {  // every receiver is done with this half (call seq - 2)
+        const WaitSite site = {"low_latency_dispatch", "ll dispatch done (call seq - 2 consumed)", a.rank, -1, false};
+        wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
+    }
+    __syncthreads();
+
+    const int n_vec = a.hidden / 8;  // 16-byte vectors of bf16 input
+    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+        if (warp < K) {  // slot of pair (t, warp): its rank among the pairs routed to the same expert
+            const i64 e = a.topk_idx[(i64)t * K + warp];
+            const bool valid = e >= 0 && e < E;
+            u32 count = 0;
+            if (valid) {
+                const int n = t * K + warp;
+                for (int j = lane; j < n; j += 32) count += (u32)(a.topk_idx[j] == e);
+                count = __reduce_add_sync(FULL_MASK, count);
+            }
+            const int p = (valid && count < (u32)M) ? (int)count : -1;  // beyond M (repeated ids): dropped
+            if (lane == 0) {
+                a.pos[(i64)t * K + warp] = p;
+                u64 dst = 0;
+                if (p >= 0) {
+                    const int d = (int)(e / L), le = (int)(e % L);
+                    dst = a.peer_bases[d] + data + ((u64)(le * R + a.rank) * M + p) * (u64)a.slot_bytes;
+                }
+                s_dst[warp] = dst;
+            }
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < K && s_dst[threadIdx.x] != 0)
+            st_volatile(reinterpret_cast<int*>(s_dst[threadIdx.x] + a.slot_off_meta), t);
+        const int4* src = a.x + (i64)t * n_vec;
+        if (a.fp8_mode == LL_FP8_NONE) {
+            for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
+                const int4 val = ld_nc_v4(src + v);
+                for (int k = 0; k < K; ++k) {
+                    const u64 d = s_dst[k];
+                    if (d != 0) st_na_v4(reinterpret_cast<int4*>(d) + v, val);
+                }
+            }
+        } else {
+            // 16 lanes = one 128-channel block (n_vec % 16 == 0, so half-warps are never split)
+            for (int base = warp * 32; base < n_vec; base += blockDim.x) {
+                const int v = base + lane;
+                const bool active = v < n_vec;
+                const int4 val = active ? ld_nc_v4(src + v) : make_int4(0, 0, 0, 0);
+                float f[8] = {bf16_lo((u32)val.x), bf16_hi((u32)val.x), bf16_lo((u32)val.y), bf16_hi((u32)val.y),
+                              bf16_lo((u32)val.z), bf16_hi((u32)val.z), bf16_lo((u32)val.w), bf16_hi((u32)val.w)};
+                float amax = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) amax = fmaxf(amax, abs_exact(f[i]));
+#pragma unroll
+                for (int off = 8; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, off));
+                float scale = div_rn(fmaxf(amax, 1e-4f), 448.f);
+                if (a.fp8_mode >= LL_FP8_POW2) scale = pow2_ceil(scale);
+                const u32 lo = pack_e4m3x4(div_rn(f[0], scale), div_rn(f[1], scale), div_rn(f[2], scale),
+                                           div_rn(f[3], scale));
+                const u32 hi = pack_e4m3x4(div_rn(f[4], scale), div_rn(f[5], scale), div_rn(f[6], scale),
+                                           div_rn(f[7], scale));
+                const u64 q = (u64)lo | ((u64)hi << 32);
+                if (active) {
+                    const int block = v >> 4;
+                    for (int k = 0; k < K; ++k) {
+                        const u64 d = s_dst[k];
+                        if (d == 0) continue;
+                        st_na_u64(reinterpret_cast<u64*>(d) + v, q);
+                        if ((lane & 15) == 0) {
+                            if (a.fp8_mode == LL_FP8_UE8M0)
+                                st_volatile(reinterpret_cast<unsigned char*>(d + a.slot_off_scales) + block,
+                                            (unsigned char)((__float_as_uint(scale) >> 23) & 0xffu));
+                            else
+                                st_volatile(reinterpret_cast<float*>(d + a.slot_off_scales) + block, scale);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // s_dst is rewritten for the next token
+    }
+
+    if (last_cta(a.state + LL_TICKET(LL_DISPATCH_SEND))) {
+        // every CTA's rows are written: publish rows per (expert, this source), clamped to M
+        for (int g = threadIdx.x; g < E; g += blockDim.x) s_hist[g] = 0;
+        __syncthreads();
+        const int pairs = a.num_tokens * K;
+        for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+            const i64 e = a.topk_idx[j];
+            if (e >= 0 && e < E) atomicAdd(&s_hist[e], 1);
+        }
+        __syncthreads();
+        __threadfence_system();
+        for (int g = threadIdx.x; g < E; g += blockDim.x) {
+            const int d = g / L, le = g % L;
+            st_release_sys(flag_at(a.peer_bases[d], a.off_count, half * a.words_per_half + le * R + a.rank),
+                           tail_word(seq, (u32)min(s_hist[g], M)));
+        }
+        if (threadIdx.x == 0) a.state[LL_DISPATCH_SEND] = seq;
+    }
+}
+
+__device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
+    __shared__ int s_start[COMMLIB_MAX_RANKS + 1];
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int R = a.num_ranks, E = a.num_experts, L = E / R, M = a.max_tokens, RM = R * M;
+    const int half = (int)(seq & 1);
+    const u64 own = a.peer_bases[a.rank];
+    const u64 data = a.off_data + (u64)half * a.half_bytes;
+    const bool fp8 = a.fp8_mode != LL_FP8_NONE;
+    const int n_out = (fp8 ? a.hidden : 2 * a.hidden) / 16;                  // 16-byte vectors of a row
+    const int n_scale_words = !fp8 ? 0 : (a.fp8_mode == LL_FP8_UE8M0 ? a.hidden / 512 : a.hidden / 128);
+    u32* recv_scales = reinterpret_cast<u32*>(a.recv_scales);
+
+    for (int e = blockIdx.x; e < L; e += gridDim.x) {
+        if (warp == 0) {
+            const WaitSite site = {"low_latency_dispatch", "ll dispatch count (channel = local expert)", a.rank, e,
+                                   true};
+            const bool active = lane < R;
+            const u64 v = warp_wait_geq(
+                flag_at(own, a.off_count, half * a.words_per_half + e * R + (active ? lane : 0)),
+                tail_word(seq, 0), active, lane, site, a.timeout_ns);
+            const int cnt = active ? (int)min((u32)(v & 0xffffffffull), (u32)M) : 0;
+            int incl = cnt;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int y = __shfl_up_sync(FULL_MASK, incl, off);
+                if (lane >= off) incl += y;
+            }
+            if (active) {
+                s_start[lane] = incl - cnt;
+                a.layout_range[(i64)e * R + lane] = ((i64)(incl - cnt) << 32) | (i64)cnt;
+            }
+            if (lane == R - 1) {
+                s_start[R] = incl;
+                a.recv_count[e] = incl;
+            }
+        }
+        __syncthreads();
+        const int total = s_start[R];
+        for (int i = warp; i < total; i += num_warps) {
+            int s = 0;
+            while (i >= s_start[s + 1]) ++s;
+            const int j = i - s_start[s];
+            const u64 slot = own + data + ((u64)(e * R + s) * M + j) * (u64)a.slot_bytes;
+            const i64 row = (i64)e * RM + i;
+            warp_copy_cg(a.recv_x + row * n_out, reinterpret_cast<const int4*>(slot), n_out);
+            const u32* sc = reinterpret_cast<const u32*>(slot + a.slot_off_scales);
+            for (int w = lane; w < n_scale_words; w += 32) recv_scales[row * n_scale_words + w] = __ldcg(sc + w);
+            if (lane == 0) a.src_info[row] = __ldcg(reinterpret_cast<const int*>(slot + a.slot_off_meta));
+        }
+        for (int i = total + threadIdx.x; i < RM; i += blockDim.x) a.src_info[(i64)e * RM + i] = -1;
+        if (a.pad_zero) {  // rows past recv_count: zeros, as the reference (costly at decode shapes: off by default)
+            const int4 zero = make_int4(0, 0, 0, 0);
+            for (int i = total + warp; i < RM; i += num_warps) {
+                const i64 row = (i64)e * RM + i;
+                for (int v = lane; v < n_out; v += 32) a.recv_x[row * n_out + v] = zero;
+                for (int w = lane; w < n_scale_words; w += 32) recv_scales[row * n_scale_words + w] = 0u;
+            }
+        }
+        __syncthreads();  // s_start is rewritten for the next expert
+    }
+
+    if (last_cta(a.state + LL_TICKET(LL_DISPATCH_RECV))) {
+        // every staging row of this call is read: the senders may reuse this half (call seq + 2)
+        if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
+        if (threadIdx.x == 0) a.state[LL_DISPATCH_RECV] = seq;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 1) ll_dispatch_kernel(
+    const int4* x, const i64* topk_idx, int* pos,
+    int4* recv_x, unsigned char* recv_scales, int* src_info, i64* layout_range, int* recv_count,
+    int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens, int fp8_mode, int pad_zero,
+    int phases, const u64* peer_bases, int rank, int num_ranks,
+    u64 off_count, u64 off_done, u64 off_data, u64 half_bytes,
+    int words_per_half, int slot_bytes, int slot_off_scales, int slot_off_meta,
+    u64* state, u64 timeout_ns) {
+    const LLDispatchArgs a = {x, topk_idx, pos, recv_x, recv_scales, src_info, layout_range, recv_count,
+                              num_tokens, hidden, num_topk, num_experts, max_tokens, fp8_mode, pad_zero,
+                              peer_bases, rank, num_ranks, off_count, off_done, off_data, half_bytes,
+                              words_per_half, slot_bytes, slot_off_scales, slot_off_meta, state, timeout_ns};
+    __shared__ u64 s_seq[2];
+    if (threadIdx.x == 0) {  // read before this CTA takes any ticket, so before the last CTA bumps them
+        s_seq[0] = read_state(state, LL_DISPATCH_SEND);
+        s_seq[1] = read_state(state, LL_DISPATCH_RECV);
+    }
+    __syncthreads();
+    if (phases & LL_SEND) ll_dispatch_send(a, s_seq[0]);
+    if (phases & LL_RECV) ll_dispatch_recv(a, s_seq[1]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Combine
+// ------------------------------------------------------------------------------------------------
+
+__device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
+    __shared__ int s_start[COMMLIB_MAX_RANKS + 1];
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int R = a.num_ranks, E = a.num_experts, L = E / R, M = a.max_tokens, RM = R * M;
+    const int half = (int)(seq & 1);
+    const u64 own = a.peer_bases[a.rank];
+    const u64 data = a.off_data + (u64)half * a.half_bytes;
+    const int n_vec = a.hidden / 8;
+    const u64 row_bytes = (u64)a.hidden * 2;
+    if (warp == 0) {  // every source has read this half (call seq - 2)
+        const WaitSite site = {"low_latency_combine", "ll combine done (call seq - 2 consumed)", a.rank, -1, false};
+        wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
+    }
+    __syncthreads();
+    for (int e = blockIdx.x; e < L; e += gridDim.x) {
+        if (warp == 0) {  // rows of x[e] are the sources' rows in rank order: starts are prefix sums
+            const i64 lr = lane < R ? a.layout_range[(i64)e * R + lane] : 0;
+            if (lane < R) s_start[lane] = (int)(lr >> 32);
+            if (lane == R - 1) s_start[R] = min((int)(lr >> 32) + (int)(lr & 0xffffffff), RM);
+        }
+        __syncthreads();
+        const int total = s_start[R];
+        for (int i = warp; i < total; i += num_warps) {
+            int s = 0;
+            while (s + 1 < R && i >= s_start[s + 1]) ++s;
+            const int j = i - s_start[s];
+            if (j >= M) continue;
+            const int4* src = a.x + ((i64)e * RM + i) * n_vec;
+            int4* dst = reinterpret_cast<int4*>(a.peer_bases[s] + data + ((u64)(a.rank * L + e) * M + j) * row_bytes);
+            for (int v = lane; v < n_vec; v += 32 * LL_UNROLL) {
+                int4 val[LL_UNROLL];
+#pragma unroll
+                for (int u = 0; u < LL_UNROLL; ++u)
+                    if (v + u * 32 < n_vec) val[u] = ld_nc_v4(src + v + u * 32);
+#pragma unroll
+                for (int u = 0; u < LL_UNROLL; ++u)
+                    if (v + u * 32 < n_vec) st_na_v4(dst + v + u * 32, val[u]);
+            }
+        }
+        __syncthreads();  // every row of expert e is written (and s_start may be rewritten)
+        if (warp == 0 && lane < R)
+            st_release_sys(flag_at(a.peer_bases[lane], a.off_flag, half * a.words_per_half + a.rank * L + e), seq);
+    }
+    if (last_cta(a.state + LL_TICKET(LL_COMBINE_SEND)) && threadIdx.x == 0) a.state[LL_COMBINE_SEND] = seq;
+}
+
+__device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
+    __shared__ u64 s_slot[32];
+    __shared__ float s_w[32];
+    __shared__ int s_valid[32];
+    const int warp = warp_id(), lane = lane_id();
+    const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
+    const int half = (int)(seq & 1);
+    const u64 own = a.peer_bases[a.rank];
+    const u64 data = a.off_data + (u64)half * a.half_bytes;
+    const int n_vec = a.hidden / 8;
+    const u64 row_bytes = (u64)a.hidden * 2;
+    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+        if (warp == 0) {
+            const bool in = lane < K;
+            const i64 g = in ? a.topk_idx[(i64)t * K + lane] : -1;
+            const bool valid = g >= 0 && g < E;
+            const int p = valid ? a.pos[(i64)t * K + lane] : -1;
+            const bool ready = valid && p >= 0;
+            const WaitSite site = {"low_latency_combine", "ll combine flag (channel = token)", a.rank, t, false};
+            warp_wait_geq(flag_at(own, a.off_flag, half * a.words_per_half + (ready ? (int)g : 0)), seq, ready,
+                          ready ? (int)(g / L) : -1, site, a.timeout_ns);
+            if (in) {
+                s_valid[lane] = valid;
+                s_w[lane] = valid ? a.topk_weights[(i64)t * K + lane] : 0.f;
+                s_slot[lane] = ready ? own + data + ((u64)g * M + p) * row_bytes : 0;
+            }
+        }
+        __syncthreads();
+        for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int k = 0; k < K; ++k) {
+                if (!s_valid[k]) continue;
+                const u64 slot = s_slot[k];
+                const int4 r = slot != 0 ? __ldcg(reinterpret_cast<const int4*>(slot) + v) : make_int4(0, 0, 0, 0);
+                const float w = s_w[k];
+                acc[0] = add_rn(acc[0], mul_rn(w, bf16_lo((u32)r.x))); acc[1] = add_rn(acc[1], mul_rn(w, bf16_hi((u32)r.x)));
+                acc[2] = add_rn(acc[2], mul_rn(w, bf16_lo((u32)r.y))); acc[3] = add_rn(acc[3], mul_rn(w, bf16_hi((u32)r.y)));
+                acc[4] = add_rn(acc[4], mul_rn(w, bf16_lo((u32)r.z))); acc[5] = add_rn(acc[5], mul_rn(w, bf16_hi((u32)r.z)));
+                acc[6] = add_rn(acc[6], mul_rn(w, bf16_lo((u32)r.w))); acc[7] = add_rn(acc[7], mul_rn(w, bf16_hi((u32)r.w)));
+            }
+            a.out[(i64)t * n_vec + v] = pack_bf16x8(acc);
+        }
+        __syncthreads();  // s_* are rewritten for the next token
+    }
+    if (last_cta(a.state + LL_TICKET(LL_COMBINE_RECV))) {
+        // every slot of this call is read: the expert ranks may reuse this half (call seq + 2)
+        if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
+        if (threadIdx.x == 0) a.state[LL_COMBINE_RECV] = seq;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 1) ll_combine_kernel(
+    const int4* x, const i64* topk_idx, const float* topk_weights, const int* pos, const i64* layout_range,
+    int4* out, int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens,
+    int phases, const u64* peer_bases, int rank, int num_ranks,
+    u64 off_flag, u64 off_done, u64 off_data, u64 half_bytes, int words_per_half,
+    u64* state, u64 timeout_ns) {
+    const LLCombineArgs a = {x, topk_idx, topk_weights, pos, layout_range, out,
+                             num_tokens, hidden, num_topk, num_experts, max_tokens,
+                             peer_bases, rank, num_ranks, off_flag, off_done, off_data, half_bytes,
+                             words_per_half, state, timeout_ns};
+    __shared__ u64 s_seq[2];
+    if (threadIdx.x == 0) {
+        s_seq[0] = read_state(state, LL_COMBINE_SEND);
+        s_seq[1] = read_state(state, LL_COMBINE_RECV);
+    }
+    __syncthreads();
+    if (phases & LL_SEND) ll_combine_send(a, s_seq[0]);
+    if (phases & LL_RECV) ll_combine_recv(a, s_seq[1]);
+}

@@ -1,0 +1,256 @@
+"""Low-latency mode on the nvlink backend vs the reference backend, inside spawned GPU worlds.
+
+Every case makes the same calls through two low-latency Buffers of the same world (nvlink kernels,
+and the reference transport: the executable specification) on the same inputs and compares
+bit for bit: recv_count, src_info, layout_range, the received rows (raw bytes: BF16 rows, E4M3
+rows and their scales; rows past recv_count only with ``pad_zeros``, since the kernels leave them
+as they are by default) and the combined output.
+"""
+from __future__ import annotations
+
+import torch
+
+from commlib.buffer import Buffer
+from commlib.low_latency import unpack_ue8m0
+from nvlink_cases import check_same
+
+_BUFFERS: dict = {}
+SMALL = dict(M=24, H=512, E_PER_RANK=4, K=4)
+DECODE = dict(M=128, H=7168, E=288, K=8)   # issue 8's decode workload
+
+
+def buffers(ctx):
+    """(nvlink, reference) low-latency Buffers, sized for every shape the cases use."""
+    if "ll" not in _BUFFERS:
+        R = ctx.world_size
+        shapes = [(SMALL["M"], SMALL["H"], R, SMALL["E_PER_RANK"] * R)]
+        if R == 2:                 # the decode shape runs in the 2-rank world only (case_decode_shape)
+            shapes.append((DECODE["M"], DECODE["H"], R, DECODE["E"]))
+        nbytes = max(Buffer.get_low_latency_rdma_size_hint(*s) for s in shapes)
+        nv = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="nvlink", explicitly_destroy=True)
+        ref = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="reference", explicitly_destroy=True)
+        assert type(nv._low_latency).__name__ == "NVLinkLowLatency"
+        _BUFFERS["ll"] = (nv, ref)
+    return _BUFFERS["ll"]
+
+
+def make_inputs(ctx, seed: int, M: int, H: int, E: int, K: int, T=None):
+    """This rank's (x [T, H] bf16, topk_idx [T, K] int64, topk_weights [T, K] float32) on its GPU."""
+    me = ctx.rank
+    g = torch.Generator().manual_seed(seed * 1000 + me)
+    if T is None:
+        T = [M, 0, M // 3 + 1, 7][(me + seed) % 4]
+    x = torch.randn(T, H, generator=g) * (1 + me)
+    if T and seed % 3 == 0:        # an all-zero block (amax clamp) and tiny values (subnormal E4M3)
+        x[0, :128] = 0
+        x[min(1, T - 1), 128:256] *= 1e-6
+    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices if T else torch.empty(0, K, dtype=torch.int64)
+    if T:
+        idx[torch.rand(T, K, generator=g) < 0.15] = -1
+        if seed % 2 and K > 1:     # a repeated expert in one token: two rows, in slot order
+            idx[T // 2, 1] = idx[T // 2, 0] if idx[T // 2, 0] >= 0 else 0
+    w = torch.rand(T, K, generator=g)
+    dev = ctx.device
+    return x.to(torch.bfloat16).to(dev), idx.to(torch.int64).to(dev), w.to(dev)
+
+
+def expert_fn(recv_x, me: int, L: int, H: int):
+    """The 'expert': received rows (dequantised) x (1 + global expert / 16), in bf16 (torch ops only)."""
+    if isinstance(recv_x, tuple):
+        q, s = recv_x
+        scales = unpack_ue8m0(s) if s.dtype == torch.int32 else s
+        rows = (q.float().view(q.shape[0], q.shape[1], -1, 128) * scales.unsqueeze(-1)).view(q.shape)
+    else:
+        rows = recv_x.float()
+    factors = 1 + (me * L + torch.arange(L, device=rows.device, dtype=torch.float32)) / 16
+    out = (rows * factors.view(L, 1, 1)).to(torch.bfloat16)
+    return torch.nan_to_num(out)   # padding rows may hold anything on the nvlink side
+
+
+def compare_dispatch(nv_res, ref_res, tag: str, pad: bool) -> None:
+    (nx, ncount, nh), (rx, rcount, rh) = nv_res, ref_res
+    check_same(ncount, rcount, f"{tag} recv_count")
+    check_same(nh.src_info, rh.src_info, f"{tag} src_info")
+    check_same(nh.layout_range, rh.layout_range, f"{tag} layout_range")
+    parts = list(zip(nx, rx)) if isinstance(rx, tuple) else [(nx, rx)]
+    assert isinstance(nx, tuple) == isinstance(rx, tuple), f"{tag}: recv_x kinds differ"
+    counts = rcount.cpu().tolist()
+    for i, (a, b) in enumerate(parts):
+        name = ("recv_x", "scales")[i]
+        assert tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype, \
+            f"{tag} {name}: {tuple(a.shape)} {a.dtype} vs reference {tuple(b.shape)} {b.dtype}"
+        if pad:
+            check_same(a, b, f"{tag} {name} (with padding)")
+            continue
+        a, b = a.cpu(), b.cpu()
+        for e, n in enumerate(counts):
+            if n:
+                check_same(a[e, :n], b[e, :n], f"{tag} {name} expert {e}")
+
+
+def run_pair(ctx, seed: int, *, fp8=False, round_scale=False, ue8m0=False, hook=False, zero_copy=False,
+             pad=False, shape=None, T=None):
+    """One dispatch + combine through both Buffers; compare everything."""
+    nv, ref = buffers(ctx)
+    R, me = ctx.world_size, ctx.rank
+    s = shape or dict(M=SMALL["M"], H=SMALL["H"], E=SMALL["E_PER_RANK"] * R, K=SMALL["K"])
+    M, H, E, K = s["M"], s["H"], s["E"], s["K"]
+    L = E // R
+    x, idx, w = make_inputs(ctx, seed, M, H, E, K, T)
+    tag = f"[seed {seed} T={x.shape[0]} H={H} E={E} fp8={fp8} round={round_scale} ue8m0={ue8m0} hook={hook}]"
+    nv._low_latency.pad_zeros = pad
+    try:
+        results = {}
+        for name, buf in (("nvlink", nv), ("reference", ref)):
+            rx, count, handle, _, recv_hook = buf.low_latency_dispatch(
+                x, idx, M, E, use_fp8=fp8, round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=hook)
+            if hook:
+                recv_hook()
+            results[name] = (rx, count, handle)
+        compare_dispatch(results["nvlink"], results["reference"], tag, pad)
+        y = expert_fn(results["reference"][0], me, L, H)
+        combined = {}
+        for name, buf in (("nvlink", nv), ("reference", ref)):
+            handle = results[name][2]
+            inp = y
+            if zero_copy:
+                inp = buf.get_next_low_latency_combine_buffer(handle)
+                inp.copy_(y)
+            out = torch.empty(x.shape[0], H, dtype=torch.bfloat16, device=ctx.device)
+            cx, _, chook = buf.low_latency_combine(inp, idx, w, handle, zero_copy=zero_copy, return_recv_hook=hook,
+                                                   out=out)
+            if hook:
+                chook()
+            assert cx is out
+            combined[name] = cx
+        check_same(combined["nvlink"], combined["reference"], f"{tag} combined")
+    finally:
+        nv._low_latency.pad_zeros = False
+    torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------------
+# cases
+# ------------------------------------------------------------------------------------------------
+
+def case_bf16(ctx):
+    run_pair(ctx, 1)
+    run_pair(ctx, 2, pad=True)
+    run_pair(ctx, 3, T=0)                      # no tokens anywhere: zero rows, zero counts
+    run_pair(ctx, 4, T=SMALL["M"])             # every rank full
+
+
+def case_fp8(ctx):
+    run_pair(ctx, 5, fp8=True, pad=True)
+    run_pair(ctx, 6, fp8=True, round_scale=True)
+    run_pair(ctx, 7, fp8=True, round_scale=True, ue8m0=True, pad=True)
+    run_pair(ctx, 9, fp8=True)                 # seed % 3 == 0: zero block and tiny values
+
+
+def case_hooks_and_zero_copy(ctx):
+    run_pair(ctx, 10, hook=True)
+    run_pair(ctx, 11, fp8=True, hook=True, zero_copy=True)
+    run_pair(ctx, 12, zero_copy=True)
+
+
+def case_two_in_flight(ctx):
+    """Two dispatches (then two combines) sent before either is received; the hooks in order."""
+    nv, ref = buffers(ctx)
+    R, me = ctx.world_size, ctx.rank
+    M, H, K, E = SMALL["M"], SMALL["H"], SMALL["K"], SMALL["E_PER_RANK"] * R
+    L = E // R
+    ins = [make_inputs(ctx, 20 + i, M, H, E, K) for i in range(2)]
+    modes = [dict(use_fp8=False), dict(use_fp8=True, round_scale=True)]
+    refs = [ref.low_latency_dispatch(x, idx, M, E, **m)[:3] for (x, idx, _), m in zip(ins, modes)]
+    got = [nv.low_latency_dispatch(x, idx, M, E, return_recv_hook=True, **m) for (x, idx, _), m in zip(ins, modes)]
+    # host checks: a third call, a plain call while hooks are pending, hooks out of order
+    for bad in (lambda: nv.low_latency_dispatch(ins[0][0], ins[0][1], M, E, return_recv_hook=True),
+                lambda: nv.low_latency_dispatch(ins[0][0], ins[0][1], M, E),
+                got[1][4]):
+        try:
+            bad()
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("expected ValueError")
+    got[0][4]()
+    got[1][4]()
+    for i in range(2):
+        compare_dispatch(got[i][:3], refs[i], f"[in flight {i}]", pad=False)
+    ys = [expert_fn(refs[i][0], me, L, H) for i in range(2)]
+    want = [ref.low_latency_combine(ys[i], ins[i][1], ins[i][2], refs[i][2])[0] for i in range(2)]
+    outs = [nv.low_latency_combine(ys[i], ins[i][1], ins[i][2], got[i][2], return_recv_hook=True) for i in range(2)]
+    outs[0][2]()
+    outs[1][2]()
+    for i in range(2):
+        check_same(outs[i][0], want[i], f"[in flight {i}] combined")
+    run_pair(ctx, 22)                          # still in step
+
+
+def case_cuda_graph(ctx):
+    """dispatch + expert + combine captured once (plain and with hooks), replayed with fresh inputs."""
+    nv, ref = buffers(ctx)
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    M, H, K, E = SMALL["M"], SMALL["H"], SMALL["K"], SMALL["E_PER_RANK"] * R
+    L = E // R
+    T = M - me
+    x_s = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    idx_s = torch.full((T, K), -1, dtype=torch.int64, device=dev)
+    w_s = torch.zeros(T, K, dtype=torch.float32, device=dev)
+
+    def fill(seed):
+        x, idx, w = make_inputs(ctx, seed, M, H, E, K, T=T)
+        x_s.copy_(x)
+        idx_s.copy_(idx)
+        w_s.copy_(w)
+
+    for fp8, hook in ((False, False), (True, True)):
+        kw = dict(use_fp8=fp8, round_scale=fp8)
+
+        def step(buf):
+            rx, count, handle, _, rhook = buf.low_latency_dispatch(x_s, idx_s, M, E, return_recv_hook=hook, **kw)
+            if hook:
+                rhook()
+            y = expert_fn(rx, me, L, H)
+            cx, _, chook = buf.low_latency_combine(y, idx_s, w_s, handle, return_recv_hook=hook)
+            if hook:
+                chook()
+            return rx, count, handle, cx
+
+        fill(100)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(nv)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            static = step(nv)
+        for it in range(4):
+            fill(101 + it)
+            graph.replay()
+            torch.cuda.synchronize()
+            rx, count, handle, cx = step(ref)
+            tag = f"[graph fp8={fp8} hook={hook} replay {it}]"
+            compare_dispatch(static[:3], (rx, count, handle), tag, pad=False)
+            check_same(static[3], cx, f"{tag} combined")
+            if it == 1:                        # eager calls interleave with replays
+                run_pair(ctx, 110 + it, fp8=fp8)
+        del graph
+
+
+def case_decode_shape(ctx):
+    """Issue 8's decode workload: 128 tokens, hidden 7168, top-8 of 288 experts."""
+    if ctx.world_size != 2:
+        return
+    shape = dict(DECODE)
+    run_pair(ctx, 30, fp8=True, shape=shape, T=shape["M"])
+    run_pair(ctx, 31, fp8=True, round_scale=True, ue8m0=True, hook=True, shape=shape)
+    run_pair(ctx, 32, shape=shape, T=shape["M"] - 5)
+
+
+def case_teardown(ctx):
+    nv, ref = _BUFFERS.pop("ll")
+    nv.destroy()
+    ref.destroy()

@@ -1,0 +1,138 @@
+"""Trapping fault-injection worlds for the NVLink engine: ``python reliability_faults.py CASE``.
+
+Each case is one short 2-rank world (tests/gpu/test_gpu_reliability.py starts them with
+CUDA_VISIBLE_DEVICES = one GPU, so the group is gloo and NCCL never meets a dead context). A trap
+ends the CUDA context, so a world runs exactly one fault. Every rank prints
+
+    [fault] rank R: RAISED|OK|SKIPPED after S s: <exception type>: <message>
+    [fault] rank R after: <exception type>: <message>     (the next call on the same Buffer)
+    [fault] rank R again: <exception type>: <message>     (and the one after)
+
+then flushes C stdio (the device's '[commlib] rank ...' lines) and leaves with os._exit(0):
+destructors on a dead context can abort the process, and the launcher accepts exit code 0.
+
+Cases (COMMLIB_TIMEOUT_S from the environment):
+  sig_cached_dispatch   both dispatch; then a cached dispatch, rank 0 bf16, rank 1 FP8 (same hidden,
+                        so the handle accepts both): the receivers' signature checks trap.
+  sig_combine           both dispatch; rank 0 combines with topk_weights, rank 1 without: the slot
+                        layouts differ, the combine receivers' signature checks trap.
+  skip_combine          both dispatch; rank 1 never combines: rank 0's combine times out.
+  dispatch_twice        both dispatch; rank 0 dispatches again, rank 1 combines: rank 0's count
+                        exchange and rank 1's combine both time out.
+  exit_before_dispatch  rank 1 exits right after creating the Buffer: rank 0's dispatch times out.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from commlib.launch import parallel_launch
+
+E, K, T, H = 8, 2, 64, 256
+
+
+def _flush_and_exit() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        ctypes.CDLL(None).fflush(None)  # device printf output buffered in C stdio
+    except Exception:  # noqa: BLE001
+        pass
+    os._exit(0)
+
+
+def _report(rank: int, tag: str, fn) -> bool:
+    """Run fn, print '[fault] rank R: TAG ...'; True when it raised."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the outcome is what the test reads
+        msg = " ".join(str(e).split())[:600]
+        if tag:
+            print(f"[fault] rank {rank} {tag}: {type(e).__name__}: {msg}", flush=True)
+        else:
+            print(f"[fault] rank {rank}: RAISED after {time.monotonic() - t0:.1f} s: {type(e).__name__}: {msg}",
+                  flush=True)
+        return True
+    if tag:
+        print(f"[fault] rank {rank} {tag}: no error", flush=True)
+    else:
+        print(f"[fault] rank {rank}: OK after {time.monotonic() - t0:.1f} s: no error", flush=True)
+    return False
+
+
+def worker(ctx, case: str):
+    from commlib.buffer import Buffer
+    from commlib.config import Config
+    from commlib.fp8 import per_token_cast_to_fp8
+
+    me, dev = ctx.rank, ctx.device
+    timeout = float(os.environ.get("COMMLIB_TIMEOUT_S", "4"))
+    cfg = Config(8, 16, 64, 64, 1024)
+    buf = Buffer(ctx.group, cfg.get_nvl_buffer_size_hint(H * 2, ctx.world_size), backend="nvlink",
+                 explicitly_destroy=True)
+    assert buf.backend.name == "nvlink", buf.backend.name
+    g = torch.Generator(device=dev).manual_seed(7 + me)
+    idx = torch.rand(T, E, generator=g, device=dev).topk(K, dim=1).indices
+    w = torch.rand(T, K, generator=g, device=dev)
+    x = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
+    ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx, E)
+
+    def dispatch():
+        return buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir, num_tokens_per_expert=ntpe,
+                            topk_idx=idx, topk_weights=w, config=cfg)
+
+    def sync_after(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize()
+        return run
+
+    if case == "exit_before_dispatch":
+        dist.barrier()
+        if me == 1:
+            print("[fault] rank 1: SKIPPED after 0.0 s: exits before dispatch", flush=True)
+            _flush_and_exit()
+        time.sleep(0.5)  # rank 1 is gone
+        fault = dispatch
+        follow = dispatch
+    else:
+        rx, _, rw, _, h, _ = dispatch()
+        torch.cuda.synchronize()
+        dist.barrier()
+        follow = lambda: buf.dispatch(x, handle=h, config=cfg)  # noqa: E731
+        if case == "sig_cached_dispatch":
+            xin = x if me == 0 else per_token_cast_to_fp8(x)
+            fault = sync_after(lambda: buf.dispatch(xin, handle=h, config=cfg))
+        elif case == "sig_combine":
+            fault = sync_after(lambda: buf.combine(rx, h, topk_weights=rw if me == 0 else None, config=cfg))
+        elif case == "skip_combine":
+            if me == 1:
+                time.sleep(timeout + 4)  # never combines; the peer must not hang meanwhile
+                print("[fault] rank 1: SKIPPED after 0.0 s: skipped the combine", flush=True)
+                _flush_and_exit()
+            fault = sync_after(lambda: buf.combine(rx, h, topk_weights=rw, config=cfg))
+        elif case == "dispatch_twice":
+            if me == 0:
+                fault = sync_after(dispatch)
+            else:
+                fault = sync_after(lambda: buf.combine(rx, h, topk_weights=rw, config=cfg))
+        else:
+            raise SystemExit(f"unknown case {case!r}")
+    if _report(me, "", fault):
+        _report(me, "after", follow)
+        _report(me, "again", follow)
+    _flush_and_exit()
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    print(f"[fault] world {name}: COMMLIB_TIMEOUT_S={os.environ.get('COMMLIB_TIMEOUT_S')} "
+          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
+    parallel_launch(2, worker, name, use_gpu=True, timeout_s=100, allow_exit=True)
+    print(f"[fault] world {name}: done", flush=True)

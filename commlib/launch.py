@@ -38,7 +38,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: bool,
-           worker: Callable, args: tuple, queue) -> None:
+           worker: Callable, args: tuple, queue, group_backend: Optional[str] = None) -> None:
     os.environ.update(SAFE_ENV)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -54,6 +54,7 @@ def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: 
             torch.cuda.set_device(device)
             if world_size <= num_gpus:
                 backend = "nccl"
+        backend = group_backend or backend
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
         ctx = RankContext(rank, world_size, ranks_per_node, device, dist.group.WORLD)
@@ -71,9 +72,12 @@ def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: 
 
 
 def parallel_launch(world_size: int, worker: Callable, *args: Any, ranks_per_node: Optional[int] = None,
-                    use_gpu: bool = False, timeout_s: float = 600.0, allow_exit: bool = False) -> Any:
+                    use_gpu: bool = False, timeout_s: float = 600.0, allow_exit: bool = False,
+                    group_backend: Optional[str] = None) -> Any:
     """Run ``worker(ctx, *args)`` on ``world_size`` local ranks; return rank 0's result.
 
+    ``group_backend``: force the process group's backend ("gloo" / "nccl"); by default NCCL with one
+    process per GPU, gloo otherwise.
     ``allow_exit``: ranks that end with exit code 0 without reporting (fault-injection tests that
     make a rank leave) count as finished instead of being waited for.
     """
@@ -81,7 +85,8 @@ def parallel_launch(world_size: int, worker: Callable, *args: Any, ranks_per_nod
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, ranks_per_node, port, use_gpu, worker, args, queue),
+    procs = [ctx.Process(target=_entry, args=(r, world_size, ranks_per_node, port, use_gpu, worker, args, queue,
+                                                  group_backend),
                          daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -49,6 +49,7 @@
 #endif
 #define LL_UNROLL 4
 #define LL_MAX_EXPERTS 2048            // nvlink_ll.MAX_EXPERTS
+#define LL_SMEM_PAIRS 4096             // (token, slot) ids kept in shared memory for the slot scan
 
 #define LL_SEND 1
 #define LL_RECV 2
@@ -134,19 +135,6 @@ __device__ __forceinline__ u32 pack_e4m3x4(float a, float b, float c, float d) {
 
 __device__ __forceinline__ float abs_exact(float v) { return __uint_as_float(__float_as_uint(v) & 0x7fffffffu); }
 
-// Copy n 16-byte vectors (one warp): src was published by a peer (coherent L2 loads after the acquire).
-__device__ __forceinline__ void warp_copy_cg(int4* dst, const int4* src, int n) {
-    for (int i = lane_id(); i < n; i += 32 * LL_UNROLL) {
-        int4 v[LL_UNROLL];
-#pragma unroll
-        for (int u = 0; u < LL_UNROLL; ++u)
-            if (i + u * 32 < n) v[u] = __ldcg(src + i + u * 32);
-#pragma unroll
-        for (int u = 0; u < LL_UNROLL; ++u)
-            if (i + u * 32 < n) st_na_v4(dst + i + u * 32, v[u]);
-    }
-}
-
 // Each lane of warp 0 with lane < R waits until word[lane] >= expected (no-op when !enabled).
 __device__ __forceinline__ void wait_ranks(u64 base, u64 off, int R, u64 expected, bool enabled, WaitSite site,
                                            u64 timeout_ns) {
@@ -164,6 +152,7 @@ __device__ __forceinline__ u64 read_state(const u64* state, int i) { return ld_v
 __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     __shared__ u64 s_dst[32];
     __shared__ int s_hist[LL_MAX_EXPERTS];
+    __shared__ int s_ids[LL_SMEM_PAIRS];
     const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
     const int half = (int)(seq & 1);
@@ -172,6 +161,16 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     if (warp == 0) {  // every receiver is done with this half (call seq - 2)
         const WaitSite site = {"low_latency_dispatch", "ll dispatch done (call seq - 2 consumed)", a.rank, -1, false};
         wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
+    }
+    // The routing in shared memory (ids outside [0, E) as -1): the slot scan below reads up to T * K
+    // ids per pair, which from global memory is a chain of dependent L2 round trips.
+    const int pairs = a.num_tokens * K;
+    const bool ids_in_smem = pairs <= LL_SMEM_PAIRS;
+    if (ids_in_smem) {
+        for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+            const i64 e = a.topk_idx[j];
+            s_ids[j] = (e >= 0 && e < E) ? (int)e : -1;
+        }
     }
     __syncthreads();
 
@@ -183,7 +182,11 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
             u32 count = 0;
             if (valid) {
                 const int n = t * K + warp;
-                for (int j = lane; j < n; j += 32) count += (u32)(a.topk_idx[j] == e);
+                if (ids_in_smem) {
+                    for (int j = lane; j < n; j += 32) count += (u32)(s_ids[j] == (int)e);
+                } else {
+                    for (int j = lane; j < n; j += 32) count += (u32)(a.topk_idx[j] == e);
+                }
                 count = __reduce_add_sync(FULL_MASK, count);
             }
             const int p = (valid && count < (u32)M) ? (int)count : -1;  // beyond M (repeated ids): dropped
@@ -307,16 +310,39 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
         }
         __syncthreads();
         const int total = s_start[R];
-        for (int i = warp; i < total; i += num_warps) {
+        // An expert gets a handful of rows at decode shapes: one row per warp would leave most warps
+        // idle, so every thread takes (row, 16-byte vector) items, LL_UNROLL loads in flight.
+        const int items = total * n_out;
+        for (int base = threadIdx.x; base < items; base += blockDim.x * LL_UNROLL) {
+            int4 val[LL_UNROLL];
+            int4* dst[LL_UNROLL];
+#pragma unroll
+            for (int u = 0; u < LL_UNROLL; ++u) {
+                const int it = base + u * blockDim.x;
+                dst[u] = nullptr;
+                if (it < items) {
+                    const int i = it / n_out, v = it - i * n_out;
+                    int s = 0;
+                    while (i >= s_start[s + 1]) ++s;
+                    const u64 slot = own + data + ((u64)(e * R + s) * M + (i - s_start[s])) * (u64)a.slot_bytes;
+                    val[u] = __ldcg(reinterpret_cast<const int4*>(slot) + v);
+                    dst[u] = a.recv_x + ((i64)e * RM + i) * n_out + v;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < LL_UNROLL; ++u)
+                if (dst[u] != nullptr) st_na_v4(dst[u], val[u]);
+        }
+        for (int it = threadIdx.x; it < total * (n_scale_words + 1); it += blockDim.x) {
+            const int i = it / (n_scale_words + 1), w = it - i * (n_scale_words + 1);
             int s = 0;
             while (i >= s_start[s + 1]) ++s;
-            const int j = i - s_start[s];
-            const u64 slot = own + data + ((u64)(e * R + s) * M + j) * (u64)a.slot_bytes;
+            const u64 slot = own + data + ((u64)(e * R + s) * M + (i - s_start[s])) * (u64)a.slot_bytes;
             const i64 row = (i64)e * RM + i;
-            warp_copy_cg(a.recv_x + row * n_out, reinterpret_cast<const int4*>(slot), n_out);
-            const u32* sc = reinterpret_cast<const u32*>(slot + a.slot_off_scales);
-            for (int w = lane; w < n_scale_words; w += 32) recv_scales[row * n_scale_words + w] = __ldcg(sc + w);
-            if (lane == 0) a.src_info[row] = __ldcg(reinterpret_cast<const int*>(slot + a.slot_off_meta));
+            if (w < n_scale_words)
+                recv_scales[row * n_scale_words + w] = __ldcg(reinterpret_cast<const u32*>(slot + a.slot_off_scales) + w);
+            else
+                a.src_info[row] = __ldcg(reinterpret_cast<const int*>(slot + a.slot_off_meta));
         }
         for (int i = total + threadIdx.x; i < RM; i += blockDim.x) a.src_info[(i64)e * RM + i] = -1;
         if (a.pad_zero) {  // rows past recv_count: zeros, as the reference (costly at decode shapes: off by default)
@@ -365,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 1) ll_dispatch_
 
 __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
     __shared__ int s_start[COMMLIB_MAX_RANKS + 1];
-    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, E = a.num_experts, L = E / R, M = a.max_tokens, RM = R * M;
     const int half = (int)(seq & 1);
     const u64 own = a.peer_bases[a.rank];
@@ -385,22 +411,30 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
         }
         __syncthreads();
         const int total = s_start[R];
-        for (int i = warp; i < total; i += num_warps) {
-            int s = 0;
-            while (s + 1 < R && i >= s_start[s + 1]) ++s;
-            const int j = i - s_start[s];
-            if (j >= M) continue;
-            const int4* src = a.x + ((i64)e * RM + i) * n_vec;
-            int4* dst = reinterpret_cast<int4*>(a.peer_bases[s] + data + ((u64)(a.rank * L + e) * M + j) * row_bytes);
-            for (int v = lane; v < n_vec; v += 32 * LL_UNROLL) {
-                int4 val[LL_UNROLL];
+        // (row, 16-byte vector) items over every thread of the CTA (see ll_dispatch_recv)
+        const int items = total * n_vec;
+        for (int base = threadIdx.x; base < items; base += blockDim.x * LL_UNROLL) {
+            int4 val[LL_UNROLL];
+            int4* dst[LL_UNROLL];
 #pragma unroll
-                for (int u = 0; u < LL_UNROLL; ++u)
-                    if (v + u * 32 < n_vec) val[u] = ld_nc_v4(src + v + u * 32);
-#pragma unroll
-                for (int u = 0; u < LL_UNROLL; ++u)
-                    if (v + u * 32 < n_vec) st_na_v4(dst + v + u * 32, val[u]);
+            for (int u = 0; u < LL_UNROLL; ++u) {
+                const int it = base + u * blockDim.x;
+                dst[u] = nullptr;
+                if (it < items) {
+                    const int i = it / n_vec, v = it - i * n_vec;
+                    int s = 0;
+                    while (s + 1 < R && i >= s_start[s + 1]) ++s;
+                    const int j = i - s_start[s];
+                    if (j < M) {
+                        val[u] = ld_nc_v4(a.x + ((i64)e * RM + i) * n_vec + v);
+                        dst[u] = reinterpret_cast<int4*>(a.peer_bases[s] + data +
+                                                         ((u64)(a.rank * L + e) * M + j) * row_bytes) + v;
+                    }
+                }
             }
+#pragma unroll
+            for (int u = 0; u < LL_UNROLL; ++u)
+                if (dst[u] != nullptr) st_na_v4(dst[u], val[u]);
         }
         __syncthreads();  // every row of expert e is written (and s_start may be rewritten)
         if (warp == 0 && lane < R)

@@ -1,7 +1,7 @@
 """Trapping fault-injection worlds for the NVLink engine: ``python reliability_faults.py CASE``.
 
-Each case is one short 2-rank world (tests/gpu/test_gpu_reliability.py starts them with
-CUDA_VISIBLE_DEVICES = one GPU, so the group is gloo and NCCL never meets a dead context). A trap
+Each case is one short 2-rank world, one rank per GPU, on a gloo group (NCCL never meets a dead
+context); tests/gpu/test_gpu_reliability.py runs them one at a time. A trap
 ends the CUDA context, so a world runs exactly one fault. Every rank prints
 
     [fault] rank R: RAISED|OK|SKIPPED after S s: <exception type>: <message>
@@ -134,5 +134,5 @@ if __name__ == "__main__":
     name = sys.argv[1]
     print(f"[fault] world {name}: COMMLIB_TIMEOUT_S={os.environ.get('COMMLIB_TIMEOUT_S')} "
           f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
-    parallel_launch(2, worker, name, use_gpu=True, timeout_s=100, allow_exit=True)
+    parallel_launch(2, worker, name, use_gpu=True, timeout_s=100, allow_exit=True, group_backend="gloo")
     print(f"[fault] world {name}: done", flush=True)

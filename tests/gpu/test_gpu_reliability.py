@@ -12,7 +12,7 @@
     exits before dispatch: the device waits time out with a '[commlib] rank R timeout in ...' line.
     Every surviving rank raises within COMMLIB_TIMEOUT_S, and its Buffer refuses further calls.
     A trapped CUDA context cannot be reused, so each of these runs in its own short world
-    (tests/gpu/reliability_faults.py, both ranks on one GPU, gloo group), two worlds at a time.
+    (tests/gpu/reliability_faults.py, one rank per GPU, gloo group), one world at a time.
 - CPU-side (always run): the NVLink backend's host path with the launches mocked: launch
   arguments match the kernels' C signatures, the mismatch message, poisoning after a CUDA error.
 """
@@ -85,45 +85,39 @@ def test_ranks_disagree_gpu(disagree_world, name):
 
 
 # ------------------------------------------------------------------------------------------------
-# Trapping faults: one short world each (both ranks on one GPU), a few at a time
+# Trapping faults: one short world each (one rank per GPU), one at a time
 # ------------------------------------------------------------------------------------------------
 
 _TRAP_RESULTS: dict = {}
 
 
 def _run_trap_worlds() -> dict:
-    """Start every trap world (CUDA_VISIBLE_DEVICES = one GPU each, round robin), at most one per GPU
-    at a time; returns {case: (returncode, output, seconds)}."""
+    """Run every trap world, one at a time, one rank per GPU; returns {case: (returncode, output, seconds)}.
+
+    One rank per GPU on purpose: with both ranks' contexts on one GPU, a trap in each (both ranks
+    fail) left the second context hung in the driver on 2 x H200 (three worlds never finished),
+    whereas a trap per GPU is reported at once.
+    """
     if _TRAP_RESULTS:
         return _TRAP_RESULTS
-    num_gpus = torch.cuda.device_count()
-    pending = list(TRAP_CASES)
-    running: dict = {}  # gpu -> (case, Popen, t0, log path)
     logdir = Path(os.environ.get("COMMLIB_FAULT_LOG_DIR", "/tmp/commlib_faults"))
     logdir.mkdir(parents=True, exist_ok=True)
-    while pending or running:
-        for gpu in range(num_gpus):
-            if gpu not in running and pending:
-                case = pending.pop(0)
-                env = dict(os.environ, COMMLIB_TIMEOUT_S=str(FAULT_TIMEOUT_S), CUDA_VISIBLE_DEVICES=str(gpu),
-                           PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-                           NVSHMEM_DISABLE_NVLS="1")
-                env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), str(HERE), env.get("PYTHONPATH", "")])
-                log = logdir / f"{case}.log"
-                fh = open(log, "w")
-                proc = subprocess.Popen([sys.executable, str(HERE / "reliability_faults.py"), case], stdout=fh,
-                                        stderr=subprocess.STDOUT, env=env)
-                running[gpu] = (case, proc, time.monotonic(), log, fh)
-        for gpu, (case, proc, t0, log, fh) in list(running.items()):
-            rc = proc.poll()
-            if rc is None and time.monotonic() - t0 > 120:
+    for case in TRAP_CASES:
+        env = dict(os.environ, COMMLIB_TIMEOUT_S=str(FAULT_TIMEOUT_S), PYTHONUNBUFFERED="1",
+                   NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), str(HERE), env.get("PYTHONPATH", "")])
+        log = logdir / f"{case}.log"
+        t0 = time.monotonic()
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([sys.executable, str(HERE / "reliability_faults.py"), case], stdout=fh,
+                                    stderr=subprocess.STDOUT, env=env)
+            try:
+                rc = proc.wait(timeout=FAULT_TIMEOUT_S + 40)
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 rc = proc.wait()
-            if rc is not None:
-                fh.close()
-                _TRAP_RESULTS[case] = (rc, log.read_text(errors="replace"), time.monotonic() - t0)
-                del running[gpu]
-        time.sleep(0.1)
+        _TRAP_RESULTS[case] = (rc, log.read_text(errors="replace"), time.monotonic() - t0)
     return _TRAP_RESULTS
 
 

@@ -135,6 +135,26 @@ __device__ __forceinline__ u32 pack_e4m3x4(float a, float b, float c, float d) {
 
 __device__ __forceinline__ float abs_exact(float v) { return __uint_as_float(__float_as_uint(v) & 0x7fffffffu); }
 
+// Copy `items` 16-byte vectors with every thread of the CTA, LL_UNROLL loads in flight per thread.
+// item(it, value, dst) loads item `it` into value and sets dst (nullptr: skip). Decode-shape
+// experts get a handful of rows, so spreading (row, vector) items over the CTA keeps every warp busy.
+template <typename Item>
+__device__ __forceinline__ void cta_copy_items(int items, Item item) {
+    for (int base = threadIdx.x; base < items; base += blockDim.x * LL_UNROLL) {
+        int4 val[LL_UNROLL];
+        int4* dst[LL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < LL_UNROLL; ++u) {
+            const int it = base + u * blockDim.x;
+            dst[u] = nullptr;
+            if (it < items) item(it, val[u], dst[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < LL_UNROLL; ++u)
+            if (dst[u] != nullptr) st_na_v4(dst[u], val[u]);
+    }
+}
+
 // Each lane of warp 0 with lane < R waits until word[lane] >= expected (no-op when !enabled).
 __device__ __forceinline__ void wait_ranks(u64 base, u64 off, int R, u64 expected, bool enabled, WaitSite site,
                                            u64 timeout_ns) {
@@ -310,29 +330,14 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
         }
         __syncthreads();
         const int total = s_start[R];
-        // An expert gets a handful of rows at decode shapes: one row per warp would leave most warps
-        // idle, so every thread takes (row, 16-byte vector) items, LL_UNROLL loads in flight.
-        const int items = total * n_out;
-        for (int base = threadIdx.x; base < items; base += blockDim.x * LL_UNROLL) {
-            int4 val[LL_UNROLL];
-            int4* dst[LL_UNROLL];
-#pragma unroll
-            for (int u = 0; u < LL_UNROLL; ++u) {
-                const int it = base + u * blockDim.x;
-                dst[u] = nullptr;
-                if (it < items) {
-                    const int i = it / n_out, v = it - i * n_out;
-                    int s = 0;
-                    while (i >= s_start[s + 1]) ++s;
-                    const u64 slot = own + data + ((u64)(e * R + s) * M + (i - s_start[s])) * (u64)a.slot_bytes;
-                    val[u] = __ldcg(reinterpret_cast<const int4*>(slot) + v);
-                    dst[u] = a.recv_x + ((i64)e * RM + i) * n_out + v;
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < LL_UNROLL; ++u)
-                if (dst[u] != nullptr) st_na_v4(dst[u], val[u]);
-        }
+        cta_copy_items(total * n_out, [&](int it, int4& val, int4*& dst) {
+            const int i = it / n_out, v = it - i * n_out;
+            int s = 0;
+            while (i >= s_start[s + 1]) ++s;
+            const u64 slot = own + data + ((u64)(e * R + s) * M + (i - s_start[s])) * (u64)a.slot_bytes;
+            val = __ldcg(reinterpret_cast<const int4*>(slot) + v);
+            dst = a.recv_x + ((i64)e * RM + i) * n_out + v;
+        });
         for (int it = threadIdx.x; it < total * (n_scale_words + 1); it += blockDim.x) {
             const int i = it / (n_scale_words + 1), w = it - i * (n_scale_words + 1);
             int s = 0;
@@ -411,31 +416,15 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
         }
         __syncthreads();
         const int total = s_start[R];
-        // (row, 16-byte vector) items over every thread of the CTA (see ll_dispatch_recv)
-        const int items = total * n_vec;
-        for (int base = threadIdx.x; base < items; base += blockDim.x * LL_UNROLL) {
-            int4 val[LL_UNROLL];
-            int4* dst[LL_UNROLL];
-#pragma unroll
-            for (int u = 0; u < LL_UNROLL; ++u) {
-                const int it = base + u * blockDim.x;
-                dst[u] = nullptr;
-                if (it < items) {
-                    const int i = it / n_vec, v = it - i * n_vec;
-                    int s = 0;
-                    while (s + 1 < R && i >= s_start[s + 1]) ++s;
-                    const int j = i - s_start[s];
-                    if (j < M) {
-                        val[u] = ld_nc_v4(a.x + ((i64)e * RM + i) * n_vec + v);
-                        dst[u] = reinterpret_cast<int4*>(a.peer_bases[s] + data +
-                                                         ((u64)(a.rank * L + e) * M + j) * row_bytes) + v;
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < LL_UNROLL; ++u)
-                if (dst[u] != nullptr) st_na_v4(dst[u], val[u]);
-        }
+        cta_copy_items(total * n_vec, [&](int it, int4& val, int4*& dst) {
+            const int i = it / n_vec, v = it - i * n_vec;
+            int s = 0;
+            while (s + 1 < R && i >= s_start[s + 1]) ++s;
+            const int j = i - s_start[s];
+            if (j >= M) return;
+            val = ld_nc_v4(a.x + ((i64)e * RM + i) * n_vec + v);
+            dst = reinterpret_cast<int4*>(a.peer_bases[s] + data + ((u64)(a.rank * L + e) * M + j) * row_bytes) + v;
+        });
         __syncthreads();  // every row of expert e is written (and s_start may be rewritten)
         if (warp == 0 && lane < R)
             st_release_sys(flag_at(a.peer_bases[lane], a.off_flag, half * a.words_per_half + a.rank * L + e), seq);

@@ -26,7 +26,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import env
 from .. import kernels as K
@@ -108,19 +107,13 @@ class NVLinkBackend(Backend):
             if env.debug_smid() else None
         self._smid_grid = {kind: 0 for kind in SMID_KINDS}
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
-        torch.cuda.synchronize(self.device)
-        # Every rank has opened every handle before any kernel writes into a peer.
-        dist.all_gather_object([None] * self.num_ranks, self.rank, group=self.group)
+        self._mem.all_opened(self.group, self.rank, self.num_ranks)
 
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:
         """Close peer mappings and free this rank's buffer. Collective-free (safe from __del__)."""
         if self._base is None:
             return
-        try:
-            torch.cuda.synchronize(self.device)
-        except Exception:  # noqa: BLE001 - a failed context still frees what it can
-            pass
         self._mem.close()
         self._peer_ptrs.clear()
         self._base = None

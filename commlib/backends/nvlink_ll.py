@@ -32,7 +32,6 @@ import itertools
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import kernels as K
 from ..fp8 import BLOCK
@@ -95,17 +94,11 @@ class NVLinkLowLatency(LowLatencyEngine):
         self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
         self._pending = {"dispatch": collections.deque(), "combine": collections.deque()}
         K.compile_all()
-        torch.cuda.synchronize(self.device)
-        # every rank has opened every handle before any kernel writes into a peer
-        dist.all_gather_object([None] * self.num_ranks, self.rank, group=buffer.group)
+        self.mem.all_opened(buffer.group, self.rank, self.num_ranks)
 
     def destroy(self) -> None:
         if self.mem is None:
             return
-        try:
-            torch.cuda.synchronize(self.device)
-        except Exception:  # noqa: BLE001 - a failed context still frees what it can
-            pass
         self.mem.close()
         self.mem = None
 

@@ -48,10 +48,21 @@ class PeerMemory:
                 bases.append(p)
         self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=device)
 
+    def all_opened(self, group, rank: int, num_ranks: int) -> None:
+        """Collective: returns once every rank has opened every handle (after a device sync), so no
+        kernel writes into a peer that has not mapped this rank's buffer yet."""
+        torch.cuda.synchronize(self.device)
+        dist.all_gather_object([None] * num_ranks, rank, group=group)
+
     def close(self) -> None:
-        """Close the peer mappings and free this rank's buffer. Collective-free (safe from __del__)."""
+        """Wait for this device's work, close the peer mappings and free this rank's buffer.
+        Collective-free (safe from __del__)."""
         if self.base is None:
             return
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - a failed context still frees what it can
+            pass
         cp = K.cupy()
         with cp.cuda.Device(self.device.index):
             for p in self.peer_ptrs.values():

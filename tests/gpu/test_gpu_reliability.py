@@ -38,12 +38,7 @@ DISAGREE_CASES = ["disagree_num_experts", "disagree_hidden", "disagree_dtype", "
                   "disagree_combine_sms_is_fine"]
 
 
-def _have_cupy() -> bool:
-    try:
-        import cupy  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
-        return False
+from commlib.buffer import _cupy_available as _have_cupy  # noqa: E402
 
 
 needs_2_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not _have_cupy(),

@@ -21,12 +21,7 @@ sys.path.insert(0, str(HERE.parent))   # tests/worlds.py
 pytestmark = pytest.mark.gpu
 
 
-def _have_cupy() -> bool:
-    try:
-        import cupy  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
-        return False
+from commlib.buffer import _cupy_available as _have_cupy  # noqa: E402
 
 
 needs_2_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2

@@ -69,6 +69,9 @@ def _worker(ctx, a):
     M, H, E = a.tokens, a.hidden, a.experts
     L = E // R
     nbytes = Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
+    if a.trace:  # every rank builds the kernels with the %globaltimer points (before the Buffer compiles)
+        from commlib import kernels as K
+        K.set_variant({"LL_TRACE": 1})
     buf = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="nvlink", explicitly_destroy=True)
     if a.sms:
         buf._low_latency.num_sms = a.sms
@@ -108,6 +111,20 @@ def _worker(ctx, a):
     g_c, _ = _graph(combine)
     timed("dispatch_graph", g_d.replay)
     timed("combine_graph", g_c.replay)
+    traces = None
+    if a.trace:  # one more replay of each, then where each launch spent its time, per CTA
+        from commlib.backends.nvlink_ll import trace_summary
+        ll = buf._low_latency
+        grid = ll._grid(a.tokens, L)
+        mine = {}
+        for kernel, (name, g) in enumerate((("dispatch", g_d), ("combine", g_c))):
+            dist.barrier(group=ctx.group)
+            torch.cuda.synchronize()
+            g.replay()
+            torch.cuda.synchronize()
+            mine[name] = trace_summary(ll.state, kernel, grid)
+        traces = [None] * R
+        dist.all_gather_object(traces, mine, group=ctx.group)
     timed("dispatch_eager", dispatch)
     timed("combine_eager", combine)
 
@@ -178,7 +195,7 @@ def _worker(ctx, a):
     rows = [{"op": op, "time_us": fig[op]} for op in fig]
     return {"figures": fig, "rows": rows, "wrong_dispatch": wrong, "wrong_combine": wrong_c,
             "num_sms": int(buf._low_latency.num_sms) if buf._low_latency else None,
-            "send_rows": send_counts, "recv_rows": recv_counts}
+            "send_rows": send_counts, "recv_rows": recv_counts, "trace": traces}
 
 
 def main(argv=None) -> int:
@@ -195,6 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH")
+    p.add_argument("--trace", action="store_true",
+                   help="build with COMMLIB_LL_TRACE and print per-CTA time points of one graph replay")
     a = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < a.ranks:
         print(f"[bench_low_latency] needs {a.ranks} GPUs; skipped")
@@ -211,6 +230,11 @@ def main(argv=None) -> int:
     print(f"# bench_low_latency: {a.ranks} ranks, {a.tokens} tokens/rank, hidden {a.hidden}, top-{a.topk} of "
           f"{a.experts} experts, FP8 dispatch (round_scale={a.round_scale}, ue8m0={a.ue8m0}), BF16 combine, "
           f"{res['num_sms']} CTAs")
+    for r, tr in enumerate(res.get("trace") or []):
+        for kernel, points in tr.items():
+            print(f"# trace rank {r} {kernel} (us after the first CTA's start: min / median / max over CTAs)")
+            for name, (lo, med, hi) in points.items():
+                print(f"#   {name:>18} {lo:8.2f} {med:8.2f} {hi:8.2f}")
     print(f"# {'op':>20} {'time(us)':>10} {'target':>8} {'vs_nccl':>8}")
     for op, t in fig.items():
         target = TARGETS_US.get(op)

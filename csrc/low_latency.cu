@@ -53,6 +53,28 @@
 
 #define LL_SEND 1
 #define LL_RECV 2
+
+// COMMLIB_LL_TRACE=1 (kernels.set_variant({"LL_TRACE": 1})): CTA thread 0 stores %globaltimer at
+// 8 points of each kernel into state[LL_TRACE_BASE + ((kernel * LL_TRACE_CTAS) + cta) * 8 + point]
+// (kernel 0 dispatch, 1 combine; points: start, send ready, send rows written, send done, recv
+// start, first count/flag seen, recv rows done, end). benchmarks/bench_low_latency.py --trace reads them.
+#ifndef COMMLIB_LL_TRACE
+#define COMMLIB_LL_TRACE 0
+#endif
+#define LL_TRACE_BASE 64
+#define LL_TRACE_CTAS 256
+#if COMMLIB_LL_TRACE
+#define LL_MARK(state, kernel, point)                                                                   \
+    do {                                                                                                \
+        if (threadIdx.x == 0 && blockIdx.x < LL_TRACE_CTAS) {                                           \
+            u64 t_;                                                                                     \
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                      \
+            (state)[LL_TRACE_BASE + ((kernel) * LL_TRACE_CTAS + blockIdx.x) * 8 + (point)] = t_;        \
+        }                                                                                               \
+    } while (0)
+#else
+#define LL_MARK(state, kernel, point) do { } while (0)
+#endif
 // state[]: sequence numbers, then the last-CTA tickets, per (kind, phase)
 #define LL_DISPATCH_SEND 0
 #define LL_DISPATCH_RECV 1
@@ -193,6 +215,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         }
     }
     __syncthreads();
+    LL_MARK(a.state, 0, 1);
 
     const int n_vec = a.hidden / 8;  // 16-byte vectors of bf16 input
     for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
@@ -272,6 +295,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         __syncthreads();  // s_dst is rewritten for the next token
     }
 
+    LL_MARK(a.state, 0, 2);
     if (last_cta(a.state + LL_TICKET(LL_DISPATCH_SEND))) {
         // every CTA's rows are written: publish rows per (expert, this source), clamped to M
         for (int g = threadIdx.x; g < E; g += blockDim.x) s_hist[g] = 0;
@@ -329,6 +353,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
             }
         }
         __syncthreads();
+        if (e == (int)blockIdx.x) LL_MARK(a.state, 0, 5);
         const int total = s_start[R];
         cta_copy_items(total * n_out, [&](int it, int4& val, int4*& dst) {
             const int i = it / n_out, v = it - i * n_out;
@@ -361,6 +386,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
         __syncthreads();  // s_start is rewritten for the next expert
     }
 
+    LL_MARK(a.state, 0, 6);
     if (last_cta(a.state + LL_TICKET(LL_DISPATCH_RECV))) {
         // every staging row of this call is read: the senders may reuse this half (call seq + 2)
         if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
@@ -386,8 +412,12 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 1) ll_dispatch_
         s_seq[1] = read_state(state, LL_DISPATCH_RECV);
     }
     __syncthreads();
+    LL_MARK(state, 0, 0);
     if (phases & LL_SEND) ll_dispatch_send(a, s_seq[0]);
+    LL_MARK(state, 0, 3);
+    LL_MARK(state, 0, 4);
     if (phases & LL_RECV) ll_dispatch_recv(a, s_seq[1]);
+    LL_MARK(state, 0, 7);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -408,6 +438,7 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
         wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
     }
     __syncthreads();
+    LL_MARK(a.state, 1, 1);
     for (int e = blockIdx.x; e < L; e += gridDim.x) {
         if (warp == 0) {  // rows of x[e] are the sources' rows in rank order: starts are prefix sums
             const i64 lr = lane < R ? a.layout_range[(i64)e * R + lane] : 0;
@@ -429,6 +460,7 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
         if (warp == 0 && lane < R)
             st_release_sys(flag_at(a.peer_bases[lane], a.off_flag, half * a.words_per_half + a.rank * L + e), seq);
     }
+    LL_MARK(a.state, 1, 2);
     if (last_cta(a.state + LL_TICKET(LL_COMBINE_SEND)) && threadIdx.x == 0) a.state[LL_COMBINE_SEND] = seq;
 }
 
@@ -460,6 +492,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
             }
         }
         __syncthreads();
+        if (t == (int)blockIdx.x) LL_MARK(a.state, 1, 5);
         for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int k = 0; k < K; ++k) {
@@ -476,6 +509,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
         }
         __syncthreads();  // s_* are rewritten for the next token
     }
+    LL_MARK(a.state, 1, 6);
     if (last_cta(a.state + LL_TICKET(LL_COMBINE_RECV))) {
         // every slot of this call is read: the expert ranks may reuse this half (call seq + 2)
         if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
@@ -499,6 +533,10 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 1) ll_combine_k
         s_seq[1] = read_state(state, LL_COMBINE_RECV);
     }
     __syncthreads();
+    LL_MARK(state, 1, 0);
     if (phases & LL_SEND) ll_combine_send(a, s_seq[0]);
+    LL_MARK(state, 1, 3);
+    LL_MARK(state, 1, 4);
     if (phases & LL_RECV) ll_combine_recv(a, s_seq[1]);
+    LL_MARK(state, 1, 7);
 }

@@ -40,6 +40,7 @@ from .nvlink import _aligned
 from .peer_memory import PeerMemory
 
 THREADS = 1024              # COMMLIB_LL_THREADS in csrc/low_latency.cu
+TRACE_BASE, TRACE_CTAS = 64, 256  # LL_TRACE_BASE, LL_TRACE_CTAS in csrc/low_latency.cu
 MAX_EXPERTS = 2048          # LL_MAX_EXPERTS in csrc/low_latency.cu: words per half of the control arrays
 MAX_TOPK = 32               # one warp per top-k slot (dispatch), one lane per slot (combine)
 OFF_COUNT = 0                               # u64 [2 halves][MAX_EXPERTS]: (local expert, source) counts
@@ -91,7 +92,8 @@ class NVLinkLowLatency(LowLatencyEngine):
         self.mem: Optional[PeerMemory] = PeerMemory(self.capacity, buffer.group, self.rank, self.num_ranks,
                                                     self.device)
         # [dispatch send, dispatch recv, combine send, combine recv] sequence numbers, then tickets
-        self.state = torch.zeros(8, dtype=torch.int64, device=self.device)
+        # [0, 8): sequence numbers and tickets; [TRACE_BASE, ...): COMMLIB_LL_TRACE timestamps
+        self.state = torch.zeros(TRACE_BASE + 2 * TRACE_CTAS * 8, dtype=torch.int64, device=self.device)
         self._pending = {"dispatch": collections.deque(), "combine": collections.deque()}
         K.compile_all()
         self.mem.all_opened(buffer.group, self.rank, self.num_ranks)
@@ -236,3 +238,22 @@ class NVLinkLowLatency(LowLatencyEngine):
         launch(SEND if return_recv_hook else SEND | RECV)
         hook = self._make_hook("combine", call, lambda: launch(RECV), None) if return_recv_hook else None
         return (out if out is not None else result), hook
+
+
+TRACE_POINTS = ("start", "send_ready", "send_rows_written", "send_done", "recv_start", "first_count_seen",
+                "recv_rows_done", "end")
+
+
+def trace_summary(state: torch.Tensor, kernel: int, num_ctas: int) -> dict:
+    """Per trace point (COMMLIB_LL_TRACE=1): (min, median, max) microseconds after the earliest CTA start
+    of the last launch of ``kernel`` (0 dispatch, 1 combine); points a launch did not reach are left out."""
+    t = state[TRACE_BASE:].view(2, TRACE_CTAS, 8)[kernel, :num_ctas].cpu().double()
+    t0 = t[:, 0][t[:, 0] > 0].min()
+    out = {}
+    for i, name in enumerate(TRACE_POINTS):
+        col = t[:, i]
+        col = col[col > 0]
+        if col.numel():
+            us = (col - t0) / 1e3
+            out[name] = (round(float(us.min()), 2), round(float(us.median()), 2), round(float(us.max()), 2))
+    return out

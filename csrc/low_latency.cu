@@ -17,10 +17,12 @@
 //   DISPATCH_DONE [d] u64 in rank src: = seq, release-stored by d's dispatch receiver (last CTA)
 //       once it has read every staging row of call seq; src's sender waits for seq - 2 before it
 //       writes into the same half again (so at most two calls are in flight, never corrupted).
-//   DISPATCH half [e][src][M] slots in rank d: slot p of (e, src) = the p-th (token, slot) pair of
-//       src routed to expert e, in token order then top-k slot order. Written by src's sender CTA
-//       that owns the token; read by d's receiver. Slot = [row: bf16 2H or E4M3 H bytes][scales:
-//       float per 128 channels, or one UE8M0 byte per 128 channels][meta: source token index].
+//   DISPATCH half in rank d: token rows [src][M] (slot_bytes each: [row: bf16 2H or E4M3 H bytes]
+//       [scales: float per 128 channels, or one UE8M0 byte per 128 channels]), written once per
+//       (token, destination rank) by src's sender CTA that owns the token, however many of d's
+//       experts the token picked; then meta words [e][src][M] int32: slot p of (e, src) = the p-th
+//       (token, slot) pair of src routed to expert e (token order, then top-k slot order) holds that
+//       token's index. d's receiver copies row `meta` of src's token rows into recv_x.
 //   COMBINE_FLAG [half][g] u64 in rank src: = seq, release-stored by g's rank (the CTA owning local
 //       expert g % L) after every row of g for src is written; acquire-polled by src's receiver.
 //   COMBINE_DONE [h] u64 in the expert ranks: = seq, release-stored by h's combine receiver (last
@@ -29,9 +31,9 @@
 //       pair routed to g (the dispatch's pos[t, k]).
 //
 // Dispatch sender: CTA b takes tokens b, b + grid, ...; warp k < K finds pos[t, k] (a prefix count
-// of expert topk_idx[t, k] over the pairs before (t, k): deterministic, no atomics); then all warps
-// read the token once, cast it (FP8: 16 lanes per 128-channel block, amax by shuffles) and store it
-// into the K destination slots. The last CTA to finish (ticket) histograms the routing and
+// of expert topk_idx[t, k] over the pairs before (t, k): deterministic, no atomics) and writes the
+// pair's meta word; then all warps read the token once, cast it (FP8: 16 lanes per 128-channel
+// block, amax by shuffles) and store it once into each destination rank's token rows. The last CTA to finish (ticket) histograms the routing and
 // publishes the E count words. Dispatch receiver: CTA b owns local experts b, b + grid, ...; warp 0
 // waits for the R count words of its expert, writes layout_range / recv_count, then all warps copy
 // rows from the staging slots into recv_x (sources in rank order, slots in order).
@@ -177,6 +179,13 @@ __device__ __forceinline__ void cta_copy_items(int items, Item item) {
     }
 }
 
+// A dispatch half of rank d: token rows [source][M] (slot_bytes each: row, scales), then the meta
+// words [local expert][source][M] int32 (token index of each (expert, source) slot). A token goes
+// over NVLink once per destination rank, however many of that rank's experts it picked.
+__device__ __forceinline__ u64 dispatch_meta_offset(int R, int M, int slot_bytes) {
+    return ((u64)R * M * slot_bytes + 15) & ~(u64)15;
+}
+
 // Each lane of warp 0 with lane < R waits until word[lane] >= expected (no-op when !enabled).
 __device__ __forceinline__ void wait_ranks(u64 base, u64 off, int R, u64 expected, bool enabled, WaitSite site,
                                            u64 timeout_ns) {
@@ -192,7 +201,8 @@ __device__ __forceinline__ u64 read_state(const u64* state, int i) { return ld_v
 // ------------------------------------------------------------------------------------------------
 
 __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
-    __shared__ u64 s_dst[32];
+    __shared__ u64 s_dst[COMMLIB_MAX_RANKS];   // this token's row slot in each destination rank (0: none)
+    __shared__ int s_pair_rank[32];            // destination rank of each top-k slot (-1: none)
     __shared__ int s_hist[LL_MAX_EXPERTS];
     __shared__ int s_ids[LL_SMEM_PAIRS];
     const int warp = warp_id(), lane = lane_id();
@@ -200,6 +210,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     const int half = (int)(seq & 1);
     const u64 own = a.peer_bases[a.rank];
     const u64 data = a.off_data + (u64)half * a.half_bytes;
+    const u64 meta_off = dispatch_meta_offset(R, M, a.slot_bytes);
     if (warp == 0) {  // every receiver is done with this half (call seq - 2)
         const WaitSite site = {"low_latency_dispatch", "ll dispatch done (call seq - 2 consumed)", a.rank, -1, false};
         wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
@@ -235,23 +246,30 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
             const int p = (valid && count < (u32)M) ? (int)count : -1;  // beyond M (repeated ids): dropped
             if (lane == 0) {
                 a.pos[(i64)t * K + warp] = p;
-                u64 dst = 0;
-                if (p >= 0) {
-                    const int d = (int)(e / L), le = (int)(e % L);
-                    dst = a.peer_bases[d] + data + ((u64)(le * R + a.rank) * M + p) * (u64)a.slot_bytes;
+                int d = -1;
+                if (p >= 0) {  // the pair's meta word: which token of this source is slot p of (e, rank)
+                    d = (int)(e / L);
+                    const int le = (int)(e % L);
+                    st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
+                                    ((u64)(le * R + a.rank) * M + p), t);
                 }
-                s_dst[warp] = dst;
+                s_pair_rank[warp] = d;
             }
         }
         __syncthreads();
-        if ((int)threadIdx.x < K && s_dst[threadIdx.x] != 0)
-            st_volatile(reinterpret_cast<int*>(s_dst[threadIdx.x] + a.slot_off_meta), t);
+        if (threadIdx.x < (unsigned)R) {  // the token row goes once to each rank holding one of its experts
+            const int d = (int)threadIdx.x;
+            bool needed = false;
+            for (int k = 0; k < K; ++k) needed |= s_pair_rank[k] == d;
+            s_dst[d] = needed ? a.peer_bases[d] + data + ((u64)a.rank * M + t) * (u64)a.slot_bytes : 0;
+        }
+        __syncthreads();
         const int4* src = a.x + (i64)t * n_vec;
         if (a.fp8_mode == LL_FP8_NONE) {
             for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
                 const int4 val = ld_nc_v4(src + v);
-                for (int k = 0; k < K; ++k) {
-                    const u64 d = s_dst[k];
+                for (int r = 0; r < R; ++r) {
+                    const u64 d = s_dst[r];
                     if (d != 0) st_na_v4(reinterpret_cast<int4*>(d) + v, val);
                 }
             }
@@ -277,8 +295,8 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
                 const u64 q = (u64)lo | ((u64)hi << 32);
                 if (active) {
                     const int block = v >> 4;
-                    for (int k = 0; k < K; ++k) {
-                        const u64 d = s_dst[k];
+                    for (int r = 0; r < R; ++r) {
+                        const u64 d = s_dst[r];
                         if (d == 0) continue;
                         st_na_u64(reinterpret_cast<u64*>(d) + v, q);
                         if ((lane & 15) == 0) {
@@ -323,6 +341,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     const int half = (int)(seq & 1);
     const u64 own = a.peer_bases[a.rank];
     const u64 data = a.off_data + (u64)half * a.half_bytes;
+    const u64 meta_off = dispatch_meta_offset(R, M, a.slot_bytes);
     const bool fp8 = a.fp8_mode != LL_FP8_NONE;
     const int n_out = (fp8 ? a.hidden : 2 * a.hidden) / 16;                  // 16-byte vectors of a row
     const int n_scale_words = !fp8 ? 0 : (a.fp8_mode == LL_FP8_UE8M0 ? a.hidden / 512 : a.hidden / 128);
@@ -355,24 +374,31 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
         __syncthreads();
         if (e == (int)blockIdx.x) LL_MARK(a.state, 0, 5);
         const int total = s_start[R];
+        // row i of expert e = slot (i - start[s]) of source s: its meta word names the source's token,
+        // whose row that source wrote once into this rank's token area
+        auto token_of = [&](int i, int& s) {
+            s = 0;
+            while (i >= s_start[s + 1]) ++s;
+            return __ldcg(reinterpret_cast<const int*>(own + data + meta_off) + ((u64)(e * R + s) * M + (i - s_start[s])));
+        };
         cta_copy_items(total * n_out, [&](int it, int4& val, int4*& dst) {
             const int i = it / n_out, v = it - i * n_out;
-            int s = 0;
-            while (i >= s_start[s + 1]) ++s;
-            const u64 slot = own + data + ((u64)(e * R + s) * M + (i - s_start[s])) * (u64)a.slot_bytes;
+            int s;
+            const int t = token_of(i, s);
+            const u64 slot = own + data + ((u64)s * M + t) * (u64)a.slot_bytes;
             val = __ldcg(reinterpret_cast<const int4*>(slot) + v);
             dst = a.recv_x + ((i64)e * RM + i) * n_out + v;
         });
         for (int it = threadIdx.x; it < total * (n_scale_words + 1); it += blockDim.x) {
             const int i = it / (n_scale_words + 1), w = it - i * (n_scale_words + 1);
-            int s = 0;
-            while (i >= s_start[s + 1]) ++s;
-            const u64 slot = own + data + ((u64)(e * R + s) * M + (i - s_start[s])) * (u64)a.slot_bytes;
+            int s;
+            const int t = token_of(i, s);
+            const u64 slot = own + data + ((u64)s * M + t) * (u64)a.slot_bytes;
             const i64 row = (i64)e * RM + i;
             if (w < n_scale_words)
                 recv_scales[row * n_scale_words + w] = __ldcg(reinterpret_cast<const u32*>(slot + a.slot_off_scales) + w);
             else
-                a.src_info[row] = __ldcg(reinterpret_cast<const int*>(slot + a.slot_off_meta));
+                a.src_info[row] = t;
         }
         for (int i = total + threadIdx.x; i < RM; i += blockDim.x) a.src_info[(i64)e * RM + i] = -1;
         if (a.pad_zero) {  // rows past recv_count: zeros, as the reference (costly at decode shapes: off by default)

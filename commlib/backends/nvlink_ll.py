@@ -60,7 +60,7 @@ def _align(n: int, a: int = 16) -> int:
     return (n + a - 1) // a * a
 
 
-def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool) -> dict:
+def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool, num_ranks: int = 0) -> dict:
     """Byte offsets of one call's regions and slot layout (the same on every rank)."""
     row_d = 2 * H + H // BLOCK * 4 + 16          # rdma_size_hint's dispatch row
     half_d = _align(E * M * row_d)
@@ -71,6 +71,10 @@ def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool) -> dict:
     off_meta = off_scales + _align(scale_bytes)
     slot_bytes = off_meta + 16
     assert slot_bytes <= row_d, (slot_bytes, row_d)
+    # dispatch half (csrc/low_latency.cu, dispatch_meta_offset): token rows [R][M], then meta [L][R][M] int32
+    R = num_ranks or E  # ranks (at most E; the worst case when unknown)
+    need_d = _align(R * M * slot_bytes) + E * M * 4
+    half_d = max(half_d, _align(need_d))
     return {"off_dispatch": CONTROL_BYTES, "half_dispatch": half_d,
             "off_combine": CONTROL_BYTES + 2 * half_d, "half_combine": half_c,
             "end": CONTROL_BYTES + 2 * half_d + 2 * half_c,
@@ -109,7 +113,7 @@ class NVLinkLowLatency(LowLatencyEngine):
             raise RuntimeError(f"[commlib rank {self.rank}] low-latency buffer used after destroy()")
 
     def _geometry(self, M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool) -> dict:
-        g = geometry(M, H, E, use_fp8, use_ue8m0)
+        g = geometry(M, H, E, use_fp8, use_ue8m0, self.num_ranks)
         if g["end"] > self.capacity:  # cannot happen when num_rdma_bytes >= the size hint
             raise ValueError(f"[commlib rank {self.rank}] low-latency buffer too small: {g['end']} bytes needed, "
                              f"{self.capacity} allocated")

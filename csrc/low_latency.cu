@@ -126,7 +126,9 @@ __device__ __forceinline__ void st_na_u64(u64* p, u64 v) {
 // may publish them to the peers with a release store. The ticket is reset for the next launch.
 __device__ bool last_cta(u64* ticket) {
     __shared__ int s_last;
-    __threadfence_system();  // each thread's stores (to peers too) before the CTA's ticket
+    // The barrier orders every thread's stores (to peers too) before thread 0's system-scope fence,
+    // and fences are cumulative (PTX memory model): one fence per CTA, not one per thread (each
+    // thread's own fence waited for its remote stores to be acknowledged, one after another).
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();

@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=288)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--sms", type=int, default=0, help="CTAs per launch (0: one per SM)")
+    p.add_argument("--sms", type=int, default=0, help="CTAs per launch (0: up to two per SM)")
     p.add_argument("--round-scale", action="store_true")
     p.add_argument("--ue8m0", action="store_true")
     p.add_argument("--iters", type=int, default=50)

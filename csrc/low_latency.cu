@@ -47,7 +47,7 @@
 #include "common.cuh"
 
 #ifndef COMMLIB_LL_THREADS
-#define COMMLIB_LL_THREADS 1024        // commlib/backends/nvlink_ll.py launches this many
+#define COMMLIB_LL_THREADS 512         // commlib/backends/nvlink_ll.py launches this many, 2 CTAs per SM
 #endif
 #define LL_UNROLL 4
 #define LL_MAX_EXPERTS 2048            // nvlink_ll.MAX_EXPERTS
@@ -207,7 +207,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     __shared__ int s_pair_rank[32];            // destination rank of each top-k slot (-1: none)
     __shared__ int s_hist[LL_MAX_EXPERTS];
     __shared__ int s_ids[LL_SMEM_PAIRS];
-    const int warp = warp_id(), lane = lane_id();
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
     const int half = (int)(seq & 1);
     const u64 own = a.peer_bases[a.rank];
@@ -232,12 +232,12 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
 
     const int n_vec = a.hidden / 8;  // 16-byte vectors of bf16 input
     for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
-        if (warp < K) {  // slot of pair (t, warp): its rank among the pairs routed to the same expert
-            const i64 e = a.topk_idx[(i64)t * K + warp];
+        for (int k = warp; k < K; k += num_warps) {  // pair (t, k): its rank among the pairs to the same expert
+            const i64 e = a.topk_idx[(i64)t * K + k];
             const bool valid = e >= 0 && e < E;
             u32 count = 0;
             if (valid) {
-                const int n = t * K + warp;
+                const int n = t * K + k;
                 if (ids_in_smem) {
                     for (int j = lane; j < n; j += 32) count += (u32)(s_ids[j] == (int)e);
                 } else {
@@ -247,7 +247,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
             }
             const int p = (valid && count < (u32)M) ? (int)count : -1;  // beyond M (repeated ids): dropped
             if (lane == 0) {
-                a.pos[(i64)t * K + warp] = p;
+                a.pos[(i64)t * K + k] = p;
                 int d = -1;
                 if (p >= 0) {  // the pair's meta word: which token of this source is slot p of (e, rank)
                     d = (int)(e / L);
@@ -255,7 +255,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
                     st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
                                     ((u64)(le * R + a.rank) * M + p), t);
                 }
-                s_pair_rank[warp] = d;
+                s_pair_rank[k] = d;
             }
         }
         __syncthreads();
@@ -422,7 +422,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 1) ll_dispatch_kernel(
+extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_kernel(
     const int4* x, const i64* topk_idx, int* pos,
     int4* recv_x, unsigned char* recv_scales, int* src_info, i64* layout_range, int* recv_count,
     int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens, int fp8_mode, int pad_zero,
@@ -545,7 +545,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 1) ll_combine_kernel(
+extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_combine_kernel(
     const int4* x, const i64* topk_idx, const float* topk_weights, const int* pos, const i64* layout_range,
     int4* out, int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens,
     int phases, const u64* peer_bases, int rank, int num_ranks,

@@ -39,10 +39,11 @@ from ..low_latency import LowLatencyEngine, LowLatencyHandle, check_combine_args
 from .nvlink import _aligned
 from .peer_memory import PeerMemory
 
-THREADS = 1024              # COMMLIB_LL_THREADS in csrc/low_latency.cu
+THREADS = 512               # COMMLIB_LL_THREADS in csrc/low_latency.cu
+CTAS_PER_SM = 2             # its __launch_bounds__: two CTAs fit an SM (64 registers a thread)
 TRACE_BASE, TRACE_CTAS = 64, 256  # LL_TRACE_BASE, LL_TRACE_CTAS in csrc/low_latency.cu
 MAX_EXPERTS = 2048          # LL_MAX_EXPERTS in csrc/low_latency.cu: words per half of the control arrays
-MAX_TOPK = 32               # one warp per top-k slot (dispatch), one lane per slot (combine)
+MAX_TOPK = 32               # s_pair_rank[32] (dispatch), one lane per slot (combine)
 OFF_COUNT = 0                               # u64 [2 halves][MAX_EXPERTS]: (local expert, source) counts
 OFF_COMBINE_FLAG = OFF_COUNT + 2 * MAX_EXPERTS * 8      # u64 [2][MAX_EXPERTS]: per global expert
 OFF_DISPATCH_DONE = OFF_COMBINE_FLAG + 2 * MAX_EXPERTS * 8   # u64 [MAX_RANKS]
@@ -90,8 +91,9 @@ class NVLinkLowLatency(LowLatencyEngine):
         self.device = buffer.device
         self.timeout_ns = int(float(buffer.timeout_s) * 1e9)
         self.pad_zeros = False
-        # CTAs per launch: up to one per SM (the fused send + receive kernel needs every CTA resident)
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # CTAs per launch: up to two per SM (the fused send + receive kernel needs every CTA resident;
+        # with 144 local experts at the decode shape, 132 CTAs left 12 of them doing two experts)
+        self.num_sms = CTAS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
         self.capacity = CONTROL_BYTES + int(buffer.num_rdma_bytes) + SLACK
         self.mem: Optional[PeerMemory] = PeerMemory(self.capacity, buffer.group, self.rank, self.num_ranks,
                                                     self.device)

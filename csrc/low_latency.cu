@@ -12,8 +12,11 @@
 // Buffer regions (byte offsets from a rank's low-latency IPC buffer; commlib/backends/nvlink_ll.py
 // computes them and passes them in):
 //   COUNT [half][local expert e][src s] u64 in rank d: (seq << 32) | rows, release-stored by src's
-//       dispatch sender (the CTA that finishes last) after all its rows for d's expert e are
-//       written; acquire-polled by d's dispatch receiver (the CTA that owns expert e).
+//       CTA 0 at the start of the call (the rows follow from the routing); acquire-polled by d's
+//       dispatch receiver (the CTA that owns expert e).
+//   ARRIVAL [half][e][s] u64 in rank d: rows of (e, s) landed so far in this call: src's CTA adds one
+//       per (token, slot) with a release reduction after that token's rows and meta words; d's
+//       receiver waits until it reaches COUNT, then zeroes it for call seq + 2.
 //   DISPATCH_DONE [d] u64 in rank src: = seq, release-stored by d's dispatch receiver (last CTA)
 //       once it has read every staging row of call seq; src's sender waits for seq - 2 before it
 //       writes into the same half again (so at most two calls are in flight, never corrupted).
@@ -94,7 +97,7 @@ struct LLDispatchArgs {
     int4* recv_x; unsigned char* recv_scales; int* src_info; i64* layout_range; int* recv_count;
     int num_tokens, hidden, num_topk, num_experts, max_tokens, fp8_mode, pad_zero;
     const u64* peer_bases; int rank, num_ranks;
-    u64 off_count, off_done, off_data, half_bytes;
+    u64 off_count, off_done, off_arrival, off_data, half_bytes;
     int words_per_half, slot_bytes, slot_off_scales, slot_off_meta;
     u64* state; u64 timeout_ns;
 };
@@ -188,6 +191,10 @@ __device__ __forceinline__ u64 dispatch_meta_offset(int R, int M, int slot_bytes
     return ((u64)R * M * slot_bytes + 15) & ~(u64)15;
 }
 
+__device__ __forceinline__ void red_add_release_sys(u64* p, u64 v) {
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+
 // Each lane of warp 0 with lane < R waits until word[lane] >= expected (no-op when !enabled).
 __device__ __forceinline__ void wait_ranks(u64 base, u64 off, int R, u64 expected, bool enabled, WaitSite site,
                                            u64 timeout_ns) {
@@ -205,6 +212,7 @@ __device__ __forceinline__ u64 read_state(const u64* state, int i) { return ld_v
 __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     __shared__ u64 s_dst[COMMLIB_MAX_RANKS];   // this token's row slot in each destination rank (0: none)
     __shared__ int s_pair_rank[32];            // destination rank of each top-k slot (-1: none)
+    __shared__ int s_pair_le[32];              // its local expert there
     __shared__ int s_hist[LL_MAX_EXPERTS];
     __shared__ int s_ids[LL_SMEM_PAIRS];
     const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
@@ -228,6 +236,23 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         }
     }
     __syncthreads();
+    if (blockIdx.x == 0) {
+        // Rows per (expert, this source), clamped to M, are known from the routing alone: publish
+        // them now. Readiness is the arrival words below, so receivers start on an expert as soon
+        // as its rows are in, not after every CTA of the grid has finished sending.
+        for (int g = threadIdx.x; g < E; g += blockDim.x) s_hist[g] = 0;
+        __syncthreads();
+        for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+            const i64 e = ids_in_smem ? (i64)s_ids[j] : a.topk_idx[j];
+            if (e >= 0 && e < E) atomicAdd(&s_hist[e], 1);
+        }
+        __syncthreads();
+        for (int g = threadIdx.x; g < E; g += blockDim.x) {
+            const int d = g / L, le = g % L;
+            st_release_sys(flag_at(a.peer_bases[d], a.off_count, half * a.words_per_half + le * R + a.rank),
+                           tail_word(seq, (u32)min(s_hist[g], M)));
+        }
+    }
     LL_MARK(a.state, 0, 1);
 
     const int n_vec = a.hidden / 8;  // 16-byte vectors of bf16 input
@@ -254,6 +279,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
                     const int le = (int)(e % L);
                     st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
                                     ((u64)(le * R + a.rank) * M + p), t);
+                    s_pair_le[k] = le;
                 }
                 s_pair_rank[k] = d;
             }
@@ -312,28 +338,23 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
                 }
             }
         }
-        __syncthreads();  // s_dst is rewritten for the next token
+        __syncthreads();  // every thread's stores of this token are issued
+        if (threadIdx.x == 0) {
+            // one arrival per (token, slot) at its expert's rank; the fence orders the CTA's row and
+            // meta stores (ordered before it by the barrier; fences are cumulative) before them
+            __threadfence_system();
+            for (int k = 0; k < K; ++k) {
+                const int d = s_pair_rank[k];
+                if (d >= 0)
+                    red_add_release_sys(flag_at(a.peer_bases[d], a.off_arrival,
+                                                half * a.words_per_half + s_pair_le[k] * R + a.rank), 1);
+            }
+        }
+        __syncthreads();  // s_dst / s_pair_* are rewritten for the next token
     }
 
     LL_MARK(a.state, 0, 2);
-    if (last_cta(a.state + LL_TICKET(LL_DISPATCH_SEND))) {
-        // every CTA's rows are written: publish rows per (expert, this source), clamped to M
-        for (int g = threadIdx.x; g < E; g += blockDim.x) s_hist[g] = 0;
-        __syncthreads();
-        const int pairs = a.num_tokens * K;
-        for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
-            const i64 e = a.topk_idx[j];
-            if (e >= 0 && e < E) atomicAdd(&s_hist[e], 1);
-        }
-        __syncthreads();
-        __threadfence_system();
-        for (int g = threadIdx.x; g < E; g += blockDim.x) {
-            const int d = g / L, le = g % L;
-            st_release_sys(flag_at(a.peer_bases[d], a.off_count, half * a.words_per_half + le * R + a.rank),
-                           tail_word(seq, (u32)min(s_hist[g], M)));
-        }
-        if (threadIdx.x == 0) a.state[LL_DISPATCH_SEND] = seq;
-    }
+    if (last_cta(a.state + LL_TICKET(LL_DISPATCH_SEND)) && threadIdx.x == 0) a.state[LL_DISPATCH_SEND] = seq;
 }
 
 __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
@@ -358,6 +379,12 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
                 flag_at(own, a.off_count, half * a.words_per_half + e * R + (active ? lane : 0)),
                 tail_word(seq, 0), active, lane, site, a.timeout_ns);
             const int cnt = active ? (int)min((u32)(v & 0xffffffffull), (u32)M) : 0;
+            // every row of (e, lane) has landed: the senders' arrival count reaches the count
+            u64* arrived = flag_at(own, a.off_arrival, half * a.words_per_half + e * R + (active ? lane : 0));
+            const WaitSite rows_site = {"low_latency_dispatch", "ll dispatch rows arrived (channel = local expert)",
+                                        a.rank, e, true};
+            warp_wait_geq(arrived, (u64)cnt, active && cnt > 0, lane, rows_site, a.timeout_ns);
+            if (active) st_volatile(arrived, (u64)0);  // for call seq + 2 (its senders wait for our done word)
             int incl = cnt;
 #pragma unroll
             for (int off = 1; off < 32; off <<= 1) {
@@ -427,12 +454,12 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
     int4* recv_x, unsigned char* recv_scales, int* src_info, i64* layout_range, int* recv_count,
     int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens, int fp8_mode, int pad_zero,
     int phases, const u64* peer_bases, int rank, int num_ranks,
-    u64 off_count, u64 off_done, u64 off_data, u64 half_bytes,
+    u64 off_count, u64 off_done, u64 off_arrival, u64 off_data, u64 half_bytes,
     int words_per_half, int slot_bytes, int slot_off_scales, int slot_off_meta,
     u64* state, u64 timeout_ns) {
     const LLDispatchArgs a = {x, topk_idx, pos, recv_x, recv_scales, src_info, layout_range, recv_count,
                               num_tokens, hidden, num_topk, num_experts, max_tokens, fp8_mode, pad_zero,
-                              peer_bases, rank, num_ranks, off_count, off_done, off_data, half_bytes,
+                              peer_bases, rank, num_ranks, off_count, off_done, off_arrival, off_data, half_bytes,
                               words_per_half, slot_bytes, slot_off_scales, slot_off_meta, state, timeout_ns};
     __shared__ u64 s_seq[2];
     if (threadIdx.x == 0) {  // read before this CTA takes any ticket, so before the last CTA bumps them

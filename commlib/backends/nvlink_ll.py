@@ -19,7 +19,7 @@ CUDA graph and replayed. Differences, all documented in the issue's terms:
 
 Memory: one IPC buffer per rank (commlib.backends.peer_memory) of CONTROL_BYTES +
 ``num_rdma_bytes`` + SLACK bytes, separate from the NVLink engine's buffer:
-  [0, CONTROL_BYTES)   count words, combine flags (per half), done words (see csrc/low_latency.cu)
+  [0, CONTROL_BYTES)   count words, combine flags (per half), done words, arrival words (see csrc/low_latency.cu)
   then  dispatch half 0, dispatch half 1 (E * M slots each), combine half 0, combine half 1
         (E * M bf16 rows each); the halves' sizes come from the size hint's row sizes, so a call
         of either dtype fits the same halves.
@@ -48,11 +48,12 @@ OFF_COUNT = 0                               # u64 [2 halves][MAX_EXPERTS]: (loca
 OFF_COMBINE_FLAG = OFF_COUNT + 2 * MAX_EXPERTS * 8      # u64 [2][MAX_EXPERTS]: per global expert
 OFF_DISPATCH_DONE = OFF_COMBINE_FLAG + 2 * MAX_EXPERTS * 8   # u64 [MAX_RANKS]
 OFF_COMBINE_DONE = OFF_DISPATCH_DONE + 8 * K.MAX_RANKS       # u64 [MAX_RANKS]
-CONTROL_BYTES = 69632       # the words above, rounded up to 4 KB
+OFF_ARRIVAL = 69632                         # u64 [2 halves][MAX_EXPERTS]: rows landed per (local expert, source)
+CONTROL_BYTES = OFF_ARRIVAL + 2 * MAX_EXPERTS * 8   # 102400, a multiple of 4 KB
 SLACK = 4096                # the halves are 16-byte aligned: a few bytes past the size hint
 SEND, RECV = 1, 2           # LL_SEND / LL_RECV phases
 FP8_MODES = {"bf16": 0, "fp8": 1, "fp8_pow2": 2, "fp8_ue8m0": 3}
-assert OFF_COMBINE_DONE + 8 * K.MAX_RANKS <= CONTROL_BYTES
+assert OFF_COMBINE_DONE + 8 * K.MAX_RANKS <= OFF_ARRIVAL and CONTROL_BYTES % 4096 == 0
 
 _call_ids = itertools.count(1)
 
@@ -190,7 +191,8 @@ class NVLinkLowLatency(LowLatencyEngine):
         recv_count = torch.empty(L, dtype=torch.int32, device=dev)
         pos = torch.empty((T, Kk), dtype=torch.int32, device=dev)
         tail = (K.ptr(self.mem.peer_bases), K.i32(me), K.i32(R),
-                K.u64(OFF_COUNT), K.u64(OFF_DISPATCH_DONE), K.u64(geo["off_dispatch"]), K.u64(geo["half_dispatch"]),
+                K.u64(OFF_COUNT), K.u64(OFF_DISPATCH_DONE), K.u64(OFF_ARRIVAL), K.u64(geo["off_dispatch"]),
+                K.u64(geo["half_dispatch"]),
                 K.i32(MAX_EXPERTS), K.i32(geo["slot_bytes"]), K.i32(geo["slot_off_scales"]),
                 K.i32(geo["slot_off_meta"]), K.ptr(self.state), K.u64(self.timeout_ns))
         head = (K.ptr(x), K.ptr(idx), K.ptr(pos), K.ptr(recv_data), K.ptr(recv_scales), K.ptr(src_info),

@@ -107,16 +107,23 @@ def case_staged_equals_plain_and_single_process(ctx):
         torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def case_dual_forward_backward(ctx):
-    from commlib import pipeline as P
+def _sequential_run(ctx, seed: int):
+    """A model and two one-sequence micro-batches run one after the other: (model, mb0, mb1, out0,
+    out1, gradients); the model's gradients are cleared afterwards."""
     model = _model(ctx, _buf(ctx))
-    _, mine = _tokens(ctx, batch_per_rank=2, seed=2)
+    _, mine = _tokens(ctx, batch_per_rank=2, seed=seed)
     mb0, mb1 = mine[:1], mine[1:]
     s0, s1 = model(mb0), model(mb1)
     _loss(s0).backward()
     _loss(s1).backward()
     g_seq = _grads(model)
     model.zero_grad(set_to_none=True)
+    return model, mb0, mb1, s0, s1, g_seq
+
+
+def case_dual_forward_backward(ctx):
+    from commlib import pipeline as P
+    model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
 
     o0, o1 = P.dual_forward(model, (mb0,), (mb1,))
     assert torch.equal(o0, s0) and torch.equal(o1, s1)
@@ -239,13 +246,7 @@ def _check_pairs(labels, order="auto"):
 def case_issue_orders_same_results(ctx):
     """Every issue order gives the sequential outputs and gradients bit for bit."""
     from commlib import pipeline as P
-    model = _model(ctx, _buf(ctx))
-    _, mine = _tokens(ctx, batch_per_rank=2, seed=7)
-    mb0, mb1 = mine[:1], mine[1:]
-    s0, s1 = model(mb0), model(mb1)
-    _loss(s0).backward()
-    _loss(s1).backward()
-    g_seq = _grads(model)
+    model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=7)
     for order in P.ISSUE_ORDERS:
         model.zero_grad(set_to_none=True)
         o0, o1 = P.dual_forward(model, (mb0,), (mb1,), issue_order=order)

@@ -2,8 +2,9 @@
 PyTorch's current stream.
 
 Nothing here imports CuPy at module import time: CPU code can import commlib (and this module)
-without CuPy installed. Kernels take raw device pointers (``numpy.uint64``) and scalars
-(``numpy.int32`` / ``numpy.uint64``), so any torch tensor can be passed with ``ptr(t)``.
+without CuPy installed. Kernel arguments are plain Python ints / floats in the kernel's parameter
+order (a tensor's device address with ``ptr(t)``); ``launch`` packs them by the C types it reads
+from the kernel's signature in ``csrc/`` (see "Launching" below).
 
 Every family file includes ``common.cuh``; the header's text is pasted into the source here
 rather than found through ``-I``, because CuPy's on-disk cache key covers the source text and the

@@ -115,14 +115,14 @@ def _worker(ctx, a):
     if a.trace:  # one more replay of each, then where each launch spent its time, per CTA
         from commlib.backends.nvlink_ll import trace_summary
         ll = buf._low_latency
-        grid = ll._grid(a.tokens, L)
+        grids = (ll._grid(a.tokens, L), ll._grid(R * M))   # what dispatch() and combine() launch
         mine = {}
         for kernel, (name, g) in enumerate((("dispatch", g_d), ("combine", g_c))):
             dist.barrier(group=ctx.group)
             torch.cuda.synchronize()
             g.replay()
             torch.cuda.synchronize()
-            mine[name] = trace_summary(ll.state, kernel, grid)
+            mine[name] = trace_summary(ll.state, kernel, grids[kernel])
         traces = [None] * R
         dist.all_gather_object(traces, mine, group=ctx.group)
     timed("dispatch_eager", dispatch)

@@ -10,8 +10,12 @@ dispatch: every (token, top-k slot) with expert e >= 0 is one row for expert e (
   each 128-channel block with scale = amax / 448 (``round_scale``: rounded up to a power of two;
   ``use_ue8m0``: the power-of-two scales' exponents packed four per int32, [L, R * M, H / 512]),
   so ``recv_x`` is (E4M3 [L, R * M, H], scales [L, R * M, H / 128] float32 or packed int32).
-combine: combined[t] = bf16(acc), acc = 0.f; for k in 0..K-1 with topk_idx[t, k] >= 0:
-  acc += topk_weights[t, k] * float(row of (t, k) on its expert's rank). Rows travel as bf16.
+combine: a weighted sum in fp32, grouped by the rank that holds the experts (each multiply and add
+  rounded once, IEEE): for every rank d, P_d = 0.f; P_d += topk_weights[t, k] * float(row of (t, k))
+  over t's slots k in top-k order whose expert lives on d; then acc = 0.f; acc += P_d over the
+  ranks d in order; combined[t] = bf16(acc). So a rank sends one fp32 partial per token instead of
+  one bf16 row per slot when it holds two or more of the token's experts (the GPU engines do, and
+  match this bit for bit); with every slot on one rank it is the plain top-k-order sum.
 Shapes are static (no host-visible counts), which is what makes the GPU path graph-capturable.
 With ``return_recv_hook=True`` the call returns a hook; calling it completes the receive (here
 the data has already arrived, so the hook only marks the handle received).
@@ -23,6 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .config import MAX_TOPK
 from .fp8 import BLOCK, FP8_MAX
 from .validate import check_tensor
 
@@ -44,16 +49,22 @@ class LowLatencyHandle:
                 self.num_experts)[index]
 
 
+def combine_half_bytes(M: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Bytes of one combine half: E * M bf16 rows, or at least R * M fp32 partials + flags and top-k records."""
+    partials = num_ranks * M * (4 * hidden + 8 * (MAX_TOPK + 2)) + 16
+    return max(num_experts * M * 2 * hidden, partials)
+
+
 def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Bytes of buffer the low-latency path needs (two alternating halves, dispatch + combine rows)."""
+    """Bytes of buffer the low-latency path needs (two alternating halves each of dispatch and combine)."""
     for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
                     ("num_ranks", num_ranks), ("num_experts", num_experts)):
         if v <= 0:
             raise ValueError(f"get_low_latency_rdma_size_hint: {name} must be positive, got {v}")
-    slots = num_experts * num_max_dispatch_tokens_per_rank            # rows a rank may receive
+    M = num_max_dispatch_tokens_per_rank
+    slots = num_experts * M                                           # rows a rank may receive
     dispatch_row = hidden * 2 + hidden // BLOCK * 4 + 16              # bf16 or fp8 + scales + meta
-    combine_row = hidden * 2
-    return 2 * slots * (dispatch_row + combine_row)
+    return 2 * (slots * dispatch_row + combine_half_bytes(M, hidden, num_ranks, num_experts))
 
 
 def cast_fp8(x: torch.Tensor, round_scale: bool, use_ue8m0: bool):
@@ -133,6 +144,27 @@ def check_combine_args(b, combine_buffers, x, topk_idx, topk_weights, handle: Lo
         check_tensor("out", out, rank, dtype=torch.bfloat16, dim=2, device=b.device)
         if tuple(out.shape) != (T, H):
             raise ValueError(f"[commlib rank {rank}] out must have shape [{T}, {H}], got {list(out.shape)}")
+
+
+def rank_grouped_sum(vals: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, L: int,
+                     R: int) -> torch.Tensor:
+    """combine's sum (module docstring): vals [T, K, H] float32 rows per slot -> bf16 [T, H].
+
+    Per rank d, P_d = 0; P_d = P_d + w * v over the slots on d in top-k order; then acc = 0;
+    acc = acc + P_d over the ranks in order (every op rounded once). A rank with no slot adds
+    nothing (P_d = +0 would leave acc unchanged anyway: acc is never -0).
+    """
+    T, K, H = vals.shape
+    valid = topk_idx >= 0
+    dest = torch.where(valid, topk_idx // L, torch.full_like(topk_idx, -1))
+    acc = torch.zeros(T, H, dtype=torch.float32, device=vals.device)
+    for d in range(R):
+        part = torch.zeros(T, H, dtype=torch.float32, device=vals.device)
+        on_d = dest == d
+        for k in range(K):  # multiply then add (two roundings)
+            part = torch.where(on_d[:, k:k + 1], part + topk_weights[:, k:k + 1] * vals[:, k], part)
+        acc = torch.where(on_d.any(1, keepdim=True), acc + part, acc)
+    return acc.to(torch.bfloat16)
 
 
 class LowLatencyEngine:
@@ -266,12 +298,8 @@ class LowLatencyReference(LowLatencyEngine):
         # back[i] is the row of pair i in the send order: (tok[i], slot[i])
         vals = torch.zeros(T, K, H, dtype=torch.float32, device=dev)
         vals[ex["tok"].to(dev), ex["slot"].to(dev)] = back.float()
-        w = topk_weights.to(dev)
-        acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
-        for k in range(K):  # slot order, multiply then add (two roundings): what every backend computes
-            valid = (topk_idx[:, k] >= 0).to(dev)
-            acc = torch.where(valid.unsqueeze(1), acc + w[:, k:k + 1] * vals[:, k], acc)
-        result = acc.to(torch.bfloat16).to(x.device)
+        result = rank_grouped_sum(vals, topk_idx.to(dev), topk_weights.to(dev), handle.num_experts // R,
+                                  R).to(x.device)
         if out is not None:
             out.copy_(result)
             result = out

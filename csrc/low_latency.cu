@@ -55,6 +55,7 @@
 #define LL_UNROLL 4
 #define LL_MAX_EXPERTS 2048            // nvlink_ll.MAX_EXPERTS
 #define LL_SMEM_PAIRS 4096             // (token, slot) ids kept in shared memory for the slot scan
+#define LL_RECV_ROWS 1024              // rows of one expert whose sources the receiver keeps in shared memory
 
 #define LL_SEND 1
 #define LL_RECV 2
@@ -98,7 +99,7 @@ struct LLDispatchArgs {
     int num_tokens, hidden, num_topk, num_experts, max_tokens, fp8_mode, pad_zero;
     const u64* peer_bases; int rank, num_ranks;
     u64 off_count, off_done, off_arrival, off_data, half_bytes;
-    int words_per_half, slot_bytes, slot_off_scales, slot_off_meta;
+    int words_per_half, slot_bytes, slot_off_scales;
     u64* state; u64 timeout_ns;
 };
 
@@ -107,8 +108,7 @@ struct LLCombineArgs {
     int4* out;
     int num_tokens, hidden, num_topk, num_experts, max_tokens;
     const u64* peer_bases; int rank, num_ranks;
-    u64 off_flag, off_done, off_data, half_bytes;
-    int words_per_half;
+    u64 off_done, off_data, half_bytes;
     u64* state; u64 timeout_ns;
 };
 
@@ -207,6 +207,14 @@ __device__ __forceinline__ void wait_ranks(u64 base, u64 off, int R, u64 expecte
 
 __device__ __forceinline__ u64 read_state(const u64* state, int i) { return ld_volatile(state + i) + 1; }
 
+// An expert id outside [-1, E) is a caller error the host cannot see without a sync: name it and
+// trap (as torch's device-side asserts do); the Buffer turns the launch failure into CommlibError.
+__device__ __noinline__ void bad_expert_id_trap(int rank, int t, int k, i64 e, int E) {
+    printf("[commlib] rank %d low_latency_dispatch: topk_idx[%d, %d] = %lld is outside [-1, %d)\n", rank, t, k,
+           (long long)e, E);
+    asm volatile("trap;");
+}
+
 // ------------------------------------------------------------------------------------------------
 // Dispatch
 // ------------------------------------------------------------------------------------------------
@@ -245,8 +253,9 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         for (int g = threadIdx.x; g < E; g += blockDim.x) s_hist[g] = 0;
         __syncthreads();
         for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
-            const i64 e = ids_in_smem ? (i64)s_ids[j] : a.topk_idx[j];
-            if (e >= 0 && e < E) atomicAdd(&s_hist[e], 1);
+            const i64 e = a.topk_idx[j];
+            if (e < -1 || e >= E) bad_expert_id_trap(a.rank, j / K, j % K, e, E);
+            if (e >= 0) atomicAdd(&s_hist[e], 1);
         }
         __syncthreads();
         for (int g = threadIdx.x; g < E; g += blockDim.x) {
@@ -361,6 +370,8 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
 
 __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     __shared__ int s_start[COMMLIB_MAX_RANKS + 1];
+    __shared__ int s_tok[LL_RECV_ROWS];        // token of each row of the current expert
+    __shared__ u64 s_src[LL_RECV_ROWS];        // its staging slot (byte offset in this call's half)
     const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
     const int R = a.num_ranks, E = a.num_experts, L = E / R, M = a.max_tokens, RM = R * M;
     const int half = (int)(seq & 1);
@@ -406,30 +417,68 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
         if (e == (int)blockIdx.x) LL_MARK(a.state, 0, 5);
         const int total = s_start[R];
         // row i of expert e = slot (i - start[s]) of source s: its meta word names the source's token,
-        // whose row that source wrote once into this rank's token area
+        // whose row that source wrote once into this rank's token area. One load per row, into shared
+        // memory, so the copy below issues every load at once instead of a meta -> row chain.
+        const bool cached = total <= LL_RECV_ROWS;
         auto token_of = [&](int i, int& s) {
             s = 0;
             while (i >= s_start[s + 1]) ++s;
             return __ldcg(reinterpret_cast<const int*>(own + data + meta_off) + ((u64)(e * R + s) * M + (i - s_start[s])));
         };
-        cta_copy_items(total * n_out, [&](int it, int4& val, int4*& dst) {
-            const int i = it / n_out, v = it - i * n_out;
-            int s;
-            const int t = token_of(i, s);
-            const u64 slot = own + data + ((u64)s * M + t) * (u64)a.slot_bytes;
-            val = __ldcg(reinterpret_cast<const int4*>(slot) + v);
-            dst = a.recv_x + ((i64)e * RM + i) * n_out + v;
-        });
-        for (int it = threadIdx.x; it < total * (n_scale_words + 1); it += blockDim.x) {
-            const int i = it / (n_scale_words + 1), w = it - i * (n_scale_words + 1);
-            int s;
-            const int t = token_of(i, s);
-            const u64 slot = own + data + ((u64)s * M + t) * (u64)a.slot_bytes;
-            const i64 row = (i64)e * RM + i;
-            if (w < n_scale_words)
-                recv_scales[row * n_scale_words + w] = __ldcg(reinterpret_cast<const u32*>(slot + a.slot_off_scales) + w);
-            else
-                a.src_info[row] = t;
+        if (cached) {
+            for (int i = threadIdx.x; i < total; i += blockDim.x) {
+                int s;
+                const int t = token_of(i, s);
+                s_tok[i] = t;
+                s_src[i] = ((u64)s * M + t) * (u64)a.slot_bytes;
+            }
+            __syncthreads();
+        }
+        // items of a row: n_out 16-byte data vectors, then its scale words, then its src_info entry
+        const int per_row = n_out + n_scale_words + 1;
+        const int items = total * per_row;
+        for (int base = threadIdx.x; base < items; base += blockDim.x * LL_UNROLL) {
+            int4 val[LL_UNROLL];
+            int kind[LL_UNROLL];
+            i64 at[LL_UNROLL];
+#pragma unroll
+            for (int u = 0; u < LL_UNROLL; ++u) {
+                const int it = base + u * blockDim.x;
+                kind[u] = -1;
+                if (it >= items) continue;
+                const int i = it / per_row, w = it - i * per_row;
+                int t;
+                u64 src;
+                if (cached) {
+                    t = s_tok[i];
+                    src = s_src[i];
+                } else {
+                    int s;
+                    t = token_of(i, s);
+                    src = ((u64)s * M + t) * (u64)a.slot_bytes;
+                }
+                const u64 slot = own + data + src;
+                const i64 row = (i64)e * RM + i;
+                if (w < n_out) {
+                    val[u] = __ldcg(reinterpret_cast<const int4*>(slot) + w);
+                    kind[u] = 0;
+                    at[u] = row * n_out + w;
+                } else if (w < n_out + n_scale_words) {
+                    val[u].x = (int)__ldcg(reinterpret_cast<const u32*>(slot + a.slot_off_scales) + (w - n_out));
+                    kind[u] = 1;
+                    at[u] = row * n_scale_words + (w - n_out);
+                } else {
+                    val[u].x = t;
+                    kind[u] = 2;
+                    at[u] = row;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < LL_UNROLL; ++u) {
+                if (kind[u] == 0) st_na_v4(a.recv_x + at[u], val[u]);
+                else if (kind[u] == 1) recv_scales[at[u]] = (u32)val[u].x;
+                else if (kind[u] == 2) a.src_info[at[u]] = val[u].x;
+            }
         }
         for (int i = total + threadIdx.x; i < RM; i += blockDim.x) a.src_info[(i64)e * RM + i] = -1;
         if (a.pad_zero) {  // rows past recv_count: zeros, as the reference (costly at decode shapes: off by default)
@@ -457,12 +506,12 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
     int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens, int fp8_mode, int pad_zero,
     int phases, const u64* peer_bases, int rank, int num_ranks,
     u64 off_count, u64 off_done, u64 off_arrival, u64 off_data, u64 half_bytes,
-    int words_per_half, int slot_bytes, int slot_off_scales, int slot_off_meta,
+    int words_per_half, int slot_bytes, int slot_off_scales,
     u64* state, u64 timeout_ns) {
     const LLDispatchArgs a = {x, topk_idx, pos, recv_x, recv_scales, src_info, layout_range, recv_count,
                               num_tokens, hidden, num_topk, num_experts, max_tokens, fp8_mode, pad_zero,
                               peer_bases, rank, num_ranks, off_count, off_done, off_arrival, off_data, half_bytes,
-                              words_per_half, slot_bytes, slot_off_scales, slot_off_meta, state, timeout_ns};
+                              words_per_half, slot_bytes, slot_off_scales, state, timeout_ns};
     __shared__ u64 s_seq[2];
     if (threadIdx.x == 0) {  // read before this CTA takes any ticket, so before the last CTA bumps them
         s_seq[0] = read_state(state, LL_DISPATCH_SEND);
@@ -481,86 +530,189 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
 // Combine
 // ------------------------------------------------------------------------------------------------
 
+// A combine half of rank s (csrc offsets from the half's start; every rank computes the same):
+//   FLAG [d][M] u64: = seq once rank d's partial of s's token t is in s's slot (d, t)
+//   RECORD [src][M][K + 1] u64 in the expert rank: source src's top-k slots of token t (weight bits
+//       << 32 | local expert * M + pos, low word 0xffffffff when the slot is not on this rank), word
+//       K = seq, release-stored after them
+//   SLOT [d][M] (4H bytes) in rank s: rank d's partial of token t: fp32 [H] when d holds two or more
+//       of t's slots, the one expert row (bf16 [H]) when it holds one (the receiver multiplies)
+__device__ __forceinline__ u64 combine_record_offset(int R, int M) { return (u64)R * M * 8; }
+__device__ __forceinline__ u64 combine_slot_offset(int R, int M, int K) {
+    return ((u64)R * M * 8 * (u64)(K + 2) + 15) & ~(u64)15;
+}
+#define LL_NO_SLOT 0xffffffffu
+
+// acc[0..7] = acc + w * row (8 bf16 channels), each op rounded once, in this order (the reference's).
+__device__ __forceinline__ void fma_bf16x8_rn(float* acc, float w, int4 r) {
+    acc[0] = add_rn(acc[0], mul_rn(w, bf16_lo((u32)r.x))); acc[1] = add_rn(acc[1], mul_rn(w, bf16_hi((u32)r.x)));
+    acc[2] = add_rn(acc[2], mul_rn(w, bf16_lo((u32)r.y))); acc[3] = add_rn(acc[3], mul_rn(w, bf16_hi((u32)r.y)));
+    acc[4] = add_rn(acc[4], mul_rn(w, bf16_lo((u32)r.z))); acc[5] = add_rn(acc[5], mul_rn(w, bf16_hi((u32)r.z)));
+    acc[6] = add_rn(acc[6], mul_rn(w, bf16_lo((u32)r.w))); acc[7] = add_rn(acc[7], mul_rn(w, bf16_hi((u32)r.w)));
+}
+
+__device__ __forceinline__ void add_f32x4_rn(float* acc, int4 r) {
+    acc[0] = add_rn(acc[0], __int_as_float(r.x)); acc[1] = add_rn(acc[1], __int_as_float(r.y));
+    acc[2] = add_rn(acc[2], __int_as_float(r.z)); acc[3] = add_rn(acc[3], __int_as_float(r.w));
+}
+
+// Send: (1) this rank's records: token t's top-k slots, to every rank (t < M; tokens past T get
+// empty records, so expert ranks need no count); (2) items (s, t), s every rank including this one:
+// the partial of s's token t over this rank's experts, acc = 0; acc = acc + w * row in top-k order,
+// written into s's slot (this rank, t) with a flag. Expert rows are read straight from x.
 __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
-    __shared__ int s_start[COMMLIB_MAX_RANKS + 1];
-    const int warp = warp_id(), lane = lane_id();
-    const int R = a.num_ranks, E = a.num_experts, L = E / R, M = a.max_tokens, RM = R * M;
+    __shared__ const int4* s_row[32];
+    __shared__ float s_w[32];
+    __shared__ int s_n;
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens, RM = R * M;
     const int half = (int)(seq & 1);
     const u64 own = a.peer_bases[a.rank];
     const u64 data = a.off_data + (u64)half * a.half_bytes;
+    const u64 rec_off = data + combine_record_offset(R, M), slot_off = data + combine_slot_offset(R, M, K);
+    const u64 slot_bytes = (u64)a.hidden * 4;
     const int n_vec = a.hidden / 8;
-    const u64 row_bytes = (u64)a.hidden * 2;
-    if (warp == 0) {  // every source has read this half (call seq - 2)
+    if (warp == 0) {  // every source has read this half (call seq - 2), its records and slots alike
         const WaitSite site = {"low_latency_combine", "ll combine done (call seq - 2 consumed)", a.rank, -1, false};
         wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
     }
     __syncthreads();
     LL_MARK(a.state, 1, 1);
-    for (int e = blockIdx.x; e < L; e += gridDim.x) {
-        if (warp == 0) {  // rows of x[e] are the sources' rows in rank order: starts are prefix sums
-            const i64 lr = lane < R ? a.layout_range[(i64)e * R + lane] : 0;
-            if (lane < R) s_start[lane] = (int)(lr >> 32);
-            if (lane == R - 1) s_start[R] = min((int)(lr >> 32) + (int)(lr & 0xffffffff), RM);
+    for (int t = blockIdx.x; t < M; t += gridDim.x) {
+        for (int d = warp; d < R; d += num_warps) {
+            u64* rec = flag_at(a.peer_bases[d], rec_off, (a.rank * M + t) * (K + 1));
+            if (lane < K) {
+                u32 loc = LL_NO_SLOT, wbits = 0;
+                if (t < a.num_tokens) {
+                    const i64 g = a.topk_idx[(i64)t * K + lane];
+                    const int p = (g >= 0 && g < E) ? a.pos[(i64)t * K + lane] : -1;
+                    if (p >= 0 && (int)(g / L) == d) {
+                        loc = (u32)((int)(g % L) * M + p);
+                        wbits = __float_as_uint(a.topk_weights[(i64)t * K + lane]);
+                    }
+                }
+                st_volatile(rec + lane, ((u64)wbits << 32) | loc);
+            }
+            __syncwarp();
+            if (lane == 0) st_release_sys(rec + K, seq);
         }
-        __syncthreads();
-        const int total = s_start[R];
-        cta_copy_items(total * n_vec, [&](int it, int4& val, int4*& dst) {
-            const int i = it / n_vec, v = it - i * n_vec;
-            int s = 0;
-            while (s + 1 < R && i >= s_start[s + 1]) ++s;
-            const int j = i - s_start[s];
-            if (j >= M) return;
-            val = ld_nc_v4(a.x + ((i64)e * RM + i) * n_vec + v);
-            dst = reinterpret_cast<int4*>(a.peer_bases[s] + data + ((u64)(a.rank * L + e) * M + j) * row_bytes) + v;
-        });
-        __syncthreads();  // every row of expert e is written (and s_start may be rewritten)
-        if (warp == 0 && lane < R)
-            st_release_sys(flag_at(a.peer_bases[lane], a.off_flag, half * a.words_per_half + a.rank * L + e), seq);
     }
     LL_MARK(a.state, 1, 2);
+    for (int i = blockIdx.x; i < RM; i += gridDim.x) {
+        const int s = (a.rank + 1 + i / M) % R, t = i % M;   // the peers' tokens first, this rank's last
+        if (warp == 0) {
+            const u64* rec = flag_at(own, rec_off, (s * M + t) * (K + 1));
+            const WaitSite site = {"low_latency_combine", "ll combine record (channel = token)", a.rank, t, false};
+            warp_wait_geq(rec + K, seq, lane == 0, s, site, a.timeout_ns);
+            __syncwarp();
+            const u64 word = lane < K ? ld_volatile(rec + lane) : (u64)LL_NO_SLOT;
+            const u32 loc = (u32)word;
+            const bool mine = loc != LL_NO_SLOT;
+            const u32 mask = __ballot_sync(FULL_MASK, mine);
+            if (mine) {  // compacted in top-k order
+                const int j = __popc(mask & lanemask_lt());
+                const int le = (int)(loc / (u32)M), p = (int)(loc % (u32)M);
+                const int start = (int)(a.layout_range[(i64)le * R + s] >> 32);
+                s_row[j] = a.x + ((i64)le * RM + start + p) * n_vec;
+                s_w[j] = __uint_as_float((u32)(word >> 32));
+            }
+            if (lane == 0) s_n = __popc(mask);
+        }
+        __syncthreads();
+        const int n = s_n;
+        if (n > 0) {
+            int4* dst = reinterpret_cast<int4*>(a.peer_bases[s] + slot_off + ((u64)a.rank * M + t) * slot_bytes);
+            if (n == 1) {  // the row itself: the receiver computes 0 + w * row, the same two roundings
+                const int4* row = s_row[0];
+                for (int v = threadIdx.x; v < n_vec; v += blockDim.x) st_na_v4(dst + v, ld_nc_v4(row + v));
+            } else {
+                for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    for (int j0 = 0; j0 < n; j0 += LL_UNROLL) {  // LL_UNROLL rows' loads in flight, then the sums in order
+                        int4 r[LL_UNROLL];
+#pragma unroll
+                        for (int u = 0; u < LL_UNROLL; ++u)
+                            r[u] = j0 + u < n ? ld_nc_v4(s_row[j0 + u] + v) : make_int4(0, 0, 0, 0);
+#pragma unroll
+                        for (int u = 0; u < LL_UNROLL; ++u)
+                            if (j0 + u < n) fma_bf16x8_rn(acc, s_w[j0 + u], r[u]);
+                    }
+                    st_na_v4(dst + 2 * v, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]),
+                                                    __float_as_int(acc[2]), __float_as_int(acc[3])));
+                    st_na_v4(dst + 2 * v + 1, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
+                                                        __float_as_int(acc[6]), __float_as_int(acc[7])));
+                }
+            }
+            __syncthreads();  // the whole partial is written
+            if (threadIdx.x == 0) st_release_sys(flag_at(a.peer_bases[s], data, a.rank * M + t), seq);
+        }
+        __syncthreads();  // s_* are rewritten for the next item
+    }
+    LL_MARK(a.state, 1, 3);
     if (last_cta(a.state + LL_TICKET(LL_COMBINE_SEND)) && threadIdx.x == 0) a.state[LL_COMBINE_SEND] = seq;
 }
 
+// Receive: token t's output = bf16(acc), acc = 0; acc = acc + P_d for every rank d holding one of
+// its slots, in rank order; P_d is d's fp32 partial, or 0 + w * row when d holds one slot.
 __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
-    __shared__ u64 s_slot[32];
-    __shared__ float s_w[32];
-    __shared__ int s_valid[32];
+    __shared__ int s_n[COMMLIB_MAX_RANKS];
+    __shared__ float s_w1[COMMLIB_MAX_RANKS];
     const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
     const int half = (int)(seq & 1);
     const u64 own = a.peer_bases[a.rank];
     const u64 data = a.off_data + (u64)half * a.half_bytes;
+    const u64 slot_off = data + combine_slot_offset(R, M, K);
+    const u64 slot_bytes = (u64)a.hidden * 4;
     const int n_vec = a.hidden / 8;
-    const u64 row_bytes = (u64)a.hidden * 2;
     for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
         if (warp == 0) {
-            const bool in = lane < K;
-            const i64 g = in ? a.topk_idx[(i64)t * K + lane] : -1;
-            const bool valid = g >= 0 && g < E;
-            const int p = valid ? a.pos[(i64)t * K + lane] : -1;
-            const bool ready = valid && p >= 0;
-            const WaitSite site = {"low_latency_combine", "ll combine flag (channel = token)", a.rank, t, false};
-            warp_wait_geq(flag_at(own, a.off_flag, half * a.words_per_half + (ready ? (int)g : 0)), seq, ready,
-                          ready ? (int)(g / L) : -1, site, a.timeout_ns);
-            if (in) {
-                s_valid[lane] = valid;
-                s_w[lane] = valid ? a.topk_weights[(i64)t * K + lane] : 0.f;
-                s_slot[lane] = ready ? own + data + ((u64)g * M + p) * row_bytes : 0;
+            int dk = -1;
+            float wk = 0.f;
+            if (lane < K) {
+                const i64 g = a.topk_idx[(i64)t * K + lane];
+                const int p = (g >= 0 && g < E) ? a.pos[(i64)t * K + lane] : -1;
+                if (p >= 0) {
+                    dk = (int)(g / L);
+                    wk = a.topk_weights[(i64)t * K + lane];
+                }
+            }
+            int n = 0;
+            float w1 = 0.f;
+            for (int k = 0; k < K; ++k) {  // lane d: how many of t's slots rank d holds (and the first's weight)
+                const int dd = __shfl_sync(FULL_MASK, dk, k);
+                const float ww = __shfl_sync(FULL_MASK, wk, k);
+                if (dd == lane) {
+                    if (n == 0) w1 = ww;
+                    ++n;
+                }
+            }
+            const WaitSite site = {"low_latency_combine", "ll combine partial (channel = token)", a.rank, t, false};
+            const bool active = lane < R && n > 0;
+            warp_wait_geq(flag_at(own, data, (active ? lane : 0) * M + t), seq, active, lane, site, a.timeout_ns);
+            if (lane < R) {
+                s_n[lane] = n;
+                s_w1[lane] = w1;
             }
         }
         __syncthreads();
         if (t == (int)blockIdx.x) LL_MARK(a.state, 1, 5);
         for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int k = 0; k < K; ++k) {
-                if (!s_valid[k]) continue;
-                const u64 slot = s_slot[k];
-                const int4 r = slot != 0 ? __ldcg(reinterpret_cast<const int4*>(slot) + v) : make_int4(0, 0, 0, 0);
-                const float w = s_w[k];
-                acc[0] = add_rn(acc[0], mul_rn(w, bf16_lo((u32)r.x))); acc[1] = add_rn(acc[1], mul_rn(w, bf16_hi((u32)r.x)));
-                acc[2] = add_rn(acc[2], mul_rn(w, bf16_lo((u32)r.y))); acc[3] = add_rn(acc[3], mul_rn(w, bf16_hi((u32)r.y)));
-                acc[4] = add_rn(acc[4], mul_rn(w, bf16_lo((u32)r.z))); acc[5] = add_rn(acc[5], mul_rn(w, bf16_hi((u32)r.z)));
-                acc[6] = add_rn(acc[6], mul_rn(w, bf16_lo((u32)r.w))); acc[7] = add_rn(acc[7], mul_rn(w, bf16_hi((u32)r.w)));
+            for (int d = 0; d < R; ++d) {
+                const int n = s_n[d];
+                if (n == 0) continue;
+                const int4* slot = reinterpret_cast<const int4*>(own + slot_off + ((u64)d * M + t) * slot_bytes);
+                if (n == 1) {
+                    float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    fma_bf16x8_rn(part, s_w1[d], __ldcg(slot + v));
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], part[i]);
+                } else {
+                    const int4 lo = __ldcg(slot + 2 * v), hi = __ldcg(slot + 2 * v + 1);
+                    add_f32x4_rn(acc, lo);
+                    add_f32x4_rn(acc + 4, hi);
+                }
             }
             a.out[(i64)t * n_vec + v] = pack_bf16x8(acc);
         }
@@ -578,12 +730,11 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_combine_k
     const int4* x, const i64* topk_idx, const float* topk_weights, const int* pos, const i64* layout_range,
     int4* out, int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens,
     int phases, const u64* peer_bases, int rank, int num_ranks,
-    u64 off_flag, u64 off_done, u64 off_data, u64 half_bytes, int words_per_half,
+    u64 off_done, u64 off_data, u64 half_bytes,
     u64* state, u64 timeout_ns) {
     const LLCombineArgs a = {x, topk_idx, topk_weights, pos, layout_range, out,
                              num_tokens, hidden, num_topk, num_experts, max_tokens,
-                             peer_bases, rank, num_ranks, off_flag, off_done, off_data, half_bytes,
-                             words_per_half, state, timeout_ns};
+                             peer_bases, rank, num_ranks, off_done, off_data, half_bytes, state, timeout_ns};
     __shared__ u64 s_seq[2];
     if (threadIdx.x == 0) {
         s_seq[0] = read_state(state, LL_COMBINE_SEND);
@@ -592,7 +743,6 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_combine_k
     __syncthreads();
     LL_MARK(state, 1, 0);
     if (phases & LL_SEND) ll_combine_send(a, s_seq[0]);
-    LL_MARK(state, 1, 3);
     LL_MARK(state, 1, 4);
     if (phases & LL_RECV) ll_combine_recv(a, s_seq[1]);
     LL_MARK(state, 1, 7);

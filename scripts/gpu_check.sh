@@ -45,7 +45,7 @@ case "$ONLY" in
   final) STAGES="env,compile,smoke,main,a2a,long,overlap,tune" ;;
   next) STAGES="env,compile,hier,internode" ;;
   host) STAGES="env,compile,smoke,tests2,profile,bench,hier,internode" ;;
-  ll) STAGES="env,compile,llgpu,llbench" ;;   # low-latency mode: its GPU tests and its benchmark
+  ll) STAGES="env,compile,llgpu,llfault,lltrace,llbench" ;;   # low-latency mode: GPU tests, bad-id trap, benchmark
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -121,6 +121,8 @@ stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout
 stage faults 150 env COMMLIB_FAULT_LOG_DIR="$OUTDIR/faults" $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k "not long_run" -p no:cacheprovider
 stage cpu 60 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "imports or assemble or nvrtc" -p no:cacheprovider
 stage llgpu 150 $PY -m pytest tests/gpu/test_low_latency_gpu.py -x -q -s -p no:cacheprovider
+stage llfault 60 env COMMLIB_FAULT_LOG_DIR="$OUTDIR/faults" $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k "ll_bad_expert_id" -p no:cacheprovider
+stage lltrace 120 $PY benchmarks/bench_low_latency.py --trace --iters 20
 
 # Whole-library stages: the main job, the mpirun sweep (+ plot), the 10k-round long run, the dual
 # pipeline and the tuner; their JSON/PNG go to OUTDIR/results (packed into results.tar.gz).

@@ -10,8 +10,10 @@ CUDA graph and replayed. Differences, all documented in the issue's terms:
     [L, R * M, H] costs more than the whole call at decode shapes). ``pad_zeros = True`` on the
     engine (``buffer._low_latency``) zeroes them, as the reference does. ``src_info`` padding is
     always -1.
-  - expert ids outside [-1, E) are not checked on the host (that would be a sync): the kernels
-    treat them as -1. A token that reaches one expert through more than M of its (token, slot)
+  - expert ids outside [-1, E) are not checked on the host (that would be a sync): the dispatch
+    kernel prints the first one it finds ('[commlib] rank r low_latency_dispatch: topk_idx[t, k] =
+    ...') and traps, which the Buffer reports as CommlibError (and is poisoned, as after torch's
+    device-side asserts). A token that reaches one expert through more than M of its (token, slot)
     pairs from one source (repeated ids) loses the pairs past M.
   - at most two calls of each kind may be in flight (return_recv_hook); the hooks must be called
     in call order. Both are checked on the host; on the device a third send waits for the first
@@ -19,10 +21,10 @@ CUDA graph and replayed. Differences, all documented in the issue's terms:
 
 Memory: one IPC buffer per rank (commlib.backends.peer_memory) of CONTROL_BYTES +
 ``num_rdma_bytes`` + SLACK bytes, separate from the NVLink engine's buffer:
-  [0, CONTROL_BYTES)   count words, combine flags (per half), done words, arrival words (see csrc/low_latency.cu)
+  [0, CONTROL_BYTES)   count words, done words, arrival words (see csrc/low_latency.cu)
   then  dispatch half 0, dispatch half 1 (E * M slots each), combine half 0, combine half 1
-        (E * M bf16 rows each); the halves' sizes come from the size hint's row sizes, so a call
-        of either dtype fits the same halves.
+        (flags, top-k records and R * M partial slots: commlib.low_latency.combine_half_bytes);
+        the halves' sizes come from the size hint's, so a call of either dtype fits the same halves.
 Two calls in flight with different (M, H, E) are not supported (their halves would overlap).
 """
 from __future__ import annotations
@@ -35,7 +37,9 @@ import torch
 
 from .. import kernels as K
 from ..fp8 import BLOCK
-from ..low_latency import LowLatencyEngine, LowLatencyHandle, check_combine_args, check_dispatch_args
+from ..config import MAX_TOPK
+from ..low_latency import (LowLatencyEngine, LowLatencyHandle, check_combine_args, check_dispatch_args,
+                           combine_half_bytes)
 from .nvlink import _aligned
 from .peer_memory import PeerMemory
 
@@ -43,13 +47,11 @@ THREADS = 512               # COMMLIB_LL_THREADS in csrc/low_latency.cu
 CTAS_PER_SM = 2             # its __launch_bounds__: two CTAs fit an SM (64 registers a thread)
 TRACE_BASE, TRACE_CTAS = 64, 256  # LL_TRACE_BASE, LL_TRACE_CTAS in csrc/low_latency.cu
 MAX_EXPERTS = 2048          # LL_MAX_EXPERTS in csrc/low_latency.cu: words per half of the control arrays
-MAX_TOPK = 32               # s_pair_rank[32] (dispatch), one lane per slot (combine)
 OFF_COUNT = 0                               # u64 [2 halves][MAX_EXPERTS]: (local expert, source) counts
-OFF_COMBINE_FLAG = OFF_COUNT + 2 * MAX_EXPERTS * 8      # u64 [2][MAX_EXPERTS]: per global expert
-OFF_DISPATCH_DONE = OFF_COMBINE_FLAG + 2 * MAX_EXPERTS * 8   # u64 [MAX_RANKS]
-OFF_COMBINE_DONE = OFF_DISPATCH_DONE + 8 * K.MAX_RANKS       # u64 [MAX_RANKS]
-OFF_ARRIVAL = 69632                         # u64 [2 halves][MAX_EXPERTS]: rows landed per (local expert, source)
-CONTROL_BYTES = OFF_ARRIVAL + 2 * MAX_EXPERTS * 8   # 102400, a multiple of 4 KB
+OFF_DISPATCH_DONE = OFF_COUNT + 2 * MAX_EXPERTS * 8     # u64 [MAX_RANKS]
+OFF_COMBINE_DONE = OFF_DISPATCH_DONE + 8 * K.MAX_RANKS  # u64 [MAX_RANKS]
+OFF_ARRIVAL = 36864                         # u64 [2 halves][MAX_EXPERTS]: rows landed per (local expert, source)
+CONTROL_BYTES = OFF_ARRIVAL + 2 * MAX_EXPERTS * 8   # 69632, a multiple of 4 KB
 SLACK = 4096                # the halves are 16-byte aligned: a few bytes past the size hint
 SEND, RECV = 1, 2           # LL_SEND / LL_RECV phases
 FP8_MODES = {"bf16": 0, "fp8": 1, "fp8_pow2": 2, "fp8_ue8m0": 3}
@@ -66,21 +68,23 @@ def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool, num_ranks: 
     """Byte offsets of one call's regions and slot layout (the same on every rank)."""
     row_d = 2 * H + H // BLOCK * 4 + 16          # rdma_size_hint's dispatch row
     half_d = _align(E * M * row_d)
-    half_c = E * M * 2 * H
+    R = num_ranks or E  # ranks (at most E; the worst case when unknown)
+    # combine half (csrc/low_latency.cu, combine_slot_offset): flags [R][M], records [R][M][K + 1],
+    # then slots [R][M] of 4H bytes; sized for the largest top-k
+    half_c = _align(combine_half_bytes(M, H, R, E))
+    assert _align(R * M * 8 * (MAX_TOPK + 2)) + R * M * 4 * H <= half_c
     data_bytes = H if use_fp8 else 2 * H
     scale_bytes = (H // BLOCK if use_ue8m0 else H // BLOCK * 4) if use_fp8 else 0
     off_scales = _align(data_bytes)
-    off_meta = off_scales + _align(scale_bytes)
-    slot_bytes = off_meta + 16
+    slot_bytes = off_scales + _align(scale_bytes)
     assert slot_bytes <= row_d, (slot_bytes, row_d)
     # dispatch half (csrc/low_latency.cu, dispatch_meta_offset): token rows [R][M], then meta [L][R][M] int32
-    R = num_ranks or E  # ranks (at most E; the worst case when unknown)
     need_d = _align(R * M * slot_bytes) + E * M * 4
     half_d = max(half_d, _align(need_d))
     return {"off_dispatch": CONTROL_BYTES, "half_dispatch": half_d,
             "off_combine": CONTROL_BYTES + 2 * half_d, "half_combine": half_c,
             "end": CONTROL_BYTES + 2 * half_d + 2 * half_c,
-            "slot_bytes": slot_bytes, "slot_off_scales": off_scales, "slot_off_meta": off_meta}
+            "slot_bytes": slot_bytes, "slot_off_scales": off_scales}
 
 
 class NVLinkLowLatency(LowLatencyEngine):
@@ -194,7 +198,7 @@ class NVLinkLowLatency(LowLatencyEngine):
                 K.u64(OFF_COUNT), K.u64(OFF_DISPATCH_DONE), K.u64(OFF_ARRIVAL), K.u64(geo["off_dispatch"]),
                 K.u64(geo["half_dispatch"]),
                 K.i32(MAX_EXPERTS), K.i32(geo["slot_bytes"]), K.i32(geo["slot_off_scales"]),
-                K.i32(geo["slot_off_meta"]), K.ptr(self.state), K.u64(self.timeout_ns))
+                K.ptr(self.state), K.u64(self.timeout_ns))
         head = (K.ptr(x), K.ptr(idx), K.ptr(pos), K.ptr(recv_data), K.ptr(recv_scales), K.ptr(src_info),
                 K.ptr(layout_range), K.ptr(recv_count),
                 K.i32(T), K.i32(H), K.i32(Kk), K.i32(E), K.i32(M), K.i32(mode), K.i32(int(self.pad_zeros)))
@@ -221,8 +225,10 @@ class NVLinkLowLatency(LowLatencyEngine):
         if handle.extra.get("engine") != "nvlink":
             raise ValueError(f"[commlib rank {me}] handle was not made by the nvlink low-latency engine")
         M, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        T, Kk, L = handle.extra["T"], handle.extra["K"], E // R
+        T, Kk = handle.extra["T"], handle.extra["K"]
         geo = self._geometry(M, H, E, False, False)
+        if H % 8:
+            raise ValueError(f"[commlib rank {me}] nvlink low-latency combine: hidden ({H}) must be a multiple of 8")
         call = self._issue("combine", return_recv_hook)
         x = _aligned(x)
         idx = topk_idx.contiguous()
@@ -232,9 +238,9 @@ class NVLinkLowLatency(LowLatencyEngine):
         args_head = (K.ptr(x), K.ptr(idx), K.ptr(w), K.ptr(handle.extra["pos"]), K.ptr(handle.layout_range),
                      K.ptr(result), K.i32(T), K.i32(H), K.i32(Kk), K.i32(E), K.i32(M))
         args_tail = (K.ptr(self.mem.peer_bases), K.i32(me), K.i32(R),
-                     K.u64(OFF_COMBINE_FLAG), K.u64(OFF_COMBINE_DONE), K.u64(geo["off_combine"]),
-                     K.u64(geo["half_combine"]), K.i32(MAX_EXPERTS), K.ptr(self.state), K.u64(self.timeout_ns))
-        grid = self._grid(T, L)
+                     K.u64(OFF_COMBINE_DONE), K.u64(geo["off_combine"]), K.u64(geo["half_combine"]),
+                     K.ptr(self.state), K.u64(self.timeout_ns))
+        grid = self._grid(R * M)  # send items (source, token); the receive takes the first T CTAs
         keep = (x, idx, w, handle)  # the receive half (a hook) reads idx, w and the handle's pos
 
         def launch(phases: int) -> None:

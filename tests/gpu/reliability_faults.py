@@ -20,6 +20,8 @@ Cases (COMMLIB_TIMEOUT_S from the environment):
   dispatch_twice        both dispatch; rank 0 dispatches again, rank 1 combines: rank 0's count
                         exchange and rank 1's combine both time out.
   exit_before_dispatch  rank 1 exits right after creating the Buffer: rank 0's dispatch times out.
+  ll_bad_expert_id      low-latency mode: rank 0's topk_idx holds an expert id >= num_experts; its
+                        dispatch kernel names it and traps, rank 1's receiver times out.
 """
 from __future__ import annotations
 
@@ -73,6 +75,8 @@ def worker(ctx, case: str):
 
     me, dev = ctx.rank, ctx.device
     timeout = float(os.environ.get("COMMLIB_TIMEOUT_S", "4"))
+    if case == "ll_bad_expert_id":
+        _ll_bad_expert_id(ctx)
     cfg = Config(8, 16, 64, 64, 1024)
     buf = Buffer(ctx.group, cfg.get_nvl_buffer_size_hint(H * 2, ctx.world_size), backend="nvlink",
                  explicitly_destroy=True)
@@ -127,6 +131,28 @@ def worker(ctx, case: str):
     if _report(me, "", fault):
         _report(me, "after", follow)
         _report(me, "again", follow)
+    _flush_and_exit()
+
+
+def _ll_bad_expert_id(ctx):
+    from commlib.buffer import Buffer
+
+    me, dev, M = ctx.rank, ctx.device, 16
+    nbytes = Buffer.get_low_latency_rdma_size_hint(M, H, ctx.world_size, E)
+    buf = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="nvlink", explicitly_destroy=True)
+    x = torch.randn(M, H, device=dev).to(torch.bfloat16)
+    idx = torch.rand(M, E, device=dev).topk(K, dim=1).indices
+    if me == 0:
+        idx[3, 1] = E  # one past the last expert
+
+    def dispatch():
+        buf.low_latency_dispatch(x, idx, M, E, use_fp8=True)
+        torch.cuda.synchronize()
+
+    dist.barrier()
+    if _report(me, "", dispatch):
+        _report(me, "after", dispatch)
+        _report(me, "again", dispatch)
     _flush_and_exit()
 
 

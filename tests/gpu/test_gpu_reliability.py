@@ -33,7 +33,8 @@ sys.path.insert(0, str(HERE.parent))
 pytestmark = pytest.mark.gpu
 
 FAULT_TIMEOUT_S = 4          # COMMLIB_TIMEOUT_S inside the fault worlds
-TRAP_CASES = ["sig_cached_dispatch", "sig_combine", "skip_combine", "dispatch_twice", "exit_before_dispatch"]
+TRAP_CASES = ["sig_cached_dispatch", "sig_combine", "skip_combine", "dispatch_twice", "exit_before_dispatch",
+              "ll_bad_expert_id"]
 DISAGREE_CASES = ["disagree_num_experts", "disagree_hidden", "disagree_dtype", "disagree_config",
                   "disagree_combine_sms_is_fine"]
 
@@ -86,34 +87,33 @@ def test_ranks_disagree_gpu(disagree_world, name):
 _TRAP_RESULTS: dict = {}
 
 
-def _run_trap_worlds() -> dict:
-    """Run every trap world, one at a time, one rank per GPU; returns {case: (returncode, output, seconds)}.
+def _run_trap_world(case: str) -> tuple:
+    """Run one trap world (once per session), one rank per GPU; returns (returncode, output, seconds).
 
     One rank per GPU on purpose: with both ranks' contexts on one GPU, a trap in each (both ranks
     fail) left the second context hung in the driver on 2 x H200 (three worlds never finished),
-    whereas a trap per GPU is reported at once.
+    whereas a trap per GPU is reported at once. Worlds run one at a time (pytest is sequential).
     """
-    if _TRAP_RESULTS:
-        return _TRAP_RESULTS
+    if case in _TRAP_RESULTS:
+        return _TRAP_RESULTS[case]
     logdir = Path(os.environ.get("COMMLIB_FAULT_LOG_DIR", "/tmp/commlib_faults"))
     logdir.mkdir(parents=True, exist_ok=True)
-    for case in TRAP_CASES:
-        env = dict(os.environ, COMMLIB_TIMEOUT_S=str(FAULT_TIMEOUT_S), PYTHONUNBUFFERED="1",
-                   NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), str(HERE), env.get("PYTHONPATH", "")])
-        log = logdir / f"{case}.log"
-        t0 = time.monotonic()
-        with open(log, "w") as fh:
-            proc = subprocess.Popen([sys.executable, str(HERE / "reliability_faults.py"), case], stdout=fh,
-                                    stderr=subprocess.STDOUT, env=env)
-            try:
-                rc = proc.wait(timeout=FAULT_TIMEOUT_S + 40)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
-        _TRAP_RESULTS[case] = (rc, log.read_text(errors="replace"), time.monotonic() - t0)
-    return _TRAP_RESULTS
+    env = dict(os.environ, COMMLIB_TIMEOUT_S=str(FAULT_TIMEOUT_S), PYTHONUNBUFFERED="1",
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), str(HERE), env.get("PYTHONPATH", "")])
+    log = logdir / f"{case}.log"
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, str(HERE / "reliability_faults.py"), case], stdout=fh,
+                                stderr=subprocess.STDOUT, env=env)
+        try:
+            rc = proc.wait(timeout=FAULT_TIMEOUT_S + 40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    _TRAP_RESULTS[case] = (rc, log.read_text(errors="replace"), time.monotonic() - t0)
+    return _TRAP_RESULTS[case]
 
 
 def _outcomes(out: str) -> dict:
@@ -134,7 +134,7 @@ def _outcomes(out: str) -> dict:
 @needs_2_gpus
 @pytest.mark.parametrize("case", TRAP_CASES)
 def test_fault_world(case):
-    rc, out, took = _run_trap_worlds()[case]
+    rc, out, took = _run_trap_world(case)
     print(f"--- {case}: rc {rc}, {took:.1f} s ---\n{out[-3000:]}")
     res = _outcomes(out)
     tail = out[-4000:]
@@ -149,6 +149,10 @@ def test_fault_world(case):
     elif case == "dispatch_twice":
         assert "[commlib] rank 0 timeout in notify channel -1 waiting for notify flag from rank 1" in out, tail
         assert "[commlib] rank 1 timeout in combine channel" in out, tail
+        survivors = [0, 1]
+    elif case == "ll_bad_expert_id":
+        assert "[commlib] rank 0 low_latency_dispatch: topk_idx[3, 1] = 8 is outside [-1, 8)" in out, tail
+        assert "[commlib] rank 1 timeout in low_latency_dispatch" in out, tail
         survivors = [0, 1]
     else:  # exit_before_dispatch: a timeout, or a fault if the dead rank's memory went away
         survivors = [0]

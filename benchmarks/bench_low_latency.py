@@ -115,7 +115,8 @@ def _worker(ctx, a):
     if a.trace:  # one more replay of each, then where each launch spent its time, per CTA
         from commlib.backends.nvlink_ll import trace_summary
         ll = buf._low_latency
-        grids = (ll._grid(a.tokens, L), ll._grid(R * M))   # what dispatch() and combine() launch
+        from commlib.backends.nvlink_ll import MAX_PARTS
+        grids = (ll._grid(L, 1 + MAX_PARTS * a.tokens), ll._grid(R * M))   # what dispatch() and combine() launch
         mine = {}
         for kernel, (name, g) in enumerate((("dispatch", g_d), ("combine", g_c))):
             dist.barrier(group=ctx.group)
@@ -123,6 +124,9 @@ def _worker(ctx, a):
             g.replay()
             torch.cuda.synchronize()
             mine[name] = trace_summary(ll.state, kernel, grids[kernel])
+            if name == "combine":  # CTAs [0, (R - 1) M) send the peers' partials, the rest this rank's own
+                mine["combine: peers' items"] = trace_summary(ll.state, 1, grids[1], range(0, (R - 1) * M))
+                mine["combine: own items"] = trace_summary(ll.state, 1, grids[1], range((R - 1) * M, R * M))
         traces = [None] * R
         dist.all_gather_object(traces, mine, group=ctx.group)
     timed("dispatch_eager", dispatch)

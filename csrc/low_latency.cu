@@ -55,6 +55,7 @@
 #define LL_UNROLL 4
 #define LL_MAX_EXPERTS 2048            // nvlink_ll.MAX_EXPERTS
 #define LL_SMEM_PAIRS 4096             // (token, slot) ids kept in shared memory for the slot scan
+#define LL_MAX_PARTS 4                 // dispatch: CTAs sharing one token row when the grid has CTAs to spare
 #define LL_RECV_ROWS 1024              // rows of one expert whose sources the receiver keeps in shared memory
 
 #define LL_SEND 1
@@ -62,8 +63,10 @@
 
 // COMMLIB_LL_TRACE=1 (kernels.set_variant({"LL_TRACE": 1})): CTA thread 0 stores %globaltimer at
 // 8 points of each kernel into state[LL_TRACE_BASE + ((kernel * LL_TRACE_CTAS) + cta) * 8 + point]
-// (kernel 0 dispatch, 1 combine; points: start, send ready, send rows written, send done, recv
-// start, first count/flag seen, recv rows done, end). benchmarks/bench_low_latency.py --trace reads them.
+// (kernel 0 dispatch: start, send ready, send rows written, send done, recv start, counts and
+// arrivals seen, recv rows done, end; kernel 1 combine: start, send ready, records written, first
+// item's record seen, its partial stored, send done (flags released), first token's partials seen,
+// end: commlib/backends/nvlink_ll.py TRACE_POINTS). benchmarks/bench_low_latency.py --trace reads them.
 #ifndef COMMLIB_LL_TRACE
 #define COMMLIB_LL_TRACE 0
 #endif
@@ -231,6 +234,13 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     const u64 own = a.peer_bases[a.rank];
     const u64 data = a.off_data + (u64)half * a.half_bytes;
     const u64 meta_off = dispatch_meta_offset(R, M, a.slot_bytes);
+    // Work units (token, part): with CTAs to spare, CTA 0 only publishes the counts and the others
+    // split each row into `parts` (FP8: whole 128-channel blocks); every unit adds its own arrival,
+    // so the count word tells receivers `parts` too (bits 24-31).
+    const int first = (int)gridDim.x > a.num_tokens ? 1 : 0;
+    const int senders = (int)gridDim.x - first;
+    const int n_blocks = a.hidden / 128;
+    const int parts = max(1, min(min(LL_MAX_PARTS, senders / max(a.num_tokens, 1)), max(n_blocks, 1)));
     if (warp == 0) {  // every receiver is done with this half (call seq - 2)
         const WaitSite site = {"low_latency_dispatch", "ll dispatch done (call seq - 2 consumed)", a.rank, -1, false};
         wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
@@ -261,13 +271,14 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         for (int g = threadIdx.x; g < E; g += blockDim.x) {
             const int d = g / L, le = g % L;
             st_release_sys(flag_at(a.peer_bases[d], a.off_count, half * a.words_per_half + le * R + a.rank),
-                           tail_word(seq, (u32)min(s_hist[g], M)));
+                           tail_word(seq, ((u32)parts << 24) | (u32)min(s_hist[g], M)));
         }
     }
     LL_MARK(a.state, 0, 1);
 
     const int n_vec = a.hidden / 8;  // 16-byte vectors of bf16 input
-    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+    for (int u = (int)blockIdx.x - first; u >= 0 && u < a.num_tokens * parts; u += senders) {
+        const int t = u % a.num_tokens, q = u / a.num_tokens;   // token t, part q of its row
         for (int k = warp; k < K; k += num_warps) {  // pair (t, k): its rank among the pairs to the same expert
             const i64 e = a.topk_idx[(i64)t * K + k];
             const bool valid = e >= 0 && e < E;
@@ -283,13 +294,14 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
             }
             const int p = (valid && count < (u32)M) ? (int)count : -1;  // beyond M (repeated ids): dropped
             if (lane == 0) {
-                a.pos[(i64)t * K + k] = p;
+                if (q == 0) a.pos[(i64)t * K + k] = p;
                 int d = -1;
-                if (p >= 0) {  // the pair's meta word: which token of this source is slot p of (e, rank)
+                if (p >= 0) {  // the pair's meta word (part 0): which token of this source is slot p of (e, rank)
                     d = (int)(e / L);
                     const int le = (int)(e % L);
-                    st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
-                                    ((u64)(le * R + a.rank) * M + p), t);
+                    if (q == 0)
+                        st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
+                                        ((u64)(le * R + a.rank) * M + p), t);
                     s_pair_le[k] = le;
                 }
                 s_pair_rank[k] = d;
@@ -305,7 +317,8 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         __syncthreads();
         const int4* src = a.x + (i64)t * n_vec;
         if (a.fp8_mode == LL_FP8_NONE) {
-            for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
+            const int v0 = (int)((i64)q * n_vec / parts), v1 = (int)((i64)(q + 1) * n_vec / parts);
+            for (int v = v0 + (int)threadIdx.x; v < v1; v += blockDim.x) {
                 const int4 val = ld_nc_v4(src + v);
                 for (int r = 0; r < R; ++r) {
                     const u64 d = s_dst[r];
@@ -313,10 +326,11 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
                 }
             }
         } else {
-            // 16 lanes = one 128-channel block (n_vec % 16 == 0, so half-warps are never split)
-            for (int base = warp * 32; base < n_vec; base += blockDim.x) {
+            // 16 lanes = one 128-channel block (parts start on blocks, so half-warps are never split)
+            const int v0 = q * n_blocks / parts * 16, v1 = (q + 1) * n_blocks / parts * 16;
+            for (int base = v0 + warp * 32; base < v1; base += blockDim.x) {
                 const int v = base + lane;
-                const bool active = v < n_vec;
+                const bool active = v < v1;
                 const int4 val = active ? ld_nc_v4(src + v) : make_int4(0, 0, 0, 0);
                 float f[8] = {bf16_lo((u32)val.x), bf16_hi((u32)val.x), bf16_lo((u32)val.y), bf16_hi((u32)val.y),
                               bf16_lo((u32)val.z), bf16_hi((u32)val.z), bf16_lo((u32)val.w), bf16_hi((u32)val.w)};
@@ -391,12 +405,13 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
             const u64 v = warp_wait_geq(
                 flag_at(own, a.off_count, half * a.words_per_half + e * R + (active ? lane : 0)),
                 tail_word(seq, 0), active, lane, site, a.timeout_ns);
-            const int cnt = active ? (int)min((u32)(v & 0xffffffffull), (u32)M) : 0;
-            // every row of (e, lane) has landed: the senders' arrival count reaches the count
+            const int cnt = active ? (int)min((u32)(v & 0xffffffull), (u32)M) : 0;
+            const int parts = active ? (int)((v >> 24) & 0xffull) : 0;
+            // every row of (e, lane) has landed: each of the source's `parts` units per pair has arrived
             u64* arrived = flag_at(own, a.off_arrival, half * a.words_per_half + e * R + (active ? lane : 0));
             const WaitSite rows_site = {"low_latency_dispatch", "ll dispatch rows arrived (channel = local expert)",
                                         a.rank, e, true};
-            warp_wait_geq(arrived, (u64)cnt, active && cnt > 0, lane, rows_site, a.timeout_ns);
+            warp_wait_geq(arrived, (u64)cnt * parts, active && cnt > 0, lane, rows_site, a.timeout_ns);
             if (active) st_volatile(arrived, (u64)0);  // for call seq + 2 (its senders wait for our done word)
             int incl = cnt;
 #pragma unroll
@@ -536,7 +551,9 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
 //       << 32 | local expert * M + pos, low word 0xffffffff when the slot is not on this rank), word
 //       K = seq, release-stored after them
 //   SLOT [d][M] (4H bytes) in rank s: rank d's partial of token t: fp32 [H] when d holds two or more
-//       of t's slots, the one expert row (bf16 [H]) when it holds one (the receiver multiplies)
+//       of t's slots, as two planes (channels 8v..8v+3 at vector v, then 8v+4..8v+7 at H / 8 + v, so
+//       every warp store covers whole sectors), or the one expert row (bf16 [H]) when it holds one
+//       (the receiver multiplies)
 __device__ __forceinline__ u64 combine_record_offset(int R, int M) { return (u64)R * M * 8; }
 __device__ __forceinline__ u64 combine_slot_offset(int R, int M, int K) {
     return ((u64)R * M * 8 * (u64)(K + 2) + 15) & ~(u64)15;
@@ -619,6 +636,7 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
             if (lane == 0) s_n = __popc(mask);
         }
         __syncthreads();
+        if (i == (int)blockIdx.x) LL_MARK(a.state, 1, 3);
         const int n = s_n;
         if (n > 0) {
             int4* dst = reinterpret_cast<int4*>(a.peer_bases[s] + slot_off + ((u64)a.rank * M + t) * slot_bytes);
@@ -637,18 +655,19 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
                         for (int u = 0; u < LL_UNROLL; ++u)
                             if (j0 + u < n) fma_bf16x8_rn(acc, s_w[j0 + u], r[u]);
                     }
-                    st_na_v4(dst + 2 * v, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]),
-                                                    __float_as_int(acc[2]), __float_as_int(acc[3])));
-                    st_na_v4(dst + 2 * v + 1, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
+                    st_na_v4(dst + v, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]),
+                                                __float_as_int(acc[2]), __float_as_int(acc[3])));
+                    st_na_v4(dst + n_vec + v, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
                                                         __float_as_int(acc[6]), __float_as_int(acc[7])));
                 }
             }
+            if (i == (int)blockIdx.x) LL_MARK(a.state, 1, 4);
             __syncthreads();  // the whole partial is written
             if (threadIdx.x == 0) st_release_sys(flag_at(a.peer_bases[s], data, a.rank * M + t), seq);
         }
         __syncthreads();  // s_* are rewritten for the next item
     }
-    LL_MARK(a.state, 1, 3);
+    LL_MARK(a.state, 1, 5);
     if (last_cta(a.state + LL_TICKET(LL_COMBINE_SEND)) && threadIdx.x == 0) a.state[LL_COMBINE_SEND] = seq;
 }
 
@@ -696,7 +715,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
             }
         }
         __syncthreads();
-        if (t == (int)blockIdx.x) LL_MARK(a.state, 1, 5);
+        if (t == (int)blockIdx.x) LL_MARK(a.state, 1, 6);
         for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int d = 0; d < R; ++d) {
@@ -709,7 +728,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
 #pragma unroll
                     for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], part[i]);
                 } else {
-                    const int4 lo = __ldcg(slot + 2 * v), hi = __ldcg(slot + 2 * v + 1);
+                    const int4 lo = __ldcg(slot + v), hi = __ldcg(slot + n_vec + v);
                     add_f32x4_rn(acc, lo);
                     add_f32x4_rn(acc + 4, hi);
                 }
@@ -718,7 +737,6 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
         }
         __syncthreads();  // s_* are rewritten for the next token
     }
-    LL_MARK(a.state, 1, 6);
     if (last_cta(a.state + LL_TICKET(LL_COMBINE_RECV))) {
         // every slot of this call is read: the expert ranks may reuse this half (call seq + 2)
         if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
@@ -743,7 +761,6 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_combine_k
     __syncthreads();
     LL_MARK(state, 1, 0);
     if (phases & LL_SEND) ll_combine_send(a, s_seq[0]);
-    LL_MARK(state, 1, 4);
     if (phases & LL_RECV) ll_combine_recv(a, s_seq[1]);
     LL_MARK(state, 1, 7);
 }

@@ -47,6 +47,8 @@ THREADS = 512               # COMMLIB_LL_THREADS in csrc/low_latency.cu
 CTAS_PER_SM = 2             # its __launch_bounds__: two CTAs fit an SM (64 registers a thread)
 TRACE_BASE, TRACE_CTAS = 64, 256  # LL_TRACE_BASE, LL_TRACE_CTAS in csrc/low_latency.cu
 MAX_EXPERTS = 2048          # LL_MAX_EXPERTS in csrc/low_latency.cu: words per half of the control arrays
+MAX_PARTS = 4               # LL_MAX_PARTS: dispatch CTAs per token row
+MAX_TOKENS = 1 << 24        # count words keep rows in 24 bits
 OFF_COUNT = 0                               # u64 [2 halves][MAX_EXPERTS]: (local expert, source) counts
 OFF_DISPATCH_DONE = OFF_COUNT + 2 * MAX_EXPERTS * 8     # u64 [MAX_RANKS]
 OFF_COMBINE_DONE = OFF_DISPATCH_DONE + 8 * K.MAX_RANKS  # u64 [MAX_RANKS]
@@ -126,12 +128,15 @@ class NVLinkLowLatency(LowLatencyEngine):
                              f"{self.capacity} allocated")
         return g
 
-    def _check_gpu_limits(self, H: int, Kk: int, E: int, use_fp8: bool) -> None:
+    def _check_gpu_limits(self, H: int, Kk: int, E: int, M: int, use_fp8: bool) -> None:
         me = self.rank
         if not use_fp8 and H % 8:
             raise ValueError(f"[commlib rank {me}] nvlink low-latency dispatch: hidden ({H}) must be a multiple of 8")
         if Kk > MAX_TOPK:
             raise ValueError(f"[commlib rank {me}] nvlink low-latency mode: top-k ({Kk}) must be <= {MAX_TOPK}")
+        if M >= MAX_TOKENS:
+            raise ValueError(f"[commlib rank {me}] nvlink low-latency mode: num_max_dispatch_tokens_per_rank ({M}) "
+                             f"must be < {MAX_TOKENS}")
         if E > MAX_EXPERTS:
             raise ValueError(f"[commlib rank {me}] nvlink low-latency mode: num_experts ({E}) must be <= {MAX_EXPERTS}")
 
@@ -175,7 +180,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         T, H = x.shape
         Kk = topk_idx.shape[1]
         E, L, RM = num_experts, num_experts // R, R * M
-        self._check_gpu_limits(H, Kk, E, use_fp8)
+        self._check_gpu_limits(H, Kk, E, M, use_fp8)
         geo = self._geometry(M, H, E, use_fp8, use_ue8m0)
         mode = FP8_MODES["bf16" if not use_fp8 else "fp8_ue8m0" if use_ue8m0 else "fp8_pow2" if round_scale
                          else "fp8"]
@@ -202,7 +207,8 @@ class NVLinkLowLatency(LowLatencyEngine):
         head = (K.ptr(x), K.ptr(idx), K.ptr(pos), K.ptr(recv_data), K.ptr(recv_scales), K.ptr(src_info),
                 K.ptr(layout_range), K.ptr(recv_count),
                 K.i32(T), K.i32(H), K.i32(Kk), K.i32(E), K.i32(M), K.i32(mode), K.i32(int(self.pad_zeros)))
-        grid = self._grid(T, L)
+        # receivers: one CTA per local expert; senders: up to LL_MAX_PARTS CTAs per token (+ CTA 0)
+        grid = self._grid(L, 1 + MAX_PARTS * T)
         keep = (x, idx)  # a hook's launch passes the same pointers: keep them allocated until then
 
         def launch(phases: int) -> None:
@@ -254,17 +260,22 @@ class NVLinkLowLatency(LowLatencyEngine):
         return (out if out is not None else result), hook
 
 
-TRACE_POINTS = ("start", "send_ready", "send_rows_written", "send_done", "recv_start", "first_count_seen",
-                "recv_rows_done", "end")
+TRACE_POINTS = (("start", "send_ready", "send_rows_written", "send_done", "recv_start", "arrivals_seen",
+                 "recv_rows_done", "end"),
+                ("start", "send_ready", "records_written", "record_seen", "partial_stored", "send_done",
+                 "partials_seen", "end"))
 
 
-def trace_summary(state: torch.Tensor, kernel: int, num_ctas: int) -> dict:
+def trace_summary(state: torch.Tensor, kernel: int, num_ctas: int, ctas: Optional[range] = None) -> dict:
     """Per trace point (COMMLIB_LL_TRACE=1): (min, median, max) microseconds after the earliest CTA start
-    of the last launch of ``kernel`` (0 dispatch, 1 combine); points a launch did not reach are left out."""
+    of the last launch of ``kernel`` (0 dispatch, 1 combine), over ``ctas`` (default: all of the
+    launch's ``num_ctas``); points a launch did not reach are left out."""
     t = state[TRACE_BASE:].view(2, TRACE_CTAS, 8)[kernel, :num_ctas].cpu().double()
     t0 = t[:, 0][t[:, 0] > 0].min()
+    if ctas is not None:
+        t = t[ctas.start:min(ctas.stop, num_ctas)]
     out = {}
-    for i, name in enumerate(TRACE_POINTS):
+    for i, name in enumerate(TRACE_POINTS[kernel]):
         col = t[:, i]
         col = col[col > 0]
         if col.numel():

@@ -19,13 +19,35 @@ communication (dual / max ~1.0) but cannot give much speedup. ``--preset balance
 token rows (4096 x 7168 bf16) and cuts the work per row (16 experts, top-2, expert intermediate
 256, no shared expert, 4 heads x 128) to bring compute towards comm; measured on 2 x H200 its
 forward is comm : compute ~ 1 : 3 and its forward+backward too (4.4 vs 13.6 ms), where no schedule
-can beat sequential by more than (comm + compute) / compute ~ 1.3x. ``--preset balanced_fb`` is
-the one where forward+backward comm ~ compute: the MoE layer alone (``heads 0``: no attention,
+can beat sequential by more than (comm + compute) / compute ~ 1.3x. ``--preset balanced_fb`` aims
+at forward+backward comm ~ compute: the MoE layer alone (``heads 0``: no attention,
 whose norms and projections alone outweigh the all-to-alls), V3's traffic pattern at EP2 (every
 token reaches both GPUs: top-2 of 2 experts, 8192 rows received per GPU per micro-batch) and the
 expert intermediate size *calibrated* on the spot: before timing, the sequential forward+backward
 is measured for expert_hidden in 64 .. 4096 and the size whose compute / comm is nearest 1 is
 kept (``--no-calibrate`` or an explicit ``--expert-hidden`` skips it; the trials are in the JSON).
+On 2 x H200 even the floor (64) leaves forward+backward compute ~2.5-3x the communication
+(benchmarks/results/overlap_NVIDIA_H200_balanced_fb*.json; the calibration stops at its first
+size): the NVLink engine with its default 20 SMs is simply fast there, and what compute remains
+at 64 is mostly work that does not depend on expert_hidden (routing, row gathers and scatters).
+
+Communication SMs (``--comm-sms N``): DeepSeek's design point turns the other knob. Every dispatch
+and combine of the benchmark (forward and backward, sequential and dual) is passed
+``Config(num_sms=N, ...)`` (N CTAs, N / 2 channels; the Buffer's default chunk sizes, the receive
+capacity raised to ceil(tokens / channels) when one channel must hold more), instead of the
+Buffer's own choice (``Buffer.num_sms``, 20, or a tuned config from the tuning cache). Fewer SMs
+make each all-to-all slower, and leave more SMs to the GEMMs and elementwise kernels running
+beside it in the dual pipeline; the sequential run, which never overlaps the two, only sees the
+slower communication. The point is to spend no more SMs on communication than it takes for it
+to last about as long as the compute it hides behind; the speedup target (>= 1.3x) applies where
+comm ~ compute. ``--preset balanced_sms`` is balanced_fb's shapes with expert intermediate 256
+(a small GEMM beside the elementwise work, as in ``balanced``) and the comm SMs *calibrated*: the
+same sequential forward+backward is measured for N in 4 .. 24 (fewest first, stopping once comm
+<= compute; not 2, a single channel: see COMM_SMS_CALIBRATION) and the N whose comm / compute is
+nearest 1 (log distance) is kept
+(``--calibrate-comm-sms`` on any preset; ``--comm-sms N`` or ``--no-calibrate`` skips it; one
+calibration per run). On the reference backend (CPU) N is recorded and reaches the calls, but
+moves nothing in time. The JSON records ``comm_sms`` (and where it came from) for every run.
 Every shape flag overrides the preset. The JSON records comm / compute per phase, the best speedup
 any overlap could give ((comm + compute) / max), and verdicts against the issue's targets.
 
@@ -35,14 +57,18 @@ streams to --out-dir (default benchmarks/results/).
 Run:
   torchrun --nproc-per-node 2 benchmarks/bench_overlap.py --preset v3       # GPUs
   python3 benchmarks/bench_overlap.py --preset balanced_fb                  # GPUs (spawns 2 ranks)
+  python3 benchmarks/bench_overlap.py --preset balanced_sms --tokens 8192   # GPUs, comm SMs calibrated
+  ... --comm-sms 8                                                          # 8 SMs for every all-to-all
   python benchmarks/bench_overlap.py --ranks 2 --preset tiny                # CPU smoke test
   ... --issue-order compute_first                                           # the old issue order
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -60,10 +86,15 @@ PRESETS = {
     "v3":       (4096, 7168, 256, 8, 8, 4, 2048, 1, 56, 128),
     "balanced": (4096, 7168, 16, 2, 2, 2, 256, 0, 4, 128),
     "balanced_fb": (4096, 7168, 2, 2, 1, 1, 256, 0, 0, 128),   # expert_hidden calibrated (see above)
+    "balanced_sms": (4096, 7168, 2, 2, 1, 1, 256, 0, 0, 128),  # comm SMs calibrated (see above)
     "tiny":     (32, 64, 8, 2, 2, 2, 32, 1, 4, 16),
 }
 CALIBRATED = {"balanced_fb"}           # presets whose expert_hidden is calibrated to compute ~ comm
 CALIBRATION_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+CALIBRATED_SMS = {"balanced_sms"}      # presets whose comm SMs are calibrated to comm ~ compute
+# Fewest first (even: two CTAs per channel). Not 2 (one channel): the reference backend's dispatch
+# fails on a [R, 1] channel prefix matrix, and the nvlink engine's tests never run a single channel.
+COMM_SMS_CALIBRATION = (4, 6, 8, 12, 16, 20, 24)
 BALANCED_RANGE = (0.75, 4 / 3)          # "comm ~ compute": comm / compute within this range
 TARGET_DUAL_OVER_MAX, TARGET_SPEEDUP = 1.15, 1.3
 _FIELDS = ("tokens", "hidden", "experts", "topk", "groups", "topk_groups", "expert_hidden", "shared", "heads",
@@ -84,6 +115,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shared", type=int, help="shared experts (0 = none)")
     p.add_argument("--heads", type=int, help="attention heads (0 = no attention: the MoE layer alone)")
     p.add_argument("--head-dim", type=int, help="attention head size (q/k/v project to heads * head_dim)")
+    p.add_argument("--comm-sms", type=int, default=None, metavar="N",
+                   help="SMs (CTAs; N / 2 channels; even) of every dispatch and combine, forward and backward, "
+                        "sequential and dual: passed per call as Config(num_sms=N, ...) (default: the Buffer's "
+                        "choice, Buffer.num_sms or a tuned config). Fewer SMs: slower communication, more SMs "
+                        "left to the compute it overlaps (DeepSeek's trade-off). GPU engines only: on the "
+                        "reference backend (the CPU path) N is recorded and passed but changes no timing")
     p.add_argument("--comm-priority", type=int, default=None,
                    help="replace the Buffer's comm stream by one of this CUDA priority (-1 = high); experiment")
     p.add_argument("--layers", type=int, default=1)
@@ -93,7 +130,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calibrate", dest="calibrate", action="store_true", default=None,
                    help="pick expert_hidden so that forward+backward compute ~ comm (default: on for "
                         f"{', '.join(sorted(CALIBRATED))} unless --expert-hidden is given)")
-    p.add_argument("--no-calibrate", dest="calibrate", action="store_false")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="skip the calibration the preset would run (expert_hidden or comm SMs)")
+    p.add_argument("--calibrate-comm-sms", dest="calibrate_comm_sms", action="store_true", default=None,
+                   help="pick the comm SMs (from " + ", ".join(map(str, COMM_SMS_CALIBRATION)) + ") so that "
+                        "forward+backward comm ~ compute (default: on for "
+                        f"{', '.join(sorted(CALIBRATED_SMS))} unless --comm-sms or --no-calibrate is given)")
+    p.add_argument("--no-calibrate-comm-sms", dest="calibrate_comm_sms", action="store_false")
     p.add_argument("--fp8", action="store_true", help="FP8 dispatch (E4M3 + scales), bf16 combine")
     p.add_argument("--backend", default=None, help="Buffer backend (auto | reference | nvlink)")
     p.add_argument("--warmup", type=int, default=3)
@@ -104,7 +147,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tag", default=None, help="name of the output files (default: device + preset)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", action="store_true", help="also print the JSON to stdout")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.comm_sms is not None and (args.comm_sms <= 0 or args.comm_sms % 2):
+        p.error(f"--comm-sms must be a positive even number (two CTAs per channel), got {args.comm_sms}")
+    if args.calibrate_comm_sms and args.comm_sms is not None:
+        p.error("--calibrate-comm-sms picks the comm SMs itself: drop --comm-sms")
+    if args.calibrate_comm_sms and args.calibrate:
+        p.error("calibrate one knob per run: --calibrate (expert_hidden) or --calibrate-comm-sms")
+    return args
 
 
 def _resolve_shapes(args, on_gpu: bool) -> dict:
@@ -116,6 +166,63 @@ def _resolve_shapes(args, on_gpu: bool) -> dict:
             shapes[f] = v
     shapes["preset"] = preset
     return shapes
+
+
+def _calibration_plan(args, preset: str) -> tuple:
+    """(calibrate expert_hidden, calibrate comm SMs): explicit flags first, then the preset's default;
+    at most one of the two (parse_args refuses both explicitly)."""
+    sizes, sms = args.calibrate, args.calibrate_comm_sms
+    if sizes is None:
+        sizes = preset in CALIBRATED and args.expert_hidden is None and not sms
+    if sms is None:
+        sms = (preset in CALIBRATED_SMS and args.comm_sms is None and not sizes
+               and args.calibrate is not False)
+    return bool(sizes), bool(sms)
+
+
+def _comm_configs(num_ranks: int, num_sms, tokens: int) -> tuple:
+    """(dispatch Config, combine Config) with ``num_sms`` SMs, or (None, None) for the Buffer's own
+    choice. The Buffer's default chunk sizes; the receive capacity per channel is raised to
+    ceil(tokens / channels) when fewer channels must hold the call (the Buffer checks it)."""
+    if num_sms is None:
+        return None, None
+    from commlib import Buffer
+    out = []
+    for default in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)):
+        channels = num_sms // 2
+        recv = max(default.num_max_nvl_chunked_recv_tokens, math.ceil(tokens / channels))
+        out.append(dataclasses.replace(default, num_sms=num_sms, num_max_nvl_chunked_recv_tokens=recv))
+    return tuple(out)
+
+
+_MODEL_CLASS = None
+
+
+def _model_class():
+    """MoEModel whose dispatch and combine stages pass ``comm_configs`` to every call (per call, so
+    nothing leaks into the Buffer's class-wide default ``Buffer.num_sms``). DispatchStage uses its
+    config for the dispatch and for its backward (a combine), CombineStage for the combine and its
+    backward (a cached dispatch); (None, None) keeps the Buffer's own choice."""
+    global _MODEL_CLASS
+    if _MODEL_CLASS is None:
+        from commlib.moe import MoEModel
+        from commlib.pipeline import CombineStage, DispatchStage
+
+        class BenchMoEModel(MoEModel):
+            comm_configs: tuple = (None, None)   # (dispatch Config, combine Config)
+
+            def stages(self) -> list:
+                dispatch_config, combine_config = self.comm_configs
+                out = super().stages()
+                for stage in out:
+                    if isinstance(stage, DispatchStage):
+                        stage.config = dispatch_config
+                    elif isinstance(stage, CombineStage):
+                        stage.config = combine_config
+                return out
+
+        _MODEL_CLASS = BenchMoEModel
+    return _MODEL_CLASS
 
 
 def _git_commit() -> str | None:
@@ -190,15 +297,17 @@ def _check(model, P, h0, h1, g0, g1, device, order="auto") -> dict:
     return {"max_relative_error": worst, "worst": worst_name, "tolerance": tol, "ok": ok}
 
 
-def _build_model(args, sh, buffer, device):
-    from commlib.moe import MoEConfig, MoEModel
+def _build_model(args, sh, buffer, device, comm_configs=(None, None)):
+    from commlib.moe import MoEConfig
     dtype = torch.bfloat16
     cfg = MoEConfig(hidden=sh["hidden"], num_experts=sh["experts"], topk=sh["topk"],
                     expert_hidden=sh["expert_hidden"], num_groups=sh["groups"], topk_groups=sh["topk_groups"],
                     num_shared_experts=sh["shared"], expert_dtype=dtype, fp8_dispatch=args.fp8)
     torch.manual_seed(args.seed)  # replicated (attention, router, shared) parameters agree across ranks
-    return MoEModel(cfg, args.layers, sh["heads"], buffer=buffer, full_init=False, device=device,
-                    attn_dtype=dtype, head_dim=sh["head_dim"]).to(dtype)
+    model = _model_class()(cfg, args.layers, sh["heads"], buffer=buffer, full_init=False, device=device,
+                           attn_dtype=dtype, head_dim=sh["head_dim"]).to(dtype)
+    model.comm_configs = tuple(comm_configs)
+    return model
 
 
 def _worst_over_ranks(values: list, device) -> list:
@@ -229,14 +338,13 @@ def _sequential_fb_split(P, model, h0, h1, g0, g1, clock, device, warmup=2, reps
     return tuple(_worst_over_ranks([statistics.median(comm), statistics.median(compute)], device))
 
 
-def _calibrate(ctx, args, sh, buffer, inputs, clock) -> tuple:
+def _calibrate(ctx, args, sh, buffer, inputs, clock, comm_configs=(None, None)) -> tuple:
     """expert_hidden whose sequential forward+backward compute / comm is nearest 1 (same on every
     rank: the figures are gathered). Compute grows with expert_hidden, comm does not."""
     from commlib import pipeline as P
-    import math
     trials = []
     for size in CALIBRATION_SIZES:
-        model = _build_model(args, dict(sh, expert_hidden=size), buffer, ctx.device)
+        model = _build_model(args, dict(sh, expert_hidden=size), buffer, ctx.device, comm_configs)
         comm_ms, compute_ms = _sequential_fb_split(P, model, *inputs, clock, ctx.device)
         del model
         ratio = compute_ms / max(comm_ms, 1e-9)
@@ -253,6 +361,37 @@ def _calibrate(ctx, args, sh, buffer, inputs, clock) -> tuple:
     return best["expert_hidden"], trials
 
 
+def _calibrate_comm_sms(ctx, model, inputs, clock, tokens) -> tuple:
+    """Comm SMs whose sequential forward+backward comm / compute is nearest 1 (log distance; same on
+    every rank: the figures are gathered). Communication slows down with fewer SMs; compute does
+    not change (the sequential run never overlaps the two). Fewest SMs first, stopping once comm <=
+    compute. Leaves the chosen configs on ``model``."""
+    from commlib import pipeline as P
+    trials = []
+    for sms in COMM_SMS_CALIBRATION:
+        model.comm_configs = _comm_configs(ctx.world_size, sms, tokens)
+        comm_ms, compute_ms = _sequential_fb_split(P, model, *inputs, clock, ctx.device)
+        ratio = comm_ms / max(compute_ms, 1e-9)
+        trials.append({"comm_sms": sms, "comm_ms": comm_ms, "compute_ms": compute_ms, "comm_over_compute": ratio})
+        if ctx.rank == 0:
+            print(f"[overlap] calibrate comm_sms={sms}: sequential forward+backward comm {comm_ms:.3f} ms, "
+                  f"compute {compute_ms:.3f} ms (comm / compute {ratio:.2f})")
+        if ratio <= 1.0:
+            break
+    best = min(trials, key=lambda t: abs(math.log(max(t["comm_over_compute"], 1e-9))))
+    model.comm_configs = _comm_configs(ctx.world_size, best["comm_sms"], tokens)
+    return best["comm_sms"], trials
+
+
+def _buffer_default_sms(buffer):
+    """num_sms of the Buffer's own choice (config=None): a tuned config's, where the tuning cache had
+    one for these shapes (one value, or [dispatch, combine] ones), else Buffer.num_sms."""
+    tuned = sorted({c.num_sms for c in getattr(buffer, "_tuned", {}).values() if c is not None})
+    if not tuned:
+        return type(buffer).num_sms, "Buffer.num_sms"
+    return (tuned[0] if len(tuned) == 1 else tuned), "tuned config (tuning cache)"
+
+
 def run(ctx, args) -> dict:
     """Run the benchmark on this rank (all ranks call it); rank 0 returns the result dict."""
     from commlib import Buffer
@@ -263,10 +402,16 @@ def run(ctx, args) -> dict:
     sh = _resolve_shapes(args, on_gpu)
     dtype = torch.bfloat16
     R = ctx.world_size
-    dcfg = Buffer.get_dispatch_config(R)
+    calibrate, calibrate_sms = _calibration_plan(args, sh["preset"])
+    comm_configs = _comm_configs(R, args.comm_sms, sh["tokens"])
+    # The Buffer holds every config this run may use: the default, --comm-sms's or the candidates'.
+    configs = [Buffer.get_dispatch_config(R)] + [c for c in comm_configs if c is not None]
+    if calibrate_sms:
+        configs += [c for n in COMM_SMS_CALIBRATION for c in _comm_configs(R, n, sh["tokens"])]
     hidden_bytes = sh["hidden"] * 2
-    buffer = Buffer(ctx.group, num_nvl_bytes=dcfg.get_nvl_buffer_size_hint(hidden_bytes, ctx.ranks_per_node),
-                    num_rdma_bytes=(dcfg.get_rdma_buffer_size_hint(hidden_bytes, R)
+    buffer = Buffer(ctx.group,
+                    num_nvl_bytes=max(c.get_nvl_buffer_size_hint(hidden_bytes, ctx.ranks_per_node) for c in configs),
+                    num_rdma_bytes=(max(c.get_rdma_buffer_size_hint(hidden_bytes, R) for c in configs)
                                     if ctx.ranks_per_node < R else 0),
                     backend=args.backend)
     if args.comm_priority is not None and on_gpu:
@@ -281,16 +426,22 @@ def run(ctx, args) -> dict:
     clock = _Clock(device)
     order = args.issue_order
 
-    calibrate = args.calibrate
-    if calibrate is None:
-        calibrate = sh["preset"] in CALIBRATED and args.expert_hidden is None
     calibration = None
+    comm_sms, comm_sms_source = args.comm_sms, "--comm-sms"
     if calibrate:
-        size, trials = _calibrate(ctx, args, sh, buffer, (h0, h1, g0, g1), clock)
+        size, trials = _calibrate(ctx, args, sh, buffer, (h0, h1, g0, g1), clock, comm_configs)
         sh["expert_hidden"] = size
-        calibration = {"what": "expert_hidden whose sequential forward+backward compute / comm is nearest 1",
+        calibration = {"knob": "expert_hidden",
+                       "what": "expert_hidden whose sequential forward+backward compute / comm is nearest 1",
                        "chosen": size, "trials": trials}
-    model = _build_model(args, sh, buffer, device)
+    model = _build_model(args, sh, buffer, device, comm_configs)
+    if calibrate_sms:
+        comm_sms, trials = _calibrate_comm_sms(ctx, model, (h0, h1, g0, g1), clock, sh["tokens"])
+        comm_sms_source = "calibrated"
+        calibration = {"knob": "comm_sms",
+                       "what": "comm SMs whose sequential forward+backward comm / compute is nearest 1 "
+                               "(fewest first, stopping once comm <= compute)",
+                       "candidates": list(COMM_SMS_CALIBRATION), "chosen": comm_sms, "trials": trials}
 
     def fwd(overlap, timeline=None):
         with torch.no_grad():
@@ -341,6 +492,8 @@ def run(ctx, args) -> dict:
         return {}
 
     device_name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+    if comm_sms is None:
+        comm_sms, comm_sms_source = _buffer_default_sms(buffer)
     result = {
         "benchmark": "bench_overlap",
         "device": device_name, "num_ranks": R, "ranks_per_node": ctx.ranks_per_node,
@@ -350,6 +503,12 @@ def run(ctx, args) -> dict:
         "shapes": dict(sh, layers=args.layers, fp8=args.fp8, dtype="bf16"),
         "issue_order": order,
         "comm_stream_priority": args.comm_priority,
+        # SMs of every dispatch / combine; source: --comm-sms, calibrated, Buffer.num_sms or a tuned config.
+        # Timing effect on the GPU engines only (nvlink): the reference backend ignores it.
+        "comm_sms": comm_sms,
+        "comm_sms_source": comm_sms_source,
+        "comm_configs": {kind: (dataclasses.asdict(c) if c is not None else None)
+                         for kind, c in zip(("dispatch", "combine"), model.comm_configs)},
         "calibration": calibration,
         "timing": {"warmup": args.warmup, "iters": args.iters, "statistic": "median, slowest rank"},
         "targets": {"dual_over_max_comm_compute": f"<= {TARGET_DUAL_OVER_MAX}",
@@ -361,7 +520,8 @@ def run(ctx, args) -> dict:
     }
     _print_table(result)
     os.makedirs(args.out_dir, exist_ok=True)
-    tag = args.tag or f"{device_name.replace(' ', '_')}_{sh['preset']}{'_fp8' if args.fp8 else ''}"
+    tag = args.tag or (f"{device_name.replace(' ', '_')}_{sh['preset']}{'_fp8' if args.fp8 else ''}"
+                       f"{f'_sms{args.comm_sms}' if args.comm_sms is not None else ''}")
     json_path = os.path.join(args.out_dir, f"overlap_{tag}.json")
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
@@ -405,7 +565,8 @@ def _print_table(result: dict) -> None:
           f"tokens/micro-batch={sh['tokens']} hidden={sh['hidden']} experts={sh['experts']} "
           f"({sh['experts'] // result['num_ranks']}/rank) top-{sh['topk']} expert_hidden={sh['expert_hidden']} "
           f"heads={sh['heads']}x{sh['head_dim']} layers={sh['layers']} fp8={sh['fp8']} "
-          f"issue_order={result['issue_order']} comm_priority={result['comm_stream_priority']}")
+          f"issue_order={result['issue_order']} comm_priority={result['comm_stream_priority']} "
+          f"comm_sms={result['comm_sms']} ({result['comm_sms_source']})")
     print(f"#{'phase':>18} {'sequential':>11} {'dual':>9} {'comm':>9} {'compute':>9} {'comm/comp':>9} "
           f"{'dual/max':>9} {'speedup':>8} {'bound':>6}  verdict")
     print(f"#{'':>18} {'(ms)':>11} {'(ms)':>9} {'(ms)':>9} {'(ms)':>9} {'':>9} {'':>9} {'':>8} {'':>6}")
@@ -451,7 +612,8 @@ def plot_timeline(result: dict, path: str) -> None:
         ax.set_title(f"{name}: {sched}, {ms:.2f} ms{extra}", fontsize=8, loc="left")
         ax.set_xlabel("ms", fontsize=7)
     fig.suptitle(f"commlib dual pipeline on {result['device']} x{result['num_ranks']}, preset "
-                 f"{result['shapes']['preset']}, issue order {result.get('issue_order', 'auto')} "
+                 f"{result['shapes']['preset']}, issue order {result.get('issue_order', 'auto')}, "
+                 f"comm SMs {result.get('comm_sms')} "
                  "(blue: micro-batch 0, orange: 1, hatched: backward)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)

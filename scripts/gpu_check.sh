@@ -131,6 +131,7 @@ stage main 120 $PY -m commlib.bench --json "$RES/bench_main_gpu.json"
 stage a2a 150 env NP=2 PYTHON=$PY bash scripts/launch_mpirun.sh benchmarks/alltoall_perf.py -b 512 -e 8K -f 2 --fp8 --json "$RES/alltoall_perf_gpu.json"
 stage plot 60 $PY benchmarks/plot.py "$RES/alltoall_perf_gpu.json" --out "$RES"
 stage long 200 env COMMLIB_TEST_LONG_ROUNDS=${LONG_ROUNDS:-10000} $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k long_run -p no:cacheprovider
+stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_sms --tokens 8192 --tag H200_balanced_sms_8192 --out-dir "$RES"
 stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_fb --out-dir "$RES"
 stage overlap 150 $PY benchmarks/bench_overlap.py --preset balanced --out-dir "$RES"
 stage overlap 120 $PY benchmarks/bench_overlap.py --preset v3 --out-dir "$RES"

@@ -3,7 +3,8 @@ single-process equivalent; the dual schedules (two forwards, two backwards, Dual
 forward-with-backward hook) give the same outputs and gradients as running the micro-batches one
 after the other, bit for bit, in every issue order; the schedule pairs every comm step with a
 compute step and follows the issue-order rule (comm first unless it waits on the host); the
-overlap benchmark runs at tiny shapes (also its calibrated balanced_fb preset).
+overlap benchmark runs at tiny shapes (also its calibrated balanced_fb preset, and --comm-sms / the
+calibrated balanced_sms preset, whose configs reach every dispatch and combine).
 
 One world of 2 ranks runs every case (spawning ranks is the expensive part on CPU).
 """
@@ -17,7 +18,8 @@ from worlds import run_world
 WORLD = 2
 CASES = ["staged_equals_plain_and_single_process", "dual_forward_backward", "overlapped_forward_backward",
          "schedule_pairs_comm_with_compute", "issue_orders_same_results", "fp8_dispatch_stage", "inference_no_grad",
-         "moe_layer_without_attention", "bench_overlap_smoke", "bench_overlap_balanced_fb_smoke"]
+         "moe_layer_without_attention", "bench_overlap_smoke", "bench_overlap_balanced_fb_smoke",
+         "bench_overlap_comm_sms"]
 
 H, E, K, HEADS, LAYERS, SEQ, VOCAB = 64, 8, 2, 4, 2, 8, 40
 
@@ -363,6 +365,58 @@ def case_bench_overlap_balanced_fb_smoke(ctx):
             assert result["shapes"]["expert_hidden"] == cal["chosen"]
             assert result["check"]["ok"]
             assert os.path.exists(result["json_path"])
+
+
+def case_bench_overlap_comm_sms(ctx):
+    """--comm-sms N: every dispatch and combine (forward, backward, cached) gets Config(num_sms=N), and
+    Buffer.num_sms stays as it was; balanced_sms calibrates N (two candidates here)."""
+    import tempfile
+    from commlib import Buffer
+    bench = _load_bench()
+    bench.COMM_SMS_CALIBRATION = (4, 6)
+    seen = []   # (op, cached, num_sms) of every call on this rank
+    dispatch, combine = Buffer.dispatch, Buffer.combine
+
+    def spy_dispatch(self, *args, **kw):
+        config = kw.get("config")
+        seen.append(("dispatch", kw.get("handle") is not None, config.num_sms if config is not None else None))
+        return dispatch(self, *args, **kw)
+
+    def spy_combine(self, *args, **kw):
+        config = kw.get("config")
+        seen.append(("combine", False, config.num_sms if config is not None else None))
+        return combine(self, *args, **kw)
+
+    default_sms = Buffer.num_sms
+    shapes = ["--tokens", "16", "--hidden", "64", "--expert-hidden", "32", "--warmup", "1", "--iters", "1",
+              "--no-plot"]
+    Buffer.dispatch, Buffer.combine = spy_dispatch, spy_combine
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            result = bench.run(ctx, bench.parse_args(["--preset", "tiny", "--comm-sms", "4", "--out-dir", out_dir]
+                                                     + shapes))
+            assert {op for op, _, _ in seen} == {"dispatch", "combine"} and any(c for _, c, _ in seen), seen[:12]
+            assert {n for _, _, n in seen} == {4}, seen[:12]
+            if ctx.rank == 0:
+                assert result["comm_sms"] == 4 and result["comm_sms_source"] == "--comm-sms"
+                assert result["comm_configs"]["dispatch"]["num_sms"] == 4
+                assert result["comm_configs"]["combine"]["num_sms"] == 4
+                assert result["json_path"].endswith("_sms4.json") and result["check"]["ok"]
+            seen.clear()
+            result = bench.run(ctx, bench.parse_args(["--preset", "balanced_sms", "--out-dir", out_dir] + shapes))
+            assert {n for _, _, n in seen} <= {4, 6} and seen, seen[:12]
+            if ctx.rank == 0:
+                cal = result["calibration"]
+                assert cal["knob"] == "comm_sms" and cal["chosen"] in (4, 6) and cal["trials"]
+                assert result["comm_sms"] == cal["chosen"] and result["comm_sms_source"] == "calibrated"
+                assert seen[-1][2] == cal["chosen"]   # the timed runs come after the calibration
+                assert result["shapes"]["heads"] == 0 and result["shapes"]["expert_hidden"] == 32
+                assert result["check"]["ok"]
+    finally:
+        Buffer.dispatch, Buffer.combine = dispatch, combine
+    assert Buffer.num_sms == default_sms   # per call, nothing class-wide
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--comm-sms", "3"])
 
 
 # ------------------------------------------------------------------ pytest entry

@@ -69,9 +69,12 @@ def _worker(ctx, a):
     M, H, E = a.tokens, a.hidden, a.experts
     L = E // R
     nbytes = Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
+    variant = dict(kv.split("=") for kv in a.variant.split(",")) if a.variant else {}
     if a.trace:  # every rank builds the kernels with the %globaltimer points (before the Buffer compiles)
+        variant["LL_TRACE"] = 1
+    if variant:
         from commlib import kernels as K
-        K.set_variant({"LL_TRACE": 1})
+        K.set_variant(variant)
     buf = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="nvlink", explicitly_destroy=True)
     if a.sms:
         buf._low_latency.num_sms = a.sms
@@ -216,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH")
+    p.add_argument("--variant", default="", metavar="KEY=V,...",
+                   help="kernel build variant (commlib.kernels.DEFAULT_VARIANT keys, e.g. LL_PARTS=1) for A/B runs")
     p.add_argument("--trace", action="store_true",
                    help="build with COMMLIB_LL_TRACE and print per-CTA time points of one graph replay")
     a = p.parse_args(argv)
@@ -256,6 +261,7 @@ def main(argv=None) -> int:
                                           "topk": a.topk, "fp8": True, "round_scale": a.round_scale,
                                           "ue8m0": a.ue8m0},
                                 figures_us=fig, targets_us=TARGETS_US, targets_met=met,
+                                kernel_variant=a.variant or "default",
                                 deepep_2xh200_us=DEEPEP_2XH200_US, num_sms=res["num_sms"],
                                 wrong={"dispatch": res["wrong_dispatch"], "combine": res["wrong_combine"]})
         doc["ratios"] = ratios

@@ -51,7 +51,7 @@ class LowLatencyHandle:
 
 def combine_half_bytes(M: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """Bytes of one combine half: E * M bf16 rows, or at least R * M fp32 partials + flags and top-k records."""
-    partials = num_ranks * M * (4 * hidden + 8 * (MAX_TOPK + 2)) + 16
+    partials = num_ranks * M * (4 * hidden + 8 * (2 * MAX_TOPK + 1)) + 16
     return max(num_experts * M * 2 * hidden, partials)
 
 

@@ -55,8 +55,11 @@
 #define LL_UNROLL 4
 #define LL_MAX_EXPERTS 2048            // nvlink_ll.MAX_EXPERTS
 #define LL_SMEM_PAIRS 4096             // (token, slot) ids kept in shared memory for the slot scan
-#define LL_MAX_PARTS 4                 // dispatch: CTAs sharing one token row when the grid has CTAs to spare
-#define LL_RECV_ROWS 1024              // rows of one expert whose sources the receiver keeps in shared memory
+#ifndef COMMLIB_LL_PARTS
+#define COMMLIB_LL_PARTS 2             // kernels.DEFAULT_VARIANT["LL_PARTS"]
+#endif
+#define LL_MAX_PARTS COMMLIB_LL_PARTS  // dispatch: CTAs sharing one token row when the grid has CTAs to spare
+#define LL_RECV_ROWS 512               // rows whose sources the dispatch receiver keeps in shared memory at once
 
 #define LL_SEND 1
 #define LL_RECV 2
@@ -382,10 +385,63 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     if (last_cta(a.state + LL_TICKET(LL_DISPATCH_SEND)) && threadIdx.x == 0) a.state[LL_DISPATCH_SEND] = seq;
 }
 
+// The receive phase spreads rows, not experts, over the grid: every CTA reads the E count words
+// (published at the start of each source's send), scans them into the global row order (local
+// expert, then source, then slot: recv_x's order), takes an equal share of the rows, waits for the
+// arrival words of the (expert, source) segments its share touches, and copies. At the decode shape
+// that is ~4 rows per CTA instead of up to ~16 for the CTA of a popular expert.
+__device__ __forceinline__ int segment_of(const int* prefix, int n, int r) {  // last j < n with prefix[j] <= r
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (prefix[mid] <= r) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// In place: s[0..n) counts -> exclusive prefix sums, s[n] = total (every thread of the CTA calls it).
+__device__ void cta_exclusive_scan(int* s, int n) {
+    __shared__ int s_warp[32];
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int per = (n + blockDim.x - 1) / blockDim.x;
+    const int j0 = threadIdx.x * per, j1 = min(j0 + per, n);
+    int local = 0;
+    for (int j = j0; j < j1; ++j) local += s[j];
+    int incl = local;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(FULL_MASK, incl, off);
+        if (lane >= off) incl += y;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = lane < num_warps ? s_warp[lane] : 0;
+        int wi = w;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int y = __shfl_up_sync(FULL_MASK, wi, off);
+            if (lane >= off) wi += y;
+        }
+        if (lane < num_warps) s_warp[lane] = wi - w;
+    }
+    __syncthreads();
+    int run = s_warp[warp] + incl - local;
+    for (int j = j0; j < j1; ++j) {
+        const int c = s[j];
+        s[j] = run;
+        run += c;
+    }
+    if (threadIdx.x == blockDim.x - 1) s[n] = run;
+    __syncthreads();
+}
+
 __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
-    __shared__ int s_start[COMMLIB_MAX_RANKS + 1];
-    __shared__ int s_tok[LL_RECV_ROWS];        // token of each row of the current expert
-    __shared__ u64 s_src[LL_RECV_ROWS];        // its staging slot (byte offset in this call's half)
+    __shared__ int s_prefix[LL_MAX_EXPERTS + 1];  // rows before segment j = (local expert, source) = e * R + s
+    __shared__ int s_parts[COMMLIB_MAX_RANKS];    // units per pair of each source (its count words' bits 24-31)
+    __shared__ int s_tok[LL_RECV_ROWS];           // token of each row of the current chunk
+    __shared__ int s_row[LL_RECV_ROWS];           // its row in recv_x
+    __shared__ u32 s_src[LL_RECV_ROWS];           // its staging slot (16-byte units from the half's start)
     const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
     const int R = a.num_ranks, E = a.num_experts, L = E / R, M = a.max_tokens, RM = R * M;
     const int half = (int)(seq & 1);
@@ -396,62 +452,76 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     const int n_out = (fp8 ? a.hidden : 2 * a.hidden) / 16;                  // 16-byte vectors of a row
     const int n_scale_words = !fp8 ? 0 : (a.fp8_mode == LL_FP8_UE8M0 ? a.hidden / 512 : a.hidden / 128);
     u32* recv_scales = reinterpret_cast<u32*>(a.recv_scales);
+    const u64* counts = flag_at(own, a.off_count, half * a.words_per_half);
+    u64* arrivals = flag_at(own, a.off_arrival, half * a.words_per_half);
 
+    // every (expert, source) count word of this call (E of them, one per warp lane)
+    for (int base = warp * 32; base < E; base += blockDim.x) {
+        const int j = base + lane;
+        const bool active = j < E;
+        const WaitSite site = {"low_latency_dispatch", "ll dispatch count (channel = local expert)", a.rank,
+                               active ? j / R : -1, true};
+        const u64 v = warp_wait_geq(counts + (active ? j : 0), tail_word(seq, 0), active, active ? j % R : -1, site,
+                                    a.timeout_ns);
+        if (active) {
+            s_prefix[j] = (int)min((u32)(v & 0xffffffull), (u32)M);
+            if (j < R) s_parts[j] = (int)((v >> 24) & 0xffull);
+        }
+    }
+    __syncthreads();
+    cta_exclusive_scan(s_prefix, E);
+    const int n_rows = s_prefix[E];
+    auto seg_rows = [&](int j) { return s_prefix[j + 1] - s_prefix[j]; };
+
+    // per local expert: layout_range, recv_count, src_info padding (zeros past recv_count if asked)
     for (int e = blockIdx.x; e < L; e += gridDim.x) {
-        if (warp == 0) {
-            const WaitSite site = {"low_latency_dispatch", "ll dispatch count (channel = local expert)", a.rank, e,
-                                   true};
-            const bool active = lane < R;
-            const u64 v = warp_wait_geq(
-                flag_at(own, a.off_count, half * a.words_per_half + e * R + (active ? lane : 0)),
-                tail_word(seq, 0), active, lane, site, a.timeout_ns);
-            const int cnt = active ? (int)min((u32)(v & 0xffffffull), (u32)M) : 0;
-            const int parts = active ? (int)((v >> 24) & 0xffull) : 0;
-            // every row of (e, lane) has landed: each of the source's `parts` units per pair has arrived
-            u64* arrived = flag_at(own, a.off_arrival, half * a.words_per_half + e * R + (active ? lane : 0));
-            const WaitSite rows_site = {"low_latency_dispatch", "ll dispatch rows arrived (channel = local expert)",
-                                        a.rank, e, true};
-            warp_wait_geq(arrived, (u64)cnt * parts, active && cnt > 0, lane, rows_site, a.timeout_ns);
-            if (active) st_volatile(arrived, (u64)0);  // for call seq + 2 (its senders wait for our done word)
-            int incl = cnt;
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const int y = __shfl_up_sync(FULL_MASK, incl, off);
-                if (lane >= off) incl += y;
+        const int first = s_prefix[e * R], total = s_prefix[e * R + R] - first;
+        if (threadIdx.x < (unsigned)R) {
+            const int j = e * R + (int)threadIdx.x;
+            a.layout_range[j] = ((i64)(s_prefix[j] - first) << 32) | (i64)seg_rows(j);
+        }
+        if (threadIdx.x == 0) a.recv_count[e] = total;
+        for (int i = total + threadIdx.x; i < RM; i += blockDim.x) a.src_info[(i64)e * RM + i] = -1;
+        if (a.pad_zero) {  // rows past recv_count: zeros, as the reference (costly at decode shapes: off by default)
+            const int4 zero = make_int4(0, 0, 0, 0);
+            for (int i = total + warp; i < RM; i += num_warps) {
+                const i64 row = (i64)e * RM + i;
+                for (int v = lane; v < n_out; v += 32) a.recv_x[row * n_out + v] = zero;
+                for (int w = lane; w < n_scale_words; w += 32) recv_scales[row * n_scale_words + w] = 0u;
             }
-            if (active) {
-                s_start[lane] = incl - cnt;
-                a.layout_range[(i64)e * R + lane] = ((i64)(incl - cnt) << 32) | (i64)cnt;
-            }
-            if (lane == R - 1) {
-                s_start[R] = incl;
-                a.recv_count[e] = incl;
-            }
+        }
+    }
+
+    // this CTA's share of the rows; wait until every segment it touches has fully arrived
+    const int r0 = (int)((i64)blockIdx.x * n_rows / gridDim.x), r1 = (int)((i64)(blockIdx.x + 1) * n_rows / gridDim.x);
+    if (r0 < r1 && warp == 0) {
+        const int j_lo = segment_of(s_prefix, E, r0), j_hi = segment_of(s_prefix, E, r1 - 1);
+        for (int jb = j_lo; jb <= j_hi; jb += 32) {
+            const int j = jb + lane;
+            const int cnt = j <= j_hi ? seg_rows(j) : 0;
+            const WaitSite site = {"low_latency_dispatch", "ll dispatch rows arrived (channel = local expert)", a.rank,
+                                   j / R, true};
+            warp_wait_geq(arrivals + (cnt > 0 ? j : 0), (u64)cnt * (u64)s_parts[j % R], cnt > 0, j % R, site,
+                          a.timeout_ns);
+        }
+    }
+    __syncthreads();
+    if (r0 < r1) LL_MARK(a.state, 0, 5);
+    const int per_row = n_out + n_scale_words + 1;   // a row's items: data vectors, scale words, src_info
+    for (int c0 = r0; c0 < r1; c0 += LL_RECV_ROWS) {
+        const int rows = min(LL_RECV_ROWS, r1 - c0);
+        for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+            const int r = c0 + i, j = segment_of(s_prefix, E, r);
+            const int e = j / R, s = j - e * R, p = r - s_prefix[j];
+            // slot p of (e, s): its meta word names the source's token, whose row that source wrote
+            // once into this rank's token area
+            const int t = __ldcg(reinterpret_cast<const int*>(own + data + meta_off) + ((u64)j * M + p));
+            s_tok[i] = t;
+            s_row[i] = e * RM + (r - s_prefix[e * R]);
+            s_src[i] = (u32)((((u64)s * M + t) * (u64)a.slot_bytes) >> 4);
         }
         __syncthreads();
-        if (e == (int)blockIdx.x) LL_MARK(a.state, 0, 5);
-        const int total = s_start[R];
-        // row i of expert e = slot (i - start[s]) of source s: its meta word names the source's token,
-        // whose row that source wrote once into this rank's token area. One load per row, into shared
-        // memory, so the copy below issues every load at once instead of a meta -> row chain.
-        const bool cached = total <= LL_RECV_ROWS;
-        auto token_of = [&](int i, int& s) {
-            s = 0;
-            while (i >= s_start[s + 1]) ++s;
-            return __ldcg(reinterpret_cast<const int*>(own + data + meta_off) + ((u64)(e * R + s) * M + (i - s_start[s])));
-        };
-        if (cached) {
-            for (int i = threadIdx.x; i < total; i += blockDim.x) {
-                int s;
-                const int t = token_of(i, s);
-                s_tok[i] = t;
-                s_src[i] = ((u64)s * M + t) * (u64)a.slot_bytes;
-            }
-            __syncthreads();
-        }
-        // items of a row: n_out 16-byte data vectors, then its scale words, then its src_info entry
-        const int per_row = n_out + n_scale_words + 1;
-        const int items = total * per_row;
+        const int items = rows * per_row;
         for (int base = threadIdx.x; base < items; base += blockDim.x * LL_UNROLL) {
             int4 val[LL_UNROLL];
             int kind[LL_UNROLL];
@@ -462,18 +532,8 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
                 kind[u] = -1;
                 if (it >= items) continue;
                 const int i = it / per_row, w = it - i * per_row;
-                int t;
-                u64 src;
-                if (cached) {
-                    t = s_tok[i];
-                    src = s_src[i];
-                } else {
-                    int s;
-                    t = token_of(i, s);
-                    src = ((u64)s * M + t) * (u64)a.slot_bytes;
-                }
-                const u64 slot = own + data + src;
-                const i64 row = (i64)e * RM + i;
+                const u64 slot = own + data + ((u64)s_src[i] << 4);
+                const i64 row = s_row[i];
                 if (w < n_out) {
                     val[u] = __ldcg(reinterpret_cast<const int4*>(slot) + w);
                     kind[u] = 0;
@@ -483,7 +543,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
                     kind[u] = 1;
                     at[u] = row * n_scale_words + (w - n_out);
                 } else {
-                    val[u].x = t;
+                    val[u].x = s_tok[i];
                     kind[u] = 2;
                     at[u] = row;
                 }
@@ -495,21 +555,15 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
                 else if (kind[u] == 2) a.src_info[at[u]] = val[u].x;
             }
         }
-        for (int i = total + threadIdx.x; i < RM; i += blockDim.x) a.src_info[(i64)e * RM + i] = -1;
-        if (a.pad_zero) {  // rows past recv_count: zeros, as the reference (costly at decode shapes: off by default)
-            const int4 zero = make_int4(0, 0, 0, 0);
-            for (int i = total + warp; i < RM; i += num_warps) {
-                const i64 row = (i64)e * RM + i;
-                for (int v = lane; v < n_out; v += 32) a.recv_x[row * n_out + v] = zero;
-                for (int w = lane; w < n_scale_words; w += 32) recv_scales[row * n_scale_words + w] = 0u;
-            }
-        }
-        __syncthreads();  // s_start is rewritten for the next expert
+        __syncthreads();  // s_tok / s_row / s_src are rewritten for the next chunk
     }
 
     LL_MARK(a.state, 0, 6);
     if (last_cta(a.state + LL_TICKET(LL_DISPATCH_RECV))) {
-        // every staging row of this call is read: the senders may reuse this half (call seq + 2)
+        // every staging row of this call is read and every arrival word waited on: zero them for call
+        // seq + 2, then let the senders reuse this half
+        for (int j = threadIdx.x; j < E; j += blockDim.x) st_volatile(arrivals + j, (u64)0);
+        __syncthreads();
         if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
         if (threadIdx.x == 0) a.state[LL_DISPATCH_RECV] = seq;
     }
@@ -547,16 +601,17 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
 
 // A combine half of rank s (csrc offsets from the half's start; every rank computes the same):
 //   FLAG [d][M] u64: = seq once rank d's partial of s's token t is in s's slot (d, t)
-//   RECORD [src][M][K + 1] u64 in the expert rank: source src's top-k slots of token t (weight bits
-//       << 32 | local expert * M + pos, low word 0xffffffff when the slot is not on this rank), word
-//       K = seq, release-stored after them
+//   RECORD [src][M][2K] u64 in the expert rank: source src's top-k slots of token t, two words each,
+//       both tagged with the call: (seq << 32 | local expert * M + pos, 0xffffffff when the slot is not
+//       on this rank) and (seq << 32 | weight bits). Self-validating words need no fence or flag: the
+//       reader polls the words themselves.
 //   SLOT [d][M] (4H bytes) in rank s: rank d's partial of token t: fp32 [H] when d holds two or more
 //       of t's slots, as two planes (channels 8v..8v+3 at vector v, then 8v+4..8v+7 at H / 8 + v, so
 //       every warp store covers whole sectors), or the one expert row (bf16 [H]) when it holds one
 //       (the receiver multiplies)
 __device__ __forceinline__ u64 combine_record_offset(int R, int M) { return (u64)R * M * 8; }
 __device__ __forceinline__ u64 combine_slot_offset(int R, int M, int K) {
-    return ((u64)R * M * 8 * (u64)(K + 2) + 15) & ~(u64)15;
+    return ((u64)R * M * 8 * (u64)(2 * K + 1) + 15) & ~(u64)15;
 }
 #define LL_NO_SLOT 0xffffffffu
 
@@ -595,35 +650,38 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
     }
     __syncthreads();
     LL_MARK(a.state, 1, 1);
-    for (int t = blockIdx.x; t < M; t += gridDim.x) {
-        for (int d = warp; d < R; d += num_warps) {
-            u64* rec = flag_at(a.peer_bases[d], rec_off, (a.rank * M + t) * (K + 1));
-            if (lane < K) {
-                u32 loc = LL_NO_SLOT, wbits = 0;
-                if (t < a.num_tokens) {
-                    const i64 g = a.topk_idx[(i64)t * K + lane];
-                    const int p = (g >= 0 && g < E) ? a.pos[(i64)t * K + lane] : -1;
-                    if (p >= 0 && (int)(g / L) == d) {
-                        loc = (u32)((int)(g % L) * M + p);
-                        wbits = __float_as_uint(a.topk_weights[(i64)t * K + lane]);
-                    }
-                }
-                st_volatile(rec + lane, ((u64)wbits << 32) | loc);
+    // records: the last CTAs (at R * M CTAs, those of this rank's own items) write them, so the CTAs
+    // of the peers' items go straight to polling
+    for (int t = (int)gridDim.x - 1 - (int)blockIdx.x; t >= 0 && t < M; t += gridDim.x) {
+        u32 loc = LL_NO_SLOT, wbits = 0;
+        int dk = -1;
+        if (lane < K && t < a.num_tokens) {
+            const i64 g = a.topk_idx[(i64)t * K + lane];
+            const int p = (g >= 0 && g < E) ? a.pos[(i64)t * K + lane] : -1;
+            if (p >= 0) {
+                dk = (int)(g / L);
+                loc = (u32)((int)(g % L) * M + p);
+                wbits = __float_as_uint(a.topk_weights[(i64)t * K + lane]);
             }
-            __syncwarp();
-            if (lane == 0) st_release_sys(rec + K, seq);
+        }
+        for (int d = warp; d < R; d += num_warps) {
+            u64* rec = flag_at(a.peer_bases[d], rec_off, (a.rank * M + t) * 2 * K);
+            if (lane < K) {
+                st_volatile(rec + 2 * lane, (seq << 32) | (dk == d ? loc : LL_NO_SLOT));
+                st_volatile(rec + 2 * lane + 1, (seq << 32) | (dk == d ? wbits : 0u));
+            }
         }
     }
     LL_MARK(a.state, 1, 2);
     for (int i = blockIdx.x; i < RM; i += gridDim.x) {
         const int s = (a.rank + 1 + i / M) % R, t = i % M;   // the peers' tokens first, this rank's last
         if (warp == 0) {
-            const u64* rec = flag_at(own, rec_off, (s * M + t) * (K + 1));
+            const u64* rec = flag_at(own, rec_off, (s * M + t) * 2 * K);
             const WaitSite site = {"low_latency_combine", "ll combine record (channel = token)", a.rank, t, false};
-            warp_wait_geq(rec + K, seq, lane == 0, s, site, a.timeout_ns);
-            __syncwarp();
-            const u64 word = lane < K ? ld_volatile(rec + lane) : (u64)LL_NO_SLOT;
-            const u32 loc = (u32)word;
+            const bool in = lane < K;
+            const u64 w_loc = warp_wait_geq(rec + 2 * (in ? lane : 0), seq << 32, in, s, site, a.timeout_ns);
+            const u64 w_wt = warp_wait_geq(rec + 2 * (in ? lane : 0) + 1, seq << 32, in, s, site, a.timeout_ns);
+            const u32 loc = in ? (u32)w_loc : LL_NO_SLOT;
             const bool mine = loc != LL_NO_SLOT;
             const u32 mask = __ballot_sync(FULL_MASK, mine);
             if (mine) {  // compacted in top-k order
@@ -631,7 +689,7 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
                 const int le = (int)(loc / (u32)M), p = (int)(loc % (u32)M);
                 const int start = (int)(a.layout_range[(i64)le * R + s] >> 32);
                 s_row[j] = a.x + ((i64)le * RM + start + p) * n_vec;
-                s_w[j] = __uint_as_float((u32)(word >> 32));
+                s_w[j] = __uint_as_float((u32)w_wt);
             }
             if (lane == 0) s_n = __popc(mask);
         }

@@ -47,7 +47,7 @@ THREADS = 512               # COMMLIB_LL_THREADS in csrc/low_latency.cu
 CTAS_PER_SM = 2             # its __launch_bounds__: two CTAs fit an SM (64 registers a thread)
 TRACE_BASE, TRACE_CTAS = 64, 256  # LL_TRACE_BASE, LL_TRACE_CTAS in csrc/low_latency.cu
 MAX_EXPERTS = 2048          # LL_MAX_EXPERTS in csrc/low_latency.cu: words per half of the control arrays
-MAX_PARTS = 4               # LL_MAX_PARTS: dispatch CTAs per token row
+MAX_PARTS = 4               # dispatch CTAs per token row the grid is sized for (the kernel uses up to LL_MAX_PARTS)
 MAX_TOKENS = 1 << 24        # count words keep rows in 24 bits
 OFF_COUNT = 0                               # u64 [2 halves][MAX_EXPERTS]: (local expert, source) counts
 OFF_DISPATCH_DONE = OFF_COUNT + 2 * MAX_EXPERTS * 8     # u64 [MAX_RANKS]
@@ -71,10 +71,10 @@ def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool, num_ranks: 
     row_d = 2 * H + H // BLOCK * 4 + 16          # rdma_size_hint's dispatch row
     half_d = _align(E * M * row_d)
     R = num_ranks or E  # ranks (at most E; the worst case when unknown)
-    # combine half (csrc/low_latency.cu, combine_slot_offset): flags [R][M], records [R][M][K + 1],
+    # combine half (csrc/low_latency.cu, combine_slot_offset): flags [R][M], records [R][M][2K],
     # then slots [R][M] of 4H bytes; sized for the largest top-k
     half_c = _align(combine_half_bytes(M, H, R, E))
-    assert _align(R * M * 8 * (MAX_TOPK + 2)) + R * M * 4 * H <= half_c
+    assert _align(R * M * 8 * (2 * MAX_TOPK + 1)) + R * M * 4 * H <= half_c
     data_bytes = H if use_fp8 else 2 * H
     scale_bytes = (H // BLOCK if use_ue8m0 else H // BLOCK * 4) if use_fp8 else 0
     off_scales = _align(data_bytes)

@@ -10,12 +10,13 @@ dispatch: every (token, top-k slot) with expert e >= 0 is one row for expert e (
   each 128-channel block with scale = amax / 448 (``round_scale``: rounded up to a power of two;
   ``use_ue8m0``: the power-of-two scales' exponents packed four per int32, [L, R * M, H / 512]),
   so ``recv_x`` is (E4M3 [L, R * M, H], scales [L, R * M, H / 128] float32 or packed int32).
-combine: a weighted sum in fp32, grouped by the rank that holds the experts (each multiply and add
-  rounded once, IEEE): for every rank d, P_d = 0.f; P_d += topk_weights[t, k] * float(row of (t, k))
-  over t's slots k in top-k order whose expert lives on d; then acc = 0.f; acc += P_d over the
-  ranks d in order; combined[t] = bf16(acc). So a rank sends one fp32 partial per token instead of
-  one bf16 row per slot when it holds two or more of the token's experts (the GPU engines do, and
-  match this bit for bit); with every slot on one rank it is the plain top-k-order sum.
+combine: a weighted sum grouped by the rank that holds the experts (each multiply and add rounded
+  once, IEEE): for every rank d, P_d = 0.f; P_d += topk_weights[t, k] * float(row of (t, k)) over
+  t's slots k in top-k order whose expert lives on d (fp32), rounded to bf16; then acc = 0.f;
+  acc += float(P_d) over the ranks d in order; combined[t] = bf16(acc). So an expert rank sends one
+  bf16 partial per token (the BF16 combine: DeepEP's internode combine forwards bf16 partial sums
+  the same way) instead of one row per slot; the GPU engines match this bit for bit. With every slot
+  on one rank it is the plain top-k-order sum; otherwise each partial adds one bf16 rounding.
 Shapes are static (no host-visible counts), which is what makes the GPU path graph-capturable.
 With ``return_recv_hook=True`` the call returns a hook; calling it completes the receive (here
 the data has already arrived, so the hook only marks the handle received).
@@ -50,8 +51,8 @@ class LowLatencyHandle:
 
 
 def combine_half_bytes(M: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Bytes of one combine half: E * M bf16 rows, or at least R * M fp32 partials + flags and top-k records."""
-    partials = num_ranks * M * (4 * hidden + 8 * (2 * MAX_TOPK + 1)) + 16
+    """Bytes of one combine half: E * M bf16 rows, or at least R * M bf16 partials + flags and top-k records."""
+    partials = num_ranks * M * (2 * hidden + 8 * (2 * MAX_TOPK + 1)) + 16
     return max(num_experts * M * 2 * hidden, partials)
 
 
@@ -150,9 +151,9 @@ def rank_grouped_sum(vals: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
                      R: int) -> torch.Tensor:
     """combine's sum (module docstring): vals [T, K, H] float32 rows per slot -> bf16 [T, H].
 
-    Per rank d, P_d = 0; P_d = P_d + w * v over the slots on d in top-k order; then acc = 0;
-    acc = acc + P_d over the ranks in order (every op rounded once). A rank with no slot adds
-    nothing (P_d = +0 would leave acc unchanged anyway: acc is never -0).
+    Per rank d, P_d = 0; P_d = P_d + w * v over the slots on d in top-k order (fp32), rounded to
+    bf16; then acc = 0; acc = acc + P_d over the ranks in order (every op rounded once). A rank with
+    no slot adds nothing (P_d = +0 would leave acc unchanged anyway: acc is never -0).
     """
     T, K, H = vals.shape
     valid = topk_idx >= 0
@@ -163,7 +164,7 @@ def rank_grouped_sum(vals: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
         on_d = dest == d
         for k in range(K):  # multiply then add (two roundings)
             part = torch.where(on_d[:, k:k + 1], part + topk_weights[:, k:k + 1] * vals[:, k], part)
-        acc = torch.where(on_d.any(1, keepdim=True), acc + part, acc)
+        acc = torch.where(on_d.any(1, keepdim=True), acc + part.to(torch.bfloat16).float(), acc)
     return acc.to(torch.bfloat16)
 
 

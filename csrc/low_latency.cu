@@ -56,9 +56,10 @@
 #define LL_MAX_EXPERTS 2048            // nvlink_ll.MAX_EXPERTS
 #define LL_SMEM_PAIRS 4096             // (token, slot) ids kept in shared memory for the slot scan
 #ifndef COMMLIB_LL_PARTS
-#define COMMLIB_LL_PARTS 2             // kernels.DEFAULT_VARIANT["LL_PARTS"]
+#define COMMLIB_LL_PARTS 1             // kernels.DEFAULT_VARIANT["LL_PARTS"]
 #endif
 #define LL_MAX_PARTS COMMLIB_LL_PARTS  // dispatch: CTAs sharing one token row when the grid has CTAs to spare
+#define LL_COMBINE_RECV_PARTS 2        // combine: CTAs sharing one token's sum when the grid has CTAs to spare
 #define LL_RECV_ROWS 512               // rows whose sources the dispatch receiver keeps in shared memory at once
 
 #define LL_SEND 1
@@ -66,8 +67,8 @@
 
 // COMMLIB_LL_TRACE=1 (kernels.set_variant({"LL_TRACE": 1})): CTA thread 0 stores %globaltimer at
 // 8 points of each kernel into state[LL_TRACE_BASE + ((kernel * LL_TRACE_CTAS) + cta) * 8 + point]
-// (kernel 0 dispatch: start, send ready, send rows written, send done, recv start, counts and
-// arrivals seen, recv rows done, end; kernel 1 combine: start, send ready, records written, first
+// (kernel 0 dispatch: start, send ready, first unit's slots scanned, its rows stored, send done
+// (after its fence and arrivals), arrivals seen, recv rows done, end; kernel 1 combine: start, send ready, records written, first
 // item's record seen, its partial stored, send done (flags released), first token's partials seen,
 // end: commlib/backends/nvlink_ll.py TRACE_POINTS). benchmarks/bench_low_latency.py --trace reads them.
 #ifndef COMMLIB_LL_TRACE
@@ -282,6 +283,18 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     const int n_vec = a.hidden / 8;  // 16-byte vectors of bf16 input
     for (int u = (int)blockIdx.x - first; u >= 0 && u < a.num_tokens * parts; u += senders) {
         const int t = u % a.num_tokens, q = u / a.num_tokens;   // token t, part q of its row
+        const int4* src = a.x + (i64)t * n_vec;
+        // this thread's vectors v = v0 + threadIdx.x + i * blockDim.x; the first two are loaded now,
+        // so their HBM latency overlaps the slot scan (FP8: parts start on 128-channel blocks)
+        const bool fp8 = a.fp8_mode != LL_FP8_NONE;
+        const int v0 = fp8 ? q * n_blocks / parts * 16 : (int)((i64)q * n_vec / parts);
+        const int v1 = fp8 ? (q + 1) * n_blocks / parts * 16 : (int)((i64)(q + 1) * n_vec / parts);
+        int4 pre0 = make_int4(0, 0, 0, 0), pre1 = make_int4(0, 0, 0, 0);
+        if (v0 + (int)threadIdx.x < v1) pre0 = ld_nc_v4(src + v0 + threadIdx.x);
+        if (v0 + (int)(threadIdx.x + blockDim.x) < v1) pre1 = ld_nc_v4(src + v0 + threadIdx.x + blockDim.x);
+        auto row_vec = [&](int it, int v) {
+            return it == 0 ? pre0 : it == 1 ? pre1 : (v < v1 ? ld_nc_v4(src + v) : make_int4(0, 0, 0, 0));
+        };
         for (int k = warp; k < K; k += num_warps) {  // pair (t, k): its rank among the pairs to the same expert
             const i64 e = a.topk_idx[(i64)t * K + k];
             const bool valid = e >= 0 && e < E;
@@ -318,11 +331,11 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
             s_dst[d] = needed ? a.peer_bases[d] + data + ((u64)a.rank * M + t) * (u64)a.slot_bytes : 0;
         }
         __syncthreads();
-        const int4* src = a.x + (i64)t * n_vec;
-        if (a.fp8_mode == LL_FP8_NONE) {
-            const int v0 = (int)((i64)q * n_vec / parts), v1 = (int)((i64)(q + 1) * n_vec / parts);
-            for (int v = v0 + (int)threadIdx.x; v < v1; v += blockDim.x) {
-                const int4 val = ld_nc_v4(src + v);
+        if (u == (int)blockIdx.x - first) LL_MARK(a.state, 0, 2);
+        if (!fp8) {
+            int it = 0;
+            for (int v = v0 + (int)threadIdx.x; v < v1; v += blockDim.x, ++it) {
+                const int4 val = row_vec(it, v);
                 for (int r = 0; r < R; ++r) {
                     const u64 d = s_dst[r];
                     if (d != 0) st_na_v4(reinterpret_cast<int4*>(d) + v, val);
@@ -330,11 +343,11 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
             }
         } else {
             // 16 lanes = one 128-channel block (parts start on blocks, so half-warps are never split)
-            const int v0 = q * n_blocks / parts * 16, v1 = (q + 1) * n_blocks / parts * 16;
-            for (int base = v0 + warp * 32; base < v1; base += blockDim.x) {
+            int it = 0;
+            for (int base = v0 + warp * 32; base < v1; base += blockDim.x, ++it) {
                 const int v = base + lane;
                 const bool active = v < v1;
-                const int4 val = active ? ld_nc_v4(src + v) : make_int4(0, 0, 0, 0);
+                const int4 val = row_vec(it, v);
                 float f[8] = {bf16_lo((u32)val.x), bf16_hi((u32)val.x), bf16_lo((u32)val.y), bf16_hi((u32)val.y),
                               bf16_lo((u32)val.z), bf16_hi((u32)val.z), bf16_lo((u32)val.w), bf16_hi((u32)val.w)};
                 float amax = 0.f;
@@ -366,6 +379,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
                 }
             }
         }
+        if (u == (int)blockIdx.x - first) LL_MARK(a.state, 0, 3);
         __syncthreads();  // every thread's stores of this token are issued
         if (threadIdx.x == 0) {
             // one arrival per (token, slot) at its expert's rank; the fence orders the CTA's row and
@@ -381,7 +395,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         __syncthreads();  // s_dst / s_pair_* are rewritten for the next token
     }
 
-    LL_MARK(a.state, 0, 2);
+    LL_MARK(a.state, 0, 4);
     if (last_cta(a.state + LL_TICKET(LL_DISPATCH_SEND)) && threadIdx.x == 0) a.state[LL_DISPATCH_SEND] = seq;
 }
 
@@ -589,8 +603,6 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
     __syncthreads();
     LL_MARK(state, 0, 0);
     if (phases & LL_SEND) ll_dispatch_send(a, s_seq[0]);
-    LL_MARK(state, 0, 3);
-    LL_MARK(state, 0, 4);
     if (phases & LL_RECV) ll_dispatch_recv(a, s_seq[1]);
     LL_MARK(state, 0, 7);
 }
@@ -605,10 +617,8 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
 //       both tagged with the call: (seq << 32 | local expert * M + pos, 0xffffffff when the slot is not
 //       on this rank) and (seq << 32 | weight bits). Self-validating words need no fence or flag: the
 //       reader polls the words themselves.
-//   SLOT [d][M] (4H bytes) in rank s: rank d's partial of token t: fp32 [H] when d holds two or more
-//       of t's slots, as two planes (channels 8v..8v+3 at vector v, then 8v+4..8v+7 at H / 8 + v, so
-//       every warp store covers whole sectors), or the one expert row (bf16 [H]) when it holds one
-//       (the receiver multiplies)
+//   SLOT [d][M] (2H bytes) in rank s: rank d's partial of token t, summed in fp32 and sent as bf16
+//       (the issue's BF16 combine; DeepEP's internode combine forwards bf16 partial sums too)
 __device__ __forceinline__ u64 combine_record_offset(int R, int M) { return (u64)R * M * 8; }
 __device__ __forceinline__ u64 combine_slot_offset(int R, int M, int K) {
     return ((u64)R * M * 8 * (u64)(2 * K + 1) + 15) & ~(u64)15;
@@ -623,15 +633,11 @@ __device__ __forceinline__ void fma_bf16x8_rn(float* acc, float w, int4 r) {
     acc[6] = add_rn(acc[6], mul_rn(w, bf16_lo((u32)r.w))); acc[7] = add_rn(acc[7], mul_rn(w, bf16_hi((u32)r.w)));
 }
 
-__device__ __forceinline__ void add_f32x4_rn(float* acc, int4 r) {
-    acc[0] = add_rn(acc[0], __int_as_float(r.x)); acc[1] = add_rn(acc[1], __int_as_float(r.y));
-    acc[2] = add_rn(acc[2], __int_as_float(r.z)); acc[3] = add_rn(acc[3], __int_as_float(r.w));
-}
-
 // Send: (1) this rank's records: token t's top-k slots, to every rank (t < M; tokens past T get
 // empty records, so expert ranks need no count); (2) items (s, t), s every rank including this one:
-// the partial of s's token t over this rank's experts, acc = 0; acc = acc + w * row in top-k order,
-// written into s's slot (this rank, t) with a flag. Expert rows are read straight from x.
+// the partial of s's token t over this rank's experts, acc = 0; acc = acc + w * row in top-k order
+// (fp32), written as bf16 into s's slot (this rank, t) with a flag. Expert rows are read straight
+// from x, so x may be reused once the send phase is done (the hook only reads the slots).
 __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
     __shared__ const int4* s_row[32];
     __shared__ float s_w[32];
@@ -642,7 +648,7 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
     const u64 own = a.peer_bases[a.rank];
     const u64 data = a.off_data + (u64)half * a.half_bytes;
     const u64 rec_off = data + combine_record_offset(R, M), slot_off = data + combine_slot_offset(R, M, K);
-    const u64 slot_bytes = (u64)a.hidden * 4;
+    const u64 slot_bytes = (u64)a.hidden * 2;
     const int n_vec = a.hidden / 8;
     if (warp == 0) {  // every source has read this half (call seq - 2), its records and slots alike
         const WaitSite site = {"low_latency_combine", "ll combine done (call seq - 2 consumed)", a.rank, -1, false};
@@ -698,26 +704,18 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
         const int n = s_n;
         if (n > 0) {
             int4* dst = reinterpret_cast<int4*>(a.peer_bases[s] + slot_off + ((u64)a.rank * M + t) * slot_bytes);
-            if (n == 1) {  // the row itself: the receiver computes 0 + w * row, the same two roundings
-                const int4* row = s_row[0];
-                for (int v = threadIdx.x; v < n_vec; v += blockDim.x) st_na_v4(dst + v, ld_nc_v4(row + v));
-            } else {
-                for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
-                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                    for (int j0 = 0; j0 < n; j0 += LL_UNROLL) {  // LL_UNROLL rows' loads in flight, then the sums in order
-                        int4 r[LL_UNROLL];
+            for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
+                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                for (int j0 = 0; j0 < n; j0 += LL_UNROLL) {  // LL_UNROLL rows' loads in flight, then the sums in order
+                    int4 r[LL_UNROLL];
 #pragma unroll
-                        for (int u = 0; u < LL_UNROLL; ++u)
-                            r[u] = j0 + u < n ? ld_nc_v4(s_row[j0 + u] + v) : make_int4(0, 0, 0, 0);
+                    for (int u = 0; u < LL_UNROLL; ++u)
+                        r[u] = j0 + u < n ? ld_nc_v4(s_row[j0 + u] + v) : make_int4(0, 0, 0, 0);
 #pragma unroll
-                        for (int u = 0; u < LL_UNROLL; ++u)
-                            if (j0 + u < n) fma_bf16x8_rn(acc, s_w[j0 + u], r[u]);
-                    }
-                    st_na_v4(dst + v, make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]),
-                                                __float_as_int(acc[2]), __float_as_int(acc[3])));
-                    st_na_v4(dst + n_vec + v, make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]),
-                                                        __float_as_int(acc[6]), __float_as_int(acc[7])));
+                    for (int u = 0; u < LL_UNROLL; ++u)
+                        if (j0 + u < n) fma_bf16x8_rn(acc, s_w[j0 + u], r[u]);
                 }
+                st_na_v4(dst + v, pack_bf16x8(acc));
             }
             if (i == (int)blockIdx.x) LL_MARK(a.state, 1, 4);
             __syncthreads();  // the whole partial is written
@@ -729,71 +727,58 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
     if (last_cta(a.state + LL_TICKET(LL_COMBINE_SEND)) && threadIdx.x == 0) a.state[LL_COMBINE_SEND] = seq;
 }
 
-// Receive: token t's output = bf16(acc), acc = 0; acc = acc + P_d for every rank d holding one of
-// its slots, in rank order; P_d is d's fp32 partial, or 0 + w * row when d holds one slot.
+// Receive: token t's output = bf16(acc), acc = 0; acc = acc + float(P_d) for every rank d holding
+// one of its slots, in rank order (P_d: d's bf16 partial). With CTAs to spare, `parts` CTAs share a
+// token (each a range of channels).
 __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
     __shared__ int s_n[COMMLIB_MAX_RANKS];
-    __shared__ float s_w1[COMMLIB_MAX_RANKS];
     const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
     const int half = (int)(seq & 1);
     const u64 own = a.peer_bases[a.rank];
     const u64 data = a.off_data + (u64)half * a.half_bytes;
     const u64 slot_off = data + combine_slot_offset(R, M, K);
-    const u64 slot_bytes = (u64)a.hidden * 4;
+    const u64 slot_bytes = (u64)a.hidden * 2;
     const int n_vec = a.hidden / 8;
-    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+    const int T = a.num_tokens;
+    const int parts = max(1, min(LL_COMBINE_RECV_PARTS, (int)gridDim.x / max(T, 1)));
+    for (int u = blockIdx.x; u < T * parts; u += gridDim.x) {
+        const int t = u % T, q = u / T;
         if (warp == 0) {
             int dk = -1;
-            float wk = 0.f;
             if (lane < K) {
                 const i64 g = a.topk_idx[(i64)t * K + lane];
                 const int p = (g >= 0 && g < E) ? a.pos[(i64)t * K + lane] : -1;
-                if (p >= 0) {
-                    dk = (int)(g / L);
-                    wk = a.topk_weights[(i64)t * K + lane];
-                }
+                if (p >= 0) dk = (int)(g / L);
             }
             int n = 0;
-            float w1 = 0.f;
-            for (int k = 0; k < K; ++k) {  // lane d: how many of t's slots rank d holds (and the first's weight)
-                const int dd = __shfl_sync(FULL_MASK, dk, k);
-                const float ww = __shfl_sync(FULL_MASK, wk, k);
-                if (dd == lane) {
-                    if (n == 0) w1 = ww;
-                    ++n;
-                }
-            }
+            for (int k = 0; k < K; ++k) n += __shfl_sync(FULL_MASK, dk, k) == lane;  // lane d: t's slots on rank d
             const WaitSite site = {"low_latency_combine", "ll combine partial (channel = token)", a.rank, t, false};
             const bool active = lane < R && n > 0;
             warp_wait_geq(flag_at(own, data, (active ? lane : 0) * M + t), seq, active, lane, site, a.timeout_ns);
-            if (lane < R) {
-                s_n[lane] = n;
-                s_w1[lane] = w1;
-            }
+            if (lane < R) s_n[lane] = n;
         }
         __syncthreads();
-        if (t == (int)blockIdx.x) LL_MARK(a.state, 1, 6);
-        for (int v = threadIdx.x; v < n_vec; v += blockDim.x) {
+        if (u == (int)blockIdx.x) LL_MARK(a.state, 1, 6);
+        const int v0 = (int)((i64)q * n_vec / parts), v1 = (int)((i64)(q + 1) * n_vec / parts);
+        for (int v = v0 + (int)threadIdx.x; v < v1; v += blockDim.x) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int d = 0; d < R; ++d) {
-                const int n = s_n[d];
-                if (n == 0) continue;
-                const int4* slot = reinterpret_cast<const int4*>(own + slot_off + ((u64)d * M + t) * slot_bytes);
-                if (n == 1) {
-                    float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                    fma_bf16x8_rn(part, s_w1[d], __ldcg(slot + v));
+            for (int d0 = 0; d0 < R; d0 += LL_UNROLL) {  // LL_UNROLL partials' loads in flight, then the sums in rank order
+                int4 r[LL_UNROLL];
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] = add_rn(acc[i], part[i]);
-                } else {
-                    const int4 lo = __ldcg(slot + v), hi = __ldcg(slot + n_vec + v);
-                    add_f32x4_rn(acc, lo);
-                    add_f32x4_rn(acc + 4, hi);
+                for (int i = 0; i < LL_UNROLL; ++i) {
+                    const int d = d0 + i;
+                    r[i] = d < R && s_n[d] > 0
+                        ? __ldcg(reinterpret_cast<const int4*>(own + slot_off + ((u64)d * M + t) * slot_bytes) + v)
+                        : make_int4(0, 0, 0, 0);
                 }
+#pragma unroll
+                for (int i = 0; i < LL_UNROLL; ++i)
+                    if (d0 + i < R && s_n[d0 + i] > 0) acc_bf16x8(acc, r[i]);
             }
             a.out[(i64)t * n_vec + v] = pack_bf16x8(acc);
         }
-        __syncthreads();  // s_* are rewritten for the next token
+        __syncthreads();  // s_n is rewritten for the next unit
     }
     if (last_cta(a.state + LL_TICKET(LL_COMBINE_RECV))) {
         // every slot of this call is read: the expert ranks may reuse this half (call seq + 2)

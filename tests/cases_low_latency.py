@@ -99,7 +99,7 @@ def _check(ctx, buf, seed, fp8, round_scale=False, ue8m0=False, zero_copy=False,
     if hook:
         chook()
     assert combined is out
-    # fp32 partial per expert rank (slots in top-k order), then the partials in rank order
+    # partial per expert rank (fp32, slots in top-k order, then bf16), then the partials in rank order
     exp = torch.zeros(x.shape[0], H)
     for t in range(x.shape[0]):
         acc = torch.zeros(H)
@@ -112,7 +112,7 @@ def _check(ctx, buf, seed, fp8, round_scale=False, ue8m0=False, zero_copy=False,
                 row = (_as_received(x[t], fp8, round_scale) * (1 + g / 16)).to(torch.bfloat16).float()
                 part, any_here = part + w[t, k] * row, True
             if any_here:
-                acc = acc + part
+                acc = acc + part.to(torch.bfloat16).float()
         exp[t] = acc
     assert torch.equal(combined.view(torch.int16), exp.to(torch.bfloat16).view(torch.int16)), "combine"
 

@@ -72,9 +72,9 @@ def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool, num_ranks: 
     half_d = _align(E * M * row_d)
     R = num_ranks or E  # ranks (at most E; the worst case when unknown)
     # combine half (csrc/low_latency.cu, combine_slot_offset): flags [R][M], records [R][M][2K],
-    # then slots [R][M] of 4H bytes; sized for the largest top-k
+    # then slots [R][M] of 2H bytes; sized for the largest top-k
     half_c = _align(combine_half_bytes(M, H, R, E))
-    assert _align(R * M * 8 * (2 * MAX_TOPK + 1)) + R * M * 4 * H <= half_c
+    assert _align(R * M * 8 * (2 * MAX_TOPK + 1)) + R * M * 2 * H <= half_c
     data_bytes = H if use_fp8 else 2 * H
     scale_bytes = (H // BLOCK if use_ue8m0 else H // BLOCK * 4) if use_fp8 else 0
     off_scales = _align(data_bytes)
@@ -246,7 +246,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         args_tail = (K.ptr(self.mem.peer_bases), K.i32(me), K.i32(R),
                      K.u64(OFF_COMBINE_DONE), K.u64(geo["off_combine"]), K.u64(geo["half_combine"]),
                      K.ptr(self.state), K.u64(self.timeout_ns))
-        grid = self._grid(R * M)  # send items (source, token); the receive takes the first T CTAs
+        grid = self._grid(R * M)  # send items (source, token); the receive: up to two CTAs per token
         keep = (x, idx, w, handle)  # the receive half (a hook) reads idx, w and the handle's pos
 
         def launch(phases: int) -> None:
@@ -260,7 +260,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         return (out if out is not None else result), hook
 
 
-TRACE_POINTS = (("start", "send_ready", "send_rows_written", "send_done", "recv_start", "arrivals_seen",
+TRACE_POINTS = (("start", "send_ready", "slots_scanned", "rows_stored", "send_done", "arrivals_seen",
                  "recv_rows_done", "end"),
                 ("start", "send_ready", "records_written", "record_seen", "partial_stored", "send_done",
                  "partials_seen", "end"))

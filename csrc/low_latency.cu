@@ -198,6 +198,20 @@ __device__ __forceinline__ u64 dispatch_meta_offset(int R, int M, int slot_bytes
     return ((u64)R * M * slot_bytes + 15) & ~(u64)15;
 }
 
+// A release fence at system scope: with the relaxed reductions after it, the PTX pattern of a
+// release reduction. COMMLIB_LL_FENCE=1 (default) uses fence.acq_rel.sys; 0 the sequentially
+// consistent __threadfence_system (fence.sc.sys), the stronger and older choice.
+#ifndef COMMLIB_LL_FENCE
+#define COMMLIB_LL_FENCE 1
+#endif
+__device__ __forceinline__ void ll_release_fence() {
+#if COMMLIB_LL_FENCE
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+#else
+    __threadfence_system();
+#endif
+}
+
 // Relaxed: callers issue one system fence before a batch of these (a release reduction each would
 // be a fence each, measured 18 us of sending per token batch instead of 6).
 __device__ __forceinline__ void red_add_relaxed_sys(u64* p, u64 v) {
@@ -230,9 +244,11 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     __shared__ u64 s_dst[COMMLIB_MAX_RANKS];   // this token's row slot in each destination rank (0: none)
     __shared__ int s_pair_rank[32];            // destination rank of each top-k slot (-1: none)
     __shared__ int s_pair_le[32];              // its local expert there
+    __shared__ int s_pair_e[32];               // expert of each top-k slot (-1: none)
+    __shared__ int s_pair_cnt[32];             // pairs of earlier tokens to that expert
     __shared__ int s_hist[LL_MAX_EXPERTS];
     __shared__ int s_ids[LL_SMEM_PAIRS];
-    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
     const int half = (int)(seq & 1);
     const u64 own = a.peer_bases[a.rank];
@@ -295,33 +311,49 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         auto row_vec = [&](int it, int v) {
             return it == 0 ? pre0 : it == 1 ? pre1 : (v < v1 ? ld_nc_v4(src + v) : make_int4(0, 0, 0, 0));
         };
-        for (int k = warp; k < K; k += num_warps) {  // pair (t, k): its rank among the pairs to the same expert
-            const i64 e = a.topk_idx[(i64)t * K + k];
-            const bool valid = e >= 0 && e < E;
-            u32 count = 0;
-            if (valid) {
-                const int n = t * K + k;
+        // pair (t, k)'s slot: how many pairs before it go to the same expert. The earlier tokens' pairs
+        // are counted by every warp at once (32 ids per ballot, one ballot per slot k), then the
+        // earlier slots of token t itself.
+        if (threadIdx.x < (unsigned)K) {
+            const i64 e = a.topk_idx[(i64)t * K + threadIdx.x];
+            s_pair_e[threadIdx.x] = (e >= 0 && e < E) ? (int)e : -1;
+            s_pair_cnt[threadIdx.x] = 0;
+        }
+        __syncthreads();
+        for (int base = warp * 32; base < t * K; base += blockDim.x) {
+            const int j = base + lane;
+            int id = -1;
+            if (j < t * K) {
                 if (ids_in_smem) {
-                    for (int j = lane; j < n; j += 32) count += (u32)(s_ids[j] == (int)e);
+                    id = s_ids[j];
                 } else {
-                    for (int j = lane; j < n; j += 32) count += (u32)(a.topk_idx[j] == e);
+                    const i64 e = a.topk_idx[j];
+                    id = (e >= 0 && e < E) ? (int)e : -1;
                 }
-                count = __reduce_add_sync(FULL_MASK, count);
             }
-            const int p = (valid && count < (u32)M) ? (int)count : -1;  // beyond M (repeated ids): dropped
-            if (lane == 0) {
-                if (q == 0) a.pos[(i64)t * K + k] = p;
-                int d = -1;
-                if (p >= 0) {  // the pair's meta word (part 0): which token of this source is slot p of (e, rank)
-                    d = (int)(e / L);
-                    const int le = (int)(e % L);
-                    if (q == 0)
-                        st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
-                                        ((u64)(le * R + a.rank) * M + p), t);
-                    s_pair_le[k] = le;
-                }
-                s_pair_rank[k] = d;
+            for (int k = 0; k < K; ++k) {
+                const int e = s_pair_e[k];
+                const u32 hits = __ballot_sync(FULL_MASK, e >= 0 && id == e);
+                if (lane == 0 && hits) atomicAdd(&s_pair_cnt[k], __popc(hits));
             }
+        }
+        __syncthreads();
+        if (threadIdx.x < (unsigned)K) {
+            const int k = (int)threadIdx.x, e = s_pair_e[k];
+            int count = s_pair_cnt[k];
+            for (int k2 = 0; k2 < k; ++k2) count += s_pair_e[k2] == e;
+            const int p = (e >= 0 && count < M) ? count : -1;  // beyond M (repeated ids): dropped
+            if (q == 0) a.pos[(i64)t * K + k] = p;
+            int d = -1;
+            if (p >= 0) {  // the pair's meta word (part 0): which token of this source is slot p of (e, rank)
+                d = e / L;
+                const int le = e % L;
+                if (q == 0)
+                    st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
+                                    ((u64)(le * R + a.rank) * M + p), t);
+                s_pair_le[k] = le;
+            }
+            s_pair_rank[k] = d;
         }
         __syncthreads();
         if (threadIdx.x < (unsigned)R) {  // the token row goes once to each rank holding one of its experts
@@ -384,7 +416,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         if (threadIdx.x == 0) {
             // one arrival per (token, slot) at its expert's rank; the fence orders the CTA's row and
             // meta stores (ordered before it by the barrier; fences are cumulative) before them
-            __threadfence_system();
+            ll_release_fence();
             for (int k = 0; k < K; ++k) {
                 const int d = s_pair_rank[k];
                 if (d >= 0)

@@ -246,6 +246,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     __shared__ int s_pair_le[32];              // its local expert there
     __shared__ int s_pair_e[32];               // expert of each top-k slot (-1: none)
     __shared__ int s_pair_cnt[32];             // pairs of earlier tokens to that expert
+    __shared__ u32 s_need;                     // ranks holding one of this token's experts
     __shared__ int s_hist[LL_MAX_EXPERTS];
     __shared__ int s_ids[LL_SMEM_PAIRS];
     const int warp = warp_id(), lane = lane_id();
@@ -315,10 +316,17 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         // are counted by every warp at once (32 ids per ballot, one ballot per slot k), then the
         // earlier slots of token t itself.
         if (threadIdx.x < (unsigned)K) {
-            const i64 e = a.topk_idx[(i64)t * K + threadIdx.x];
-            s_pair_e[threadIdx.x] = (e >= 0 && e < E) ? (int)e : -1;
+            int e;
+            if (ids_in_smem) {
+                e = s_ids[t * K + threadIdx.x];
+            } else {
+                const i64 g = a.topk_idx[(i64)t * K + threadIdx.x];
+                e = (g >= 0 && g < E) ? (int)g : -1;
+            }
+            s_pair_e[threadIdx.x] = e;
             s_pair_cnt[threadIdx.x] = 0;
         }
+        if (threadIdx.x == 0) s_need = 0u;
         __syncthreads();
         for (int base = warp * 32; base < t * K; base += blockDim.x) {
             const int j = base + lane;
@@ -352,15 +360,14 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
                     st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
                                     ((u64)(le * R + a.rank) * M + p), t);
                 s_pair_le[k] = le;
+                atomicOr(&s_need, 1u << d);   // the token row goes once to each rank holding one of its experts
             }
             s_pair_rank[k] = d;
         }
         __syncthreads();
-        if (threadIdx.x < (unsigned)R) {  // the token row goes once to each rank holding one of its experts
+        if (threadIdx.x < (unsigned)R) {
             const int d = (int)threadIdx.x;
-            bool needed = false;
-            for (int k = 0; k < K; ++k) needed |= s_pair_rank[k] == d;
-            s_dst[d] = needed ? a.peer_bases[d] + data + ((u64)a.rank * M + t) * (u64)a.slot_bytes : 0;
+            s_dst[d] = (s_need >> d) & 1u ? a.peer_bases[d] + data + ((u64)a.rank * M + t) * (u64)a.slot_bytes : 0;
         }
         __syncthreads();
         if (u == (int)blockIdx.x - first) LL_MARK(a.state, 0, 2);

@@ -67,7 +67,7 @@
 
 // COMMLIB_LL_TRACE=1 (kernels.set_variant({"LL_TRACE": 1})): CTA thread 0 stores %globaltimer at
 // 8 points of each kernel into state[LL_TRACE_BASE + ((kernel * LL_TRACE_CTAS) + cta) * 8 + point]
-// (kernel 0 dispatch: start, send ready, first unit's slots scanned, its rows stored, send done
+// (kernel 0 dispatch: start, send ready, first unit's rows stored, its slots scanned, send done
 // (after its fence and arrivals), arrivals seen, recv rows done, end; kernel 1 combine: start, send ready, records written, first
 // item's record seen, its partial stored, send done (flags released), first token's partials seen,
 // end: commlib/backends/nvlink_ll.py TRACE_POINTS). benchmarks/bench_low_latency.py --trace reads them.
@@ -266,17 +266,12 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         const WaitSite site = {"low_latency_dispatch", "ll dispatch done (call seq - 2 consumed)", a.rank, -1, false};
         wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
     }
-    // The routing in shared memory (ids outside [0, E) as -1): the slot scan below reads up to T * K
-    // ids per pair, which from global memory is a chain of dependent L2 round trips.
+    // The routing goes to shared memory (ids outside [0, E) as -1) before the slot scan: it reads up
+    // to T * K ids per pair, which from global memory is a chain of dependent L2 round trips.
     const int pairs = a.num_tokens * K;
     const bool ids_in_smem = pairs <= LL_SMEM_PAIRS;
-    if (ids_in_smem) {
-        for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
-            const i64 e = a.topk_idx[j];
-            s_ids[j] = (e >= 0 && e < E) ? (int)e : -1;
-        }
-    }
-    __syncthreads();
+    bool ids_loaded = false;
+    __syncthreads();  // the done wait above comes before any store of this CTA
     if (blockIdx.x == 0) {
         // Rows per (expert, this source), clamped to M, are known from the routing alone: publish
         // them now. Readiness is the arrival words below, so receivers start on an expert as soon
@@ -302,7 +297,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         const int t = u % a.num_tokens, q = u / a.num_tokens;   // token t, part q of its row
         const int4* src = a.x + (i64)t * n_vec;
         // this thread's vectors v = v0 + threadIdx.x + i * blockDim.x; the first two are loaded now,
-        // so their HBM latency overlaps the slot scan (FP8: parts start on 128-channel blocks)
+        // so their HBM latency overlaps the routing reads (FP8: parts start on 128-channel blocks)
         const bool fp8 = a.fp8_mode != LL_FP8_NONE;
         const int v0 = fp8 ? q * n_blocks / parts * 16 : (int)((i64)q * n_vec / parts);
         const int v1 = fp8 ? (q + 1) * n_blocks / parts * 16 : (int)((i64)(q + 1) * n_vec / parts);
@@ -312,65 +307,23 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         auto row_vec = [&](int it, int v) {
             return it == 0 ? pre0 : it == 1 ? pre1 : (v < v1 ? ld_nc_v4(src + v) : make_int4(0, 0, 0, 0));
         };
-        // pair (t, k)'s slot: how many pairs before it go to the same expert. The earlier tokens' pairs
-        // are counted by every warp at once (32 ids per ballot, one ballot per slot k), then the
-        // earlier slots of token t itself.
+        // the token's experts and the ranks holding them: its row goes to those ranks right away (its
+        // slot there is (source, token), known without the slot scan, which follows while the row is
+        // in flight)
         if (threadIdx.x < (unsigned)K) {
-            int e;
-            if (ids_in_smem) {
-                e = s_ids[t * K + threadIdx.x];
-            } else {
-                const i64 g = a.topk_idx[(i64)t * K + threadIdx.x];
-                e = (g >= 0 && g < E) ? (int)g : -1;
-            }
-            s_pair_e[threadIdx.x] = e;
+            const i64 g = a.topk_idx[(i64)t * K + threadIdx.x];
+            s_pair_e[threadIdx.x] = (g >= 0 && g < E) ? (int)g : -1;
             s_pair_cnt[threadIdx.x] = 0;
         }
         if (threadIdx.x == 0) s_need = 0u;
         __syncthreads();
-        for (int base = warp * 32; base < t * K; base += blockDim.x) {
-            const int j = base + lane;
-            int id = -1;
-            if (j < t * K) {
-                if (ids_in_smem) {
-                    id = s_ids[j];
-                } else {
-                    const i64 e = a.topk_idx[j];
-                    id = (e >= 0 && e < E) ? (int)e : -1;
-                }
-            }
-            for (int k = 0; k < K; ++k) {
-                const int e = s_pair_e[k];
-                const u32 hits = __ballot_sync(FULL_MASK, e >= 0 && id == e);
-                if (lane == 0 && hits) atomicAdd(&s_pair_cnt[k], __popc(hits));
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < (unsigned)K) {
-            const int k = (int)threadIdx.x, e = s_pair_e[k];
-            int count = s_pair_cnt[k];
-            for (int k2 = 0; k2 < k; ++k2) count += s_pair_e[k2] == e;
-            const int p = (e >= 0 && count < M) ? count : -1;  // beyond M (repeated ids): dropped
-            if (q == 0) a.pos[(i64)t * K + k] = p;
-            int d = -1;
-            if (p >= 0) {  // the pair's meta word (part 0): which token of this source is slot p of (e, rank)
-                d = e / L;
-                const int le = e % L;
-                if (q == 0)
-                    st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
-                                    ((u64)(le * R + a.rank) * M + p), t);
-                s_pair_le[k] = le;
-                atomicOr(&s_need, 1u << d);   // the token row goes once to each rank holding one of its experts
-            }
-            s_pair_rank[k] = d;
-        }
+        if (threadIdx.x < (unsigned)K && s_pair_e[threadIdx.x] >= 0) atomicOr(&s_need, 1u << (s_pair_e[threadIdx.x] / L));
         __syncthreads();
         if (threadIdx.x < (unsigned)R) {
             const int d = (int)threadIdx.x;
             s_dst[d] = (s_need >> d) & 1u ? a.peer_bases[d] + data + ((u64)a.rank * M + t) * (u64)a.slot_bytes : 0;
         }
         __syncthreads();
-        if (u == (int)blockIdx.x - first) LL_MARK(a.state, 0, 2);
         if (!fp8) {
             int it = 0;
             for (int v = v0 + (int)threadIdx.x; v < v1; v += blockDim.x, ++it) {
@@ -417,6 +370,53 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
                     }
                 }
             }
+        }
+        if (u == (int)blockIdx.x - first) LL_MARK(a.state, 0, 2);
+        // pair (t, k)'s slot: how many pairs before it go to the same expert. The earlier tokens' pairs
+        // are counted by every warp at once (32 ids per ballot, one ballot per slot k), then the
+        // earlier slots of token t itself. The routing goes to shared memory on a CTA's first unit.
+        if (ids_in_smem && !ids_loaded) {
+            for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+                const i64 e = a.topk_idx[j];
+                s_ids[j] = (e >= 0 && e < E) ? (int)e : -1;
+            }
+            ids_loaded = true;
+            __syncthreads();
+        }
+        for (int base = warp * 32; base < t * K; base += blockDim.x) {
+            const int j = base + lane;
+            int id = -1;
+            if (j < t * K) {
+                if (ids_in_smem) {
+                    id = s_ids[j];
+                } else {
+                    const i64 e = a.topk_idx[j];
+                    id = (e >= 0 && e < E) ? (int)e : -1;
+                }
+            }
+            for (int k = 0; k < K; ++k) {
+                const int e = s_pair_e[k];
+                const u32 hits = __ballot_sync(FULL_MASK, e >= 0 && id == e);
+                if (lane == 0 && hits) atomicAdd(&s_pair_cnt[k], __popc(hits));
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < (unsigned)K) {
+            const int k = (int)threadIdx.x, e = s_pair_e[k];
+            int count = s_pair_cnt[k];
+            for (int k2 = 0; k2 < k; ++k2) count += s_pair_e[k2] == e;
+            const int p = (e >= 0 && count < M) ? count : -1;  // beyond M (repeated ids): dropped
+            if (q == 0) a.pos[(i64)t * K + k] = p;
+            int d = -1;
+            if (p >= 0) {  // the pair's meta word (part 0): which token of this source is slot p of (e, rank)
+                d = e / L;
+                const int le = e % L;
+                if (q == 0)
+                    st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
+                                    ((u64)(le * R + a.rank) * M + p), t);
+                s_pair_le[k] = le;
+            }
+            s_pair_rank[k] = d;
         }
         if (u == (int)blockIdx.x - first) LL_MARK(a.state, 0, 3);
         __syncthreads();  // every thread's stores of this token are issued

@@ -260,7 +260,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         return (out if out is not None else result), hook
 
 
-TRACE_POINTS = (("start", "send_ready", "slots_scanned", "rows_stored", "send_done", "arrivals_seen",
+TRACE_POINTS = (("start", "send_ready", "rows_stored", "slots_scanned", "send_done", "arrivals_seen",
                  "recv_rows_done", "end"),
                 ("start", "send_ready", "records_written", "record_seen", "partial_stored", "send_done",
                  "partials_seen", "end"))

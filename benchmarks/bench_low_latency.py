@@ -118,7 +118,8 @@ def _worker(ctx, a):
     if a.trace:  # one more replay of each, then where each launch spent its time, per CTA
         from commlib.backends.nvlink_ll import trace_summary
         ll = buf._low_latency
-        grids = (ll._dispatch_grid(a.tokens, L), ll._grid(R * M))   # what dispatch() and combine() launch
+        from commlib.backends.nvlink_ll import MAX_PARTS
+        grids = (ll._grid(L, 1 + MAX_PARTS * a.tokens), ll._grid(R * M))   # what dispatch() and combine() launch
         mine = {}
         for kernel, (name, g) in enumerate((("dispatch", g_d), ("combine", g_c))):
             dist.barrier(group=ctx.group)
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH")
     p.add_argument("--variant", default="", metavar="KEY=V,...",
-                   help="kernel build variant (commlib.kernels.DEFAULT_VARIANT keys, e.g. LL_FENCE=0) for A/B runs")
+                   help="kernel build variant (commlib.kernels.DEFAULT_VARIANT keys, e.g. LL_PARTS=1) for A/B runs")
     p.add_argument("--trace", action="store_true",
                    help="build with COMMLIB_LL_TRACE and print per-CTA time points of one graph replay")
     a = p.parse_args(argv)

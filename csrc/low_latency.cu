@@ -14,29 +14,36 @@
 //   COUNT [half][local expert e][src s] u64 in rank d: (seq << 32) | rows, release-stored by src's
 //       CTA 0 at the start of the call (the rows follow from the routing); acquire-polled by d's
 //       dispatch receiver (the CTA that owns expert e).
-//   ARRIVAL [half][e][s] u64 in rank d: pairs of (e, s) whose meta words landed so far in this call:
-//       src's slot-scan unit adds one per (token, slot) after the meta words and one system fence; d's
-//       receivers wait until it reaches COUNT; d's last receiver CTA zeroes them for call seq + 2.
+//   ARRIVAL [half][e][s] u64 in rank d: rows of (e, s) landed so far in this call: src's CTA adds one
+//       per (token, slot) with a reduction after that token's rows, meta words and one system fence; d's
+//       receiver waits until it reaches COUNT, then zeroes it for call seq + 2.
 //   DISPATCH_DONE [d] u64 in rank src: = seq, release-stored by d's dispatch receiver (last CTA)
 //       once it has read every staging row of call seq; src's sender waits for seq - 2 before it
 //       writes into the same half again (so at most two calls are in flight, never corrupted).
 //   DISPATCH half in rank d: token rows [src][M] (slot_bytes each: [row: bf16 2H or E4M3 H bytes]
 //       [scales: float per 128 channels, or one UE8M0 byte per 128 channels]), written once per
-//       (token, destination rank) by src, however many of d's experts the token picked; then meta
-//       words [e][src][M] int32: slot p of (e, src) = the p-th (token, slot) pair of src routed to
-//       expert e (token order, then top-k slot order) holds that token's index; then row flags
-//       [src][M] u64 (= seq once src's row of token t is in). d's receiver copies row `meta` of src's
-//       token rows into recv_x.
-//   COMBINE half in rank s: flags, top-k records and bf16 partial slots (see the Combine section).
+//       (token, destination rank) by src's sender CTA that owns the token, however many of d's
+//       experts the token picked; then meta words [e][src][M] int32: slot p of (e, src) = the p-th
+//       (token, slot) pair of src routed to expert e (token order, then top-k slot order) holds that
+//       token's index. d's receiver copies row `meta` of src's token rows into recv_x.
+//   COMBINE_FLAG [half][g] u64 in rank src: = seq, release-stored by g's rank (the CTA owning local
+//       expert g % L) after every row of g for src is written; acquire-polled by src's receiver.
 //   COMBINE_DONE [h] u64 in the expert ranks: = seq, release-stored by h's combine receiver (last
 //       CTA) after it read every slot of call seq; expert ranks wait for seq - 2 before writing.
-// Dispatch sender: CTA 0 publishes the counts; unit (token, row) casts the token once (FP8: 16
-// lanes per 128-channel block, amax by shuffles), stores it into each destination rank's token rows,
-// fences and tags the row flags; unit (token, slots) finds pos[t, k] (how many pairs before (t, k)
-// go to the same expert: ballots, deterministic), writes the meta words, fences and adds the
-// arrivals. Dispatch receiver: every CTA scans the count words into recv_x's row order and copies
-// an equal share of the rows once their segments' arrivals and their row flags are in.
-// Combine: see the section below.
+//   COMBINE half [g][M] slots (bf16 2H) in rank src: slot p = expert g's output for src's p-th
+//       pair routed to g (the dispatch's pos[t, k]).
+//
+// Dispatch sender: CTA b takes tokens b, b + grid, ...; warp k < K finds pos[t, k] (a prefix count
+// of expert topk_idx[t, k] over the pairs before (t, k): deterministic, no atomics) and writes the
+// pair's meta word; then all warps read the token once, cast it (FP8: 16 lanes per 128-channel
+// block, amax by shuffles) and store it once into each destination rank's token rows. The last CTA to finish (ticket) histograms the routing and
+// publishes the E count words. Dispatch receiver: CTA b owns local experts b, b + grid, ...; warp 0
+// waits for the R count words of its expert, writes layout_range / recv_count, then all warps copy
+// rows from the staging slots into recv_x (sources in rank order, slots in order).
+// Combine sender: CTA b owns local experts b, b + grid, ...: rows of (e, src) go to src's slots,
+// then one flag per (e, src). Combine receiver: CTA b takes tokens; warp 0 waits for the K flags,
+// then every thread sums 8 channels: acc = 0; acc = acc + w[k] * row[k] for k in order (fp32,
+// two roundings), bf16 at the end.
 //
 // phases: LL_SEND | LL_RECV in one launch (no hook), or one phase per launch (return_recv_hook:
 // the sender returns at once, the hook launches the receiver; no SM waits in between).
@@ -48,6 +55,10 @@
 #define LL_UNROLL 4
 #define LL_MAX_EXPERTS 2048            // nvlink_ll.MAX_EXPERTS
 #define LL_SMEM_PAIRS 4096             // (token, slot) ids kept in shared memory for the slot scan
+#ifndef COMMLIB_LL_PARTS
+#define COMMLIB_LL_PARTS 1             // kernels.DEFAULT_VARIANT["LL_PARTS"]
+#endif
+#define LL_MAX_PARTS COMMLIB_LL_PARTS  // dispatch: CTAs sharing one token row when the grid has CTAs to spare
 #define LL_COMBINE_RECV_PARTS 2        // combine: CTAs sharing one token's sum when the grid has CTAs to spare
 #define LL_RECV_ROWS 512               // rows whose sources the dispatch receiver keeps in shared memory at once
 
@@ -229,12 +240,6 @@ __device__ __noinline__ void bad_expert_id_trap(int rank, int t, int k, i64 e, i
 // Dispatch
 // ------------------------------------------------------------------------------------------------
 
-// Row flags of a dispatch half of rank d: u64 [source][M] after the meta words; = seq once source's
-// row of token t is in d's token area (seq-tagged, never reset).
-__device__ __forceinline__ u64 dispatch_row_flag_offset(int R, int M, int E, int slot_bytes) {
-    return dispatch_meta_offset(R, M, slot_bytes) + (((u64)E * M * 4 + 15) & ~(u64)15);
-}
-
 __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     __shared__ u64 s_dst[COMMLIB_MAX_RANKS];   // this token's row slot in each destination rank (0: none)
     __shared__ int s_pair_rank[32];            // destination rank of each top-k slot (-1: none)
@@ -246,32 +251,31 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     __shared__ int s_ids[LL_SMEM_PAIRS];
     const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
-    const int T = a.num_tokens;
     const int half = (int)(seq & 1);
     const u64 own = a.peer_bases[a.rank];
     const u64 data = a.off_data + (u64)half * a.half_bytes;
     const u64 meta_off = dispatch_meta_offset(R, M, a.slot_bytes);
-    const u64 row_flag_off = dispatch_row_flag_offset(R, M, E, a.slot_bytes);
-    // Work units: (token, row) sends the token's row to the ranks of its experts and tags its row
-    // flag there; (token, slots) finds each pair's slot, writes the meta words and adds the pairs'
-    // arrivals. Separate CTAs when the grid has them, so the slot scan and the row's NVLink trip
-    // overlap; CTA 0 (with CTAs to spare) only publishes the counts.
-    const int first = (int)gridDim.x > T ? 1 : 0;
+    // Work units (token, part): with CTAs to spare, CTA 0 only publishes the counts and the others
+    // split each row into `parts` (FP8: whole 128-channel blocks); every unit adds its own arrival,
+    // so the count word tells receivers `parts` too (bits 24-31).
+    const int first = (int)gridDim.x > a.num_tokens ? 1 : 0;
     const int senders = (int)gridDim.x - first;
+    const int n_blocks = a.hidden / 128;
+    const int parts = max(1, min(min(LL_MAX_PARTS, senders / max(a.num_tokens, 1)), max(n_blocks, 1)));
     if (warp == 0) {  // every receiver is done with this half (call seq - 2)
         const WaitSite site = {"low_latency_dispatch", "ll dispatch done (call seq - 2 consumed)", a.rank, -1, false};
         wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
     }
     // The routing goes to shared memory (ids outside [0, E) as -1) before the slot scan: it reads up
     // to T * K ids per pair, which from global memory is a chain of dependent L2 round trips.
-    const int pairs = T * K;
+    const int pairs = a.num_tokens * K;
     const bool ids_in_smem = pairs <= LL_SMEM_PAIRS;
     bool ids_loaded = false;
     __syncthreads();  // the done wait above comes before any store of this CTA
     if (blockIdx.x == 0) {
         // Rows per (expert, this source), clamped to M, are known from the routing alone: publish
-        // them now. Readiness is the arrival words, so receivers start on an expert as soon as its
-        // pairs are in, not after every CTA of the grid has finished sending.
+        // them now. Readiness is the arrival words below, so receivers start on an expert as soon
+        // as its rows are in, not after every CTA of the grid has finished sending.
         for (int g = threadIdx.x; g < E; g += blockDim.x) s_hist[g] = 0;
         __syncthreads();
         for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
@@ -283,160 +287,151 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         for (int g = threadIdx.x; g < E; g += blockDim.x) {
             const int d = g / L, le = g % L;
             st_release_sys(flag_at(a.peer_bases[d], a.off_count, half * a.words_per_half + le * R + a.rank),
-                           tail_word(seq, (u32)min(s_hist[g], M)));
+                           tail_word(seq, ((u32)parts << 24) | (u32)min(s_hist[g], M)));
         }
     }
     LL_MARK(a.state, 0, 1);
 
     const int n_vec = a.hidden / 8;  // 16-byte vectors of bf16 input
-    for (int u = (int)blockIdx.x - first; u >= 0 && u < 2 * T; u += senders) {
-        const int t = u % T;
-        if (u < T) {
-            // ---- (token, row): the row goes once to each rank holding one of the token's experts, into
-            // slot (source, token) there; the first two of this thread's vectors are loaded first
-            const int4* src = a.x + (i64)t * n_vec;
-            int4 pre0 = make_int4(0, 0, 0, 0), pre1 = make_int4(0, 0, 0, 0);
-            if ((int)threadIdx.x < n_vec) pre0 = ld_nc_v4(src + threadIdx.x);
-            if ((int)(threadIdx.x + blockDim.x) < n_vec) pre1 = ld_nc_v4(src + threadIdx.x + blockDim.x);
-            auto row_vec = [&](int it, int v) {
-                return it == 0 ? pre0 : it == 1 ? pre1 : (v < n_vec ? ld_nc_v4(src + v) : make_int4(0, 0, 0, 0));
-            };
-            if (threadIdx.x == 0) s_need = 0u;
-            __syncthreads();
-            if (threadIdx.x < (unsigned)K) {
-                const i64 g = a.topk_idx[(i64)t * K + threadIdx.x];
-                if (g >= 0 && g < E) atomicOr(&s_need, 1u << (int)(g / L));
+    for (int u = (int)blockIdx.x - first; u >= 0 && u < a.num_tokens * parts; u += senders) {
+        const int t = u % a.num_tokens, q = u / a.num_tokens;   // token t, part q of its row
+        const int4* src = a.x + (i64)t * n_vec;
+        // this thread's vectors v = v0 + threadIdx.x + i * blockDim.x; the first two are loaded now,
+        // so their HBM latency overlaps the routing reads (FP8: parts start on 128-channel blocks)
+        const bool fp8 = a.fp8_mode != LL_FP8_NONE;
+        const int v0 = fp8 ? q * n_blocks / parts * 16 : (int)((i64)q * n_vec / parts);
+        const int v1 = fp8 ? (q + 1) * n_blocks / parts * 16 : (int)((i64)(q + 1) * n_vec / parts);
+        int4 pre0 = make_int4(0, 0, 0, 0), pre1 = make_int4(0, 0, 0, 0);
+        if (v0 + (int)threadIdx.x < v1) pre0 = ld_nc_v4(src + v0 + threadIdx.x);
+        if (v0 + (int)(threadIdx.x + blockDim.x) < v1) pre1 = ld_nc_v4(src + v0 + threadIdx.x + blockDim.x);
+        auto row_vec = [&](int it, int v) {
+            return it == 0 ? pre0 : it == 1 ? pre1 : (v < v1 ? ld_nc_v4(src + v) : make_int4(0, 0, 0, 0));
+        };
+        // the token's experts and the ranks holding them: its row goes to those ranks right away (its
+        // slot there is (source, token), known without the slot scan, which follows while the row is
+        // in flight)
+        if (threadIdx.x < (unsigned)K) {
+            const i64 g = a.topk_idx[(i64)t * K + threadIdx.x];
+            s_pair_e[threadIdx.x] = (g >= 0 && g < E) ? (int)g : -1;
+            s_pair_cnt[threadIdx.x] = 0;
+        }
+        if (threadIdx.x == 0) s_need = 0u;
+        __syncthreads();
+        if (threadIdx.x < (unsigned)K && s_pair_e[threadIdx.x] >= 0) atomicOr(&s_need, 1u << (s_pair_e[threadIdx.x] / L));
+        __syncthreads();
+        if (threadIdx.x < (unsigned)R) {
+            const int d = (int)threadIdx.x;
+            s_dst[d] = (s_need >> d) & 1u ? a.peer_bases[d] + data + ((u64)a.rank * M + t) * (u64)a.slot_bytes : 0;
+        }
+        __syncthreads();
+        if (!fp8) {
+            int it = 0;
+            for (int v = v0 + (int)threadIdx.x; v < v1; v += blockDim.x, ++it) {
+                const int4 val = row_vec(it, v);
+                for (int r = 0; r < R; ++r) {
+                    const u64 d = s_dst[r];
+                    if (d != 0) st_na_v4(reinterpret_cast<int4*>(d) + v, val);
+                }
             }
-            __syncthreads();
-            if (threadIdx.x < (unsigned)R) {
-                const int d = (int)threadIdx.x;
-                s_dst[d] = (s_need >> d) & 1u ? a.peer_bases[d] + data + ((u64)a.rank * M + t) * (u64)a.slot_bytes : 0;
-            }
-            __syncthreads();
-            if (a.fp8_mode == LL_FP8_NONE) {
-                int it = 0;
-                for (int v = threadIdx.x; v < n_vec; v += blockDim.x, ++it) {
-                    const int4 val = row_vec(it, v);
+        } else {
+            // 16 lanes = one 128-channel block (parts start on blocks, so half-warps are never split)
+            int it = 0;
+            for (int base = v0 + warp * 32; base < v1; base += blockDim.x, ++it) {
+                const int v = base + lane;
+                const bool active = v < v1;
+                const int4 val = row_vec(it, v);
+                float f[8] = {bf16_lo((u32)val.x), bf16_hi((u32)val.x), bf16_lo((u32)val.y), bf16_hi((u32)val.y),
+                              bf16_lo((u32)val.z), bf16_hi((u32)val.z), bf16_lo((u32)val.w), bf16_hi((u32)val.w)};
+                float amax = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) amax = fmaxf(amax, abs_exact(f[i]));
+#pragma unroll
+                for (int off = 8; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, off));
+                float scale = div_rn(fmaxf(amax, 1e-4f), 448.f);
+                if (a.fp8_mode >= LL_FP8_POW2) scale = pow2_ceil(scale);
+                const u32 lo = pack_e4m3x4(div_rn(f[0], scale), div_rn(f[1], scale), div_rn(f[2], scale),
+                                           div_rn(f[3], scale));
+                const u32 hi = pack_e4m3x4(div_rn(f[4], scale), div_rn(f[5], scale), div_rn(f[6], scale),
+                                           div_rn(f[7], scale));
+                const u64 q = (u64)lo | ((u64)hi << 32);
+                if (active) {
+                    const int block = v >> 4;
                     for (int r = 0; r < R; ++r) {
                         const u64 d = s_dst[r];
-                        if (d != 0) st_na_v4(reinterpret_cast<int4*>(d) + v, val);
-                    }
-                }
-            } else {
-                // 16 lanes = one 128-channel block (n_vec % 16 == 0, so half-warps are never split)
-                int it = 0;
-                for (int base = warp * 32; base < n_vec; base += blockDim.x, ++it) {
-                    const int v = base + lane;
-                    const bool active = v < n_vec;
-                    const int4 val = row_vec(it, v);
-                    float f[8] = {bf16_lo((u32)val.x), bf16_hi((u32)val.x), bf16_lo((u32)val.y), bf16_hi((u32)val.y),
-                                  bf16_lo((u32)val.z), bf16_hi((u32)val.z), bf16_lo((u32)val.w), bf16_hi((u32)val.w)};
-                    float amax = 0.f;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, abs_exact(f[i]));
-#pragma unroll
-                    for (int off = 8; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, off));
-                    float scale = div_rn(fmaxf(amax, 1e-4f), 448.f);
-                    if (a.fp8_mode >= LL_FP8_POW2) scale = pow2_ceil(scale);
-                    const u32 lo = pack_e4m3x4(div_rn(f[0], scale), div_rn(f[1], scale), div_rn(f[2], scale),
-                                               div_rn(f[3], scale));
-                    const u32 hi = pack_e4m3x4(div_rn(f[4], scale), div_rn(f[5], scale), div_rn(f[6], scale),
-                                               div_rn(f[7], scale));
-                    const u64 q = (u64)lo | ((u64)hi << 32);
-                    if (active) {
-                        const int block = v >> 4;
-                        for (int r = 0; r < R; ++r) {
-                            const u64 d = s_dst[r];
-                            if (d == 0) continue;
-                            st_na_u64(reinterpret_cast<u64*>(d) + v, q);
-                            if ((lane & 15) == 0) {
-                                if (a.fp8_mode == LL_FP8_UE8M0)
-                                    st_volatile(reinterpret_cast<unsigned char*>(d + a.slot_off_scales) + block,
-                                                (unsigned char)((__float_as_uint(scale) >> 23) & 0xffu));
-                                else
-                                    st_volatile(reinterpret_cast<float*>(d + a.slot_off_scales) + block, scale);
-                            }
+                        if (d == 0) continue;
+                        st_na_u64(reinterpret_cast<u64*>(d) + v, q);
+                        if ((lane & 15) == 0) {
+                            if (a.fp8_mode == LL_FP8_UE8M0)
+                                st_volatile(reinterpret_cast<unsigned char*>(d + a.slot_off_scales) + block,
+                                            (unsigned char)((__float_as_uint(scale) >> 23) & 0xffu));
+                            else
+                                st_volatile(reinterpret_cast<float*>(d + a.slot_off_scales) + block, scale);
                         }
                     }
                 }
             }
-            if (u == (int)blockIdx.x - first) LL_MARK(a.state, 0, 2);
-            __syncthreads();  // every thread's row stores are issued
-            if (threadIdx.x == 0) {
-                // the fence orders the CTA's row stores (before it through the barrier; fences are
-                // cumulative) before the row flags, which this thread stores itself
-                ll_release_fence();
-                for (int d = 0; d < R; ++d)
-                    if ((s_need >> d) & 1u)
-                        st_volatile(flag_at(a.peer_bases[d], data + row_flag_off, a.rank * M + t), seq);
+        }
+        if (u == (int)blockIdx.x - first) LL_MARK(a.state, 0, 2);
+        // pair (t, k)'s slot: how many pairs before it go to the same expert. The earlier tokens' pairs
+        // are counted by every warp at once (32 ids per ballot, one ballot per slot k), then the
+        // earlier slots of token t itself. The routing goes to shared memory on a CTA's first unit.
+        if (ids_in_smem && !ids_loaded) {
+            for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+                const i64 e = a.topk_idx[j];
+                s_ids[j] = (e >= 0 && e < E) ? (int)e : -1;
             }
-        } else {
-            // ---- (token, slots): pair (t, k)'s slot is how many pairs before it go to the same expert.
-            // The earlier tokens' pairs are counted by every warp at once (32 ids per ballot, one ballot
-            // per top-k slot), then the earlier slots of token t itself. The routing goes to shared
-            // memory on a CTA's first such unit.
-            if (threadIdx.x < (unsigned)K) {
-                const i64 g = a.topk_idx[(i64)t * K + threadIdx.x];
-                s_pair_e[threadIdx.x] = (g >= 0 && g < E) ? (int)g : -1;
-                s_pair_cnt[threadIdx.x] = 0;
-            }
-            if (ids_in_smem && !ids_loaded) {
-                for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+            ids_loaded = true;
+            __syncthreads();
+        }
+        for (int base = warp * 32; base < t * K; base += blockDim.x) {
+            const int j = base + lane;
+            int id = -1;
+            if (j < t * K) {
+                if (ids_in_smem) {
+                    id = s_ids[j];
+                } else {
                     const i64 e = a.topk_idx[j];
-                    s_ids[j] = (e >= 0 && e < E) ? (int)e : -1;
-                }
-                ids_loaded = true;
-            }
-            __syncthreads();
-            for (int base = warp * 32; base < t * K; base += blockDim.x) {
-                const int j = base + lane;
-                int id = -1;
-                if (j < t * K) {
-                    if (ids_in_smem) {
-                        id = s_ids[j];
-                    } else {
-                        const i64 e = a.topk_idx[j];
-                        id = (e >= 0 && e < E) ? (int)e : -1;
-                    }
-                }
-                for (int k = 0; k < K; ++k) {
-                    const int e = s_pair_e[k];
-                    const u32 hits = __ballot_sync(FULL_MASK, e >= 0 && id == e);
-                    if (lane == 0 && hits) atomicAdd(&s_pair_cnt[k], __popc(hits));
+                    id = (e >= 0 && e < E) ? (int)e : -1;
                 }
             }
-            __syncthreads();
-            if (threadIdx.x < (unsigned)K) {
-                const int k = (int)threadIdx.x, e = s_pair_e[k];
-                int count = s_pair_cnt[k];
-                for (int k2 = 0; k2 < k; ++k2) count += s_pair_e[k2] == e;
-                const int p = (e >= 0 && count < M) ? count : -1;  // beyond M (repeated ids): dropped
-                a.pos[(i64)t * K + k] = p;
-                int d = -1;
-                if (p >= 0) {  // the pair's meta word: which token of this source is slot p of (e, rank)
-                    d = e / L;
-                    const int le = e % L;
-                    st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
-                                    ((u64)(le * R + a.rank) * M + p), t);
-                    s_pair_le[k] = le;
-                }
-                s_pair_rank[k] = d;
-            }
-            if (u == (int)blockIdx.x - first) LL_MARK(a.state, 0, 3);
-            __syncthreads();  // every meta store is issued
-            if (threadIdx.x == 0) {
-                // one arrival per (token, slot) at its expert's rank, after the meta words (one fence,
-                // then relaxed reductions: the PTX pattern of release reductions, without a fence each)
-                ll_release_fence();
-                for (int k = 0; k < K; ++k) {
-                    const int d = s_pair_rank[k];
-                    if (d >= 0)
-                        red_add_relaxed_sys(flag_at(a.peer_bases[d], a.off_arrival,
-                                                    half * a.words_per_half + s_pair_le[k] * R + a.rank), 1);
-                }
+            for (int k = 0; k < K; ++k) {
+                const int e = s_pair_e[k];
+                const u32 hits = __ballot_sync(FULL_MASK, e >= 0 && id == e);
+                if (lane == 0 && hits) atomicAdd(&s_pair_cnt[k], __popc(hits));
             }
         }
-        __syncthreads();  // s_dst / s_need / s_pair_* are rewritten by the next unit
+        __syncthreads();
+        if (threadIdx.x < (unsigned)K) {
+            const int k = (int)threadIdx.x, e = s_pair_e[k];
+            int count = s_pair_cnt[k];
+            for (int k2 = 0; k2 < k; ++k2) count += s_pair_e[k2] == e;
+            const int p = (e >= 0 && count < M) ? count : -1;  // beyond M (repeated ids): dropped
+            if (q == 0) a.pos[(i64)t * K + k] = p;
+            int d = -1;
+            if (p >= 0) {  // the pair's meta word (part 0): which token of this source is slot p of (e, rank)
+                d = e / L;
+                const int le = e % L;
+                if (q == 0)
+                    st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
+                                    ((u64)(le * R + a.rank) * M + p), t);
+                s_pair_le[k] = le;
+            }
+            s_pair_rank[k] = d;
+        }
+        if (u == (int)blockIdx.x - first) LL_MARK(a.state, 0, 3);
+        __syncthreads();  // every thread's stores of this token are issued
+        if (threadIdx.x == 0) {
+            // one arrival per (token, slot) at its expert's rank; the fence orders the CTA's row and
+            // meta stores (ordered before it by the barrier; fences are cumulative) before them
+            ll_release_fence();
+            for (int k = 0; k < K; ++k) {
+                const int d = s_pair_rank[k];
+                if (d >= 0)
+                    red_add_relaxed_sys(flag_at(a.peer_bases[d], a.off_arrival,
+                                                half * a.words_per_half + s_pair_le[k] * R + a.rank), 1);
+            }
+        }
+        __syncthreads();  // s_dst / s_pair_* are rewritten for the next token
     }
 
     LL_MARK(a.state, 0, 4);
@@ -496,6 +491,7 @@ __device__ void cta_exclusive_scan(int* s, int n) {
 
 __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     __shared__ int s_prefix[LL_MAX_EXPERTS + 1];  // rows before segment j = (local expert, source) = e * R + s
+    __shared__ int s_parts[COMMLIB_MAX_RANKS];    // units per pair of each source (its count words' bits 24-31)
     __shared__ int s_tok[LL_RECV_ROWS];           // token of each row of the current chunk
     __shared__ int s_row[LL_RECV_ROWS];           // its row in recv_x
     __shared__ u32 s_src[LL_RECV_ROWS];           // its staging slot (16-byte units from the half's start)
@@ -505,7 +501,6 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     const u64 own = a.peer_bases[a.rank];
     const u64 data = a.off_data + (u64)half * a.half_bytes;
     const u64 meta_off = dispatch_meta_offset(R, M, a.slot_bytes);
-    const u64 row_flag_off = dispatch_row_flag_offset(R, M, E, a.slot_bytes);
     const bool fp8 = a.fp8_mode != LL_FP8_NONE;
     const int n_out = (fp8 ? a.hidden : 2 * a.hidden) / 16;                  // 16-byte vectors of a row
     const int n_scale_words = !fp8 ? 0 : (a.fp8_mode == LL_FP8_UE8M0 ? a.hidden / 512 : a.hidden / 128);
@@ -522,7 +517,8 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
         const u64 v = warp_wait_geq(counts + (active ? j : 0), tail_word(seq, 0), active, active ? j % R : -1, site,
                                     a.timeout_ns);
         if (active) {
-            s_prefix[j] = (int)min((u32)(v & 0xffffffffull), (u32)M);
+            s_prefix[j] = (int)min((u32)(v & 0xffffffull), (u32)M);
+            if (j < R) s_parts[j] = (int)((v >> 24) & 0xffull);
         }
     }
     __syncthreads();
@@ -549,8 +545,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
         }
     }
 
-    // this CTA's share of the rows; wait until every pair of the segments it touches has arrived
-    // (their meta words are in), then until each row's flag says the row itself is in
+    // this CTA's share of the rows; wait until every segment it touches has fully arrived
     const int r0 = (int)((i64)blockIdx.x * n_rows / gridDim.x), r1 = (int)((i64)(blockIdx.x + 1) * n_rows / gridDim.x);
     if (r0 < r1 && warp == 0) {
         const int j_lo = segment_of(s_prefix, E, r0), j_hi = segment_of(s_prefix, E, r1 - 1);
@@ -559,7 +554,8 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
             const int cnt = j <= j_hi ? seg_rows(j) : 0;
             const WaitSite site = {"low_latency_dispatch", "ll dispatch rows arrived (channel = local expert)", a.rank,
                                    j / R, true};
-            warp_wait_geq(arrivals + (cnt > 0 ? j : 0), (u64)cnt, cnt > 0, j % R, site, a.timeout_ns);
+            warp_wait_geq(arrivals + (cnt > 0 ? j : 0), (u64)cnt * (u64)s_parts[j % R], cnt > 0, j % R, site,
+                          a.timeout_ns);
         }
     }
     __syncthreads();
@@ -567,23 +563,15 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     const int per_row = n_out + n_scale_words + 1;   // a row's items: data vectors, scale words, src_info
     for (int c0 = r0; c0 < r1; c0 += LL_RECV_ROWS) {
         const int rows = min(LL_RECV_ROWS, r1 - c0);
-        for (int base = warp * 32; base < rows; base += blockDim.x) {  // warp-uniform: the flag wait is per warp
-            const int i = base + lane;
-            const bool active = i < rows;
-            int s = 0, t = 0;
-            if (active) {
-                const int r = c0 + i, j = segment_of(s_prefix, E, r);
-                const int e = j / R, p = r - s_prefix[j];
-                s = j - e * R;
-                // slot p of (e, s): its meta word names the source's token, whose row that source wrote
-                // once into this rank's token area
-                t = __ldcg(reinterpret_cast<const int*>(own + data + meta_off) + ((u64)j * M + p));
-                s_tok[i] = t;
-                s_row[i] = e * RM + (r - s_prefix[e * R]);
-                s_src[i] = (u32)((((u64)s * M + t) * (u64)a.slot_bytes) >> 4);
-            }
-            const WaitSite site = {"low_latency_dispatch", "ll dispatch row flag (channel = token)", a.rank, t, false};
-            warp_wait_geq(flag_at(own, data + row_flag_off, s * M + t), seq, active, s, site, a.timeout_ns);
+        for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+            const int r = c0 + i, j = segment_of(s_prefix, E, r);
+            const int e = j / R, s = j - e * R, p = r - s_prefix[j];
+            // slot p of (e, s): its meta word names the source's token, whose row that source wrote
+            // once into this rank's token area
+            const int t = __ldcg(reinterpret_cast<const int*>(own + data + meta_off) + ((u64)j * M + p));
+            s_tok[i] = t;
+            s_row[i] = e * RM + (r - s_prefix[e * R]);
+            s_src[i] = (u32)((((u64)s * M + t) * (u64)a.slot_bytes) >> 4);
         }
         __syncthreads();
         const int items = rows * per_row;

@@ -47,7 +47,8 @@ THREADS = 512               # COMMLIB_LL_THREADS in csrc/low_latency.cu
 CTAS_PER_SM = 2             # its __launch_bounds__: two CTAs fit an SM (64 registers a thread)
 TRACE_BASE, TRACE_CTAS = 64, 256  # LL_TRACE_BASE, LL_TRACE_CTAS in csrc/low_latency.cu
 MAX_EXPERTS = 2048          # LL_MAX_EXPERTS in csrc/low_latency.cu: words per half of the control arrays
-MAX_TOKENS = 1 << 24        # rows a source may send one expert (count words, flags' token index)
+MAX_PARTS = 4               # dispatch CTAs per token row the grid is sized for (the kernel uses up to LL_MAX_PARTS)
+MAX_TOKENS = 1 << 24        # count words keep rows in 24 bits
 OFF_COUNT = 0                               # u64 [2 halves][MAX_EXPERTS]: (local expert, source) counts
 OFF_DISPATCH_DONE = OFF_COUNT + 2 * MAX_EXPERTS * 8     # u64 [MAX_RANKS]
 OFF_COMBINE_DONE = OFF_DISPATCH_DONE + 8 * K.MAX_RANKS  # u64 [MAX_RANKS]
@@ -79,9 +80,8 @@ def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool, num_ranks: 
     off_scales = _align(data_bytes)
     slot_bytes = off_scales + _align(scale_bytes)
     assert slot_bytes <= row_d, (slot_bytes, row_d)
-    # dispatch half (csrc/low_latency.cu, dispatch_meta_offset / dispatch_row_flag_offset): token rows
-    # [R][M], meta [L][R][M] int32, row flags [R][M] u64
-    need_d = _align(R * M * slot_bytes) + _align(E * M * 4) + R * M * 8
+    # dispatch half (csrc/low_latency.cu, dispatch_meta_offset): token rows [R][M], then meta [L][R][M] int32
+    need_d = _align(R * M * slot_bytes) + E * M * 4
     half_d = max(half_d, _align(need_d))
     return {"off_dispatch": CONTROL_BYTES, "half_dispatch": half_d,
             "off_combine": CONTROL_BYTES + 2 * half_d, "half_combine": half_c,
@@ -142,10 +142,6 @@ class NVLinkLowLatency(LowLatencyEngine):
 
     def _grid(self, *work: int) -> int:
         return max(1, min(int(self.num_sms), max(work)))
-
-    def _dispatch_grid(self, T: int, L: int) -> int:
-        """Senders: CTA 0 (counts) + a row unit and a slot-scan unit per token; receivers: any number."""
-        return self._grid(L, 1 + 2 * T)
 
     def _issue(self, kind: str, hook: bool) -> Optional[int]:
         """Host-side order of the calls in flight (the device pairs the k-th send with the k-th receive)."""
@@ -211,7 +207,8 @@ class NVLinkLowLatency(LowLatencyEngine):
         head = (K.ptr(x), K.ptr(idx), K.ptr(pos), K.ptr(recv_data), K.ptr(recv_scales), K.ptr(src_info),
                 K.ptr(layout_range), K.ptr(recv_count),
                 K.i32(T), K.i32(H), K.i32(Kk), K.i32(E), K.i32(M), K.i32(mode), K.i32(int(self.pad_zeros)))
-        grid = self._dispatch_grid(T, L)
+        # receivers: one CTA per local expert; senders: up to LL_MAX_PARTS CTAs per token (+ CTA 0)
+        grid = self._grid(L, 1 + MAX_PARTS * T)
         keep = (x, idx)  # a hook's launch passes the same pointers: keep them allocated until then
 
         def launch(phases: int) -> None:

@@ -71,7 +71,10 @@ def channel_prefix_matrix(is_token_in_rank_TR: torch.Tensor, num_channels: int) 
     cum = torch.zeros(T + 1, R, dtype=torch.int32, device=is_token_in_rank_TR.device)
     cum[1:] = torch.cumsum(is_token_in_rank_TR.to(torch.int32), dim=0)
     starts = torch.tensor(channel_starts(T, num_channels)[:-1], dtype=torch.int64, device=cum.device)
-    return cum.index_select(0, starts).t().contiguous()
+    # Not .contiguous(): with one channel the transpose is [R, 1] with strides (1, R), which PyTorch
+    # already calls contiguous (size-1 dims are ignored), so it would stay as is and a dtype view
+    # (stride(-1) must be 1) fails. An explicit contiguous_format clone always gets strides (C, 1).
+    return cum.index_select(0, starts).t().clone(memory_format=torch.contiguous_format)
 
 
 def send_head(is_token_in_rank_TR: torch.Tensor, rank_prefix_matrix_RR: torch.Tensor, rank: int) -> torch.Tensor:

@@ -164,7 +164,7 @@ def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int
     g = torch.Generator().manual_seed(seed + 7 * me)
     bias = (torch.randn(T, H, generator=g).to(torch.bfloat16), torch.randn(T, H, generator=g).to(torch.bfloat16))
     for biases in ((), bias[:1], bias):
-        cx, cw, _ = buf.combine(ys[me], handle, recv_w, bias=biases if biases else None)
+        cx, cw, _ = buf.combine(ys[me], handle, recv_w, bias=biases if biases else None, config=config)
         exp_cx = O.combine_oracle(ys, srcs, T, H, me, ranks_per_node, R, biases)
         assert bytes_equal(cx, exp_cx), f"{tag} combine ({len(biases)} biases)"
         ws_rows = [oracles[r]["recv_topk_weights"] for r in range(R)]
@@ -172,7 +172,7 @@ def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int
         assert torch.equal(cw, exp_cw), f"{tag} combined weights"
     # combine of the unchanged rows on one node = x times the number of ranks reached
     if ranks_per_node == R and not fp8:
-        cx, cw, _ = buf.combine(recv_x, handle)
+        cx, cw, _ = buf.combine(recv_x, handle, config=config)
         assert cw is None
         k = exp_tir.sum(1, keepdim=True).float()
         assert bytes_equal(cx, (x.float() * k + 0.0).to(torch.bfloat16)), f"{tag} combine = x * ranks"
@@ -330,3 +330,19 @@ def case_hierarchical_engine(ctx):
         chunked = Config(20, 32, 1024, 3, 1024)
         check_full(ctx, p, "group_limited", fp8=False, seed=570 + i, backend="hierarchical", config=chunked)
         check_full(ctx, p, "some_empty", fp8=True, seed=580 + i, backend="hierarchical", config=chunked)
+
+
+def case_one_channel(ctx):
+    """num_sms=2 is one channel: the [R, 1] channel prefix matrices (and a zero-token rank's) must
+    work through dispatch, cached dispatch and combine, flat, multi-node and hierarchical."""
+    R = ctx.world_size
+    for T in (5, 0):  # standard strides even where PyTorch would call the transpose contiguous
+        m = channel_prefix_matrix(torch.ones(T, R, dtype=torch.bool), 1)
+        assert m.shape == (R, 1) and m.stride() == (1, 1), m.stride()
+    one = Config(2, 8, 64)  # 1 channel of 64 slots: room for every rank's tokens
+    for i, p in enumerate(topologies(ctx.world_size)):
+        check_full(ctx, p, "random", fp8=False, seed=600 + i, config=one)
+        check_full(ctx, p, "some_empty", fp8=True, seed=610 + i, config=one)
+        check_full(ctx, p, "zero_tokens", fp8=False, seed=620 + i, config=one)
+        if ctx.world_size // p > 1:
+            check_full(ctx, p, "random", fp8=False, seed=630 + i, backend="hierarchical", config=one)

@@ -9,7 +9,7 @@ from worlds import run_world
 ROUTING_CASES = [f"routing_{name}" for name in C.ROUTINGS]
 CASES = {
     1: ROUTING_CASES + ["options", "bad_input"],
-    2: ROUTING_CASES + ["options", "bad_input", "hierarchical_engine"],
+    2: ROUTING_CASES + ["options", "bad_input", "hierarchical_engine", "one_channel"],
     4: ROUTING_CASES + ["options", "hierarchical_engine"],
     8: ROUTING_CASES + ["options", "node_limit", "hierarchical_engine"],
 }

@@ -240,7 +240,9 @@ __device__ __noinline__ void bad_expert_id_trap(int rank, int t, int k, i64 e, i
 // Dispatch
 // ------------------------------------------------------------------------------------------------
 
-__device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
+// fused: the receive phase runs in the same launch, and its last CTA also records the send phase's
+// sequence number (send_seq >= 0), so the fused kernel has no grid-wide ticket between its phases.
+__device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq, bool fused) {
     __shared__ u64 s_dst[COMMLIB_MAX_RANKS];   // this token's row slot in each destination rank (0: none)
     __shared__ int s_pair_rank[32];            // destination rank of each top-k slot (-1: none)
     __shared__ int s_pair_le[32];              // its local expert there
@@ -435,7 +437,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     }
 
     LL_MARK(a.state, 0, 4);
-    if (last_cta(a.state + LL_TICKET(LL_DISPATCH_SEND)) && threadIdx.x == 0) a.state[LL_DISPATCH_SEND] = seq;
+    if (!fused && last_cta(a.state + LL_TICKET(LL_DISPATCH_SEND)) && threadIdx.x == 0) a.state[LL_DISPATCH_SEND] = seq;
 }
 
 // The receive phase spreads rows, not experts, over the grid: every CTA reads the E count words
@@ -489,7 +491,7 @@ __device__ void cta_exclusive_scan(int* s, int n) {
     __syncthreads();
 }
 
-__device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
+__device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq, i64 send_seq) {
     __shared__ int s_prefix[LL_MAX_EXPERTS + 1];  // rows before segment j = (local expert, source) = e * R + s
     __shared__ int s_parts[COMMLIB_MAX_RANKS];    // units per pair of each source (its count words' bits 24-31)
     __shared__ int s_tok[LL_RECV_ROWS];           // token of each row of the current chunk
@@ -618,7 +620,10 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
         for (int j = threadIdx.x; j < E; j += blockDim.x) st_volatile(arrivals + j, (u64)0);
         __syncthreads();
         if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
-        if (threadIdx.x == 0) a.state[LL_DISPATCH_RECV] = seq;
+        if (threadIdx.x == 0) {
+            a.state[LL_DISPATCH_RECV] = seq;
+            if (send_seq >= 0) a.state[LL_DISPATCH_SEND] = (u64)send_seq;
+        }
     }
 }
 
@@ -641,8 +646,9 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
     }
     __syncthreads();
     LL_MARK(state, 0, 0);
-    if (phases & LL_SEND) ll_dispatch_send(a, s_seq[0]);
-    if (phases & LL_RECV) ll_dispatch_recv(a, s_seq[1]);
+    const bool fused = (phases & LL_SEND) && (phases & LL_RECV);
+    if (phases & LL_SEND) ll_dispatch_send(a, s_seq[0], fused);
+    if (phases & LL_RECV) ll_dispatch_recv(a, s_seq[1], fused ? (i64)s_seq[0] : -1);
     LL_MARK(state, 0, 7);
 }
 
@@ -677,7 +683,7 @@ __device__ __forceinline__ void fma_bf16x8_rn(float* acc, float w, int4 r) {
 // the partial of s's token t over this rank's experts, acc = 0; acc = acc + w * row in top-k order
 // (fp32), written as bf16 into s's slot (this rank, t) with a flag. Expert rows are read straight
 // from x, so x may be reused once the send phase is done (the hook only reads the slots).
-__device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
+__device__ void ll_combine_send(const LLCombineArgs& a, u64 seq, bool fused) {
     __shared__ const int4* s_row[32];
     __shared__ float s_w[32];
     __shared__ int s_n;
@@ -763,13 +769,13 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
         __syncthreads();  // s_* are rewritten for the next item
     }
     LL_MARK(a.state, 1, 5);
-    if (last_cta(a.state + LL_TICKET(LL_COMBINE_SEND)) && threadIdx.x == 0) a.state[LL_COMBINE_SEND] = seq;
+    if (!fused && last_cta(a.state + LL_TICKET(LL_COMBINE_SEND)) && threadIdx.x == 0) a.state[LL_COMBINE_SEND] = seq;
 }
 
 // Receive: token t's output = bf16(acc), acc = 0; acc = acc + float(P_d) for every rank d holding
 // one of its slots, in rank order (P_d: d's bf16 partial). With CTAs to spare, `parts` CTAs share a
 // token (each a range of channels).
-__device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
+__device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq, i64 send_seq) {
     __shared__ int s_n[COMMLIB_MAX_RANKS];
     const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
@@ -822,7 +828,10 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
     if (last_cta(a.state + LL_TICKET(LL_COMBINE_RECV))) {
         // every slot of this call is read: the expert ranks may reuse this half (call seq + 2)
         if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
-        if (threadIdx.x == 0) a.state[LL_COMBINE_RECV] = seq;
+        if (threadIdx.x == 0) {
+            a.state[LL_COMBINE_RECV] = seq;
+            if (send_seq >= 0) a.state[LL_COMBINE_SEND] = (u64)send_seq;
+        }
     }
 }
 
@@ -842,7 +851,8 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_combine_k
     }
     __syncthreads();
     LL_MARK(state, 1, 0);
-    if (phases & LL_SEND) ll_combine_send(a, s_seq[0]);
-    if (phases & LL_RECV) ll_combine_recv(a, s_seq[1]);
+    const bool fused = (phases & LL_SEND) && (phases & LL_RECV);
+    if (phases & LL_SEND) ll_combine_send(a, s_seq[0], fused);
+    if (phases & LL_RECV) ll_combine_recv(a, s_seq[1], fused ? (i64)s_seq[0] : -1);
     LL_MARK(state, 1, 7);
 }

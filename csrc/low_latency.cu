@@ -134,14 +134,17 @@ __device__ __forceinline__ void st_na_u64(u64* p, u64 v) {
 // Grid-wide "last one out": every CTA calls it once (all threads); it returns true in the CTA that
 // arrives last, which then sees every other CTA's writes (each CTA fences before its ticket) and
 // may publish them to the peers with a release store. The ticket is reset for the next launch.
-__device__ bool last_cta(u64* ticket) {
+// system = false (the receive phases): the CTA only read remote-written data and wrote local memory,
+// so a GPU-scope fence orders it before the ticket; a system fence would also wait for writes to
+// drain that nobody here depends on.
+__device__ bool last_cta(u64* ticket, bool system = true) {
     __shared__ int s_last;
     // The barrier orders every thread's stores (to peers too) before thread 0's system-scope fence,
     // and fences are cumulative (PTX memory model): one fence per CTA, not one per thread (each
     // thread's own fence waited for its remote stores to be acknowledged, one after another).
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        if (system) __threadfence_system(); else __threadfence();
         const u64 old = atomicAdd(reinterpret_cast<unsigned long long*>(ticket), 1ull);
         const bool last = old == (u64)gridDim.x - 1;
         if (last) {
@@ -614,7 +617,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq, i64 send_seq)
     }
 
     LL_MARK(a.state, 0, 6);
-    if (last_cta(a.state + LL_TICKET(LL_DISPATCH_RECV))) {
+    if (last_cta(a.state + LL_TICKET(LL_DISPATCH_RECV), false)) {
         // every staging row of this call is read and every arrival word waited on: zero them for call
         // seq + 2, then let the senders reuse this half
         for (int j = threadIdx.x; j < E; j += blockDim.x) st_volatile(arrivals + j, (u64)0);
@@ -825,7 +828,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq, i64 send_seq) {
         }
         __syncthreads();  // s_n is rewritten for the next unit
     }
-    if (last_cta(a.state + LL_TICKET(LL_COMBINE_RECV))) {
+    if (last_cta(a.state + LL_TICKET(LL_COMBINE_RECV), false)) {
         // every slot of this call is read: the expert ranks may reuse this half (call seq + 2)
         if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
         if (threadIdx.x == 0) {

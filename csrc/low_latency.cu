@@ -174,26 +174,6 @@ __device__ __forceinline__ u32 pack_e4m3x4(float a, float b, float c, float d) {
 
 __device__ __forceinline__ float abs_exact(float v) { return __uint_as_float(__float_as_uint(v) & 0x7fffffffu); }
 
-// Copy `items` 16-byte vectors with every thread of the CTA, LL_UNROLL loads in flight per thread.
-// item(it, value, dst) loads item `it` into value and sets dst (nullptr: skip). Decode-shape
-// experts get a handful of rows, so spreading (row, vector) items over the CTA keeps every warp busy.
-template <typename Item>
-__device__ __forceinline__ void cta_copy_items(int items, Item item) {
-    for (int base = threadIdx.x; base < items; base += blockDim.x * LL_UNROLL) {
-        int4 val[LL_UNROLL];
-        int4* dst[LL_UNROLL];
-#pragma unroll
-        for (int u = 0; u < LL_UNROLL; ++u) {
-            const int it = base + u * blockDim.x;
-            dst[u] = nullptr;
-            if (it < items) item(it, val[u], dst[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < LL_UNROLL; ++u)
-            if (dst[u] != nullptr) st_na_v4(dst[u], val[u]);
-    }
-}
-
 // A dispatch half of rank d: token rows [source][M] (slot_bytes each: row, scales), then the meta
 // words [local expert][source][M] int32 (token index of each (expert, source) slot). A token goes
 // over NVLink once per destination rank, however many of that rank's experts it picked.

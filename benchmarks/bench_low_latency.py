@@ -118,8 +118,7 @@ def _worker(ctx, a):
     if a.trace:  # one more replay of each, then where each launch spent its time, per CTA
         from commlib.backends.nvlink_ll import trace_summary
         ll = buf._low_latency
-        from commlib.backends.nvlink_ll import MAX_PARTS
-        grids = (ll._grid(L, 1 + MAX_PARTS * a.tokens), ll._grid(R * M))   # what dispatch() and combine() launch
+        grids = (ll.dispatch_grid(a.tokens, L), ll.combine_grid(M))
         mine = {}
         for kernel, (name, g) in enumerate((("dispatch", g_d), ("combine", g_c))):
             dist.barrier(group=ctx.group)

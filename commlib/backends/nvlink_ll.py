@@ -143,6 +143,15 @@ class NVLinkLowLatency(LowLatencyEngine):
     def _grid(self, *work: int) -> int:
         return max(1, min(int(self.num_sms), max(work)))
 
+    def dispatch_grid(self, T: int, L: int) -> int:
+        """CTAs of a dispatch launch: receivers share rows (any number), senders are CTA 0 (the counts)
+        and up to MAX_PARTS CTAs per token."""
+        return self._grid(L, 1 + MAX_PARTS * T)
+
+    def combine_grid(self, M: int) -> int:
+        """CTAs of a combine launch: send items (source, token); the receive takes up to two per token."""
+        return self._grid(self.num_ranks * M)
+
     def _issue(self, kind: str, hook: bool) -> Optional[int]:
         """Host-side order of the calls in flight (the device pairs the k-th send with the k-th receive)."""
         pending = self._pending[kind]
@@ -207,8 +216,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         head = (K.ptr(x), K.ptr(idx), K.ptr(pos), K.ptr(recv_data), K.ptr(recv_scales), K.ptr(src_info),
                 K.ptr(layout_range), K.ptr(recv_count),
                 K.i32(T), K.i32(H), K.i32(Kk), K.i32(E), K.i32(M), K.i32(mode), K.i32(int(self.pad_zeros)))
-        # receivers: one CTA per local expert; senders: up to LL_MAX_PARTS CTAs per token (+ CTA 0)
-        grid = self._grid(L, 1 + MAX_PARTS * T)
+        grid = self.dispatch_grid(T, L)
         keep = (x, idx)  # a hook's launch passes the same pointers: keep them allocated until then
 
         def launch(phases: int) -> None:
@@ -246,7 +254,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         args_tail = (K.ptr(self.mem.peer_bases), K.i32(me), K.i32(R),
                      K.u64(OFF_COMBINE_DONE), K.u64(geo["off_combine"]), K.u64(geo["half_combine"]),
                      K.ptr(self.state), K.u64(self.timeout_ns))
-        grid = self._grid(R * M)  # send items (source, token); the receive: up to two CTAs per token
+        grid = self.combine_grid(M)
         keep = (x, idx, w, handle)  # the receive half (a hook) reads idx, w and the handle's pos
 
         def launch(phases: int) -> None:

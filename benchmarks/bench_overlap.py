@@ -92,8 +92,8 @@ PRESETS = {
 CALIBRATED = {"balanced_fb"}           # presets whose expert_hidden is calibrated to compute ~ comm
 CALIBRATION_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 CALIBRATED_SMS = {"balanced_sms"}      # presets whose comm SMs are calibrated to comm ~ compute
-# Fewest first (even: two CTAs per channel). Not 2 (one channel): the reference backend's dispatch
-# fails on a [R, 1] channel prefix matrix, and the nvlink engine's tests never run a single channel.
+# Fewest first (even: two CTAs per channel). Not 2 (one channel): the nvlink engine's GPU tests never
+# run a single channel.
 COMM_SMS_CALIBRATION = (4, 6, 8, 12, 16, 20, 24)
 BALANCED_RANGE = (0.75, 4 / 3)          # "comm ~ compute": comm / compute within this range
 TARGET_DUAL_OVER_MAX, TARGET_SPEEDUP = 1.15, 1.3
@@ -195,36 +195,6 @@ def _comm_configs(num_ranks: int, num_sms, tokens: int) -> tuple:
     return tuple(out)
 
 
-_MODEL_CLASS = None
-
-
-def _model_class():
-    """MoEModel whose dispatch and combine stages pass ``comm_configs`` to every call (per call, so
-    nothing leaks into the Buffer's class-wide default ``Buffer.num_sms``). DispatchStage uses its
-    config for the dispatch and for its backward (a combine), CombineStage for the combine and its
-    backward (a cached dispatch); (None, None) keeps the Buffer's own choice."""
-    global _MODEL_CLASS
-    if _MODEL_CLASS is None:
-        from commlib.moe import MoEModel
-        from commlib.pipeline import CombineStage, DispatchStage
-
-        class BenchMoEModel(MoEModel):
-            comm_configs: tuple = (None, None)   # (dispatch Config, combine Config)
-
-            def stages(self) -> list:
-                dispatch_config, combine_config = self.comm_configs
-                out = super().stages()
-                for stage in out:
-                    if isinstance(stage, DispatchStage):
-                        stage.config = dispatch_config
-                    elif isinstance(stage, CombineStage):
-                        stage.config = combine_config
-                return out
-
-        _MODEL_CLASS = BenchMoEModel
-    return _MODEL_CLASS
-
-
 def _git_commit() -> str | None:
     from commlib.bench import git_commit
     commit = git_commit()["commit"]
@@ -298,15 +268,15 @@ def _check(model, P, h0, h1, g0, g1, device, order="auto") -> dict:
 
 
 def _build_model(args, sh, buffer, device, comm_configs=(None, None)):
-    from commlib.moe import MoEConfig
+    from commlib.moe import MoEConfig, MoEModel
     dtype = torch.bfloat16
     cfg = MoEConfig(hidden=sh["hidden"], num_experts=sh["experts"], topk=sh["topk"],
                     expert_hidden=sh["expert_hidden"], num_groups=sh["groups"], topk_groups=sh["topk_groups"],
                     num_shared_experts=sh["shared"], expert_dtype=dtype, fp8_dispatch=args.fp8)
     torch.manual_seed(args.seed)  # replicated (attention, router, shared) parameters agree across ranks
-    model = _model_class()(cfg, args.layers, sh["heads"], buffer=buffer, full_init=False, device=device,
-                           attn_dtype=dtype, head_dim=sh["head_dim"]).to(dtype)
-    model.comm_configs = tuple(comm_configs)
+    model = MoEModel(cfg, args.layers, sh["heads"], buffer=buffer, full_init=False, device=device,
+                     attn_dtype=dtype, head_dim=sh["head_dim"]).to(dtype)
+    model.comm_configs = tuple(comm_configs)   # per call: Buffer.num_sms (class-wide) stays as it is
     return model
 
 

@@ -451,6 +451,9 @@ class MoEModel(StagedModule):
                  head_dim: Optional[int] = None) -> None:
         super().__init__()
         self.cfg, self.buffer, self.staged = cfg, buffer, staged
+        # (dispatch Config, combine Config) every staged dispatch / combine passes per call (also to
+        # its backward); None: the Buffer's own choice (Buffer.num_sms or a tuned config)
+        self.comm_configs = (None, None)
         self.vocab_size = vocab_size
         if vocab_size is not None:
             self.embed = nn.Embedding(vocab_size, cfg.hidden, device=device)
@@ -490,9 +493,10 @@ class MoEModel(StagedModule):
                     c = MoEBlock.stage_finish(c)
                 return blk.stage_attn(c)
             out += [ComputeStage(f"attn{l}", attn),
-                    DispatchStage(self.buffer, num_experts, name=f"dispatch{l}", fp8=self.cfg.fp8_dispatch),
+                    DispatchStage(self.buffer, num_experts, name=f"dispatch{l}", config=self.comm_configs[0],
+                                  fp8=self.cfg.fp8_dispatch),
                     ComputeStage(f"experts{l}", blk.stage_experts),
-                    CombineStage(self.buffer, name=f"combine{l}")]
+                    CombineStage(self.buffer, name=f"combine{l}", config=self.comm_configs[1])]
         out.append(ComputeStage("finish", lambda c: {"out": self._epilogue(MoEBlock.stage_finish(c)["h"])}))
         return out
 

@@ -5,8 +5,9 @@
 // M = num_max_dispatch_tokens_per_rank. Expert g lives on rank g / L as local expert g % L.
 //
 // Each call has a sequence number per (kind, phase): state[] (local device memory, one array per
-// Buffer) holds the last finished one, so calls and CUDA-graph replays advance it alike and every
-// rank numbers its calls the same way. Call `seq` uses buffer half seq & 1; words carry seq, so
+// Buffer) counts the finished ones (in shares: see cta_share), so calls and CUDA-graph replays
+// advance it alike and every rank numbers its calls the same way. No launch takes a grid-wide
+// ticket: every CTA finishes on its own. Call `seq` uses buffer half seq & 1; words carry seq, so
 // nothing is ever reset.
 //
 // Buffer regions (byte offsets from a rank's low-latency IPC buffer; commlib/backends/nvlink_ll.py
@@ -14,12 +15,14 @@
 //   COUNT [half][local expert e][src s] u64 in rank d: (seq << 32) | rows, release-stored by src's
 //       CTA 0 at the start of the call (the rows follow from the routing); acquire-polled by d's
 //       dispatch receiver (the CTA that owns expert e).
-//   ARRIVAL [half][e][s] u64 in rank d: rows of (e, s) landed so far in this call: src's CTA adds one
-//       per (token, slot) with a reduction after that token's rows, meta words and one system fence; d's
-//       receiver waits until it reaches COUNT, then zeroes it for call seq + 2.
-//   DISPATCH_DONE [d] u64 in rank src: = seq, release-stored by d's dispatch receiver (last CTA)
-//       once it has read every staging row of call seq; src's sender waits for seq - 2 before it
-//       writes into the same half again (so at most two calls are in flight, never corrupted).
+//   ARRIVAL [half][e][s] u64 in rank d: (token, slot) units of (e, s) landed so far, over every call
+//       on this half (never reset): src's sender adds one per unit with a reduction after that unit's
+//       rows, meta words and one system fence. d's receiver waits until it reaches the total of
+//       the previous call on this half (kept in d's state[], LL_CUM_BASE) + this call's COUNT.
+//   DISPATCH_DONE [d] u64 in rank src: d's dispatch receive phases completed, in 2^-32 steps: each
+//       CTA of d's receiver adds its share (cta_share) once it has read every staging row it took
+//       (a whole launch adds 2^32). src's sender waits for (seq - 2) << 32 before it writes into
+//       the same half again (so at most two calls are in flight, never corrupted).
 //   DISPATCH half in rank d: token rows [src][M] (slot_bytes each: [row: bf16 2H or E4M3 H bytes]
 //       [scales: float per 128 channels, or one UE8M0 byte per 128 channels]), written once per
 //       (token, destination rank) by src's sender CTA that owns the token, however many of d's
@@ -28,22 +31,17 @@
 //       token's index. d's receiver copies row `meta` of src's token rows into recv_x.
 //   COMBINE_FLAG [half][g] u64 in rank src: = seq, release-stored by g's rank (the CTA owning local
 //       expert g % L) after every row of g for src is written; acquire-polled by src's receiver.
-//   COMBINE_DONE [h] u64 in the expert ranks: = seq, release-stored by h's combine receiver (last
-//       CTA) after it read every slot of call seq; expert ranks wait for seq - 2 before writing.
+//   COMBINE_DONE [h] u64 in the expert ranks: h's combine receive phases completed, in shares as
+//       DISPATCH_DONE; expert ranks wait for (seq - 2) << 32 before writing.
 //   COMBINE half [g][M] slots (bf16 2H) in rank src: slot p = expert g's output for src's p-th
 //       pair routed to g (the dispatch's pos[t, k]).
 //
-// Dispatch sender: CTA b takes tokens b, b + grid, ...; warp k < K finds pos[t, k] (a prefix count
-// of expert topk_idx[t, k] over the pairs before (t, k): deterministic, no atomics) and writes the
-// pair's meta word; then all warps read the token once, cast it (FP8: 16 lanes per 128-channel
-// block, amax by shuffles) and store it once into each destination rank's token rows. The last CTA to finish (ticket) histograms the routing and
-// publishes the E count words. Dispatch receiver: CTA b owns local experts b, b + grid, ...; warp 0
-// waits for the R count words of its expert, writes layout_range / recv_count, then all warps copy
-// rows from the staging slots into recv_x (sources in rank order, slots in order).
-// Combine sender: CTA b owns local experts b, b + grid, ...: rows of (e, src) go to src's slots,
-// then one flag per (e, src). Combine receiver: CTA b takes tokens; warp 0 waits for the K flags,
-// then every thread sums 8 channels: acc = 0; acc = acc + w[k] * row[k] for k in order (fp32,
-// two roundings), bf16 at the end.
+// Dispatch sender: CTA 0 publishes the COUNT words; unit (token, part) u goes to CTA 1 + u % (grid
+// - 1): the row leaves first, once per destination rank (FP8: cast in the kernel, amax per 128
+// channels by shuffles), then the pairs' slots are scanned (ballots), the meta words written, one
+// system fence, relaxed ARRIVAL reductions. Dispatch receiver: every CTA scans the COUNT words into
+// recv_x's row order, takes an equal share of the rows, waits for the arrivals of the segments it
+// touches and copies rows, scales and src_info in one pass. Combine: see ll_combine_send / _recv.
 //
 // phases: LL_SEND | LL_RECV in one launch (no hook), or one phase per launch (return_recv_hook:
 // the sender returns at once, the hook launches the receiver; no SM waits in between).
@@ -88,12 +86,13 @@
 #else
 #define LL_MARK(state, kernel, point) do { } while (0)
 #endif
-// state[]: sequence numbers, then the last-CTA tickets, per (kind, phase)
+// state[]: completed phases per (kind, phase), in shares (cta_share); the trace; then the arrival
+// totals [call seq & 3][local expert * R + source] u64 (nvlink_ll.CUM_BASE)
 #define LL_DISPATCH_SEND 0
 #define LL_DISPATCH_RECV 1
 #define LL_COMBINE_SEND 2
 #define LL_COMBINE_RECV 3
-#define LL_TICKET(i) (4 + (i))
+#define LL_CUM_BASE (LL_TRACE_BASE + 2 * LL_TRACE_CTAS * 8)
 
 #define LL_FP8_NONE 0                  // bf16 rows
 #define LL_FP8_FLOAT 1                 // scale = amax / 448
@@ -129,32 +128,6 @@ __device__ __forceinline__ void st_na_u64(u64* p, u64 v) {
 #else
     asm volatile("st.global.L1::no_allocate.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 #endif
-}
-
-// Grid-wide "last one out": every CTA calls it once (all threads); it returns true in the CTA that
-// arrives last, which then sees every other CTA's writes (each CTA fences before its ticket) and
-// may publish them to the peers with a release store. The ticket is reset for the next launch.
-// system = false (the receive phases): the CTA only read remote-written data and wrote local memory,
-// so a GPU-scope fence orders it before the ticket; a system fence would also wait for writes to
-// drain that nobody here depends on.
-__device__ bool last_cta(u64* ticket, bool system = true) {
-    __shared__ int s_last;
-    // The barrier orders every thread's stores (to peers too) before thread 0's system-scope fence,
-    // and fences are cumulative (PTX memory model): one fence per CTA, not one per thread (each
-    // thread's own fence waited for its remote stores to be acknowledged, one after another).
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        if (system) __threadfence_system(); else __threadfence();
-        const u64 old = atomicAdd(reinterpret_cast<unsigned long long*>(ticket), 1ull);
-        const bool last = old == (u64)gridDim.x - 1;
-        if (last) {
-            __threadfence();
-            st_volatile(ticket, (u64)0);
-        }
-        s_last = last;
-    }
-    __syncthreads();
-    return s_last != 0;
 }
 
 // exp2(ceil(log2(s))) for a positive normal float, exactly (the reference's round_scale).
@@ -209,7 +182,31 @@ __device__ __forceinline__ void wait_ranks(u64 base, u64 off, int R, u64 expecte
     warp_wait_geq(flag_at(base, off, active ? lane : 0), expected, active, lane, site, timeout_ns);
 }
 
-__device__ __forceinline__ u64 read_state(const u64* state, int i) { return ld_volatile(state + i) + 1; }
+// A phase's completion without a grid-wide ticket: CTA b of a G-CTA launch adds its share, and the
+// shares of one launch add up to exactly 2^32 whatever G is, so a counter's high word is the number
+// of completed launches and no CTA waits for another. (A ticket made the last CTA to arrive do the
+// closing work after all the others, at the tail of every kernel.) A launch starts after the previous
+// one on its stream has completed, so a CTA that reads a counter at its start sees the high word of
+// the launches before it: its own launch cannot be complete before it has added its share.
+__device__ __forceinline__ u64 cta_share() {
+    const u64 b = blockIdx.x, G = gridDim.x;
+    return ((b + 1) << 32) / G - (b << 32) / G;
+}
+__device__ __forceinline__ u64 read_state(const u64* state, int i) { return (ld_volatile(state + i) >> 32) + 1; }
+__device__ __forceinline__ void cta_phase_done(u64* state, int i) {
+    if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(state + i), cta_share());
+}
+// A receive phase's CTA has read every slot it took of this half: its share goes to the done word
+// each rank's sender polls before reusing the half. The barrier orders every thread's reads before
+// thread 0's release fence (cumulative), which orders them before the reductions.
+__device__ void cta_release_done(const u64* peer_bases, u64 off_done, int rank, int R) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ll_release_fence();
+        const u64 share = cta_share();
+        for (int d = 0; d < R; ++d) red_add_relaxed_sys(flag_at(peer_bases[d], off_done, rank), share);
+    }
+}
 
 // An expert id outside [-1, E) is a caller error the host cannot see without a sync: name it and
 // trap (as torch's device-side asserts do); the Buffer turns the launch failure into CommlibError.
@@ -223,9 +220,7 @@ __device__ __noinline__ void bad_expert_id_trap(int rank, int t, int k, i64 e, i
 // Dispatch
 // ------------------------------------------------------------------------------------------------
 
-// fused: the receive phase runs in the same launch, and its last CTA also records the send phase's
-// sequence number (send_seq >= 0), so the fused kernel has no grid-wide ticket between its phases.
-__device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq, bool fused) {
+__device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     __shared__ u64 s_dst[COMMLIB_MAX_RANKS];   // this token's row slot in each destination rank (0: none)
     __shared__ int s_pair_rank[32];            // destination rank of each top-k slot (-1: none)
     __shared__ int s_pair_le[32];              // its local expert there
@@ -249,7 +244,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq, bool fused) {
     const int parts = max(1, min(min(LL_MAX_PARTS, senders / max(a.num_tokens, 1)), max(n_blocks, 1)));
     if (warp == 0) {  // every receiver is done with this half (call seq - 2)
         const WaitSite site = {"low_latency_dispatch", "ll dispatch done (call seq - 2 consumed)", a.rank, -1, false};
-        wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
+        wait_ranks(own, a.off_done, R, (seq - 2) << 32, seq > 2, site, a.timeout_ns);
     }
     // The routing goes to shared memory (ids outside [0, E) as -1) before the slot scan: it reads up
     // to T * K ids per pair, which from global memory is a chain of dependent L2 round trips.
@@ -420,7 +415,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq, bool fused) {
     }
 
     LL_MARK(a.state, 0, 4);
-    if (!fused && last_cta(a.state + LL_TICKET(LL_DISPATCH_SEND)) && threadIdx.x == 0) a.state[LL_DISPATCH_SEND] = seq;
+    cta_phase_done(a.state, LL_DISPATCH_SEND);
 }
 
 // The receive phase spreads rows, not experts, over the grid: every CTA reads the E count words
@@ -474,7 +469,7 @@ __device__ void cta_exclusive_scan(int* s, int n) {
     __syncthreads();
 }
 
-__device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq, i64 send_seq) {
+__device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     __shared__ int s_prefix[LL_MAX_EXPERTS + 1];  // rows before segment j = (local expert, source) = e * R + s
     __shared__ int s_parts[COMMLIB_MAX_RANKS];    // units per pair of each source (its count words' bits 24-31)
     __shared__ int s_tok[LL_RECV_ROWS];           // token of each row of the current chunk
@@ -491,7 +486,8 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq, i64 send_seq)
     const int n_scale_words = !fp8 ? 0 : (a.fp8_mode == LL_FP8_UE8M0 ? a.hidden / 512 : a.hidden / 128);
     u32* recv_scales = reinterpret_cast<u32*>(a.recv_scales);
     const u64* counts = flag_at(own, a.off_count, half * a.words_per_half);
-    u64* arrivals = flag_at(own, a.off_arrival, half * a.words_per_half);
+    const u64* arrivals = flag_at(own, a.off_arrival, half * a.words_per_half);
+    const u64* arrived_before = a.state + LL_CUM_BASE + (seq & 3) * LL_MAX_EXPERTS;  // totals after call seq - 2
 
     // every (expert, source) count word of this call (E of them, one per warp lane)
     for (int base = warp * 32; base < E; base += blockDim.x) {
@@ -539,8 +535,8 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq, i64 send_seq)
             const int cnt = j <= j_hi ? seg_rows(j) : 0;
             const WaitSite site = {"low_latency_dispatch", "ll dispatch rows arrived (channel = local expert)", a.rank,
                                    j / R, true};
-            warp_wait_geq(arrivals + (cnt > 0 ? j : 0), (u64)cnt * (u64)s_parts[j % R], cnt > 0, j % R, site,
-                          a.timeout_ns);
+            const u64 want = cnt > 0 ? arrived_before[j] + (u64)cnt * (u64)s_parts[j % R] : 0;
+            warp_wait_geq(arrivals + (cnt > 0 ? j : 0), want, cnt > 0, j % R, site, a.timeout_ns);
         }
     }
     __syncthreads();
@@ -597,17 +593,13 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq, i64 send_seq)
     }
 
     LL_MARK(a.state, 0, 6);
-    if (last_cta(a.state + LL_TICKET(LL_DISPATCH_RECV), false)) {
-        // every staging row of this call is read and every arrival word waited on: zero them for call
-        // seq + 2, then let the senders reuse this half
-        for (int j = threadIdx.x; j < E; j += blockDim.x) st_volatile(arrivals + j, (u64)0);
-        __syncthreads();
-        if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
-        if (threadIdx.x == 0) {
-            a.state[LL_DISPATCH_RECV] = seq;
-            if (send_seq >= 0) a.state[LL_DISPATCH_SEND] = (u64)send_seq;
-        }
-    }
+    // the arrival totals call seq + 2 starts from (segments spread over the grid; only launches on
+    // this half read them, one at a time)
+    u64* arrived_after = a.state + LL_CUM_BASE + ((seq + 2) & 3) * LL_MAX_EXPERTS;
+    for (int j = (int)(blockIdx.x + threadIdx.x * gridDim.x); j < E; j += (int)(gridDim.x * blockDim.x))
+        arrived_after[j] = arrived_before[j] + (u64)seg_rows(j) * (u64)s_parts[j % R];
+    cta_release_done(a.peer_bases, a.off_done, a.rank, R);
+    cta_phase_done(a.state, LL_DISPATCH_RECV);
 }
 
 extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_kernel(
@@ -623,15 +615,14 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
                               peer_bases, rank, num_ranks, off_count, off_done, off_arrival, off_data, half_bytes,
                               words_per_half, slot_bytes, slot_off_scales, state, timeout_ns};
     __shared__ u64 s_seq[2];
-    if (threadIdx.x == 0) {  // read before this CTA takes any ticket, so before the last CTA bumps them
+    if (threadIdx.x == 0) {  // read before this CTA adds its shares (cta_phase_done)
         s_seq[0] = read_state(state, LL_DISPATCH_SEND);
         s_seq[1] = read_state(state, LL_DISPATCH_RECV);
     }
     __syncthreads();
     LL_MARK(state, 0, 0);
-    const bool fused = (phases & LL_SEND) && (phases & LL_RECV);
-    if (phases & LL_SEND) ll_dispatch_send(a, s_seq[0], fused);
-    if (phases & LL_RECV) ll_dispatch_recv(a, s_seq[1], fused ? (i64)s_seq[0] : -1);
+    if (phases & LL_SEND) ll_dispatch_send(a, s_seq[0]);
+    if (phases & LL_RECV) ll_dispatch_recv(a, s_seq[1]);
     LL_MARK(state, 0, 7);
 }
 
@@ -666,7 +657,7 @@ __device__ __forceinline__ void fma_bf16x8_rn(float* acc, float w, int4 r) {
 // the partial of s's token t over this rank's experts, acc = 0; acc = acc + w * row in top-k order
 // (fp32), written as bf16 into s's slot (this rank, t) with a flag. Expert rows are read straight
 // from x, so x may be reused once the send phase is done (the hook only reads the slots).
-__device__ void ll_combine_send(const LLCombineArgs& a, u64 seq, bool fused) {
+__device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
     __shared__ const int4* s_row[32];
     __shared__ float s_w[32];
     __shared__ int s_n;
@@ -680,7 +671,7 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq, bool fused) {
     const int n_vec = a.hidden / 8;
     if (warp == 0) {  // every source has read this half (call seq - 2), its records and slots alike
         const WaitSite site = {"low_latency_combine", "ll combine done (call seq - 2 consumed)", a.rank, -1, false};
-        wait_ranks(own, a.off_done, R, seq - 2, seq > 2, site, a.timeout_ns);
+        wait_ranks(own, a.off_done, R, (seq - 2) << 32, seq > 2, site, a.timeout_ns);
     }
     __syncthreads();
     LL_MARK(a.state, 1, 1);
@@ -752,13 +743,13 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq, bool fused) {
         __syncthreads();  // s_* are rewritten for the next item
     }
     LL_MARK(a.state, 1, 5);
-    if (!fused && last_cta(a.state + LL_TICKET(LL_COMBINE_SEND)) && threadIdx.x == 0) a.state[LL_COMBINE_SEND] = seq;
+    cta_phase_done(a.state, LL_COMBINE_SEND);
 }
 
 // Receive: token t's output = bf16(acc), acc = 0; acc = acc + float(P_d) for every rank d holding
 // one of its slots, in rank order (P_d: d's bf16 partial). With CTAs to spare, `parts` CTAs share a
 // token (each a range of channels).
-__device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq, i64 send_seq) {
+__device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
     __shared__ int s_n[COMMLIB_MAX_RANKS];
     const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
@@ -808,14 +799,8 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq, i64 send_seq) {
         }
         __syncthreads();  // s_n is rewritten for the next unit
     }
-    if (last_cta(a.state + LL_TICKET(LL_COMBINE_RECV), false)) {
-        // every slot of this call is read: the expert ranks may reuse this half (call seq + 2)
-        if (warp == 0 && lane < R) st_release_sys(flag_at(a.peer_bases[lane], a.off_done, a.rank), seq);
-        if (threadIdx.x == 0) {
-            a.state[LL_COMBINE_RECV] = seq;
-            if (send_seq >= 0) a.state[LL_COMBINE_SEND] = (u64)send_seq;
-        }
-    }
+    cta_release_done(a.peer_bases, a.off_done, a.rank, R);  // the expert ranks may reuse this half (call seq + 2)
+    cta_phase_done(a.state, LL_COMBINE_RECV);
 }
 
 extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_combine_kernel(
@@ -834,8 +819,7 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_combine_k
     }
     __syncthreads();
     LL_MARK(state, 1, 0);
-    const bool fused = (phases & LL_SEND) && (phases & LL_RECV);
-    if (phases & LL_SEND) ll_combine_send(a, s_seq[0], fused);
-    if (phases & LL_RECV) ll_combine_recv(a, s_seq[1], fused ? (i64)s_seq[0] : -1);
+    if (phases & LL_SEND) ll_combine_send(a, s_seq[0]);
+    if (phases & LL_RECV) ll_combine_recv(a, s_seq[1]);
     LL_MARK(state, 1, 7);
 }

@@ -47,6 +47,7 @@ THREADS = 512               # COMMLIB_LL_THREADS in csrc/low_latency.cu
 CTAS_PER_SM = 2             # its __launch_bounds__: two CTAs fit an SM (64 registers a thread)
 TRACE_BASE, TRACE_CTAS = 64, 256  # LL_TRACE_BASE, LL_TRACE_CTAS in csrc/low_latency.cu
 MAX_EXPERTS = 2048          # LL_MAX_EXPERTS in csrc/low_latency.cu: words per half of the control arrays
+CUM_BASE = TRACE_BASE + 2 * TRACE_CTAS * 8  # LL_CUM_BASE
 MAX_PARTS = 4               # dispatch CTAs per token row the grid is sized for (the kernel uses up to LL_MAX_PARTS)
 MAX_TOKENS = 1 << 24        # count words keep rows in 24 bits
 OFF_COUNT = 0                               # u64 [2 halves][MAX_EXPERTS]: (local expert, source) counts
@@ -104,9 +105,10 @@ class NVLinkLowLatency(LowLatencyEngine):
         self.capacity = CONTROL_BYTES + int(buffer.num_rdma_bytes) + SLACK
         self.mem: Optional[PeerMemory] = PeerMemory(self.capacity, buffer.group, self.rank, self.num_ranks,
                                                     self.device)
-        # [dispatch send, dispatch recv, combine send, combine recv] sequence numbers, then tickets
-        # [0, 8): sequence numbers and tickets; [TRACE_BASE, ...): COMMLIB_LL_TRACE timestamps
-        self.state = torch.zeros(TRACE_BASE + 2 * TRACE_CTAS * 8, dtype=torch.int64, device=self.device)
+        # [0, 4): completed (dispatch send, dispatch recv, combine send, combine recv) phases, << 32;
+        # [TRACE_BASE, CUM_BASE): COMMLIB_LL_TRACE timestamps; [CUM_BASE, ...): arrival totals per
+        # (call & 3, local expert, source) (csrc/low_latency.cu, LL_CUM_BASE)
+        self.state = torch.zeros(CUM_BASE + 4 * MAX_EXPERTS, dtype=torch.int64, device=self.device)
         self._pending = {"dispatch": collections.deque(), "combine": collections.deque()}
         K.compile_all()
         self.mem.all_opened(buffer.group, self.rank, self.num_ranks)

@@ -60,6 +60,7 @@ DEFAULT_VARIANT = {
     "LL_TRACE": 0,                # 1: low-latency kernels record %globaltimer points (csrc/low_latency.cu)
     "LL_PARTS": 1,                # low-latency dispatch: CTAs sharing a token row (2 measured 1.3 us slower)
     "LL_FENCE": 1,                # low-latency dispatch: 1 fence.acq_rel.sys before its arrivals, 0 fence.sc.sys
+    "LL_DONE_FENCE": 0,           # low-latency receive phases: 0 GPU-scope fence before the done shares, 1 fence.acq_rel.sys
 }
 
 _FAMILIES = {

@@ -95,9 +95,29 @@ def _grouped_matmul(x_MA: torch.Tensor, w_LAB: torch.Tensor, counts: list[int], 
     return torch.cat(outs) if outs else x_MA.new_zeros(0, w_LAB.shape[2])
 
 
+class _PermuteRows(torch.autograd.Function):
+    """out[m] = x[perm[m]] where ``perm`` is a permutation of x's rows and ``inv`` its inverse.
+
+    The backward is the inverse gather, one pass over the gradient. index_select's own backward
+    fills an [N, H] tensor with zeros and scatter-adds into it (two passes, atomics on GPUs),
+    which a permutation does not need. The backward is this op again, so it differentiates twice.
+    """
+
+    @staticmethod
+    def forward(ctx, x, perm, inv):
+        ctx.save_for_backward(perm, inv)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        perm, inv = ctx.saved_tensors
+        return _PermuteRows.apply(grad, inv, perm), None, None
+
+
 def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_NK: torch.Tensor,
                    w_gate_up_LHI: torch.Tensor, w_down_LIH: torch.Tensor,
-                   counts: Optional[list[int]] = None, impl: str = "auto") -> torch.Tensor:
+                   counts: Optional[list[int]] = None, impl: str = "auto",
+                   rows_have_local_expert: bool = False) -> torch.Tensor:
     """y[n] = sum over slots k with topk_idx[n, k] >= 0 of topk_weights[n, k] * mlp_{topk_idx[n, k]}(x[n]).
 
     x_NH: rows (any float dtype, computed in the weights' dtype); topk_idx_NK: local expert ids
@@ -106,26 +126,55 @@ def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_N
     here (a host sync) when None. Returns [N, H] in the weights' dtype.
     Rows are permuted so each expert's rows are contiguous (stable: source order kept), then one
     grouped GEMM per projection, then scattered back and summed per row.
+
+    rows_have_local_expert: the caller guarantees that every row has at least one slot here
+    (topk_idx >= 0), as every row a dispatch delivers does (a token is sent only to the ranks
+    that hold one of its experts). Then M == N, known on the host from ``counts``, means one slot
+    per row: the (row, slot) pairs are a permutation of the rows and the sum is a reordering,
+    done without the float32 zeros, the index_add and the two casts, and with one-pass
+    backwards (no host sync decides it). When ``counts`` is None the host learns the same
+    exactly (every row has one slot) in the sync that reads the counts, whatever the flag says.
+    A result does not depend on the path: with one slot per row the float32 sum is exact.
     """
     N, K = topk_idx_NK.shape
     L = w_gate_up_LHI.shape[0]
     flat_idx = topk_idx_NK.reshape(-1)
     if counts is None:
-        counts = torch.bincount(flat_idx[flat_idx >= 0], minlength=L).tolist()
+        valid_NK = topk_idx_NK >= 0
+        per_expert = torch.bincount(flat_idx[valid_NK.reshape(-1)], minlength=L)
+        # One host read for the counts and for "every row has exactly one slot here".
+        host = torch.cat([per_expert, (valid_NK.sum(1) == 1).all().reshape(1).to(per_expert.dtype)]).tolist()
+        counts, one_slot_per_row = host[:-1], bool(host[-1])
+    else:
+        one_slot_per_row = None
     if len(counts) != L:
         raise ValueError(f"routed_experts: counts has {len(counts)} entries for {L} local experts")
     M = sum(counts)
+    if one_slot_per_row is None:
+        if rows_have_local_expert and M < N:
+            raise ValueError(f"routed_experts: rows_have_local_expert, but {N} rows have only {M} local slots")
+        one_slot_per_row = rows_have_local_expert and M == N
     key = torch.where(flat_idx >= 0, flat_idx, torch.full_like(flat_idx, L))
     order_M = torch.argsort(key, stable=True)[:M]
     rows_M = torch.div(order_M, K, rounding_mode="floor")
     dtype = w_gate_up_LHI.dtype
-    x_MH = x_NH.index_select(0, rows_M).to(dtype)
+    if one_slot_per_row:
+        inv_N = torch.empty_like(rows_M).index_copy_(0, rows_M, torch.arange(N, device=rows_M.device))
+        x_MH = _PermuteRows.apply(x_NH, rows_M, inv_N).to(dtype)
+    else:
+        x_MH = x_NH.index_select(0, rows_M).to(dtype)
     weights_M = topk_weights_NK.reshape(-1).index_select(0, order_M).to(dtype)
     offs = _group_offsets(counts, x_MH.device) if _use_grouped_mm(x_MH, impl) else None  # one copy, both GEMMs
     gate_up = _grouped_matmul(x_MH, w_gate_up_LHI, counts, impl, offs)
     gate, up = gate_up.chunk(2, dim=1)
-    out_MH = _grouped_matmul(F.silu(gate) * up, w_down_LIH, counts, impl, offs)
-    out_MH = out_MH * weights_M.unsqueeze(1)
+    # The top-k weight scales the [M, I] activation rather than the [M, H] down-projection output:
+    # the same value (the projection is linear), one [M, H] read + write less forward and backward
+    # (I is the small side: 2048 vs 7168 in V3). Rounding: the weight is applied before the GEMM
+    # (in the weights' dtype) instead of after it, so results differ in the last bits.
+    act_MI = F.silu(gate) * up * weights_M.unsqueeze(1)
+    out_MH = _grouped_matmul(act_MI, w_down_LIH, counts, impl, offs)
+    if one_slot_per_row:
+        return _PermuteRows.apply(out_MH, inv_N, rows_M)
     # A row may meet several local experts: accumulate in float32 (index_add runs in the tensor's
     # dtype), cast once. On CPU the order is fixed; on GPUs index_add uses atomics (order varies).
     # In place on fresh zeros: the out-of-place index_add would first copy the [N, H] float32 zeros.
@@ -149,11 +198,12 @@ class Experts(nn.Module):
         self.w_down = nn.Parameter(w2.to(dtype).contiguous())
         self.first, self.num_local = first, num_local
 
-    def forward(self, x_NH, topk_idx_NK, topk_weights_NK, counts=None, impl="auto", lo=0, hi=None):
+    def forward(self, x_NH, topk_idx_NK, topk_weights_NK, counts=None, impl="auto", lo=0, hi=None,
+                rows_have_local_expert: bool = False):
         """Experts [lo, hi) of this module on local ids 0 .. hi - lo (see routed_experts)."""
         hi = self.num_local if hi is None else hi
         return routed_experts(x_NH, topk_idx_NK, topk_weights_NK, self.w_gate_up[lo:hi], self.w_down[lo:hi],
-                              counts, impl)
+                              counts, impl, rows_have_local_expert=rows_have_local_expert)
 
 
 class SwiGLU(nn.Module):
@@ -274,9 +324,16 @@ class MoELayer(nn.Module):
         topk_idx, topk_weights = self.router(x_TH)
         return x_TH.to(COMM_DTYPE).contiguous(), topk_idx, topk_weights
 
-    def expert_compute(self, recv_x_NH, recv_topk_idx_NK, recv_topk_weights_NK, counts=None) -> torch.Tensor:
-        """Received rows -> weighted expert output per row, bf16 [N, H] for combine."""
-        y = self.experts(recv_x_NH, recv_topk_idx_NK, recv_topk_weights_NK, counts, self.cfg.expert_impl)
+    def expert_compute(self, recv_x_NH, recv_topk_idx_NK, recv_topk_weights_NK, counts=None,
+                       rows_have_local_expert: bool = False) -> torch.Tensor:
+        """Received rows -> weighted expert output per row, bf16 [N, H] for combine.
+
+        rows_have_local_expert=True: the rows come from a dispatch whose layout was computed from
+        the routing (get_dispatch_layout, num_worst_tokens=0: no padding rows), so each has a local
+        expert (see routed_experts); forward() and MoEBlock.stage_experts pass it.
+        """
+        y = self.experts(recv_x_NH, recv_topk_idx_NK, recv_topk_weights_NK, counts, self.cfg.expert_impl,
+                         rows_have_local_expert=rows_have_local_expert)
         return y.to(COMM_DTYPE)
 
     def shared_compute(self, x_TH: torch.Tensor) -> Optional[torch.Tensor]:
@@ -284,8 +341,14 @@ class MoELayer(nn.Module):
 
     @staticmethod
     def finish(combined_TH: torch.Tensor, shared_TH: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        y = combined_TH.to(dtype)
-        return y if shared_TH is None else y + shared_TH.to(dtype)
+        if shared_TH is None:
+            return combined_TH.to(dtype)
+        shared_TH = shared_TH.to(dtype)
+        if torch.promote_types(dtype, combined_TH.dtype) == dtype:
+            # The add reads the bf16 rows and computes in ``dtype``: the cast is exact, so this is
+            # combined.to(dtype) + shared bit for bit, without the [T, H] pass of the cast.
+            return shared_TH + combined_TH
+        return combined_TH.to(dtype) + shared_TH
 
     # --- whole layer ---
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
@@ -296,8 +359,9 @@ class MoELayer(nn.Module):
         x_wire, topk_idx, topk_weights = self.route(x_TH)
         out = ops.dispatch(self.buffer, x_wire, topk_idx, topk_weights, self.cfg.num_experts,
                            fp8=self.cfg.fp8_dispatch)
+        # ops.dispatch computes the layout from topk_idx and pads nothing: every row has a local expert.
         y_NH = self.expert_compute(out.recv_x, out.recv_topk_idx, out.recv_topk_weights,
-                                   out.num_recv_tokens_per_expert_list)
+                                   out.num_recv_tokens_per_expert_list, rows_have_local_expert=True)
         combined, _ = ops.combine(self.buffer, y_NH, out.handle)
         return self.finish(combined, self.shared_compute(x_TH), x_TH.dtype)
 
@@ -325,6 +389,8 @@ class MoELayer(nn.Module):
             idx_r = local_expert_ids(topk_idx.index_select(0, rows[r]), r, L)
             w_r = topk_weights.index_select(0, rows[r])
             w_r = torch.where(idx_r >= 0, w_r, torch.zeros_like(w_r))
+            # rows[r] are the tokens with an expert on rank r (token_in_rank), so every row has a local
+            # slot here as behind a real dispatch; counts=None: routed_experts checks it exactly anyway.
             y = self.experts(recv_x[r], idx_r, w_r, None, self.cfg.expert_impl, lo=r * L, hi=(r + 1) * L)
             ys.append(y.to(COMM_DTYPE))
         combined = _EmulatedCombine.apply(x_wire.shape[0], rows, *ys).split([x.shape[0] for x in xs])
@@ -335,6 +401,9 @@ class MoELayer(nn.Module):
 # A transformer block (attention + MoE), with its pipeline stages
 # ------------------------------------------------------------------------------------------------
 
+_HAS_RMS_NORM = hasattr(F, "rms_norm")   # torch >= 2.4
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float = 1e-6, device=None) -> None:
         super().__init__()
@@ -342,6 +411,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        """x * rsqrt(mean(x^2) + eps) * weight over the last dimension.
+
+        torch's rms_norm (a fused kernel on GPUs, forward and backward) instead of five ops that
+        each pass over x, where it exists and x has the weight's dtype (it returns x's dtype, the
+        formula the promoted one). float32: the same up to the order of the mean's sum. bf16: it
+        computes in float32 and rounds once, where the formula rounds every step to bf16.
+        """
+        if _HAS_RMS_NORM and x.dtype == self.weight.dtype:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
@@ -416,8 +494,9 @@ class MoEBlock(nn.Module):
     def stage_experts(self, carry: dict) -> dict:
         out = {k: v for k, v in carry.items()
                if k not in ("recv_x", "recv_topk_idx", "recv_topk_weights", "counts", "x_norm")}
+        # The rows come from DispatchStage (layout from topk_idx, no padding): each has a local expert.
         out["y"] = self.moe.expert_compute(carry["recv_x"], carry["recv_topk_idx"], carry["recv_topk_weights"],
-                                           carry["counts"])
+                                           carry["counts"], rows_have_local_expert=True)
         shared = self.moe.shared_compute(carry["x_norm"])
         if shared is not None:
             out["shared"] = shared

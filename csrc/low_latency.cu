@@ -53,6 +53,7 @@
 #define LL_UNROLL 4
 #define LL_MAX_EXPERTS 2048            // nvlink_ll.MAX_EXPERTS
 #define LL_SMEM_PAIRS 4096             // (token, slot) ids kept in shared memory for the slot scan
+#define LL_SMEM_WANT 1024              // dispatch receiver: segments whose arrival targets stay in shared memory
 #ifndef COMMLIB_LL_PARTS
 #define COMMLIB_LL_PARTS 1             // kernels.DEFAULT_VARIANT["LL_PARTS"]
 #endif
@@ -197,12 +198,22 @@ __device__ __forceinline__ void cta_phase_done(u64* state, int i) {
     if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(state + i), cta_share());
 }
 // A receive phase's CTA has read every slot it took of this half: its share goes to the done word
-// each rank's sender polls before reusing the half. The barrier orders every thread's reads before
-// thread 0's release fence (cumulative), which orders them before the reductions.
+// each rank's sender polls before reusing the half. What must come first is this CTA's loads of the
+// half (a peer's later write must not be what they read): the barrier orders every thread's loads
+// before thread 0's fence, which completes them before the reductions issue. A GPU-scope fence does
+// that; COMMLIB_LL_DONE_FENCE=1 takes the system-scope release fence instead (measured ~2 us slower
+// on the receive hook at the decode shape: each CTA's waits for its outstanding stores system-wide).
+#ifndef COMMLIB_LL_DONE_FENCE
+#define COMMLIB_LL_DONE_FENCE 0
+#endif
 __device__ void cta_release_done(const u64* peer_bases, u64 off_done, int rank, int R) {
     __syncthreads();
     if (threadIdx.x == 0) {
+#if COMMLIB_LL_DONE_FENCE
         ll_release_fence();
+#else
+        __threadfence();
+#endif
         const u64 share = cta_share();
         for (int d = 0; d < R; ++d) red_add_relaxed_sys(flag_at(peer_bases[d], off_done, rank), share);
     }
@@ -472,6 +483,7 @@ __device__ void cta_exclusive_scan(int* s, int n) {
 __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     __shared__ int s_prefix[LL_MAX_EXPERTS + 1];  // rows before segment j = (local expert, source) = e * R + s
     __shared__ int s_parts[COMMLIB_MAX_RANKS];    // units per pair of each source (its count words' bits 24-31)
+    __shared__ u64 s_want[LL_SMEM_WANT];          // arrival total segment j reaches in this call (j < LL_SMEM_WANT)
     __shared__ int s_tok[LL_RECV_ROWS];           // token of each row of the current chunk
     __shared__ int s_row[LL_RECV_ROWS];           // its row in recv_x
     __shared__ u32 s_src[LL_RECV_ROWS];           // its staging slot (16-byte units from the half's start)
@@ -495,17 +507,24 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
         const bool active = j < E;
         const WaitSite site = {"low_latency_dispatch", "ll dispatch count (channel = local expert)", a.rank,
                                active ? j / R : -1, true};
+        // the previous total is loaded before the poll, so its latency hides behind it
+        const u64 before = active && j < LL_SMEM_WANT ? arrived_before[j] : 0;
         const u64 v = warp_wait_geq(counts + (active ? j : 0), tail_word(seq, 0), active, active ? j % R : -1, site,
                                     a.timeout_ns);
         if (active) {
-            s_prefix[j] = (int)min((u32)(v & 0xffffffull), (u32)M);
+            const int rows = (int)min((u32)(v & 0xffffffull), (u32)M);
+            s_prefix[j] = rows;
             if (j < R) s_parts[j] = (int)((v >> 24) & 0xffull);
+            if (j < LL_SMEM_WANT) s_want[j] = before + (u64)rows * ((v >> 24) & 0xffull);
         }
     }
     __syncthreads();
     cta_exclusive_scan(s_prefix, E);
     const int n_rows = s_prefix[E];
     auto seg_rows = [&](int j) { return s_prefix[j + 1] - s_prefix[j]; };
+    auto want = [&](int j) {
+        return j < LL_SMEM_WANT ? s_want[j] : arrived_before[j] + (u64)seg_rows(j) * (u64)s_parts[j % R];
+    };
 
     // per local expert: layout_range, recv_count, src_info padding (zeros past recv_count if asked)
     for (int e = blockIdx.x; e < L; e += gridDim.x) {
@@ -535,8 +554,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
             const int cnt = j <= j_hi ? seg_rows(j) : 0;
             const WaitSite site = {"low_latency_dispatch", "ll dispatch rows arrived (channel = local expert)", a.rank,
                                    j / R, true};
-            const u64 want = cnt > 0 ? arrived_before[j] + (u64)cnt * (u64)s_parts[j % R] : 0;
-            warp_wait_geq(arrivals + (cnt > 0 ? j : 0), want, cnt > 0, j % R, site, a.timeout_ns);
+            warp_wait_geq(arrivals + (cnt > 0 ? j : 0), cnt > 0 ? want(j) : 0, cnt > 0, j % R, site, a.timeout_ns);
         }
     }
     __syncthreads();
@@ -597,7 +615,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     // this half read them, one at a time)
     u64* arrived_after = a.state + LL_CUM_BASE + ((seq + 2) & 3) * LL_MAX_EXPERTS;
     for (int j = (int)(blockIdx.x + threadIdx.x * gridDim.x); j < E; j += (int)(gridDim.x * blockDim.x))
-        arrived_after[j] = arrived_before[j] + (u64)seg_rows(j) * (u64)s_parts[j % R];
+        arrived_after[j] = want(j);
     cta_release_done(a.peer_bases, a.off_done, a.rank, R);
     cta_phase_done(a.state, LL_DISPATCH_RECV);
 }

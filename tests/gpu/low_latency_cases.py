@@ -17,6 +17,8 @@ from nvlink_cases import check_same
 _BUFFERS: dict = {}
 SMALL = dict(M=24, H=512, E_PER_RANK=4, K=4)
 DECODE = dict(M=128, H=7168, E=288, K=8)   # issue 8's decode workload
+# more (expert, source) segments than the dispatch receiver keeps in shared memory (LL_SMEM_WANT)
+MANY_EXPERTS = dict(M=16, H=256, E=1536, K=8)
 
 
 def buffers(ctx):
@@ -26,6 +28,7 @@ def buffers(ctx):
         shapes = [(SMALL["M"], SMALL["H"], R, SMALL["E_PER_RANK"] * R)]
         if R == 2:                 # the decode shape runs in the 2-rank world only (case_decode_shape)
             shapes.append((DECODE["M"], DECODE["H"], R, DECODE["E"]))
+            shapes.append((MANY_EXPERTS["M"], MANY_EXPERTS["H"], R, MANY_EXPERTS["E"]))
         nbytes = max(Buffer.get_low_latency_rdma_size_hint(*s) for s in shapes)
         nv = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="nvlink", explicitly_destroy=True)
         ref = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="reference", explicitly_destroy=True)
@@ -248,6 +251,16 @@ def case_decode_shape(ctx):
     run_pair(ctx, 30, fp8=True, shape=shape, T=shape["M"])
     run_pair(ctx, 31, fp8=True, round_scale=True, ue8m0=True, hook=True, shape=shape)
     run_pair(ctx, 32, shape=shape, T=shape["M"] - 5)
+
+
+def case_many_experts(ctx):
+    """1536 experts: segments past the receiver's shared-memory targets (three calls: both halves, then a reuse)."""
+    if ctx.world_size != 2:
+        return
+    shape = dict(MANY_EXPERTS)
+    run_pair(ctx, 33, fp8=True, shape=shape, T=shape["M"])
+    run_pair(ctx, 34, shape=shape)
+    run_pair(ctx, 35, fp8=True, hook=True, shape=shape, T=shape["M"])
 
 
 def case_teardown(ctx):

@@ -27,7 +27,8 @@ from commlib.buffer import _cupy_available as _have_cupy  # noqa: E402
 needs_2_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
                                   or not _have_cupy(), reason="needs 2 GPUs and CuPy")
 
-CASES_2 = ["bf16", "fp8", "hooks_and_zero_copy", "two_in_flight", "cuda_graph", "decode_shape", "teardown"]
+CASES_2 = ["bf16", "fp8", "hooks_and_zero_copy", "two_in_flight", "cuda_graph", "decode_shape", "many_experts",
+           "teardown"]
 CASES_4 = ["bf16", "fp8", "hooks_and_zero_copy", "two_in_flight", "cuda_graph", "teardown"]
 
 

@@ -26,9 +26,10 @@
 //   DISPATCH half in rank d: token rows [src][M] (slot_bytes each: [row: bf16 2H or E4M3 H bytes]
 //       [scales: float per 128 channels, or one UE8M0 byte per 128 channels]), written once per
 //       (token, destination rank) by src's sender CTA that owns the token, however many of d's
-//       experts the token picked; then meta words [e][src][M] int32: slot p of (e, src) = the p-th
-//       (token, slot) pair of src routed to expert e (token order, then top-k slot order) holds that
-//       token's index. d's receiver copies row `meta` of src's token rows into recv_x.
+//       experts the token picked; then meta words [e][src][M] u64: slot p of (e, src) = the p-th
+//       (token, slot) pair of src routed to expert e (token order, then top-k slot order) holds
+//       (seq << 32) | that token's index. d's receiver copies row `meta` of src's token rows into
+//       recv_x; the tag lets it read the meta words while it still waits for the rows' arrivals.
 //   COMBINE_FLAG [half][g] u64 in rank src: = seq, release-stored by g's rank (the CTA owning local
 //       expert g % L) after every row of g for src is written; acquire-polled by src's receiver.
 //   COMBINE_DONE [h] u64 in the expert ranks: h's combine receive phases completed, in shares as
@@ -149,7 +150,7 @@ __device__ __forceinline__ u32 pack_e4m3x4(float a, float b, float c, float d) {
 __device__ __forceinline__ float abs_exact(float v) { return __uint_as_float(__float_as_uint(v) & 0x7fffffffu); }
 
 // A dispatch half of rank d: token rows [source][M] (slot_bytes each: row, scales), then the meta
-// words [local expert][source][M] int32 (token index of each (expert, source) slot). A token goes
+// words [local expert][source][M] u64 (seq-tagged token index of each (expert, source) slot). A token goes
 // over NVLink once per destination rank, however many of that rank's experts it picked.
 __device__ __forceinline__ u64 dispatch_meta_offset(int R, int M, int slot_bytes) {
     return ((u64)R * M * slot_bytes + 15) & ~(u64)15;
@@ -253,7 +254,12 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     const int senders = (int)gridDim.x - first;
     const int n_blocks = a.hidden / 128;
     const int parts = max(1, min(min(LL_MAX_PARTS, senders / max(a.num_tokens, 1)), max(n_blocks, 1)));
-    if (warp == 0) {  // every receiver is done with this half (call seq - 2)
+    // Every receiver must be done with this half (call seq - 2) before this CTA stores into it. The
+    // last warp waits, without a barrier here: the other warps meanwhile load their first row and its
+    // routing, and the barriers before CTA 0's count stores and before each unit's stores order the
+    // wait first.
+    const bool has_units = blockIdx.x == 0 || (int)blockIdx.x - first < a.num_tokens * parts;
+    if (has_units && warp == (int)(blockDim.x >> 5) - 1) {
         const WaitSite site = {"low_latency_dispatch", "ll dispatch done (call seq - 2 consumed)", a.rank, -1, false};
         wait_ranks(own, a.off_done, R, (seq - 2) << 32, seq > 2, site, a.timeout_ns);
     }
@@ -262,7 +268,6 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     const int pairs = a.num_tokens * K;
     const bool ids_in_smem = pairs <= LL_SMEM_PAIRS;
     bool ids_loaded = false;
-    __syncthreads();  // the done wait above comes before any store of this CTA
     if (blockIdx.x == 0) {
         // Rows per (expert, this source), clamped to M, are known from the routing alone: publish
         // them now. Readiness is the arrival words below, so receivers start on an expert as soon
@@ -403,8 +408,8 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
                 d = e / L;
                 const int le = e % L;
                 if (q == 0)
-                    st_volatile(reinterpret_cast<int*>(a.peer_bases[d] + data + meta_off) +
-                                    ((u64)(le * R + a.rank) * M + p), t);
+                    st_volatile(reinterpret_cast<u64*>(a.peer_bases[d] + data + meta_off) +
+                                    ((u64)(le * R + a.rank) * M + p), tail_word(seq, (u32)t));
                 s_pair_le[k] = le;
             }
             s_pair_rank[k] = d;
@@ -545,9 +550,11 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
         }
     }
 
-    // this CTA's share of the rows; wait until every segment it touches has fully arrived
+    // this CTA's share of the rows; the last warp waits until every segment it touches has fully
+    // arrived, while the first warps read the rows' meta words (tagged: they need no arrival); the
+    // barrier after those orders both before the copy
     const int r0 = (int)((i64)blockIdx.x * n_rows / gridDim.x), r1 = (int)((i64)(blockIdx.x + 1) * n_rows / gridDim.x);
-    if (r0 < r1 && warp == 0) {
+    if (r0 < r1 && warp == num_warps - 1) {
         const int j_lo = segment_of(s_prefix, E, r0), j_hi = segment_of(s_prefix, E, r1 - 1);
         for (int jb = j_lo; jb <= j_hi; jb += 32) {
             const int j = jb + lane;
@@ -557,22 +564,32 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
             warp_wait_geq(arrivals + (cnt > 0 ? j : 0), cnt > 0 ? want(j) : 0, cnt > 0, j % R, site, a.timeout_ns);
         }
     }
-    __syncthreads();
-    if (r0 < r1) LL_MARK(a.state, 0, 5);
     const int per_row = n_out + n_scale_words + 1;   // a row's items: data vectors, scale words, src_info
+    const u64* meta = reinterpret_cast<const u64*>(own + data + meta_off);
     for (int c0 = r0; c0 < r1; c0 += LL_RECV_ROWS) {
         const int rows = min(LL_RECV_ROWS, r1 - c0);
-        for (int i = threadIdx.x; i < rows; i += blockDim.x) {
-            const int r = c0 + i, j = segment_of(s_prefix, E, r);
-            const int e = j / R, s = j - e * R, p = r - s_prefix[j];
+        for (int base = warp * 32; base < rows; base += blockDim.x) {
             // slot p of (e, s): its meta word names the source's token, whose row that source wrote
             // once into this rank's token area
-            const int t = __ldcg(reinterpret_cast<const int*>(own + data + meta_off) + ((u64)j * M + p));
-            s_tok[i] = t;
-            s_row[i] = e * RM + (r - s_prefix[e * R]);
-            s_src[i] = (u32)((((u64)s * M + t) * (u64)a.slot_bytes) >> 4);
+            const int i = base + lane;
+            const bool active = i < rows;
+            const int r = c0 + (active ? i : 0), j = segment_of(s_prefix, E, r);
+            const int e = j / R, s = j - e * R, p = r - s_prefix[j];
+            const WaitSite site = {"low_latency_dispatch", "ll dispatch meta word (channel = local expert)", a.rank,
+                                   e, true};
+            const u64* word = meta + ((u64)j * M + p);
+            u64 w = active ? ld_acquire_sys(word) : 0;   // present by now in the common case: no call
+            if (__any_sync(FULL_MASK, active && w < tail_word(seq, 0)))
+                w = warp_wait_geq(word, tail_word(seq, 0), active, s, site, a.timeout_ns);
+            if (active) {
+                const int t = (int)(u32)w;
+                s_tok[i] = t;
+                s_row[i] = e * RM + (r - s_prefix[e * R]);
+                s_src[i] = (u32)((((u64)s * M + t) * (u64)a.slot_bytes) >> 4);
+            }
         }
         __syncthreads();
+        if (c0 == r0) LL_MARK(a.state, 0, 5);
         const int items = rows * per_row;
         for (int base = threadIdx.x; base < items; base += blockDim.x * LL_UNROLL) {
             int4 val[LL_UNROLL];

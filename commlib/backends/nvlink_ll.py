@@ -81,8 +81,8 @@ def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool, num_ranks: 
     off_scales = _align(data_bytes)
     slot_bytes = off_scales + _align(scale_bytes)
     assert slot_bytes <= row_d, (slot_bytes, row_d)
-    # dispatch half (csrc/low_latency.cu, dispatch_meta_offset): token rows [R][M], then meta [L][R][M] int32
-    need_d = _align(R * M * slot_bytes) + E * M * 4
+    # dispatch half (csrc/low_latency.cu, dispatch_meta_offset): token rows [R][M], then meta [L][R][M] u64
+    need_d = _align(R * M * slot_bytes) + E * M * 8
     half_d = max(half_d, _align(need_d))
     return {"off_dispatch": CONTROL_BYTES, "half_dispatch": half_d,
             "off_combine": CONTROL_BYTES + 2 * half_d, "half_combine": half_c,

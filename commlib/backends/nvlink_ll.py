@@ -280,7 +280,7 @@ def trace_summary(state: torch.Tensor, kernel: int, num_ctas: int, ctas: Optiona
     """Per trace point (COMMLIB_LL_TRACE=1): (min, median, max) microseconds after the earliest CTA start
     of the last launch of ``kernel`` (0 dispatch, 1 combine), over ``ctas`` (default: all of the
     launch's ``num_ctas``); points a launch did not reach are left out."""
-    t = state[TRACE_BASE:].view(2, TRACE_CTAS, 8)[kernel, :num_ctas].cpu().double()
+    t = state[TRACE_BASE:CUM_BASE].view(2, TRACE_CTAS, 8)[kernel, :num_ctas].cpu().double()
     t0 = t[:, 0][t[:, 0] > 0].min()
     if ctas is not None:
         t = t[ctas.start:min(ctas.stop, num_ctas)]

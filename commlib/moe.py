@@ -129,12 +129,12 @@ def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_N
 
     rows_have_local_expert: the caller guarantees that every row has at least one slot here
     (topk_idx >= 0), as every row a dispatch delivers does (a token is sent only to the ranks
-    that hold one of its experts). Then M == N, known on the host from ``counts``, means one slot
-    per row: the (row, slot) pairs are a permutation of the rows and the sum is a reordering,
-    done without the float32 zeros, the index_add and the two casts, and with one-pass
-    backwards (no host sync decides it). When ``counts`` is None the host learns the same
-    exactly (every row has one slot) in the sync that reads the counts, whatever the flag says.
-    A result does not depend on the path: with one slot per row the float32 sum is exact.
+    that hold one of its experts). Then M == N, known on the host from ``counts`` (no sync),
+    means exactly one slot per row: the (row, slot) pairs are a permutation of the rows, and the
+    per-row sum a reordering, done without the float32 zeros, the index_add and its two casts,
+    with one-pass backwards for both the gather and the scatter. When ``counts`` is None the
+    sync that reads the counts also reads whether every row has exactly one slot, so the flag
+    is not needed then. The result is the same either way: a one-term float32 sum is exact.
     """
     N, K = topk_idx_NK.shape
     L = w_gate_up_LHI.shape[0]
@@ -176,10 +176,12 @@ def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_N
     if one_slot_per_row:
         return _PermuteRows.apply(out_MH, inv_N, rows_M)
     # A row may meet several local experts: accumulate in float32 (index_add runs in the tensor's
-    # dtype), cast once. On CPU the order is fixed; on GPUs index_add uses atomics (order varies).
-    # In place on fresh zeros: the out-of-place index_add would first copy the [N, H] float32 zeros.
-    y = torch.zeros(N, x_NH.shape[1], dtype=torch.float32, device=x_NH.device)
-    return y.index_add_(0, rows_M, out_MH.float()).to(dtype)
+    # dtype; float64 experts keep float64), cast once. On CPU the order is fixed; on GPUs index_add
+    # uses atomics (order varies). In place on fresh zeros: the out-of-place index_add would first
+    # copy the [N, H] float32 zeros.
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    y = torch.zeros(N, x_NH.shape[1], dtype=acc_dtype, device=x_NH.device)
+    return y.index_add_(0, rows_M, out_MH.to(acc_dtype)).to(dtype)
 
 
 class Experts(nn.Module):
@@ -346,7 +348,8 @@ class MoELayer(nn.Module):
         shared_TH = shared_TH.to(dtype)
         if torch.promote_types(dtype, combined_TH.dtype) == dtype:
             # The add reads the bf16 rows and computes in ``dtype``: the cast is exact, so this is
-            # combined.to(dtype) + shared bit for bit, without the [T, H] pass of the cast.
+            # combined.to(dtype) + shared bit for bit. On GPUs the add casts as it loads, saving the
+            # cast's [T, H] pass (on CPU TensorIterator still makes the cast copy itself).
             return shared_TH + combined_TH
         return combined_TH.to(dtype) + shared_TH
 
@@ -413,10 +416,12 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         """x * rsqrt(mean(x^2) + eps) * weight over the last dimension.
 
-        torch's rms_norm (a fused kernel on GPUs, forward and backward) instead of five ops that
-        each pass over x, where it exists and x has the weight's dtype (it returns x's dtype, the
-        formula the promoted one). float32: the same up to the order of the mean's sum. bf16: it
-        computes in float32 and rounds once, where the formula rounds every step to bf16.
+        torch's rms_norm where it exists and x has the weight's dtype: on GPUs one fused kernel
+        each way instead of pow, mean, rsqrt and two multiplies that each pass over x (on CPU it
+        decomposes into about the same ops). With mixed dtypes it would return x's dtype where the
+        formula promotes, and it has no fused kernel then, so the formula stays. float32: equal up
+        to the order of the mean's sum. bf16: it computes in float32 and rounds once, where the
+        formula rounds every intermediate to bf16 (closer to the exact value, not bit-equal).
         """
         if _HAS_RMS_NORM and x.dtype == self.weight.dtype:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

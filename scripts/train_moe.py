@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--schedule", default="sequential",
                    help="comma-separated: sequential, dual (each trains a fresh model from the same seed)")
-    p.add_argument("--fp8", action="store_true", help="FP8 dispatch (needs hidden % 128 == 0)")
+    p.add_argument("--fp8", action="store_true", help="FP8 dispatch (needs hidden %% 128 == 0)")
     p.add_argument("--single-process", action="store_true", help="the single-process equivalent")
     p.add_argument("--ranks", type=int, default=2, help="ranks the single-process run stands in for")
     p.add_argument("--json", default=None, help="write {schedule: [loss per step]} and the arguments here")

@@ -6,7 +6,9 @@ compute step and follows the issue-order rule (comm first unless it waits on the
 overlap benchmark runs at tiny shapes (also its calibrated balanced_fb preset, and --comm-sms / the
 calibrated balanced_sms preset, whose configs reach every dispatch and combine).
 
-One world of 2 ranks runs every case (spawning ranks is the expensive part on CPU).
+One world of 2 ranks runs every case (spawning ranks is the expensive part on CPU). The tests at
+the end run in this process: the expert stage (routed_experts' permutation and general paths
+against a per-row loop, RMSNorm, MoELayer.finish).
 """
 from __future__ import annotations
 
@@ -429,3 +431,231 @@ def results():
 @pytest.mark.parametrize("name", CASES)
 def test_pipeline(results, name):
     assert results[name] is None, results[name]
+
+
+# ------------------------------------------------------------------ the expert stage, one process
+# commlib.moe.routed_experts against a per-row loop in float64, both its paths (one local slot per
+# row: a permutation; several: the float32 index_add), forward and gradients; RMSNorm and
+# MoELayer.finish against the formulas they replace.
+
+_N, _H, _I, _L, _K = 24, 16, 8, 4, 3
+
+
+def _expert_params(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w_gate_up = (torch.randn(_L, _H, 2 * _I, generator=g) / _H ** 0.5).to(dtype)
+    w_down = (torch.randn(_L, _I, _H, generator=g) / _I ** 0.5).to(dtype)
+    return w_gate_up, w_down
+
+
+def _routing(kind, seed=1):
+    """[N, K] local ids (-1 = elsewhere) and weights (nonzero in -1 slots too: they must be ignored).
+
+    one_slot: every row has exactly one local slot, at a random position (M == N);
+    several: rows with 1, 2 or 3 local slots (an expert at most once per row), all >= 1;
+    some_empty: like several, and every fourth row has no local slot."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.full((_N, _K), -1, dtype=torch.int64)
+    for n in range(_N):
+        if kind == "one_slot":
+            idx[n, torch.randint(0, _K, (1,), generator=g)] = torch.randint(0, _L, (1,), generator=g)
+        else:
+            m = 1 + n % 3
+            if kind == "some_empty" and n % 4 == 0:
+                m = 0
+            slots = torch.randperm(_K, generator=g)[:m]
+            idx[n, slots] = torch.randperm(_L, generator=g)[:m]
+    weights = torch.rand(_N, _K, generator=g) + 0.1
+    return idx, weights
+
+
+def _reference(x, idx, weights, w_gate_up, w_down):
+    """y[n] = sum_k w[n, k] * down(silu(gate) * up)(x[n]), one row and one slot at a time, float64."""
+    import torch.nn.functional as F
+    rows = []
+    for n in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for k in range(idx.shape[1]):
+            e = int(idx[n, k])
+            if e < 0:
+                continue
+            gate, up = (x[n] @ w_gate_up[e]).chunk(2)
+            acc = acc + weights[n, k] * ((F.silu(gate) * up) @ w_down[e])
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def _run_routed(x, idx, weights, w_gate_up, w_down, g_out, **kw):
+    from commlib.moe import routed_experts
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w_gate_up, w_down, weights)]
+    xs, w1, w2, tw = leaves
+    y = routed_experts(xs, idx, tw, w1, w2, impl="loop", **kw)
+    grads = torch.autograd.grad(y, leaves, g_out.to(y.dtype))
+    return y, grads
+
+
+def _counts(idx):
+    return torch.bincount(idx[idx >= 0], minlength=_L).tolist()
+
+
+def _rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+# Tolerances, against float64: float32 experts 1e-5 relative + 1e-6 absolute elementwise (observed
+# <= 3e-7 relative L2), their x gradient (bf16, as x) 1e-2 relative L2 (observed 2.1e-3); bf16
+# experts (parameters, activations and GEMM outputs rounded to bf16: 8 significant bits, 2^-8 =
+# 3.9e-3 per rounding, a few in a row) 2e-2 relative L2 per tensor (observed 3.4e-3 .. 1.2e-2).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["one_slot", "several", "some_empty"])
+def test_routed_experts_matches_per_row_reference(dtype, kind):
+    w_gate_up, w_down = _expert_params(dtype)
+    idx, weights = _routing(kind)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(_N, _H, generator=g).to(torch.bfloat16)   # rows arrive in bf16 from dispatch
+    g_out = torch.randn(_N, _H, generator=g)
+
+    leaves64 = [t.double().requires_grad_() for t in (x, w_gate_up, w_down, weights)]
+    ref = _reference(leaves64[0], idx, leaves64[3], leaves64[1], leaves64[2])
+    ref_grads = torch.autograd.grad(ref, leaves64, g_out.double())
+
+    has_local = kind != "some_empty"
+    variants = {"counts": dict(counts=_counts(idx)), "host_counts": dict(counts=None)}
+    if has_local:
+        variants["flag"] = dict(counts=_counts(idx), rows_have_local_expert=True)
+    results = {}
+    for name, kw in variants.items():
+        y, grads = _run_routed(x, idx, weights, w_gate_up, w_down, g_out, **kw)
+        assert y.dtype == dtype and y.shape == (_N, _H)
+        permuted = "PermuteRows" in type(y.grad_fn).__name__
+        # The permutation path: exactly when one slot per row is known on the host (the flag with
+        # M == N, or counts computed here); the general path otherwise.
+        assert permuted == (kind == "one_slot" and name in ("flag", "host_counts")), (name, type(y.grad_fn))
+        for what, got, want in zip(("y", "x", "w_gate_up", "w_down", "topk_weights"), (y,) + grads,
+                                   (ref,) + ref_grads):
+            if dtype == torch.float32 and what != "x":
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{kind}/{name}/{what}: {m}")
+            else:  # bf16 experts, and x's gradient (bf16 like x)
+                tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
+                assert _rel_err(got, want) <= tol, (kind, name, what, _rel_err(got, want))
+        # -1 slots contribute nothing: their weights get no gradient; rows without a slot are 0
+        assert torch.all(grads[3][idx < 0] == 0)
+        empty = (idx >= 0).sum(1) == 0
+        assert torch.all(y[empty] == 0) and torch.all(grads[0][empty] == 0)
+        results[name] = (y, grads)
+    # Both paths give the same bits: with one term per row the float32 sum is exact.
+    base_y, base_grads = results["counts"]
+    for name, (y, grads) in results.items():
+        assert torch.equal(y, base_y), name
+        for a, b in zip(grads, base_grads):
+            assert torch.equal(a, b), name
+
+
+def test_routed_experts_permutation_backward_is_exact():
+    """float64 gradcheck and gradgradcheck of both paths (the permutation's backward is itself)."""
+    from commlib.moe import routed_experts
+    w_gate_up, w_down = _expert_params(torch.float64)
+    x = torch.randn(_N, _H, dtype=torch.float64)
+    for kind, kw in (("one_slot", dict(rows_have_local_expert=True)), ("several", {})):
+        idx, weights = _routing(kind)
+        counts = _counts(idx)
+        inputs = [t.clone().double().requires_grad_() for t in (x, w_gate_up, w_down, weights)]
+
+        def fn(x, w1, w2, tw):
+            return routed_experts(x, idx, tw, w1, w2, counts=counts, impl="loop", **kw)
+        assert torch.autograd.gradcheck(fn, inputs), kind
+        assert torch.autograd.gradgradcheck(fn, inputs), kind
+
+
+def test_routed_experts_flag_refuses_rows_without_slots():
+    from commlib.moe import routed_experts
+    w_gate_up, w_down = _expert_params(torch.float32)
+    idx, weights = _routing("some_empty")
+    idx = idx[: _L]   # rows 0 (no slot), 1 (two), 2 (three), 3 (one): M == 6 > N == 4, fine
+    routed_experts(torch.randn(4, _H), idx, weights[:4], w_gate_up, w_down, counts=_counts(idx),
+                   impl="loop", rows_have_local_expert=True)
+    idx = idx[[0, 3]]  # one empty row, one with one slot: M == 1 < N == 2 contradicts the flag
+    with pytest.raises(ValueError, match="rows_have_local_expert"):
+        routed_experts(torch.randn(2, _H), idx, weights[:2], w_gate_up, w_down, counts=_counts(idx),
+                       impl="loop", rows_have_local_expert=True)
+
+
+def test_expert_compute_dispatch_flag_same_bits():
+    """MoELayer.expert_compute with rows_have_local_expert (its dispatch callers) == without."""
+    from commlib.moe import MoEConfig, MoELayer
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden=_H, num_experts=_L, topk=_K, expert_hidden=_I, expert_impl="loop")
+    layer = MoELayer(cfg, buffer=None, num_ranks=1)
+    for kind in ("one_slot", "several"):
+        idx, weights = _routing(kind)
+        x = torch.randn(_N, _H).to(torch.bfloat16)
+        outs = []
+        for flag in (False, True):
+            layer.zero_grad(set_to_none=True)
+            xs, tw = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            y = layer.expert_compute(xs, idx, tw, _counts(idx), rows_have_local_expert=flag)
+            assert y.dtype == torch.bfloat16
+            y.float().pow(2).sum().backward()
+            outs.append([y, xs.grad, tw.grad] + [p.grad for p in layer.experts.parameters()])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), kind
+
+
+def test_rmsnorm_matches_formula():
+    import warnings
+    from commlib.moe import RMSNorm
+    torch.manual_seed(0)
+    H = 256
+    norm = RMSNorm(H)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(H))
+    assert list(norm.state_dict()) == ["weight"]
+
+    def formula(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * w
+
+    # float32: equal to the formula within float32 rounding, forward and gradients
+    x = (3 * torch.randn(2, 16, H)).requires_grad_()
+    g = torch.randn(2, 16, H)
+    out = norm(x)
+    gx, gw = torch.autograd.grad(out, (x, norm.weight), g)
+    x2, w2 = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+    ref = formula(x2, w2)
+    rx, rw = torch.autograd.grad(ref, (x2, w2), g)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-5)
+
+    # bf16 module on bf16 rows: at least as close to the exact value as the bf16 formula
+    nb = RMSNorm(H).to(torch.bfloat16)
+    with torch.no_grad():
+        nb.weight.copy_(norm.weight)
+    xb = (3 * torch.randn(64, H)).to(torch.bfloat16)
+    exact = formula(xb.double(), nb.weight.double())
+    got, old = nb(xb), formula(xb, nb.weight)
+    assert got.dtype == old.dtype == torch.bfloat16
+    assert (got.double() - exact).abs().max() <= (old.double() - exact).abs().max()
+
+    # mixed dtypes (bf16 rows, float32 weight) keep the formula: float32 result, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixed = norm(xb)
+    assert mixed.dtype == torch.float32 and torch.equal(mixed, formula(xb, norm.weight))
+
+
+def test_finish_same_bits_as_cast_then_add():
+    from commlib.moe import MoELayer
+    torch.manual_seed(0)
+    combined = torch.randn(32, 64).to(torch.bfloat16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        shared = torch.randn(32, 64, dtype=dtype)
+        c, s = combined.clone().requires_grad_(), shared.clone().requires_grad_()
+        out = MoELayer.finish(c, s, dtype)
+        c2, s2 = combined.clone().requires_grad_(), shared.clone().requires_grad_()
+        ref = c2.to(dtype) + s2.to(dtype)
+        assert out.dtype == ref.dtype == dtype and torch.equal(out, ref), dtype
+        g = torch.randn(32, 64, dtype=dtype)
+        for a, b in zip(torch.autograd.grad(out, (c, s), g), torch.autograd.grad(ref, (c2, s2), g)):
+            assert a.dtype == b.dtype and torch.equal(a, b), dtype
+        assert torch.equal(MoELayer.finish(combined, None, dtype), combined.to(dtype))

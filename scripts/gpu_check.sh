@@ -8,7 +8,7 @@
 # load/store modes), smoke (2 ranks, one case), tests2 (2-rank world, every case), bench
 # (benchmarks/bench_intranode.py --json), shared (4 and 8 ranks on 2 GPUs), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
-# cpu (the CPU-side checks of tests/gpu).
+# cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop).
 # Everything is logged to OUTDIR/gpu_check.log; the bench JSON (+ PNG) lands in OUTDIR and
 # benchmarks/results/.
 #
@@ -40,7 +40,7 @@ SUMMARY=()
 case "$ONLY" in
   all) STAGES="env,compile,smoke,tests2,bench,shared,hier,timeout,faults,cpu" ;;
   quick) STAGES="env,compile,smoke,bench"; BENCH_ARGS="--tokens 4096 ${BENCH_ARGS:-}" ;;
-  tests) STAGES="env,compile,smoke,tests2,shared,hier,timeout,faults,cpu" ;;
+  tests) STAGES="env,compile,smoke,tests2,shared,hier,timeout,faults,cpu,moegpu" ;;
   bench) STAGES="env,compile,bench" ;;
   final) STAGES="env,compile,smoke,main,a2a,long,overlap,tune" ;;
   next) STAGES="env,compile,hier,internode" ;;
@@ -121,6 +121,7 @@ stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout
 stage faults 150 env COMMLIB_FAULT_LOG_DIR="$OUTDIR/faults" $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k "not long_run" -p no:cacheprovider
 stage cpu 60 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "imports or assemble or nvrtc" -p no:cacheprovider
 stage llgpu 150 $PY -m pytest tests/gpu/test_low_latency_gpu.py -x -q -s -p no:cacheprovider
+stage moegpu 90 $PY -m pytest tests/gpu/test_moe_gpu.py -x -q -p no:cacheprovider
 stage llfault 60 env COMMLIB_FAULT_LOG_DIR="$OUTDIR/faults" $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k "ll_bad_expert_id" -p no:cacheprovider
 stage lltrace 120 $PY benchmarks/bench_low_latency.py --trace --iters 20
 

@@ -141,21 +141,24 @@ struct WaitSite {
     bool is_tail;         // the word is (seq << 32) | count (printed as such), else a plain sequence flag
 };
 
-// Warp-wide wait: each lane waits until *p_lane >= expected_lane (lanes with active == false only
-// take part). Every lane does its own acquire load, so every lane may read the data afterwards.
-// The loop exits for the whole warp at once; on timeout one lane names what it waited for
-// (rank, channel, counter, the peer rank = `peer`, expected vs seen; a progress word v is printed
-// as seq = v >> 32 and count = v & 0xffffffff) and the kernel traps. Returns this lane's last value.
-__device__ __noinline__ u64 warp_wait_geq(const u64* p_lane, u64 expected_lane, bool active, int peer,
-                                          WaitSite site, u64 timeout_ns) {
+// Warp-wide wait: each lane waits until *p_lane >= expected_lane (kExact: until the bits of
+// *p_lane under `mask` equal expected_lane; lanes with active == false only take part). Every lane
+// does its own acquire load, so every lane may read the data afterwards. The loop exits for the
+// whole warp at once; on timeout one lane names what it waited for (rank, channel, counter, the
+// peer rank = `peer`, expected vs seen; a progress word v is printed as seq = v >> 32 and count =
+// v & 0xffffffff) and the kernel traps. Returns this lane's last value.
+template <bool kExact>
+__device__ __noinline__ u64 warp_wait_until(const u64* p_lane, u64 expected_lane, u64 mask, bool active, int peer,
+                                            WaitSite site, u64 timeout_ns) {
+    auto reached = [&](u64 v) { return kExact ? (v & mask) == expected_lane : v >= expected_lane; };
     u64 seen = active ? ld_acquire_sys(p_lane) : 0;
-    bool ok = !active || seen >= expected_lane;
+    bool ok = !active || reached(seen);
     if (__all_sync(FULL_MASK, ok)) return seen;
     const u64 start = global_timer_ns();
     while (true) {
         if (!ok) {
             seen = ld_acquire_sys(p_lane);
-            ok = seen >= expected_lane;
+            ok = reached(seen);
         }
         if (__all_sync(FULL_MASK, ok)) return seen;
         const bool late = global_timer_ns() - start > timeout_ns;
@@ -163,7 +166,11 @@ __device__ __noinline__ u64 warp_wait_geq(const u64* p_lane, u64 expected_lane, 
         if (late_mask) {
             const int lane = threadIdx.x & 31;
             if (lane == __ffs(late_mask) - 1) {
-                if (site.is_tail)
+                if (kExact)
+                    printf("[commlib] rank %d timeout in %s channel %d waiting for %s from rank %d: "
+                           "expected tag %llx under mask %llx, seen %llx\n",
+                           site.rank, site.kernel, site.channel, site.counter, peer, expected_lane, mask, seen);
+                else if (site.is_tail)
                     printf("[commlib] rank %d timeout in %s channel %d waiting for %s from rank %d: "
                            "expected seq %llu count >= %llu, seen seq %llu count %llu\n",
                            site.rank, site.kernel, site.channel, site.counter, peer, expected_lane >> 32,
@@ -177,6 +184,17 @@ __device__ __noinline__ u64 warp_wait_geq(const u64* p_lane, u64 expected_lane, 
             asm volatile("trap;");
         }
     }
+}
+__device__ __forceinline__ u64 warp_wait_geq(const u64* p_lane, u64 expected_lane, bool active, int peer,
+                                             WaitSite site, u64 timeout_ns) {
+    return warp_wait_until<false>(p_lane, expected_lane, ~0ull, active, peer, site, timeout_ns);
+}
+// Self-validating words (tag in the bits under `mask`, payload in the rest) in a region whose layout
+// can change from call to call: any stale bytes may sit there before the writer's store, so only
+// the exact tag counts, never "at least".
+__device__ __forceinline__ u64 warp_wait_tag(const u64* p_lane, u64 tag, u64 mask, bool active, int peer,
+                                             WaitSite site, u64 timeout_ns) {
+    return warp_wait_until<true>(p_lane, tag, mask, active, peer, site, timeout_ns);
 }
 
 // Progress words pack (seq << 32) | count so a stale word from an older call always compares

@@ -28,7 +28,7 @@
 //       (token, destination rank) by src's sender CTA that owns the token, however many of d's
 //       experts the token picked; then meta words [e][src][M] u64: slot p of (e, src) = the p-th
 //       (token, slot) pair of src routed to expert e (token order, then top-k slot order) holds
-//       (seq << 32) | that token's index. d's receiver copies row `meta` of src's token rows into
+//       ll_meta_tag(seq) | that token's index. d's receiver copies row `meta` of src's token rows into
 //       recv_x; the tag lets it read the meta words while it still waits for the rows' arrivals.
 //   COMBINE_FLAG [half][g] u64 in rank src: = seq, release-stored by g's rank (the CTA owning local
 //       expert g % L) after every row of g for src is written; acquire-polled by src's receiver.
@@ -155,6 +155,13 @@ __device__ __forceinline__ float abs_exact(float v) { return __uint_as_float(__f
 __device__ __forceinline__ u64 dispatch_meta_offset(int R, int M, int slot_bytes) {
     return ((u64)R * M * slot_bytes + 15) & ~(u64)15;
 }
+
+// Tags of the self-validating words in the halves. A half's layout follows each call's shapes, so
+// before the writer's store the word may hold stale bytes of another layout: readers accept only
+// the exact tag (warp_wait_tag), and bit 63 tells a meta word from a record.
+#define LL_TAG_MASK 0xffffffff00000000ull
+__device__ __forceinline__ u64 ll_meta_tag(u64 seq) { return ((seq & 0x7fffffffull) | 0x80000000ull) << 32; }
+__device__ __forceinline__ u64 ll_record_tag(u64 seq) { return (seq & 0x7fffffffull) << 32; }
 
 // A release fence at system scope: with the relaxed reductions after it, the PTX pattern of a
 // release reduction. COMMLIB_LL_FENCE=1 (default) uses fence.acq_rel.sys; 0 the sequentially
@@ -409,7 +416,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
                 const int le = e % L;
                 if (q == 0)
                     st_volatile(reinterpret_cast<u64*>(a.peer_bases[d] + data + meta_off) +
-                                    ((u64)(le * R + a.rank) * M + p), tail_word(seq, (u32)t));
+                                    ((u64)(le * R + a.rank) * M + p), ll_meta_tag(seq) | (u32)t);
                 s_pair_le[k] = le;
             }
             s_pair_rank[k] = d;
@@ -579,10 +586,15 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
                                    e, true};
             const u64* word = meta + ((u64)j * M + p);
             u64 w = active ? ld_acquire_sys(word) : 0;   // present by now in the common case: no call
-            if (__any_sync(FULL_MASK, active && w < tail_word(seq, 0)))
-                w = warp_wait_geq(word, tail_word(seq, 0), active, s, site, a.timeout_ns);
+            if (__any_sync(FULL_MASK, active && (w & LL_TAG_MASK) != ll_meta_tag(seq)))
+                w = warp_wait_tag(word, ll_meta_tag(seq), LL_TAG_MASK, active, s, site, a.timeout_ns);
             if (active) {
                 const int t = (int)(u32)w;
+                if (t >= M) {  // a tag that matched by chance (2^-32): refuse rather than read out of bounds
+                    printf("[commlib] rank %d low_latency_dispatch: corrupt meta word %llx (expert %d, source %d)\n",
+                           a.rank, (unsigned long long)w, e, s);
+                    asm volatile("trap;");
+                }
                 s_tok[i] = t;
                 s_row[i] = e * RM + (r - s_prefix[e * R]);
                 s_src[i] = (u32)((((u64)s * M + t) * (u64)a.slot_bytes) >> 4);
@@ -631,8 +643,9 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     // the arrival totals call seq + 2 starts from (segments spread over the grid; only launches on
     // this half read them, one at a time)
     u64* arrived_after = a.state + LL_CUM_BASE + ((seq + 2) & 3) * LL_MAX_EXPERTS;
-    for (int j = (int)(blockIdx.x + threadIdx.x * gridDim.x); j < E; j += (int)(gridDim.x * blockDim.x))
-        arrived_after[j] = want(j);
+    // every word, not only this call's E: a later call with more experts starts from them too
+    for (int j = (int)(blockIdx.x + threadIdx.x * gridDim.x); j < LL_MAX_EXPERTS; j += (int)(gridDim.x * blockDim.x))
+        arrived_after[j] = j < E ? want(j) : arrived_before[j];
     cta_release_done(a.peer_bases, a.off_done, a.rank, R);
     cta_phase_done(a.state, LL_DISPATCH_RECV);
 }
@@ -668,8 +681,8 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
 // A combine half of rank s (csrc offsets from the half's start; every rank computes the same):
 //   FLAG [d][M] u64: = seq once rank d's partial of s's token t is in s's slot (d, t)
 //   RECORD [src][M][2K] u64 in the expert rank: source src's top-k slots of token t, two words each,
-//       both tagged with the call: (seq << 32 | local expert * M + pos, 0xffffffff when the slot is not
-//       on this rank) and (seq << 32 | weight bits). Self-validating words need no fence or flag: the
+//       both tagged with the call: (ll_record_tag(seq) | local expert * M + pos, 0xffffffff when the slot
+//       is not on this rank) and (ll_record_tag(seq) | weight bits). Self-validating words need no fence or flag: the
 //       reader polls the words themselves.
 //   SLOT [d][M] (2H bytes) in rank s: rank d's partial of token t, summed in fp32 and sent as bf16
 //       (the issue's BF16 combine; DeepEP's internode combine forwards bf16 partial sums too)
@@ -727,8 +740,8 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
         for (int d = warp; d < R; d += num_warps) {
             u64* rec = flag_at(a.peer_bases[d], rec_off, (a.rank * M + t) * 2 * K);
             if (lane < K) {
-                st_volatile(rec + 2 * lane, (seq << 32) | (dk == d ? loc : LL_NO_SLOT));
-                st_volatile(rec + 2 * lane + 1, (seq << 32) | (dk == d ? wbits : 0u));
+                st_volatile(rec + 2 * lane, ll_record_tag(seq) | (dk == d ? loc : LL_NO_SLOT));
+                st_volatile(rec + 2 * lane + 1, ll_record_tag(seq) | (dk == d ? wbits : 0u));
             }
         }
     }
@@ -739,8 +752,10 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
             const u64* rec = flag_at(own, rec_off, (s * M + t) * 2 * K);
             const WaitSite site = {"low_latency_combine", "ll combine record (channel = token)", a.rank, t, false};
             const bool in = lane < K;
-            const u64 w_loc = warp_wait_geq(rec + 2 * (in ? lane : 0), seq << 32, in, s, site, a.timeout_ns);
-            const u64 w_wt = warp_wait_geq(rec + 2 * (in ? lane : 0) + 1, seq << 32, in, s, site, a.timeout_ns);
+            const u64 w_loc = warp_wait_tag(rec + 2 * (in ? lane : 0), ll_record_tag(seq), LL_TAG_MASK, in, s, site,
+                                            a.timeout_ns);
+            const u64 w_wt = warp_wait_tag(rec + 2 * (in ? lane : 0) + 1, ll_record_tag(seq), LL_TAG_MASK, in, s, site,
+                                           a.timeout_ns);
             const u32 loc = in ? (u32)w_loc : LL_NO_SLOT;
             const bool mine = loc != LL_NO_SLOT;
             const u32 mask = __ballot_sync(FULL_MASK, mine);
@@ -809,7 +824,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
             for (int k = 0; k < K; ++k) n += __shfl_sync(FULL_MASK, dk, k) == lane;  // lane d: t's slots on rank d
             const WaitSite site = {"low_latency_combine", "ll combine partial (channel = token)", a.rank, t, false};
             const bool active = lane < R && n > 0;
-            warp_wait_geq(flag_at(own, data, (active ? lane : 0) * M + t), seq, active, lane, site, a.timeout_ns);
+            warp_wait_tag(flag_at(own, data, (active ? lane : 0) * M + t), seq, ~0ull, active, lane, site, a.timeout_ns);
             if (lane < R) s_n[lane] = n;
         }
         __syncthreads();

@@ -28,7 +28,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from commlib import bench as B  # noqa: E402
-from commlib.timing import bench_cuda, reduce_times, summarize  # noqa: E402
+from commlib.timing import bench_cuda, capture_graph as _graph, reduce_times, summarize  # noqa: E402
 
 TARGETS_US = {"dispatch_graph": 25.0, "combine_graph": 32.0}
 DEEPEP_2XH200_US = {"dispatch": 29.0, "combine": 40.0, "send": 20.0, "recv": 8.0}
@@ -40,20 +40,6 @@ def _inputs(rank: int, a, dev):
     idx = torch.rand(a.tokens, a.experts, generator=g).topk(a.topk, dim=1).indices.to(dev)
     w = torch.rand(a.tokens, a.topk, generator=g).to(dev)
     return x, idx, w
-
-
-def _graph(fn, warm: bool = True):
-    if warm:  # one eager call on a side stream first (as torch recommends before a capture)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
 
 
 def _wrong(got, want) -> int:

@@ -30,6 +30,23 @@ def _on_cuda(device) -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+def capture_graph(fn: Callable[[], object], warm: bool = True, capture_error_mode: str = "global"):
+    """(graph, fn's outputs): fn captured into a CUDA graph on the current device. With ``warm``,
+    fn runs once eagerly on a side stream first, as torch recommends before a capture (lazy
+    allocations and set-up happen outside the graph)."""
+    if warm:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
+        out = fn()
+    return graph, out
+
+
 def summarize(samples_us: Sequence[float]) -> dict:
     """dict(median_us, mean_us, min_us, max_us, samples) of per-iteration times in microseconds."""
     samples = [float(s) for s in samples_us]

@@ -12,6 +12,7 @@ import torch
 
 from commlib.buffer import Buffer
 from commlib.low_latency import unpack_ue8m0
+from commlib.timing import capture_graph
 from nvlink_cases import check_same
 
 _BUFFERS: dict = {}
@@ -221,15 +222,7 @@ def case_cuda_graph(ctx):
             return rx, count, handle, cx
 
         fill(100)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step(nv)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            static = step(nv)
+        graph, static = capture_graph(lambda: step(nv), capture_error_mode="thread_local")
         for it in range(4):
             fill(101 + it)
             graph.replay()

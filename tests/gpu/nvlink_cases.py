@@ -17,6 +17,7 @@ from commlib import routing
 from commlib.buffer import Buffer
 from commlib.config import Config
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8
+from commlib.timing import capture_graph
 
 _BUFFERS: dict = {}  # per process: Buffers are built once per world (creation is collective)
 
@@ -320,15 +321,7 @@ def case_cuda_graph(ctx):
         w_s.copy_(w)
 
     fill(0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(nv)  # warm up on the capture stream's pool
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        static_out = step(nv)
+    graph, static_out = capture_graph(lambda: step(nv), capture_error_mode="thread_local")
     for it in range(4):
         fill(it + 1)
         graph.replay()

@@ -235,6 +235,23 @@ __device__ __noinline__ void bad_expert_id_trap(int rank, int t, int k, i64 e, i
     asm volatile("trap;");
 }
 
+// Both kernels' body: the CTA reads its sequence numbers of the send and receive phases (state[]
+// words send_word and send_word + 1) before it adds any share (cta_phase_done), then runs the
+// phases asked for.
+template <typename Args, void (*Send)(const Args&, u64), void (*Recv)(const Args&, u64)>
+__device__ __forceinline__ void ll_run_phases(const Args& a, int phases, int kernel, int send_word) {
+    __shared__ u64 s_seq[2];
+    if (threadIdx.x == 0) {
+        s_seq[0] = read_state(a.state, send_word);
+        s_seq[1] = read_state(a.state, send_word + 1);
+    }
+    __syncthreads();
+    LL_MARK(a.state, kernel, 0);
+    if (phases & LL_SEND) Send(a, s_seq[0]);
+    if (phases & LL_RECV) Recv(a, s_seq[1]);
+    LL_MARK(a.state, kernel, 7);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Dispatch
 // ------------------------------------------------------------------------------------------------
@@ -662,16 +679,7 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_
                               num_tokens, hidden, num_topk, num_experts, max_tokens, fp8_mode, pad_zero,
                               peer_bases, rank, num_ranks, off_count, off_done, off_arrival, off_data, half_bytes,
                               words_per_half, slot_bytes, slot_off_scales, state, timeout_ns};
-    __shared__ u64 s_seq[2];
-    if (threadIdx.x == 0) {  // read before this CTA adds its shares (cta_phase_done)
-        s_seq[0] = read_state(state, LL_DISPATCH_SEND);
-        s_seq[1] = read_state(state, LL_DISPATCH_RECV);
-    }
-    __syncthreads();
-    LL_MARK(state, 0, 0);
-    if (phases & LL_SEND) ll_dispatch_send(a, s_seq[0]);
-    if (phases & LL_RECV) ll_dispatch_recv(a, s_seq[1]);
-    LL_MARK(state, 0, 7);
+    ll_run_phases<LLDispatchArgs, ll_dispatch_send, ll_dispatch_recv>(a, phases, 0, LL_DISPATCH_SEND);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -862,14 +870,5 @@ extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_combine_k
     const LLCombineArgs a = {x, topk_idx, topk_weights, pos, layout_range, out,
                              num_tokens, hidden, num_topk, num_experts, max_tokens,
                              peer_bases, rank, num_ranks, off_done, off_data, half_bytes, state, timeout_ns};
-    __shared__ u64 s_seq[2];
-    if (threadIdx.x == 0) {
-        s_seq[0] = read_state(state, LL_COMBINE_SEND);
-        s_seq[1] = read_state(state, LL_COMBINE_RECV);
-    }
-    __syncthreads();
-    LL_MARK(state, 1, 0);
-    if (phases & LL_SEND) ll_combine_send(a, s_seq[0]);
-    if (phases & LL_RECV) ll_combine_recv(a, s_seq[1]);
-    LL_MARK(state, 1, 7);
+    ll_run_phases<LLCombineArgs, ll_combine_send, ll_combine_recv>(a, phases, 1, LL_COMBINE_SEND);
 }

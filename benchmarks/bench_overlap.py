@@ -73,6 +73,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "reference backend (the CPU path) N is recorded and passed but changes no timing")
     p.add_argument("--comm-priority", type=int, default=None,
                    help="replace the Buffer's comm stream by one of this CUDA priority (-1 = high); experiment")
+    p.add_argument("--sm-carveout", default=None, metavar="auto|off|N",
+                   help="SMs the dual schedules keep GEMMs off while they overlap (commlib.pipeline.sm_carveout; "
+                        "default: $COMMLIB_SM_CARVEOUT, else auto = the comm SMs); the sequential runs never set it")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--issue-order", choices=("auto", "comm_first", "compute_first"), default="auto",
                    help="which step of a (compute, comm) pair the host issues first (commlib.pipeline); "
@@ -231,7 +235,7 @@ def _sum_spans(spans, stream) -> float:
     return sum(s["end_ms"] - s["start_ms"] for s in spans if s["stream"] == stream)
 
 
-def _check(model, P, h0, h1, g0, g1, device, order="auto") -> dict:
+def _check(model, P, h0, h1, g0, g1, device, order="auto", carveout=None) -> dict:
     """Dual vs sequential forward+backward once: outputs and every gradient, relative L2 error.
 
     CPU: bit-identical (error 0). GPUs: index_add uses atomics, so float sums vary in order and
@@ -239,8 +243,8 @@ def _check(model, P, h0, h1, g0, g1, device, order="auto") -> dict:
     e.g. a missing wait, gives errors of order 1)."""
     def once(overlap):
         model.zero_grad(set_to_none=True)
-        o0, o1 = P.dual_forward(model, (h0,), (h1,), overlap=overlap, issue_order=order)
-        P.dual_backward(o0, g0, o1, g1, overlap=overlap, issue_order=order)
+        o0, o1 = P.dual_forward(model, (h0,), (h1,), overlap=overlap, issue_order=order, sm_carveout=carveout)
+        P.dual_backward(o0, g0, o1, g1, overlap=overlap, issue_order=order, sm_carveout=carveout)
         out = {"out0": o0.detach().clone(), "out1": o1.detach().clone()}
         out.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         model.zero_grad(set_to_none=True)
@@ -353,6 +357,13 @@ def _calibrate_comm_sms(ctx, model, inputs, clock, tokens) -> tuple:
     return best["comm_sms"], trials
 
 
+def _carveout_sms(P, model, on_gpu, carveout) -> int:
+    """The SM count the dual schedules kept GEMMs off (0 on CPU: the setting is CUDA-only)."""
+    if not on_gpu:
+        return 0
+    return P.resolve_sm_carveout(carveout, [types.SimpleNamespace(stages=model.stages())])
+
+
 def _buffer_default_sms(buffer):
     """num_sms of the Buffer's own choice (config=None): a tuned config's, where the tuning cache had
     one for these shapes (one value, or [dispatch, combine] ones), else Buffer.num_sms."""
@@ -395,6 +406,7 @@ def run(ctx, args) -> dict:
     g0, g1 = rnd(1, sh["tokens"], sh["hidden"]), rnd(1, sh["tokens"], sh["hidden"])
     clock = _Clock(device)
     order = args.issue_order
+    carveout = args.sm_carveout
 
     calibration = None
     comm_sms, comm_sms_source = args.comm_sms, "--comm-sms"
@@ -415,12 +427,14 @@ def run(ctx, args) -> dict:
 
     def fwd(overlap, timeline=None):
         with torch.no_grad():
-            P.dual_forward(model, (h0,), (h1,), timeline=timeline, overlap=overlap, issue_order=order)
+            P.dual_forward(model, (h0,), (h1,), timeline=timeline, overlap=overlap, issue_order=order,
+                           sm_carveout=carveout)
 
     def fwd_bwd(overlap, timeline=None):
         model.zero_grad(set_to_none=True)
-        o0, o1 = P.dual_forward(model, (h0,), (h1,), timeline=timeline, overlap=overlap, issue_order=order)
-        P.dual_backward(o0, g0, o1, g1, timeline=timeline, overlap=overlap, issue_order=order)
+        o0, o1 = P.dual_forward(model, (h0,), (h1,), timeline=timeline, overlap=overlap, issue_order=order,
+                                sm_carveout=carveout)
+        P.dual_backward(o0, g0, o1, g1, timeline=timeline, overlap=overlap, issue_order=order, sm_carveout=carveout)
 
     def timed_f_and_b(overlap, timeline):
         """DualPipe's steady state: micro-batch 1's forward ran earlier (untimed); time micro-batch
@@ -432,12 +446,12 @@ def run(ctx, args) -> dict:
             last = it == args.warmup + args.iters - 1
             t = clock.time_ms(lambda: P.overlapped_forward_backward(
                 model, [h0], None, None, model, None, [o1], [g1], timeline=timeline if last else None,
-                overlap=overlap, issue_order=order))
+                overlap=overlap, issue_order=order, sm_carveout=carveout))
             if it >= args.warmup:
                 times.append(t)
         return statistics.median(times)
 
-    check = _check(model, P, h0, h1, g0, g1, device, order)
+    check = _check(model, P, h0, h1, g0, g1, device, order, carveout)
 
     phases = {}
     for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
@@ -472,6 +486,9 @@ def run(ctx, args) -> dict:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "shapes": dict(sh, layers=args.layers, fp8=args.fp8, dtype="bf16"),
         "issue_order": order,
+        # SMs the dual schedules kept GEMMs off (torch's SM carveout; sequential runs: none)
+        "sm_carveout": {"requested": carveout if carveout is not None else "$COMMLIB_SM_CARVEOUT or auto",
+                        "sms": _carveout_sms(P, model, on_gpu, carveout)},
         "comm_stream_priority": args.comm_priority,
         # SMs of every dispatch / combine; source: --comm-sms, calibrated, Buffer.num_sms or a tuned config.
         # Timing effect on the GPU engines only (nvlink): the reference backend ignores it.
@@ -536,6 +553,7 @@ def _print_table(result: dict) -> None:
           f"({sh['experts'] // result['num_ranks']}/rank) top-{sh['topk']} expert_hidden={sh['expert_hidden']} "
           f"heads={sh['heads']}x{sh['head_dim']} layers={sh['layers']} fp8={sh['fp8']} "
           f"issue_order={result['issue_order']} comm_priority={result['comm_stream_priority']} "
+          f"sm_carveout={result['sm_carveout']['sms']} "
           f"comm_sms={result['comm_sms']} ({result['comm_sms_source']})")
     print(f"#{'phase':>18} {'sequential':>11} {'dual':>9} {'comm':>9} {'compute':>9} {'comm/comp':>9} "
           f"{'dual/max':>9} {'speedup':>8} {'bound':>6}  verdict")

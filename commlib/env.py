@@ -12,6 +12,8 @@ Variables:
   COMMLIB_AUTOTUNE         1: tune on first use when no cached config exists
   COMMLIB_KERNEL_CACHE     folder for compiled kernels (CuPy's cache by default)
   COMMLIB_GIT_COMMIT       commit to record in results where the tree has no .git (device runs)
+  COMMLIB_ISSUE_ORDER      auto | comm_first | compute_first: issue order of the dual pipeline's pairs
+  COMMLIB_SM_CARVEOUT      auto | off | N: SMs the dual pipeline keeps GEMMs off while it overlaps (default auto)
 """
 from __future__ import annotations
 
@@ -106,3 +108,11 @@ def kernel_cache() -> str | None:
 
 def git_commit() -> str | None:
     return _get("COMMLIB_GIT_COMMIT") or None
+
+
+def issue_order() -> str:
+    return _get("COMMLIB_ISSUE_ORDER", "") or "auto"
+
+
+def sm_carveout() -> str:
+    return (_get("COMMLIB_SM_CARVEOUT", "") or "auto").lower()

@@ -71,8 +71,8 @@ the result equals the sequential order bit for bit (two summands commute exactly
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
 import time
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -80,6 +80,7 @@ import torch
 import torch.nn as nn
 
 from . import autograd as ops
+from . import env
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8
 from .overlap import EventOverlap
 
@@ -138,6 +139,20 @@ class CommStage:
         issues such a step after its paired compute step, every other comm step before it."""
         return False
 
+    def comm_sms(self) -> int:
+        """SMs one call of this stage occupies (0: none or unknown); the overlapped schedules keep
+        GEMMs off that many SMs (``sm_carveout``)."""
+        return 0
+
+
+def _buffer_call_sms(buffer, config) -> int:
+    """SMs of a Buffer call made with ``config``: its num_sms, else the most the Buffer may choose
+    itself (Buffer.num_sms or a tuned config's)."""
+    if config is not None:
+        return int(config.num_sms)
+    tuned = [c.num_sms for c in getattr(buffer, "_tuned", {}).values() if c is not None]
+    return int(max([getattr(type(buffer), "num_sms", 0) or 0] + tuned))
+
 
 class DispatchStage(CommStage):
     """[x_wire, topk_idx, topk_weights] -> [recv_x, recv_topk_idx, recv_topk_weights, counts, handle].
@@ -153,6 +168,9 @@ class DispatchStage(CommStage):
 
     def comm_stream(self):
         return getattr(self.buffer, "comm_stream", None)
+
+    def comm_sms(self) -> int:
+        return _buffer_call_sms(self.buffer, self.config)
 
     def blocks_host(self, backward: bool) -> bool:
         # The forward is a non-cached dispatch: the host reads the receive count (count exchange),
@@ -210,6 +228,9 @@ class CombineStage(CommStage):
 
     def comm_stream(self):
         return getattr(self.buffer, "comm_stream", None)
+
+    def comm_sms(self) -> int:
+        return _buffer_call_sms(self.buffer, self.config)
 
     def prepare_forward(self, inputs):
         return dict(inputs, y=inputs["y"].contiguous())
@@ -573,7 +594,7 @@ ISSUE_ORDERS = ("auto", "comm_first", "compute_first")
 def _issue_order(order: Optional[str]) -> str:
     """The issue order of paired steps: the argument, else $COMMLIB_ISSUE_ORDER, else "auto"."""
     if order is None:
-        order = os.environ.get("COMMLIB_ISSUE_ORDER", "") or "auto"
+        order = env.issue_order()
     if order not in ISSUE_ORDERS:
         raise ValueError(f"pipeline: issue order must be one of {ISSUE_ORDERS}, got {order!r}")
     return order
@@ -688,33 +709,87 @@ def _as_list(x) -> list:
     return [x] if isinstance(x, torch.Tensor) else list(x)
 
 
-def _run(a: list[Step], b: list[Step], overlap: bool, lead: int, issue_order: Optional[str] = None) -> None:
+def resolve_sm_carveout(value, chains: Sequence = ()) -> int:
+    """SMs the overlapped schedules keep GEMMs off: ``value`` (None: $COMMLIB_SM_CARVEOUT, default
+    "auto"); "auto" = the most SMs any comm stage of ``chains`` occupies per call (its Config's
+    num_sms, else the Buffer's), "off" or 0 = none, an int = that many."""
+    if value is None:
+        value = env.sm_carveout()
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v == "auto":
+            return max((s.comm_sms() for c in chains for s in c.stages if isinstance(s, CommStage)), default=0)
+        if v in ("off", "none", "0"):
+            return 0
+        try:
+            value = int(v)
+        except ValueError:
+            raise ValueError(f"pipeline: sm_carveout must be 'auto', 'off' or an SM count, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"pipeline: sm_carveout must be 'auto', 'off' or an SM count >= 0, got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def sm_carveout(num_sms: int, device: Optional[torch.device] = None):
+    """While active, the GEMMs torch launches (cuBLAS / cuBLASLt, the CUTLASS grouped GEMM behind
+    ``torch._grouped_mm``) size their grids for all SMs but ``num_sms`` (torch's experimental SM
+    carveout, process-wide; the previous value is restored on exit). DeepSeek-V3's point: persistent
+    GEMM kernels hold every SM until they finish, so a communication kernel queued beside one waits
+    for SMs; with the carveout, the ``num_sms`` SMs the comm kernels need stay free of GEMM CTAs.
+    A no-op for num_sms <= 0, on CPU, or where torch lacks the setting."""
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    if num_sms <= 0 or device is None or device.type != "cuda" or setter is None or getter is None:
+        yield 0
+        return
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    n = min(int(num_sms), total - 1)
+    previous = getter()
+    setter(n)
+    try:
+        yield n
+    finally:
+        setter(previous)
+
+
+def _chains_device(chains: Sequence) -> Optional[torch.device]:
+    return next((c.device for c in chains if c is not None), None)
+
+
+def _run(a: list[Step], b: list[Step], overlap: bool, lead: int, issue_order: Optional[str] = None,
+         chains: Sequence = (), carveout=None) -> None:
     order = _issue_order(issue_order)
     if overlap:
-        _interleave(a, b, lead, order)
+        chains = [c for c in chains if c is not None]
+        with sm_carveout(resolve_sm_carveout(carveout, chains), _chains_device(chains)):
+            _interleave(a, b, lead, order)
     else:  # the baseline: one micro-batch after the other, every communication stream-ordered
         _interleave(a, [])
         _interleave(b, [])
 
 
 def dual_forward(module: StagedModule, inputs0: Sequence, inputs1: Sequence, timeline: Optional[Timeline] = None,
-                 overlap: bool = True, issue_order: Optional[str] = None):
+                 overlap: bool = True, issue_order: Optional[str] = None, sm_carveout=None):
     """Forward of two micro-batches through ``module``, one's communication overlapping the
     other's compute. Returns (outputs0, outputs1), each attached for autograd like module(*inputs).
     ``overlap=False`` runs micro-batch 0 then 1 with synchronous communication (the baseline).
-    ``issue_order``: see ``_interleave`` (default "auto", or $COMMLIB_ISSUE_ORDER)."""
+    ``issue_order``: see ``_interleave`` (default "auto", or $COMMLIB_ISSUE_ORDER).
+    ``sm_carveout``: SMs kept free of GEMMs while overlapping (``resolve_sm_carveout``: default
+    "auto" = the comm stages' SMs, or $COMMLIB_SM_CARVEOUT; "off" = none)."""
     issue_order = _issue_order(issue_order)
     c0, c1 = module.start(*inputs0, tag="0."), module.start(*inputs1, tag="1.")
     _run(c0.forward_steps(overlap, timeline), c1.forward_steps(overlap, timeline), overlap, lead=0,
-         issue_order=issue_order)
+         issue_order=issue_order, chains=(c0, c1), carveout=sm_carveout)
     return module.finish(c0), module.finish(c1)
 
 
 def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timeline] = None,
-                  overlap: bool = True, issue_order: Optional[str] = None) -> None:
+                  overlap: bool = True, issue_order: Optional[str] = None, sm_carveout=None) -> None:
     """Backward of two micro-batches (each: a loss with grads None, or outputs with their
     gradients, as for torch.autograd.backward), one's communication overlapping the other's
-    compute. ``overlap=False``: micro-batch 0 then 1, synchronous communication."""
+    compute. ``overlap=False``: micro-batch 0 then 1, synchronous communication.
+    ``issue_order`` / ``sm_carveout``: as for ``dual_forward``."""
     issue_order = _issue_order(issue_order)
     t0, t1 = _as_list(tensors0), _as_list(tensors1)
     chain0 = _capture_output_grads(t0, grads0 if grads0 is None else _as_list(grads0))
@@ -725,14 +800,14 @@ def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timelin
         chain1.tag = "1."
     s0 = chain0.backward_steps(overlap, timeline) if chain0 is not None else []
     s1 = chain1.backward_steps(overlap, timeline) if chain1 is not None else []
-    _run(s0, s1, overlap, lead=0, issue_order=issue_order)
+    _run(s0, s1, overlap, lead=0, issue_order=issue_order, chains=(chain0, chain1), carveout=sm_carveout)
 
 
 def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criterion0: Optional[Callable],
                                 labels0: Optional[Sequence], module1: StagedModule, loss1: Optional[torch.Tensor],
                                 outputs1: Optional[Sequence], output_grads1: Optional[Sequence],
                                 timeline: Optional[Timeline] = None, overlap: bool = True,
-                                issue_order: Optional[str] = None):
+                                issue_order: Optional[str] = None, sm_carveout=None):
     """Forward of micro-batch 0 through module0 interleaved with the backward of micro-batch 1
     through module1 (DualPipe's ``overlapped_forward_backward`` contract).
 
@@ -742,6 +817,7 @@ def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criter
     forward, then module1's input gradients are passed on (leaves get ``.grad``).
     Returns (outputs0 as a list, loss0 = criterion0(*outputs0, *labels0) or None).
     ``overlap=False``: the forward, then the backward, synchronous communication (the baseline).
+    ``issue_order`` / ``sm_carveout``: as for ``dual_forward``.
     """
     issue_order = _issue_order(issue_order)
     if loss1 is not None:
@@ -759,7 +835,8 @@ def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criter
     b_steps = chain1.backward_steps(overlap, timeline) if chain1 is not None else []
     # Backward leads: its first step (the last compute stage's backward, small) runs alone, so the
     # forward's first compute (attention) pairs with the backward's first comm (combine').
-    _run(chain0.forward_steps(overlap, timeline), b_steps, overlap, lead=1, issue_order=issue_order)
+    _run(chain0.forward_steps(overlap, timeline), b_steps, overlap, lead=1, issue_order=issue_order,
+         chains=(chain0, chain1), carveout=sm_carveout)
     outputs0 = module0.finish(chain0)
     outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else list(outputs0)
     loss0 = criterion0(*outputs0, *(labels0 or [])) if criterion0 is not None else None

@@ -8,7 +8,8 @@
 # load/store modes), smoke (2 ranks, one case), tests2 (2-rank world, every case), bench
 # (benchmarks/bench_intranode.py --json), shared (4 and 8 ranks on 2 GPUs), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
-# cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop).
+# cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop),
+# overlapab (bench_overlap.py with --sm-carveout off / auto for each argument set in OVERLAP_AB).
 # Everything is logged to OUTDIR/gpu_check.log; the bench JSON (+ PNG) lands in OUTDIR and
 # benchmarks/results/.
 #
@@ -136,6 +137,15 @@ stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_sms --tokens
 stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_fb --out-dir "$RES"
 stage overlap 150 $PY benchmarks/bench_overlap.py --preset balanced --out-dir "$RES"
 stage overlap 120 $PY benchmarks/bench_overlap.py --preset v3 --out-dir "$RES"
+# overlapab: the dual pipeline with and without the SM carveout, back to back, for each ';'-separated
+# argument set in OVERLAP_AB (each run tagged by its position and carveout).
+IFS=';' read -r -a AB_SETS <<<"${OVERLAP_AB:---preset balanced --tokens 16384 --layers 3 --comm-sms 4}"
+for i in "${!AB_SETS[@]}"; do
+  for cv in ${OVERLAP_AB_CARVEOUTS:-off auto}; do
+    stage overlapab ${OVERLAP_AB_TIMEOUT:-150} $PY benchmarks/bench_overlap.py ${AB_SETS[$i]} --sm-carveout "$cv" \
+      --tag "H200_ab${i}_cv${cv}" --out-dir "$RES"
+  done
+done
 stage tune 200 $PY benchmarks/bench_tune.py ${TUNE_ARGS:-} --json "$RES/tune_gpu.json"
 stage internode 150 $PY benchmarks/bench_internode.py --json "$RES/bench_internode_gpu.json"
 stage llbench 120 $PY benchmarks/bench_low_latency.py --json "$RES/bench_low_latency_gpu.json"

@@ -659,3 +659,60 @@ def test_finish_same_bits_as_cast_then_add():
         for a, b in zip(torch.autograd.grad(out, (c, s), g), torch.autograd.grad(ref, (c2, s2), g)):
             assert a.dtype == b.dtype and torch.equal(a, b), dtype
         assert torch.equal(MoELayer.finish(combined, None, dtype), combined.to(dtype))
+
+
+def test_sm_carveout_resolves_and_restores(monkeypatch):
+    """The overlapped schedules' SM carveout: 'auto' = the comm stages' SMs (their Config's, else
+    the Buffer's), 'off'/0 = none, ints pass, bad values raise; the context manager sets torch's
+    carveout for its body only (clamped below the SM count) and is a no-op on CPU or for 0."""
+    import types
+    from commlib import Config
+    from commlib import pipeline as P
+
+    class FakeBuffer:          # what _buffer_call_sms reads: the class's num_sms, the tuned configs
+        num_sms = 4
+        _tuned: dict = {}
+
+    buf = FakeBuffer()
+    cfg = Config(num_sms=6, num_max_nvl_chunked_send_tokens=8, num_max_nvl_chunked_recv_tokens=256)
+    chain = types.SimpleNamespace(stages=[P.ComputeStage("a", lambda c: c), P.DispatchStage(buf, 8, config=cfg),
+                                          P.CombineStage(buf)])
+    assert P.resolve_sm_carveout("auto", [chain]) == 6          # the dispatch Config's 6 > the Buffer's 4
+    chain.stages[1].config = None
+    assert P.resolve_sm_carveout("auto", [chain]) == 4
+    buf._tuned = {"k": cfg}
+    assert P.resolve_sm_carveout("auto", [chain]) == 6          # a tuned config may take more
+    assert P.resolve_sm_carveout("auto", []) == 0
+    assert P.resolve_sm_carveout("off", [chain]) == P.resolve_sm_carveout(0, [chain]) == 0
+    assert P.resolve_sm_carveout("12", [chain]) == P.resolve_sm_carveout(12) == 12
+    monkeypatch.setenv("COMMLIB_SM_CARVEOUT", "off")
+    assert P.resolve_sm_carveout(None, [chain]) == 0
+    monkeypatch.delenv("COMMLIB_SM_CARVEOUT")
+    assert P.resolve_sm_carveout(None, [chain]) == 6
+    for bad in ("most", -1, True, 2.5):
+        with pytest.raises(ValueError):
+            P.resolve_sm_carveout(bad, [chain])
+
+    state = {"value": 3, "calls": []}
+
+    def setter(v):
+        state["calls"].append(v)
+        state["value"] = v
+
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", setter, raising=False)
+    monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", lambda: state["value"], raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    cuda = torch.device("cuda", 0)
+    with P.sm_carveout(20, cuda) as n:
+        assert n == 20 and state["value"] == 20
+    assert state["value"] == 3                                   # the previous value is back
+    with pytest.raises(RuntimeError):
+        with P.sm_carveout(500, cuda) as n:
+            assert n == 131 and state["value"] == 131            # clamped below the SM count
+            raise RuntimeError("body failed")
+    assert state["value"] == 3                                   # restored on error too
+    state["calls"].clear()
+    for n, dev in ((0, cuda), (8, torch.device("cpu")), (8, None)):
+        with P.sm_carveout(n, dev) as got:
+            assert got == 0
+    assert state["calls"] == []

@@ -91,7 +91,7 @@ PRESETS = {
     "tiny":     (32, 64, 8, 2, 2, 2, 32, 1, 4, 16),
 }
 CALIBRATED = {"balanced_fb"}           # presets whose expert_hidden is calibrated to compute ~ comm
-CALIBRATION_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+CALIBRATION_SIZES = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)   # ~1.5x steps past 256
 CALIBRATED_SMS = {"balanced_sms"}      # presets whose comm SMs are calibrated to comm ~ compute
 # Fewest first (even: two CTAs per channel). Not 2 (one channel): the nvlink engine's GPU tests never
 # run a single channel.

@@ -150,6 +150,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--tag", default=None, help="name of the output files (default: device + preset)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="GPUs: after timing, run F(0)+B(1) once sequential and once dual under torch.profiler and "
+                        "record the kernel time per category (comm, GEMM, attention, other) in both, to attribute "
+                        "the interference (JSON: kernel_profile)")
     p.add_argument("--json", action="store_true", help="also print the JSON to stdout")
     args = p.parse_args(argv)
     if args.comm_sms is not None and (args.comm_sms <= 0 or args.comm_sms % 2):
@@ -465,6 +469,17 @@ def run(ctx, args) -> dict:
     seq_ms = timed_f_and_b(False, tl_seq)
     dual_ms = timed_f_and_b(True, tl_dual)
     phases["fwd0_bwd1"] = (seq_ms, dual_ms, tl_seq.spans(), tl_dual.spans())
+    kernel_profile = None
+    if args.kernel_profile and on_gpu:
+        def f_and_b(overlap):
+            model.zero_grad(set_to_none=True)
+            o1 = model(h1)
+            torch.cuda.synchronize()
+            dist.barrier()
+            return lambda: P.overlapped_forward_backward(model, [h0], None, None, model, None, [o1], [g1],
+                                                         overlap=overlap, issue_order=order, sm_carveout=carveout)
+        kernel_profile = {sched: _kernel_profile(f_and_b(sched == "dual"))
+                          for sched in ("sequential", "dual")}
 
     figures = {}
     for name, (seq_ms, dual_ms, spans_seq, spans_dual) in phases.items():
@@ -503,9 +518,14 @@ def run(ctx, args) -> dict:
                     "comm_about_equal_compute": f"{BALANCED_RANGE[0]:.2f} <= comm / compute <= "
                                                 f"{BALANCED_RANGE[1]:.2f}"},
         "check": check,
+        "kernel_profile": kernel_profile,
         "figures": figures,
     }
     _print_table(result)
+    if kernel_profile:
+        for sched, kp in kernel_profile.items():
+            print(f"[overlap] kernels F(0)+B(1) {sched}: " + ", ".join(
+                f"{c} {v['ms']:.2f} ms ({v['kernels']})" for c, v in sorted(kp["categories"].items())))
     os.makedirs(args.out_dir, exist_ok=True)
     tag = args.tag or (f"{device_name.replace(' ', '_')}_{sh['preset']}{'_fp8' if args.fp8 else ''}"
                        f"{f'_sms{args.comm_sms}' if args.comm_sms is not None else ''}")
@@ -521,6 +541,39 @@ def run(ctx, args) -> dict:
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "figures"}, indent=1))
     return result
+
+
+KERNEL_CATEGORIES = (  # (category, substrings of the kernel name), first match wins
+    ("comm", ("dispatch_kernel", "combine_kernel", "notify_kernel", "layout_kernel")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+)
+
+
+def _kernel_category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def _kernel_profile(fn) -> dict:
+    """Run fn once under torch.profiler (CUDA activity): kernel time per category (sum of kernel
+    durations, ms), kernel count, and the five kernels with the most time. This rank's figures."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    cats: dict = {}
+    names: dict = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = (e.time_range.end - e.time_range.start) / 1e3
+        c = cats.setdefault(_kernel_category(e.name), {"ms": 0.0, "kernels": 0})
+        c["ms"] += ms
+        c["kernels"] += 1
+        names[e.name] = names.get(e.name, 0.0) + ms
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:5]
+    return {"categories": cats, "top": [{"name": n[:120], "ms": ms} for n, ms in top]}
 
 
 def _figures(seq_ms: float, dual_ms: float, comm_ms: float, compute_ms: float) -> dict:

@@ -732,11 +732,13 @@ def resolve_sm_carveout(value, chains: Sequence = ()) -> int:
 
 @contextlib.contextmanager
 def sm_carveout(num_sms: int, device: Optional[torch.device] = None):
-    """While active, the GEMMs torch launches (cuBLAS / cuBLASLt, the CUTLASS grouped GEMM behind
+    """While active, the GEMMs torch launches (cuBLASLt, the CUTLASS grouped GEMM behind
     ``torch._grouped_mm``) size their grids for all SMs but ``num_sms`` (torch's experimental SM
     carveout, process-wide; the previous value is restored on exit). DeepSeek-V3's point: persistent
     GEMM kernels hold every SM until they finish, so a communication kernel queued beside one waits
-    for SMs; with the carveout, the ``num_sms`` SMs the comm kernels need stay free of GEMM CTAs.
+    for SMs, and a GEMM sized for every SM runs a second wave on the SMs the comm kernels hold; with
+    the carveout, the ``num_sms`` SMs stay free of GEMM CTAs. torch applies the carveout on its
+    cuBLASLt path only, so the preferred BLAS library is cuBLASLt for the same span (and restored).
     A no-op for num_sms <= 0, on CPU, or where torch lacks the setting."""
     setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
     getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
@@ -745,11 +747,13 @@ def sm_carveout(num_sms: int, device: Optional[torch.device] = None):
         return
     total = torch.cuda.get_device_properties(device).multi_processor_count
     n = min(int(num_sms), total - 1)
-    previous = getter()
+    previous, blas = getter(), torch.backends.cuda.preferred_blas_library()
     setter(n)
+    torch.backends.cuda.preferred_blas_library("cublaslt")
     try:
         yield n
     finally:
+        torch.backends.cuda.preferred_blas_library(blas)
         setter(previous)
 
 

@@ -725,3 +725,27 @@ def test_sm_carveout_resolves_and_restores(monkeypatch):
         with P.sm_carveout(n, dev) as got:
             assert got == 0
     assert state["calls"] == []
+
+
+def test_bench_overlap_gap_split():
+    """bench_overlap's schedule bound replays the dual order at sequential durations: lockstep pairs
+    cost their max, a stream waits for its micro-batch's previous step; the split reports busy
+    ratios and idle shares from the spans."""
+    bench = _load_bench()
+
+    def span(label, stream, t0, t1):
+        return {"label": label, "stream": stream, "start_ms": t0, "end_ms": t1}
+
+    # sequential durations: A 1, D 3, X 2 (mb 0) and A 1, D 3, X 2 (mb 1)
+    seq = [span("0.A", "compute", 0, 1), span("0.D", "comm", 1, 4), span("0.X", "compute", 4, 6),
+           span("1.A", "compute", 6, 7), span("1.D", "comm", 7, 10), span("1.X", "compute", 10, 12)]
+    # dual order (slower spans: the bound ignores their durations, only their order counts)
+    dual = [span("0.A", "compute", 0, 1.5), span("0.D", "comm", 1.5, 5), span("1.A", "compute", 1.6, 3),
+            span("1.D", "comm", 5, 9), span("0.X", "compute", 5.1, 7.5), span("1.X", "compute", 9, 11.5)]
+    # replay: 0.A 0-1 | 0.D 1-4 and 1.A 1-2 | 1.D 4-7 and 0.X 4-6 | 1.X 7-9
+    assert bench.schedule_bound_ms(seq, dual) == 9.0
+    split = bench.gap_split(seq, dual, busiest_ms=6.0)
+    assert split["schedule_bound_over_max"] == 1.5
+    assert abs(split["dual_busy_over_sequential"]["comm"] - 7.5 / 6) < 1e-12
+    assert abs(split["dual_busy_over_sequential"]["compute"] - 7.8 / 6) < 1e-12
+    assert abs(split["dual_idle_share"]["comm"] - (1 - 7.5 / 11.5)) < 1e-12

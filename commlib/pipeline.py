@@ -737,10 +737,11 @@ def sm_carveout(num_sms: int, device: Optional[torch.device] = None):
     carveout, process-wide; the previous value is restored on exit). DeepSeek-V3's point: persistent
     GEMM kernels hold every SM until they finish, so a communication kernel queued beside one waits
     for SMs, and a GEMM sized for every SM runs a second wave on the SMs the comm kernels hold; with
-    the carveout, the ``num_sms`` SMs stay free of GEMM CTAs. (Measured on one H200 with torch 2.11:
-    the default cuBLAS path honours it, a 16384 x 7168 x 1536 matmul taking 446 us on all SMs and
-    482 us with 4 carved out; preferring cuBLASLt instead made that matmul 509 us, so the BLAS
-    library is left alone.) A no-op for num_sms <= 0, on CPU, or where torch lacks the setting."""
+    the carveout, the ``num_sms`` SMs stay free of GEMM CTAs. The default cuBLAS path honours it
+    (torch 2.11, one H200), so the BLAS library is left alone: preferring cuBLASLt made a 16384 x
+    7168 x 1536 matmul 482-509 us instead of 444-446. Alone, a GEMM may lose to wave quantization
+    (benchmarks/bench_gemm_carveout.py: -4..+7% at 4 SMs, up to +48% at 12). A no-op for
+    num_sms <= 0, on CPU, or where torch lacks the setting."""
     setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
     getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
     if num_sms <= 0 or device is None or device.type != "cuda" or setter is None or getter is None:

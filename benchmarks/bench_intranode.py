@@ -163,7 +163,7 @@ def worker(ctx, a: dict):
     variants = []
     for item in (v for v in args.variants.split(";") if v.strip()):
         name, _, kvs = item.partition(":")
-        variants.append((name.strip(), {k.strip(): int(v) for k, v in (kv.split("=") for kv in kvs.split(",") if kv)}))
+        variants.append((name.strip(), K.parse_variant(kvs)))
     max_t = max(tokens + ([args.sweep_tokens] if (sms_list or chunk_list or args.plain or variants) else []))
 
     def cfg_for(num_sms: int, chunk: int = args.send_chunk) -> Config:

@@ -55,11 +55,11 @@ def _worker(ctx, a):
     M, H, E = a.tokens, a.hidden, a.experts
     L = E // R
     nbytes = Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
-    variant = dict(kv.split("=") for kv in a.variant.split(",")) if a.variant else {}
+    from commlib import kernels as K
+    variant = K.parse_variant(a.variant)
     if a.trace:  # every rank builds the kernels with the %globaltimer points (before the Buffer compiles)
         variant["LL_TRACE"] = 1
     if variant:
-        from commlib import kernels as K
         K.set_variant(variant)
     buf = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="nvlink", explicitly_destroy=True)
     if a.sms:

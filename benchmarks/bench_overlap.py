@@ -127,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sm-carveout", default=None, metavar="auto|off|N",
                    help="SMs the dual schedules keep GEMMs off while they overlap (commlib.pipeline.sm_carveout; "
                         "default: $COMMLIB_SM_CARVEOUT, else auto = the comm SMs); the sequential runs never set it")
+    p.add_argument("--kernel-variant", default="", metavar="KEY=V,...",
+                   help="NVLink kernel build variant (commlib.kernels.DEFAULT_VARIANT keys, e.g. "
+                        "DISPATCH_THREADS=512,COMBINE_THREADS=512) for every rank; experiment")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--issue-order", choices=("auto", "comm_first", "compute_first"), default="auto",
                    help="which step of a (compute, comm) pair the host issues first (commlib.pipeline); "
@@ -388,6 +391,9 @@ def run(ctx, args) -> dict:
     dtype = torch.bfloat16
     R = ctx.world_size
     calibrate, calibrate_sms = _calibration_plan(args, sh["preset"])
+    if args.kernel_variant:
+        from commlib import kernels as K
+        K.set_variant(K.parse_variant(args.kernel_variant))
     comm_configs = _comm_configs(R, args.comm_sms, sh["tokens"])
     # The Buffer holds every config this run may use: the default, --comm-sms's or the candidates'.
     configs = [Buffer.get_dispatch_config(R)] + [c for c in comm_configs if c is not None]
@@ -506,6 +512,7 @@ def run(ctx, args) -> dict:
         "sm_carveout": {"requested": carveout if carveout is not None else "$COMMLIB_SM_CARVEOUT or auto",
                         "sms": _carveout_sms(P, model, on_gpu, carveout)},
         "comm_stream_priority": args.comm_priority,
+        "kernel_variant": args.kernel_variant or "default",
         # SMs of every dispatch / combine; source: --comm-sms, calibrated, Buffer.num_sms or a tuned config.
         # Timing effect on the GPU engines only (nvlink): the reference backend ignores it.
         "comm_sms": comm_sms,

@@ -118,6 +118,22 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     return dict(_variant)
 
 
+def parse_variant(text: str) -> dict:
+    """"KEY=V,KEY=V" (DEFAULT_VARIANT keys, int values) -> dict, for benchmark flags; "" -> {}."""
+    out = {}
+    for item in (kv.strip() for kv in (text or "").split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"kernel variant item {item!r} is not KEY=VALUE")
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            raise ValueError(f"kernel variant {key.strip()}={value!r}: the value must be an int") from None
+    return out
+
+
 def variant() -> dict:
     return dict(_variant)
 

@@ -123,3 +123,22 @@ def test_kernel_signatures_and_argument_layout():
     packed = struct.pack("@" + codes, 1, 2, 3, 4, 5, 6)
     assert [struct.unpack_from("@" + c, packed, o)[0] for c, o in zip(codes, offsets)] == [1, 2, 3, 4, 5, 6]
     assert K.ptr(None) == 0 and K.i32(7) == 7
+
+
+def test_kernel_variant_parse_and_set():
+    """Benchmarks' --variant / --kernel-variant text -> set_variant; unknown keys and bad items raise."""
+    from commlib import kernels as K
+    assert K.parse_variant("") == {} and K.parse_variant(" , ") == {}
+    assert K.parse_variant("DISPATCH_THREADS=512, COMBINE_THREADS=512") == {"DISPATCH_THREADS": 512,
+                                                                           "COMBINE_THREADS": 512}
+    for bad in ("DISPATCH_THREADS", "DISPATCH_THREADS=big"):
+        with pytest.raises(ValueError):
+            K.parse_variant(bad)
+    try:
+        assert K.set_variant(K.parse_variant("DISPATCH_UNROLL=2"))["DISPATCH_UNROLL"] == 2
+        assert K.threads("dispatch") == K.DEFAULT_VARIANT["DISPATCH_THREADS"]
+        with pytest.raises(ValueError):
+            K.set_variant({"NO_SUCH_KNOB": 1})
+    finally:
+        K.set_variant(None)
+    assert K.variant() == K.DEFAULT_VARIANT

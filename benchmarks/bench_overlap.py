@@ -127,6 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sm-carveout", default=None, metavar="auto|off|N",
                    help="SMs the dual schedules keep GEMMs off while they overlap (commlib.pipeline.sm_carveout; "
                         "default: $COMMLIB_SM_CARVEOUT, else auto = the comm SMs); the sequential runs never set it")
+    p.add_argument("--defer-wgrad", dest="defer_wgrad", action="store_true", default=None,
+                   help="dual backward schedules defer the expert GEMMs' weight gradients (B / W split, "
+                        "commlib.wgrad; default: $COMMLIB_DEFER_WGRAD, off)")
+    p.add_argument("--no-defer-wgrad", dest="defer_wgrad", action="store_false")
     p.add_argument("--kernel-variant", default="", metavar="KEY=V,...",
                    help="NVLink kernel build variant (commlib.kernels.DEFAULT_VARIANT keys, e.g. "
                         "DISPATCH_THREADS=512,COMBINE_THREADS=512) for every rank; experiment")
@@ -242,7 +246,7 @@ def _sum_spans(spans, stream) -> float:
     return sum(s["end_ms"] - s["start_ms"] for s in spans if s["stream"] == stream)
 
 
-def _check(model, P, h0, h1, g0, g1, device, order="auto", carveout=None) -> dict:
+def _check(model, P, h0, h1, g0, g1, device, order="auto", carveout=None, defer=None) -> dict:
     """Dual vs sequential forward+backward once: outputs and every gradient, relative L2 error.
 
     CPU: bit-identical (error 0). GPUs: index_add uses atomics, so float sums vary in order and
@@ -251,7 +255,8 @@ def _check(model, P, h0, h1, g0, g1, device, order="auto", carveout=None) -> dic
     def once(overlap):
         model.zero_grad(set_to_none=True)
         o0, o1 = P.dual_forward(model, (h0,), (h1,), overlap=overlap, issue_order=order, sm_carveout=carveout)
-        P.dual_backward(o0, g0, o1, g1, overlap=overlap, issue_order=order, sm_carveout=carveout)
+        P.dual_backward(o0, g0, o1, g1, overlap=overlap, issue_order=order, sm_carveout=carveout,
+                        defer_weight_grads=defer)
         out = {"out0": o0.detach().clone(), "out1": o1.detach().clone()}
         out.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         model.zero_grad(set_to_none=True)
@@ -417,6 +422,7 @@ def run(ctx, args) -> dict:
     clock = _Clock(device)
     order = args.issue_order
     carveout = args.sm_carveout
+    defer = args.defer_wgrad
 
     calibration = None
     comm_sms, comm_sms_source = args.comm_sms, "--comm-sms"
@@ -444,7 +450,8 @@ def run(ctx, args) -> dict:
         model.zero_grad(set_to_none=True)
         o0, o1 = P.dual_forward(model, (h0,), (h1,), timeline=timeline, overlap=overlap, issue_order=order,
                                 sm_carveout=carveout)
-        P.dual_backward(o0, g0, o1, g1, timeline=timeline, overlap=overlap, issue_order=order, sm_carveout=carveout)
+        P.dual_backward(o0, g0, o1, g1, timeline=timeline, overlap=overlap, issue_order=order, sm_carveout=carveout,
+                        defer_weight_grads=defer)
 
     def timed_f_and_b(overlap, timeline):
         """DualPipe's steady state: micro-batch 1's forward ran earlier (untimed); time micro-batch
@@ -456,12 +463,12 @@ def run(ctx, args) -> dict:
             last = it == args.warmup + args.iters - 1
             t = clock.time_ms(lambda: P.overlapped_forward_backward(
                 model, [h0], None, None, model, None, [o1], [g1], timeline=timeline if last else None,
-                overlap=overlap, issue_order=order, sm_carveout=carveout))
+                overlap=overlap, issue_order=order, sm_carveout=carveout, defer_weight_grads=defer))
             if it >= args.warmup:
                 times.append(t)
         return statistics.median(times)
 
-    check = _check(model, P, h0, h1, g0, g1, device, order, carveout)
+    check = _check(model, P, h0, h1, g0, g1, device, order, carveout, defer)
 
     phases = {}
     for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
@@ -483,7 +490,8 @@ def run(ctx, args) -> dict:
             torch.cuda.synchronize()
             dist.barrier()
             return lambda: P.overlapped_forward_backward(model, [h0], None, None, model, None, [o1], [g1],
-                                                         overlap=overlap, issue_order=order, sm_carveout=carveout)
+                                                         overlap=overlap, issue_order=order, sm_carveout=carveout,
+                                                         defer_weight_grads=defer)
         kernel_profile = {sched: _kernel_profile(f_and_b(sched == "dual"))
                           for sched in ("sequential", "dual")}
 
@@ -513,6 +521,7 @@ def run(ctx, args) -> dict:
                         "sms": _carveout_sms(P, model, on_gpu, carveout)},
         "comm_stream_priority": args.comm_priority,
         "kernel_variant": args.kernel_variant or "default",
+        "defer_weight_grads": P._defer_weight_grads(defer),
         # SMs of every dispatch / combine; source: --comm-sms, calibrated, Buffer.num_sms or a tuned config.
         # Timing effect on the GPU engines only (nvlink): the reference backend ignores it.
         "comm_sms": comm_sms,
@@ -650,7 +659,7 @@ def _print_table(result: dict) -> None:
           f"({sh['experts'] // result['num_ranks']}/rank) top-{sh['topk']} expert_hidden={sh['expert_hidden']} "
           f"heads={sh['heads']}x{sh['head_dim']} layers={sh['layers']} fp8={sh['fp8']} "
           f"issue_order={result['issue_order']} comm_priority={result['comm_stream_priority']} "
-          f"sm_carveout={result['sm_carveout']['sms']} "
+          f"sm_carveout={result['sm_carveout']['sms']} defer_wgrad={result['defer_weight_grads']} "
           f"comm_sms={result['comm_sms']} ({result['comm_sms_source']})")
     print(f"#{'phase':>18} {'sequential':>11} {'dual':>9} {'comm':>9} {'compute':>9} {'comm/comp':>9} "
           f"{'dual/max':>9} {'speedup':>8} {'bound':>6}  verdict")

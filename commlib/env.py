@@ -14,6 +14,7 @@ Variables:
   COMMLIB_GIT_COMMIT       commit to record in results where the tree has no .git (device runs)
   COMMLIB_ISSUE_ORDER      auto | comm_first | compute_first: issue order of the dual pipeline's pairs
   COMMLIB_SM_CARVEOUT      auto | off | N: SMs the dual pipeline keeps GEMMs off while it overlaps (default auto)
+  COMMLIB_DEFER_WGRAD      1: the dual pipeline's backward defers the expert weight gradients (B / W split)
 """
 from __future__ import annotations
 
@@ -116,3 +117,7 @@ def issue_order() -> str:
 
 def sm_carveout() -> str:
     return (_get("COMMLIB_SM_CARVEOUT", "") or "auto").lower()
+
+
+def defer_wgrad() -> bool:
+    return _flag("COMMLIB_DEFER_WGRAD")

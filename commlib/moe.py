@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import autograd as ops
+from . import wgrad
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8
 from .layout import local_expert_ids, token_in_rank
 from .pipeline import StagedModule
@@ -84,15 +85,66 @@ def _group_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
     return offs.to(device, non_blocking=True)
 
 
-def _grouped_matmul(x_MA: torch.Tensor, w_LAB: torch.Tensor, counts: list[int], impl: str,
-                    offs: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _grouped_product(x_MA: torch.Tensor, w_LAB: torch.Tensor, counts: list[int], impl: str,
+                     offs: Optional[torch.Tensor]) -> torch.Tensor:
     """Rows of x grouped by expert (counts[e] rows for expert e, in order) times w[e] -> [M, B]."""
     if _use_grouped_mm(x_MA, impl):
-        if offs is None:
-            offs = _group_offsets(counts, x_MA.device)
         return torch._grouped_mm(x_MA, w_LAB, offs=offs)
     outs = [x_e @ w_LAB[e] for e, x_e in enumerate(torch.split(x_MA, counts))]
     return torch.cat(outs) if outs else x_MA.new_zeros(0, w_LAB.shape[2])
+
+
+def _grouped_weight_grad(x_MA: torch.Tensor, g_MB: torch.Tensor, counts: list[int], impl: str,
+                         offs: Optional[torch.Tensor]) -> torch.Tensor:
+    """d/dw of _grouped_product: [L, A, B], expert e = x_e^T g_e (zeros for an expert without rows)."""
+    if _use_grouped_mm(x_MA, impl):
+        return torch._grouped_mm(x_MA.t(), g_MB, offs=offs)
+    A, B = x_MA.shape[1], g_MB.shape[1]
+    if not counts:
+        return x_MA.new_zeros(0, A, B)
+    return torch.stack([x_e.t() @ g_e if x_e.shape[0] else x_MA.new_zeros(A, B)
+                        for x_e, g_e in zip(torch.split(x_MA, counts), torch.split(g_MB, counts))])
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """_grouped_product with a hand-written backward whose weight gradient can be deferred
+    (commlib.wgrad: DualPipe's W, computed later by the schedule) when ``w`` is a leaf parameter;
+    otherwise it is returned to autograd as usual. Same GEMMs as autograd's own backward of the
+    product (the input gradient: g times w[e]^T per group; the weight gradient: x_e^T g_e)."""
+
+    @staticmethod
+    def forward(ctx, x_MA, w_LAB, counts, impl, offs):
+        ctx.save_for_backward(x_MA, w_LAB)
+        ctx.counts, ctx.impl, ctx.offs = counts, impl, offs
+        ctx.param = w_LAB if w_LAB.is_leaf else None   # a Parameter: its .grad is where W accumulates
+        return _grouped_product(x_MA, w_LAB, counts, impl, offs)
+
+    @staticmethod
+    def backward(ctx, g_MB):
+        x_MA, w_LAB = ctx.saved_tensors
+        counts, impl, offs = ctx.counts, ctx.impl, ctx.offs
+        g_MB = g_MB.contiguous()
+        g_x = g_w = None
+        if ctx.needs_input_grad[0]:
+            g_x = _grouped_product(g_MB, w_LAB.transpose(1, 2), counts, impl, offs)
+        if ctx.needs_input_grad[1]:
+            def weight_grad(x_MA=x_MA, g_MB=g_MB):
+                return _grouped_weight_grad(x_MA, g_MB, counts, impl, offs)
+            if ctx.param is None or not wgrad.defer(ctx.param, weight_grad):
+                g_w = weight_grad()
+        ctx.param = None
+        return g_x, g_w, None, None, None
+
+
+def _grouped_matmul(x_MA: torch.Tensor, w_LAB: torch.Tensor, counts: list[int], impl: str,
+                    offs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rows of x grouped by expert (counts[e] rows for expert e, in order) times w[e] -> [M, B];
+    differentiable, with a deferrable weight gradient (see _GroupedMatmul)."""
+    if offs is None and _use_grouped_mm(x_MA, impl):
+        offs = _group_offsets(counts, x_MA.device)
+    if torch.is_grad_enabled() and (x_MA.requires_grad or w_LAB.requires_grad):
+        return _GroupedMatmul.apply(x_MA, w_LAB, list(counts), impl, offs)
+    return _grouped_product(x_MA, w_LAB, counts, impl, offs)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -204,8 +256,12 @@ class Experts(nn.Module):
                 rows_have_local_expert: bool = False):
         """Experts [lo, hi) of this module on local ids 0 .. hi - lo (see routed_experts)."""
         hi = self.num_local if hi is None else hi
-        return routed_experts(x_NH, topk_idx_NK, topk_weights_NK, self.w_gate_up[lo:hi], self.w_down[lo:hi],
-                              counts, impl, rows_have_local_expert=rows_have_local_expert)
+        if (lo, hi) == (0, self.num_local):   # the parameters themselves: their weight gradients can be deferred
+            w_gate_up, w_down = self.w_gate_up, self.w_down
+        else:
+            w_gate_up, w_down = self.w_gate_up[lo:hi], self.w_down[lo:hi]
+        return routed_experts(x_NH, topk_idx_NK, topk_weights_NK, w_gate_up, w_down, counts, impl,
+                              rows_have_local_expert=rows_have_local_expert)
 
 
 class SwiGLU(nn.Module):

@@ -80,7 +80,7 @@ import torch
 import torch.nn as nn
 
 from . import autograd as ops
-from . import env
+from . import env, wgrad
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8
 from .overlap import EventOverlap
 
@@ -361,6 +361,11 @@ class Chain:
         self.output_grads: Optional[tuple] = None
         self.output_keys: tuple = ()
         self.done_backward = False
+        # Deferred weight gradients (commlib.wgrad), set by the overlapped schedules: those of one
+        # backward compute step run right after the chain's next backward compute step, the last
+        # ones at the end of its backward.
+        self.defer_wgrad = False
+        self.wgrad_pending: list = []
 
     def _settle(self, backward: bool) -> None:
         """Wait for the last comm step and finalize its outputs (on the compute stream)."""
@@ -451,17 +456,26 @@ class Chain:
             if g is not None and isinstance(t, torch.Tensor) and t.requires_grad:
                 tensors.append(t)
                 grads.append(g.to(t.dtype) if g.dtype != t.dtype else g)
+        deferred: Optional[list] = [] if self.defer_wgrad else None
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            with wgrad.deferring(deferred):
+                torch.autograd.backward(tensors, grads)
         self.grads = {k: v.grad for k, v in leaves.items() if _is_float_tensor(v) and v.grad is not None}
         self.records[i] = None
         prv = self.stages[i - 1] if i > 0 else None
         if prv is not None and prv.kind == "comm":
             self.prepared = (i - 1, prv.prepare_backward(self.records[i - 1],
                                                          {k: self.grads.get(k) for k in prv.produces}))
+        if self.defer_wgrad:
+            # The previous backward compute step's weight gradients, behind this step's work: the
+            # next comm step's input is ready first (``ready`` is captured before them).
+            self.ready = _capture(self.device)
+            wgrad.run(self.wgrad_pending)
+            self.wgrad_pending = deferred
         if timeline:
             timeline.end(tok)
-        self.ready = _capture(self.device)
+        if not self.defer_wgrad:
+            self.ready = _capture(self.device)
 
     def _backward_comm(self, i: int, overlap: bool, timeline: Optional[Timeline]) -> None:
         stage = self.stages[i]
@@ -496,8 +510,10 @@ class Chain:
         return steps
 
     def _backward_end(self) -> None:
-        """Pass the first stage's input gradients on to the module's real inputs."""
+        """Run the weight gradients still deferred; pass the first stage's input gradients on to
+        the module's real inputs."""
         self._settle(backward=True)
+        wgrad.run(self.wgrad_pending)
         self.done_backward = True
         tensors, grads = [], []
         for k, t in self.module.input_keys_and_tensors(self.inputs):
@@ -757,6 +773,11 @@ def sm_carveout(num_sms: int, device: Optional[torch.device] = None):
         setter(previous)
 
 
+def _defer_weight_grads(value: Optional[bool]) -> bool:
+    """The argument, else $COMMLIB_DEFER_WGRAD (default off)."""
+    return env.defer_wgrad() if value is None else bool(value)
+
+
 def _chains_device(chains: Sequence) -> Optional[torch.device]:
     return next((c.device for c in chains if c is not None), None)
 
@@ -789,11 +810,15 @@ def dual_forward(module: StagedModule, inputs0: Sequence, inputs1: Sequence, tim
 
 
 def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timeline] = None,
-                  overlap: bool = True, issue_order: Optional[str] = None, sm_carveout=None) -> None:
+                  overlap: bool = True, issue_order: Optional[str] = None, sm_carveout=None,
+                  defer_weight_grads: Optional[bool] = None) -> None:
     """Backward of two micro-batches (each: a loss with grads None, or outputs with their
     gradients, as for torch.autograd.backward), one's communication overlapping the other's
     compute. ``overlap=False``: micro-batch 0 then 1, synchronous communication.
-    ``issue_order`` / ``sm_carveout``: as for ``dual_forward``."""
+    ``issue_order`` / ``sm_carveout``: as for ``dual_forward``.
+    ``defer_weight_grads`` (overlapped only; default $COMMLIB_DEFER_WGRAD, off): the expert GEMMs'
+    weight gradients of a backward compute step run after the chain's next backward compute step
+    (DualPipe's B / W split, commlib.wgrad), so the step that feeds the next comm step is shorter."""
     issue_order = _issue_order(issue_order)
     t0, t1 = _as_list(tensors0), _as_list(tensors1)
     chain0 = _capture_output_grads(t0, grads0 if grads0 is None else _as_list(grads0))
@@ -802,6 +827,9 @@ def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timelin
         chain0.tag = "0."
     if chain1 is not None and not chain1.tag:
         chain1.tag = "1."
+    for chain in (chain0, chain1):
+        if chain is not None:
+            chain.defer_wgrad = overlap and _defer_weight_grads(defer_weight_grads)
     s0 = chain0.backward_steps(overlap, timeline) if chain0 is not None else []
     s1 = chain1.backward_steps(overlap, timeline) if chain1 is not None else []
     _run(s0, s1, overlap, lead=0, issue_order=issue_order, chains=(chain0, chain1), carveout=sm_carveout)
@@ -811,7 +839,8 @@ def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criter
                                 labels0: Optional[Sequence], module1: StagedModule, loss1: Optional[torch.Tensor],
                                 outputs1: Optional[Sequence], output_grads1: Optional[Sequence],
                                 timeline: Optional[Timeline] = None, overlap: bool = True,
-                                issue_order: Optional[str] = None, sm_carveout=None):
+                                issue_order: Optional[str] = None, sm_carveout=None,
+                                defer_weight_grads: Optional[bool] = None):
     """Forward of micro-batch 0 through module0 interleaved with the backward of micro-batch 1
     through module1 (DualPipe's ``overlapped_forward_backward`` contract).
 
@@ -821,7 +850,8 @@ def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criter
     forward, then module1's input gradients are passed on (leaves get ``.grad``).
     Returns (outputs0 as a list, loss0 = criterion0(*outputs0, *labels0) or None).
     ``overlap=False``: the forward, then the backward, synchronous communication (the baseline).
-    ``issue_order`` / ``sm_carveout``: as for ``dual_forward``.
+    ``issue_order`` / ``sm_carveout``: as for ``dual_forward``; ``defer_weight_grads``: as for
+    ``dual_backward``.
     """
     issue_order = _issue_order(issue_order)
     if loss1 is not None:
@@ -836,6 +866,8 @@ def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criter
     chain0 = module0.start(*inputs0, tag="0.")
     if chain1 is not None and not chain1.tag:
         chain1.tag = "1."
+    if chain1 is not None:
+        chain1.defer_wgrad = overlap and _defer_weight_grads(defer_weight_grads)
     b_steps = chain1.backward_steps(overlap, timeline) if chain1 is not None else []
     # Backward leads: its first step (the last compute stage's backward, small) runs alone, so the
     # forward's first compute (attention) pairs with the backward's first comm (combine').

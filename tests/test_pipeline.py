@@ -18,7 +18,8 @@ import torch
 from worlds import run_world
 
 WORLD = 2
-CASES = ["staged_equals_plain_and_single_process", "dual_forward_backward", "overlapped_forward_backward",
+CASES = ["staged_equals_plain_and_single_process", "dual_forward_backward", "deferred_weight_grads",
+         "overlapped_forward_backward",
          "schedule_pairs_comm_with_compute", "issue_orders_same_results", "fp8_dispatch_stage", "inference_no_grad",
          "moe_layer_without_attention", "bench_overlap_smoke", "bench_overlap_balanced_fb_smoke",
          "bench_overlap_comm_sms"]
@@ -141,6 +142,49 @@ def case_dual_forward_backward(ctx):
     g1 = torch.autograd.grad(_loss(o1), o1)[0]
     P.dual_backward(o0, g0, o1, g1)
     _assert_same_grads(g_seq, _grads(model), "dual (outputs, grads) vs sequential")
+
+
+def case_deferred_weight_grads(ctx):
+    """defer_weight_grads (DualPipe's B / W split): the expert GEMMs' weight gradients are queued by
+    one backward compute step and run after the chain's next one (or at its end); dual_backward and
+    overlapped_forward_backward give the sequential gradients bit for bit, and the deferral did
+    happen (2 expert GEMMs x layers x micro-batches weight gradients went through the queue)."""
+    from commlib import pipeline as P
+    from commlib import wgrad
+    model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
+    ran = []
+    real_run = wgrad.run
+
+    def counting_run(queue):
+        ran.append(len(queue))
+        return real_run(queue)
+
+    wgrad.run = counting_run
+    try:
+        o0, o1 = P.dual_forward(model, (mb0,), (mb1,))
+        P.dual_backward(_loss(o0), None, _loss(o1), None, defer_weight_grads=True)
+        _assert_same_grads(g_seq, _grads(model), "dual, deferred weight gradients, vs sequential")
+        assert sum(ran) == 2 * LAYERS * 2, ran
+        # sequential (overlap=False) never defers, whatever the flag says
+        ran.clear()
+        model.zero_grad(set_to_none=True)
+        o0, o1 = P.dual_forward(model, (mb0,), (mb1,), overlap=False)
+        P.dual_backward(_loss(o0), None, _loss(o1), None, overlap=False, defer_weight_grads=True)
+        _assert_same_grads(g_seq, _grads(model), "sequential with the flag")
+        assert sum(ran) == 0, ran
+        # DualPipe's hook: micro-batch 1's backward defers, micro-batch 0's forward is unaffected
+        ran.clear()
+        model.zero_grad(set_to_none=True)
+        out1 = model(mb1)
+        outs0, _ = P.overlapped_forward_backward(model, [mb0], None, None, model, _loss(out1), None, None,
+                                                 defer_weight_grads=True)
+        assert torch.equal(outs0[0], s0)
+        _loss(outs0[0]).backward()
+        _assert_same_grads(g_seq, _grads(model), "overlapped F/B, deferred, then B(0)")
+        assert sum(ran) == 2 * LAYERS, ran
+    finally:
+        wgrad.run = real_run
+    model.zero_grad(set_to_none=True)
 
 
 def case_overlapped_forward_backward(ctx):
@@ -740,3 +784,50 @@ def test_bench_overlap_gap_split():
     assert abs(split["dual_busy_over_sequential"]["comm"] - 7.5 / 6) < 1e-12
     assert abs(split["dual_busy_over_sequential"]["compute"] - 7.8 / 6) < 1e-12
     assert abs(split["dual_idle_share"]["comm"] - (1 - 7.5 / 11.5)) < 1e-12
+
+
+def deferred_equals_immediate(device=None, dtype=torch.float32, impl="auto"):
+    """routed_experts' expert weight gradients through commlib.wgrad: inside ``deferring(queue)``
+    both expert parameters get no gradient from autograd and two entries are queued; ``run`` then
+    gives the same gradients as the immediate backward, bit for bit (same GEMMs), and accumulates
+    onto existing ones as AccumulateGrad does. Views (a slice of the parameter) are never deferred.
+    Shared with tests/gpu/test_moe_gpu.py."""
+    from commlib import wgrad
+    from commlib.moe import routed_experts
+    device = device or torch.device("cpu")
+    w_gate_up, w_down = (p.to(device) for p in _expert_params(dtype))
+    idx, weights = _routing("some_empty")
+    idx, weights = idx.to(device), weights.to(device)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(idx.shape[0], _H, generator=g).to(device, dtype)
+    g_out = torch.randn(idx.shape[0], _H, generator=g).to(device, dtype)
+
+    def backward(params, queue):
+        with wgrad.deferring(queue):
+            y = routed_experts(x, idx, weights, params[0], params[1], _counts(idx.cpu()), impl)
+            torch.autograd.backward(y, g_out)
+
+    now = [torch.nn.Parameter(w_gate_up.clone()), torch.nn.Parameter(w_down.clone())]
+    backward(now, None)
+    later = [torch.nn.Parameter(w_gate_up.clone()), torch.nn.Parameter(w_down.clone())]
+    queue = []
+    backward(later, queue)
+    assert len(queue) == 2 and all(p.grad is None for p in later)
+    assert wgrad.run(queue) == 2 and queue == []
+    for a, b in zip(now, later):
+        assert torch.equal(a.grad, b.grad)
+    backward(later, queue)                      # a second backward: queued again, then added in place
+    first = [p.grad for p in later]
+    wgrad.run(queue)
+    for a, b, f in zip(now, later, first):
+        assert b.grad is f and torch.equal(b.grad, a.grad + a.grad)
+    base = torch.nn.Parameter(w_gate_up.clone())
+    with wgrad.deferring(queue):
+        y = routed_experts(x, idx, weights, base[0:_L], w_down, _counts(idx.cpu()), impl)
+        torch.autograd.backward(y, g_out)
+    assert queue == [] and torch.equal(base.grad, now[0].grad)   # a view: its gradient came back now
+
+
+def test_deferred_weight_grads_equal_immediate():
+    deferred_equals_immediate()
+    deferred_equals_immediate(dtype=torch.bfloat16)

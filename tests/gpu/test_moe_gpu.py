@@ -100,3 +100,12 @@ def test_sm_carveout_gemms_on_gpu():
         err = ((x.float() - r.float()).norm() / r.float().norm()).item()
         assert err < 1e-2, err
     print(f"[carveout] matmul + grouped GEMM: {t_out * 1e3:.0f} us on all SMs, {t_in * 1e3:.0f} us with 8 SMs carved out")
+
+
+@needs_gpu
+def test_deferred_weight_grads_grouped_mm():
+    """commlib.wgrad through torch._grouped_mm: deferred expert weight gradients equal the immediate
+    ones bit for bit (x^T g per group as a K-grouped _grouped_mm), accumulate like autograd, and a
+    view's gradient is never deferred (tests/test_pipeline.py's check, on the GPU path)."""
+    from test_pipeline import deferred_equals_immediate
+    deferred_equals_immediate(torch.device("cuda", 0), torch.bfloat16, "grouped_mm")

@@ -6,35 +6,37 @@ to autograd; ``run(queue)`` later computes each and accumulates it into ``parame
 autograd's AccumulateGrad does (set when None, else add in place).
 
 Only leaf parameters are deferred (a view's gradient must flow back through autograd), and only
-while a queue is active on this thread; otherwise ``defer`` returns False and the op returns the
-gradient itself. commlib.pipeline uses this in its overlapped schedules (``defer_weight_grads``).
+while a queue is active; otherwise ``defer`` returns False and the op returns the gradient itself.
+The active queue is process-wide, not per thread: autograd runs the backward of CUDA ops on its own
+per-device threads, while the caller's thread waits in ``torch.autograd.backward`` (a thread-local
+queue was invisible there: nothing was deferred on the GPU). So one thread at a time may defer.
+commlib.pipeline uses this in its overlapped schedules (``defer_weight_grads``).
 """
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Callable, Optional
 
 import torch
 
-_local = threading.local()
+_queue: Optional[list] = None   # the active queue (process-wide, see above)
 
 
 @contextlib.contextmanager
 def deferring(queue: Optional[list]):
     """Within the block, deferrable weight gradients go to ``queue`` (None: nothing is deferred)."""
-    previous = getattr(_local, "queue", None)
-    _local.queue = queue
+    global _queue
+    previous, _queue = _queue, queue
     try:
         yield queue
     finally:
-        _local.queue = previous
+        _queue = previous
 
 
 def defer(param: torch.Tensor, compute: Callable[[], torch.Tensor]) -> bool:
     """Queue ``compute`` (-> the gradient of ``param``) if a queue is active and ``param`` is a leaf
     that requires grad; True if queued (the caller then returns None for it to autograd)."""
-    queue = getattr(_local, "queue", None)
+    queue = _queue
     if queue is None or not param.is_leaf or not param.requires_grad:
         return False
     queue.append((param, compute))

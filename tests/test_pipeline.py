@@ -831,3 +831,23 @@ def deferred_equals_immediate(device=None, dtype=torch.float32, impl="auto"):
 def test_deferred_weight_grads_equal_immediate():
     deferred_equals_immediate()
     deferred_equals_immediate(dtype=torch.bfloat16)
+
+
+def test_deferred_weight_grads_from_another_thread():
+    """Autograd runs CUDA ops' backward on its own device threads while the caller waits: a queue
+    activated on the caller's thread must still collect them (it did not when it was thread-local)."""
+    import threading
+    from commlib import wgrad
+    from commlib.moe import routed_experts
+    w_gate_up, w_down = (torch.nn.Parameter(p) for p in _expert_params(torch.float32))
+    idx, weights = _routing("one_slot")
+    x = torch.randn(idx.shape[0], _H)
+    queue = []
+    with wgrad.deferring(queue):
+        y = routed_experts(x, idx, weights, w_gate_up, w_down, _counts(idx), "loop")
+        worker = threading.Thread(target=torch.autograd.backward, args=(y, torch.ones_like(y)))
+        worker.start()
+        worker.join()
+    assert len(queue) == 2 and w_gate_up.grad is None and w_down.grad is None
+    wgrad.run(queue)
+    assert w_gate_up.grad is not None and w_down.grad is not None

@@ -129,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "default: $COMMLIB_SM_CARVEOUT, else auto = the comm SMs); the sequential runs never set it")
     p.add_argument("--defer-wgrad", dest="defer_wgrad", action="store_true", default=None,
                    help="dual backward schedules defer the expert GEMMs' weight gradients (B / W split, "
-                        "commlib.wgrad; default: $COMMLIB_DEFER_WGRAD, off)")
+                        "commlib.wgrad; default: $COMMLIB_DEFER_WGRAD, on); --no-defer-wgrad: in place")
     p.add_argument("--no-defer-wgrad", dest="defer_wgrad", action="store_false")
     p.add_argument("--kernel-variant", default="", metavar="KEY=V,...",
                    help="NVLink kernel build variant (commlib.kernels.DEFAULT_VARIANT keys, e.g. "

@@ -14,7 +14,7 @@ Variables:
   COMMLIB_GIT_COMMIT       commit to record in results where the tree has no .git (device runs)
   COMMLIB_ISSUE_ORDER      auto | comm_first | compute_first: issue order of the dual pipeline's pairs
   COMMLIB_SM_CARVEOUT      auto | off | N: SMs the dual pipeline keeps GEMMs off while it overlaps (default auto)
-  COMMLIB_DEFER_WGRAD      1: the dual pipeline's backward defers the expert weight gradients (B / W split)
+  COMMLIB_DEFER_WGRAD      0: the dual pipeline's backward computes the expert weight gradients in place (default 1: B / W split)
 """
 from __future__ import annotations
 
@@ -120,4 +120,4 @@ def sm_carveout() -> str:
 
 
 def defer_wgrad() -> bool:
-    return _flag("COMMLIB_DEFER_WGRAD")
+    return (_get("COMMLIB_DEFER_WGRAD", "1") or "1").lower() not in ("0", "false", "no", "off")

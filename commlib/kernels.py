@@ -53,6 +53,8 @@ NOTIFY_THREADS = 512
 DEFAULT_VARIANT = {
     "DISPATCH_THREADS": 1024,     # 31 copy warps + 1 publisher warp (64 registers/thread, some spills)
     "COMBINE_THREADS": 1024,
+    "DISPATCH_MIN_BLOCKS": 1,     # __launch_bounds__ min CTAs per SM: 2 with 512 threads caps registers at 64,
+    "COMBINE_MIN_BLOCKS": 1,      # so a comm CTA needs only half an SM (it can start beside compute CTAs)
     "DISPATCH_UNROLL": 4,         # 16-byte vectors in flight per lane
     "COMBINE_COPY_UNROLL": 4,
     "COMBINE_SUM_UNROLL": 2,      # per rank; two ranks' loads in flight together

@@ -130,7 +130,7 @@ class _GroupedMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             def weight_grad(x_MA=x_MA, g_MB=g_MB):
                 return _grouped_weight_grad(x_MA, g_MB, counts, impl, offs)
-            if ctx.param is None or not wgrad.defer(ctx.param, weight_grad):
+            if ctx.param is None or not wgrad.defer(ctx.param, weight_grad, wgrad.CHAIN):
                 g_w = weight_grad()
         ctx.param = None
         return g_x, g_w, None, None, None
@@ -145,6 +145,39 @@ def _grouped_matmul(x_MA: torch.Tensor, w_LAB: torch.Tensor, counts: list[int], 
     if torch.is_grad_enabled() and (x_MA.requires_grad or w_LAB.requires_grad):
         return _GroupedMatmul.apply(x_MA, w_LAB, list(counts), impl, offs)
     return _grouped_product(x_MA, w_LAB, counts, impl, offs)
+
+
+class _Linear(torch.autograd.Function):
+    """y = x w^T (nn.Linear without bias) with a hand-written backward whose weight gradient can be
+    deferred (commlib.wgrad, placement NEXT) when ``w`` is a leaf parameter. The same GEMMs as
+    autograd's backward of F.linear: dx = g w, dw = g^T x over all rows (the same bits on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        ctx.param = w if w.is_leaf else None
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g_x = g_w = None
+        if ctx.needs_input_grad[0]:
+            g_x = g.matmul(w)
+        if ctx.needs_input_grad[1]:
+            def weight_grad(x=x, g=g):
+                return g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+            if ctx.param is None or not wgrad.defer(ctx.param, weight_grad, wgrad.NEXT):
+                g_w = weight_grad()
+        ctx.param = None
+        return g_x, g_w
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) without bias, its weight gradient deferrable in the overlapped schedules."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _Linear.apply(x, w)
+    return F.linear(x, w)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -500,9 +533,10 @@ class Attention(nn.Module):
 
     def forward(self, x_BSH):
         B, S, _ = x_BSH.shape
-        q, k, v = self.qkv(x_BSH).view(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        # linear(): the projections' weight gradients can be deferred by the dual pipeline (wgrad)
+        q, k, v = linear(x_BSH, self.qkv.weight).view(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(o.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+        return linear(o.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim), self.out.weight)
 
 
 class MoEBlock(nn.Module):

@@ -366,11 +366,14 @@ class Chain:
         self.output_grads: Optional[tuple] = None
         self.output_keys: tuple = ()
         self.done_backward = False
-        # Deferred weight gradients (commlib.wgrad), set by the overlapped schedules: those of one
-        # backward compute step run right after the chain's next backward compute step, the last
-        # ones at the end of its backward.
+        # Deferred weight gradients (commlib.wgrad), set by the overlapped schedules. CHAIN entries
+        # of one backward compute step run right after the chain's next backward compute step (the
+        # last ones at the end of its backward); NEXT entries go to ``wgrad_next``, a list shared by
+        # the schedule's two chains, run after the next compute step of either (the rest at the end
+        # of the schedule).
         self.defer_wgrad = False
         self.wgrad_pending: list = []
+        self.wgrad_next: Optional[list] = None
 
     def _settle(self, backward: bool) -> None:
         """Wait for the last comm step and finalize its outputs (on the compute stream)."""
@@ -420,9 +423,26 @@ class Chain:
                 raise KeyError(f"pipeline stage {nxt.name!r} needs carry keys {missing}; "
                                f"stage {stage.name!r} left {sorted(out)}")
             self.prepared = (i + 1, nxt.prepare_forward({k: out[k] for k in nxt.consumes}))
+        self.ready = _capture(self.device)
+        self._run_deferred(None)
         if timeline:
             timeline.end(tok)
-        self.ready = _capture(self.device)
+
+    def _run_deferred(self, produced: Optional[list]) -> None:
+        """After a compute step, behind the event the next comm step waits for (``ready``): the
+        weight gradients deferred to this point, then queue what this step deferred (``produced``;
+        None for a forward step)."""
+        if self.wgrad_next:
+            wgrad.run(self.wgrad_next)
+        if produced is None:
+            return
+        chain_items, next_items = wgrad.split(produced)
+        wgrad.run(self.wgrad_pending)
+        if self.wgrad_next is None:
+            chain_items += next_items
+        else:
+            self.wgrad_next.extend(next_items)
+        self.wgrad_pending = chain_items
 
     def _forward_comm(self, i: int, overlap: bool, timeline: Optional[Timeline]) -> None:
         stage = self.stages[i]
@@ -471,16 +491,11 @@ class Chain:
         if prv is not None and prv.kind == "comm":
             self.prepared = (i - 1, prv.prepare_backward(self.records[i - 1],
                                                          {k: self.grads.get(k) for k in prv.produces}))
+        self.ready = _capture(self.device)
         if self.defer_wgrad:
-            # The previous backward compute step's weight gradients, behind this step's work: the
-            # next comm step's input is ready first (``ready`` is captured before them).
-            self.ready = _capture(self.device)
-            wgrad.run(self.wgrad_pending)
-            self.wgrad_pending = deferred
+            self._run_deferred(deferred)
         if timeline:
             timeline.end(tok)
-        if not self.defer_wgrad:
-            self.ready = _capture(self.device)
 
     def _backward_comm(self, i: int, overlap: bool, timeline: Optional[Timeline]) -> None:
         stage = self.stages[i]
@@ -787,13 +802,29 @@ def _chains_device(chains: Sequence) -> Optional[torch.device]:
     return next((c.device for c in chains if c is not None), None)
 
 
+def _share_deferred(chains: Sequence) -> Optional[list]:
+    """One NEXT list for the chains of an overlapped schedule where any chain defers (else None)."""
+    chains = [c for c in chains if c is not None]
+    if not any(c.defer_wgrad for c in chains):
+        return None
+    shared: list = []
+    for c in chains:
+        c.wgrad_next = shared
+    return shared
+
+
 def _run(a: list[Step], b: list[Step], overlap: bool, lead: int, issue_order: Optional[str] = None,
          chains: Sequence = (), carveout=None) -> None:
     order = _issue_order(issue_order)
     if overlap:
         chains = [c for c in chains if c is not None]
+        shared = _share_deferred(chains)
         with sm_carveout(resolve_sm_carveout(carveout, chains), _chains_device(chains)):
             _interleave(a, b, lead, order)
+            if shared:
+                wgrad.run(shared)
+        for c in chains:
+            c.wgrad_next = None
     else:  # the baseline: one micro-batch after the other, every communication stream-ordered
         _interleave(a, [])
         _interleave(b, [])

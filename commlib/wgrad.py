@@ -33,14 +33,26 @@ def deferring(queue: Optional[list]):
         _queue = previous
 
 
-def defer(param: torch.Tensor, compute: Callable[[], torch.Tensor]) -> bool:
+CHAIN, NEXT = "chain", "next"   # where a schedule runs a deferred gradient (commlib.pipeline)
+
+
+def defer(param: torch.Tensor, compute: Callable[[], torch.Tensor], where: str = CHAIN) -> bool:
     """Queue ``compute`` (-> the gradient of ``param``) if a queue is active and ``param`` is a leaf
-    that requires grad; True if queued (the caller then returns None for it to autograd)."""
+    that requires grad; True if queued (the caller then returns None for it to autograd).
+    ``where`` is a hint for the schedule: CHAIN = after the chain's next backward compute step (the
+    expert GEMMs: the step after the expert backward is the light attention side), NEXT = after the
+    next compute step of either micro-batch (the attention projections: the next step is the other
+    micro-batch's forward attention, the light side of its pair)."""
     queue = _queue
     if queue is None or not param.is_leaf or not param.requires_grad:
         return False
-    queue.append((param, compute))
+    queue.append((param, compute, where))
     return True
+
+
+def split(queue: list) -> tuple:
+    """(CHAIN entries, NEXT entries) of a queue, each in order."""
+    return [e for e in queue if e[2] != NEXT], [e for e in queue if e[2] == NEXT]
 
 
 def run(queue: list) -> int:
@@ -48,7 +60,7 @@ def run(queue: list) -> int:
     many ran. Accumulation as AccumulateGrad: ``grad = g`` when None, else ``grad += g``."""
     n = len(queue)
     with torch.no_grad():
-        for param, compute in queue:
+        for param, compute, _ in queue:
             g = compute()
             if param.grad is None:
                 param.grad = g.detach()

@@ -146,9 +146,11 @@ def case_dual_forward_backward(ctx):
 
 def case_deferred_weight_grads(ctx):
     """defer_weight_grads (DualPipe's B / W split): the expert GEMMs' weight gradients are queued by
-    one backward compute step and run after the chain's next one (or at its end); dual_backward and
-    overlapped_forward_backward give the sequential gradients bit for bit, and the deferral did
-    happen (2 expert GEMMs x layers x micro-batches weight gradients went through the queue)."""
+    one backward compute step and run after the chain's next one (or at its end), the attention
+    projections' after the next compute step of either micro-batch (or at the schedule's end);
+    dual_backward and overlapped_forward_backward give the sequential gradients bit for bit, and
+    the deferral did happen: 2 expert GEMMs + 2 projections per layer and micro-batch went through
+    the queue."""
     from commlib import pipeline as P
     from commlib import wgrad
     model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
@@ -164,7 +166,7 @@ def case_deferred_weight_grads(ctx):
         o0, o1 = P.dual_forward(model, (mb0,), (mb1,))
         P.dual_backward(_loss(o0), None, _loss(o1), None, defer_weight_grads=True)
         _assert_same_grads(g_seq, _grads(model), "dual, deferred weight gradients, vs sequential")
-        assert sum(ran) == 2 * LAYERS * 2, ran
+        assert sum(ran) == 4 * LAYERS * 2, ran
         # sequential (overlap=False) never defers, whatever the flag says
         ran.clear()
         model.zero_grad(set_to_none=True)
@@ -181,7 +183,7 @@ def case_deferred_weight_grads(ctx):
         assert torch.equal(outs0[0], s0)
         _loss(outs0[0]).backward()
         _assert_same_grads(g_seq, _grads(model), "overlapped F/B, deferred, then B(0)")
-        assert sum(ran) == 2 * LAYERS, ran
+        assert sum(ran) == 4 * LAYERS, ran
     finally:
         wgrad.run = real_run
     model.zero_grad(set_to_none=True)
@@ -851,3 +853,31 @@ def test_deferred_weight_grads_from_another_thread():
     assert len(queue) == 2 and w_gate_up.grad is None and w_down.grad is None
     wgrad.run(queue)
     assert w_gate_up.grad is not None and w_down.grad is not None
+
+
+def test_linear_same_bits_and_deferred_next():
+    """moe.linear (the attention projections): F.linear's output and gradients bit for bit on CPU,
+    and inside wgrad.deferring its weight gradient is queued with placement NEXT (split() sorts the
+    queue's entries by placement) and equals the immediate one once run."""
+    from commlib import wgrad
+    from commlib.moe import linear
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((2, 5, 16), (7, 16)):
+            x = torch.randn(*shape, dtype=dtype)
+            g = torch.randn(*shape[:-1], 8, dtype=dtype)
+            w0 = torch.randn(8, 16, dtype=dtype)
+            xa, wa = x.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+            ya = linear(xa, wa)
+            ya.backward(g)
+            xb, wb = x.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+            yb = torch.nn.functional.linear(xb, wb)
+            yb.backward(g)
+            assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad)
+            wc, queue = torch.nn.Parameter(w0.clone()), []
+            with wgrad.deferring(queue):
+                linear(x.clone().requires_grad_(), wc).backward(g)
+            chain_items, next_items = wgrad.split(queue)
+            assert chain_items == [] and len(next_items) == 1 and wc.grad is None
+            wgrad.run(next_items)
+            assert torch.equal(wc.grad, wb.grad)

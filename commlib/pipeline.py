@@ -54,9 +54,10 @@ the other micro-batch are issued between those pieces.
       comm stream:           | 0.dispatch | 1.dispatch | 0.combine  | 1.combine
 
 While an overlapped schedule runs, torch's GEMMs keep off the comm SMs (``sm_carveout``; default
-"auto" = the comm stages' SMs), and the backward defers the expert GEMMs' weight gradients to after
-the chain's next backward compute step (``defer_weight_grads``, commlib.wgrad: DualPipe's B / W
-split), so the step that feeds the next all-to-all is shorter. The sequential baseline does neither.
+"auto" = the comm stages' SMs), and the backward defers weight gradients (``defer_weight_grads``,
+commlib.wgrad: DualPipe's B / W split): the expert GEMMs' to after the chain's next backward compute
+step, the attention projections' to after the next compute step of either micro-batch, so the step
+that feeds the next all-to-all is shorter. The sequential baseline does neither.
 
 On CPU events are None and every call is synchronous: the same steps run in the same order with
 the same results (every rank runs the same schedule, so collectives match across ranks).
@@ -852,9 +853,10 @@ def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timelin
     gradients, as for torch.autograd.backward), one's communication overlapping the other's
     compute. ``overlap=False``: micro-batch 0 then 1, synchronous communication.
     ``issue_order`` / ``sm_carveout``: as for ``dual_forward``.
-    ``defer_weight_grads`` (overlapped only; default $COMMLIB_DEFER_WGRAD, on): the expert GEMMs'
-    weight gradients of a backward compute step run after the chain's next backward compute step
-    (DualPipe's B / W split, commlib.wgrad), so the step that feeds the next comm step is shorter.
+    ``defer_weight_grads`` (overlapped only; default $COMMLIB_DEFER_WGRAD, on): the weight gradients
+    of a backward compute step run later (DualPipe's B / W split, commlib.wgrad): the expert GEMMs'
+    after the chain's next backward compute step, the attention projections' after the next compute
+    step of either micro-batch, so the step that feeds the next comm step is shorter.
     Measured on 2 x H200 (docs/pipeline.md): up to ~10% off the dual time where expert GEMMs are
     long, neutral elsewhere; gradients are unchanged (two summands per parameter commute)."""
     issue_order = _issue_order(issue_order)

@@ -98,7 +98,11 @@ def _grouped_weight_grad(x_MA: torch.Tensor, g_MB: torch.Tensor, counts: list[in
                          offs: Optional[torch.Tensor]) -> torch.Tensor:
     """d/dw of _grouped_product: [L, A, B], expert e = x_e^T g_e (zeros for an expert without rows)."""
     if _use_grouped_mm(x_MA, impl):
-        return torch._grouped_mm(x_MA.t(), g_MB, offs=offs)
+        g_LAB = torch._grouped_mm(x_MA.t(), g_MB, offs=offs)
+        empty = [e for e, c in enumerate(counts) if c == 0]
+        if empty:  # a group with no rows (K = 0): zeros by definition, whatever the kernel leaves there
+            g_LAB[empty] = 0
+        return g_LAB
     A, B = x_MA.shape[1], g_MB.shape[1]
     if not counts:
         return x_MA.new_zeros(0, A, B)

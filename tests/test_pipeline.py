@@ -792,13 +792,15 @@ def deferred_equals_immediate(device=None, dtype=torch.float32, impl="auto"):
     """routed_experts' expert weight gradients through commlib.wgrad: inside ``deferring(queue)``
     both expert parameters get no gradient from autograd and two entries are queued; ``run`` then
     gives the same gradients as the immediate backward, bit for bit (same GEMMs), and accumulates
-    onto existing ones as AccumulateGrad does. Views (a slice of the parameter) are never deferred.
+    onto existing ones as AccumulateGrad does; an expert without rows gets a zero gradient. Views (a
+    slice of the parameter) are never deferred.
     Shared with tests/gpu/test_moe_gpu.py."""
     from commlib import wgrad
     from commlib.moe import routed_experts
     device = device or torch.device("cpu")
     w_gate_up, w_down = (p.to(device) for p in _expert_params(dtype))
     idx, weights = _routing("some_empty")
+    idx = torch.where(idx == _L - 1, torch.full_like(idx, -1), idx)   # the last expert gets no rows
     idx, weights = idx.to(device), weights.to(device)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(idx.shape[0], _H, generator=g).to(device, dtype)
@@ -811,6 +813,8 @@ def deferred_equals_immediate(device=None, dtype=torch.float32, impl="auto"):
 
     now = [torch.nn.Parameter(w_gate_up.clone()), torch.nn.Parameter(w_down.clone())]
     backward(now, None)
+    assert _counts(idx.cpu())[-1] == 0
+    assert all(not p.grad[_L - 1].any() for p in now)   # an expert without rows: zero weight gradient
     later = [torch.nn.Parameter(w_gate_up.clone()), torch.nn.Parameter(w_down.clone())]
     queue = []
     backward(later, queue)

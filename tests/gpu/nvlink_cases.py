@@ -243,7 +243,7 @@ def case_options(ctx):
 def case_bad_ids(ctx):
     """Ids outside [-1, E) on one rank: every rank raises ValueError before data moves; the
     Buffer keeps working afterwards."""
-    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    me, dev = ctx.rank, ctx.device
     cfg = default_cfg()
     nv, _ = buffers(ctx)
     E, K, T = 32, 4, 20

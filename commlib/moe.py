@@ -120,7 +120,7 @@ class _GroupedMatmul(torch.autograd.Function):
     def forward(ctx, x_MA, w_LAB, counts, impl, offs):
         ctx.save_for_backward(x_MA, w_LAB)
         ctx.counts, ctx.impl, ctx.offs = counts, impl, offs
-        ctx.param = w_LAB if w_LAB.is_leaf else None   # a Parameter: its .grad is where W accumulates
+        ctx.param = w_LAB   # the input itself: a Parameter's .grad is where a deferred W accumulates
         return _grouped_product(x_MA, w_LAB, counts, impl, offs)
 
     @staticmethod
@@ -132,10 +132,9 @@ class _GroupedMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g_x = _grouped_product(g_MB, w_LAB.transpose(1, 2), counts, impl, offs)
         if ctx.needs_input_grad[1]:
-            def weight_grad(x_MA=x_MA, g_MB=g_MB):
+            def weight_grad():
                 return _grouped_weight_grad(x_MA, g_MB, counts, impl, offs)
-            if ctx.param is None or not wgrad.defer(ctx.param, weight_grad, wgrad.CHAIN):
-                g_w = weight_grad()
+            g_w = wgrad.grad_or_defer(ctx.param, weight_grad, wgrad.CHAIN)
         ctx.param = None
         return g_x, g_w, None, None, None
 
@@ -159,7 +158,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        ctx.param = w if w.is_leaf else None
+        ctx.param = w
         return F.linear(x, w)
 
     @staticmethod
@@ -169,10 +168,9 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g_x = g.matmul(w)
         if ctx.needs_input_grad[1]:
-            def weight_grad(x=x, g=g):
+            def weight_grad():
                 return g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-            if ctx.param is None or not wgrad.defer(ctx.param, weight_grad, wgrad.NEXT):
-                g_w = weight_grad()
+            g_w = wgrad.grad_or_defer(ctx.param, weight_grad, wgrad.NEXT)
         ctx.param = None
         return g_x, g_w
 

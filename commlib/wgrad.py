@@ -50,6 +50,12 @@ def defer(param: torch.Tensor, compute: Callable[[], torch.Tensor], where: str =
     return True
 
 
+def grad_or_defer(param: torch.Tensor, compute: Callable[[], torch.Tensor], where: str = CHAIN):
+    """For a backward returning ``param``'s gradient: None once ``compute`` is queued (``defer``),
+    else ``compute()`` now."""
+    return None if defer(param, compute, where) else compute()
+
+
 def split(queue: list) -> tuple:
     """(CHAIN entries, NEXT entries) of a queue, each in order."""
     return [e for e in queue if e[2] != NEXT], [e for e in queue if e[2] == NEXT]

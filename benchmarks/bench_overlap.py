@@ -73,7 +73,6 @@ import os
 import statistics
 import sys
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -373,7 +372,7 @@ def _carveout_sms(P, model, on_gpu, carveout) -> int:
     """The SM count the dual schedules kept GEMMs off (0 on CPU: the setting is CUDA-only)."""
     if not on_gpu:
         return 0
-    return P.resolve_sm_carveout(carveout, [types.SimpleNamespace(stages=model.stages())])
+    return P.resolve_sm_carveout(carveout, model.stages())
 
 
 def _buffer_default_sms(buffer):
@@ -453,6 +452,12 @@ def run(ctx, args) -> dict:
         P.dual_backward(o0, g0, o1, g1, timeline=timeline, overlap=overlap, issue_order=order, sm_carveout=carveout,
                         defer_weight_grads=defer)
 
+    def f_and_b(o1, overlap, timeline=None):
+        """Micro-batch 0's forward with micro-batch 1's backward (o1: its forward's outputs)."""
+        return P.overlapped_forward_backward(model, [h0], None, None, model, None, [o1], [g1], timeline=timeline,
+                                             overlap=overlap, issue_order=order, sm_carveout=carveout,
+                                             defer_weight_grads=defer)
+
     def timed_f_and_b(overlap, timeline):
         """DualPipe's steady state: micro-batch 1's forward ran earlier (untimed); time micro-batch
         0's forward together with micro-batch 1's backward."""
@@ -461,9 +466,7 @@ def run(ctx, args) -> dict:
             model.zero_grad(set_to_none=True)
             o1 = model(h1)
             last = it == args.warmup + args.iters - 1
-            t = clock.time_ms(lambda: P.overlapped_forward_backward(
-                model, [h0], None, None, model, None, [o1], [g1], timeline=timeline if last else None,
-                overlap=overlap, issue_order=order, sm_carveout=carveout, defer_weight_grads=defer))
+            t = clock.time_ms(lambda: f_and_b(o1, overlap, timeline if last else None))
             if it >= args.warmup:
                 times.append(t)
         return statistics.median(times)
@@ -484,15 +487,13 @@ def run(ctx, args) -> dict:
     phases["fwd0_bwd1"] = (seq_ms, dual_ms, tl_seq.spans(), tl_dual.spans())
     kernel_profile = None
     if args.kernel_profile and on_gpu:
-        def f_and_b(overlap):
+        def profiled(overlap):
             model.zero_grad(set_to_none=True)
             o1 = model(h1)
             torch.cuda.synchronize()
             dist.barrier()
-            return lambda: P.overlapped_forward_backward(model, [h0], None, None, model, None, [o1], [g1],
-                                                         overlap=overlap, issue_order=order, sm_carveout=carveout,
-                                                         defer_weight_grads=defer)
-        kernel_profile = {sched: _kernel_profile(f_and_b(sched == "dual"))
+            return lambda: f_and_b(o1, overlap)
+        kernel_profile = {sched: _kernel_profile(profiled(sched == "dual"))
                           for sched in ("sequential", "dual")}
 
     figures = {}
@@ -584,8 +585,8 @@ def gap_split(spans_seq: list, spans_dual: list, busiest_ms: float) -> dict:
     bound (``schedule_bound_ms``), each stream's busy time in the dual run against the sequential
     one (interference: the same steps take longer while the other stream runs), and each stream's
     idle share of the dual run."""
-    busy = {w: {k: sum(s["end_ms"] - s["start_ms"] for s in spans if s["stream"] == k)
-                for k in ("comm", "compute")} for w, spans in (("seq", spans_seq), ("dual", spans_dual))}
+    busy = {w: {k: _sum_spans(spans, k) for k in ("comm", "compute")}
+            for w, spans in (("seq", spans_seq), ("dual", spans_dual))}
     span = (max(s["end_ms"] for s in spans_dual) - min(s["start_ms"] for s in spans_dual)) if spans_dual else 0.0
     bound = schedule_bound_ms(spans_seq, spans_dual)
     return {

@@ -746,16 +746,16 @@ def _as_list(x) -> list:
     return [x] if isinstance(x, torch.Tensor) else list(x)
 
 
-def resolve_sm_carveout(value, chains: Sequence = ()) -> int:
+def resolve_sm_carveout(value, stages: Iterable = ()) -> int:
     """SMs the overlapped schedules keep GEMMs off: ``value`` (None: $COMMLIB_SM_CARVEOUT, default
-    "auto"); "auto" = the most SMs any comm stage of ``chains`` occupies per call (its Config's
+    "auto"); "auto" = the most SMs any comm stage among ``stages`` occupies per call (its Config's
     num_sms, else the Buffer's), "off" or 0 = none, an int = that many."""
     if value is None:
         value = env.sm_carveout()
     if isinstance(value, str):
         v = value.strip().lower()
         if v == "auto":
-            return max((s.comm_sms() for c in chains for s in c.stages if isinstance(s, CommStage)), default=0)
+            return max((s.comm_sms() for s in stages if isinstance(s, CommStage)), default=0)
         if v in ("off", "none", "0"):
             return 0
         try:
@@ -820,7 +820,8 @@ def _run(a: list[Step], b: list[Step], overlap: bool, lead: int, issue_order: Op
     if overlap:
         chains = [c for c in chains if c is not None]
         shared = _share_deferred(chains)
-        with sm_carveout(resolve_sm_carveout(carveout, chains), _chains_device(chains)):
+        stages = [s for c in chains for s in c.stages]
+        with sm_carveout(resolve_sm_carveout(carveout, stages), _chains_device(chains)):
             _interleave(a, b, lead, order)
             if shared:
                 wgrad.run(shared)

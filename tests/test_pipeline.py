@@ -721,23 +721,22 @@ def test_sm_carveout_resolves_and_restores(monkeypatch):
 
     buf = FakeBuffer()
     cfg = Config(num_sms=6, num_max_nvl_chunked_send_tokens=8, num_max_nvl_chunked_recv_tokens=256)
-    chain = types.SimpleNamespace(stages=[P.ComputeStage("a", lambda c: c), P.DispatchStage(buf, 8, config=cfg),
-                                          P.CombineStage(buf)])
-    assert P.resolve_sm_carveout("auto", [chain]) == 6          # the dispatch Config's 6 > the Buffer's 4
-    chain.stages[1].config = None
-    assert P.resolve_sm_carveout("auto", [chain]) == 4
+    stages = [P.ComputeStage("a", lambda c: c), P.DispatchStage(buf, 8, config=cfg), P.CombineStage(buf)]
+    assert P.resolve_sm_carveout("auto", stages) == 6          # the dispatch Config's 6 > the Buffer's 4
+    stages[1].config = None
+    assert P.resolve_sm_carveout("auto", stages) == 4
     buf._tuned = {"k": cfg}
-    assert P.resolve_sm_carveout("auto", [chain]) == 6          # a tuned config may take more
+    assert P.resolve_sm_carveout("auto", stages) == 6          # a tuned config may take more
     assert P.resolve_sm_carveout("auto", []) == 0
-    assert P.resolve_sm_carveout("off", [chain]) == P.resolve_sm_carveout(0, [chain]) == 0
-    assert P.resolve_sm_carveout("12", [chain]) == P.resolve_sm_carveout(12) == 12
+    assert P.resolve_sm_carveout("off", stages) == P.resolve_sm_carveout(0, stages) == 0
+    assert P.resolve_sm_carveout("12", stages) == P.resolve_sm_carveout(12) == 12
     monkeypatch.setenv("COMMLIB_SM_CARVEOUT", "off")
-    assert P.resolve_sm_carveout(None, [chain]) == 0
+    assert P.resolve_sm_carveout(None, stages) == 0
     monkeypatch.delenv("COMMLIB_SM_CARVEOUT")
-    assert P.resolve_sm_carveout(None, [chain]) == 6
+    assert P.resolve_sm_carveout(None, stages) == 6
     for bad in ("most", -1, True, 2.5):
         with pytest.raises(ValueError):
-            P.resolve_sm_carveout(bad, [chain])
+            P.resolve_sm_carveout(bad, stages)
 
     state = {"value": 3, "calls": []}
 

@@ -59,6 +59,7 @@ DEFAULT_VARIANT = {
     "COMBINE_COPY_UNROLL": 4,
     "COMBINE_SUM_UNROLL": 2,      # per rank; two ranks' loads in flight together
     "LOCAL_IN_RECEIVER": 1,       # the receiver CTA copies the local half, the sender only pushes
+    "COMM_CLUSTER": 1,            # 2: dispatch / combine launch as 2-CTA clusters (SM pairs of one GPC; common.cuh)
     "LL_TRACE": 0,                # 1: low-latency kernels record %globaltimer points (csrc/low_latency.cu)
     "LL_PARTS": 1,                # low-latency dispatch: CTAs sharing a token row (2 measured 1.3 us slower)
     "LL_FENCE": 1,                # low-latency dispatch: 1 fence.acq_rel.sys before its arrivals, 0 fence.sc.sys
@@ -114,8 +115,11 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     if unknown:
         raise ValueError(f"unknown kernel variant keys {sorted(unknown)}; known: {sorted(DEFAULT_VARIANT)}")
     global _variant_key
-    _variant = dict(DEFAULT_VARIANT)
-    _variant.update({k: int(v) for k, v in (overrides or {}).items()})
+    merged = dict(DEFAULT_VARIANT)
+    merged.update({k: int(v) for k, v in (overrides or {}).items()})
+    if merged["COMM_CLUSTER"] not in (1, 2):  # the grid (Config.num_sms) is only known to be even
+        raise ValueError(f"COMM_CLUSTER must be 1 or 2, got {merged['COMM_CLUSTER']}")
+    _variant = merged
     _variant_key = tuple(sorted(_variant.items()))
     return dict(_variant)
 

@@ -232,7 +232,7 @@ __device__ void combine_recv(const CombineArgs& a, int c, u64 seq) {
         st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_COMBINE_DONE, me * COMMLIB_MAX_CHANNELS + c), seq);
 }
 
-extern "C" __global__ void __launch_bounds__(COMMLIB_COMBINE_THREADS, COMMLIB_COMBINE_MIN_BLOCKS) combine_kernel(
+extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_COMBINE_THREADS, COMMLIB_COMBINE_MIN_BLOCKS) combine_kernel(
     const int4* x, const float* topk_weights, const int* send_head,
     const int* rank_prefix_matrix, const int* channel_prefix_matrix, const int* recv_channel_prefix_matrix,
     const int4* bias0, const int4* bias1, int4* combined_x, float* combined_topk_weights,

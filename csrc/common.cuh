@@ -50,6 +50,20 @@ typedef long long i64;
 #define COMMLIB_NW_EXPERT (16 + COMMLIB_MAX_CHANNELS)  // [L] the source's tokens per local expert
 
 // Sequence counters (kernels.py sizes the array): u64 [kind][role][channel].
+// COMMLIB_COMM_CLUSTER 2: the data kernels launch as thread-block clusters of two CTAs (a channel's
+// sender and receiver), so a comm kernel takes SMs in pairs from one GPC. torch's persistent grouped
+// GEMM (CUTLASS, 2x1 clusters) sizes its grid for all SMs but the carveout; comm CTAs scattered one
+// per GPC leave odd free SMs behind, fewer cluster slots than that grid, and the GEMM's last clusters
+// wait for a whole first wave (benchmarks/bench_gemm_carveout.py --neighbour measures it).
+#ifndef COMMLIB_COMM_CLUSTER
+#define COMMLIB_COMM_CLUSTER 1
+#endif
+#if COMMLIB_COMM_CLUSTER > 1
+#define COMMLIB_CLUSTER_DIMS __cluster_dims__(COMMLIB_COMM_CLUSTER, 1, 1)
+#else
+#define COMMLIB_CLUSTER_DIMS
+#endif
+
 #define COMMLIB_SEQ_DISPATCH 0
 #define COMMLIB_SEQ_COMBINE 1
 #define COMMLIB_SEQ_NOTIFY 2

@@ -355,7 +355,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq) {
     dispatch_pad(a, c, rpm[(R - 1) * R + me]);
 }
 
-extern "C" __global__ void __launch_bounds__(COMMLIB_DISPATCH_THREADS, COMMLIB_DISPATCH_MIN_BLOCKS) dispatch_kernel(
+extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPATCH_THREADS, COMMLIB_DISPATCH_MIN_BLOCKS) dispatch_kernel(
     const int4* x, const float* x_scales, const i64* topk_idx, const float* topk_weights,
     const unsigned char* is_token_in_rank,
     const int* rank_prefix_matrix, const int* channel_prefix_matrix, const int* recv_channel_prefix_matrix,

@@ -139,6 +139,12 @@ def test_kernel_variant_parse_and_set():
         assert K.threads("dispatch") == K.DEFAULT_VARIANT["DISPATCH_THREADS"]
         with pytest.raises(ValueError):
             K.set_variant({"NO_SUCH_KNOB": 1})
+        with pytest.raises(ValueError, match="COMM_CLUSTER"):  # the grid is only known to be even
+            K.set_variant({"COMM_CLUSTER": 4})
     finally:
         K.set_variant(None)
     assert K.variant() == K.DEFAULT_VARIANT
+    # COMM_CLUSTER=2 turns the data kernels into 2-CTA cluster launches (common.cuh); 1 leaves them plain
+    for family in ("dispatch", "combine"):
+        assert f"COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_{family.upper()}_THREADS" in K.source(family)
+    assert "-DCOMMLIB_COMM_CLUSTER=2" in K.options(False, dict(K.DEFAULT_VARIANT, COMM_CLUSTER=2))

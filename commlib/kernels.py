@@ -224,7 +224,7 @@ def kernel_signature(family: str, name: str) -> str:
     import re
 
     text = (CSRC / f"{family}.cu").read_text()
-    m = re.search(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?'
+    m = re.search(r'extern\s+"C"\s+__global__\s+void\s+(?:COMMLIB_[A-Z_]+\s+)?(?:__launch_bounds__\s*\([^)]*\)\s*)?'
                   + re.escape(name) + r"\s*\(", text)
     if m is None:
         raise RuntimeError(f'csrc/{family}.cu has no extern "C" __global__ kernel {name!r}')

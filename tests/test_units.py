@@ -147,4 +147,8 @@ def test_kernel_variant_parse_and_set():
     # COMM_CLUSTER=2 turns the data kernels into 2-CTA cluster launches (common.cuh); 1 leaves them plain
     for family in ("dispatch", "combine"):
         assert f"COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_{family.upper()}_THREADS" in K.source(family)
+    # every kernel's parameters parse (launch packs its arguments from them), attribute macros or not
+    for family, names in K._FAMILIES.items():
+        for name in names:
+            assert len(K.kernel_signature(family, name)) > 3, (family, name)
     assert "-DCOMMLIB_COMM_CLUSTER=2" in K.options(False, dict(K.DEFAULT_VARIANT, COMM_CLUSTER=2))

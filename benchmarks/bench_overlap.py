@@ -121,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "choice, Buffer.num_sms or a tuned config). Fewer SMs: slower communication, more SMs "
                         "left to the compute it overlaps (DeepSeek's trade-off). GPU engines only: on the "
                         "reference backend (the CPU path) N is recorded and passed but changes no timing")
+    p.add_argument("--send-chunk", type=int, default=None, metavar="T",
+                   help="with --comm-sms: num_max_nvl_chunked_send_tokens of those configs (tokens per "
+                        "published round; default: the Buffer's)")
     p.add_argument("--comm-priority", type=int, default=None,
                    help="replace the Buffer's comm stream by one of this CUDA priority (-1 = high); experiment")
     p.add_argument("--sm-carveout", default=None, metavar="auto|off|N",
@@ -164,6 +167,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.comm_sms is not None and (args.comm_sms <= 0 or args.comm_sms % 2):
         p.error(f"--comm-sms must be a positive even number (two CTAs per channel), got {args.comm_sms}")
+    if args.send_chunk is not None and (args.comm_sms is None or args.send_chunk <= 0):
+        p.error("--send-chunk needs --comm-sms and a positive token count")
     if args.calibrate_comm_sms and args.comm_sms is not None:
         p.error("--calibrate-comm-sms picks the comm SMs itself: drop --comm-sms")
     if args.calibrate_comm_sms and args.calibrate:
@@ -194,10 +199,11 @@ def _calibration_plan(args, preset: str) -> tuple:
     return bool(sizes), bool(sms)
 
 
-def _comm_configs(num_ranks: int, num_sms, tokens: int) -> tuple:
+def _comm_configs(num_ranks: int, num_sms, tokens: int, send_chunk=None) -> tuple:
     """(dispatch Config, combine Config) with ``num_sms`` SMs, or (None, None) for the Buffer's own
-    choice. The Buffer's default chunk sizes; the receive capacity per channel is raised to
-    ceil(tokens / channels) when fewer channels must hold the call (the Buffer checks it)."""
+    choice. The Buffer's default chunk sizes (the send chunk ``send_chunk`` when given); the receive
+    capacity per channel is raised to ceil(tokens / channels) when fewer channels must hold the call
+    (the Buffer checks it)."""
     if num_sms is None:
         return None, None
     from commlib import Buffer
@@ -205,7 +211,9 @@ def _comm_configs(num_ranks: int, num_sms, tokens: int) -> tuple:
     for default in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)):
         channels = num_sms // 2
         recv = max(default.num_max_nvl_chunked_recv_tokens, math.ceil(tokens / channels))
-        out.append(dataclasses.replace(default, num_sms=num_sms, num_max_nvl_chunked_recv_tokens=recv))
+        send = send_chunk or default.num_max_nvl_chunked_send_tokens
+        out.append(dataclasses.replace(default, num_sms=num_sms, num_max_nvl_chunked_recv_tokens=max(recv, send),
+                                       num_max_nvl_chunked_send_tokens=send))
     return tuple(out)
 
 
@@ -398,7 +406,7 @@ def run(ctx, args) -> dict:
     if args.kernel_variant:
         from commlib import kernels as K
         K.set_variant(K.parse_variant(args.kernel_variant))
-    comm_configs = _comm_configs(R, args.comm_sms, sh["tokens"])
+    comm_configs = _comm_configs(R, args.comm_sms, sh["tokens"], args.send_chunk)
     # The Buffer holds every config this run may use: the default, --comm-sms's or the candidates'.
     configs = [Buffer.get_dispatch_config(R)] + [c for c in comm_configs if c is not None]
     if calibrate_sms:

@@ -59,7 +59,8 @@ DEFAULT_VARIANT = {
     "COMBINE_COPY_UNROLL": 4,
     "COMBINE_SUM_UNROLL": 2,      # per rank; two ranks' loads in flight together
     "LOCAL_IN_RECEIVER": 1,       # the receiver CTA copies the local half, the sender only pushes
-    "COMM_CLUSTER": 1,            # 2: dispatch / combine launch as 2-CTA clusters (SM pairs of one GPC; common.cuh)
+    "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
+                                  # 2x1-cluster persistent GEMMs beside them keep their SMs (common.cuh; 1: plain)
     "LL_TRACE": 0,                # 1: low-latency kernels record %globaltimer points (csrc/low_latency.cu)
     "LL_PARTS": 1,                # low-latency dispatch: CTAs sharing a token row (2 measured 1.3 us slower)
     "LL_FENCE": 1,                # low-latency dispatch: 1 fence.acq_rel.sys before its arrivals, 0 fence.sc.sys

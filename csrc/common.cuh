@@ -56,7 +56,7 @@ typedef long long i64;
 // per GPC leave odd free SMs behind, fewer cluster slots than that grid, and the GEMM's last clusters
 // wait for a whole first wave (benchmarks/bench_gemm_carveout.py --neighbour measures it).
 #ifndef COMMLIB_COMM_CLUSTER
-#define COMMLIB_COMM_CLUSTER 1
+#define COMMLIB_COMM_CLUSTER 2
 #endif
 #if COMMLIB_COMM_CLUSTER > 1
 #define COMMLIB_CLUSTER_DIMS __cluster_dims__(COMMLIB_COMM_CLUSTER, 1, 1)

@@ -9,7 +9,8 @@
 # (benchmarks/bench_intranode.py --json), shared (4 and 8 ranks on 2 GPUs), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop),
-# overlapab (bench_overlap.py with --sm-carveout off / auto for each argument set in OVERLAP_AB).
+# overlapab (bench_overlap.py with --sm-carveout off / auto for each argument set in OVERLAP_AB),
+# neighbour (bench_gemm_carveout.py --neighbour), interference (bench_comm_interference.py).
 # Everything is logged to OUTDIR/gpu_check.log; the bench JSON (+ PNG) lands in OUTDIR and
 # benchmarks/results/.
 #
@@ -146,6 +147,9 @@ for i in "${!AB_SETS[@]}"; do
       --tag "H200_ab${i}_cv${cv}" --out-dir "$RES"
   done
 done
+# what the comm kernels' neighbours cost: GEMMs beside plain vs clustered comm CTAs; comm beside each load
+stage neighbour 90 $PY benchmarks/bench_gemm_carveout.py --neighbour 4,12 --json "$RES/gemm_neighbour.json"
+stage interference 150 $PY benchmarks/bench_comm_interference.py --json "$RES/comm_interference.json"
 stage tune 200 $PY benchmarks/bench_tune.py ${TUNE_ARGS:-} --json "$RES/tune_gpu.json"
 stage internode 150 $PY benchmarks/bench_internode.py --json "$RES/bench_internode_gpu.json"
 stage llbench 120 $PY benchmarks/bench_low_latency.py --json "$RES/bench_low_latency_gpu.json"

@@ -1,0 +1,188 @@
+"""What slows commlib's dispatch + combine while compute runs beside them (docs/pipeline.md, the comm
+interference of the dual pipeline): a cached BF16 dispatch + combine at few comm SMs, timed alone and
+while every rank keeps the other SMs busy with one kind of load, launched first on a side stream:
+
+  fma    1024-thread CTAs doing register FMAs only (SMs busy, no memory traffic)
+  l2     CTAs re-reading a 24 MB buffer (L2 traffic, little HBM)
+  hbm    CTAs copying between two 2 GB buffers (HBM read + write)
+  gemm   torch.mm 16384x7168x1536 in a loop, SM carveout = the comm SMs (what the pipeline overlaps)
+
+The load CTAs take 120 KB of shared memory each, so one fits per SM, and launch
+as 2-CTA clusters like the comm kernels (COMM_CLUSTER=2), so the ``--comm-sms`` SMs left free come in
+pairs. Each row: mean time of a dispatch + combine pair (CUDA events, slowest rank), and its
+ratio to the alone time. If ``fma`` costs nothing and ``hbm`` / ``gemm`` cost what the pipeline loses,
+the loss is the memory system's latency, not the SMs.
+
+Run (GPUs, spawns 2 ranks): python3 benchmarks/bench_comm_interference.py [--comm-sms 4] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+LOADS = ("alone", "fma", "l2", "hbm", "gemm")
+
+_LOAD_SRC = r"""
+__device__ __forceinline__ unsigned long long now() {
+    unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
+}
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(1024, 1) load_kernel(int kind, unsigned long long ns,
+        const float4* src, float4* dst, long long n4, float* sink) {
+    extern __shared__ float pad[];
+    const unsigned long long t0 = now();
+    float a = threadIdx.x, b = 1.0001f;
+    pad[threadIdx.x] = a;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long step = (long long)gridDim.x * blockDim.x;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    while (now() - t0 < ns) {
+        for (int r = 0; r < 64; ++r) {
+            if (kind == 0) {
+#pragma unroll
+                for (int u = 0; u < 16; ++u) a = fmaf(a, b, 1e-7f);
+            } else {
+                const float4 v = src[i];
+                if (kind == 2) dst[i] = v; else { acc.x += v.x; acc.y += v.w; }
+                i += step;
+                if (i >= n4) i -= n4;
+            }
+        }
+    }
+    if (a + acc.x + acc.y + pad[(threadIdx.x + 1) & 1023] == -1.f) sink[0] = a;
+}
+"""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--comm-sms", type=int, default=4)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--json", default="")
+    return p.parse_args(argv)
+
+
+def _worker(ctx, args):
+    import cupy as cp
+    import torch
+    import torch.distributed as dist
+
+    from commlib import routing
+    from commlib.buffer import Buffer
+    from commlib.config import Config
+
+    R, me, dev, group = ctx.world_size, ctx.rank, ctx.device, ctx.group
+    T, H, E = args.tokens, args.hidden, args.experts
+    n = args.comm_sms
+    cfg = Config(n, 32, max(8192, math.ceil(T / (n // 2))), 64, 1024)
+    buf = Buffer(group, cfg.get_nvl_buffer_size_hint(2 * H, R), backend="nvlink", explicitly_destroy=True)
+    g = torch.Generator().manual_seed(7 + me)
+    idx, w = routing.group_limited_topk(torch.sigmoid(torch.randn(T, E, generator=g)), 1, 1, args.topk)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    idx, w = idx.to(dev), w.to(dev)
+    ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx, E)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir,
+                                              num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w, config=cfg)
+
+    def pair():
+        buf.dispatch(x, handle=handle, config=cfg)
+        buf.combine(recv_x, handle, config=cfg)
+
+    fn = cp.RawModule(code=_LOAD_SRC, options=("-std=c++17", "--gpu-architecture=sm_90")).get_function("load_kernel")
+    fn.max_dynamic_shared_size_bytes = 120 * 1024
+    big = torch.empty(2 * 2 ** 30 // 4, dtype=torch.float32, device=dev).uniform_()
+    out = torch.empty_like(big)
+    small = big[: 24 * 2 ** 20 // 4]
+    sink = torch.zeros(1, device=dev)
+    mats = (torch.randn(16384, H, device=dev, dtype=torch.bfloat16), torch.randn(H, 1536, device=dev,
+                                                                                 dtype=torch.bfloat16))
+    side = torch.cuda.Stream(device=dev, priority=0)
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def timed() -> float:
+        for _ in range(2):
+            pair()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.iters):
+            pair()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / args.iters
+
+    def with_load(kind: str, alone_ms: float) -> float:
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        budget_ms = alone_ms * (args.iters + 2) * 3 + 20
+        with torch.cuda.stream(side):
+            if kind == "gemm":
+                carve0 = torch._C._get_sm_carveout_experimental()
+                torch._C._set_sm_carveout_experimental(n)
+                t0 = torch.cuda.Event(enable_timing=True)
+                t1 = torch.cuda.Event(enable_timing=True)
+                t0.record()
+                torch.mm(*mats)
+                t1.record()
+                t1.synchronize()
+                for _ in range(int(budget_ms / max(t0.elapsed_time(t1), 0.05)) + 1):
+                    torch.mm(*mats)
+                torch._C._set_sm_carveout_experimental(carve0)
+            else:
+                src, n4 = (small, small.numel() // 4) if kind == "l2" else (big, big.numel() // 4)
+                code = {"fma": 0, "l2": 1, "hbm": 2}[kind]
+                fn((num_sms - n,), (1024,), (cp.int32(code), cp.uint64(int(budget_ms * 1e6)), cp.uint64(src.data_ptr()),
+                                             cp.uint64(out.data_ptr()), cp.int64(n4), cp.uint64(sink.data_ptr())),
+                   shared_mem=120 * 1024, stream=cp.cuda.ExternalStream(side.cuda_stream))
+        torch.cuda._sleep(1_000_000)  # the load is resident before the first comm kernel is queued
+        ms = timed()
+        torch.cuda.synchronize()
+        return ms
+
+    def slowest(v: float) -> float:
+        t = torch.tensor([v], device=dev, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t.item())
+
+    alone = slowest(timed())
+    rows = {"alone": alone}
+    for kind in LOADS[1:]:
+        rows[kind] = slowest(with_load(kind, alone))
+    rows["alone_again"] = slowest(timed())
+    buf.destroy()
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from commlib.launch import parallel_launch
+    rows = parallel_launch(args.ranks, _worker, args, use_gpu=True)
+    base = rows["alone"]
+    print(f"[interference] cached BF16 dispatch + combine, {args.tokens} tokens x {args.hidden}, "
+          f"{args.comm_sms} comm SMs, {args.ranks} ranks (ms per pair, slowest rank)")
+    for k, v in rows.items():
+        print(f"  {k:12s} {v:8.3f} ms  x{v / base:5.2f}")
+    if args.json:
+        import torch
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "bench_comm_interference", "device": torch.cuda.get_device_name(0),
+                       "git_commit": os.environ.get("COMMLIB_GIT_COMMIT"),
+                       "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+                       "args": vars(args), "ms_per_pair": rows,
+                       "ratio_to_alone": {k: v / base for k, v in rows.items()}}, f, indent=1)
+        print(f"[interference] wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,11 +9,12 @@ while every rank keeps the other SMs busy with one kind of load, launched first 
 
 The load CTAs take 120 KB of shared memory each, so one fits per SM, and launch
 as 2-CTA clusters like the comm kernels (COMM_CLUSTER=2), so the ``--comm-sms`` SMs left free come in
-pairs. Each row: mean time of a dispatch + combine pair (CUDA events, slowest rank), and its
-ratio to the alone time. If ``fma`` costs nothing and ``hbm`` / ``gemm`` cost what the pipeline loses,
+pairs. Each row: mean time of a cached dispatch and of a combine (CUDA events, slowest rank), and
+their ratios to the alone times. If ``fma`` costs nothing and ``hbm`` / ``gemm`` cost what the pipeline loses,
 the loss is the memory system's latency, not the SMs.
 
-Run (GPUs, spawns 2 ranks): python3 benchmarks/bench_comm_interference.py [--comm-sms 4] [--json PATH]
+Run (GPUs, spawns 2 ranks): python3 benchmarks/bench_comm_interference.py [--comm-sms 4]
+    [--kernel-variant KEY=V,...] [--json PATH]
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--comm-sms", type=int, default=4)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--kernel-variant", default="", metavar="KEY=V,...",
+                   help="NVLink kernel build variant (commlib.kernels.DEFAULT_VARIANT keys) on every rank")
     p.add_argument("--json", default="")
     return p.parse_args(argv)
 
@@ -78,10 +81,12 @@ def _worker(ctx, args):
     import torch
     import torch.distributed as dist
 
+    from commlib import kernels as K
     from commlib import routing
     from commlib.buffer import Buffer
     from commlib.config import Config
 
+    K.set_variant(K.parse_variant(args.kernel_variant))
     R, me, dev, group = ctx.world_size, ctx.rank, ctx.device, ctx.group
     T, H, E = args.tokens, args.hidden, args.experts
     n = args.comm_sms
@@ -95,9 +100,8 @@ def _worker(ctx, args):
     recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir,
                                               num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w, config=cfg)
 
-    def pair():
-        buf.dispatch(x, handle=handle, config=cfg)
-        buf.combine(recv_x, handle, config=cfg)
+    ops = {"dispatch": lambda: buf.dispatch(x, handle=handle, config=cfg),
+           "combine": lambda: buf.combine(recv_x, handle, config=cfg)}
 
     fn = cp.RawModule(code=_LOAD_SRC, options=("-std=c++17", "--gpu-architecture=sm_90")).get_function("load_kernel")
     fn.max_dynamic_shared_size_bytes = 120 * 1024
@@ -110,21 +114,24 @@ def _worker(ctx, args):
     side = torch.cuda.Stream(device=dev, priority=0)
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
-    def timed() -> float:
-        for _ in range(2):
-            pair()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            pair()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / args.iters
+    def timed() -> dict:
+        out = {}
+        for name, op in ops.items():
+            for _ in range(2):
+                op()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.iters):
+                op()
+            end.record()
+            end.synchronize()
+            out[name] = start.elapsed_time(end) / args.iters
+        return out
 
-    def with_load(kind: str, alone_ms: float) -> float:
+    def with_load(kind: str, alone: dict) -> dict:
         torch.cuda.synchronize()
         dist.barrier(group=group)
-        budget_ms = alone_ms * (args.iters + 2) * 3 + 20
+        budget_ms = sum(alone.values()) * (args.iters + 2) * 3 + 20
         with torch.cuda.stream(side):
             if kind == "gemm":
                 carve0 = torch._C._get_sm_carveout_experimental()
@@ -149,10 +156,10 @@ def _worker(ctx, args):
         torch.cuda.synchronize()
         return ms
 
-    def slowest(v: float) -> float:
-        t = torch.tensor([v], device=dev, dtype=torch.float64)
+    def slowest(v: dict) -> dict:
+        t = torch.tensor(list(v.values()), device=dev, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return float(t.item())
+        return dict(zip(v, t.tolist()))
 
     alone = slowest(timed())
     rows = {"alone": alone}
@@ -168,10 +175,11 @@ def main(argv=None):
     from commlib.launch import parallel_launch
     rows = parallel_launch(args.ranks, _worker, args, use_gpu=True)
     base = rows["alone"]
-    print(f"[interference] cached BF16 dispatch + combine, {args.tokens} tokens x {args.hidden}, "
-          f"{args.comm_sms} comm SMs, {args.ranks} ranks (ms per pair, slowest rank)")
+    print(f"[interference] {args.tokens} tokens x {args.hidden}, {args.comm_sms} comm SMs, {args.ranks} ranks, "
+          f"variant {args.kernel_variant or 'default'} (ms per call, slowest rank)")
+    ratios = {k: {op: t / base[op] for op, t in v.items()} for k, v in rows.items()}
     for k, v in rows.items():
-        print(f"  {k:12s} {v:8.3f} ms  x{v / base:5.2f}")
+        print(f"  {k:12s} " + "  ".join(f"{op} {t:7.3f} ms x{ratios[k][op]:4.2f}" for op, t in v.items()))
     if args.json:
         import torch
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -179,8 +187,7 @@ def main(argv=None):
             json.dump({"benchmark": "bench_comm_interference", "device": torch.cuda.get_device_name(0),
                        "git_commit": os.environ.get("COMMLIB_GIT_COMMIT"),
                        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                       "args": vars(args), "ms_per_pair": rows,
-                       "ratio_to_alone": {k: v / base for k, v in rows.items()}}, f, indent=1)
+                       "args": vars(args), "ms_per_call": rows, "ratio_to_alone": ratios}, f, indent=1)
         print(f"[interference] wrote {args.json}")
 
 

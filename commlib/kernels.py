@@ -59,6 +59,8 @@ DEFAULT_VARIANT = {
     "COMBINE_COPY_UNROLL": 4,
     "COMBINE_SUM_UNROLL": 2,      # per rank; two ranks' loads in flight together
     "LOCAL_IN_RECEIVER": 1,       # the receiver CTA copies the local half, the sender only pushes
+    "DISPATCH_BULK": 0,           # 1: the dispatch receiver copies rows with cp.async.bulk (TMA), ~190 KB in flight
+    "BULK_CHUNK": 3072,           # bytes per bulk piece; two per warp (dynamic shared memory: dynamic_smem())
     "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
                                   # 2x1-cluster persistent GEMMs beside them keep their SMs (common.cuh; 1: plain)
     "LL_TRACE": 0,                # 1: low-latency kernels record %globaltimer points (csrc/low_latency.cu)
@@ -120,9 +122,29 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     merged.update({k: int(v) for k, v in (overrides or {}).items()})
     if merged["COMM_CLUSTER"] not in (1, 2):  # the grid (Config.num_sms) is only known to be even
         raise ValueError(f"COMM_CLUSTER must be 1 or 2, got {merged['COMM_CLUSTER']}")
+    if merged["DISPATCH_BULK"] not in (0, 1):
+        raise ValueError(f"DISPATCH_BULK must be 0 or 1, got {merged['DISPATCH_BULK']}")
+    chunk = merged["BULK_CHUNK"]
+    if chunk <= 0 or chunk % 16 or _bulk_bytes(chunk) > MAX_DYNAMIC_SMEM:
+        raise ValueError(f"BULK_CHUNK must be a positive multiple of 16 with {_bulk_bytes(chunk)} <= "
+                         f"{MAX_DYNAMIC_SMEM} bytes of shared memory, got {chunk}")
     _variant = merged
     _variant_key = tuple(sorted(_variant.items()))
     return dict(_variant)
+
+
+MAX_DYNAMIC_SMEM = 220 * 1024  # sm_90 allows 227 KB per CTA; the data kernels' static arrays take ~4 KB
+
+
+def _bulk_bytes(chunk: int) -> int:
+    return 1024 + 32 * 2 * chunk  # COMMLIB_BULK_SMEM in common.cuh: mbarriers, then two pieces per warp
+
+
+def dynamic_smem(family: str) -> int:
+    """Dynamic shared memory a data kernel of ``family`` takes under the current variant (bytes)."""
+    if family == "dispatch" and _variant["DISPATCH_BULK"]:
+        return _bulk_bytes(_variant["BULK_CHUNK"])
+    return 0
 
 
 def parse_variant(text: str) -> dict:
@@ -267,6 +289,9 @@ class _Launcher:
 
         self.fn = _function(family, name, plain, device)
         self.handle = int(getattr(self.fn, "ptr", 0) or 0)
+        smem = dynamic_smem(family)
+        if smem > 48 * 1024:  # above the default limit: opt in once per function
+            _set_max_dynamic_smem(self.handle, smem)
         codes = kernel_signature(family, name)
         self.fmt = struct.Struct("@" + codes)
         self.count = len(codes)
@@ -275,6 +300,20 @@ class _Launcher:
         self.params = (ctypes.c_void_p * max(1, len(codes)))(*[base + o for o in param_offsets(codes)])
         self.np_types = [{"i": np.int32, "I": np.uint32, "q": np.int64, "Q": np.uint64, "f": np.float32,
                           "d": np.float64}[c] for c in codes]
+
+
+def _set_max_dynamic_smem(handle: int, nbytes: int) -> None:
+    attr = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    try:
+        cupy().cuda.driver.funcSetAttribute(handle, attr, nbytes)
+        return
+    except AttributeError:
+        pass
+    import ctypes
+
+    rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(handle), attr, nbytes)
+    if rc:
+        raise RuntimeError(f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) failed ({rc})")
 
 
 _launchers: dict = {}

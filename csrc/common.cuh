@@ -121,6 +121,93 @@ __device__ __forceinline__ void st_na_v4(int4* p, int4 v) {
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------
+// Bulk row copies (TMA, cp.async.bulk): one lane of a warp moves a row global -> shared -> global in
+// COMMLIB_BULK_CHUNK-byte pieces, two pieces in flight per warp, so a 32-warp CTA keeps ~190 KB of a
+// local copy in flight instead of the ~64 KB its registers hold. The copy engine waits on memory,
+// not the warps: the rate of a comm SM depends less on the latency that memory-bound compute beside
+// it drives up (benchmarks/bench_comm_interference.py). Used where COMMLIB_*_BULK is 1.
+// ------------------------------------------------------------------------------------------------
+#ifndef COMMLIB_BULK_CHUNK
+#define COMMLIB_BULK_CHUNK 3072
+#endif
+#define COMMLIB_BULK_BAR_BYTES 1024  // 32 warps x 2 mbarriers x 8 bytes, then the pieces
+#define COMMLIB_BULK_SMEM (COMMLIB_BULK_BAR_BYTES + 32 * 2 * COMMLIB_BULK_CHUNK)
+
+struct BulkPipe {
+    u32 bars;    // shared address of this warp's two mbarriers
+    u32 data;    // shared address of this warp's two pieces
+    u32 phase;   // bit s: parity of mbarrier s's next completion
+};
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Every warp of the CTA calls it once, before any bulk copy (dyn: the kernel's dynamic shared memory).
+__device__ __forceinline__ BulkPipe bulk_pipe_init(unsigned char* dyn) {
+    const int warp = threadIdx.x >> 5;
+    BulkPipe bp;
+    bp.bars = smem_addr(dyn) + warp * 16;
+    bp.data = smem_addr(dyn) + COMMLIB_BULK_BAR_BYTES + warp * 2 * COMMLIB_BULK_CHUNK;
+    bp.phase = 0;
+    if ((threadIdx.x & 31) == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bp.bars) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bp.bars + 8) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+    return bp;
+}
+
+__device__ __forceinline__ void bulk_load_piece(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait_piece(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// The warp's pieces may be rewritten once every bulk store issued so far has read them.
+__device__ __forceinline__ void bulk_wait_reads() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Every bulk store issued so far is done (before the kernel ends or a flag publishes them).
+__device__ __forceinline__ void bulk_wait_writes() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Orders this thread's generic-proxy accesses (an acquire of the data's flag) before its bulk copies.
+__device__ __forceinline__ void bulk_fence_after_acquire() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// dst[0, n) = src[0, n) (int4 units, 16-byte aligned rows), called by the whole warp; lane 0 drives it.
+__device__ __forceinline__ void bulk_copy_row(int4* dst, const int4* src, int n, BulkPipe& bp) {
+    if ((threadIdx.x & 31) == 0) {
+        const u32 total = (u32)n * 16u;
+        const u32 pieces = (total + COMMLIB_BULK_CHUNK - 1) / COMMLIB_BULK_CHUNK;
+        const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+        unsigned char* d = reinterpret_cast<unsigned char*>(dst);
+        bulk_wait_reads();  // the previous row's stores are done with both pieces
+        for (u32 k = 0; k < 2 && k < pieces; ++k)
+            bulk_load_piece(bp.data + k * COMMLIB_BULK_CHUNK, s + k * COMMLIB_BULK_CHUNK,
+                            min((u32)COMMLIB_BULK_CHUNK, total - k * COMMLIB_BULK_CHUNK), bp.bars + k * 8);
+        for (u32 k = 0; k < pieces; ++k) {
+            const u32 b = k & 1u, off = k * COMMLIB_BULK_CHUNK, bytes = min((u32)COMMLIB_BULK_CHUNK, total - off);
+            bulk_wait_piece(bp.bars + b * 8, (bp.phase >> b) & 1u);
+            bp.phase ^= 1u << b;
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                         :: "l"(d + off), "r"(bp.data + b * COMMLIB_BULK_CHUNK), "r"(bytes) : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            if (k + 2 < pieces) {
+                bulk_wait_reads();  // piece b is free again
+                const u32 noff = (k + 2) * COMMLIB_BULK_CHUNK;
+                bulk_load_piece(bp.data + b * COMMLIB_BULK_CHUNK, s + noff,
+                                min((u32)COMMLIB_BULK_CHUNK, total - noff), bp.bars + b * 8);
+            }
+        }
+    }
+    __syncwarp();
+}
+
 // Small fields (scales, ids, weights): plain volatile accesses keep program order against the
 // asm volatile data path without pulling them through a cache we do not reuse.
 template <typename T>

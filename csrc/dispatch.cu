@@ -40,6 +40,9 @@
 #define COMMLIB_LOCAL_IN_RECEIVER 1    // 1: the receiver CTA copies the local half (x -> recv_x), the sender only pushes
 #endif
 #define DISPATCH_UNROLL COMMLIB_DISPATCH_UNROLL
+#ifndef COMMLIB_DISPATCH_BULK
+#define COMMLIB_DISPATCH_BULK 0        // 1: the receiver's row copies (both halves) are bulk copies (common.cuh)
+#endif
 
 #define DISPATCH_FLAG_WRITE_HANDLE 1  // write send_head and recv_src_idx (non-cached mode)
 
@@ -84,9 +87,11 @@ __device__ __forceinline__ u64 dispatch_slot(const DispatchArgs& a, u64 base, in
 // ------------------------------------------------------------------------------------------------
 
 // One warp copies token `tok` to every rank in dmask. Lane r < R holds slot_r (its index among the
-// channel's tokens for rank r). s_dst: this warp's scratch (destination row of each rank).
+// channel's tokens for rank r). s_dst: this warp's scratch (destination row of each rank). bp: the
+// warp's bulk-copy pipe when the row goes to this rank alone as a bulk copy (the receiver's local
+// half, COMMLIB_DISPATCH_BULK), else nullptr.
 __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c, int tok, u32 dmask, int my_slot,
-                                                    int local_base, u64* s_dst) {
+                                                    int local_base, u64* s_dst, BulkPipe* bp) {
     const int lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, S = a.num_scales;
     // The small fields are loaded first: their latency overlaps the row's instead of adding to it.
@@ -115,6 +120,9 @@ __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c
 
     // hidden: read once, store to every destination
     const int4* src = a.x + (i64)tok * a.hidden_int4;
+    if (bp != nullptr) {
+        if (s_dst[a.rank] != 0) bulk_copy_row(reinterpret_cast<int4*>(s_dst[a.rank]), src, a.hidden_int4, *bp);
+    } else
     for (int i = lane; i < a.hidden_int4; i += 32 * DISPATCH_UNROLL) {
         int4 v[DISPATCH_UNROLL];
 #pragma unroll
@@ -236,7 +244,7 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
                         const int v = __shfl_sync(FULL_MASK, slot[r], l);
                         if (lane == r) my_slot = v;
                     }
-                    dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst);
+                    dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst, nullptr);
                 }
             }
         }
@@ -268,7 +276,8 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n) {
     }
 }
 
-__device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq) {
+// bp: this warp's bulk-copy pipe (COMMLIB_DISPATCH_BULK), else nullptr.
+__device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, BulkPipe* bp) {
     __shared__ int s_src[COMMLIB_MAX_RANKS], s_off[COMMLIB_MAX_RANKS + 1], s_base[COMMLIB_MAX_RANKS];
     const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
     const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk, S = a.num_scales;
@@ -297,7 +306,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq) {
                 const int l = __ffs(mine) - 1;
                 mine &= mine - 1;
                 dispatch_copy_token(a, c, sb + l, 1u << me, __shfl_sync(FULL_MASK, slot, l), local_base,
-                                    s_dst_all[warp]);
+                                    s_dst_all[warp], bp);
             }
         }
     }
@@ -337,7 +346,12 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq) {
             id = __ldcg(meta + 1 + lane);
             wv = __ldcg(reinterpret_cast<const float*>(meta) + 1 + K + lane);
         }
-        copy_row(a.recv_x + (i64)row * a.hidden_int4, reinterpret_cast<const int4*>(slot), a.hidden_int4);
+        if (bp != nullptr) {  // the rows were acquired through the tail flag (generic proxy)
+            if (lane == 0) bulk_fence_after_acquire();
+            bulk_copy_row(a.recv_x + (i64)row * a.hidden_int4, reinterpret_cast<const int4*>(slot), a.hidden_int4, *bp);
+        } else {
+            copy_row(a.recv_x + (i64)row * a.hidden_int4, reinterpret_cast<const int4*>(slot), a.hidden_int4);
+        }
         if (lane < S) a.recv_x_scales[(i64)row * S + lane] = sc0;
         if (lane + 32 < S) a.recv_x_scales[(i64)row * S + lane + 32] = sc1;
         for (int k = lane + 64; k < S; k += 32) a.recv_x_scales[(i64)row * S + k] = __ldcg(scales + k);
@@ -347,6 +361,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq) {
             if (a.recv_topk_weights != nullptr) a.recv_topk_weights[(i64)row * K + lane] = wv;
         }
     }
+    if (bp != nullptr && lane == 0) bulk_wait_writes();  // the bulk stores of recv_x are done
     __syncthreads();  // all slots of this channel are read: hand them back to the senders
     if (warp == 0 && lane < R && lane != me)
         st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_DISPATCH_DONE, me * COMMLIB_MAX_CHANNELS + c), seq);
@@ -376,6 +391,14 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
     if (smids != nullptr && threadIdx.x == 0) smids[blockIdx.x] = get_smid();
     const int role = blockIdx.x & 1;  // 0 = sender, 1 = receiver
     const int num_pairs = gridDim.x >> 1;
+    BulkPipe pipe, *bp = nullptr;
+#if COMMLIB_DISPATCH_BULK
+    extern __shared__ __align__(128) unsigned char dyn_smem[];  // COMMLIB_BULK_SMEM bytes
+    if (role == 1) {
+        pipe = bulk_pipe_init(dyn_smem);
+        bp = &pipe;
+    }
+#endif
     // num_worst_tokens calls cannot raise on the host: if the count exchange found bad input on any
     // rank (every rank sees the same word), nothing moves, every row is padding, and the sequence
     // counters stay put, exactly as if the call had not happened (the rejecting rank never ran it).
@@ -389,7 +412,7 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
         __syncthreads();
         const u64 seq = s_seq;
         if (role == 0) dispatch_send(a, c, seq);
-        else dispatch_recv(a, c, seq);
+        else dispatch_recv(a, c, seq, bp);
         __syncthreads();
         if (threadIdx.x == 0) seq_counters[COMMLIB_SEQ_INDEX(COMMLIB_SEQ_DISPATCH, role, c)] = seq;
     }

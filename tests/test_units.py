@@ -141,6 +141,13 @@ def test_kernel_variant_parse_and_set():
             K.set_variant({"NO_SUCH_KNOB": 1})
         with pytest.raises(ValueError, match="COMM_CLUSTER"):  # the grid is only known to be even
             K.set_variant({"COMM_CLUSTER": 4})
+        for bad in ({"DISPATCH_BULK": 2}, {"BULK_CHUNK": 1000}, {"BULK_CHUNK": 4096}):  # 4096: too much smem
+            with pytest.raises(ValueError):
+                K.set_variant(bad)
+        assert K.dynamic_smem("dispatch") == 0
+        K.set_variant({"DISPATCH_BULK": 1})
+        assert 48 * 1024 < K.dynamic_smem("dispatch") <= K.MAX_DYNAMIC_SMEM and K.dynamic_smem("combine") == 0
+        assert "-DCOMMLIB_DISPATCH_BULK=1" in K.options(False)
     finally:
         K.set_variant(None)
     assert K.variant() == K.DEFAULT_VARIANT

@@ -311,7 +311,8 @@ class NVLinkBackend(Backend):
                   K.i32(self._round(req.config.num_max_nvl_chunked_send_tokens, "dispatch")), K.i32(flags),
                   # with num_worst_tokens the host never sees the counts: the kernel checks the error word
                   K.u64(counts.data_ptr() + 4 * K.HOST_COUNTS["bad_rank"]) if (counts is not None and worst) else K.u64(0),
-                  K.ptr(self.seq_counters), self._smid_ptr("dispatch", num_sms), K.u64(self.timeout_ns)))
+                  K.ptr(self.seq_counters), self._smid_ptr("dispatch", num_sms), K.u64(self.timeout_ns)),
+                 shared_mem=K.dynamic_smem("dispatch"))
 
         if cached:
             handle = req.handle

@@ -291,7 +291,7 @@ class _Launcher:
         self.handle = int(getattr(self.fn, "ptr", 0) or 0)
         smem = dynamic_smem(family)
         if smem > 48 * 1024:  # above the default limit: opt in once per function
-            _set_max_dynamic_smem(self.handle, smem)
+            _set_max_dynamic_smem(self.handle, smem, device)
         codes = kernel_signature(family, name)
         self.fmt = struct.Struct("@" + codes)
         self.count = len(codes)
@@ -302,18 +302,23 @@ class _Launcher:
                           "d": np.float64}[c] for c in codes]
 
 
-def _set_max_dynamic_smem(handle: int, nbytes: int) -> None:
-    attr = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    try:
-        cupy().cuda.driver.funcSetAttribute(handle, attr, nbytes)
-        return
-    except AttributeError:
-        pass
+def _set_max_dynamic_smem(handle: int, nbytes: int, device: int) -> None:
+    """Opt a kernel in to ``nbytes`` of dynamic shared memory. CuPy may hand out a CUfunction (module
+    API) or a context-free CUkernel (library API): cuFuncSetAttribute takes the first, cuKernelSetAttribute
+    the second, so try both."""
     import ctypes
 
-    rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(handle), attr, nbytes)
-    if rc:
-        raise RuntimeError(f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) failed ({rc})")
+    attr = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    lib = ctypes.CDLL("libcuda.so.1")
+    rc = lib.cuFuncSetAttribute(ctypes.c_void_p(handle), ctypes.c_int(attr), ctypes.c_int(nbytes))
+    if rc == 0:
+        return
+    dev = ctypes.c_int()
+    rc_dev = lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device))
+    rc2 = rc_dev or lib.cuKernelSetAttribute(ctypes.c_int(attr), ctypes.c_int(nbytes), ctypes.c_void_p(handle), dev)
+    if rc2:
+        raise RuntimeError(f"could not allow {nbytes} bytes of dynamic shared memory: cuFuncSetAttribute -> {rc}, "
+                           f"cuKernelSetAttribute -> {rc2}")
 
 
 _launchers: dict = {}

@@ -291,7 +291,10 @@ class _Launcher:
         self.handle = int(getattr(self.fn, "ptr", 0) or 0)
         smem = dynamic_smem(family)
         if smem > 48 * 1024:  # above the default limit: opt in once per function
-            _set_max_dynamic_smem(self.handle, smem, device)
+            if hasattr(self.fn, "max_dynamic_shared_size_bytes"):  # CuPy's RawKernel (get_function, CuPy 14)
+                self.fn.max_dynamic_shared_size_bytes = smem
+            else:
+                _set_max_dynamic_smem(self.handle, smem, device)
         codes = kernel_signature(family, name)
         self.fmt = struct.Struct("@" + codes)
         self.count = len(codes)

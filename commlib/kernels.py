@@ -290,11 +290,8 @@ class _Launcher:
         self.fn = _function(family, name, plain, device)
         self.handle = int(getattr(self.fn, "ptr", 0) or 0)
         smem = dynamic_smem(family)
-        if smem > 48 * 1024:  # above the default limit: opt in once per function
-            if hasattr(self.fn, "max_dynamic_shared_size_bytes"):  # CuPy's RawKernel (get_function, CuPy 14)
-                self.fn.max_dynamic_shared_size_bytes = smem
-            else:
-                _set_max_dynamic_smem(self.handle, smem, device)
+        if smem > 48 * 1024:  # above the default limit: opt in once (get_function gives a RawKernel)
+            self.fn.max_dynamic_shared_size_bytes = smem
         codes = kernel_signature(family, name)
         self.fmt = struct.Struct("@" + codes)
         self.count = len(codes)
@@ -303,25 +300,6 @@ class _Launcher:
         self.params = (ctypes.c_void_p * max(1, len(codes)))(*[base + o for o in param_offsets(codes)])
         self.np_types = [{"i": np.int32, "I": np.uint32, "q": np.int64, "Q": np.uint64, "f": np.float32,
                           "d": np.float64}[c] for c in codes]
-
-
-def _set_max_dynamic_smem(handle: int, nbytes: int, device: int) -> None:
-    """Opt a kernel in to ``nbytes`` of dynamic shared memory. CuPy may hand out a CUfunction (module
-    API) or a context-free CUkernel (library API): cuFuncSetAttribute takes the first, cuKernelSetAttribute
-    the second, so try both."""
-    import ctypes
-
-    attr = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    lib = ctypes.CDLL("libcuda.so.1")
-    rc = lib.cuFuncSetAttribute(ctypes.c_void_p(handle), ctypes.c_int(attr), ctypes.c_int(nbytes))
-    if rc == 0:
-        return
-    dev = ctypes.c_int()
-    rc_dev = lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device))
-    rc2 = rc_dev or lib.cuKernelSetAttribute(ctypes.c_int(attr), ctypes.c_int(nbytes), ctypes.c_void_p(handle), dev)
-    if rc2:
-        raise RuntimeError(f"could not allow {nbytes} bytes of dynamic shared memory: cuFuncSetAttribute -> {rc}, "
-                           f"cuKernelSetAttribute -> {rc2}")
 
 
 _launchers: dict = {}

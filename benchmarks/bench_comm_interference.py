@@ -63,13 +63,10 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(1024, 1) 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--comm-sms", type=int, default=4)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--ranks", type=int, default=2)
+    # the shape of bench_overlap's `balanced` preset (16384 tokens of 7168, 16 experts, top-2), 4 comm SMs
+    for flag, default in (("tokens", 16384), ("hidden", 7168), ("experts", 16), ("topk", 2), ("comm-sms", 4),
+                          ("iters", 10), ("ranks", 2)):
+        p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--kernel-variant", default="", metavar="KEY=V,...",
                    help="NVLink kernel build variant (commlib.kernels.DEFAULT_VARIANT keys) on every rank")
     p.add_argument("--json", default="")

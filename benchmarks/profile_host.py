@@ -59,7 +59,20 @@ def worker(ctx, a):
             fn()
         out.append(f"[profile] {name}: {(time.perf_counter() - t0) / a.calls * 1e6:.1f} us host per call (no profiler)")
         torch.cuda.synchronize()
+    out.append(launch_path())
     return "\n".join(out) if ctx.rank == 0 else None
+
+
+def launch_path() -> str:
+    """Which path the data kernels were launched through: the ctypes cuLaunchKernel one needs a
+    CUfunction handle (``.ptr``) from CuPy's get_function; without one every launch takes CuPy's."""
+    from commlib import kernels as K
+    kinds = sorted({type(lau.fn).__name__ for lau in K._launchers.values()})
+    with_handle = sum(1 for lau in K._launchers.values() if lau.handle)
+    fast = K._fast_launch and with_handle == len(K._launchers)
+    return (f"[profile] launch path: {'ctypes cuLaunchKernel' if fast else 'CuPy'} (COMMLIB_FAST_LAUNCH "
+            f"{int(K._fast_launch)}; {with_handle} of {len(K._launchers)} kernels have a handle; "
+            f"function objects: {', '.join(kinds)})")
 
 
 def main():

@@ -124,9 +124,10 @@ __device__ __forceinline__ void st_na_v4(int4* p, int4 v) {
 // ------------------------------------------------------------------------------------------------
 // Bulk row copies (TMA, cp.async.bulk): one lane of a warp moves a row global -> shared -> global in
 // COMMLIB_BULK_CHUNK-byte pieces, two pieces in flight per warp, so a 32-warp CTA keeps ~190 KB of a
-// local copy in flight instead of the ~64 KB its registers hold. The copy engine waits on memory,
-// not the warps: the rate of a comm SM depends less on the latency that memory-bound compute beside
-// it drives up (benchmarks/bench_comm_interference.py). Used where COMMLIB_*_BULK is 1.
+// local copy in flight instead of the ~64 KB its registers hold. The hope was a comm SM whose rate
+// depends less on the memory latency that memory-bound compute beside it drives up. Measured on
+// 2 x H200 (docs/pipeline.md): exact, but 6% slower alone and more sensitive to L2 / HBM traffic
+// (benchmarks/bench_comm_interference.py), so COMMLIB_DISPATCH_BULK stays 0.
 // ------------------------------------------------------------------------------------------------
 #ifndef COMMLIB_BULK_CHUNK
 #define COMMLIB_BULK_CHUNK 3072

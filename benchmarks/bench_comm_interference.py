@@ -191,10 +191,12 @@ def main(argv=None):
         print(f"  {k:12s} " + "  ".join(f"{op} {t:7.3f} ms x{ratios[k][op]:4.2f}" for op, t in v.items()) + note)
     if args.json:
         import torch
+
+        from commlib.bench import git_commit
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"benchmark": "bench_comm_interference", "device": torch.cuda.get_device_name(0),
-                       "git_commit": os.environ.get("COMMLIB_GIT_COMMIT"),
+                       "git_commit": git_commit()["commit"],
                        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                        "args": vars(args), "ms_per_call": rows, "ratio_to_alone": ratios,
                        "load_outlasted_timing": covered}, f, indent=1)

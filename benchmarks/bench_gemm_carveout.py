@@ -18,6 +18,11 @@ import sys
 
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from commlib.bench import git_commit  # noqa: E402
+
 COLUMNS = (("cublas", None), ("cublas", 4), ("cublas", 12), ("cublaslt", None), ("cublaslt", 4))
 HEADERS = ("default", "cv4", "cv12", "lt", "lt+cv4")
 
@@ -76,11 +81,11 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(1024, 1) 
 """
 
 
-def _time_beside(fn, spin, ctas: int, reps: int = 30):
-    """fn's mean time (us) while ``ctas`` CTAs of ``spin`` hold their SMs, and the SM ids they took."""
+def _time_beside(fn, spin, ctas: int, alone_us: float, reps: int = 30):
+    """fn's mean time (us) while ``ctas`` CTAs of ``spin`` hold their SMs, and the SM ids they took.
+    ``alone_us``: fn's time alone (fn is warm), which sizes how long the spinners hold on."""
     import cupy as cp
 
-    alone_us = _time_us(fn, reps)  # also the warm-up
     side = torch.cuda.Stream(priority=-1)
     smids = torch.zeros(ctas, dtype=torch.int32, device="cuda")
     ns = int((alone_us * reps * 4 + 5000) * 1e3)  # holds on well past the timed loop
@@ -114,8 +119,8 @@ def neighbour(counts) -> dict:
             for n in counts:
                 torch._C._set_sm_carveout_experimental(n)
                 alone = _time_us(fn)
-                plain, sm_plain = _time_beside(fn, spins["plain"], n)
-                pairs, sm_pairs = _time_beside(fn, spins["cluster2"], n)
+                plain, sm_plain = _time_beside(fn, spins["plain"], n, alone)
+                pairs, sm_pairs = _time_beside(fn, spins["cluster2"], n, alone)
                 row += [alone, plain, pairs]
                 rec[str(n)] = {"alone": alone, "beside_ctas": plain, "beside_pairs": pairs,
                                "smids_ctas": sm_plain, "smids_pairs": sm_pairs}
@@ -165,7 +170,7 @@ def _write(path, body: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"benchmark": "bench_gemm_carveout", "device": torch.cuda.get_device_name(0),
-                   "torch": torch.__version__, "git_commit": os.environ.get("COMMLIB_GIT_COMMIT"),
+                   "torch": torch.__version__, "git_commit": git_commit()["commit"],
                    "command": " ".join([os.path.basename(sys.executable)] + sys.argv), **body}, f, indent=1)
     print(f"[gemm_carveout] wrote {path}")
 

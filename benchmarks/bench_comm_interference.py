@@ -13,6 +13,10 @@ pairs. Each row: mean time of a cached dispatch and of a combine (CUDA events, s
 their ratios to the alone times. If ``fma`` costs nothing and ``hbm`` / ``gemm`` cost what the pipeline loses,
 the loss is the memory system's latency, not the SMs.
 
+With ``--kernel-variant COMM_TRACE=1`` each row also splits the last call of each op by role (mean
+over CTAs, slowest rank): when the senders and the receivers finished their own work and when they
+ended (with SHARE_WORK=1 a sender ends after the receiver rows it took over).
+
 Run (GPUs, spawns 2 ranks): python3 benchmarks/bench_comm_interference.py [--comm-sms 4]
     [--kernel-variant KEY=V,...] [--json PATH]
 """
@@ -73,6 +77,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def role_times(trace) -> dict:
+    """Per-CTA (start, own work done, end) points of one launch -> mean us per role from the launch's start."""
+    t0 = min(p[0] for p in trace)
+    out = {}
+    for role, name in ((0, "sender"), (1, "receiver")):
+        pts = [p for i, p in enumerate(trace) if i % 2 == role]
+        out[f"{name}_own_us"] = sum(p[1] - t0 for p in pts) / len(pts) / 1e3
+        out[f"{name}_end_us"] = sum(p[2] - t0 for p in pts) / len(pts) / 1e3
+    return out
+
+
 def _worker(ctx, args):
     import cupy as cp
     import torch
@@ -83,7 +98,9 @@ def _worker(ctx, args):
     from commlib.buffer import Buffer
     from commlib.config import Config
 
-    K.set_variant(K.parse_variant(args.kernel_variant))
+    tracing = bool(K.set_variant(K.parse_variant(args.kernel_variant))["COMM_TRACE"])
+    if tracing:
+        os.environ["COMMLIB_DEBUG_SMID"] = "1"  # the trace buffer is allocated with the Buffer
     R, me, dev, group = ctx.world_size, ctx.rank, ctx.device, ctx.group
     T, H, E = args.tokens, args.hidden, args.experts
     n = args.comm_sms
@@ -111,7 +128,9 @@ def _worker(ctx, args):
     side = torch.cuda.Stream(device=dev, priority=0)
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
-    def timed():
+    traces = {}
+
+    def timed(row: str):
         """{op: mean ms}, and the event recorded after the last timed call."""
         out = {}
         for name, op in ops.items():
@@ -124,6 +143,8 @@ def _worker(ctx, args):
             end.record()
             end.synchronize()
             out[name] = start.elapsed_time(end) / args.iters
+            if tracing:
+                traces.setdefault(row, {})[name] = role_times(buf.backend.last_trace(name))
         return out, end
 
     def with_load(kind: str, alone: dict):
@@ -156,7 +177,7 @@ def _worker(ctx, args):
             load_end = torch.cuda.Event(enable_timing=True)
             load_end.record()
         torch.cuda._sleep(1_000_000)  # the load is resident before the first comm kernel is queued
-        ms, end = timed()
+        ms, end = timed(kind)
         torch.cuda.synchronize()
         return ms, end.elapsed_time(load_end) > 0
 
@@ -165,7 +186,7 @@ def _worker(ctx, args):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return dict(zip(v, t.tolist()))
 
-    alone = slowest(timed()[0])
+    alone = slowest(timed("alone")[0])
     rows, covered = {"alone": alone}, {}
     for kind in LOADS[1:]:
         ms, ok = with_load(kind, alone)
@@ -173,15 +194,16 @@ def _worker(ctx, args):
         flag = torch.tensor([int(ok)], device=dev)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         covered[kind] = bool(flag.item())
-    rows["alone_again"] = slowest(timed()[0])
+    rows["alone_again"] = slowest(timed("alone_again")[0])
+    split = {row: {op: slowest(t) for op, t in v.items()} for row, v in traces.items()}
     buf.destroy()
-    return rows, covered
+    return rows, covered, split
 
 
 def main(argv=None):
     args = parse_args(argv)
     from commlib.launch import parallel_launch
-    rows, covered = parallel_launch(args.ranks, _worker, args, use_gpu=True)
+    rows, covered, split = parallel_launch(args.ranks, _worker, args, use_gpu=True)
     base = rows["alone"]
     print(f"[interference] {args.tokens} tokens x {args.hidden}, {args.comm_sms} comm SMs, {args.ranks} ranks, "
           f"variant {args.kernel_variant or 'default'} (ms per call, slowest rank)")
@@ -189,6 +211,9 @@ def main(argv=None):
     for k, v in rows.items():
         note = "" if covered.get(k, True) else "  (NOT VALID: the load ended before the timing did)"
         print(f"  {k:12s} " + "  ".join(f"{op} {t:7.3f} ms x{ratios[k][op]:4.2f}" for op, t in v.items()) + note)
+        for op, t in split.get(k, {}).items():
+            print(f"  {'':12s}   {op} by role (us from launch): sender own {t['sender_own_us']:7.0f} end "
+                  f"{t['sender_end_us']:7.0f}, receiver own {t['receiver_own_us']:7.0f} end {t['receiver_end_us']:7.0f}")
     if args.json:
         import torch
 
@@ -199,7 +224,7 @@ def main(argv=None):
                        "git_commit": git_commit()["commit"],
                        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                        "args": vars(args), "ms_per_call": rows, "ratio_to_alone": ratios,
-                       "load_outlasted_timing": covered}, f, indent=1)
+                       "load_outlasted_timing": covered, "role_split_last_call": split}, f, indent=1)
         print(f"[interference] wrote {args.json}")
 
 

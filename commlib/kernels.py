@@ -44,6 +44,8 @@ HOST_COUNTS_EXPERT = HOST_COUNTS["expert"]   # HC_* in notify.cu
 NOTIFY_REJECTED = 0x40000000                 # REJECTED in notify.cu
 NOTIFY_SIG_WORDS = 7                         # COMMLIB_NW_SIG_WORDS: what ranks must agree on (notify.cu)
 NUM_SEQ_COUNTERS = 3 * 2 * MAX_CHANNELS      # [kind][role][channel]
+TRACE_OFFSET_WORDS = 256                     # COMMLIB_TRACE_OFFSET_WORDS: int32 %smid words before the trace
+TRACE_POINTS = 3                             # COMMLIB_TRACE_POINTS: u64 %globaltimer points per CTA
 LAYOUT_THREADS = 256
 NOTIFY_THREADS = 512
 # Compile-time knobs of the data kernels (each set is its own cached build). The defaults are what
@@ -63,6 +65,9 @@ DEFAULT_VARIANT = {
     "BULK_CHUNK": 3072,           # bytes per bulk piece; two per warp (dynamic shared memory: dynamic_smem())
     "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
                                   # 2x1-cluster persistent GEMMs beside them keep their SMs (common.cuh; 1: plain)
+    "SHARE_WORK": 0,              # 1: a channel's sender, once done, takes the receiver's rows from a counter in
+                                  # the cluster's shared memory (needs COMM_CLUSTER 2; common.cuh)
+    "COMM_TRACE": 0,              # 1: dispatch / combine record %globaltimer points per CTA (COMMLIB_DEBUG_SMID=1)
     "LL_TRACE": 0,                # 1: low-latency kernels record %globaltimer points (csrc/low_latency.cu)
     "LL_PARTS": 1,                # low-latency dispatch: CTAs sharing a token row (2 measured 1.3 us slower)
     "LL_FENCE": 1,                # low-latency dispatch: 1 fence.acq_rel.sys before its arrivals, 0 fence.sc.sys
@@ -122,8 +127,12 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     merged.update({k: int(v) for k, v in (overrides or {}).items()})
     if merged["COMM_CLUSTER"] not in (1, 2):  # the grid (Config.num_sms) is only known to be even
         raise ValueError(f"COMM_CLUSTER must be 1 or 2, got {merged['COMM_CLUSTER']}")
-    if merged["DISPATCH_BULK"] not in (0, 1):
-        raise ValueError(f"DISPATCH_BULK must be 0 or 1, got {merged['DISPATCH_BULK']}")
+    for key in ("DISPATCH_BULK", "SHARE_WORK", "COMM_TRACE"):
+        if merged[key] not in (0, 1):
+            raise ValueError(f"{key} must be 0 or 1, got {merged[key]}")
+    if merged["SHARE_WORK"] and merged["COMM_CLUSTER"] != 2:
+        raise ValueError("SHARE_WORK=1 needs COMM_CLUSTER=2 (the sender reaches the receiver's counter "
+                         "through the cluster's shared memory)")
     chunk = merged["BULK_CHUNK"]
     if chunk <= 0 or chunk % 16 or _bulk_bytes(chunk) > MAX_DYNAMIC_SMEM:
         raise ValueError(f"BULK_CHUNK must be a positive multiple of 16 with {_bulk_bytes(chunk)} <= "
@@ -191,6 +200,8 @@ def options(plain: bool, knobs: Optional[dict] = None) -> tuple:
         "COMMLIB_PLAIN": int(plain),
         "COMMLIB_MAX_RANKS": MAX_RANKS,
         "COMMLIB_MAX_CHANNELS": MAX_CHANNELS,
+        "COMMLIB_TRACE_OFFSET_WORDS": TRACE_OFFSET_WORDS,
+        "COMMLIB_TRACE_POINTS": TRACE_POINTS,
     })
     defines.update({f"COMMLIB_{k}": v for k, v in (knobs if knobs is not None else _variant).items()})
     return ("-std=c++17", "--gpu-architecture=sm_90") + tuple(f"-D{k}={v}" for k, v in defines.items())

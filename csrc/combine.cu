@@ -123,7 +123,9 @@ __device__ __forceinline__ void load_vectors(int4 (&v)[COMBINE_SUM_UNROLL], cons
         v[u] = (i + u * 32 < n) ? ld_nc_v4(p + i + u * 32) : make_int4(0, 0, 0, 0);
 }
 
-__device__ void combine_recv(const CombineArgs& a, int c, u64 seq) {
+// Tokens of channel c, taken from `work`: sum each token's rows into combined_x. The whole CTA
+// calls it: the receiver, and (COMMLIB_SHARE) the sender once its own rounds are published.
+__device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkItems work) {
     __shared__ u64 s_row_all[32][COMMLIB_MAX_RANKS];  // per warp: row pointer of each rank
     __shared__ u64 s_w_all[32][COMMLIB_MAX_RANKS];    // per warp: weights pointer of each rank
     const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
@@ -142,7 +144,7 @@ __device__ void combine_recv(const CombineArgs& a, int c, u64 seq) {
     const WaitSite site = {"combine", "combine tail (sender progress)", me, c, true};
     u32 ready = 0;  // lane r: rows of rank r acquired so far
 
-    for (int t = start + warp; t < end; t += num_warps) {
+    for (int t = start + take_item(work); t < end; t = start + take_item(work)) {
         const int h = lane < R ? __ldg(a.send_head + (i64)t * R + lane) : -1;
         const bool valid = h >= 0;
         const u32 vmask = __ballot_sync(FULL_MASK, valid);
@@ -227,9 +229,20 @@ __device__ void combine_recv(const CombineArgs& a, int c, u64 seq) {
         if (a.combined_topk_weights != nullptr && lane < K) a.combined_topk_weights[(i64)t * K + lane] = wsum;
         __syncwarp();  // s_row / s_w are rewritten by the next token
     }
-    __syncthreads();  // every slot of this channel is read: hand them back to the senders
-    if (warp == 0 && lane < R && lane != me)
-        st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_COMBINE_DONE, me * COMMLIB_MAX_CHANNELS + c), seq);
+}
+
+// Receiver CTA of channel c: the tokens, then the slots go back to the senders.
+__device__ void combine_recv(const CombineArgs& a, int c, u64 seq, WorkItems work, u32* smids) {
+    const int warp = warp_id(), lane = lane_id();
+    combine_recv_tokens(a, c, seq, work);
+    trace_point(smids, 1);
+    __syncthreads();
+#if COMMLIB_SHARE
+    cluster_sync();  // the sender's tokens are done too
+#endif
+    // every slot of this channel is read: hand them back to the senders
+    if (warp == 0 && lane < a.num_ranks && lane != a.rank)
+        st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_COMBINE_DONE, a.rank * COMMLIB_MAX_CHANNELS + c), seq);
 }
 
 extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_COMBINE_THREADS, COMMLIB_COMBINE_MIN_BLOCKS) combine_kernel(
@@ -248,13 +261,30 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_COMBIN
     if (smids != nullptr && threadIdx.x == 0) smids[blockIdx.x] = get_smid();
     const int role = blockIdx.x & 1;
     const int num_pairs = gridDim.x >> 1;
+    trace_point(smids, 0);
     for (int c = blockIdx.x >> 1; c < num_channels; c += num_pairs) {
         if (threadIdx.x == 0) s_seq = read_seq(seq_counters, COMMLIB_SEQ_COMBINE, role, c);
+        WorkItems work = {0u, warp_id(), (int)(blockDim.x >> 5)};
+#if COMMLIB_SHARE
+        __shared__ u32 s_work;  // the channel's next token (used in the receiver CTA)
+        if (role == 1 && threadIdx.x == 0) s_work = 0;
+        work.counter = cluster_shared_addr(&s_work, 1);
+        cluster_sync();  // the counter is reset before either CTA takes a token
+#endif
         __syncthreads();
         const u64 seq = s_seq;
-        if (role == 0) combine_send(a, c, seq);
-        else combine_recv(a, c, seq);
+        if (role == 0) {
+            combine_send(a, c, seq);
+            trace_point(smids, 1);
+#if COMMLIB_SHARE
+            combine_recv_tokens(a, c, seq, work);
+            cluster_sync();  // pairs with the receiver's, before it hands the slots back
+#endif
+        } else {
+            combine_recv(a, c, seq, work, smids);
+        }
         __syncthreads();
         if (threadIdx.x == 0) seq_counters[COMMLIB_SEQ_INDEX(COMMLIB_SEQ_COMBINE, role, c)] = seq;
     }
+    trace_point(smids, 2);
 }

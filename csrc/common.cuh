@@ -425,6 +425,69 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
 __device__ __forceinline__ u32 lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
 
+// ------------------------------------------------------------------------------------------------
+// Work shared by a channel's two CTAs (COMMLIB_SHARE_WORK, needs COMMLIB_COMM_CLUSTER 2)
+// ------------------------------------------------------------------------------------------------
+// A receiver moves about twice the bytes of its sender: it copies the local half as well as the
+// received rows (dispatch), or reads every contributing row of a token (combine), while its sender
+// only reads the rows it pushes. With sharing, the receiver's rows are items taken from a counter in
+// the receiver CTA's shared memory, and the sender CTA, once its last round is published, takes
+// items from the same counter through the cluster's shared-memory window. Each item is done by
+// exactly one warp with the receiver's code, so results do not depend on who did it. A cluster
+// barrier after the items (release / acquire) orders both CTAs' reads of the staging slots before
+// the receiver hands them back to the senders.
+#ifndef COMMLIB_SHARE_WORK
+#define COMMLIB_SHARE_WORK 0
+#endif
+#define COMMLIB_SHARE (COMMLIB_SHARE_WORK && COMMLIB_COMM_CLUSTER == 2)
+
+// All threads of both CTAs of the cluster; memory before it is visible to the other CTA after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Address of shared variable p of CTA `cta` of this cluster, in the cluster's shared window.
+__device__ __forceinline__ u32 cluster_shared_addr(const void* p, u32 cta) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(cta));
+    return r;
+}
+
+// A warp's source of work items: a shared counter (counter != 0: cluster shared address, one
+// atomic per item, taken by lane 0) or a fixed stride (first = warp, step = warps of the CTA).
+struct WorkItems {
+    u32 counter;
+    int next, step;
+};
+__device__ __forceinline__ int take_item(WorkItems& w) {
+    if (w.counter == 0) {
+        const int v = w.next;
+        w.next += w.step;
+        return v;
+    }
+    int v = 0;
+    if ((threadIdx.x & 31) == 0)
+        asm volatile("atom.shared::cluster.add.u32 %0, [%1], 1;" : "=r"(v) : "r"(w.counter) : "memory");
+    return __shfl_sync(FULL_MASK, v, 0);
+}
+
+// COMMLIB_COMM_TRACE 1: the data kernels also record %globaltimer points per CTA, after the
+// %smid words of the debug buffer (nvlink.py last_trace): [CTA][start, own work done, end].
+#ifndef COMMLIB_COMM_TRACE
+#define COMMLIB_COMM_TRACE 0
+#endif
+#ifndef COMMLIB_TRACE_OFFSET_WORDS      // kernels.py passes both
+#define COMMLIB_TRACE_OFFSET_WORDS 256  // u32 words of %smid before the trace
+#define COMMLIB_TRACE_POINTS 3
+#endif
+__device__ __forceinline__ void trace_point(u32* smids, int point) {
+#if COMMLIB_COMM_TRACE
+    if (smids != nullptr && threadIdx.x == 0)
+        reinterpret_cast<u64*>(smids + COMMLIB_TRACE_OFFSET_WORDS)[blockIdx.x * COMMLIB_TRACE_POINTS + point] =
+            global_timer_ns();
+#endif
+}
+
 // Channel c owns tokens [c * per, min((c + 1) * per, T)) with per = ceil(T / C) (layout.channel_starts).
 __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int c, int* start, int* end) {
     const int per = (num_tokens + num_channels - 1) / num_channels;

@@ -276,45 +276,22 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n) {
     }
 }
 
-// bp: this warp's bulk-copy pipe (COMMLIB_DISPATCH_BULK), else nullptr.
-__device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, BulkPipe* bp) {
+// The rows of channel c that remote ranks sent here: staging slots -> recv_x, items from `work`.
+// The whole CTA calls it: the receiver after its local half, and (COMMLIB_SHARE) the sender once
+// its own rounds are published. bp: this warp's bulk-copy pipe (COMMLIB_DISPATCH_BULK), else nullptr.
+__device__ void dispatch_recv_remote(const DispatchArgs& a, int c, u64 seq, BulkPipe* bp, WorkItems work) {
     __shared__ int s_src[COMMLIB_MAX_RANKS], s_off[COMMLIB_MAX_RANKS + 1], s_base[COMMLIB_MAX_RANKS];
-    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int lane = lane_id();
     const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk, S = a.num_scales;
     const u64 own = a.peer_bases[me];
-    const int* rpm = a.rank_prefix_matrix;
     if (threadIdx.x == 0)  // remote sources, starting after me so ranks do not all read the same source first
-        channel_remote_rows(rpm, a.recv_channel_prefix_matrix, R, C, me, c, s_src, s_off, s_base);
+        channel_remote_rows(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, C, me, c, s_src, s_off, s_base);
     __syncthreads();
     const int num_items = s_off[R - 1];
     const WaitSite site = {"dispatch", "dispatch tail (sender progress)", me, c, true};
-#if COMMLIB_LOCAL_IN_RECEIVER
-    {   // the local half first (no waiting): tokens of this channel that stay here, x -> recv_x
-        __shared__ u64 s_dst_all[32][COMMLIB_MAX_RANKS];
-        int start, end;
-        channel_range(a.num_tokens, C, c, &start, &end);
-        const int local_base = rows_before(rpm, R, me, me) + a.channel_prefix_matrix[me * C + c];
-        int count = 0;
-        for (int sb = start; sb < end; sb += 32) {
-            const int t = sb + lane;
-            const bool in = t < end && a.is_token_in_rank[(i64)t * R + me] != 0;
-            const u32 m = __ballot_sync(FULL_MASK, in);
-            const int slot = count + __popc(m & lanemask_lt());
-            count += __popc(m);
-            u32 mine = __ballot_sync(FULL_MASK, in && slot % num_warps == warp);
-            while (mine) {
-                const int l = __ffs(mine) - 1;
-                mine &= mine - 1;
-                dispatch_copy_token(a, c, sb + l, 1u << me, __shfl_sync(FULL_MASK, slot, l), local_base,
-                                    s_dst_all[warp], bp);
-            }
-        }
-    }
-#endif
-
     int j = 0;
-    u32 ready = 0;  // this lane's last acquired count for source s_src[j]
-    for (int item = warp; item < num_items; item += num_warps) {
+    u32 ready = 0;  // this lane's last acquired count for source s_src[j] (items come in rising order)
+    for (int item = take_item(work); item < num_items; item = take_item(work)) {
         int jj = j;
         while (item >= s_off[jj + 1]) ++jj;
         if (jj != j) { j = jj; ready = 0; }
@@ -362,7 +339,44 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
         }
     }
     if (bp != nullptr && lane == 0) bulk_wait_writes();  // the bulk stores of recv_x are done
-    __syncthreads();  // all slots of this channel are read: hand them back to the senders
+}
+
+// Receiver CTA of channel c: the local half (x -> recv_x, COMMLIB_LOCAL_IN_RECEIVER), the remote
+// rows, then the slots go back to the senders and rows past the received count are padded.
+__device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, BulkPipe* bp, WorkItems work, u32* smids) {
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int R = a.num_ranks, C = a.num_channels, me = a.rank;
+    const int* rpm = a.rank_prefix_matrix;
+#if COMMLIB_LOCAL_IN_RECEIVER
+    {   // the local half first (no waiting): tokens of this channel that stay here, x -> recv_x
+        __shared__ u64 s_dst_all[32][COMMLIB_MAX_RANKS];
+        int start, end;
+        channel_range(a.num_tokens, C, c, &start, &end);
+        const int local_base = rows_before(rpm, R, me, me) + a.channel_prefix_matrix[me * C + c];
+        int count = 0;
+        for (int sb = start; sb < end; sb += 32) {
+            const int t = sb + lane;
+            const bool in = t < end && a.is_token_in_rank[(i64)t * R + me] != 0;
+            const u32 m = __ballot_sync(FULL_MASK, in);
+            const int slot = count + __popc(m & lanemask_lt());
+            count += __popc(m);
+            u32 mine = __ballot_sync(FULL_MASK, in && slot % num_warps == warp);
+            while (mine) {
+                const int l = __ffs(mine) - 1;
+                mine &= mine - 1;
+                dispatch_copy_token(a, c, sb + l, 1u << me, __shfl_sync(FULL_MASK, slot, l), local_base,
+                                    s_dst_all[warp], bp);
+            }
+        }
+    }
+#endif
+    dispatch_recv_remote(a, c, seq, bp, work);
+    trace_point(smids, 1);
+    __syncthreads();
+#if COMMLIB_SHARE
+    cluster_sync();  // the sender's items are done too
+#endif
+    // all slots of this channel are read: hand them back to the senders
     if (warp == 0 && lane < R && lane != me)
         st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_DISPATCH_DONE, me * COMMLIB_MAX_CHANNELS + c), seq);
 
@@ -407,13 +421,30 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
             for (int c = blockIdx.x >> 1; c < num_channels; c += num_pairs) dispatch_pad(a, c, 0);
         return;
     }
+    trace_point(smids, 0);
     for (int c = blockIdx.x >> 1; c < num_channels; c += num_pairs) {
         if (threadIdx.x == 0) s_seq = read_seq(seq_counters, COMMLIB_SEQ_DISPATCH, role, c);
+        WorkItems work = {0u, warp_id(), (int)(blockDim.x >> 5)};
+#if COMMLIB_SHARE
+        __shared__ u32 s_work;  // the channel's next remote item (used in the receiver CTA)
+        if (role == 1 && threadIdx.x == 0) s_work = 0;
+        work.counter = cluster_shared_addr(&s_work, 1);
+        cluster_sync();  // the counter is reset before either CTA takes an item
+#endif
         __syncthreads();
         const u64 seq = s_seq;
-        if (role == 0) dispatch_send(a, c, seq);
-        else dispatch_recv(a, c, seq, bp);
+        if (role == 0) {
+            dispatch_send(a, c, seq);
+            trace_point(smids, 1);
+#if COMMLIB_SHARE
+            dispatch_recv_remote(a, c, seq, nullptr, work);
+            cluster_sync();  // pairs with the receiver's, before it hands the slots back
+#endif
+        } else {
+            dispatch_recv(a, c, seq, bp, work, smids);
+        }
         __syncthreads();
         if (threadIdx.x == 0) seq_counters[COMMLIB_SEQ_INDEX(COMMLIB_SEQ_DISPATCH, role, c)] = seq;
     }
+    trace_point(smids, 2);
 }

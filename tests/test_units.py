@@ -141,9 +141,14 @@ def test_kernel_variant_parse_and_set():
             K.set_variant({"NO_SUCH_KNOB": 1})
         with pytest.raises(ValueError, match="COMM_CLUSTER"):  # the grid is only known to be even
             K.set_variant({"COMM_CLUSTER": 4})
-        for bad in ({"DISPATCH_BULK": 2}, {"BULK_CHUNK": 1000}, {"BULK_CHUNK": 4096}):  # 4096: too much smem
+        for bad in ({"DISPATCH_BULK": 2}, {"BULK_CHUNK": 1000}, {"BULK_CHUNK": 4096},  # 4096: too much smem
+                    {"SHARE_WORK": 2}, {"COMM_TRACE": -1}):
             with pytest.raises(ValueError):
                 K.set_variant(bad)
+        with pytest.raises(ValueError, match="SHARE_WORK=1 needs COMM_CLUSTER=2"):  # the counter is cluster smem
+            K.set_variant({"SHARE_WORK": 1, "COMM_CLUSTER": 1})
+        assert K.set_variant({"SHARE_WORK": 1})["SHARE_WORK"] == 1
+        assert "-DCOMMLIB_TRACE_POINTS=3" in K.options(False)
         assert K.dynamic_smem("dispatch") == 0
         K.set_variant({"DISPATCH_BULK": 1})
         assert 48 * 1024 < K.dynamic_smem("dispatch") <= K.MAX_DYNAMIC_SMEM and K.dynamic_smem("combine") == 0

@@ -103,8 +103,9 @@ class NVLinkBackend(Backend):
         self.peer_bases = self._mem.peer_bases
         self.seq_counters = torch.zeros(K.NUM_SEQ_COUNTERS, dtype=torch.int64, device=self.device)
         self._layout_scratch: dict = {}  # per stream: [ticket, error word] int32
-        self._smids = torch.full((len(SMID_KINDS), 256), -1, dtype=torch.int32, device=self.device) \
-            if env.debug_smid() else None
+        # per kind: %smid of up to 256 CTAs, then (kernel variant COMM_TRACE=1) 3 u64 trace points per CTA
+        self._smids = torch.full((len(SMID_KINDS), K.TRACE_OFFSET_WORDS + 256 * K.TRACE_POINTS * 2), -1,
+                                 dtype=torch.int32, device=self.device) if env.debug_smid() else None
         self._smid_grid = {kind: 0 for kind in SMID_KINDS}
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
         self._mem.all_opened(self.group, self.rank, self.num_ranks)
@@ -148,6 +149,20 @@ class NVLinkBackend(Backend):
             raise RuntimeError("last_smids needs COMMLIB_DEBUG_SMID=1 when the Buffer is created")
         n = self._smid_grid[kind]
         return self._smids[SMID_KINDS[kind], :n].tolist()
+
+    def last_trace(self, kind: str = "dispatch") -> list[tuple[int, int, int]]:
+        """Per CTA of the last ``kind`` launch: (start, own role's work done, end) in ns of %globaltimer.
+
+        Needs COMMLIB_DEBUG_SMID=1 when the Buffer is created and kernel variant COMM_TRACE=1; syncs.
+        Even CTAs are senders, odd ones receivers. With SHARE_WORK the sender's time from its second
+        point to its end is the receiver work it took over.
+        """
+        if self._smids is None:
+            raise RuntimeError("last_trace needs COMMLIB_DEBUG_SMID=1 when the Buffer is created")
+        n = self._smid_grid[kind]
+        words = self._smids[SMID_KINDS[kind], K.TRACE_OFFSET_WORDS:].view(torch.int64)
+        pts = words[: n * K.TRACE_POINTS].view(n, K.TRACE_POINTS).tolist()
+        return [tuple(p) for p in pts]
 
     def layout_error_count(self) -> int:
         """Top-k ids outside [-1, E) the layout kernel has seen so far (syncs)."""

@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from commlib import kernels as commlib_kernels
 from commlib import routing
 from commlib.buffer import Buffer
 from commlib.config import Config
@@ -356,6 +357,10 @@ def case_smid(ctx):
             ids = nv.backend.last_smids(kind)
             assert len(ids) == num_sms and min(ids) >= 0, f"{kind}: {ids}"
             assert len(set(ids)) <= num_sms, f"{kind}: {len(set(ids))} SMs for {num_sms} CTAs"
+            if commlib_kernels.variant()["COMM_TRACE"]:  # start <= own work done <= end on every CTA, within a second
+                trace = nv.backend.last_trace(kind)
+                assert len(trace) == num_sms, f"{kind}: {len(trace)} trace rows"
+                assert all(0 < a <= b <= c < a + 10 ** 9 for a, b, c in trace), f"{kind}: {trace}"
         if me == 0:
             print(f"[smid] num_sms={num_sms} dispatch SMs {sorted(set(nv.backend.last_smids('dispatch')))}",
                   flush=True)

@@ -65,8 +65,8 @@ DEFAULT_VARIANT = {
     "BULK_CHUNK": 3072,           # bytes per bulk piece; two per warp (dynamic shared memory: dynamic_smem())
     "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
                                   # 2x1-cluster persistent GEMMs beside them keep their SMs (common.cuh; 1: plain)
-    "SHARE_WORK": 0,              # 1: a channel's sender, once done, takes the receiver's rows from a counter in
-                                  # the cluster's shared memory (needs COMM_CLUSTER 2; common.cuh)
+    "SHARE_WORK": 1,              # a channel's sender, once done, takes the receiver's rows from a counter in the
+                                  # cluster's shared memory (needs COMM_CLUSTER 2; common.cuh); 0: each CTA its own
     "COMM_TRACE": 0,              # 1: dispatch / combine record %globaltimer points per CTA (COMMLIB_DEBUG_SMID=1)
     "LL_TRACE": 0,                # 1: low-latency kernels record %globaltimer points (csrc/low_latency.cu)
     "LL_PARTS": 1,                # low-latency dispatch: CTAs sharing a token row (2 measured 1.3 us slower)
@@ -130,6 +130,8 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     for key in ("DISPATCH_BULK", "SHARE_WORK", "COMM_TRACE"):
         if merged[key] not in (0, 1):
             raise ValueError(f"{key} must be 0 or 1, got {merged[key]}")
+    if merged["COMM_CLUSTER"] != 2 and "SHARE_WORK" not in (overrides or {}):
+        merged["SHARE_WORK"] = 0  # the default follows plain CTAs; asking for both is an error below
     if merged["SHARE_WORK"] and merged["COMM_CLUSTER"] != 2:
         raise ValueError("SHARE_WORK=1 needs COMM_CLUSTER=2 (the sender reaches the receiver's counter "
                          "through the cluster's shared memory)")

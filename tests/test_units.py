@@ -147,6 +147,7 @@ def test_kernel_variant_parse_and_set():
                 K.set_variant(bad)
         with pytest.raises(ValueError, match="SHARE_WORK=1 needs COMM_CLUSTER=2"):  # the counter is cluster smem
             K.set_variant({"SHARE_WORK": 1, "COMM_CLUSTER": 1})
+        assert K.set_variant({"COMM_CLUSTER": 1})["SHARE_WORK"] == 0  # the default follows plain CTAs
         assert K.set_variant({"SHARE_WORK": 1})["SHARE_WORK"] == 1
         assert "-DCOMMLIB_TRACE_POINTS=3" in K.options(False)
         assert K.dynamic_smem("dispatch") == 0

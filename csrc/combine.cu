@@ -91,6 +91,9 @@ __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
                 const float wv = (a.topk_weights != nullptr && lane < K) ? __ldg(a.topk_weights + (i64)row * K + lane) : 0.f;
                 const int4* src = a.x + (i64)row * a.hidden_int4;
                 int4* dst = reinterpret_cast<int4*>(slot);
+#if COMMLIB_ASYNC_DEPTH > 0
+                async_copy_row(dst, src, a.hidden_int4);
+#else
                 for (int v0 = lane; v0 < a.hidden_int4; v0 += 32 * COMBINE_COPY_UNROLL) {
                     int4 v[COMBINE_COPY_UNROLL];
 #pragma unroll
@@ -100,6 +103,7 @@ __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
                     for (int u = 0; u < COMBINE_COPY_UNROLL; ++u)
                         if (v0 + u * 32 < a.hidden_int4) st_na_v4(dst + v0 + u * 32, v[u]);
                 }
+#endif
                 if (a.topk_weights != nullptr && lane < K) reinterpret_cast<float*>(slot + a.slot_off_weights)[lane] = wv;
             }
         }
@@ -185,6 +189,42 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
         const int4* b0 = a.bias0 != nullptr ? a.bias0 + (i64)t * H4 : nullptr;
         const int4* b1 = a.bias1 != nullptr ? a.bias1 + (i64)t * H4 : nullptr;
         int4* out = a.combined_x + (i64)t * H4;
+#if COMMLIB_ASYNC_DEPTH > 0
+        {   // the token's rows in rank order, then the biases: one stream, vector-major
+            const int nk = __popc(vmask) + (b0 != nullptr) + (b1 != nullptr);
+            if (nk == 0) {  // a token that went nowhere: zeros, as the sum of nothing
+                for (int i = lane; i < H4; i += 32) st_na_v4(out + i, make_int4(0, 0, 0, 0));
+            } else {
+                const int4* srcs[COMMLIB_MAX_RANKS + 2];
+                int k = 0;
+#pragma unroll
+                for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+                    if ((vmask >> r) & 1u) srcs[k++] = reinterpret_cast<const int4*>(s_row[r]);
+                if (b0 != nullptr) srcs[k++] = b0;
+                if (b1 != nullptr) srcs[k++] = b1;
+                int ik = 0, iv = 0, ck = 0, cv = 0;  // the stream visits q in order: source ik of vector iv
+                float acc[8];
+                async_stream(lane_vectors(H4) * nk,
+                    [&](int) {
+                        const int4* p = srcs[ik] + lane + 32 * iv;
+                        if (++ik == nk) { ik = 0; ++iv; }
+                        return p;
+                    },
+                    [&](int, int4 v) {
+                        if (ck == 0) {
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+                        }
+                        acc_bf16x8(acc, v);
+                        if (++ck == nk) {
+                            st_na_v4(out + lane + 32 * cv, pack_bf16x8(acc));
+                            ck = 0;
+                            ++cv;
+                        }
+                    });
+            }
+        }
+#else
         for (int i = lane; i < H4; i += 32 * COMBINE_SUM_UNROLL) {
             float acc[COMBINE_SUM_UNROLL][8];
 #pragma unroll
@@ -226,6 +266,7 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
             for (int u = 0; u < COMBINE_SUM_UNROLL; ++u)
                 if (i + u * 32 < H4) st_na_v4(out + i + u * 32, pack_bf16x8(acc[u]));
         }
+#endif
         if (a.combined_topk_weights != nullptr && lane < K) a.combined_topk_weights[(i64)t * K + lane] = wsum;
         __syncwarp();  // s_row / s_w are rewritten by the next token
     }

@@ -123,6 +123,17 @@ __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c
     if (bp != nullptr) {
         if (s_dst[a.rank] != 0) bulk_copy_row(reinterpret_cast<int4*>(s_dst[a.rank]), src, a.hidden_int4, *bp);
     } else
+#if COMMLIB_ASYNC_DEPTH > 0
+    async_stream(lane_vectors(a.hidden_int4), [&](int q) { return src + lane + 32 * q; }, [&](int q, int4 v) {
+        u32 m = dmask;
+        while (m) {
+            const int r = __ffs(m) - 1;
+            m &= m - 1;
+            int4* dst = reinterpret_cast<int4*>(s_dst[r]);
+            if (dst != nullptr) st_na_v4(dst + lane + 32 * q, v);
+        }
+    });
+#else
     for (int i = lane; i < a.hidden_int4; i += 32 * DISPATCH_UNROLL) {
         int4 v[DISPATCH_UNROLL];
 #pragma unroll
@@ -139,6 +150,7 @@ __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c
                 if (i + u * 32 < a.hidden_int4) st_na_v4(dst + i + u * 32, v[u]);
         }
     }
+#endif
     // Small fields: plain stores (the round's release orders them before the tail, like the rows).
     u32 m = dmask;
     while (m) {
@@ -265,6 +277,10 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
 // ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n) {
+#if COMMLIB_ASYNC_DEPTH > 0
+    async_copy_row(dst, src, n);
+    return;
+#endif
     for (int i = lane_id(); i < n; i += 32 * DISPATCH_UNROLL) {
         int4 v[DISPATCH_UNROLL];
 #pragma unroll

@@ -442,6 +442,7 @@ class NVLinkBackend(Backend):
                   K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C),
                   K.u64(CONTROL_BYTES + self.region_bytes), K.i32(cap), K.i32(slot_bytes), K.i32(off_w),
                   K.i32(self._round(req.config.num_max_nvl_chunked_send_tokens, "combine")),
-                  K.ptr(self.seq_counters), self._smid_ptr("combine", num_sms), K.u64(self.timeout_ns)))
+                  K.ptr(self.seq_counters), self._smid_ptr("combine", num_sms), K.u64(self.timeout_ns)),
+                 shared_mem=K.dynamic_smem("combine"))
         self._count(h.extra.get("recv_counts"))
         return CombineResult(out, out_w)

@@ -61,8 +61,8 @@ DEFAULT_VARIANT = {
     "COMBINE_COPY_UNROLL": 4,
     "COMBINE_SUM_UNROLL": 2,      # per rank; two ranks' loads in flight together
     "LOCAL_IN_RECEIVER": 1,       # the receiver CTA copies the local half, the sender only pushes
-    "ASYNC_DEPTH": 0,             # > 0: rows stream through cp.async rings, this many 16-byte vectors in flight per
-                                  # lane (dynamic shared memory: dynamic_smem()); 0: register-staged copies
+    "DISPATCH_ASYNC_DEPTH": 0,    # > 0: rows stream through cp.async rings, this many 16-byte vectors in flight per
+    "COMBINE_ASYNC_DEPTH": 0,     # lane (dynamic shared memory: dynamic_smem()); 0: register-staged copies
     "DISPATCH_BULK": 0,           # 1: the dispatch receiver copies rows with cp.async.bulk (TMA), ~190 KB in flight
     "BULK_CHUNK": 3072,           # bytes per bulk piece; two per warp (dynamic shared memory: dynamic_smem())
     "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
@@ -137,11 +137,12 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     if merged["SHARE_WORK"] and merged["COMM_CLUSTER"] != 2:
         raise ValueError("SHARE_WORK=1 needs COMM_CLUSTER=2 (the sender reaches the receiver's counter "
                          "through the cluster's shared memory)")
-    if merged["ASYNC_DEPTH"] < 0 or (merged["ASYNC_DEPTH"] and merged["DISPATCH_BULK"]):
-        raise ValueError(f"ASYNC_DEPTH must be >= 0 and cannot go with DISPATCH_BULK, got {merged['ASYNC_DEPTH']}")
     for family in ("dispatch", "combine"):
+        key = f"{family.upper()}_ASYNC_DEPTH"
+        if merged[key] < 0 or (family == "dispatch" and merged[key] and merged["DISPATCH_BULK"]):
+            raise ValueError(f"{key} must be >= 0 and cannot go with DISPATCH_BULK, got {merged[key]}")
         if _async_bytes(merged, family) > MAX_DYNAMIC_SMEM:
-            raise ValueError(f"ASYNC_DEPTH={merged['ASYNC_DEPTH']}: {_async_bytes(merged, family)} bytes of shared "
+            raise ValueError(f"{key}={merged[key]}: {_async_bytes(merged, family)} bytes of shared "
                              f"memory for {family} rings, over {MAX_DYNAMIC_SMEM}")
     chunk = merged["BULK_CHUNK"]
     if chunk <= 0 or chunk % 16 or _bulk_bytes(chunk) > MAX_DYNAMIC_SMEM:
@@ -160,16 +161,16 @@ def _bulk_bytes(chunk: int) -> int:
 
 
 def _async_bytes(knobs: dict, family: str) -> int:
-    """COMMLIB_ASYNC_DEPTH rings: per warp, depth x 512 bytes (common.cuh async_stream)."""
-    threads = knobs["DISPATCH_THREADS"] if family == "dispatch" else knobs["COMBINE_THREADS"]
-    return threads // 32 * knobs["ASYNC_DEPTH"] * 512
+    """cp.async rings of ``family``: per warp, depth x 512 bytes (common.cuh async_stream)."""
+    name = family.upper()
+    return knobs[f"{name}_THREADS"] // 32 * knobs[f"{name}_ASYNC_DEPTH"] * 512
 
 
 def dynamic_smem(family: str) -> int:
     """Dynamic shared memory a data kernel of ``family`` takes under the current variant (bytes)."""
     if family == "dispatch" and _variant["DISPATCH_BULK"]:
         return _bulk_bytes(_variant["BULK_CHUNK"])
-    if family in ("dispatch", "combine") and _variant["ASYNC_DEPTH"]:
+    if family in ("dispatch", "combine"):
         return _async_bytes(_variant, family)
     return 0
 

@@ -34,6 +34,9 @@
 #ifndef COMMLIB_COMBINE_SUM_UNROLL
 #define COMMLIB_COMBINE_SUM_UNROLL 2   // receiver: vectors per rank, two ranks' loads in flight at once
 #endif
+#ifndef COMMLIB_COMBINE_ASYNC_DEPTH
+#define COMMLIB_COMBINE_ASYNC_DEPTH 0  // > 0: rows stream through cp.async rings of this depth (common.cuh)
+#endif
 #define COMBINE_COPY_UNROLL COMMLIB_COMBINE_COPY_UNROLL
 #define COMBINE_SUM_UNROLL COMMLIB_COMBINE_SUM_UNROLL
 
@@ -91,8 +94,8 @@ __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
                 const float wv = (a.topk_weights != nullptr && lane < K) ? __ldg(a.topk_weights + (i64)row * K + lane) : 0.f;
                 const int4* src = a.x + (i64)row * a.hidden_int4;
                 int4* dst = reinterpret_cast<int4*>(slot);
-#if COMMLIB_ASYNC_DEPTH > 0
-                async_copy_row(dst, src, a.hidden_int4);
+#if COMMLIB_COMBINE_ASYNC_DEPTH > 0
+                async_copy_row<COMMLIB_COMBINE_ASYNC_DEPTH>(dst, src, a.hidden_int4);
 #else
                 for (int v0 = lane; v0 < a.hidden_int4; v0 += 32 * COMBINE_COPY_UNROLL) {
                     int4 v[COMBINE_COPY_UNROLL];
@@ -189,7 +192,7 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
         const int4* b0 = a.bias0 != nullptr ? a.bias0 + (i64)t * H4 : nullptr;
         const int4* b1 = a.bias1 != nullptr ? a.bias1 + (i64)t * H4 : nullptr;
         int4* out = a.combined_x + (i64)t * H4;
-#if COMMLIB_ASYNC_DEPTH > 0
+#if COMMLIB_COMBINE_ASYNC_DEPTH > 0
         {   // the token's rows in rank order, then the biases: one stream, vector-major
             const int nk = __popc(vmask) + (b0 != nullptr) + (b1 != nullptr);
             if (nk == 0) {  // a token that went nowhere: zeros, as the sum of nothing
@@ -204,7 +207,7 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
                 if (b1 != nullptr) srcs[k++] = b1;
                 int ik = 0, iv = 0, ck = 0, cv = 0;  // the stream visits q in order: source ik of vector iv
                 float acc[8];
-                async_stream(lane_vectors(H4) * nk,
+                async_stream<COMMLIB_COMBINE_ASYNC_DEPTH>(lane_vectors(H4) * nk,
                     [&](int) {
                         const int4* p = srcs[ik] + lane + 32 * iv;
                         if (++ik == nk) { ik = 0; ++iv; }

@@ -210,34 +210,27 @@ __device__ __forceinline__ void bulk_copy_row(int4* dst, const int4* src, int n,
 }
 
 // ------------------------------------------------------------------------------------------------
-// Deep row streams (COMMLIB_ASYNC_DEPTH = D > 0): cp.async (LDGSTS, 16 bytes per lane) fills a ring
-// of D vectors per lane in dynamic shared memory, so a lane keeps D loads in flight without holding
-// them in registers (the register-staged copies above keep UNROLL = 4: 64 KB per 1024-thread CTA;
-// D = 12 keeps 192 KB). At a few comm SMs every copy is latency-bound, so bytes in flight per SM
-// set the rate, and latency is what memory-bound compute beside the comm kernels drives up.
+// Deep row streams (COMMLIB_DISPATCH_ASYNC_DEPTH / COMMLIB_COMBINE_ASYNC_DEPTH = D > 0): cp.async
+// (LDGSTS, 16 bytes per lane) fills a ring of D vectors per lane in dynamic shared memory, so a lane
+// keeps D loads in flight without holding them in registers (the register-staged copies above keep
+// UNROLL = 4: 64 KB per 1024-thread CTA; D = 12 keeps 192 KB). At a few comm SMs the copies are
+// latency-bound, and latency is what memory-bound compute beside the comm kernels drives up.
 // cp.async is a generic-proxy access of this thread: a lane's acquire of a progress word orders its
 // later cp.async reads of the rows, as it does for ld. Each lane reads back only its own ring slots,
 // so no warp barrier is needed. Ring: [warp][slot D][lane] int4, slot-major so a warp's 32 lanes
 // hit 32 consecutive 16-byte words.
 // ------------------------------------------------------------------------------------------------
-#ifndef COMMLIB_ASYNC_DEPTH
-#define COMMLIB_ASYNC_DEPTH 0
-#endif
 #define COMMLIB_ASYNC_SLOT_BYTES 512  // one int4 per lane
 
-#if COMMLIB_ASYNC_DEPTH > 0
+template <int D>
 __device__ __forceinline__ u32 async_ring() {  // this warp's ring (the kernel's dynamic shared memory)
     extern __shared__ __align__(128) unsigned char commlib_dynamic_smem[];
-    return smem_addr(commlib_dynamic_smem) + (threadIdx.x >> 5) * (COMMLIB_ASYNC_DEPTH * COMMLIB_ASYNC_SLOT_BYTES);
+    return smem_addr(commlib_dynamic_smem) + (threadIdx.x >> 5) * (D * COMMLIB_ASYNC_SLOT_BYTES);
 }
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Every group but the newest D - 1 is complete: with one group per vector, the oldest one has landed.
-__device__ __forceinline__ void cp_async_wait_oldest() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(COMMLIB_ASYNC_DEPTH - 1) : "memory");
-}
 __device__ __forceinline__ int4 ld_shared_v4(u32 addr) {
     int4 v;
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
@@ -245,23 +238,25 @@ __device__ __forceinline__ int4 ld_shared_v4(u32 addr) {
 }
 
 // Lane-strided stream over `count` vectors: vector q of this lane comes from src(q) through the ring
-// and goes to use(q, value), in order. Whole warp or single lanes alike (no warp-level sync).
-template <typename Src, typename Use>
+// and goes to use(q, value), in order; src is called once per q, in rising order. Whole warp or
+// single lanes alike (no warp-level sync).
+template <int D, typename Src, typename Use>
 __device__ __forceinline__ void async_stream(int count, Src src, Use use) {
-    const u32 ring = async_ring() + (threadIdx.x & 31) * 16;
+    const u32 ring = async_ring<D>() + (threadIdx.x & 31) * 16;
 #pragma unroll
-    for (int q = 0; q < COMMLIB_ASYNC_DEPTH; ++q) {  // one group per vector, empty ones too
+    for (int q = 0; q < D; ++q) {  // one group per vector, empty ones too
         if (q < count) cp_async_16(ring + q * COMMLIB_ASYNC_SLOT_BYTES, src(q));
         cp_async_commit();
     }
     int slot = 0;
     for (int q = 0; q < count; ++q) {
-        cp_async_wait_oldest();
+        // every group but the newest D - 1 is complete: vector q has landed
+        asm volatile("cp.async.wait_group %0;" :: "n"(D - 1) : "memory");
         const u32 at = ring + slot * COMMLIB_ASYNC_SLOT_BYTES;
         use(q, ld_shared_v4(at));  // use() consumes the value before the slot is refilled below
-        if (q + COMMLIB_ASYNC_DEPTH < count) cp_async_16(at, src(q + COMMLIB_ASYNC_DEPTH));
+        if (q + D < count) cp_async_16(at, src(q + D));
         cp_async_commit();
-        slot = slot + 1 == COMMLIB_ASYNC_DEPTH ? 0 : slot + 1;
+        slot = slot + 1 == D ? 0 : slot + 1;
     }
 }
 
@@ -272,12 +267,12 @@ __device__ __forceinline__ int lane_vectors(int n) {
 }
 
 // dst[0, n) = src[0, n) (int4 units), whole warp.
+template <int D>
 __device__ __forceinline__ void async_copy_row(int4* dst, const int4* src, int n) {
     const int lane = threadIdx.x & 31;
-    async_stream(lane_vectors(n), [&](int q) { return src + lane + 32 * q; },
-                 [&](int q, int4 v) { st_na_v4(dst + lane + 32 * q, v); });
+    async_stream<D>(lane_vectors(n), [&](int q) { return src + lane + 32 * q; },
+                    [&](int q, int4 v) { st_na_v4(dst + lane + 32 * q, v); });
 }
-#endif
 
 // Small fields (scales, ids, weights): plain volatile accesses keep program order against the
 // asm volatile data path without pulling them through a cache we do not reuse.

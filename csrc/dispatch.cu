@@ -40,6 +40,9 @@
 #define COMMLIB_LOCAL_IN_RECEIVER 1    // 1: the receiver CTA copies the local half (x -> recv_x), the sender only pushes
 #endif
 #define DISPATCH_UNROLL COMMLIB_DISPATCH_UNROLL
+#ifndef COMMLIB_DISPATCH_ASYNC_DEPTH
+#define COMMLIB_DISPATCH_ASYNC_DEPTH 0  // > 0: rows stream through cp.async rings of this depth (common.cuh)
+#endif
 #ifndef COMMLIB_DISPATCH_BULK
 #define COMMLIB_DISPATCH_BULK 0        // 1: the receiver's row copies (both halves) are bulk copies (common.cuh)
 #endif
@@ -123,8 +126,8 @@ __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c
     if (bp != nullptr) {
         if (s_dst[a.rank] != 0) bulk_copy_row(reinterpret_cast<int4*>(s_dst[a.rank]), src, a.hidden_int4, *bp);
     } else
-#if COMMLIB_ASYNC_DEPTH > 0
-    async_stream(lane_vectors(a.hidden_int4), [&](int q) { return src + lane + 32 * q; }, [&](int q, int4 v) {
+#if COMMLIB_DISPATCH_ASYNC_DEPTH > 0
+    async_stream<COMMLIB_DISPATCH_ASYNC_DEPTH>(lane_vectors(a.hidden_int4), [&](int q) { return src + lane + 32 * q; }, [&](int q, int4 v) {
         u32 m = dmask;
         while (m) {
             const int r = __ffs(m) - 1;
@@ -277,8 +280,8 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
 // ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n) {
-#if COMMLIB_ASYNC_DEPTH > 0
-    async_copy_row(dst, src, n);
+#if COMMLIB_DISPATCH_ASYNC_DEPTH > 0
+    async_copy_row<COMMLIB_DISPATCH_ASYNC_DEPTH>(dst, src, n);
     return;
 #endif
     for (int i = lane_id(); i < n; i += 32 * DISPATCH_UNROLL) {

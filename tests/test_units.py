@@ -147,11 +147,14 @@ def test_kernel_variant_parse_and_set():
                 K.set_variant(bad)
         with pytest.raises(ValueError, match="SHARE_WORK=1 needs COMM_CLUSTER=2"):  # the counter is cluster smem
             K.set_variant({"SHARE_WORK": 1, "COMM_CLUSTER": 1})
-        for bad in ({"ASYNC_DEPTH": -1}, {"ASYNC_DEPTH": 14}, {"ASYNC_DEPTH": 4, "DISPATCH_BULK": 1}):
-            with pytest.raises(ValueError, match="ASYNC_DEPTH"):  # 14 rings of 32 warps: over the smem limit
+        for bad in ({"COMBINE_ASYNC_DEPTH": -1}, {"DISPATCH_ASYNC_DEPTH": 14},  # 14 x 32 rings: over the limit
+                    {"DISPATCH_ASYNC_DEPTH": 4, "DISPATCH_BULK": 1}):
+            with pytest.raises(ValueError, match="ASYNC_DEPTH"):
                 K.set_variant(bad)
-        K.set_variant({"ASYNC_DEPTH": 12})
-        assert K.dynamic_smem("dispatch") == K.dynamic_smem("combine") == 32 * 12 * 512
+        K.set_variant({"COMBINE_ASYNC_DEPTH": 12})
+        assert K.dynamic_smem("dispatch") == 0 and K.dynamic_smem("combine") == 32 * 12 * 512
+        K.set_variant({"DISPATCH_ASYNC_DEPTH": 8, "COMBINE_ASYNC_DEPTH": 8})
+        assert K.dynamic_smem("dispatch") == K.dynamic_smem("combine") == 32 * 8 * 512
         assert K.dynamic_smem("notify") == 0
         assert K.set_variant({"COMM_CLUSTER": 1})["SHARE_WORK"] == 0  # the default follows plain CTAs
         assert K.set_variant({"SHARE_WORK": 1})["SHARE_WORK"] == 1

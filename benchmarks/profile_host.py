@@ -65,7 +65,8 @@ def worker(ctx, a):
 
 def launch_path() -> str:
     """Which path the data kernels were launched through: the ctypes cuLaunchKernel one needs a
-    CUfunction handle (``.ptr``) from CuPy's get_function; without one every launch takes CuPy's."""
+    CUfunction handle (kernels.cu_function_handle: ``.ptr``, or ``.kernel.ptr`` on CuPy 14); without one
+    every launch takes CuPy's."""
     from commlib import kernels as K
     kinds = sorted({type(lau.fn).__name__ for lau in K._launchers.values()})
     with_handle = sum(1 for lau in K._launchers.values() if lau.handle)

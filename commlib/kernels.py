@@ -308,6 +308,20 @@ def param_offsets(codes: str) -> list:
     return [struct.calcsize("@" + codes[:k + 1]) - struct.calcsize("@" + codes[k]) for k in range(len(codes))]
 
 
+def cu_function_handle(fn) -> int:
+    """The CUfunction behind a CuPy function object, 0 if it has none we can see.
+
+    Older CuPy returns a ``Function`` (``.ptr``) from ``RawModule.get_function``; CuPy 14 returns a
+    ``RawKernel``, whose ``Function`` is its ``.kernel``. Without a handle every launch falls back to
+    CuPy's own (slower) launch path.
+    """
+    for obj in (fn, getattr(fn, "kernel", None)):
+        ptr = getattr(obj, "ptr", 0) if obj is not None else 0
+        if ptr:
+            return int(ptr)
+    return 0
+
+
 class _Launcher:
     """One kernel on one device: its CUfunction, argument layout and a reusable argument buffer."""
 
@@ -318,7 +332,7 @@ class _Launcher:
         import struct
 
         self.fn = _function(family, name, plain, device)
-        self.handle = int(getattr(self.fn, "ptr", 0) or 0)
+        self.handle = cu_function_handle(self.fn)
         smem = dynamic_smem(family)
         if smem > 48 * 1024:  # above the default limit: opt in once (get_function gives a RawKernel)
             self.fn.max_dynamic_shared_size_bytes = smem

@@ -174,3 +174,15 @@ def test_kernel_variant_parse_and_set():
         for name in names:
             assert len(K.kernel_signature(family, name)) > 3, (family, name)
     assert "-DCOMMLIB_COMM_CLUSTER=2" in K.options(False, dict(K.DEFAULT_VARIANT, COMM_CLUSTER=2))
+
+
+def test_cu_function_handle_old_and_new_cupy():
+    """The ctypes launch path needs the CUfunction: .ptr on older CuPy's Function, .kernel.ptr on the
+    RawKernel CuPy 14's get_function returns; none found means CuPy's own launch (handle 0)."""
+    from types import SimpleNamespace
+
+    from commlib import kernels as K
+    assert K.cu_function_handle(SimpleNamespace(ptr=5)) == 5
+    assert K.cu_function_handle(SimpleNamespace(kernel=SimpleNamespace(ptr=7))) == 7
+    assert K.cu_function_handle(SimpleNamespace(kernel=None)) == 0
+    assert K.cu_function_handle(object()) == 0

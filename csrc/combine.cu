@@ -15,11 +15,15 @@
 //
 // Sender CTA: warps 0 .. W-2 copy rows (row j of the channel's concatenated per-destination list
 // goes to warp j % (W-1) within its round); warp W-1 publishes the tails after each round.
-// Receiver CTA: warp w sums tokens start + w, start + w + W, ...: for token t and each rank r in
-// rank order with send_head[t][r] >= 0, the row is x[send_head[t][me]] for r = me (no copy) and
+// Receiver CTA: warp w sums tokens start + w, start + w + W, ... (or tokens from a counter, below):
+// for token t and each rank r in rank order with send_head[t][r] >= 0, the row is
+// x[send_head[t][me]] for r = me (no copy) and
 // staging slot send_head[t][r] - rank_prefix[me - 1][r] - channel_prefix[r][c] of source r
 // otherwise; acc = 0.f; acc += row (fp32, rank order); acc += bias0; acc += bias1; cast to bf16
 // (round to nearest even). The weights are summed the same way, in fp32.
+// Work sharing (COMMLIB_SHARE, common.cuh): tokens come from a counter in the receiver's shared
+// memory; the sender CTA takes tokens too once its rows are published, and the receiver releases
+// COMBINE_DONE only after a cluster barrier with it.
 #include "common.cuh"
 
 #ifndef COMMLIB_COMBINE_THREADS

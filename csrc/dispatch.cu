@@ -25,6 +25,9 @@
 // Receiver CTA: all warps copy rows from the staging slots into recv_x (row = rank_prefix of the
 // source + recv_channel_prefix + i), converting nothing: the sender already wrote local ids.
 // Rows past the received count (num_worst_tokens) are padded by the receiver CTAs.
+// Work sharing (COMMLIB_SHARE, common.cuh): the received rows are items of a counter in the
+// receiver's shared memory; the sender CTA takes items too once its last round is published, and
+// the receiver hands the slots back (DISPATCH_DONE) only after a cluster barrier with it.
 #include "common.cuh"
 
 #ifndef COMMLIB_DISPATCH_THREADS

@@ -119,7 +119,7 @@ def test_shared_gpus(world_size):
 
 _TIMEOUT_SCRIPT = textwrap.dedent("""
     import os, sys, time
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{root!r}, {tests!r}]  # the checkout, installed or not
     import torch
     from commlib.launch import parallel_launch
 
@@ -153,7 +153,7 @@ def test_device_timeout_names_rank_and_counter(tmp_path):
     which rank / kernel / counter it waited for, and the host raises (no hang)."""
     env = dict(os.environ, COMMLIB_TIMEOUT_S="2", CUDA_VISIBLE_DEVICES="0", PYTHONUNBUFFERED="1")
     script = tmp_path / "timeout_case.py"  # a file, so spawned ranks can import `worker` from it
-    script.write_text(_TIMEOUT_SCRIPT.format(tests=str(HERE.parent)))
+    script.write_text(_TIMEOUT_SCRIPT.format(root=str(HERE.parent.parent), tests=str(HERE.parent)))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env)
     out = proc.stdout + proc.stderr
     assert "[commlib] rank 0 timeout in notify channel -1 waiting for notify flag from rank 1" in out, out[-4000:]

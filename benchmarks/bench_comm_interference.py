@@ -129,6 +129,7 @@ def _worker(ctx, args):
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
     traces = {}
+    spans = {}  # per load: how long it ran and when the timing ended, from the load's launch (this rank)
 
     def timed(row: str):
         """{op: mean ms}, and the event recorded after the last timed call."""
@@ -153,6 +154,8 @@ def _worker(ctx, args):
         dist.barrier(group=group)
         budget_ms = sum(alone.values()) * (args.iters + 2) * 3 + 20
         with torch.cuda.stream(side):
+            load_start = torch.cuda.Event(enable_timing=True)
+            load_start.record()
             if kind == "gemm":
                 carve0 = torch._C._get_sm_carveout_experimental()
                 torch._C._set_sm_carveout_experimental(n)
@@ -179,6 +182,8 @@ def _worker(ctx, args):
         torch.cuda._sleep(1_000_000)  # the load is resident before the first comm kernel is queued
         ms, end = timed(kind)
         torch.cuda.synchronize()
+        spans[kind] = {"load_ms": load_start.elapsed_time(load_end), "timing_end_ms": load_start.elapsed_time(end),
+                       "budget_ms": budget_ms}
         return ms, end.elapsed_time(load_end) > 0
 
     def slowest(v: dict) -> dict:
@@ -197,19 +202,22 @@ def _worker(ctx, args):
     rows["alone_again"] = slowest(timed("alone_again")[0])
     split = {row: {op: slowest(t) for op, t in v.items()} for row, v in traces.items()}
     buf.destroy()
-    return rows, covered, split
+    return rows, covered, split, spans
 
 
 def main(argv=None):
     args = parse_args(argv)
     from commlib.launch import parallel_launch
-    rows, covered, split = parallel_launch(args.ranks, _worker, args, use_gpu=True)
+    rows, covered, split, spans = parallel_launch(args.ranks, _worker, args, use_gpu=True)
     base = rows["alone"]
     print(f"[interference] {args.tokens} tokens x {args.hidden}, {args.comm_sms} comm SMs, {args.ranks} ranks, "
           f"variant {args.kernel_variant or 'default'} (ms per call, slowest rank)")
     ratios = {k: {op: t / base[op] for op, t in v.items()} for k, v in rows.items()}
     for k, v in rows.items():
         note = "" if covered.get(k, True) else "  (NOT VALID: the load ended before the timing did)"
+        if k in spans:
+            note += (f"  [rank 0: load ran {spans[k]['load_ms']:.1f} ms of a {spans[k]['budget_ms']:.0f} ms budget, "
+                     f"timing ended at {spans[k]['timing_end_ms']:.1f} ms]")
         print(f"  {k:12s} " + "  ".join(f"{op} {t:7.3f} ms x{ratios[k][op]:4.2f}" for op, t in v.items()) + note)
         for op, t in split.get(k, {}).items():
             print(f"  {'':12s}   {op} by role (us from launch): sender own {t['sender_own_us']:7.0f} end "
@@ -224,7 +232,8 @@ def main(argv=None):
                        "git_commit": git_commit()["commit"],
                        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                        "args": vars(args), "ms_per_call": rows, "ratio_to_alone": ratios,
-                       "load_outlasted_timing": covered, "role_split_last_call": split}, f, indent=1)
+                       "load_outlasted_timing": covered, "load_spans_rank0": spans,
+                       "role_split_last_call": split}, f, indent=1)
         print(f"[interference] wrote {args.json}")
 
 

@@ -191,6 +191,10 @@ def _worker(ctx, args):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return dict(zip(v, t.tolist()))
 
+    # torch's sleep kernel is loaded lazily: its first launch, behind a running load, waited for the
+    # load to end (the first load's row then timed the comm kernels alone). Load it now.
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
     alone = slowest(timed("alone")[0])
     rows, covered = {"alone": alone}, {}
     for kind in LOADS[1:]:

@@ -49,19 +49,21 @@ SM_PUSH_GBPS_H200 = 330.0  # measured: 20 SMs push ~330 GB/s per direction into 
 def nvlink_engine_gbps() -> tuple[float, str]:
     """commlib's NVLink engine: measured kernel NVLink GB/s per direction on 2 x H200 (V3, 20 SMs)."""
     files = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "bench_intranode_*.json")))
-    best = None
+    best = None  # (date, GB/s, file): the newest run's default row; A/B runs at other SM counts do not count
     for f in files:
         try:
-            rows = json.load(open(f))["rows"]
+            doc = json.load(open(f))
+            rows, date = doc["rows"], str(doc.get("date", ""))
         except (OSError, ValueError, KeyError):
             continue
         for r in rows:
             if r.get("tokens") == 4096 and r.get("op") == "dispatch_bf16" and r.get("nvlbw_kernel") \
-                    and r.get("tag", "main") == "main":
-                best = (r["nvlbw_kernel"], os.path.basename(f))
+                    and r.get("tag", "main") == "main" and r.get("num_sms", 20) == 20 \
+                    and (best is None or date >= best[0]):
+                best = (date, r["nvlbw_kernel"], os.path.basename(f))
     if best is None:
         return 0.7 * SM_PUSH_GBPS_H200, "assumed (no bench_intranode JSON found)"
-    return best[0], f"measured in {best[1]}"
+    return best[1], f"measured in {best[2]}"
 
 
 def traffic(num_ranks: int, ranks_per_node: int, tokens: int, sample: int, experts: int, topk: int,

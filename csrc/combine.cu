@@ -139,7 +139,7 @@ __device__ __forceinline__ void load_vectors(int4 (&v)[COMBINE_SUM_UNROLL], cons
 __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkItems work) {
     __shared__ u64 s_row_all[32][COMMLIB_MAX_RANKS];  // per warp: row pointer of each rank
     __shared__ u64 s_w_all[32][COMMLIB_MAX_RANKS];    // per warp: weights pointer of each rank
-    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk;
     const int H4 = a.hidden_int4;
     const u64 own = a.peer_bases[me];

@@ -427,8 +427,9 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
     if (smids != nullptr && threadIdx.x == 0) smids[blockIdx.x] = get_smid();
     const int role = blockIdx.x & 1;  // 0 = sender, 1 = receiver
     const int num_pairs = gridDim.x >> 1;
-    BulkPipe pipe, *bp = nullptr;
+    BulkPipe* bp = nullptr;
 #if COMMLIB_DISPATCH_BULK
+    BulkPipe pipe;
     extern __shared__ __align__(128) unsigned char dyn_smem[];  // COMMLIB_BULK_SMEM bytes
     if (role == 1) {
         pipe = bulk_pipe_init(dyn_smem);

@@ -285,8 +285,7 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
 __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n) {
 #if COMMLIB_DISPATCH_ASYNC_DEPTH > 0
     async_copy_row<COMMLIB_DISPATCH_ASYNC_DEPTH>(dst, src, n);
-    return;
-#endif
+#else
     for (int i = lane_id(); i < n; i += 32 * DISPATCH_UNROLL) {
         int4 v[DISPATCH_UNROLL];
 #pragma unroll
@@ -296,6 +295,7 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n) {
         for (int u = 0; u < DISPATCH_UNROLL; ++u)
             if (i + u * 32 < n) st_na_v4(dst + i + u * 32, v[u]);
     }
+#endif
 }
 
 // The rows of channel c that remote ranks sent here: staging slots -> recv_x, items from `work`.

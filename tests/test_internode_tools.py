@@ -1,4 +1,5 @@
-"""The internode model: node-limited routing, once-per-node saves network rows, output is JSON."""
+"""The internode model: node-limited routing, once-per-node saves network rows, output is JSON; and
+the pure helpers of the other model-side benchmark tools (the comm trace split)."""
 import json
 import os
 import sys
@@ -33,3 +34,30 @@ def test_bench_internode_smoke(capsys):
     assert bench_internode.main(["--tokens", "32", "--hidden", "256", "--iters", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     assert "not InfiniBand" in out and "#wrong 0" in out
+
+
+def test_nvlink_leg_takes_newest_default_row(tmp_path, monkeypatch):
+    """The NVLink leg comes from the newest 20-SM default row, not from an A/B run at another SM
+    count that sorts last by name (a 4-SM run once became the leg and made EP16 NVLink-bound)."""
+    res = tmp_path / "benchmarks" / "results"
+    res.mkdir(parents=True)
+
+    def write(name, date, num_sms, gbps):
+        row = {"tokens": 4096, "op": "dispatch_bf16", "nvlbw_kernel": gbps, "tag": "main", "num_sms": num_sms}
+        (res / name).write_text(json.dumps({"date": date, "rows": [row]}))
+
+    write("bench_intranode_NVIDIA_H200_x2_20261130_080023.json", "20261130_080023", 20, 228.0)
+    write("bench_intranode_NVIDIA_H200_x2_20261130_143749.json", "20261130_143749", 20, 246.0)
+    write("bench_intranode_share_NVIDIA_H200_sms4_x.json", "20261130_150000", 4, 47.6)
+    monkeypatch.setattr(M, "ROOT", str(tmp_path))
+    gbps, source = M.nvlink_engine_gbps()
+    assert gbps == 246.0 and source.endswith("_143749.json"), (gbps, source)
+
+
+def test_comm_trace_role_split():
+    """bench_comm_interference's split of a COMM_TRACE launch: even CTAs are senders, odd ones
+    receivers; means in us from the earliest start."""
+    import bench_comm_interference as B
+    trace = [(1_000, 3_000, 9_000), (1_000, 8_000, 9_000), (2_000, 5_000, 11_000), (1_500, 10_000, 11_000)]
+    t = B.role_times(trace)
+    assert t == {"sender_own_us": 3.0, "sender_end_us": 9.0, "receiver_own_us": 8.0, "receiver_end_us": 9.0}

@@ -94,7 +94,7 @@ def _worker(ctx, args):
     import torch.distributed as dist
 
     from commlib import kernels as K
-    from commlib import routing
+    from commlib import routing, timing
     from commlib.buffer import Buffer
     from commlib.config import Config
 
@@ -187,9 +187,7 @@ def _worker(ctx, args):
         return ms, end.elapsed_time(load_end) > 0
 
     def slowest(v: dict) -> dict:
-        t = torch.tensor(list(v.values()), device=dev, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return dict(zip(v, t.tolist()))
+        return dict(zip(v, timing.slowest(list(v.values()), group)))
 
     # torch's sleep kernel is loaded lazily: its first launch, behind a running load, waited for the
     # load to end (the first load's row then timed the comm kernels alone). Load it now.

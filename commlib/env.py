@@ -49,6 +49,11 @@ def _flag(name: str) -> bool:
     return (_get(name, "0") or "0").lower() in ("1", "true", "yes", "on")
 
 
+def _flag_on(name: str) -> bool:
+    """A switch that is on unless set to 0 / false / no / off."""
+    return (_get(name, "1") or "1").lower() not in ("0", "false", "no", "off")
+
+
 def backend() -> str:
     value = (_get("COMMLIB_BACKEND", "auto") or "auto").lower()
     if value not in ("auto", "reference", "nvlink", "hierarchical"):
@@ -92,7 +97,7 @@ def plain_ldst() -> bool:
 
 
 def fast_launch() -> bool:
-    return (_get("COMMLIB_FAST_LAUNCH", "1") or "1").lower() not in ("0", "false", "no", "off")
+    return _flag_on("COMMLIB_FAST_LAUNCH")
 
 
 def tuning_cache() -> str | None:
@@ -120,4 +125,4 @@ def sm_carveout() -> str:
 
 
 def defer_wgrad() -> bool:
-    return (_get("COMMLIB_DEFER_WGRAD", "1") or "1").lower() not in ("0", "false", "no", "off")
+    return _flag_on("COMMLIB_DEFER_WGRAD")

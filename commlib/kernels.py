@@ -316,7 +316,7 @@ def cu_function_handle(fn) -> int:
     CuPy's own (slower) launch path.
     """
     for obj in (fn, getattr(fn, "kernel", None)):
-        ptr = getattr(obj, "ptr", 0) if obj is not None else 0
+        ptr = getattr(obj, "ptr", 0)
         if ptr:
             return int(ptr)
     return 0

@@ -143,17 +143,23 @@ def kernel_time(fn: Callable[[], object], names: str | Iterable[str], warmup: in
     return {name: total / iters for name, total in totals.items()}
 
 
-def reduce_times(result: dict, group=None) -> dict:
-    """The slowest rank's median/mean/min/max (each maximised over ranks); ``samples`` stay local."""
+def slowest(values: Sequence[float], group=None) -> list[float]:
+    """Each value maximised over the ranks of ``group`` (the slowest rank's figure); the values as
+    they are when no process group is up."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        return dict(result)
-    keys = ("median_us", "mean_us", "min_us", "max_us")
+        return [float(v) for v in values]
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor([result[k] for k in keys], dtype=torch.float64, device=device)
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def reduce_times(result: dict, group=None) -> dict:
+    """The slowest rank's median/mean/min/max (each maximised over ranks); ``samples`` stay local."""
+    keys = ("median_us", "mean_us", "min_us", "max_us")
     out = dict(result)
-    out.update({k: float(v) for k, v in zip(keys, t.tolist())})
+    out.update(zip(keys, slowest([result[k] for k in keys], group)))
     return out

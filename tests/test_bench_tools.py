@@ -51,6 +51,7 @@ def test_bench_cuda_cpu_fallback():
     assert set(r) == {"median_us", "mean_us", "min_us", "max_us", "samples"}
     assert len(r["samples"]) == 7 and r["min_us"] <= r["median_us"] <= r["max_us"]
     assert timing.summarize([1.0, 3.0, 2.0])["median_us"] == 2.0
+    assert timing.slowest([1, 2.5]) == [1.0, 2.5]  # no process group: the values themselves
     with pytest.raises(ValueError):
         timing.bench_cuda(lambda: None, iters=0, device="cpu")
     if not torch.cuda.is_available():
@@ -167,7 +168,16 @@ def case_measure_all_ops(ctx):
     dist.barrier(ctx.group)
 
 
-CASES = ["baseline_vs_oracle", "checks_catch_wrong_results", "measure_all_ops"]
+def case_slowest_rank(ctx):
+    """timing.slowest / reduce_times: every rank gets each figure's maximum over the ranks."""
+    R, me = ctx.world_size, ctx.rank
+    assert timing.slowest([float(me), -float(me)], ctx.group) == [float(R - 1), 0.0]
+    r = timing.reduce_times({"median_us": me, "mean_us": 1.0, "min_us": -me, "max_us": 2.0 * me,
+                             "samples": [me]}, ctx.group)
+    assert r == {"median_us": R - 1, "mean_us": 1.0, "min_us": 0.0, "max_us": 2.0 * (R - 1), "samples": [me]}, r
+
+
+CASES = ["baseline_vs_oracle", "checks_catch_wrong_results", "measure_all_ops", "slowest_rank"]
 
 
 @pytest.fixture(scope="module")

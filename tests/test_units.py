@@ -41,6 +41,19 @@ def test_topology(monkeypatch):
         env.ranks_per_node()
 
 
+def test_default_on_switches(monkeypatch):
+    """COMMLIB_FAST_LAUNCH and COMMLIB_DEFER_WGRAD are on unless set to 0 / false / no / off."""
+    for name, read in (("COMMLIB_FAST_LAUNCH", env.fast_launch), ("COMMLIB_DEFER_WGRAD", env.defer_wgrad)):
+        monkeypatch.delenv(name, raising=False)
+        assert read()
+        for off in ("0", "false", "No", "OFF"):
+            monkeypatch.setenv(name, off)
+            assert not read(), (name, off)
+        for on in ("1", "", "yes"):
+            monkeypatch.setenv(name, on)
+            assert read(), (name, on)
+
+
 def test_layout_helpers():
     assert channel_starts(10, 4) == [0, 3, 6, 9, 10]
     assert channel_starts(0, 3) == [0, 0, 0, 0]

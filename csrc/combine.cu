@@ -312,13 +312,7 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_COMBIN
     trace_point(smids, 0);
     for (int c = blockIdx.x >> 1; c < num_channels; c += num_pairs) {
         if (threadIdx.x == 0) s_seq = read_seq(seq_counters, COMMLIB_SEQ_COMBINE, role, c);
-        WorkItems work = {0u, warp_id(), (int)(blockDim.x >> 5)};
-#if COMMLIB_SHARE
-        __shared__ u32 s_work;  // the channel's next token (used in the receiver CTA)
-        if (role == 1 && threadIdx.x == 0) s_work = 0;
-        work.counter = cluster_shared_addr(&s_work, 1);
-        cluster_sync();  // the counter is reset before either CTA takes a token
-#endif
+        const WorkItems work = channel_work_items(role);
         __syncthreads();
         const u64 seq = s_seq;
         if (role == 0) {

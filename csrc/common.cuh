@@ -143,6 +143,12 @@ struct BulkPipe {
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
+// The kernel's dynamic shared memory (kernels.dynamic_smem bytes): the bulk pipes or the async rings.
+__device__ __forceinline__ unsigned char* dynamic_smem_base() {
+    extern __shared__ __align__(128) unsigned char commlib_dynamic_smem[];
+    return commlib_dynamic_smem;
+}
+
 // Every warp of the CTA calls it once, before any bulk copy (dyn: the kernel's dynamic shared memory).
 __device__ __forceinline__ BulkPipe bulk_pipe_init(unsigned char* dyn) {
     const int warp = threadIdx.x >> 5;
@@ -224,8 +230,7 @@ __device__ __forceinline__ void bulk_copy_row(int4* dst, const int4* src, int n,
 
 template <int D>
 __device__ __forceinline__ u32 async_ring() {  // this warp's ring (the kernel's dynamic shared memory)
-    extern __shared__ __align__(128) unsigned char commlib_dynamic_smem[];
-    return smem_addr(commlib_dynamic_smem) + (threadIdx.x >> 5) * (D * COMMLIB_ASYNC_SLOT_BYTES);
+    return smem_addr(dynamic_smem_base()) + (threadIdx.x >> 5) * (D * COMMLIB_ASYNC_SLOT_BYTES);
 }
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
@@ -534,6 +539,20 @@ __device__ __forceinline__ int take_item(WorkItems& w) {
     if ((threadIdx.x & 31) == 0)
         asm volatile("atom.shared::cluster.add.u32 %0, [%1], 1;" : "=r"(v) : "r"(w.counter) : "memory");
     return __shfl_sync(FULL_MASK, v, 0);
+}
+
+// This CTA's work items for a channel (role 0 sender, 1 receiver), called by every thread of both
+// CTAs at the top of each channel. With sharing, the receiver CTA's counter is reset and a cluster
+// barrier passed before either CTA takes an item; otherwise each warp strides the items itself.
+__device__ __forceinline__ WorkItems channel_work_items(int role) {
+    WorkItems work = {0u, (int)(threadIdx.x >> 5), (int)(blockDim.x >> 5)};
+#if COMMLIB_SHARE
+    __shared__ u32 s_work;  // the channel's next item (the receiver CTA's is the one used)
+    if (role == 1 && threadIdx.x == 0) s_work = 0;
+    work.counter = cluster_shared_addr(&s_work, 1);
+    cluster_sync();
+#endif
+    return work;
 }
 
 // COMMLIB_COMM_TRACE 1: the data kernels also record %globaltimer points per CTA, after the

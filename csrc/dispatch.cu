@@ -430,9 +430,8 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
     BulkPipe* bp = nullptr;
 #if COMMLIB_DISPATCH_BULK
     BulkPipe pipe;
-    extern __shared__ __align__(128) unsigned char dyn_smem[];  // COMMLIB_BULK_SMEM bytes
     if (role == 1) {
-        pipe = bulk_pipe_init(dyn_smem);
+        pipe = bulk_pipe_init(dynamic_smem_base());  // COMMLIB_BULK_SMEM bytes
         bp = &pipe;
     }
 #endif
@@ -447,13 +446,7 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
     trace_point(smids, 0);
     for (int c = blockIdx.x >> 1; c < num_channels; c += num_pairs) {
         if (threadIdx.x == 0) s_seq = read_seq(seq_counters, COMMLIB_SEQ_DISPATCH, role, c);
-        WorkItems work = {0u, warp_id(), (int)(blockDim.x >> 5)};
-#if COMMLIB_SHARE
-        __shared__ u32 s_work;  // the channel's next remote item (used in the receiver CTA)
-        if (role == 1 && threadIdx.x == 0) s_work = 0;
-        work.counter = cluster_shared_addr(&s_work, 1);
-        cluster_sync();  // the counter is reset before either CTA takes an item
-#endif
+        const WorkItems work = channel_work_items(role);
         __syncthreads();
         const u64 seq = s_seq;
         if (role == 0) {

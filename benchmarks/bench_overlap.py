@@ -163,6 +163,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="GPUs: after timing, run F(0)+B(1) once sequential and once dual under torch.profiler and "
                         "record the kernel time per category (comm, GEMM, attention, other) in both, to attribute "
                         "the interference (JSON: kernel_profile)")
+    p.add_argument("--comm-trace", action="store_true",
+                   help="GPUs (nvlink backend): build the comm kernels with COMM_TRACE=1 and record every CTA's "
+                        "%%globaltimer points in the timeline runs; per comm step, the kernel's own time, the "
+                        "spread of its CTAs' starts and its start after the step's span began (JSON: comm_trace)")
     p.add_argument("--json", action="store_true", help="also print the JSON to stdout")
     args = p.parse_args(argv)
     if args.comm_sms is not None and (args.comm_sms <= 0 or args.comm_sms % 2):
@@ -403,9 +407,16 @@ def run(ctx, args) -> dict:
     dtype = torch.bfloat16
     R = ctx.world_size
     calibrate, calibrate_sms = _calibration_plan(args, sh["preset"])
-    if args.kernel_variant:
+    if args.comm_trace and not on_gpu:
+        raise SystemExit("[overlap] --comm-trace needs the GPUs (the nvlink backend records the trace)")
+    if args.kernel_variant or args.comm_trace:
         from commlib import kernels as K
-        K.set_variant(K.parse_variant(args.kernel_variant))
+        variant = K.parse_variant(args.kernel_variant)
+        if args.comm_trace:  # every launch of a timeline run keeps its own trace slot (trace_history)
+            variant["COMM_TRACE"] = 1
+            os.environ["COMMLIB_DEBUG_SMID"] = "1"
+            os.environ["COMMLIB_DEBUG_SMID_SLOTS"] = str(COMM_TRACE_SLOTS)
+        K.set_variant(variant)
     comm_configs = _comm_configs(R, args.comm_sms, sh["tokens"], args.send_chunk)
     # The Buffer holds every config this run may use: the default, --comm-sms's or the candidates'.
     configs = [Buffer.get_dispatch_config(R)] + [c for c in comm_configs if c is not None]
@@ -466,14 +477,17 @@ def run(ctx, args) -> dict:
                                              overlap=overlap, issue_order=order, sm_carveout=carveout,
                                              defer_weight_grads=defer)
 
-    def timed_f_and_b(overlap, timeline):
+    def timed_f_and_b(overlap, timeline, before_last=None):
         """DualPipe's steady state: micro-batch 1's forward ran earlier (untimed); time micro-batch
-        0's forward together with micro-batch 1's backward."""
+        0's forward together with micro-batch 1's backward. before_last(): called right before the
+        last (recorded) iteration's timed part."""
         times = []
         for it in range(args.warmup + args.iters):
             model.zero_grad(set_to_none=True)
             o1 = model(h1)
             last = it == args.warmup + args.iters - 1
+            if last and before_last is not None:
+                before_last()
             t = clock.time_ms(lambda: f_and_b(o1, overlap, timeline if last else None))
             if it >= args.warmup:
                 times.append(t)
@@ -481,17 +495,32 @@ def run(ctx, args) -> dict:
 
     check = _check(model, P, h0, h1, g0, g1, device, order, carveout, defer)
 
+    backend = buffer.backend if args.comm_trace else None
+    traces: dict = {}  # phase -> schedule -> {kernel kind: [per launch: per CTA (start, own done, end)]}
+
+    def trace_reset():
+        if backend is not None:
+            backend.reset_trace_history()
+
+    def trace_keep(name, sched):
+        if backend is not None:
+            traces.setdefault(name, {})[sched] = {k: backend.trace_history(k) for k in ("dispatch", "combine")}
+
     phases = {}
     for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
         seq_ms = _median_ms(clock, lambda: fn(False), args.warmup, args.iters)
         dual_ms = _median_ms(clock, lambda: fn(True), args.warmup, args.iters)
         tl_seq, tl_dual = P.Timeline(), P.Timeline()
-        clock.time_ms(lambda: fn(False, tl_seq))
-        clock.time_ms(lambda: fn(True, tl_dual))
+        for sched, overlap, tl in (("sequential", False, tl_seq), ("dual", True, tl_dual)):
+            trace_reset()
+            clock.time_ms(lambda: fn(overlap, tl))
+            trace_keep(name, sched)
         phases[name] = (seq_ms, dual_ms, tl_seq.spans(), tl_dual.spans())
     tl_seq, tl_dual = P.Timeline(), P.Timeline()
-    seq_ms = timed_f_and_b(False, tl_seq)
-    dual_ms = timed_f_and_b(True, tl_dual)
+    seq_ms = timed_f_and_b(False, tl_seq, before_last=trace_reset)
+    trace_keep("fwd0_bwd1", "sequential")
+    dual_ms = timed_f_and_b(True, tl_dual, before_last=trace_reset)
+    trace_keep("fwd0_bwd1", "dual")
     phases["fwd0_bwd1"] = (seq_ms, dual_ms, tl_seq.spans(), tl_dual.spans())
     kernel_profile = None
     if args.kernel_profile and on_gpu:
@@ -511,6 +540,11 @@ def run(ctx, args) -> dict:
         figures[name] = _figures(seq_ms, dual_ms, comm_ms, compute_ms)
         figures[name].update(gap_split(spans_seq, spans_dual, max(comm_ms, compute_ms)))
         figures[name].update(spans_sequential=spans_seq, spans_dual=spans_dual)
+        if name in traces:
+            ranks = [None] * R  # every rank's steps: a late kernel on one rank stalls its peers
+            dist.all_gather_object(ranks, {sched: comm_trace_steps(sp, traces[name][sched])
+                                           for sched, sp in (("sequential", spans_seq), ("dual", spans_dual))})
+            figures[name]["comm_trace"] = {"ranks": ranks, "summary": [comm_trace_summary(r) for r in ranks]}
     if ctx.rank != 0:
         return {}
 
@@ -548,6 +582,10 @@ def run(ctx, args) -> dict:
         "figures": figures,
     }
     _print_table(result)
+    for name, fig in figures.items():
+        for rank, summ in enumerate(fig.get("comm_trace", {}).get("summary", [])):
+            print(f"# {name:>18} comm trace rank {rank}, sequential -> dual: " + "; ".join(
+                f"{k} {summ['sequential'][k]:.2f} -> {summ['dual'][k]:.2f}" for k in COMM_TRACE_SUMMARY))
     if kernel_profile:
         for sched, kp in kernel_profile.items():
             print(f"[overlap] kernels F(0)+B(1) {sched}: " + ", ".join(
@@ -603,6 +641,55 @@ def gap_split(spans_seq: list, spans_dual: list, busiest_ms: float) -> dict:
         "dual_busy_over_sequential": {k: busy["dual"][k] / max(busy["seq"][k], 1e-9) for k in ("comm", "compute")},
         "dual_idle_share": {k: 1 - busy["dual"][k] / max(span, 1e-9) for k in ("comm", "compute")},
     }
+
+
+COMM_TRACE_SLOTS = 512  # trace slots per kernel kind: more than the comm launches of one timeline run
+COMM_TRACE_SUMMARY = {  # summary key -> what it is (ms, summed over the comm steps of a run)
+    "span_ms": "comm steps' spans (CUDA events on the comm stream)",
+    "kernel_ms": "data kernels' own time: first CTA start to last CTA end",
+    "lead_ms": "span start to the kernel's first CTA (notify, host wait, launch, SMs), least step as 0",
+    "skew_ms": "first to last CTA start inside each kernel (SMs taken late)",
+}
+
+
+def _comm_kernel_kind(label: str) -> str:
+    """The data kernel a comm step runs: forward dispatch and combine' (a cached dispatch of the
+    gradients) the dispatch kernel; forward combine and dispatch' (a combine) the combine kernel."""
+    fwd = ".F." in label
+    if "dispatch" in label.rsplit(".", 1)[-1]:
+        return "dispatch" if fwd else "combine"
+    return "combine" if fwd else "dispatch"
+
+
+def comm_trace_steps(spans: list, history: dict) -> list:
+    """Match a timeline run's comm steps (in comm-stream order) with its data kernels' traces (launch
+    order per kind; ``backend.trace_history``) and time each step: its span, the kernel's own time,
+    how far its CTAs' starts spread, and when its first CTA started after the span began. The last
+    compares %globaltimer with CUDA events, so it is relative: the step whose kernel started soonest
+    after its span began counts 0."""
+    steps, used = [], {k: 0 for k in history}
+    for s in sorted((s for s in spans if s["stream"] == "comm"), key=lambda s: s["start_ms"]):
+        kind = _comm_kernel_kind(s["label"])
+        if used[kind] >= len(history[kind]):
+            raise RuntimeError(f"comm trace: no {kind} launch left for step {s['label']}")
+        ctas = history[kind][used[kind]]
+        used[kind] += 1
+        starts, ends = [c[0] for c in ctas], [c[2] for c in ctas]
+        steps.append({"label": s["label"], "kernel": kind, "span_ms": s["end_ms"] - s["start_ms"],
+                      "kernel_ms": (max(ends) - min(starts)) / 1e6, "skew_ms": (max(starts) - min(starts)) / 1e6,
+                      "_offset_ms": min(starts) / 1e6 - s["start_ms"]})
+    extra = {k: len(history[k]) - n for k, n in used.items() if len(history[k]) != n}
+    if extra:
+        raise RuntimeError(f"comm trace: launches without a comm step: {extra}")
+    base = min((st["_offset_ms"] for st in steps), default=0.0)
+    for st in steps:
+        st["lead_ms"] = st.pop("_offset_ms") - base
+    return steps
+
+
+def comm_trace_summary(rank_steps: dict) -> dict:
+    """Per schedule: COMM_TRACE_SUMMARY's sums over the comm steps."""
+    return {sched: {k: sum(st[k] for st in steps) for k in COMM_TRACE_SUMMARY} for sched, steps in rank_steps.items()}
 
 
 KERNEL_CATEGORIES = (  # (category, substrings of the kernel name), first match wins

@@ -92,6 +92,16 @@ def debug_smid() -> bool:
     return _flag("COMMLIB_DEBUG_SMID")
 
 
+def debug_smid_slots() -> int:
+    """Launches per kind whose %smid words (and COMM_TRACE points) are kept (COMMLIB_DEBUG_SMID_SLOTS,
+    default 1: the last launch only). More slots let a run collect the trace of every launch of a
+    schedule without a sync between them (``trace_history``)."""
+    value = _int("COMMLIB_DEBUG_SMID_SLOTS", 1)
+    if not 1 <= value <= 4096:
+        raise ValueError(f"COMMLIB_DEBUG_SMID_SLOTS={value} must be in 1 .. 4096")
+    return value
+
+
 def plain_ldst() -> bool:
     return _flag("COMMLIB_PLAIN_LDST")
 

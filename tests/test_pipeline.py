@@ -787,6 +787,39 @@ def test_bench_overlap_gap_split():
     assert abs(split["dual_idle_share"]["comm"] - (1 - 7.5 / 11.5)) < 1e-12
 
 
+def test_bench_overlap_comm_trace_steps():
+    """bench_overlap --comm-trace: comm steps (comm-stream order) take their data kernel's traces in
+    launch order per kind (combine' runs the dispatch kernel, dispatch' the combine kernel); each
+    step gets the kernel's own time, its CTAs' start spread and its start after the span began
+    (the soonest step counting 0); unmatched launches or steps raise."""
+    bench = _load_bench()
+
+    def span(label, t0, t1):
+        return {"label": label, "stream": "comm", "start_ms": t0, "end_ms": t1}
+
+    ms = 1_000_000  # ns per ms
+    spans = [span("0.F.dispatch0", 0.0, 3.0), {"label": "0.F.experts0", "stream": "compute", "start_ms": 3.0,
+                                               "end_ms": 4.0},
+             span("0.B.combine0", 5.0, 6.0), span("0.F.combine0", 4.0, 5.0), span("0.B.dispatch0", 6.0, 8.0)]
+    base = 100 * ms  # the GPU clock's own origin
+    hist = {"dispatch": [[(base + 1 * ms, 0, base + 3 * ms), (base + 2 * ms, 0, base + 2 * ms + ms // 2)],
+                         [(base + 5 * ms + ms // 2, 0, base + 6 * ms)] * 2],
+            "combine": [[(base + 4 * ms, 0, base + 5 * ms), (base + 4 * ms, 0, base + 4 * ms + ms // 4)],
+                        [(base + 6 * ms, 0, base + 8 * ms)] * 2]}
+    steps = bench.comm_trace_steps(spans, hist)
+    assert [(s["label"], s["kernel"]) for s in steps] == [
+        ("0.F.dispatch0", "dispatch"), ("0.F.combine0", "combine"), ("0.B.combine0", "dispatch"),
+        ("0.B.dispatch0", "combine")]
+    got = [(s["span_ms"], s["kernel_ms"], s["skew_ms"], s["lead_ms"]) for s in steps]
+    assert got == [(3.0, 2.0, 1.0, 1.0), (1.0, 1.0, 0.0, 0.0), (1.0, 0.5, 0.0, 0.5), (2.0, 2.0, 0.0, 0.0)]
+    summary = bench.comm_trace_summary({"dual": steps})
+    assert summary == {"dual": {"span_ms": 7.0, "kernel_ms": 5.5, "lead_ms": 1.5, "skew_ms": 1.0}}
+    with pytest.raises(RuntimeError, match="no combine launch left"):
+        bench.comm_trace_steps(spans, {"dispatch": hist["dispatch"], "combine": hist["combine"][:1]})
+    with pytest.raises(RuntimeError, match="launches without a comm step"):
+        bench.comm_trace_steps(spans[:3], hist)
+
+
 def deferred_equals_immediate(device=None, dtype=torch.float32, impl="auto"):
     """routed_experts' expert weight gradients through commlib.wgrad: inside ``deferring(queue)``
     both expert parameters get no gradient from autograd and two entries are queued; ``run`` then

@@ -103,10 +103,12 @@ class NVLinkBackend(Backend):
         self.peer_bases = self._mem.peer_bases
         self.seq_counters = torch.zeros(K.NUM_SEQ_COUNTERS, dtype=torch.int64, device=self.device)
         self._layout_scratch: dict = {}  # per stream: [ticket, error word] int32
-        # per kind: %smid of up to 256 CTAs, then (kernel variant COMM_TRACE=1) 3 u64 trace points per CTA
-        self._smids = torch.full((len(SMID_KINDS), K.TRACE_OFFSET_WORDS + 256 * K.TRACE_POINTS * 2), -1,
-                                 dtype=torch.int32, device=self.device) if env.debug_smid() else None
-        self._smid_grid = {kind: 0 for kind in SMID_KINDS}
+        # per kind and slot (one slot per launch, round robin over COMMLIB_DEBUG_SMID_SLOTS): %smid of up
+        # to 256 CTAs, then (kernel variant COMM_TRACE=1) 3 u64 trace points per CTA
+        self._smid_slots = env.debug_smid_slots()
+        self._smids = torch.full((len(SMID_KINDS), self._smid_slots, K.TRACE_OFFSET_WORDS + 256 * K.TRACE_POINTS * 2),
+                                 -1, dtype=torch.int32, device=self.device) if env.debug_smid() else None
+        self._smid_launches: dict = {kind: [] for kind in SMID_KINDS}  # grid of each launch since the reset
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
         self._mem.all_opened(self.group, self.rank, self.num_ranks)
 
@@ -140,15 +142,31 @@ class NVLinkBackend(Backend):
     def _smid_ptr(self, kind: str, grid: int):
         if self._smids is None:
             return K.u64(0)
-        self._smid_grid[kind] = grid
-        return K.u64(self._smids[SMID_KINDS[kind]].data_ptr())
+        launches = self._smid_launches[kind]
+        slot = len(launches) % self._smid_slots
+        launches.append(grid)
+        return K.u64(self._smids[SMID_KINDS[kind], slot].data_ptr())
+
+    def _need_smids(self, what: str) -> None:
+        if self._smids is None:
+            raise RuntimeError(f"{what} needs COMMLIB_DEBUG_SMID=1 when the Buffer is created")
+
+    def _launch_words(self, kind: str, i: int) -> tuple[int, torch.Tensor]:
+        """(grid, int32 words) of launch i of ``kind`` since the reset (it must still be in a slot)."""
+        return self._smid_launches[kind][i], self._smids[SMID_KINDS[kind], i % self._smid_slots]
 
     def last_smids(self, kind: str = "dispatch") -> list[int]:
         """%smid of every CTA of the last ``kind`` launch (COMMLIB_DEBUG_SMID=1 only; syncs)."""
-        if self._smids is None:
-            raise RuntimeError("last_smids needs COMMLIB_DEBUG_SMID=1 when the Buffer is created")
-        n = self._smid_grid[kind]
-        return self._smids[SMID_KINDS[kind], :n].tolist()
+        self._need_smids("last_smids")
+        if not self._smid_launches[kind]:
+            return []
+        n, words = self._launch_words(kind, len(self._smid_launches[kind]) - 1)
+        return words[:n].tolist()
+
+    @staticmethod
+    def _trace_points(n: int, words: torch.Tensor) -> list[tuple[int, int, int]]:
+        pts = words[K.TRACE_OFFSET_WORDS:].view(torch.int64)[: n * K.TRACE_POINTS].view(n, K.TRACE_POINTS)
+        return [tuple(p) for p in pts.tolist()]
 
     def last_trace(self, kind: str = "dispatch") -> list[tuple[int, int, int]]:
         """Per CTA of the last ``kind`` launch: (start, own role's work done, end) in ns of %globaltimer.
@@ -157,12 +175,26 @@ class NVLinkBackend(Backend):
         Even CTAs are senders, odd ones receivers. With SHARE_WORK the sender's time from its second
         point to its end is the receiver work it took over.
         """
-        if self._smids is None:
-            raise RuntimeError("last_trace needs COMMLIB_DEBUG_SMID=1 when the Buffer is created")
-        n = self._smid_grid[kind]
-        words = self._smids[SMID_KINDS[kind], K.TRACE_OFFSET_WORDS:].view(torch.int64)
-        pts = words[: n * K.TRACE_POINTS].view(n, K.TRACE_POINTS).tolist()
-        return [tuple(p) for p in pts]
+        self._need_smids("last_trace")
+        if not self._smid_launches[kind]:
+            return []
+        return self._trace_points(*self._launch_words(kind, len(self._smid_launches[kind]) - 1))
+
+    def reset_trace_history(self) -> None:
+        """Start a new ``trace_history``: forget the launches recorded so far (no device work)."""
+        for launches in self._smid_launches.values():
+            launches.clear()
+
+    def trace_history(self, kind: str = "dispatch") -> list[list[tuple[int, int, int]]]:
+        """``last_trace`` of every ``kind`` launch since ``reset_trace_history``, oldest first, read once
+        at the end (syncs): no sync between the launches. Raises if more launches ran than
+        COMMLIB_DEBUG_SMID_SLOTS keeps (the oldest were overwritten)."""
+        self._need_smids("trace_history")
+        launches = self._smid_launches[kind]
+        if len(launches) > self._smid_slots:
+            raise RuntimeError(f"trace_history: {len(launches)} {kind} launches since the reset, but only "
+                               f"COMMLIB_DEBUG_SMID_SLOTS={self._smid_slots} are kept")
+        return [self._trace_points(*self._launch_words(kind, i)) for i in range(len(launches))]
 
     def layout_error_count(self) -> int:
         """Top-k ids outside [-1, E) the layout kernel has seen so far (syncs)."""

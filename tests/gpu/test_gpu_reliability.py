@@ -196,7 +196,8 @@ def _fake_backend(rank=0, R=2):
     be.peer_bases = torch.zeros(R, dtype=torch.int64)
     be.seq_counters = torch.zeros(3 * 2 * 128, dtype=torch.int64)
     be.timeout_ns = 10**9
-    be._smids, be._smid_grid = None, {"notify": 0, "dispatch": 0, "combine": 0}
+    be._smids, be._smid_slots = None, 1
+    be._smid_launches = {"notify": [], "dispatch": [], "combine": []}
     return be
 
 
@@ -249,6 +250,47 @@ def _fill_counts(args, values: dict):
                 words[K.HOST_COUNTS[k] + j] = x
         else:
             words[K.HOST_COUNTS[k]] = v
+
+
+def test_trace_history_slots():
+    """COMMLIB_DEBUG_SMID_SLOTS: each launch gets the next slot of its kind; trace_history reads them
+    oldest first, last_trace / last_smids the newest; more launches than slots raise, a reset
+    starts over. The kernels are stood in for by writes at the pointer each launch was given."""
+    from commlib import kernels as K
+
+    be = _fake_backend()
+    slots, words = 3, K.TRACE_OFFSET_WORDS + 256 * K.TRACE_POINTS * 2
+    be._smids = torch.full((3, slots, words), -1, dtype=torch.int32)
+    be._smid_slots = slots
+
+    def launch(kind, grid, stamp):
+        addr = int(be._smid_ptr(kind, grid))
+        row = torch.frombuffer((ctypes.c_int32 * words).from_address(addr), dtype=torch.int32)
+        row[:grid] = torch.arange(grid, dtype=torch.int32) + stamp
+        pts = row[K.TRACE_OFFSET_WORDS:].view(torch.int64)
+        for cta in range(grid):
+            pts[cta * K.TRACE_POINTS: (cta + 1) * K.TRACE_POINTS] = torch.tensor([stamp, stamp + 1, stamp + 2 + cta])
+
+    launch("dispatch", 4, 100)
+    launch("combine", 2, 500)
+    launch("dispatch", 2, 200)
+    hist = be.trace_history("dispatch")
+    assert [len(t) for t in hist] == [4, 2]
+    assert hist[0][3] == (100, 101, 105) and hist[1] == [(200, 201, 202), (200, 201, 203)]
+    assert be.last_trace("dispatch") == hist[1] and be.last_smids("dispatch") == [200, 201]
+    assert be.trace_history("combine") == [[(500, 501, 502), (500, 501, 503)]]
+    launch("dispatch", 2, 300)
+    launch("dispatch", 2, 400)  # a fourth launch reuses slot 0
+    assert be.last_smids("dispatch") == [400, 401]
+    with pytest.raises(RuntimeError, match="COMMLIB_DEBUG_SMID_SLOTS=3"):
+        be.trace_history("dispatch")
+    be.reset_trace_history()
+    assert be.trace_history("dispatch") == [] and be.last_trace("dispatch") == []
+    launch("dispatch", 2, 600)
+    assert be.trace_history("dispatch") == [[(600, 601, 602), (600, 601, 603)]]
+    be._smids = None
+    with pytest.raises(RuntimeError, match="COMMLIB_DEBUG_SMID=1"):
+        be.trace_history("dispatch")
 
 
 def test_host_signature_mismatch_message(monkeypatch):

@@ -81,6 +81,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from commlib.timing import slowest  # noqa: E402  (after the checkout is on sys.path)
+
 PRESETS = {
     #           tokens hidden experts topk groups topk_groups expert_hidden shared heads head_dim
     "v3":       (4096, 7168, 256, 8, 8, 4, 2048, 1, 56, 128),
@@ -307,14 +309,6 @@ def _build_model(args, sh, buffer, device, comm_configs=(None, None)):
     return model
 
 
-def _worst_over_ranks(values: list, device) -> list:
-    """Every rank's figures -> the largest of each (the slowest rank is what a step waits for)."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return torch.stack(everyone).max(dim=0).values.tolist()
-
-
 def _sequential_fb_split(P, model, h0, h1, g0, g1, clock, device, warmup=2, reps=3) -> tuple:
     """Summed comm and compute stream spans of the sequential forward+backward (median, slowest rank)."""
     def once(tl=None):
@@ -332,7 +326,7 @@ def _sequential_fb_split(P, model, h0, h1, g0, g1, clock, device, warmup=2, reps
         comm.append(_sum_spans(spans, "comm"))
         compute.append(_sum_spans(spans, "compute"))
     model.zero_grad(set_to_none=True)
-    return tuple(_worst_over_ranks([statistics.median(comm), statistics.median(compute)], device))
+    return tuple(slowest([statistics.median(comm), statistics.median(compute)]))
 
 
 def _calibrate(ctx, args, sh, buffer, inputs, clock, comm_configs=(None, None)) -> tuple:
@@ -536,7 +530,7 @@ def run(ctx, args) -> dict:
     figures = {}
     for name, (seq_ms, dual_ms, spans_seq, spans_dual) in phases.items():
         comm_ms, compute_ms = _sum_spans(spans_seq, "comm"), _sum_spans(spans_seq, "compute")
-        seq_ms, dual_ms, comm_ms, compute_ms = _worst_over_ranks([seq_ms, dual_ms, comm_ms, compute_ms], device)
+        seq_ms, dual_ms, comm_ms, compute_ms = slowest([seq_ms, dual_ms, comm_ms, compute_ms])
         figures[name] = _figures(seq_ms, dual_ms, comm_ms, compute_ms)
         figures[name].update(gap_split(spans_seq, spans_dual, max(comm_ms, compute_ms)))
         figures[name].update(spans_sequential=spans_seq, spans_dual=spans_dual)

@@ -64,6 +64,7 @@ DEFAULT_VARIANT = {
     "DISPATCH_ASYNC_DEPTH": 0,    # > 0: rows stream through cp.async rings, this many 16-byte vectors in flight per
     "COMBINE_ASYNC_DEPTH": 0,     # lane (dynamic shared memory: dynamic_smem()); 0: register-staged copies
     "DISPATCH_BULK": 0,           # 1: the dispatch receiver copies rows with cp.async.bulk (TMA), ~190 KB in flight
+    "DISPATCH_BULK_SEND": 0,      # 1: the dispatch sender pushes rows with one destination as cp.async.bulk (TMA)
     "BULK_CHUNK": 3072,           # bytes per bulk piece; two per warp (dynamic shared memory: dynamic_smem())
     "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
                                   # 2x1-cluster persistent GEMMs beside them keep their SMs (common.cuh; 1: plain)
@@ -129,7 +130,7 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     merged.update({k: int(v) for k, v in (overrides or {}).items()})
     if merged["COMM_CLUSTER"] not in (1, 2):  # the grid (Config.num_sms) is only known to be even
         raise ValueError(f"COMM_CLUSTER must be 1 or 2, got {merged['COMM_CLUSTER']}")
-    for key in ("DISPATCH_BULK", "SHARE_WORK", "COMM_TRACE"):
+    for key in ("DISPATCH_BULK", "DISPATCH_BULK_SEND", "SHARE_WORK", "COMM_TRACE"):
         if merged[key] not in (0, 1):
             raise ValueError(f"{key} must be 0 or 1, got {merged[key]}")
     if merged["COMM_CLUSTER"] != 2 and "SHARE_WORK" not in (overrides or {}):
@@ -139,8 +140,9 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
                          "through the cluster's shared memory)")
     for family in ("dispatch", "combine"):
         key = f"{family.upper()}_ASYNC_DEPTH"
-        if merged[key] < 0 or (family == "dispatch" and merged[key] and merged["DISPATCH_BULK"]):
-            raise ValueError(f"{key} must be >= 0 and cannot go with DISPATCH_BULK, got {merged[key]}")
+        if merged[key] < 0 or (family == "dispatch" and merged[key] and _dispatch_bulk(merged)):
+            raise ValueError(f"{key} must be >= 0 and cannot go with DISPATCH_BULK / DISPATCH_BULK_SEND, "
+                             f"got {merged[key]}")
         if _async_bytes(merged, family) > MAX_DYNAMIC_SMEM:
             raise ValueError(f"{key}={merged[key]}: {_async_bytes(merged, family)} bytes of shared "
                              f"memory for {family} rings, over {MAX_DYNAMIC_SMEM}")
@@ -156,6 +158,11 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
 MAX_DYNAMIC_SMEM = 220 * 1024  # sm_90 allows 227 KB per CTA; the data kernels' static arrays take ~4 KB
 
 
+def _dispatch_bulk(knobs: dict) -> bool:
+    """Whether a dispatch CTA takes bulk-copy pipes (dynamic shared memory: _bulk_bytes)."""
+    return bool(knobs["DISPATCH_BULK"] or knobs["DISPATCH_BULK_SEND"])
+
+
 def _bulk_bytes(chunk: int) -> int:
     return 1024 + 32 * 2 * chunk  # COMMLIB_BULK_SMEM in common.cuh: mbarriers, then two pieces per warp
 
@@ -168,7 +175,7 @@ def _async_bytes(knobs: dict, family: str) -> int:
 
 def dynamic_smem(family: str) -> int:
     """Dynamic shared memory a data kernel of ``family`` takes under the current variant (bytes)."""
-    if family == "dispatch" and _variant["DISPATCH_BULK"]:
+    if family == "dispatch" and _dispatch_bulk(_variant):
         return _bulk_bytes(_variant["BULK_CHUNK"])
     if family in ("dispatch", "combine"):
         return _async_bytes(_variant, family)

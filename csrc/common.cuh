@@ -185,6 +185,12 @@ __device__ __forceinline__ void bulk_wait_reads() { asm volatile("cp.async.bulk.
 __device__ __forceinline__ void bulk_wait_writes() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 // Orders this thread's generic-proxy accesses (an acquire of the data's flag) before its bulk copies.
 __device__ __forceinline__ void bulk_fence_after_acquire() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+// Every bulk store this thread issued is done, and ordered before its later generic-proxy accesses
+// (and, through a CTA barrier, a release that publishes them to other GPUs).
+__device__ __forceinline__ void bulk_publish_writes() {
+    bulk_wait_writes();
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
 
 // dst[0, n) = src[0, n) (int4 units, 16-byte aligned rows), called by the whole warp; lane 0 drives it.
 __device__ __forceinline__ void bulk_copy_row(int4* dst, const int4* src, int n, BulkPipe& bp) {

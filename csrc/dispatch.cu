@@ -49,6 +49,9 @@
 #ifndef COMMLIB_DISPATCH_BULK
 #define COMMLIB_DISPATCH_BULK 0        // 1: the receiver's row copies (both halves) are bulk copies (common.cuh)
 #endif
+#ifndef COMMLIB_DISPATCH_BULK_SEND
+#define COMMLIB_DISPATCH_BULK_SEND 0   // 1: the sender pushes a row with one destination as bulk copies (TMA)
+#endif
 
 #define DISPATCH_FLAG_WRITE_HANDLE 1  // write send_head and recv_src_idx (non-cached mode)
 
@@ -94,8 +97,9 @@ __device__ __forceinline__ u64 dispatch_slot(const DispatchArgs& a, u64 base, in
 
 // One warp copies token `tok` to every rank in dmask. Lane r < R holds slot_r (its index among the
 // channel's tokens for rank r). s_dst: this warp's scratch (destination row of each rank). bp: the
-// warp's bulk-copy pipe when the row goes to this rank alone as a bulk copy (the receiver's local
-// half, COMMLIB_DISPATCH_BULK), else nullptr.
+// warp's bulk-copy pipe when the row has one destination and goes as a bulk copy (the receiver's
+// local half, COMMLIB_DISPATCH_BULK; a sender's push to one peer, COMMLIB_DISPATCH_BULK_SEND), else
+// nullptr.
 __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c, int tok, u32 dmask, int my_slot,
                                                     int local_base, u64* s_dst, BulkPipe* bp) {
     const int lane = lane_id();
@@ -127,7 +131,8 @@ __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c
     // hidden: read once, store to every destination
     const int4* src = a.x + (i64)tok * a.hidden_int4;
     if (bp != nullptr) {
-        if (s_dst[a.rank] != 0) bulk_copy_row(reinterpret_cast<int4*>(s_dst[a.rank]), src, a.hidden_int4, *bp);
+        const int r = __ffs(dmask) - 1;  // the one destination
+        if (s_dst[r] != 0) bulk_copy_row(reinterpret_cast<int4*>(s_dst[r]), src, a.hidden_int4, *bp);
     } else
 #if COMMLIB_DISPATCH_ASYNC_DEPTH > 0
     async_stream<COMMLIB_DISPATCH_ASYNC_DEPTH>(lane_vectors(a.hidden_int4), [&](int q) { return src + lane + 32 * q; }, [&](int q, int4 v) {
@@ -192,7 +197,8 @@ __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c
     __syncwarp();  // s_dst is rewritten by the next token
 }
 
-__device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
+// bp: this warp's bulk-copy pipe (COMMLIB_DISPATCH_BULK_SEND), else nullptr.
+__device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* bp) {
     __shared__ u64 s_dst_all[32][COMMLIB_MAX_RANKS];
     __shared__ int s_head_base[COMMLIB_MAX_RANKS];
     const int warp = warp_id(), lane = lane_id();
@@ -262,10 +268,13 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
                         const int v = __shfl_sync(FULL_MASK, slot[r], l);
                         if (lane == r) my_slot = v;
                     }
-                    dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst, nullptr);
+                    dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst,
+                                        __popc(dmask) == 1 ? bp : nullptr);
                 }
             }
         }
+        // bulk pushes complete and ordered before the generic-proxy release of this round's tail
+        if (bp != nullptr && lane == 0) bulk_publish_writes();
         __syncthreads();  // every copy of this round is issued; the release below covers them
         if (warp == publisher && lane < R && lane != me) {
             int mine = 0;
@@ -427,10 +436,10 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
     if (smids != nullptr && threadIdx.x == 0) smids[blockIdx.x] = get_smid();
     const int role = blockIdx.x & 1;  // 0 = sender, 1 = receiver
     const int num_pairs = gridDim.x >> 1;
-    BulkPipe* bp = nullptr;
-#if COMMLIB_DISPATCH_BULK
+    BulkPipe* bp = nullptr;  // the receiver's (COMMLIB_DISPATCH_BULK) or the sender's (COMMLIB_DISPATCH_BULK_SEND)
+#if COMMLIB_DISPATCH_BULK || COMMLIB_DISPATCH_BULK_SEND
     BulkPipe pipe;
-    if (role == 1) {
+    if (role == 1 ? COMMLIB_DISPATCH_BULK : COMMLIB_DISPATCH_BULK_SEND) {
         pipe = bulk_pipe_init(dynamic_smem_base());  // COMMLIB_BULK_SMEM bytes
         bp = &pipe;
     }
@@ -450,7 +459,7 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
         __syncthreads();
         const u64 seq = s_seq;
         if (role == 0) {
-            dispatch_send(a, c, seq);
+            dispatch_send(a, c, seq, bp);
             trace_point(smids, 1);
 #if COMMLIB_SHARE
             dispatch_recv_remote(a, c, seq, nullptr, work);

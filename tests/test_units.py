@@ -155,13 +155,13 @@ def test_kernel_variant_parse_and_set():
         with pytest.raises(ValueError, match="COMM_CLUSTER"):  # the grid is only known to be even
             K.set_variant({"COMM_CLUSTER": 4})
         for bad in ({"DISPATCH_BULK": 2}, {"BULK_CHUNK": 1000}, {"BULK_CHUNK": 4096},  # 4096: too much smem
-                    {"SHARE_WORK": 2}, {"COMM_TRACE": -1}):
+                    {"SHARE_WORK": 2}, {"COMM_TRACE": -1}, {"DISPATCH_BULK_SEND": 2}):
             with pytest.raises(ValueError):
                 K.set_variant(bad)
         with pytest.raises(ValueError, match="SHARE_WORK=1 needs COMM_CLUSTER=2"):  # the counter is cluster smem
             K.set_variant({"SHARE_WORK": 1, "COMM_CLUSTER": 1})
         for bad in ({"COMBINE_ASYNC_DEPTH": -1}, {"DISPATCH_ASYNC_DEPTH": 14},  # 14 x 32 rings: over the limit
-                    {"DISPATCH_ASYNC_DEPTH": 4, "DISPATCH_BULK": 1}):
+                    {"DISPATCH_ASYNC_DEPTH": 4, "DISPATCH_BULK": 1}, {"DISPATCH_ASYNC_DEPTH": 4, "DISPATCH_BULK_SEND": 1}):
             with pytest.raises(ValueError, match="ASYNC_DEPTH"):
                 K.set_variant(bad)
         K.set_variant({"COMBINE_ASYNC_DEPTH": 12})
@@ -176,6 +176,9 @@ def test_kernel_variant_parse_and_set():
         K.set_variant({"DISPATCH_BULK": 1})
         assert 48 * 1024 < K.dynamic_smem("dispatch") <= K.MAX_DYNAMIC_SMEM and K.dynamic_smem("combine") == 0
         assert "-DCOMMLIB_DISPATCH_BULK=1" in K.options(False)
+        bulk = K.dynamic_smem("dispatch")
+        K.set_variant({"DISPATCH_BULK_SEND": 1})  # the sender's pipes: the same bytes, in the other CTA
+        assert K.dynamic_smem("dispatch") == bulk and "-DCOMMLIB_DISPATCH_BULK_SEND=1" in K.options(False)
     finally:
         K.set_variant(None)
     assert K.variant() == K.DEFAULT_VARIANT

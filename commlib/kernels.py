@@ -64,6 +64,7 @@ DEFAULT_VARIANT = {
     "DISPATCH_ASYNC_DEPTH": 0,    # > 0: rows stream through cp.async rings, this many 16-byte vectors in flight per
     "COMBINE_ASYNC_DEPTH": 0,     # lane (dynamic shared memory: dynamic_smem()); 0: register-staged copies
     "DISPATCH_BULK": 0,           # 1: the dispatch receiver copies rows with cp.async.bulk (TMA), ~190 KB in flight
+    "DISPATCH_SEND_WARPS": 0,     # > 0: only this many dispatch sender warps push rows (0: all copy warps)
     "DISPATCH_BULK_SEND": 0,      # 1: the dispatch sender pushes rows with one destination as cp.async.bulk (TMA)
     "BULK_CHUNK": 3072,           # bytes per bulk piece; two per warp (dynamic shared memory: dynamic_smem())
     "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
@@ -138,6 +139,8 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     if merged["SHARE_WORK"] and merged["COMM_CLUSTER"] != 2:
         raise ValueError("SHARE_WORK=1 needs COMM_CLUSTER=2 (the sender reaches the receiver's counter "
                          "through the cluster's shared memory)")
+    if merged["DISPATCH_SEND_WARPS"] < 0:
+        raise ValueError(f"DISPATCH_SEND_WARPS must be >= 0 (0: every copy warp), got {merged['DISPATCH_SEND_WARPS']}")
     for family in ("dispatch", "combine"):
         key = f"{family.upper()}_ASYNC_DEPTH"
         if merged[key] < 0 or (family == "dispatch" and merged[key] and _dispatch_bulk(merged)):

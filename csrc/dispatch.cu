@@ -49,6 +49,9 @@
 #ifndef COMMLIB_DISPATCH_BULK
 #define COMMLIB_DISPATCH_BULK 0        // 1: the receiver's row copies (both halves) are bulk copies (common.cuh)
 #endif
+#ifndef COMMLIB_DISPATCH_SEND_WARPS
+#define COMMLIB_DISPATCH_SEND_WARPS 0  // > 0: only this many sender warps push rows (0: all but the publisher)
+#endif
 #ifndef COMMLIB_DISPATCH_BULK_SEND
 #define COMMLIB_DISPATCH_BULK_SEND 0   // 1: the sender pushes a row with one destination as bulk copies (TMA)
 #endif
@@ -203,7 +206,9 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
     __shared__ int s_head_base[COMMLIB_MAX_RANKS];
     const int warp = warp_id(), lane = lane_id();
     const int num_warps = blockDim.x >> 5;
-    const int publisher = num_warps - 1, num_copy_warps = num_warps - 1;
+    const int publisher = num_warps - 1;
+    const int num_copy_warps = COMMLIB_DISPATCH_SEND_WARPS > 0 && COMMLIB_DISPATCH_SEND_WARPS < num_warps - 1
+                                   ? COMMLIB_DISPATCH_SEND_WARPS : num_warps - 1;
     const int R = a.num_ranks, C = a.num_channels, me = a.rank;
     const u64 own = a.peer_bases[me];
     int start, end;

@@ -335,12 +335,17 @@ def case_cuda_graph(ctx):
 
 def case_smid(ctx):
     """With COMMLIB_DEBUG_SMID=1, every kernel records %smid per CTA: a dispatch and a combine use
-    exactly num_sms CTAs on at most num_sms SMs, also while a long GEMM runs on another stream."""
+    exactly num_sms CTAs on at most num_sms SMs, also while a long GEMM runs on another stream.
+    With COMMLIB_DEBUG_SMID_SLOTS=8 every launch keeps its own slot: trace_history has one entry per
+    launch since the reset, the last one equal to last_smids / last_trace."""
     os.environ["COMMLIB_DEBUG_SMID"] = "1"
+    os.environ["COMMLIB_DEBUG_SMID_SLOTS"] = "8"
     try:
         nv, _ = buffers(ctx, key="smid")
     finally:
         os.environ.pop("COMMLIB_DEBUG_SMID", None)
+        os.environ.pop("COMMLIB_DEBUG_SMID_SLOTS", None)
+    nv.backend.reset_trace_history()
     me, dev = ctx.rank, ctx.device
     a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
     side = torch.cuda.Stream()
@@ -364,6 +369,12 @@ def case_smid(ctx):
         if me == 0:
             print(f"[smid] num_sms={num_sms} dispatch SMs {sorted(set(nv.backend.last_smids('dispatch')))}",
                   flush=True)
+    for kind in ("dispatch", "combine"):  # one non-cached dispatch and one combine per num_sms above
+        hist = nv.backend.trace_history(kind)
+        assert [len(t) for t in hist] == [20, 8], f"{kind}: {[len(t) for t in hist]} CTAs per launch"
+        if commlib_kernels.variant()["COMM_TRACE"]:
+            assert hist[-1] == nv.backend.last_trace(kind)
+            assert hist[0][0][0] < hist[1][0][0], f"{kind}: the second launch's trace is not later"
 
 
 def case_pressure(ctx):

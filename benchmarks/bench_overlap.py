@@ -309,7 +309,7 @@ def _build_model(args, sh, buffer, device, comm_configs=(None, None)):
     return model
 
 
-def _sequential_fb_split(P, model, h0, h1, g0, g1, clock, device, warmup=2, reps=3) -> tuple:
+def _sequential_fb_split(P, model, h0, h1, g0, g1, clock, warmup=2, reps=3) -> tuple:
     """Summed comm and compute stream spans of the sequential forward+backward (median, slowest rank)."""
     def once(tl=None):
         model.zero_grad(set_to_none=True)
@@ -336,7 +336,7 @@ def _calibrate(ctx, args, sh, buffer, inputs, clock, comm_configs=(None, None)) 
     trials = []
     for size in CALIBRATION_SIZES:
         model = _build_model(args, dict(sh, expert_hidden=size), buffer, ctx.device, comm_configs)
-        comm_ms, compute_ms = _sequential_fb_split(P, model, *inputs, clock, ctx.device)
+        comm_ms, compute_ms = _sequential_fb_split(P, model, *inputs, clock)
         del model
         ratio = compute_ms / max(comm_ms, 1e-9)
         trials.append({"expert_hidden": size, "comm_ms": comm_ms, "compute_ms": compute_ms,
@@ -361,7 +361,7 @@ def _calibrate_comm_sms(ctx, model, inputs, clock, tokens) -> tuple:
     trials = []
     for sms in COMM_SMS_CALIBRATION:
         model.comm_configs = _comm_configs(ctx.world_size, sms, tokens)
-        comm_ms, compute_ms = _sequential_fb_split(P, model, *inputs, clock, ctx.device)
+        comm_ms, compute_ms = _sequential_fb_split(P, model, *inputs, clock)
         ratio = comm_ms / max(compute_ms, 1e-9)
         trials.append({"comm_sms": sms, "comm_ms": comm_ms, "compute_ms": compute_ms, "comm_over_compute": ratio})
         if ctx.rank == 0:

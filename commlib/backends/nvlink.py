@@ -108,7 +108,9 @@ class NVLinkBackend(Backend):
         self._smid_slots = env.debug_smid_slots()
         self._smids = torch.full((len(SMID_KINDS), self._smid_slots, K.TRACE_OFFSET_WORDS + 256 * K.TRACE_POINTS * 2),
                                  -1, dtype=torch.int32, device=self.device) if env.debug_smid() else None
-        self._smid_launches: dict = {kind: [] for kind in SMID_KINDS}  # grid of each launch since the reset
+        # per kind: launches since the reset, and the grid of the launch each slot holds
+        self._smid_count = {kind: 0 for kind in SMID_KINDS}
+        self._smid_grids = {kind: [0] * self._smid_slots for kind in SMID_KINDS}
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
         self._mem.all_opened(self.group, self.rank, self.num_ranks)
 
@@ -142,9 +144,9 @@ class NVLinkBackend(Backend):
     def _smid_ptr(self, kind: str, grid: int):
         if self._smids is None:
             return K.u64(0)
-        launches = self._smid_launches[kind]
-        slot = len(launches) % self._smid_slots
-        launches.append(grid)
+        slot = self._smid_count[kind] % self._smid_slots
+        self._smid_count[kind] += 1
+        self._smid_grids[kind][slot] = grid
         return K.u64(self._smids[SMID_KINDS[kind], slot].data_ptr())
 
     def _need_smids(self, what: str) -> None:
@@ -153,14 +155,15 @@ class NVLinkBackend(Backend):
 
     def _launch_words(self, kind: str, i: int) -> tuple[int, torch.Tensor]:
         """(grid, int32 words) of launch i of ``kind`` since the reset (it must still be in a slot)."""
-        return self._smid_launches[kind][i], self._smids[SMID_KINDS[kind], i % self._smid_slots]
+        slot = i % self._smid_slots
+        return self._smid_grids[kind][slot], self._smids[SMID_KINDS[kind], slot]
 
     def last_smids(self, kind: str = "dispatch") -> list[int]:
         """%smid of every CTA of the last ``kind`` launch (COMMLIB_DEBUG_SMID=1 only; syncs)."""
         self._need_smids("last_smids")
-        if not self._smid_launches[kind]:
+        if not self._smid_count[kind]:
             return []
-        n, words = self._launch_words(kind, len(self._smid_launches[kind]) - 1)
+        n, words = self._launch_words(kind, self._smid_count[kind] - 1)
         return words[:n].tolist()
 
     @staticmethod
@@ -176,25 +179,25 @@ class NVLinkBackend(Backend):
         point to its end is the receiver work it took over.
         """
         self._need_smids("last_trace")
-        if not self._smid_launches[kind]:
+        if not self._smid_count[kind]:
             return []
-        return self._trace_points(*self._launch_words(kind, len(self._smid_launches[kind]) - 1))
+        return self._trace_points(*self._launch_words(kind, self._smid_count[kind] - 1))
 
     def reset_trace_history(self) -> None:
         """Start a new ``trace_history``: forget the launches recorded so far (no device work)."""
-        for launches in self._smid_launches.values():
-            launches.clear()
+        for kind in self._smid_count:
+            self._smid_count[kind] = 0
 
     def trace_history(self, kind: str = "dispatch") -> list[list[tuple[int, int, int]]]:
         """``last_trace`` of every ``kind`` launch since ``reset_trace_history``, oldest first, read once
         at the end (syncs): no sync between the launches. Raises if more launches ran than
         COMMLIB_DEBUG_SMID_SLOTS keeps (the oldest were overwritten)."""
         self._need_smids("trace_history")
-        launches = self._smid_launches[kind]
-        if len(launches) > self._smid_slots:
-            raise RuntimeError(f"trace_history: {len(launches)} {kind} launches since the reset, but only "
+        count = self._smid_count[kind]
+        if count > self._smid_slots:
+            raise RuntimeError(f"trace_history: {count} {kind} launches since the reset, but only "
                                f"COMMLIB_DEBUG_SMID_SLOTS={self._smid_slots} are kept")
-        return [self._trace_points(*self._launch_words(kind, i)) for i in range(len(launches))]
+        return [self._trace_points(*self._launch_words(kind, i)) for i in range(count)]
 
     def layout_error_count(self) -> int:
         """Top-k ids outside [-1, E) the layout kernel has seen so far (syncs)."""

@@ -197,7 +197,8 @@ def _fake_backend(rank=0, R=2):
     be.seq_counters = torch.zeros(3 * 2 * 128, dtype=torch.int64)
     be.timeout_ns = 10**9
     be._smids, be._smid_slots = None, 1
-    be._smid_launches = {"notify": [], "dispatch": [], "combine": []}
+    be._smid_count = {"notify": 0, "dispatch": 0, "combine": 0}
+    be._smid_grids = {kind: [0] for kind in be._smid_count}
     return be
 
 
@@ -262,6 +263,7 @@ def test_trace_history_slots():
     slots, words = 3, K.TRACE_OFFSET_WORDS + 256 * K.TRACE_POINTS * 2
     be._smids = torch.full((3, slots, words), -1, dtype=torch.int32)
     be._smid_slots = slots
+    be._smid_grids = {kind: [0] * slots for kind in be._smid_count}
 
     def launch(kind, grid, stamp):
         addr = int(be._smid_ptr(kind, grid))

@@ -143,6 +143,16 @@ struct BulkPipe {
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
+// Progress words in shared memory between the warps of one CTA (release / acquire at CTA scope).
+__device__ __forceinline__ void st_release_cta_shared(int* p, int v) {
+    asm volatile("st.release.cta.shared::cta.b32 [%0], %1;" :: "r"(smem_addr(p)), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_cta_shared(const int* p) {
+    int v;
+    asm volatile("ld.acquire.cta.shared::cta.b32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)) : "memory");
+    return v;
+}
+
 // The kernel's dynamic shared memory (kernels.dynamic_smem bytes): the bulk pipes or the async rings.
 __device__ __forceinline__ unsigned char* dynamic_smem_base() {
     extern __shared__ __align__(128) unsigned char commlib_dynamic_smem[];

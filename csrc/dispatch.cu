@@ -52,6 +52,9 @@
 #ifndef COMMLIB_DISPATCH_SEND_WARPS
 #define COMMLIB_DISPATCH_SEND_WARPS 0  // > 0: only this many sender warps push rows (0: all but the publisher)
 #endif
+#ifndef COMMLIB_DISPATCH_STREAM_SEND
+#define COMMLIB_DISPATCH_STREAM_SEND 0  // 1: sender warps stream their tokens without round barriers; the
+#endif                                   // publisher follows per-warp progress words (see dispatch_send)
 #ifndef COMMLIB_DISPATCH_BULK_SEND
 #define COMMLIB_DISPATCH_BULK_SEND 0   // 1: the sender pushes a row with one destination as bulk copies (TMA)
 #endif
@@ -200,6 +203,81 @@ __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c
     __syncwarp();  // s_dst is rewritten by the next token
 }
 
+// One block of 32 tokens [sb, block_end) as every sender warp sees it: lane l's destinations (bits),
+// its slot per destination and its item (index among the tokens with a served destination);
+// count / items move past the block.
+struct TokenBlock {
+    u32 bits;
+    int item;
+    int slot[COMMLIB_MAX_RANKS];
+};
+
+__device__ __forceinline__ TokenBlock scan_token_block(const DispatchArgs& a, int sb, int block_end, u32 serve,
+                                                       int (&count)[COMMLIB_MAX_RANKS], int& items) {
+    TokenBlock b;
+    const int t = sb + lane_id();
+    b.bits = 0;
+    if (t < block_end)
+        for (int r = 0; r < a.num_ranks; ++r) b.bits |= (u32)(a.is_token_in_rank[(i64)t * a.num_ranks + r] != 0) << r;
+#pragma unroll
+    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
+        const u32 m = __ballot_sync(FULL_MASK, (b.bits >> r) & 1u);
+        b.slot[r] = count[r] + __popc(m & lanemask_lt());
+        count[r] += __popc(m);
+    }
+    const u32 any = __ballot_sync(FULL_MASK, (b.bits & serve) != 0);
+    b.item = items + __popc(any & lanemask_lt());
+    items += __popc(any);
+    return b;
+}
+
+// The publisher's send_head row of token t (non-cached mode): its row in each destination, or -1.
+__device__ __forceinline__ void write_send_head(const DispatchArgs& a, bool valid, int t, const TokenBlock& b,
+                                                const int* s_head_base) {
+    if (!(a.flags & DISPATCH_FLAG_WRITE_HANDLE) || !valid) return;
+#pragma unroll
+    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+        if (r < a.num_ranks) a.send_head[(i64)t * a.num_ranks + r] = ((b.bits >> r) & 1u) ? s_head_base[r] + b.slot[r] : -1;
+}
+
+// This warp's tokens of the block (item % num_copy_warps == warp). s_progress (streaming sender):
+// after each token, lane 0 release-stores the warp's next item.
+__device__ __forceinline__ void copy_own_tokens(const DispatchArgs& a, int c, int sb, const TokenBlock& b, u32 serve,
+                                                int num_copy_warps, int local_base, u64* s_dst, BulkPipe* bp,
+                                                int* s_progress) {
+    const int warp = warp_id(), lane = lane_id();
+    u32 mine = __ballot_sync(FULL_MASK, (b.bits & serve) != 0 && b.item % num_copy_warps == warp);
+    while (mine) {
+        const int l = __ffs(mine) - 1;
+        mine &= mine - 1;
+        const u32 dmask = __shfl_sync(FULL_MASK, b.bits, l) & serve;
+        int my_slot = 0;
+#pragma unroll
+        for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
+            const int v = __shfl_sync(FULL_MASK, b.slot[r], l);
+            if (lane == r) my_slot = v;
+        }
+        dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst, __popc(dmask) == 1 ? bp : nullptr);
+        if (s_progress != nullptr) {
+            const int item = __shfl_sync(FULL_MASK, b.item, l);
+            __syncwarp();  // every lane's stores of the token before lane 0's release
+            if (lane == 0) st_release_cta_shared(s_progress + warp, item + num_copy_warps);
+        }
+    }
+}
+
+// The publisher warp: lane r < R (a peer) release-stores the count of tokens sent to it so far.
+__device__ __forceinline__ void publish_tails(const DispatchArgs& a, int c, u64 seq, const int (&count)[COMMLIB_MAX_RANKS]) {
+    const int lane = lane_id();
+    if (lane >= a.num_ranks || lane == a.rank) return;
+    int mine = 0;
+#pragma unroll
+    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+        if (lane == r) mine = count[r];
+    st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_DISPATCH_TAIL, a.rank * COMMLIB_MAX_CHANNELS + c),
+                   tail_word(seq, (u32)mine));
+}
+
 // bp: this warp's bulk-copy pipe (COMMLIB_DISPATCH_BULK_SEND), else nullptr.
 __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* bp) {
     __shared__ u64 s_dst_all[32][COMMLIB_MAX_RANKS];
@@ -238,58 +316,48 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
     int items = 0;  // tokens the sender copies so far (with a destination it serves)
     // destinations the sender copies to: all, or only the peers when the receiver does the local half
     const u32 serve = COMMLIB_LOCAL_IN_RECEIVER ? ~(1u << me) : ~0u;
+    const bool copier = warp < num_copy_warps;
+#if COMMLIB_DISPATCH_STREAM_SEND
+    // No round barriers: each copy warp streams its own tokens and, after each, release-stores its
+    // next item (s_progress); the publisher acquires those words, and once every item of a block is
+    // copied (the smallest next item is past the block) it releases the tails, at the round size.
+    __shared__ int s_progress[32];
+    if (copier && lane == 0) s_progress[warp] = warp;  // its first item
+    __syncthreads();  // the progress words, and the signature above, before any tail release
+    for (int sb = start; sb < end; sb += 32) {
+        const int block_end = min(sb + 32, end);
+        const TokenBlock b = scan_token_block(a, sb, block_end, serve, count, items);
+        if (warp == publisher) {
+            write_send_head(a, sb + lane < block_end, sb + lane, b, s_head_base);
+            int next = items;  // wait until every item up to the block's end is copied
+            while (next >= items) {
+                next = lane < num_copy_warps ? ld_acquire_cta_shared(s_progress + lane) : 0x7fffffff;
+                for (int o = 16; o; o >>= 1) next = min(next, __shfl_xor_sync(FULL_MASK, next, o));
+            }
+            __syncwarp();  // lane r's release below covers what the other lanes acquired
+            if ((block_end - start) % a.round_tokens == 0 || block_end == end)
+                publish_tails(a, c, seq, count);
+        } else if (copier) {
+            copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, bp, s_progress);
+        }
+    }
+    if (copier && lane == 0) st_release_cta_shared(s_progress + warp, 0x7fffffff);  // none left
+#else
     for (int round_start = start; round_start < end; round_start += a.round_tokens) {
         const int round_end = min(round_start + a.round_tokens, end);
         for (int sb = round_start; sb < round_end; sb += 32) {
-            const int t = sb + lane;
-            u32 bits = 0;
-            if (t < round_end)
-                for (int r = 0; r < R; ++r) bits |= (u32)(a.is_token_in_rank[(i64)t * R + r] != 0) << r;
-            int slot[COMMLIB_MAX_RANKS];
-#pragma unroll
-            for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
-                const u32 m = __ballot_sync(FULL_MASK, (bits >> r) & 1u);
-                slot[r] = count[r] + __popc(m & lanemask_lt());
-                count[r] += __popc(m);
-            }
-            const u32 any = __ballot_sync(FULL_MASK, (bits & serve) != 0);
-            const int item = items + __popc(any & lanemask_lt());
-            items += __popc(any);
-            if (warp == publisher) {
-                if ((a.flags & DISPATCH_FLAG_WRITE_HANDLE) && t < round_end) {
-#pragma unroll
-                    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
-                        if (r < R) a.send_head[(i64)t * R + r] = ((bits >> r) & 1u) ? s_head_base[r] + slot[r] : -1;
-                }
-            } else {
-                u32 mine = __ballot_sync(FULL_MASK, (bits & serve) != 0 && item % num_copy_warps == warp);
-                while (mine) {
-                    const int l = __ffs(mine) - 1;
-                    mine &= mine - 1;
-                    const u32 dmask = __shfl_sync(FULL_MASK, bits, l) & serve;
-                    int my_slot = 0;
-#pragma unroll
-                    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
-                        const int v = __shfl_sync(FULL_MASK, slot[r], l);
-                        if (lane == r) my_slot = v;
-                    }
-                    dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst,
-                                        __popc(dmask) == 1 ? bp : nullptr);
-                }
-            }
+            const TokenBlock b = scan_token_block(a, sb, round_end, serve, count, items);
+            if (warp == publisher)
+                write_send_head(a, sb + lane < round_end, sb + lane, b, s_head_base);
+            else if (copier)
+                copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, bp, nullptr);
         }
         // bulk pushes complete and ordered before the generic-proxy release of this round's tail
         if (bp != nullptr && lane == 0) bulk_publish_writes();
         __syncthreads();  // every copy of this round is issued; the release below covers them
-        if (warp == publisher && lane < R && lane != me) {
-            int mine = 0;
-#pragma unroll
-            for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
-                if (lane == r) mine = count[r];
-            st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_DISPATCH_TAIL, me * COMMLIB_MAX_CHANNELS + c),
-                           tail_word(seq, (u32)mine));
-        }
+        if (warp == publisher) publish_tails(a, c, seq, count);
     }
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------

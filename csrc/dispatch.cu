@@ -329,11 +329,11 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
         const TokenBlock b = scan_token_block(a, sb, block_end, serve, count, items);
         if (warp == publisher) {
             write_send_head(a, sb + lane < block_end, sb + lane, b, s_head_base);
-            int next = items;  // wait until every item up to the block's end is copied
-            while (next >= items) {
+            int next;  // the smallest unfinished item: wait until it is past the block's end
+            do {
                 next = lane < num_copy_warps ? ld_acquire_cta_shared(s_progress + lane) : 0x7fffffff;
                 for (int o = 16; o; o >>= 1) next = min(next, __shfl_xor_sync(FULL_MASK, next, o));
-            }
+            } while (next < items);
             __syncwarp();  // lane r's release below covers what the other lanes acquired
             if ((block_end - start) % a.round_tokens == 0 || block_end == end)
                 publish_tails(a, c, seq, count);

@@ -41,6 +41,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import torch
 import torch.distributed as dist
 
+from commlib.timing import slowest
+
 REPO = Path(__file__).resolve().parent.parent
 # DeepEP's published intranode figures (GB/s) the brief compares against, and this engine's targets.
 DEEPEP = {"dispatch_bf16": 339.0, "dispatch_fp8": 246.0, "combine": 287.0}
@@ -97,11 +99,6 @@ def _bench(fn, warmup: int, iters: int) -> float:
         return statistics.median(samples)
 
 
-def _slowest(values: list[float], group) -> list[float]:
-    from commlib.timing import slowest
-    return slowest(values, group)
-
-
 def measure(fn, kernels: list[str], args, group) -> dict:
     """{'full': us, 'host': us, kernel name: us} (slowest rank's medians). Three passes:
       full    the call as a user makes it: events around fn() on the current stream, L2 flushed
@@ -134,7 +131,7 @@ def measure(fn, kernels: list[str], args, group) -> dict:
     for name in kernels:
         times = [s.elapsed_time(e) * 1e3 for n, s, e in rec if n == name][-args.iters:]
         per.append(statistics.median(times) if times else float("nan"))
-    vals = _slowest([full, statistics.median(host)] + per, group)
+    vals = slowest([full, statistics.median(host)] + per, group)
     return {"full": vals[0], "host": vals[1], **{k: v for k, v in zip(kernels, vals[2:])}}
 
 
@@ -221,12 +218,12 @@ def worker(ctx, a: dict):
                 (mq, ms) = disp(xq)[0]
                 wrong["dispatch_fp8"] = baseline.count_wrong(mq, bq) + baseline.count_wrong(ms, bs)
         if with_baseline and baseline is not None:
-            base["dispatch_bf16"] = _slowest([_bench(lambda: baseline.a2a_dispatch(x, idx, E, group),
+            base["dispatch_bf16"] = slowest([_bench(lambda: baseline.a2a_dispatch(x, idx, E, group),
                                                      args.warmup, args.iters)], group)[0]
-            base["combine"] = _slowest([_bench(lambda: baseline.a2a_combine(b_recv, state, group),
+            base["combine"] = slowest([_bench(lambda: baseline.a2a_combine(b_recv, state, group),
                                                args.warmup, args.iters)], group)[0]
             if with_fp8:
-                base["dispatch_fp8"] = _slowest([_bench(lambda: baseline.a2a_dispatch(xq, idx, E, group),
+                base["dispatch_fp8"] = slowest([_bench(lambda: baseline.a2a_dispatch(xq, idx, E, group),
                                                         args.warmup, args.iters)], group)[0]
         wrong_t = torch.tensor([wrong.get(k, 0) for k in ("dispatch_bf16", "dispatch_fp8", "combine")],
                                dtype=torch.float64, device=dev)

@@ -115,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--topk-groups", type=int)
     p.add_argument("--expert-hidden", type=int)
     p.add_argument("--shared", type=int, help="shared experts (0 = none)")
+    p.add_argument("--shared-stage", choices=("attn", "experts"), default="attn",
+                   help="pipeline stage of the shared experts (MoEConfig.shared_stage): attn = beside the other "
+                        "micro-batch's dispatch in the attention step (default), experts = with the routed experts")
     p.add_argument("--heads", type=int, help="attention heads (0 = no attention: the MoE layer alone)")
     p.add_argument("--head-dim", type=int, help="attention head size (q/k/v project to heads * head_dim)")
     p.add_argument("--comm-sms", type=int, default=None, metavar="N",
@@ -190,6 +193,7 @@ def _resolve_shapes(args, on_gpu: bool) -> dict:
         if v is not None:
             shapes[f] = v
     shapes["preset"] = preset
+    shapes["shared_stage"] = args.shared_stage
     return shapes
 
 
@@ -301,7 +305,8 @@ def _build_model(args, sh, buffer, device, comm_configs=(None, None)):
     dtype = torch.bfloat16
     cfg = MoEConfig(hidden=sh["hidden"], num_experts=sh["experts"], topk=sh["topk"],
                     expert_hidden=sh["expert_hidden"], num_groups=sh["groups"], topk_groups=sh["topk_groups"],
-                    num_shared_experts=sh["shared"], expert_dtype=dtype, fp8_dispatch=args.fp8)
+                    num_shared_experts=sh["shared"], expert_dtype=dtype, fp8_dispatch=args.fp8,
+                    shared_stage=sh.get("shared_stage", "attn"))
     torch.manual_seed(args.seed)  # replicated (attention, router, shared) parameters agree across ranks
     model = MoEModel(cfg, args.layers, sh["heads"], buffer=buffer, full_init=False, device=device,
                      attn_dtype=dtype, head_dim=sh["head_dim"]).to(dtype)
@@ -620,6 +625,17 @@ def schedule_bound_ms(spans_seq: list, spans_dual: list) -> float:
     return end
 
 
+def stage_means_ms(spans: list) -> dict:
+    """Mean span per stage kind (label's last part without its layer number, e.g. "attn",
+    "dispatch", "experts'"): the sizes of the steps the dual schedule pairs."""
+    import re
+    by_kind: dict = {}
+    for s in spans:
+        kind = re.sub(r"\d+", "", s["label"].rsplit(".", 1)[-1])
+        by_kind.setdefault(kind, []).append(s["end_ms"] - s["start_ms"])
+    return {k: sum(v) / len(v) for k, v in sorted(by_kind.items())}
+
+
 def gap_split(spans_seq: list, spans_dual: list, busiest_ms: float) -> dict:
     """Where dual / max(comm, compute) goes, from one rank's recorded spans: the schedule's own
     bound (``schedule_bound_ms``), each stream's busy time in the dual run against the sequential
@@ -634,6 +650,7 @@ def gap_split(spans_seq: list, spans_dual: list, busiest_ms: float) -> dict:
         "schedule_bound_over_max": bound / max(busiest_ms, 1e-9),
         "dual_busy_over_sequential": {k: busy["dual"][k] / max(busy["seq"][k], 1e-9) for k in ("comm", "compute")},
         "dual_idle_share": {k: 1 - busy["dual"][k] / max(span, 1e-9) for k in ("comm", "compute")},
+        "sequential_stage_ms": stage_means_ms(spans_seq),
     }
 
 
@@ -768,6 +785,8 @@ def _print_table(result: dict) -> None:
             print(f"# {name:>18}: schedule bound {f['schedule_bound_over_max']:.3f} x max; dual busy / sequential: "
                   f"comm {b['comm']:.2f}, compute {b['compute']:.2f}; idle share: comm {i['comm']:.2f}, "
                   f"compute {i['compute']:.2f}")
+            print(f"# {name:>18}: sequential step means (ms): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in f.get("sequential_stage_ms", {}).items()))
     print(f"# targets: dual/max(comm, compute) <= {TARGET_DUAL_OVER_MAX}; speedup >= {TARGET_SPEEDUP} where comm ~ "
           f"compute ({BALANCED_RANGE[0]:.2f} <= comm/compute <= {BALANCED_RANGE[1]:.2f}); bound = (comm + compute) / max")
 

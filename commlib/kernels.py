@@ -65,7 +65,8 @@ DEFAULT_VARIANT = {
     "COMBINE_ASYNC_DEPTH": 0,     # lane (dynamic shared memory: dynamic_smem()); 0: register-staged copies
     "DISPATCH_BULK": 0,           # 1: the dispatch receiver copies rows with cp.async.bulk (TMA), ~190 KB in flight
     "DISPATCH_SEND_WARPS": 0,     # > 0: only this many dispatch sender warps push rows (0: all copy warps)
-    "DISPATCH_STREAM_SEND": 0,    # 1: dispatch sender warps stream tokens without round barriers (progress words)
+    "DISPATCH_STREAM_SEND": 0,    # N > 0: dispatch sender warps stream tokens without round barriers; each releases
+                                  # its progress word after every N of its tokens
     "DISPATCH_BULK_SEND": 0,      # 1: the dispatch sender pushes rows with one destination as cp.async.bulk (TMA)
     "BULK_CHUNK": 3072,           # bytes per bulk piece; two per warp (dynamic shared memory: dynamic_smem())
     "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
@@ -132,7 +133,7 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     merged.update({k: int(v) for k, v in (overrides or {}).items()})
     if merged["COMM_CLUSTER"] not in (1, 2):  # the grid (Config.num_sms) is only known to be even
         raise ValueError(f"COMM_CLUSTER must be 1 or 2, got {merged['COMM_CLUSTER']}")
-    for key in ("DISPATCH_BULK", "DISPATCH_BULK_SEND", "DISPATCH_STREAM_SEND", "SHARE_WORK", "COMM_TRACE"):
+    for key in ("DISPATCH_BULK", "DISPATCH_BULK_SEND", "SHARE_WORK", "COMM_TRACE"):
         if merged[key] not in (0, 1):
             raise ValueError(f"{key} must be 0 or 1, got {merged[key]}")
     if merged["DISPATCH_STREAM_SEND"] and merged["DISPATCH_BULK_SEND"]:
@@ -142,6 +143,8 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     if merged["SHARE_WORK"] and merged["COMM_CLUSTER"] != 2:
         raise ValueError("SHARE_WORK=1 needs COMM_CLUSTER=2 (the sender reaches the receiver's counter "
                          "through the cluster's shared memory)")
+    if merged["DISPATCH_STREAM_SEND"] < 0:
+        raise ValueError(f"DISPATCH_STREAM_SEND must be >= 0 (0: round barriers), got {merged['DISPATCH_STREAM_SEND']}")
     if merged["DISPATCH_SEND_WARPS"] < 0:
         raise ValueError(f"DISPATCH_SEND_WARPS must be >= 0 (0: every copy warp), got {merged['DISPATCH_SEND_WARPS']}")
     for family in ("dispatch", "combine"):

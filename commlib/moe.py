@@ -51,6 +51,10 @@ class MoEConfig:
     expert_dtype: torch.dtype = torch.float32   # parameters (and compute) of experts
     expert_impl: str = "auto"          # "loop" | "grouped_mm" | "auto" (grouped_mm on CUDA bf16)
     fp8_dispatch: bool = False         # dispatch moves E4M3 + scales (hidden % 128 == 0); gradients bf16
+    # pipeline stage of the shared experts (MoEBlock.stages): "attn" = right after routing, so the
+    # dual pipeline runs them beside the other micro-batch's communication in the shorter attention
+    # step (DeepSeek-V3 overlaps them with the dispatch); "experts" = with the routed experts
+    shared_stage: str = "attn"
 
     def __post_init__(self) -> None:
         if self.num_experts % self.num_groups != 0:
@@ -59,6 +63,8 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: fp8_dispatch needs hidden % 128 == 0, got hidden {self.hidden}")
         if self.expert_impl not in ("auto", "loop", "grouped_mm"):
             raise ValueError(f"MoEConfig: expert_impl must be auto, loop or grouped_mm, got {self.expert_impl!r}")
+        if self.shared_stage not in ("attn", "experts"):
+            raise ValueError(f"MoEConfig: shared_stage must be attn or experts, got {self.shared_stage!r}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -548,11 +554,17 @@ class MoEBlock(nn.Module):
     overlap benchmark uses it to bring compute down to the communication's size).
 
     Pipeline stages (commlib.pipeline), carry keys in brackets:
-      attn     compute  [h] -> [h, x_norm, x_wire, topk_idx, topk_weights]
+      attn     compute  [h] -> [h, x_wire, topk_idx, topk_weights, shared | x_norm]
       dispatch comm     [x_wire, topk_idx, topk_weights] -> [recv_x, recv_topk_idx, recv_topk_weights, counts, handle]
-      experts  compute  [recv_*, counts, x_norm] -> [y, shared]
+      experts  compute  [recv_*, counts, (x_norm)] -> [y, shared]
       combine  comm     [y, handle] -> [combined]
       finish   compute  [h, combined, shared] -> [h]   (merged into the next block's attn stage)
+
+    The shared experts run in the attn stage (``MoEConfig.shared_stage="attn"``, the default; the
+    carry holds their output instead of x_norm) or in the experts stage ("experts"). Results are
+    the same bit for bit; only the pairing with the other micro-batch's communication changes:
+    with two micro-batches each (compute, comm) pair costs its longer step, and the attention step
+    is the shorter compute step beside a dispatch or combine in V3-like layers.
     """
 
     def __init__(self, cfg: MoEConfig, num_heads: int, buffer=None, num_ranks: Optional[int] = None,
@@ -586,7 +598,14 @@ class MoEBlock(nn.Module):
     def stage_attn(self, carry: dict) -> dict:
         h, x_norm = self._attention(carry["h"])
         x_wire, topk_idx, topk_weights = self.moe.route(x_norm)
-        return {"h": h, "x_norm": x_norm, "x_wire": x_wire, "topk_idx": topk_idx, "topk_weights": topk_weights}
+        out = {"h": h, "x_wire": x_wire, "topk_idx": topk_idx, "topk_weights": topk_weights}
+        if self.moe.cfg.shared_stage == "attn":
+            shared = self.moe.shared_compute(x_norm)
+            if shared is not None:
+                out["shared"] = shared
+        else:
+            out["x_norm"] = x_norm
+        return out
 
     def stage_experts(self, carry: dict) -> dict:
         out = {k: v for k, v in carry.items()
@@ -594,9 +613,10 @@ class MoEBlock(nn.Module):
         # The rows come from DispatchStage (layout from topk_idx, no padding): each has a local expert.
         out["y"] = self.moe.expert_compute(carry["recv_x"], carry["recv_topk_idx"], carry["recv_topk_weights"],
                                            carry["counts"], rows_have_local_expert=True)
-        shared = self.moe.shared_compute(carry["x_norm"])
-        if shared is not None:
-            out["shared"] = shared
+        if "x_norm" in carry:  # shared_stage == "experts"
+            shared = self.moe.shared_compute(carry["x_norm"])
+            if shared is not None:
+                out["shared"] = shared
         return out
 
     @staticmethod

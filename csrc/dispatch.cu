@@ -53,8 +53,9 @@
 #define COMMLIB_DISPATCH_SEND_WARPS 0  // > 0: only this many sender warps push rows (0: all but the publisher)
 #endif
 #ifndef COMMLIB_DISPATCH_STREAM_SEND
-#define COMMLIB_DISPATCH_STREAM_SEND 0  // 1: sender warps stream their tokens without round barriers; the
-#endif                                   // publisher follows per-warp progress words (see dispatch_send)
+#define COMMLIB_DISPATCH_STREAM_SEND 0  // N > 0: sender warps stream their tokens without round barriers; the
+#endif                                   // publisher follows per-warp progress words, each released after every
+                                         // N of the warp's tokens (see dispatch_send)
 #ifndef COMMLIB_DISPATCH_BULK_SEND
 #define COMMLIB_DISPATCH_BULK_SEND 0   // 1: the sender pushes a row with one destination as bulk copies (TMA)
 #endif
@@ -241,10 +242,11 @@ __device__ __forceinline__ void write_send_head(const DispatchArgs& a, bool vali
 }
 
 // This warp's tokens of the block (item % num_copy_warps == warp). s_progress (streaming sender):
-// after each token, lane 0 release-stores the warp's next item.
+// after every COMMLIB_DISPATCH_STREAM_SEND-th token of the warp (unreleased counts them), lane 0
+// release-stores the warp's next item.
 __device__ __forceinline__ void copy_own_tokens(const DispatchArgs& a, int c, int sb, const TokenBlock& b, u32 serve,
                                                 int num_copy_warps, int local_base, u64* s_dst, BulkPipe* bp,
-                                                int* s_progress) {
+                                                int* s_progress, int& unreleased) {
     const int warp = warp_id(), lane = lane_id();
     u32 mine = __ballot_sync(FULL_MASK, (b.bits & serve) != 0 && b.item % num_copy_warps == warp);
     while (mine) {
@@ -258,7 +260,8 @@ __device__ __forceinline__ void copy_own_tokens(const DispatchArgs& a, int c, in
             if (lane == r) my_slot = v;
         }
         dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst, __popc(dmask) == 1 ? bp : nullptr);
-        if (s_progress != nullptr) {
+        if (s_progress != nullptr && ++unreleased >= COMMLIB_DISPATCH_STREAM_SEND) {
+            unreleased = 0;
             const int item = __shfl_sync(FULL_MASK, b.item, l);
             __syncwarp();  // every lane's stores of the token before lane 0's release
             if (lane == 0) st_release_cta_shared(s_progress + warp, item + num_copy_warps);
@@ -322,6 +325,7 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
     // next item (s_progress); the publisher acquires those words, and once every item of a block is
     // copied (the smallest next item is past the block) it releases the tails, at the round size.
     __shared__ int s_progress[32];
+    int unreleased = 0;  // tokens this warp copied since its last release
     if (copier && lane == 0) s_progress[warp] = warp;  // its first item
     __syncthreads();  // the progress words, and the signature above, before any tail release
     for (int sb = start; sb < end; sb += 32) {
@@ -338,19 +342,21 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
             if ((block_end - start) % a.round_tokens == 0 || block_end == end)
                 publish_tails(a, c, seq, count);
         } else if (copier) {
-            copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, bp, s_progress);
+            copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, bp, s_progress, unreleased);
         }
     }
+    __syncwarp();  // every lane's stores of its last tokens before lane 0's release
     if (copier && lane == 0) st_release_cta_shared(s_progress + warp, 0x7fffffff);  // none left
 #else
     for (int round_start = start; round_start < end; round_start += a.round_tokens) {
         const int round_end = min(round_start + a.round_tokens, end);
+        int unreleased = 0;  // unused: no progress words here
         for (int sb = round_start; sb < round_end; sb += 32) {
             const TokenBlock b = scan_token_block(a, sb, round_end, serve, count, items);
             if (warp == publisher)
                 write_send_head(a, sb + lane < round_end, sb + lane, b, s_head_base);
             else if (copier)
-                copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, bp, nullptr);
+                copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, bp, nullptr, unreleased);
         }
         // bulk pushes complete and ordered before the generic-proxy release of this round's tail
         if (bp != nullptr && lane == 0) bulk_publish_writes();

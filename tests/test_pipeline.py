@@ -143,6 +143,21 @@ def case_dual_forward_backward(ctx):
     P.dual_backward(o0, g0, o1, g1)
     _assert_same_grads(g_seq, _grads(model), "dual (outputs, grads) vs sequential")
 
+    # The shared expert in the experts stage instead of the attention stage (the default): the same
+    # parameters (same seed), so the same outputs and gradients bit for bit; the carry differs.
+    other = _model(ctx, _buf(ctx), shared_stage="experts")
+    stage_keys = {}
+    with torch.no_grad():
+        for stage_model in (model, other):
+            h = stage_model._prologue(mb0)
+            stage_keys[stage_model.cfg.shared_stage] = set(stage_model.blocks[0].stage_attn({"h": h}))
+    assert stage_keys == {"attn": {"h", "x_wire", "topk_idx", "topk_weights", "shared"},
+                          "experts": {"h", "x_wire", "topk_idx", "topk_weights", "x_norm"}}, stage_keys
+    o0, o1 = P.dual_forward(other, (mb0,), (mb1,))
+    assert torch.equal(o0, s0) and torch.equal(o1, s1), "shared_stage=experts changed the outputs"
+    P.dual_backward(_loss(o0), None, _loss(o1), None)
+    _assert_same_grads(g_seq, _grads(other), "dual, shared_stage=experts, vs sequential (shared_stage=attn)")
+
 
 def case_deferred_weight_grads(ctx):
     """defer_weight_grads (DualPipe's B / W split): the expert GEMMs' weight gradients are queued by
@@ -648,6 +663,12 @@ def test_expert_compute_dispatch_flag_same_bits():
             assert torch.equal(a, b), kind
 
 
+def test_moe_config_rejects_bad_shared_stage():
+    from commlib.moe import MoEConfig
+    with pytest.raises(ValueError, match="shared_stage"):
+        MoEConfig(hidden=64, num_experts=8, topk=2, expert_hidden=32, shared_stage="dispatch")
+
+
 def test_rmsnorm_matches_formula():
     import warnings
     from commlib.moe import RMSNorm
@@ -785,6 +806,10 @@ def test_bench_overlap_gap_split():
     assert abs(split["dual_busy_over_sequential"]["comm"] - 7.5 / 6) < 1e-12
     assert abs(split["dual_busy_over_sequential"]["compute"] - 7.8 / 6) < 1e-12
     assert abs(split["dual_idle_share"]["comm"] - (1 - 7.5 / 11.5)) < 1e-12
+    assert split["sequential_stage_ms"] == {"A": 1.0, "D": 3.0, "X": 2.0}
+    layered = [span("0.F.attn0", "compute", 0, 1), span("1.F.attn1", "compute", 1, 4),
+               span("0.B.experts'0", "compute", 4, 6)]
+    assert bench.stage_means_ms(layered) == {"attn": 2.0, "experts'": 2.0}
 
 
 def test_bench_overlap_comm_trace_steps():

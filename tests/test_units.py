@@ -155,11 +155,12 @@ def test_kernel_variant_parse_and_set():
         with pytest.raises(ValueError, match="COMM_CLUSTER"):  # the grid is only known to be even
             K.set_variant({"COMM_CLUSTER": 4})
         for bad in ({"DISPATCH_BULK": 2}, {"BULK_CHUNK": 1000}, {"BULK_CHUNK": 4096},  # 4096: too much smem
-                    {"SHARE_WORK": 2}, {"COMM_TRACE": -1}, {"DISPATCH_BULK_SEND": 2}):
+                    {"SHARE_WORK": 2}, {"COMM_TRACE": -1}, {"DISPATCH_BULK_SEND": 2}, {"DISPATCH_STREAM_SEND": -1}):
             with pytest.raises(ValueError):
                 K.set_variant(bad)
         with pytest.raises(ValueError, match="DISPATCH_STREAM_SEND=1 cannot go with DISPATCH_BULK_SEND=1"):
             K.set_variant({"DISPATCH_STREAM_SEND": 1, "DISPATCH_BULK_SEND": 1})
+        assert K.set_variant({"DISPATCH_STREAM_SEND": 4})["DISPATCH_STREAM_SEND"] == 4  # release every 4 tokens
         with pytest.raises(ValueError, match="SHARE_WORK=1 needs COMM_CLUSTER=2"):  # the counter is cluster smem
             K.set_variant({"SHARE_WORK": 1, "COMM_CLUSTER": 1})
         for bad in ({"COMBINE_ASYNC_DEPTH": -1}, {"DISPATCH_ASYNC_DEPTH": 14},  # 14 x 32 rings: over the limit

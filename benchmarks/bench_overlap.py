@@ -626,12 +626,12 @@ def schedule_bound_ms(spans_seq: list, spans_dual: list) -> float:
 
 
 def stage_means_ms(spans: list) -> dict:
-    """Mean span per stage kind (label's last part without its layer number, e.g. "attn",
-    "dispatch", "experts'"): the sizes of the steps the dual schedule pairs."""
+    """Mean span per stage kind: the label without its micro-batch and layer number ("0.F.attn1"
+    -> "F.attn", "1.B.experts0" -> "B.experts"): the sizes of the steps the dual schedule pairs."""
     import re
     by_kind: dict = {}
     for s in spans:
-        kind = re.sub(r"\d+", "", s["label"].rsplit(".", 1)[-1])
+        kind = re.sub(r"\d+$", "", s["label"].split(".", 1)[-1])
         by_kind.setdefault(kind, []).append(s["end_ms"] - s["start_ms"])
     return {k: sum(v) / len(v) for k, v in sorted(by_kind.items())}
 

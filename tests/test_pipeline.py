@@ -808,8 +808,8 @@ def test_bench_overlap_gap_split():
     assert abs(split["dual_idle_share"]["comm"] - (1 - 7.5 / 11.5)) < 1e-12
     assert split["sequential_stage_ms"] == {"A": 1.0, "D": 3.0, "X": 2.0}
     layered = [span("0.F.attn0", "compute", 0, 1), span("1.F.attn1", "compute", 1, 4),
-               span("0.B.experts'0", "compute", 4, 6)]
-    assert bench.stage_means_ms(layered) == {"attn": 2.0, "experts'": 2.0}
+               span("0.B.experts0", "compute", 4, 6), span("1.B.attn12", "compute", 6, 6.5)]
+    assert bench.stage_means_ms(layered) == {"F.attn": 2.0, "B.experts": 2.0, "B.attn": 0.5}
 
 
 def test_bench_overlap_comm_trace_steps():

@@ -68,6 +68,8 @@ DEFAULT_VARIANT = {
     "DISPATCH_STREAM_SEND": 0,    # N > 0: dispatch sender warps stream tokens without round barriers; each releases
                                   # its progress word after every N of its tokens
     "DISPATCH_BULK_SEND": 0,      # 1: the dispatch sender pushes rows with one destination as cp.async.bulk (TMA)
+    "DISPATCH_RECV_SPLIT": 0,     # N > 0: N dispatch receiver warps copy the local half while the others copy remote
+                                  # rows as they arrive (needs LOCAL_IN_RECEIVER 1 and SHARE_WORK 1); 0: local first
     "BULK_CHUNK": 3072,           # bytes per bulk piece; two per warp (dynamic shared memory: dynamic_smem())
     "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
                                   # 2x1-cluster persistent GEMMs beside them keep their SMs (common.cuh; 1: plain)
@@ -143,6 +145,11 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     if merged["SHARE_WORK"] and merged["COMM_CLUSTER"] != 2:
         raise ValueError("SHARE_WORK=1 needs COMM_CLUSTER=2 (the sender reaches the receiver's counter "
                          "through the cluster's shared memory)")
+    split = merged["DISPATCH_RECV_SPLIT"]
+    if split and not (0 < split < merged["DISPATCH_THREADS"] // 32 and merged["LOCAL_IN_RECEIVER"] and merged["SHARE_WORK"]):
+        raise ValueError(f"DISPATCH_RECV_SPLIT={split}: needs 0 < N < the receiver's warps "
+                         f"({merged['DISPATCH_THREADS'] // 32}), LOCAL_IN_RECEIVER=1 and SHARE_WORK=1 (the local "
+                         f"warps join the remote rows through the shared counter)")
     if merged["DISPATCH_STREAM_SEND"] < 0:
         raise ValueError(f"DISPATCH_STREAM_SEND must be >= 0 (0: round barriers), got {merged['DISPATCH_STREAM_SEND']}")
     if merged["DISPATCH_SEND_WARPS"] < 0:

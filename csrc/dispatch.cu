@@ -56,6 +56,9 @@
 #define COMMLIB_DISPATCH_STREAM_SEND 0  // N > 0: sender warps stream their tokens without round barriers; the
 #endif                                   // publisher follows per-warp progress words, each released after every
                                          // N of the warp's tokens (see dispatch_send)
+#ifndef COMMLIB_DISPATCH_RECV_SPLIT
+#define COMMLIB_DISPATCH_RECV_SPLIT 0  // N > 0: N receiver warps copy the local half while the others copy
+#endif                                 // remote rows as they arrive (still in L2); 0: local half first
 #ifndef COMMLIB_DISPATCH_BULK_SEND
 #define COMMLIB_DISPATCH_BULK_SEND 0   // 1: the sender pushes a row with one destination as bulk copies (TMA)
 #endif
@@ -386,17 +389,31 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n) {
 #endif
 }
 
+// Where channel c's remote rows are, per source (starting after me, so ranks do not all read the
+// same source first): its rank, first item and first row in recv_x. Thread 0 fills them, then the
+// CTA syncs.
+__device__ __forceinline__ void remote_rows_setup(const DispatchArgs& a, int c, int* s_src, int* s_off, int* s_base) {
+    if (threadIdx.x == 0)
+        channel_remote_rows(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, a.num_ranks, a.num_channels,
+                            a.rank, c, s_src, s_off, s_base);
+    __syncthreads();
+}
+
 // The rows of channel c that remote ranks sent here: staging slots -> recv_x, items from `work`.
-// The whole CTA calls it: the receiver after its local half, and (COMMLIB_SHARE) the sender once
-// its own rounds are published. bp: this warp's bulk-copy pipe (COMMLIB_DISPATCH_BULK), else nullptr.
+// The receiver calls it after its local half (the whole CTA, kSetup: it fills the table first) or
+// beside it (COMMLIB_DISPATCH_RECV_SPLIT: the table was filled before the split, !kSetup), and
+// (COMMLIB_SHARE) the sender once its own rounds are published. bp: this warp's bulk-copy pipe
+// (COMMLIB_DISPATCH_BULK), else nullptr.
+__shared__ int s_remote_src[COMMLIB_MAX_RANKS], s_remote_off[COMMLIB_MAX_RANKS + 1], s_remote_base[COMMLIB_MAX_RANKS];
+template <bool kSetup>
 __device__ void dispatch_recv_remote(const DispatchArgs& a, int c, u64 seq, BulkPipe* bp, WorkItems work) {
-    __shared__ int s_src[COMMLIB_MAX_RANKS], s_off[COMMLIB_MAX_RANKS + 1], s_base[COMMLIB_MAX_RANKS];
+    int* s_src = s_remote_src;
+    int* s_off = s_remote_off;
+    int* s_base = s_remote_base;
     const int lane = lane_id();
     const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk, S = a.num_scales;
     const u64 own = a.peer_bases[me];
-    if (threadIdx.x == 0)  // remote sources, starting after me so ranks do not all read the same source first
-        channel_remote_rows(a.rank_prefix_matrix, a.recv_channel_prefix_matrix, R, C, me, c, s_src, s_off, s_base);
-    __syncthreads();
+    if (kSetup) remote_rows_setup(a, c, s_src, s_off, s_base);
     const int num_items = s_off[R - 1];
     const WaitSite site = {"dispatch", "dispatch tail (sender progress)", me, c, true};
     int j = 0;
@@ -457,8 +474,18 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
     const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
     const int R = a.num_ranks, C = a.num_channels, me = a.rank;
     const int* rpm = a.rank_prefix_matrix;
+#if COMMLIB_DISPATCH_RECV_SPLIT > 0
+    remote_rows_setup(a, c, s_remote_src, s_remote_off, s_remote_base);  // before the split: remote warps start at once
+#endif
 #if COMMLIB_LOCAL_IN_RECEIVER
-    {   // the local half first (no waiting): tokens of this channel that stay here, x -> recv_x
+    // The local half: tokens of this channel that stay here, x -> recv_x (no waiting). By default
+    // every warp copies it first; with COMMLIB_DISPATCH_RECV_SPLIT the last N warps copy it while the
+    // others take remote rows as they arrive, so those are read back while still in L2, and join
+    // the remote rows when done.
+    constexpr int kSplit = COMMLIB_DISPATCH_RECV_SPLIT;
+    const int num_local_warps = kSplit > 0 && kSplit < num_warps ? kSplit : num_warps;
+    const int local_warp = kSplit > 0 ? warp - (num_warps - num_local_warps) : warp;  // < 0: a remote warp
+    if (kSplit == 0 || local_warp >= 0) {
         __shared__ u64 s_dst_all[32][COMMLIB_MAX_RANKS];
         int start, end;
         channel_range(a.num_tokens, C, c, &start, &end);
@@ -470,7 +497,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
             const u32 m = __ballot_sync(FULL_MASK, in);
             const int slot = count + __popc(m & lanemask_lt());
             count += __popc(m);
-            u32 mine = __ballot_sync(FULL_MASK, in && slot % num_warps == warp);
+            u32 mine = __ballot_sync(FULL_MASK, in && slot % num_local_warps == local_warp);
             while (mine) {
                 const int l = __ffs(mine) - 1;
                 mine &= mine - 1;
@@ -480,7 +507,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
         }
     }
 #endif
-    dispatch_recv_remote(a, c, seq, bp, work);
+    dispatch_recv_remote<COMMLIB_DISPATCH_RECV_SPLIT == 0>(a, c, seq, bp, work);
     trace_point(smids, 1);
     __syncthreads();
 #if COMMLIB_SHARE
@@ -541,7 +568,7 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
             dispatch_send(a, c, seq, bp);
             trace_point(smids, 1);
 #if COMMLIB_SHARE
-            dispatch_recv_remote(a, c, seq, nullptr, work);
+            dispatch_recv_remote<true>(a, c, seq, nullptr, work);
             cluster_sync();  // pairs with the receiver's, before it hands the slots back
 #endif
         } else {

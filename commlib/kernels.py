@@ -70,6 +70,9 @@ DEFAULT_VARIANT = {
     "DISPATCH_BULK_SEND": 0,      # 1: the dispatch sender pushes rows with one destination as cp.async.bulk (TMA)
     "DISPATCH_RECV_SPLIT": 0,     # N > 0: N dispatch receiver warps copy the local half while the others copy remote
                                   # rows as they arrive (needs LOCAL_IN_RECEIVER 1 and SHARE_WORK 1); 0: local first
+    "DISPATCH_PROBE_NO_REMOTE_COPY": 0,  # probe, WRONG results: the receiver leaves remote rows' hidden data out
+                                  # of recv_x (zeros), so a dispatch costs no staging -> recv_x copy: the bound of
+                                  # a receive written straight into recv_x; timing only, never for tests
     "BULK_CHUNK": 3072,           # bytes per bulk piece; two per warp (dynamic shared memory: dynamic_smem())
     "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
                                   # 2x1-cluster persistent GEMMs beside them keep their SMs (common.cuh; 1: plain)
@@ -121,6 +124,11 @@ def plain_mode() -> bool:
     return env.plain_ldst() if _plain_override is None else bool(_plain_override)
 
 
+def variant_value(key: str) -> int:
+    """The current build variant's value of ``key`` (a DEFAULT_VARIANT key)."""
+    return _variant[key]
+
+
 def set_variant(overrides: Optional[dict] = None) -> dict:
     """Use DEFAULT_VARIANT updated with ``overrides`` for later launches (None: the defaults).
 
@@ -135,7 +143,7 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     merged.update({k: int(v) for k, v in (overrides or {}).items()})
     if merged["COMM_CLUSTER"] not in (1, 2):  # the grid (Config.num_sms) is only known to be even
         raise ValueError(f"COMM_CLUSTER must be 1 or 2, got {merged['COMM_CLUSTER']}")
-    for key in ("DISPATCH_BULK", "DISPATCH_BULK_SEND", "SHARE_WORK", "COMM_TRACE"):
+    for key in ("DISPATCH_BULK", "DISPATCH_BULK_SEND", "SHARE_WORK", "COMM_TRACE", "DISPATCH_PROBE_NO_REMOTE_COPY"):
         if merged[key] not in (0, 1):
             raise ValueError(f"{key} must be 0 or 1, got {merged[key]}")
     if merged["DISPATCH_STREAM_SEND"] and merged["DISPATCH_BULK_SEND"]:

@@ -59,6 +59,9 @@
 #ifndef COMMLIB_DISPATCH_RECV_SPLIT
 #define COMMLIB_DISPATCH_RECV_SPLIT 0  // N > 0: N receiver warps copy the local half while the others copy
 #endif                                 // remote rows as they arrive (still in L2); 0: local half first
+#ifndef COMMLIB_DISPATCH_PROBE_NO_REMOTE_COPY
+#define COMMLIB_DISPATCH_PROBE_NO_REMOTE_COPY 0  // 1: a timing probe with WRONG results: remote rows' hidden
+#endif                                           // data is not copied out of the staging slots (kernels.py)
 #ifndef COMMLIB_DISPATCH_BULK_SEND
 #define COMMLIB_DISPATCH_BULK_SEND 0   // 1: the sender pushes a row with one destination as bulk copies (TMA)
 #endif
@@ -450,7 +453,9 @@ __device__ void dispatch_recv_remote(const DispatchArgs& a, int c, u64 seq, Bulk
             id = __ldcg(meta + 1 + lane);
             wv = __ldcg(reinterpret_cast<const float*>(meta) + 1 + K + lane);
         }
-        if (bp != nullptr) {  // the rows were acquired through the tail flag (generic proxy)
+        if (COMMLIB_DISPATCH_PROBE_NO_REMOTE_COPY) {
+            // probe: the row stays where the sender wrote it
+        } else if (bp != nullptr) {  // the rows were acquired through the tail flag (generic proxy)
             if (lane == 0) bulk_fence_after_acquire();
             bulk_copy_row(a.recv_x + (i64)row * a.hidden_int4, reinterpret_cast<const int4*>(slot), a.hidden_int4, *bp);
         } else {

@@ -155,7 +155,8 @@ def test_kernel_variant_parse_and_set():
         with pytest.raises(ValueError, match="COMM_CLUSTER"):  # the grid is only known to be even
             K.set_variant({"COMM_CLUSTER": 4})
         for bad in ({"DISPATCH_BULK": 2}, {"BULK_CHUNK": 1000}, {"BULK_CHUNK": 4096},  # 4096: too much smem
-                    {"SHARE_WORK": 2}, {"COMM_TRACE": -1}, {"DISPATCH_BULK_SEND": 2}, {"DISPATCH_STREAM_SEND": -1}):
+                    {"SHARE_WORK": 2}, {"COMM_TRACE": -1}, {"DISPATCH_BULK_SEND": 2}, {"DISPATCH_STREAM_SEND": -1},
+                    {"DISPATCH_PROBE_NO_REMOTE_COPY": 2}):
             with pytest.raises(ValueError):
                 K.set_variant(bad)
         with pytest.raises(ValueError, match="DISPATCH_STREAM_SEND=1 cannot go with DISPATCH_BULK_SEND=1"):

@@ -338,7 +338,10 @@ class NVLinkBackend(Backend):
             else:
                 N = int(self._host_read(rpm[R - 1, me], "cached dispatch row count"))
 
-        recv_x = torch.empty((N, H), dtype=x.dtype, device=dev)
+        # DISPATCH_PROBE_NO_REMOTE_COPY (a timing probe): remote rows are never written, so start from zeros
+        # (finite values keep the model's routing sane) on this stream, before the kernel
+        alloc = torch.zeros if K.variant_value("DISPATCH_PROBE_NO_REMOTE_COPY") else torch.empty
+        recv_x = alloc((N, H), dtype=x.dtype, device=dev)
         recv_scales = torch.empty((N, S), dtype=torch.float32, device=dev) if scales is not None else None
         recv_src_idx = send_head = recv_topk_idx = recv_topk_w = None
         if not cached:

@@ -227,6 +227,15 @@ class NVLinkBackend(Backend):
                  shared_mem=(R + num_experts) * 4)
         return Layout(ntpr, None, ntpe, tir)
 
+    def _probe_recv_x(self, N: int, H: int, dtype) -> torch.Tensor:
+        """DISPATCH_PROBE_NO_REMOTE_COPY (a timing probe, wrong results): the kernel never writes remote
+        rows, so every call gets rows of one tensor zeroed once and shared by all calls. Finite values
+        keep a model's routing sane, and no per-call fill kernel waits for SMs beside compute."""
+        buf = getattr(self, "_probe_rows", None)
+        if buf is None or buf.dtype != dtype or buf.shape[1] != H or buf.shape[0] < N:
+            buf = self._probe_rows = torch.zeros((max(N, 1), H), dtype=dtype, device=self.device)
+        return buf[:N]
+
     # ------------------------------------------------------------------ geometry
     def _capacity(self, slot_bytes: int, num_channels: int) -> int:
         return self.region_bytes // (self.num_ranks * num_channels * slot_bytes)
@@ -338,10 +347,10 @@ class NVLinkBackend(Backend):
             else:
                 N = int(self._host_read(rpm[R - 1, me], "cached dispatch row count"))
 
-        # DISPATCH_PROBE_NO_REMOTE_COPY (a timing probe): remote rows are never written, so start from zeros
-        # (finite values keep the model's routing sane) on this stream, before the kernel
-        alloc = torch.zeros if K.variant_value("DISPATCH_PROBE_NO_REMOTE_COPY") else torch.empty
-        recv_x = alloc((N, H), dtype=x.dtype, device=dev)
+        if K.variant_value("DISPATCH_PROBE_NO_REMOTE_COPY"):
+            recv_x = self._probe_recv_x(N, H, x.dtype)
+        else:
+            recv_x = torch.empty((N, H), dtype=x.dtype, device=dev)
         recv_scales = torch.empty((N, S), dtype=torch.float32, device=dev) if scales is not None else None
         recv_src_idx = send_head = recv_topk_idx = recv_topk_w = None
         if not cached:

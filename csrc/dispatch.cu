@@ -56,6 +56,9 @@
 #define COMMLIB_DISPATCH_STREAM_SEND 0  // N > 0: sender warps stream their tokens without round barriers; the
 #endif                                   // publisher follows per-warp progress words, each released after every
                                          // N of the warp's tokens (see dispatch_send)
+#ifndef COMMLIB_DISPATCH_STREAM_WINDOW
+#define COMMLIB_DISPATCH_STREAM_WINDOW 0  // streaming sender: W > 0 keeps copy warps at most W blocks of 32
+#endif                                    // tokens past the last block whose rows are all copied; 0: no bound
 #ifndef COMMLIB_DISPATCH_RECV_SPLIT
 #define COMMLIB_DISPATCH_RECV_SPLIT 0  // N > 0: N receiver warps copy the local half while the others copy
 #endif                                 // remote rows as they arrive (still in L2); 0: local half first
@@ -331,8 +334,10 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
     // next item (s_progress); the publisher acquires those words, and once every item of a block is
     // copied (the smallest next item is past the block) it releases the tails, at the round size.
     __shared__ int s_progress[32];
+    __shared__ int s_cleared;  // (STREAM_WINDOW) every row of the tokens before this one is copied
     int unreleased = 0;  // tokens this warp copied since its last release
     if (copier && lane == 0) s_progress[warp] = warp;  // its first item
+    if (threadIdx.x == 0) s_cleared = start;
     __syncthreads();  // the progress words, and the signature above, before any tail release
     for (int sb = start; sb < end; sb += 32) {
         const int block_end = min(sb + 32, end);
@@ -347,7 +352,12 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
             __syncwarp();  // lane r's release below covers what the other lanes acquired
             if ((block_end - start) % a.round_tokens == 0 || block_end == end)
                 publish_tails(a, c, seq, count);
+            if (COMMLIB_DISPATCH_STREAM_WINDOW > 0 && lane == 0) st_volatile(&s_cleared, block_end);
         } else if (copier) {
+            // A throttle only (the rows' order comes from the progress words): the slowest warp's
+            // block is always within the window, so waiting here cannot deadlock.
+            if (COMMLIB_DISPATCH_STREAM_WINDOW > 0)
+                while (ld_volatile(&s_cleared) < sb - 32 * COMMLIB_DISPATCH_STREAM_WINDOW) {}
             copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, bp, s_progress, unreleased);
         }
     }

@@ -70,6 +70,8 @@ DEFAULT_VARIANT = {
     "DISPATCH_BULK_SEND": 0,      # 1: the dispatch sender pushes rows with one destination as cp.async.bulk (TMA)
     "DISPATCH_STREAM_WINDOW": 0,  # W > 0 (with DISPATCH_STREAM_SEND): copy warps run at most W blocks of 32 tokens
                                   # ahead of the last block whose rows are all copied; 0: unbounded
+    "DISPATCH_STREAM_BACKOFF_NS": 0,  # (with DISPATCH_STREAM_SEND) the publisher sleeps this long between polls of
+                                  # the copy warps' progress words; 0: it spins
     "DISPATCH_RECV_SPLIT": 0,     # N > 0: N dispatch receiver warps copy the local half while the others copy remote
                                   # rows as they arrive (needs LOCAL_IN_RECEIVER 1 and SHARE_WORK 1); 0: local first
     "DISPATCH_PROBE_NO_REMOTE_COPY": 0,  # probe, WRONG results: the receiver leaves remote rows' hidden data out
@@ -160,6 +162,9 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
         raise ValueError(f"DISPATCH_RECV_SPLIT={split}: needs 0 < N < the receiver's warps "
                          f"({merged['DISPATCH_THREADS'] // 32}), LOCAL_IN_RECEIVER=1 and SHARE_WORK=1 (the local "
                          f"warps join the remote rows through the shared counter)")
+    if merged["DISPATCH_STREAM_BACKOFF_NS"] < 0 or (merged["DISPATCH_STREAM_BACKOFF_NS"] and not merged["DISPATCH_STREAM_SEND"]):
+        raise ValueError(f"DISPATCH_STREAM_BACKOFF_NS must be >= 0 and needs DISPATCH_STREAM_SEND > 0, got "
+                         f"{merged['DISPATCH_STREAM_BACKOFF_NS']}")
     if merged["DISPATCH_STREAM_WINDOW"] < 0 or (merged["DISPATCH_STREAM_WINDOW"] and not merged["DISPATCH_STREAM_SEND"]):
         raise ValueError(f"DISPATCH_STREAM_WINDOW must be >= 0 and needs DISPATCH_STREAM_SEND > 0, got "
                          f"{merged['DISPATCH_STREAM_WINDOW']}")

@@ -59,6 +59,9 @@
 #ifndef COMMLIB_DISPATCH_STREAM_WINDOW
 #define COMMLIB_DISPATCH_STREAM_WINDOW 0  // streaming sender: W > 0 keeps copy warps at most W blocks of 32
 #endif                                    // tokens past the last block whose rows are all copied; 0: no bound
+#ifndef COMMLIB_DISPATCH_STREAM_BACKOFF_NS
+#define COMMLIB_DISPATCH_STREAM_BACKOFF_NS 0  // streaming sender: the publisher sleeps this long between polls
+#endif                                        // of the progress words (0: it spins)
 #ifndef COMMLIB_DISPATCH_RECV_SPLIT
 #define COMMLIB_DISPATCH_RECV_SPLIT 0  // N > 0: N receiver warps copy the local half while the others copy
 #endif                                 // remote rows as they arrive (still in L2); 0: local half first
@@ -345,10 +348,12 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
         if (warp == publisher) {
             write_send_head(a, sb + lane < block_end, sb + lane, b, s_head_base);
             int next;  // the smallest unfinished item: wait until it is past the block's end
-            do {
+            for (;;) {
                 next = lane < num_copy_warps ? ld_acquire_cta_shared(s_progress + lane) : 0x7fffffff;
                 for (int o = 16; o; o >>= 1) next = min(next, __shfl_xor_sync(FULL_MASK, next, o));
-            } while (next < items);
+                if (next >= items) break;
+                if (COMMLIB_DISPATCH_STREAM_BACKOFF_NS > 0) __nanosleep(COMMLIB_DISPATCH_STREAM_BACKOFF_NS);
+            }
             __syncwarp();  // lane r's release below covers what the other lanes acquired
             if ((block_end - start) % a.round_tokens == 0 || block_end == end)
                 publish_tails(a, c, seq, count);

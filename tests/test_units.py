@@ -167,6 +167,9 @@ def test_kernel_variant_parse_and_set():
         for bad in ({"DISPATCH_STREAM_WINDOW": 2}, {"DISPATCH_STREAM_SEND": 1, "DISPATCH_STREAM_WINDOW": -1}):
             with pytest.raises(ValueError, match="DISPATCH_STREAM_WINDOW"):
                 K.set_variant(bad)
+        for bad in ({"DISPATCH_STREAM_BACKOFF_NS": 100}, {"DISPATCH_STREAM_SEND": 1, "DISPATCH_STREAM_BACKOFF_NS": -1}):
+            with pytest.raises(ValueError, match="DISPATCH_STREAM_BACKOFF_NS"):
+                K.set_variant(bad)
         for bad in ({"DISPATCH_RECV_SPLIT": 32}, {"DISPATCH_RECV_SPLIT": -1},
                     {"DISPATCH_RECV_SPLIT": 8, "DISPATCH_THREADS": 256},  # 8 warps: none left for remote rows
                     {"DISPATCH_RECV_SPLIT": 16, "LOCAL_IN_RECEIVER": 0},

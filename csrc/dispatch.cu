@@ -355,7 +355,9 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
                 if (COMMLIB_DISPATCH_STREAM_BACKOFF_NS > 0) __nanosleep(COMMLIB_DISPATCH_STREAM_BACKOFF_NS);
             }
             __syncwarp();  // lane r's release below covers what the other lanes acquired
-            if ((block_end - start) % a.round_tokens == 0 || block_end == end)
+            // at the first block end past each round boundary (rounds are whole passes of the copy
+            // warps, 31 tokens each by default, so they rarely end on a 32-token block), and at the end
+            if ((block_end - start) / a.round_tokens != (sb - start) / a.round_tokens || block_end == end)
                 publish_tails(a, c, seq, count);
             if (COMMLIB_DISPATCH_STREAM_WINDOW > 0 && lane == 0) st_volatile(&s_cleared, block_end);
         } else if (copier) {

@@ -68,6 +68,8 @@ DEFAULT_VARIANT = {
     "DISPATCH_STREAM_SEND": 0,    # N > 0: dispatch sender warps stream tokens without round barriers; each releases
                                   # its progress word after every N of its tokens
     "DISPATCH_BULK_SEND": 0,      # 1: the dispatch sender pushes rows with one destination as cp.async.bulk (TMA)
+    "DISPATCH_STREAM_MAX_SMS": 0, # N > 0 (with DISPATCH_STREAM_SEND 0): dispatch calls of at most N SMs launch the
+                                  # streaming sender's build (DISPATCH_STREAM_SEND 1), the others this one; 0: never
     "DISPATCH_STREAM_WINDOW": 0,  # W > 0 (with DISPATCH_STREAM_SEND): copy warps run at most W blocks of 32 tokens
                                   # ahead of the last block whose rows are all copied; 0: unbounded
     "DISPATCH_STREAM_BACKOFF_NS": 0,  # (with DISPATCH_STREAM_SEND) the publisher sleeps this long between polls of
@@ -165,6 +167,9 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     if merged["DISPATCH_STREAM_BACKOFF_NS"] < 0 or (merged["DISPATCH_STREAM_BACKOFF_NS"] and not merged["DISPATCH_STREAM_SEND"]):
         raise ValueError(f"DISPATCH_STREAM_BACKOFF_NS must be >= 0 and needs DISPATCH_STREAM_SEND > 0, got "
                          f"{merged['DISPATCH_STREAM_BACKOFF_NS']}")
+    if merged["DISPATCH_STREAM_MAX_SMS"] < 0 or (merged["DISPATCH_STREAM_MAX_SMS"] and merged["DISPATCH_BULK_SEND"]):
+        raise ValueError(f"DISPATCH_STREAM_MAX_SMS must be >= 0 and cannot go with DISPATCH_BULK_SEND=1, got "
+                         f"{merged['DISPATCH_STREAM_MAX_SMS']}")
     if merged["DISPATCH_STREAM_WINDOW"] < 0 or (merged["DISPATCH_STREAM_WINDOW"] and not merged["DISPATCH_STREAM_SEND"]):
         raise ValueError(f"DISPATCH_STREAM_WINDOW must be >= 0 and needs DISPATCH_STREAM_SEND > 0, got "
                          f"{merged['DISPATCH_STREAM_WINDOW']}")
@@ -271,19 +276,33 @@ _functions: dict = {}  # (family, name, plain, variant, device) -> CuPy function
 _variant_key: tuple = tuple(sorted(_variant.items()))
 
 
-def _function(family: str, name: str, plain: bool, device: Optional[int] = None):
+def dispatch_variant_key(num_sms: int) -> tuple:
+    """The build a dispatch of ``num_sms`` SMs launches: the current variant, or, when
+    DISPATCH_STREAM_MAX_SMS >= num_sms (and the variant's sender has round barriers), the same with
+    DISPATCH_STREAM_SEND=1. Both builds speak the same protocol to the receivers (tails, done flags,
+    sequence counters), so calls of either may follow each other; every rank of a call has the same
+    num_sms, hence the same build."""
+    limit = _variant["DISPATCH_STREAM_MAX_SMS"]
+    if limit <= 0 or num_sms > limit or _variant["DISPATCH_STREAM_SEND"]:
+        return _variant_key
+    streaming = dict(_variant, DISPATCH_STREAM_SEND=1)
+    return tuple(sorted(streaming.items()))
+
+
+def _function(family: str, name: str, plain: bool, device: Optional[int] = None, vkey: Optional[tuple] = None):
     cp = cupy()
     if device is None:
         device = cp.cuda.runtime.getDevice()
-    fkey = (family, name, plain, _variant_key, device)
+    vkey = _variant_key if vkey is None else vkey
+    fkey = (family, name, plain, vkey, device)
     fn = _functions.get(fkey)
     if fn is not None:
         return fn
-    key = (family, plain, _variant_key, device)
+    key = (family, plain, vkey, device)
     with _lock:
         module = _modules.get(key)
         if module is None:
-            module = cp.RawModule(code=source(family), options=options(plain, dict(_variant_key)))
+            module = cp.RawModule(code=source(family), options=options(plain, dict(vkey)))
             _modules[key] = module
         fn = _functions[fkey] = module.get_function(name)
         return fn
@@ -368,11 +387,11 @@ class _Launcher:
 
     __slots__ = ("fn", "handle", "fmt", "count", "buf", "params", "np_types")
 
-    def __init__(self, family: str, name: str, plain: bool, device: int) -> None:
+    def __init__(self, family: str, name: str, plain: bool, device: int, vkey: Optional[tuple] = None) -> None:
         import ctypes
         import struct
 
-        self.fn = _function(family, name, plain, device)
+        self.fn = _function(family, name, plain, device, vkey)
         self.handle = cu_function_handle(self.fn)
         smem = dynamic_smem(family)
         if smem > 48 * 1024:  # above the default limit: opt in once (get_function gives a RawKernel)
@@ -410,11 +429,11 @@ def _driver_api():
     return _driver
 
 
-def _launcher(family: str, name: str, device: int) -> _Launcher:
-    key = (family, name, plain_mode(), _variant_key, device)
+def _launcher(family: str, name: str, device: int, vkey: Optional[tuple] = None) -> _Launcher:
+    key = (family, name, plain_mode(), _variant_key if vkey is None else vkey, device)
     lau = _launchers.get(key)
     if lau is None:
-        lau = _launchers[key] = _Launcher(family, name, key[2], device)
+        lau = _launchers[key] = _Launcher(family, name, key[2], device, key[3])
     return lau
 
 
@@ -466,13 +485,15 @@ def set_fast_launch(enabled: Optional[bool]) -> None:
     _fast_launch = env.fast_launch() if enabled is None else bool(enabled)
 
 
-def launch(family: str, name: str, grid: int, block: int, args: Sequence, shared_mem: int = 0) -> None:
+def launch(family: str, name: str, grid: int, block: int, args: Sequence, shared_mem: int = 0,
+           variant_key: Optional[tuple] = None) -> None:
     """Launch ``name`` from ``csrc/<family>.cu`` on torch's current stream of the current device.
 
     ``args`` are Python ints / floats in the kernel's parameter order (device pointers as ints: ``ptr(t)``).
+    ``variant_key``: the build to launch (``dispatch_variant_key``); None: the current variant's.
     """
     device = _device()
-    lau = _launcher(family, name, device)
+    lau = _launcher(family, name, device, variant_key)
     if _recording is None:
         _issue(lau, grid, block, args, shared_mem, device)
         return

@@ -167,6 +167,21 @@ def test_kernel_variant_parse_and_set():
         for bad in ({"DISPATCH_STREAM_WINDOW": 2}, {"DISPATCH_STREAM_SEND": 1, "DISPATCH_STREAM_WINDOW": -1}):
             with pytest.raises(ValueError, match="DISPATCH_STREAM_WINDOW"):
                 K.set_variant(bad)
+        # DISPATCH_STREAM_MAX_SMS: dispatch calls of few SMs launch the streaming sender's build
+        K.set_variant({"DISPATCH_STREAM_MAX_SMS": 8})
+        base_key = tuple(sorted(K.variant().items()))
+        streaming_key = K.dispatch_variant_key(8)
+        assert dict(streaming_key)["DISPATCH_STREAM_SEND"] == 1
+        assert {k: v for k, v in streaming_key if k != "DISPATCH_STREAM_SEND"} == \
+            {k: v for k, v in base_key if k != "DISPATCH_STREAM_SEND"}
+        assert K.dispatch_variant_key(4) == streaming_key and K.dispatch_variant_key(10) == base_key
+        K.set_variant({"DISPATCH_STREAM_MAX_SMS": 8, "DISPATCH_STREAM_SEND": 1})   # streaming everywhere already
+        assert K.dispatch_variant_key(4) == tuple(sorted(K.variant().items()))
+        K.set_variant(None)
+        assert K.dispatch_variant_key(4) == tuple(sorted(K.variant().items()))    # off by default
+        for bad in ({"DISPATCH_STREAM_MAX_SMS": -1}, {"DISPATCH_STREAM_MAX_SMS": 8, "DISPATCH_BULK_SEND": 1}):
+            with pytest.raises(ValueError, match="DISPATCH_STREAM_MAX_SMS"):
+                K.set_variant(bad)
         for bad in ({"DISPATCH_STREAM_BACKOFF_NS": 100}, {"DISPATCH_STREAM_SEND": 1, "DISPATCH_STREAM_BACKOFF_NS": -1}):
             with pytest.raises(ValueError, match="DISPATCH_STREAM_BACKOFF_NS"):
                 K.set_variant(bad)

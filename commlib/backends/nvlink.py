@@ -374,7 +374,8 @@ class NVLinkBackend(Backend):
                   # with num_worst_tokens the host never sees the counts: the kernel checks the error word
                   K.u64(counts.data_ptr() + 4 * K.HOST_COUNTS["bad_rank"]) if (counts is not None and worst) else K.u64(0),
                   K.ptr(self.seq_counters), self._smid_ptr("dispatch", num_sms), K.u64(self.timeout_ns)),
-                 shared_mem=K.dynamic_smem("dispatch"))
+                 shared_mem=K.dynamic_smem("dispatch"),
+                 variant_key=K.dispatch_variant_key(num_sms))  # DISPATCH_STREAM_MAX_SMS: per call
 
         if cached:
             handle = req.handle

@@ -177,11 +177,15 @@ def test_kernel_variant_parse_and_set():
         assert K.dispatch_variant_key(4) == streaming_key and K.dispatch_variant_key(10) == base_key
         K.set_variant({"DISPATCH_STREAM_MAX_SMS": 8, "DISPATCH_STREAM_SEND": 1})   # streaming everywhere already
         assert K.dispatch_variant_key(4) == tuple(sorted(K.variant().items()))
-        K.set_variant(None)
-        assert K.dispatch_variant_key(4) == tuple(sorted(K.variant().items()))    # off by default
-        for bad in ({"DISPATCH_STREAM_MAX_SMS": -1}, {"DISPATCH_STREAM_MAX_SMS": 8, "DISPATCH_BULK_SEND": 1}):
-            with pytest.raises(ValueError, match="DISPATCH_STREAM_MAX_SMS"):
-                K.set_variant(bad)
+        K.set_variant({"DISPATCH_STREAM_MAX_SMS": 0})
+        assert K.dispatch_variant_key(4) == tuple(sorted(K.variant().items()))    # 0: never
+        K.set_variant(None)   # the default: up to 20 SMs
+        assert dict(K.dispatch_variant_key(20))["DISPATCH_STREAM_SEND"] == 1
+        assert dict(K.dispatch_variant_key(24))["DISPATCH_STREAM_SEND"] == 0
+        K.set_variant({"DISPATCH_BULK_SEND": 1})   # bulk pushes are published per round: no streaming build
+        assert K.dispatch_variant_key(4) == tuple(sorted(K.variant().items()))
+        with pytest.raises(ValueError, match="DISPATCH_STREAM_MAX_SMS"):
+            K.set_variant({"DISPATCH_STREAM_MAX_SMS": -1})
         for bad in ({"DISPATCH_STREAM_BACKOFF_NS": 100}, {"DISPATCH_STREAM_SEND": 1, "DISPATCH_STREAM_BACKOFF_NS": -1}):
             with pytest.raises(ValueError, match="DISPATCH_STREAM_BACKOFF_NS"):
                 K.set_variant(bad)

@@ -202,18 +202,28 @@ def _fake_backend(rank=0, R=2):
     return be
 
 
+class _Calls(list):
+    """(kernel, args) per launch; .builds: (kernel, grid, variant_key) per launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.builds = []
+
+
 def _mock_launch(monkeypatch, on_notify=None, fail=False):
     from commlib import kernels as K
 
-    calls = []
+    calls = _Calls()
+    builds = calls.builds  # (kernel, grid, variant_key) per launch
 
-    def launch(family, name, grid, block, args, shared_mem=0):
+    def launch(family, name, grid, block, args, shared_mem=0, variant_key=None):
         codes = K.kernel_signature(family, name)
         assert len(args) == len(codes), f"{name}: {len(args)} arguments, the kernel takes {len(codes)}"
         struct.pack("@" + codes, *[int(a) for a in args])  # every value fits its C type
         if fail:
             raise RuntimeError("cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_INSTRUCTION (715)")
         calls.append((name, list(args)))
+        builds.append((name, grid, variant_key))
         if name == "notify_kernel" and on_notify is not None:
             on_notify(list(args))
 
@@ -339,6 +349,11 @@ def test_host_launch_arguments_match_kernels(monkeypatch):
     calls = _mock_launch(monkeypatch, on_notify=lambda a: _fill_counts(a, {"total": 0}))
     res = be.dispatch(_dispatch_req())
     assert [c[0] for c in calls] == ["notify_kernel", "dispatch_kernel"]
+    # DISPATCH_STREAM_MAX_SMS (default 20): this 4-SM dispatch launches the streaming sender's build
+    from commlib import kernels as K
+    name, grid, key = calls.builds[-1]
+    assert name == "dispatch_kernel" and grid == 4 and key == K.dispatch_variant_key(4)
+    assert dict(key)["DISPATCH_STREAM_SEND"] == 1
     calls.clear()
     be.dispatch(_dispatch_req(worst=16, fp8=True))
     assert calls[0][1][16] == 2, "num_worst_tokens: the notify kernel traps on a mismatch (mode NO_HOST)"

@@ -145,7 +145,7 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     unknown = set(overrides or {}) - set(DEFAULT_VARIANT)
     if unknown:
         raise ValueError(f"unknown kernel variant keys {sorted(unknown)}; known: {sorted(DEFAULT_VARIANT)}")
-    global _variant_key
+    global _variant_key, _streaming_key
     merged = dict(DEFAULT_VARIANT)
     merged.update({k: int(v) for k, v in (overrides or {}).items()})
     if merged["COMM_CLUSTER"] not in (1, 2):  # the grid (Config.num_sms) is only known to be even
@@ -165,14 +165,11 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
         raise ValueError(f"DISPATCH_RECV_SPLIT={split}: needs 0 < N < the receiver's warps "
                          f"({merged['DISPATCH_THREADS'] // 32}), LOCAL_IN_RECEIVER=1 and SHARE_WORK=1 (the local "
                          f"warps join the remote rows through the shared counter)")
-    if merged["DISPATCH_STREAM_BACKOFF_NS"] < 0 or (merged["DISPATCH_STREAM_BACKOFF_NS"] and not merged["DISPATCH_STREAM_SEND"]):
-        raise ValueError(f"DISPATCH_STREAM_BACKOFF_NS must be >= 0 and needs DISPATCH_STREAM_SEND > 0, got "
-                         f"{merged['DISPATCH_STREAM_BACKOFF_NS']}")
+    for key in ("DISPATCH_STREAM_BACKOFF_NS", "DISPATCH_STREAM_WINDOW"):  # knobs of the streaming sender
+        if merged[key] < 0 or (merged[key] and not merged["DISPATCH_STREAM_SEND"]):
+            raise ValueError(f"{key} must be >= 0 and needs DISPATCH_STREAM_SEND > 0, got {merged[key]}")
     if merged["DISPATCH_STREAM_MAX_SMS"] < 0:
         raise ValueError(f"DISPATCH_STREAM_MAX_SMS must be >= 0 (0: never), got {merged['DISPATCH_STREAM_MAX_SMS']}")
-    if merged["DISPATCH_STREAM_WINDOW"] < 0 or (merged["DISPATCH_STREAM_WINDOW"] and not merged["DISPATCH_STREAM_SEND"]):
-        raise ValueError(f"DISPATCH_STREAM_WINDOW must be >= 0 and needs DISPATCH_STREAM_SEND > 0, got "
-                         f"{merged['DISPATCH_STREAM_WINDOW']}")
     if merged["DISPATCH_STREAM_SEND"] < 0:
         raise ValueError(f"DISPATCH_STREAM_SEND must be >= 0 (0: round barriers), got {merged['DISPATCH_STREAM_SEND']}")
     if merged["DISPATCH_SEND_WARPS"] < 0:
@@ -191,6 +188,7 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
                          f"{MAX_DYNAMIC_SMEM} bytes of shared memory, got {chunk}")
     _variant = merged
     _variant_key = tuple(sorted(_variant.items()))
+    _streaming_key = _streaming_variant_key(_variant)
     return dict(_variant)
 
 
@@ -273,20 +271,28 @@ def options(plain: bool, knobs: Optional[dict] = None) -> tuple:
 
 
 _functions: dict = {}  # (family, name, plain, variant, device) -> CuPy function: the launch hot path
+def _streaming_variant_key(knobs: dict) -> Optional[tuple]:
+    """The streaming sender's twin of ``knobs`` that DISPATCH_STREAM_MAX_SMS picks for small dispatch
+    calls, or None where it never applies (limit 0, already streaming, or bulk pushes)."""
+    if knobs["DISPATCH_STREAM_MAX_SMS"] <= 0 or knobs["DISPATCH_STREAM_SEND"] or knobs["DISPATCH_BULK_SEND"]:
+        return None
+    return tuple(sorted(dict(knobs, DISPATCH_STREAM_SEND=1).items()))
+
+
 _variant_key: tuple = tuple(sorted(_variant.items()))
+_streaming_key: Optional[tuple] = _streaming_variant_key(_variant)  # both set by set_variant
 
 
 def dispatch_variant_key(num_sms: int) -> tuple:
     """The build a dispatch of ``num_sms`` SMs launches: the current variant, or, when
     DISPATCH_STREAM_MAX_SMS >= num_sms (and the variant's sender has round barriers and no bulk
-    pushes), the same with DISPATCH_STREAM_SEND=1. Both builds speak the same protocol to the receivers (tails, done flags,
-    sequence counters), so calls of either may follow each other; every rank of a call has the same
-    num_sms, hence the same build."""
-    limit = _variant["DISPATCH_STREAM_MAX_SMS"]
-    if limit <= 0 or num_sms > limit or _variant["DISPATCH_STREAM_SEND"] or _variant["DISPATCH_BULK_SEND"]:
+    pushes), the same with DISPATCH_STREAM_SEND=1. Both builds speak the same protocol to the
+    receivers (tails, done flags, sequence counters), so calls of either may follow each other;
+    every rank of a call has the same num_sms, hence the same build. Called per dispatch: both keys
+    are computed once, by set_variant."""
+    if _streaming_key is None or num_sms > _variant["DISPATCH_STREAM_MAX_SMS"]:
         return _variant_key
-    streaming = dict(_variant, DISPATCH_STREAM_SEND=1)
-    return tuple(sorted(streaming.items()))
+    return _streaming_key
 
 
 def _function(family: str, name: str, plain: bool, device: Optional[int] = None, vkey: Optional[tuple] = None):
@@ -314,13 +320,12 @@ def compile_all(plain: Optional[bool] = None) -> dict:
     {name: function} for the current variant."""
     modes = [plain_mode()] if plain is None else [plain]
     out = {}
-    streaming = dispatch_variant_key(1)
     for mode in modes:
         for family, names in _FAMILIES.items():
             for name in names:
                 out[(name, mode)] = _function(family, name, mode)
-                if family == "dispatch" and streaming != _variant_key:
-                    _function(family, name, mode, None, streaming)
+                if family == "dispatch" and _streaming_key is not None:
+                    _function(family, name, mode, None, _streaming_key)
     return out
 
 

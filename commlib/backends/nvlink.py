@@ -111,6 +111,7 @@ class NVLinkBackend(Backend):
         # per kind: launches since the reset, and the grid of the launch each slot holds
         self._smid_count = {kind: 0 for kind in SMID_KINDS}
         self._smid_grids = {kind: [0] * self._smid_slots for kind in SMID_KINDS}
+        self._probe_rows = None  # DISPATCH_PROBE_NO_REMOTE_COPY's shared recv_x (_probe_recv_x)
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
         self._mem.all_opened(self.group, self.rank, self.num_ranks)
 
@@ -231,7 +232,7 @@ class NVLinkBackend(Backend):
         """DISPATCH_PROBE_NO_REMOTE_COPY (a timing probe, wrong results): the kernel never writes remote
         rows, so every call gets rows of one tensor zeroed once and shared by all calls. Finite values
         keep a model's routing sane, and no per-call fill kernel waits for SMs beside compute."""
-        buf = getattr(self, "_probe_rows", None)
+        buf = self._probe_rows
         if buf is None or buf.dtype != dtype or buf.shape[1] != H or buf.shape[0] < N:
             buf = self._probe_rows = torch.zeros((max(N, 1), H), dtype=dtype, device=self.device)
         return buf[:N]

@@ -398,6 +398,7 @@ def _buffer_default_sms(buffer):
 def run(ctx, args) -> dict:
     """Run the benchmark on this rank (all ranks call it); rank 0 returns the result dict."""
     from commlib import Buffer
+    from commlib import env
     from commlib import pipeline as P
 
     device = ctx.device
@@ -564,6 +565,8 @@ def run(ctx, args) -> dict:
         "comm_stream_priority": args.comm_priority,
         "kernel_variant": args.kernel_variant or "default",
         "defer_weight_grads": P._defer_weight_grads(defer),
+        # the expert stage's slot sums: one-pass kernel (csrc/moe_rows.cu) or torch's index_add ($COMMLIB_MOE_ROW_KERNEL)
+        "moe_row_kernel": env.moe_row_kernel(),
         # SMs of every dispatch / combine; source: --comm-sms, calibrated, Buffer.num_sms or a tuned config.
         # Timing effect on the GPU engines only (nvlink): the reference backend ignores it.
         "comm_sms": comm_sms,
@@ -767,7 +770,7 @@ def _print_table(result: dict) -> None:
           f"heads={sh['heads']}x{sh['head_dim']} layers={sh['layers']} fp8={sh['fp8']} "
           f"issue_order={result['issue_order']} comm_priority={result['comm_stream_priority']} "
           f"sm_carveout={result['sm_carveout']['sms']} defer_wgrad={result['defer_weight_grads']} "
-          f"comm_sms={result['comm_sms']} ({result['comm_sms_source']})")
+          f"moe_row_kernel={result.get('moe_row_kernel')} comm_sms={result['comm_sms']} ({result['comm_sms_source']})")
     print(f"#{'phase':>18} {'sequential':>11} {'dual':>9} {'comm':>9} {'compute':>9} {'comm/comp':>9} "
           f"{'dual/max':>9} {'speedup':>8} {'bound':>6}  verdict")
     print(f"#{'':>18} {'(ms)':>11} {'(ms)':>9} {'(ms)':>9} {'(ms)':>9} {'':>9} {'':>9} {'':>8} {'':>6}")

@@ -15,6 +15,8 @@ Variables:
   COMMLIB_ISSUE_ORDER      auto | comm_first | compute_first: issue order of the dual pipeline's pairs
   COMMLIB_SM_CARVEOUT      auto | off | N: SMs the dual pipeline keeps GEMMs off while it overlaps (default auto)
   COMMLIB_DEFER_WGRAD      0: the dual pipeline's backward computes the expert weight gradients in place (default 1: B / W split)
+  COMMLIB_MOE_ROW_KERNEL   0: the expert stage sums a row's slots with torch's float32 index_add (default 1: one-pass
+                           kernel csrc/moe_rows.cu on CUDA bf16 rows)
 """
 from __future__ import annotations
 
@@ -136,3 +138,7 @@ def sm_carveout() -> str:
 
 def defer_wgrad() -> bool:
     return _flag_on("COMMLIB_DEFER_WGRAD")
+
+
+def moe_row_kernel() -> bool:
+    return _flag_on("COMMLIB_MOE_ROW_KERNEL")

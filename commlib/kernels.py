@@ -98,6 +98,7 @@ _FAMILIES = {
     "dispatch": ("dispatch_kernel",),
     "combine": ("combine_kernel",),
     "low_latency": ("ll_dispatch_kernel", "ll_combine_kernel"),
+    "moe_rows": ("slot_sum_bf16",),   # commlib.moe's expert stage (no peer memory)
 }
 
 _lock = threading.Lock()

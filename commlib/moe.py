@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import autograd as ops
-from . import wgrad
+from . import env, wgrad
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8
 from .layout import local_expert_ids, token_in_rank
 from .pipeline import StagedModule
@@ -207,6 +207,90 @@ class _PermuteRows(torch.autograd.Function):
         return _PermuteRows.apply(grad, inv, perm), None, None
 
 
+def _slot_positions(order_M: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """[N, K] int32: pos[n, k] = m where the m-th routed pair (expert order, ``order_M[m] = n * K + k``)
+    is slot k of row n; -1 where slot k of row n has no local expert."""
+    pos = torch.full((N * K,), -1, dtype=torch.int32, device=order_M.device)
+    pos[order_M] = torch.arange(order_M.numel(), dtype=torch.int32, device=order_M.device)
+    return pos.view(N, K)
+
+
+_cupy_ok: Optional[bool] = None
+
+
+def _row_kernel_ok(t: torch.Tensor, K: int) -> bool:
+    """csrc/moe_rows.cu can sum ``t``'s rows: CUDA bf16, rows of whole 16-byte vectors, K <= 32 (one
+    slot per lane), CuPy present, not switched off (COMMLIB_MOE_ROW_KERNEL=0)."""
+    global _cupy_ok
+    if not (t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] % 8 == 0 and 1 <= K <= 32
+            and env.moe_row_kernel()):
+        return False
+    if _cupy_ok is None:
+        try:
+            import cupy  # noqa: F401
+            _cupy_ok = True
+        except ImportError:
+            _cupy_ok = False
+    return _cupy_ok
+
+
+def _slot_sum_kernel(src_MH: torch.Tensor, pos_NK: torch.Tensor) -> torch.Tensor:
+    """out[n] = bf16(sum over k of float32(src[pos[n, k]]), slot order) in one pass (csrc/moe_rows.cu)."""
+    from . import kernels as K
+
+    src, pos = src_MH.contiguous(), pos_NK.contiguous()
+    N, slots = pos.shape
+    out = torch.empty((N, src.shape[1]), dtype=src.dtype, device=src.device)
+    if N:
+        warps = 8
+        with torch.cuda.device(src.device):
+            K.launch("moe_rows", "slot_sum_bf16", (N + warps - 1) // warps, 32 * warps,
+                     (K.ptr(src), K.ptr(pos), K.ptr(out), N, slots, src.shape[1] // 8))
+    return out
+
+
+class _SlotSum(torch.autograd.Function):
+    """y[n] = sum over the slots k of row n that have a local expert of out[pos[n, k]] (the routed
+    pairs' outputs, expert order), accumulated in float32 and rounded once to out's dtype. Backward:
+    the gather of the gradient (exact). On CUDA bf16 rows one kernel pass (_slot_sum_kernel); else
+    float32 zeros + index_add_ + a cast, as before the kernel."""
+
+    @staticmethod
+    def forward(ctx, out_MH, pos_NK, rows_M):
+        ctx.save_for_backward(pos_NK, rows_M)
+        if _row_kernel_ok(out_MH, pos_NK.shape[1]):
+            return _slot_sum_kernel(out_MH, pos_NK)
+        acc_dtype = torch.promote_types(out_MH.dtype, torch.float32)
+        # index_add runs in the tensor's dtype (float64 experts keep float64); in place on fresh zeros:
+        # the out-of-place index_add would first copy the [N, H] float32 zeros. On CPU the order is fixed;
+        # on GPUs index_add uses atomics (order varies)
+        y = torch.zeros(pos_NK.shape[0], out_MH.shape[1], dtype=acc_dtype, device=out_MH.device)
+        return y.index_add_(0, rows_M, out_MH.to(acc_dtype)).to(out_MH.dtype)
+
+    @staticmethod
+    def backward(ctx, g_NH):
+        pos_NK, rows_M = ctx.saved_tensors
+        return _SlotGather.apply(g_NH, rows_M, pos_NK), None, None
+
+
+class _SlotGather(torch.autograd.Function):
+    """x[rows[m]] for the routed pairs (expert order): the grouped GEMMs' input. Backward: the slot sum
+    of the gradient, one kernel pass on CUDA bf16 rows (float32 sum, one rounding), else what autograd
+    does for index_select (zeros + index_add_ in the gradient's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x_NH, rows_M, pos_NK):
+        ctx.save_for_backward(rows_M, pos_NK)
+        return x_NH.index_select(0, rows_M)
+
+    @staticmethod
+    def backward(ctx, g_MH):
+        rows_M, pos_NK = ctx.saved_tensors
+        if _row_kernel_ok(g_MH, pos_NK.shape[1]):
+            return _SlotSum.apply(g_MH, pos_NK, rows_M), None, None
+        return g_MH.new_zeros(pos_NK.shape[0], g_MH.shape[1]).index_add_(0, rows_M, g_MH), None, None
+
+
 def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_NK: torch.Tensor,
                    w_gate_up_LHI: torch.Tensor, w_down_LIH: torch.Tensor,
                    counts: Optional[list[int]] = None, impl: str = "auto",
@@ -255,7 +339,8 @@ def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_N
         inv_N = torch.empty_like(rows_M).index_copy_(0, rows_M, torch.arange(N, device=rows_M.device))
         x_MH = _PermuteRows.apply(x_NH, rows_M, inv_N).to(dtype)
     else:
-        x_MH = x_NH.index_select(0, rows_M).to(dtype)
+        pos_NK = _slot_positions(order_M, N, K)
+        x_MH = _SlotGather.apply(x_NH, rows_M, pos_NK).to(dtype)
     weights_M = topk_weights_NK.reshape(-1).index_select(0, order_M).to(dtype)
     offs = _group_offsets(counts, x_MH.device) if _use_grouped_mm(x_MH, impl) else None  # one copy, both GEMMs
     gate_up = _grouped_matmul(x_MH, w_gate_up_LHI, counts, impl, offs)
@@ -268,13 +353,8 @@ def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_N
     out_MH = _grouped_matmul(act_MI, w_down_LIH, counts, impl, offs)
     if one_slot_per_row:
         return _PermuteRows.apply(out_MH, inv_N, rows_M)
-    # A row may meet several local experts: accumulate in float32 (index_add runs in the tensor's
-    # dtype; float64 experts keep float64), cast once. On CPU the order is fixed; on GPUs index_add
-    # uses atomics (order varies). In place on fresh zeros: the out-of-place index_add would first
-    # copy the [N, H] float32 zeros.
-    acc_dtype = torch.promote_types(dtype, torch.float32)
-    y = torch.zeros(N, x_NH.shape[1], dtype=acc_dtype, device=x_NH.device)
-    return y.index_add_(0, rows_M, out_MH.to(acc_dtype)).to(dtype)
+    # A row may meet several local experts: sum its slots in float32, round once (_SlotSum)
+    return _SlotSum.apply(out_MH, pos_NK, rows_M)
 
 
 class Experts(nn.Module):

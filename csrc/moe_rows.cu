@@ -14,8 +14,9 @@
 // is bit-identical to torch's in any order (float addition commutes, +0.0 + a == a); with more terms
 // it is torch's sum in slot order (torch's CUDA index_add_ adds in whatever order its atomics land).
 //
-// One warp per row; lane l loads pos[n, l] (K <= 32) and the warp broadcasts each slot's row. Each lane
-// keeps ROW_UNROLL vectors of 8 values in flight per slot.
+// One warp per row; lane l loads pos[n, l] (K <= 32) and the warp broadcasts each slot's row (every lane
+// runs every iteration, also past a short row's end, for the shuffle). Each lane keeps ROW_UNROLL
+// vectors of 8 values in flight per slot.
 #include "common.cuh"
 
 #ifndef COMMLIB_ROW_UNROLL
@@ -31,7 +32,8 @@ extern "C" __global__ void __launch_bounds__(256) slot_sum_bf16(const int4* __re
     for (int n = blockIdx.x * warps + warp_id(); n < num_rows; n += gridDim.x * warps) {
         const int mine = lane < num_slots ? __ldg(pos + (i64)n * num_slots + lane) : -1;
         int4* out = dst + (i64)n * row_int4;
-        for (int i0 = lane; i0 < row_int4; i0 += 32 * U) {
+        for (int base = 0; base < row_int4; base += 32 * U) {  // the whole warp iterates: shfl below
+            const int i0 = base + lane;
             float acc[U][8];
 #pragma unroll
             for (int u = 0; u < U; ++u)

@@ -188,23 +188,33 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-class _PermuteRows(torch.autograd.Function):
-    """out[m] = x[perm[m]] where ``perm`` is a permutation of x's rows and ``inv`` its inverse.
+class _GatherRows(torch.autograd.Function):
+    """out[m] = x[idx[m]], with a backward that knows the gather's structure. index_select's own
+    backward fills an [N, H] tensor with zeros and scatter-adds into it (two passes, atomics on GPUs).
 
-    The backward is the inverse gather, one pass over the gradient. index_select's own backward
-    fills an [N, H] tensor with zeros and scatter-adds into it (two passes, atomics on GPUs),
-    which a permutation does not need. The backward is this op again, so it differentiates twice.
+    * ``inv`` given: ``idx`` is a permutation of x's rows and ``inv`` its inverse. The backward is
+      this op with the two swapped, one pass over the gradient, so it differentiates twice.
+    * else ``pos_NK`` (the routed pairs' slot table, _slot_positions): the backward is the slot sum
+      (_SlotSum: one kernel pass on CUDA bf16 rows, float32 sum, one rounding), or where that kernel
+      does not apply, what autograd does for index_select (zeros + index_add_ in the gradient's dtype).
     """
 
     @staticmethod
-    def forward(ctx, x, perm, inv):
-        ctx.save_for_backward(perm, inv)
-        return x.index_select(0, perm)
+    def forward(ctx, x, idx, inv, pos_NK):
+        ctx.permutation = inv is not None
+        ctx.save_for_backward(idx, inv if ctx.permutation else pos_NK)
+        return x.index_select(0, idx)
 
     @staticmethod
     def backward(ctx, grad):
-        perm, inv = ctx.saved_tensors
-        return _PermuteRows.apply(grad, inv, perm), None, None
+        idx, other = ctx.saved_tensors
+        if ctx.permutation:
+            g = _GatherRows.apply(grad, other, idx, None)
+        elif _row_kernel_ok(grad, other.shape[1]):
+            g = _SlotSum.apply(grad, other, idx)
+        else:
+            g = grad.new_zeros(other.shape[0], grad.shape[1]).index_add_(0, idx, grad)
+        return g, None, None, None
 
 
 def _slot_positions(order_M: torch.Tensor, N: int, K: int) -> torch.Tensor:
@@ -226,11 +236,8 @@ def _row_kernel_ok(t: torch.Tensor, K: int) -> bool:
             and env.moe_row_kernel()):
         return False
     if _cupy_ok is None:
-        try:
-            import cupy  # noqa: F401
-            _cupy_ok = True
-        except ImportError:
-            _cupy_ok = False
+        import importlib.util
+        _cupy_ok = importlib.util.find_spec("cupy") is not None
     return _cupy_ok
 
 
@@ -270,25 +277,7 @@ class _SlotSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_NH):
         pos_NK, rows_M = ctx.saved_tensors
-        return _SlotGather.apply(g_NH, rows_M, pos_NK), None, None
-
-
-class _SlotGather(torch.autograd.Function):
-    """x[rows[m]] for the routed pairs (expert order): the grouped GEMMs' input. Backward: the slot sum
-    of the gradient, one kernel pass on CUDA bf16 rows (float32 sum, one rounding), else what autograd
-    does for index_select (zeros + index_add_ in the gradient's dtype)."""
-
-    @staticmethod
-    def forward(ctx, x_NH, rows_M, pos_NK):
-        ctx.save_for_backward(rows_M, pos_NK)
-        return x_NH.index_select(0, rows_M)
-
-    @staticmethod
-    def backward(ctx, g_MH):
-        rows_M, pos_NK = ctx.saved_tensors
-        if _row_kernel_ok(g_MH, pos_NK.shape[1]):
-            return _SlotSum.apply(g_MH, pos_NK, rows_M), None, None
-        return g_MH.new_zeros(pos_NK.shape[0], g_MH.shape[1]).index_add_(0, rows_M, g_MH), None, None
+        return _GatherRows.apply(g_NH, rows_M, None, pos_NK), None, None
 
 
 def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_NK: torch.Tensor,
@@ -337,10 +326,10 @@ def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_N
     dtype = w_gate_up_LHI.dtype
     if one_slot_per_row:
         inv_N = torch.empty_like(rows_M).index_copy_(0, rows_M, torch.arange(N, device=rows_M.device))
-        x_MH = _PermuteRows.apply(x_NH, rows_M, inv_N).to(dtype)
+        x_MH = _GatherRows.apply(x_NH, rows_M, inv_N, None).to(dtype)
     else:
         pos_NK = _slot_positions(order_M, N, K)
-        x_MH = _SlotGather.apply(x_NH, rows_M, pos_NK).to(dtype)
+        x_MH = _GatherRows.apply(x_NH, rows_M, None, pos_NK).to(dtype)
     weights_M = topk_weights_NK.reshape(-1).index_select(0, order_M).to(dtype)
     offs = _group_offsets(counts, x_MH.device) if _use_grouped_mm(x_MH, impl) else None  # one copy, both GEMMs
     gate_up = _grouped_matmul(x_MH, w_gate_up_LHI, counts, impl, offs)
@@ -352,7 +341,7 @@ def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_N
     act_MI = F.silu(gate) * up * weights_M.unsqueeze(1)
     out_MH = _grouped_matmul(act_MI, w_down_LIH, counts, impl, offs)
     if one_slot_per_row:
-        return _PermuteRows.apply(out_MH, inv_N, rows_M)
+        return _GatherRows.apply(out_MH, inv_N, rows_M, None)
     # A row may meet several local experts: sum its slots in float32, round once (_SlotSum)
     return _SlotSum.apply(out_MH, pos_NK, rows_M)
 

@@ -588,7 +588,7 @@ def test_routed_experts_matches_per_row_reference(dtype, kind):
     for name, kw in variants.items():
         y, grads = _run_routed(x, idx, weights, w_gate_up, w_down, g_out, **kw)
         assert y.dtype == dtype and y.shape == (_N, _H)
-        permuted = "PermuteRows" in type(y.grad_fn).__name__
+        permuted = "GatherRows" in type(y.grad_fn).__name__
         # The permutation path: exactly when one slot per row is known on the host (the flag with
         # M == N, or counts computed here); the general path otherwise.
         assert permuted == (kind == "one_slot" and name in ("flag", "host_counts")), (name, type(y.grad_fn))

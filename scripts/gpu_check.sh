@@ -8,7 +8,7 @@
 # load/store modes), smoke (2 ranks, one case), tests2 (2-rank world, every case), bench
 # (benchmarks/bench_intranode.py --json), shared (4 and 8 ranks on 2 GPUs), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
-# cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop),
+# cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
 # overlapab (bench_overlap.py with --sm-carveout off / auto for each argument set in OVERLAP_AB),
 # neighbour (bench_gemm_carveout.py --neighbour), interference (bench_comm_interference.py).
 # Everything is logged to OUTDIR/gpu_check.log; the bench JSON (+ PNG) lands in OUTDIR and

@@ -70,7 +70,7 @@ DEFAULT_VARIANT = {
     "DISPATCH_BULK_SEND": 0,      # 1: the dispatch sender pushes rows with one destination as cp.async.bulk (TMA)
     "DISPATCH_STREAM_MAX_SMS": 20,  # N > 0 (with DISPATCH_STREAM_SEND 0): dispatch calls of at most N SMs launch the
                                   # streaming sender's build (DISPATCH_STREAM_SEND 1), the others this one; 0: never.
-                                  # 20: streaming was 3-7% faster from 4 to 20 SMs, 2.7% slower at 24 (2 x H200)
+                                  # 20: streaming was 3-8% faster from 4 to 20 SMs, 2.7% slower at 24 (2 x H200)
     "DISPATCH_STREAM_WINDOW": 0,  # W > 0 (with DISPATCH_STREAM_SEND): copy warps run at most W blocks of 32 tokens
                                   # ahead of the last block whose rows are all copied; 0: unbounded
     "DISPATCH_STREAM_BACKOFF_NS": 0,  # (with DISPATCH_STREAM_SEND) the publisher sleeps this long between polls of
@@ -169,12 +169,10 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     for key in ("DISPATCH_STREAM_BACKOFF_NS", "DISPATCH_STREAM_WINDOW"):  # knobs of the streaming sender
         if merged[key] < 0 or (merged[key] and not merged["DISPATCH_STREAM_SEND"]):
             raise ValueError(f"{key} must be >= 0 and needs DISPATCH_STREAM_SEND > 0, got {merged[key]}")
-    if merged["DISPATCH_STREAM_MAX_SMS"] < 0:
-        raise ValueError(f"DISPATCH_STREAM_MAX_SMS must be >= 0 (0: never), got {merged['DISPATCH_STREAM_MAX_SMS']}")
-    if merged["DISPATCH_STREAM_SEND"] < 0:
-        raise ValueError(f"DISPATCH_STREAM_SEND must be >= 0 (0: round barriers), got {merged['DISPATCH_STREAM_SEND']}")
-    if merged["DISPATCH_SEND_WARPS"] < 0:
-        raise ValueError(f"DISPATCH_SEND_WARPS must be >= 0 (0: every copy warp), got {merged['DISPATCH_SEND_WARPS']}")
+    for key, zero in (("DISPATCH_STREAM_MAX_SMS", "never"), ("DISPATCH_STREAM_SEND", "round barriers"),
+                      ("DISPATCH_SEND_WARPS", "every copy warp")):
+        if merged[key] < 0:
+            raise ValueError(f"{key} must be >= 0 (0: {zero}), got {merged[key]}")
     for family in ("dispatch", "combine"):
         key = f"{family.upper()}_ASYNC_DEPTH"
         if merged[key] < 0 or (family == "dispatch" and merged[key] and _dispatch_bulk(merged)):
@@ -272,6 +270,8 @@ def options(plain: bool, knobs: Optional[dict] = None) -> tuple:
 
 
 _functions: dict = {}  # (family, name, plain, variant, device) -> CuPy function: the launch hot path
+
+
 def _streaming_variant_key(knobs: dict) -> Optional[tuple]:
     """The streaming sender's twin of ``knobs`` that DISPATCH_STREAM_MAX_SMS picks for small dispatch
     calls, or None where it never applies (limit 0, already streaming, or bulk pushes)."""

@@ -244,4 +244,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from commlib.launch import exit_rank
+    exit_rank(main())

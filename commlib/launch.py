@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,33 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank process: destroy its process groups, finalize MPI, flush stdio, ``os._exit(code)``.
+
+    A rank must not leave through the interpreter's finalization: gloo's worker threads can still
+    drop the last reference to a tensor that has a Python object after the collective that used it
+    has completed. If that happens while the interpreter finalizes, taking the GIL ends the thread
+    and the C++ runtime aborts the rank (SIGABRT after a clean run; seen once in CI at the end of
+    alltoall_perf under mpirun, and reported upstream for PyTorch). ``os._exit`` skips finalization,
+    so everything a rank needs done at exit is done here, in order.
+    """
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - still leave, with the reason on stderr
+        print(f"[commlib] exit_rank: destroy_process_group failed: {exc!r}", file=sys.stderr)
+        code = code or 1
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()  # Open MPI's launcher counts a rank that skips MPI_Finalize as failed
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream has nothing left to write
+            pass
+    os._exit(code)
 
 
 def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: bool,
@@ -60,15 +88,11 @@ def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: 
         ctx = RankContext(rank, world_size, ranks_per_node, device, dist.group.WORLD)
         result = worker(ctx, *args)
         queue.put((rank, "ok", result if rank == 0 else None))
+        code = 0
     except BaseException:  # noqa: BLE001 - forwarded to the parent with the traceback
         queue.put((rank, "error", traceback.format_exc()))
-        raise SystemExit(1)
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+        code = 1
+    exit_rank(code)
 
 
 def parallel_launch(world_size: int, worker: Callable, *args: Any, ranks_per_node: Optional[int] = None,

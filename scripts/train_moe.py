@@ -193,4 +193,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    from commlib.launch import exit_rank
     main()
+    exit_rank(0)  # under torchrun this process is a rank: leave without the interpreter's finalization

@@ -256,6 +256,27 @@ def test_alltoall_perf_torchrun():
     assert "ranks 2 (1 node x 2)" in out
 
 
+EXIT_RANK_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from commlib.launch import exit_rank
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+for _ in range(20):  # collectives whose tensors gloo's threads may still hold at exit
+    dist.all_reduce(torch.ones(4096), async_op=True).wait()
+sys.stdout.write("unflushed output")
+exit_rank(3)
+"""
+
+
+def test_exit_rank_keeps_code_and_output():
+    """A rank leaves through exit_rank (os._exit, no interpreter finalization): its exit code and
+    unflushed stdout survive, the process group is destroyed on the way."""
+    proc = subprocess.run([sys.executable, "-c", EXIT_RANK_SCRIPT % bench_free_port()], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stdout.endswith("unflushed output")
+
+
 def bench_free_port() -> int:
     from commlib.launch import free_port
     return free_port()

@@ -13,12 +13,17 @@ pairs. Each row: mean time of a cached dispatch and of a combine (CUDA events, s
 their ratios to the alone times. If ``fma`` costs nothing and ``hbm`` / ``gemm`` cost what the pipeline loses,
 the loss is the memory system's latency, not the SMs.
 
+A third op, ``ce_push`` (off with ``--no-ce``), moves the dispatch's payload with the copy engines
+instead: each rank pushes the bytes its dispatch sends to a peer with one cudaMemcpyAsync into the
+peer's memory (CUDA IPC). It uses no SM, so its row says what a copy-engine data path would lose to
+the same loads.
+
 With ``--kernel-variant COMM_TRACE=1`` each row also splits the last call of each op by role (mean
 over CTAs, slowest rank): when the senders and the receivers finished their own work and when they
 ended (with SHARE_WORK=1 a sender ends after the receiver rows it took over).
 
 Run (GPUs, spawns 2 ranks): python3 benchmarks/bench_comm_interference.py [--comm-sms 4]
-    [--kernel-variant KEY=V,...] [--json PATH]
+    [--kernel-variant KEY=V,...] [--no-ce] [--json PATH]
 """
 from __future__ import annotations
 
@@ -73,6 +78,8 @@ def parse_args(argv=None):
         p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--kernel-variant", default="", metavar="KEY=V,...",
                    help="NVLink kernel build variant (commlib.kernels.DEFAULT_VARIANT keys) on every rank")
+    p.add_argument("--no-ce", dest="ce", action="store_false",
+                   help="skip the ce_push row: the dispatch's payload pushed by the copy engines (cudaMemcpyAsync)")
     p.add_argument("--json", default="")
     return p.parse_args(argv)
 
@@ -116,6 +123,13 @@ def _worker(ctx, args):
 
     ops = {"dispatch": lambda: buf.dispatch(x, handle=handle, config=cfg),
            "combine": lambda: buf.combine(recv_x, handle, config=cfg)}
+    ce = None
+    if args.ce:
+        # The dispatch's payload moved by the copy engines instead of SMs: one cudaMemcpyAsync per peer of
+        # the bytes this rank's dispatch sends there, into a region of the peer's memory (CUDA IPC).
+        ce = CopyEnginePush(group, me, R, T * H * x.element_size(),
+                            [int(c) * H * x.element_size() for c in ntpr.tolist()], x.data_ptr())
+        ops["ce_push"] = ce.push
 
     fn = cp.RawModule(code=_LOAD_SRC, options=("-std=c++17", "--gpu-architecture=sm_90")).get_function("load_kernel")
     fn.max_dynamic_shared_size_bytes = 120 * 1024
@@ -203,14 +217,56 @@ def _worker(ctx, args):
         covered[kind] = bool(flag.item())
     rows["alone_again"] = slowest(timed("alone_again")[0])
     split = {row: {op: slowest(t) for op, t in v.items()} for row, v in traces.items()}
+    if ce is not None:
+        torch.cuda.synchronize()
+        dist.barrier(group=group)  # no peer still pushes into this rank's region
+        rows["ce_push_bytes"] = ce.max_bytes(group)
+        ce.close()
     buf.destroy()
     return rows, covered, split, spans
+
+
+class CopyEnginePush:
+    """Pushes ``nbytes[p]`` bytes from ``src_ptr`` into peer p's memory with cudaMemcpyAsync (the copy
+    engines over NVLink), on the current stream. Each rank owns a [R x region] receive area; rank r
+    writes its own slot of it."""
+
+    def __init__(self, group, me: int, R: int, region: int, nbytes: list, src_ptr: int):
+        import cupy as cp
+        import torch.distributed as dist
+        self.rt, self.me, self.region, self.src = cp.cuda.runtime, me, region, src_ptr
+        self.nbytes = [0 if p == me else n for p, n in enumerate(nbytes)]
+        self.base = self.rt.malloc(R * region)  # its own allocation: an IPC handle names its base
+        handles = [None] * R
+        dist.all_gather_object(handles, bytes(self.rt.ipcGetMemHandle(self.base)), group=group)
+        self.peers = {p: self.rt.ipcOpenMemHandle(h) for p, h in enumerate(handles) if p != me}
+
+    def push(self) -> None:
+        import torch
+        stream = torch.cuda.current_stream().cuda_stream
+        for p, ptr in self.peers.items():
+            if self.nbytes[p]:
+                self.rt.memcpyAsync(ptr + self.me * self.region, self.src, self.nbytes[p],
+                                    self.rt.memcpyDeviceToDevice, stream)
+
+    def max_bytes(self, group) -> int:
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([sum(self.nbytes)], dtype=torch.int64, device=torch.cuda.current_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
+
+    def close(self) -> None:
+        for ptr in self.peers.values():
+            self.rt.ipcCloseMemHandle(ptr)
+        self.rt.free(self.base)
 
 
 def main(argv=None):
     args = parse_args(argv)
     from commlib.launch import parallel_launch
     rows, covered, split, spans = parallel_launch(args.ranks, _worker, args, use_gpu=True)
+    ce_bytes = rows.pop("ce_push_bytes", None)
     base = rows["alone"]
     print(f"[interference] {args.tokens} tokens x {args.hidden}, {args.comm_sms} comm SMs, {args.ranks} ranks, "
           f"variant {args.kernel_variant or 'default'} (ms per call, slowest rank)")
@@ -220,7 +276,9 @@ def main(argv=None):
         if k in spans:
             note += (f"  [rank 0: load ran {spans[k]['load_ms']:.1f} ms of a {spans[k]['budget_ms']:.0f} ms budget, "
                      f"timing ended at {spans[k]['timing_end_ms']:.1f} ms]")
-        print(f"  {k:12s} " + "  ".join(f"{op} {t:7.3f} ms x{ratios[k][op]:4.2f}" for op, t in v.items()) + note)
+        gbps = f"  (copy engines: {ce_bytes / v['ce_push'] / 1e6:.0f} GB/s)" if ce_bytes else ""
+        print(f"  {k:12s} " + "  ".join(f"{op} {t:7.3f} ms x{ratios[k][op]:4.2f}" for op, t in v.items())
+              + gbps + note)
         for op, t in split.get(k, {}).items():
             print(f"  {'':12s}   {op} by role (us from launch): sender own {t['sender_own_us']:7.0f} end "
                   f"{t['sender_end_us']:7.0f}, receiver own {t['receiver_own_us']:7.0f} end {t['receiver_end_us']:7.0f}")
@@ -234,7 +292,7 @@ def main(argv=None):
                        "git_commit": git_commit()["commit"],
                        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                        "args": vars(args), "ms_per_call": rows, "ratio_to_alone": ratios,
-                       "load_outlasted_timing": covered, "load_spans_rank0": spans,
+                       "load_outlasted_timing": covered, "ce_push_bytes_max_rank": ce_bytes, "load_spans_rank0": spans,
                        "role_split_last_call": split}, f, indent=1)
         print(f"[interference] wrote {args.json}")
 

@@ -16,7 +16,8 @@ the loss is the memory system's latency, not the SMs.
 A third op, ``ce_push`` (off with ``--no-ce``), moves the dispatch's payload with the copy engines
 instead: each rank pushes the bytes its dispatch sends to a peer with one cudaMemcpyAsync into the
 peer's memory (CUDA IPC). It uses no SM, so its row says what a copy-engine data path would lose to
-the same loads.
+the same loads. The other side follows: a GEMM loop and a 2 GB copy loop timed alone and while the
+SM comm kernels (GEMM: SM carveout) or ce_push (GEMM: every SM) run in a loop beside them.
 
 With ``--kernel-variant COMM_TRACE=1`` each row also splits the last call of each op by role (mean
 over CTAs, slowest rank): when the senders and the receivers finished their own work and when they
@@ -218,12 +219,64 @@ def _worker(ctx, args):
     rows["alone_again"] = slowest(timed("alone_again")[0])
     split = {row: {op: slowest(t) for op, t in v.items()} for row, v in traces.items()}
     if ce is not None:
+        rows["compute_beside_comm"] = compute_beside_comm(ops, rows["alone"], mats, big, dst_buf, n, group, slowest)
         torch.cuda.synchronize()
         dist.barrier(group=group)  # no peer still pushes into this rank's region
         rows["ce_push_bytes"] = ce.max_bytes(group)
         ce.close()
     buf.destroy()
     return rows, covered, split, spans
+
+
+def compute_beside_comm(ops: dict, alone: dict, mats, src, dst, comm_sms: int, group, slowest) -> dict:
+    """The other side of the interference: compute (a GEMM loop, a 2 GB copy loop) timed alone and
+    while a comm loop runs on a side stream, launched first: the SM kernels (dispatch + combine on
+    ``comm_sms`` SMs; the GEMM leaves them free, SM carveout) or the copy engines (ce_push; the GEMM
+    gets every SM). {row: ms per compute call, slowest rank}; the rows' comm loop must outlast the
+    compute (``covered``)."""
+    import torch
+    import torch.distributed as dist
+    work = {"gemm": lambda: torch.mm(*mats), "copy": lambda: dst.copy_(src)}
+    carve0 = torch._C._get_sm_carveout_experimental()
+
+    def run(name: str, carveout: int, comm: list, reps: int = 20) -> tuple:
+        """(ms per call, whether the comm loop was still running when the last call ended)."""
+        torch._C._set_sm_carveout_experimental(carveout)
+        fn = work[name]
+        fn()  # the first call per carveout picks the cuBLAS kernel
+        side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        done = torch.cuda.Event(enable_timing=True)
+        if comm:
+            with torch.cuda.stream(side):
+                for op in comm:
+                    op()
+                done.record()
+            torch.cuda._sleep(1_000_000)  # the comm loop is running before the compute is queued
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(reps):
+            fn()
+        t1.record()
+        torch.cuda.synchronize()
+        torch._C._set_sm_carveout_experimental(carve0)
+        return t0.elapsed_time(t1) / reps, (not comm) or t1.elapsed_time(done) > 0
+
+    out = {}
+    pair = alone["dispatch"] + alone["combine"]
+    for name in work:
+        base_all, _ = run(name, 0, [])
+        base_carved, _ = run(name, comm_sms, [])
+        budget = 3 * max(base_all, base_carved) * 20 + 20  # ms the comm loop must cover, with margin
+        beside_sm, ok_sm = run(name, comm_sms, [ops["dispatch"], ops["combine"]] * (int(budget / pair) + 1))
+        beside_ce, ok_ce = run(name, 0, [ops["ce_push"]] * (int(budget / alone["ce_push"]) + 1))
+        flags = torch.tensor([int(ok_sm), int(ok_ce)], device=torch.cuda.current_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        out[name] = dict(zip(("alone_all_sms", "alone_carveout", "beside_sm_comm", "beside_ce_push"),
+                             slowest([base_all, base_carved, beside_sm, beside_ce])))
+        out[name]["comm_outlasted"] = {"sm": bool(flags[0]), "ce": bool(flags[1])}
+    return out
 
 
 class CopyEnginePush:
@@ -267,6 +320,7 @@ def main(argv=None):
     from commlib.launch import parallel_launch
     rows, covered, split, spans = parallel_launch(args.ranks, _worker, args, use_gpu=True)
     ce_bytes = rows.pop("ce_push_bytes", None)
+    beside = rows.pop("compute_beside_comm", {})
     base = rows["alone"]
     print(f"[interference] {args.tokens} tokens x {args.hidden}, {args.comm_sms} comm SMs, {args.ranks} ranks, "
           f"variant {args.kernel_variant or 'default'} (ms per call, slowest rank)")
@@ -282,6 +336,12 @@ def main(argv=None):
         for op, t in split.get(k, {}).items():
             print(f"  {'':12s}   {op} by role (us from launch): sender own {t['sender_own_us']:7.0f} end "
                   f"{t['sender_end_us']:7.0f}, receiver own {t['receiver_own_us']:7.0f} end {t['receiver_end_us']:7.0f}")
+    for name, v in beside.items():
+        print(f"  compute {name:5s} alone {v['alone_all_sms']:6.3f} ms (all SMs) {v['alone_carveout']:6.3f} ms "
+              f"({args.comm_sms} SMs left free); beside the SM comm kernels {v['beside_sm_comm']:6.3f} ms "
+              f"x{v['beside_sm_comm'] / v['alone_carveout']:4.2f}; beside ce_push {v['beside_ce_push']:6.3f} ms "
+              f"x{v['beside_ce_push'] / v['alone_all_sms']:4.2f}"
+              + ("" if all(v["comm_outlasted"].values()) else f"  (NOT VALID: {v['comm_outlasted']})"))
     if args.json:
         import torch
 
@@ -292,7 +352,8 @@ def main(argv=None):
                        "git_commit": git_commit()["commit"],
                        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                        "args": vars(args), "ms_per_call": rows, "ratio_to_alone": ratios,
-                       "load_outlasted_timing": covered, "ce_push_bytes_max_rank": ce_bytes, "load_spans_rank0": spans,
+                       "load_outlasted_timing": covered, "ce_push_bytes_max_rank": ce_bytes,
+                       "compute_beside_comm": beside, "load_spans_rank0": spans,
                        "role_split_last_call": split}, f, indent=1)
         print(f"[interference] wrote {args.json}")
 

@@ -273,8 +273,8 @@ def compute_beside_comm(ops: dict, alone: dict, mats, src, dst, comm_sms: int, g
         beside_ce, ok_ce = run(name, 0, [ops["ce_push"]] * (int(budget / alone["ce_push"]) + 1))
         flags = torch.tensor([int(ok_sm), int(ok_ce)], device=torch.cuda.current_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-        out[name] = dict(zip(("alone_all_sms", "alone_carveout", "beside_sm_comm", "beside_ce_push"),
-                             slowest([base_all, base_carved, beside_sm, beside_ce])))
+        out[name] = slowest({"alone_all_sms": base_all, "alone_carveout": base_carved,
+                             "beside_sm_comm": beside_sm, "beside_ce_push": beside_ce})
         out[name]["comm_outlasted"] = {"sm": bool(flags[0]), "ce": bool(flags[1])}
     return out
 

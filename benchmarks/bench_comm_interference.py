@@ -266,9 +266,11 @@ def compute_beside_comm(ops: dict, alone: dict, mats, src, dst, comm_sms: int, g
     out = {}
     pair = alone["dispatch"] + alone["combine"]
     for name in work:
-        base_all, _ = run(name, 0, [])
-        base_carved, _ = run(name, comm_sms, [])
-        budget = 3 * max(base_all, base_carved) * 20 + 20  # ms the comm loop must cover, with margin
+        base = slowest({"all": run(name, 0, [])[0], "carved": run(name, comm_sms, [])[0]})
+        base_all, base_carved = base["all"], base["carved"]
+        # ms the comm loop must cover, with margin; from the slowest rank's figures, so every rank
+        # queues the same number of comm calls (the SM kernels wait for their peers' calls)
+        budget = 3 * max(base_all, base_carved) * 20 + 20
         beside_sm, ok_sm = run(name, comm_sms, [ops["dispatch"], ops["combine"]] * (int(budget / pair) + 1))
         beside_ce, ok_ce = run(name, 0, [ops["ce_push"]] * (int(budget / alone["ce_push"]) + 1))
         flags = torch.tensor([int(ok_sm), int(ok_ce)], device=torch.cuda.current_device())

@@ -17,6 +17,8 @@ Variables:
   COMMLIB_DEFER_WGRAD      0: the dual pipeline's backward computes the expert weight gradients in place (default 1: B / W split)
   COMMLIB_MOE_ROW_KERNEL   0: the expert stage sums a row's slots with torch's float32 index_add (default 1: one-pass
                            kernel csrc/moe_rows.cu on CUDA bf16 rows)
+  COMMLIB_CE_BYTES         N > 0: the nvlink backend moves dispatch / combine rows with the copy engines through an
+                           N-byte CUDA IPC staging per rank (csrc/ce.cu; default 0: SM kernels)
 """
 from __future__ import annotations
 
@@ -142,3 +144,10 @@ def defer_wgrad() -> bool:
 
 def moe_row_kernel() -> bool:
     return _flag_on("COMMLIB_MOE_ROW_KERNEL")
+
+
+def ce_bytes() -> int:
+    n = _int("COMMLIB_CE_BYTES", 0)
+    if n < 0:
+        raise ValueError(f"COMMLIB_CE_BYTES={n}: must be >= 0 (0: the SM kernels move the rows)")
+    return n

@@ -99,6 +99,7 @@ _FAMILIES = {
     "combine": ("combine_kernel",),
     "low_latency": ("ll_dispatch_kernel", "ll_combine_kernel"),
     "moe_rows": ("slot_sum_bf16",),   # commlib.moe's expert stage (no peer memory)
+    "ce": ("ce_sync_kernel", "ce_pack_kernel", "ce_reduce_kernel"),  # the copy-engine data path
 }
 
 _lock = threading.Lock()

@@ -77,14 +77,19 @@ def channel_prefix_matrix(is_token_in_rank_TR: torch.Tensor, num_channels: int) 
     return cum.index_select(0, starts).t().clone(memory_format=torch.contiguous_format)
 
 
+def rows_before(is_token_in_rank_TR: torch.Tensor) -> torch.Tensor:
+    """[T, R] int32: tokens before t that also go to rank r (t's row among this rank's rows for r)."""
+    in_rank = is_token_in_rank_TR.to(torch.int32)
+    return torch.cumsum(in_rank, dim=0, dtype=torch.int32) - in_rank
+
+
 def send_head(is_token_in_rank_TR: torch.Tensor, rank_prefix_matrix_RR: torch.Tensor, rank: int) -> torch.Tensor:
     """[T, R] int32: row of token t in rank r's recv_x (-1 if not sent there).
 
     Rows on rank r are grouped by source rank, so token t of rank `rank` lands after all rows
     from lower ranks (rank_prefix_matrix[rank-1][r]) plus the tokens before t that also go to r.
     """
-    in_rank = is_token_in_rank_TR.to(torch.int32)
-    before = torch.cumsum(in_rank, dim=0) - in_rank
+    before = rows_before(is_token_in_rank_TR)
     base = rank_prefix_matrix_RR[rank - 1] if rank > 0 else torch.zeros_like(rank_prefix_matrix_RR[0])
     head = before + base.to(torch.int32).unsqueeze(0)
     return torch.where(is_token_in_rank_TR, head, torch.full_like(head, -1)).to(torch.int32)

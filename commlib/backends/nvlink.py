@@ -31,11 +31,14 @@ from .. import env
 from .. import kernels as K
 from ..config import CONTROL_BYTES
 from ..handle import DispatchHandle
-from ..layout import Layout, dispatch_layout
+from ..layout import Layout, dispatch_layout, rows_before
+from ..layout import send_head as layout_send_head
 from ..validate import CommlibError
 from .base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from .peer_memory import PeerMemory
 
+CE_FLAG_BYTES = 4096      # csrc/ce.cu: ready / free words before the copy-engine staging regions
+CE_SYNC_BEGIN, CE_SYNC_PUSHED, CE_SYNC_DONE = 0, 1, 2  # csrc/ce.cu ce_sync_kernel modes
 SLOT_ALIGN = 128          # staging slots never share a cache line (a line read early could be stale)
 SMID_KINDS = {"notify": 0, "dispatch": 1, "combine": 2}
 _MAX_LAYOUT_SHARED = 48 * 1024
@@ -112,6 +115,17 @@ class NVLinkBackend(Backend):
         self._smid_count = {kind: 0 for kind in SMID_KINDS}
         self._smid_grids = {kind: [0] * self._smid_slots for kind in SMID_KINDS}
         self._probe_rows = None  # DISPATCH_PROBE_NO_REMOTE_COPY's shared recv_x (_probe_recv_x)
+        self._ce: Optional[PeerMemory] = None  # the copy-engine path's staging (COMMLIB_CE_BYTES, csrc/ce.cu)
+        ce_bytes = env.ce_bytes()
+        if ce_bytes:
+            self.ce_region_bytes = (ce_bytes - CE_FLAG_BYTES) // self.num_ranks // SLOT_ALIGN * SLOT_ALIGN
+            if self.ce_region_bytes <= 0:
+                raise ValueError(f"[commlib rank {self.rank}] COMMLIB_CE_BYTES={ce_bytes} leaves no staging region "
+                                 f"per rank (at least {CE_FLAG_BYTES + SLOT_ALIGN * self.num_ranks} bytes)")
+            self._ce = PeerMemory(ce_bytes, self.group, self.rank, self.num_ranks, self.device)
+            # the rows for every peer r are packed into region r here before the copy engines push them
+            self._ce_pack = torch.empty(self.num_ranks * self.ce_region_bytes, dtype=torch.uint8, device=self.device)
+            self._ce_counter = torch.zeros(1, dtype=torch.int64, device=self.device)
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
         self._mem.all_opened(self.group, self.rank, self.num_ranks)
 
@@ -121,6 +135,8 @@ class NVLinkBackend(Backend):
         if self._base is None:
             return
         self._mem.close()
+        if self._ce is not None:
+            self._ce.close()
         self._peer_ptrs.clear()
         self._base = None
 
@@ -362,21 +378,32 @@ class NVLinkBackend(Backend):
                 if weights is not None:
                     recv_topk_w = torch.empty((N, Kk), dtype=torch.float32, device=dev)
         num_sms = req.config.num_sms
-        flags = 0 if cached else 1
-        K.launch("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"),
-                 (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir),
-                  K.ptr(rpm), K.ptr(cpm), K.ptr(rcp),
-                  K.ptr(recv_x), K.ptr(recv_scales), K.ptr(recv_src_idx), K.ptr(recv_topk_idx), K.ptr(recv_topk_w),
-                  K.ptr(send_head),
-                  K.i32(T), K.i32(hidden_bytes // 16), K.i32(S), K.i32(Kk), K.i32(L), K.i32(N),
-                  K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C),
-                  K.u64(CONTROL_BYTES), K.i32(cap), K.i32(slot_bytes), K.i32(off_scales), K.i32(off_meta),
-                  K.i32(self._round(req.config.num_max_nvl_chunked_send_tokens, "dispatch")), K.i32(flags),
-                  # with num_worst_tokens the host never sees the counts: the kernel checks the error word
-                  K.u64(counts.data_ptr() + 4 * K.HOST_COUNTS["bad_rank"]) if (counts is not None and worst) else K.u64(0),
-                  K.ptr(self.seq_counters), self._smid_ptr("dispatch", num_sms), K.u64(self.timeout_ns)),
-                 shared_mem=K.dynamic_smem("dispatch"),
-                 variant_key=K.dispatch_variant_key(num_sms))  # DISPATCH_STREAM_MAX_SMS: per call
+        ce_pos = None
+        if self._ce is not None and not worst and (not cached or "ce_pos" in h.extra):
+            # the copy engines move the rows (csrc/ce.cu): the host knows every count
+            if cached:
+                ce_pos, sent, got = h.extra["ce_pos"], h.extra["send_counts"], h.extra["recv_counts"]
+            else:
+                ce_pos, sent, got = rows_before(tir), host[4:4 + R], host[12:12 + R]
+                send_head = layout_send_head(tir, rpm, me)
+            self._ce_dispatch(x, scales, topk, weights, tir, ce_pos, sent, got, L, num_sms,
+                              (recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx))
+        else:
+            flags = 0 if cached else 1
+            K.launch("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"),
+                     (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir),
+                      K.ptr(rpm), K.ptr(cpm), K.ptr(rcp),
+                      K.ptr(recv_x), K.ptr(recv_scales), K.ptr(recv_src_idx), K.ptr(recv_topk_idx), K.ptr(recv_topk_w),
+                      K.ptr(send_head),
+                      K.i32(T), K.i32(hidden_bytes // 16), K.i32(S), K.i32(Kk), K.i32(L), K.i32(N),
+                      K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C),
+                      K.u64(CONTROL_BYTES), K.i32(cap), K.i32(slot_bytes), K.i32(off_scales), K.i32(off_meta),
+                      K.i32(self._round(req.config.num_max_nvl_chunked_send_tokens, "dispatch")), K.i32(flags),
+                      # with num_worst_tokens the host never sees the counts: the kernel checks the error word
+                      K.u64(counts.data_ptr() + 4 * K.HOST_COUNTS["bad_rank"]) if (counts is not None and worst) else K.u64(0),
+                      K.ptr(self.seq_counters), self._smid_ptr("dispatch", num_sms), K.u64(self.timeout_ns)),
+                     shared_mem=K.dynamic_smem("dispatch"),
+                     variant_key=K.dispatch_variant_key(num_sms))  # DISPATCH_STREAM_MAX_SMS: per call
 
         if cached:
             handle = req.handle
@@ -387,6 +414,8 @@ class NVLinkBackend(Backend):
         if host is not None:
             sent = host[4:4 + R]
             extra = {"send_counts": sent, "recv_counts": host[12:12 + R]}
+            if ce_pos is not None:
+                extra["ce_pos"] = ce_pos
             self._count(sent)
             a = req.expert_alignment
             per_expert = [(c + a - 1) // a * a for c in host[K.HOST_COUNTS_EXPERT:K.HOST_COUNTS_EXPERT + L]]
@@ -483,6 +512,10 @@ class NVLinkBackend(Backend):
         out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
         out_w = torch.empty((T, Kk), dtype=torch.float32, device=dev) if w is not None else None
         num_sms = req.config.num_sms
+        if self._ce is not None and "ce_pos" in h.extra:
+            self._ce_combine(x, w, h, biases, out, out_w, num_sms)
+            self._count(h.extra.get("recv_counts"))
+            return CombineResult(out, out_w)
         K.launch("combine", "combine_kernel", num_sms, K.threads("combine"),
                  (K.ptr(x), K.ptr(w), K.ptr(h.send_head),
                   K.ptr(h.rank_prefix_matrix), K.ptr(h.channel_prefix_matrix), K.ptr(h.recv_channel_prefix_matrix),
@@ -495,3 +528,105 @@ class NVLinkBackend(Backend):
                  shared_mem=K.dynamic_smem("combine"))
         self._count(h.extra.get("recv_counts"))
         return CombineResult(out, out_w)
+
+    # ------------------------------------------------------------------ the copy-engine path
+    def _ce_blocks(self, row_sizes: list, rows: list, what: str) -> tuple:
+        """Blocks of one call's staging region: block b holds ``cap`` rows of ``row_sizes[b]`` bytes
+        (0: absent) at a 16-byte aligned offset; both ends of a push derive the same layout. Raises
+        when one of ``rows`` (the counts this rank pushes or receives) exceeds ``cap``."""
+        per_row = sum(row_sizes)
+        cap = (self.ce_region_bytes - 16 * len(row_sizes)) // per_row
+        offsets, at = [], 0
+        for size in row_sizes:
+            offsets.append(at)
+            at += _align(cap * size)
+        most = max(rows, default=0)
+        if most > cap:
+            raise CommlibError(f"[commlib rank {self.rank}] nvlink {what} (copy engines): {most} rows of {per_row} "
+                               f"bytes do not fit a {self.ce_region_bytes}-byte staging region ({cap} rows); "
+                               f"raise COMMLIB_CE_BYTES (now {self._ce.num_bytes}: {self.num_ranks} regions + "
+                               f"{CE_FLAG_BYTES} flag bytes)")
+        return offsets
+
+    def _ce_sync(self, mode: int) -> None:
+        K.launch("ce", "ce_sync_kernel", 1, 32, (K.i32(mode), K.ptr(self._ce.peer_bases), K.i32(self.rank),
+                                                  K.i32(self.num_ranks), K.ptr(self._ce_counter),
+                                                  K.u64(self.timeout_ns)))
+
+    def _ce_copies(self, copies: list) -> None:
+        """cudaMemcpyAsync (copy engines) of (dst, src, bytes) on torch's current stream."""
+        rt = K.cupy().cuda.runtime
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        for dst, src, nbytes in copies:
+            if nbytes:
+                rt.memcpyAsync(dst, src, nbytes, rt.memcpyDeviceToDevice, stream)
+
+    def _ce_region(self, base: int, src: int) -> int:
+        return base + CE_FLAG_BYTES + src * self.ce_region_bytes
+
+    def _ce_dispatch(self, x, scales, topk, weights, tir, pos, sent: list, got: list, num_local: int,
+                     num_sms: int, outs: tuple) -> None:
+        """Dispatch through the copy engines: pack every peer's rows (and this rank's own straight into
+        the outputs), push each peer's blocks into its region for this rank, then copy the blocks the
+        peers pushed here into the outputs. ``sent[r]`` / ``got[s]``: rows to r / from s."""
+        R, me = self.num_ranks, self.rank
+        T, H = x.shape
+        row = H * x.element_size()
+        S = scales.shape[1] if scales is not None else 0
+        Kk = topk.shape[1] if topk is not None else 0
+        recv_x, recv_scales, recv_topk, recv_w, recv_src = outs
+        sizes = [row, 4 * S if recv_scales is not None else 0, 8 * Kk if recv_topk is not None else 0,
+                 4 * Kk if recv_w is not None else 0, 4 if recv_src is not None else 0]
+        offs = self._ce_blocks(sizes, [n for r, n in enumerate(sent) if r != me] +
+                               [n for s, n in enumerate(got) if s != me], "dispatch")
+        outs_rows = [recv_x, recv_scales, recv_topk, recv_w, recv_src]
+        first = [sum(got[:s]) for s in range(R)]  # recv rows are grouped by source rank
+
+        def own(b: int) -> int:  # this rank's own rows go straight to its outputs
+            t = outs_rows[b]
+            return 0 if t is None or not sizes[b] else t.data_ptr() + first[me] * sizes[b]
+
+        if T:
+            pack = self._ce_pack.data_ptr()
+            K.launch("ce", "ce_pack_kernel", max(1, num_sms), 1024,
+                     (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir), K.ptr(pos),
+                      K.u64(pack), K.u64(self.ce_region_bytes), *(K.u64(o) for o in offs[1:]),
+                      *(K.u64(own(b)) for b in range(5)),
+                      K.i32(T), K.i32(row // 16), K.i32(S), K.i32(Kk), K.i32(num_local), K.i32(me), K.i32(R)))
+        self._ce_sync(CE_SYNC_BEGIN)  # packing needs no peer; pushing needs each peer's region free
+        peers = self._ce.peer_ptrs
+        self._ce_copies([(self._ce_region(peers[r], me) + offs[b], self._ce_pack.data_ptr() + r * self.ce_region_bytes
+                          + offs[b], sent[r] * sizes[b])
+                         for r in range(R) if r != me for b in range(5) if sizes[b]])
+        self._ce_sync(CE_SYNC_PUSHED)
+        self._ce_copies([(outs_rows[b].data_ptr() + first[s] * sizes[b], self._ce_region(self._ce.base, s) + offs[b],
+                          got[s] * sizes[b])
+                         for s in range(R) if s != me for b in range(5) if sizes[b]])
+        self._ce_sync(CE_SYNC_DONE)
+
+    def _ce_combine(self, x, w, h, biases, out, out_w, num_sms: int) -> None:
+        """Combine through the copy engines: push the rows of each source rank back into its region for
+        this rank, then sum every token's rows in rank order (csrc/ce.cu ce_reduce_kernel)."""
+        R, me = self.num_ranks, self.rank
+        N, H = x.shape
+        row = H * 2
+        Kk = w.shape[1] if w is not None else 0
+        sent, got = h.extra["send_counts"], h.extra["recv_counts"]
+        sizes = [row, 4 * Kk]
+        offs = self._ce_blocks(sizes, [n for r, n in enumerate(sent) if r != me] +
+                               [n for s, n in enumerate(got) if s != me], "combine")
+        first = [sum(got[:s]) for s in range(R)]
+        peers = self._ce.peer_ptrs
+        self._ce_sync(CE_SYNC_BEGIN)
+        self._ce_copies([(self._ce_region(peers[s], me) + offs[b], src.data_ptr() + first[s] * sizes[b],
+                          got[s] * sizes[b])
+                         for s in range(R) if s != me for b, src in enumerate((x, w)) if sizes[b]])
+        self._ce_sync(CE_SYNC_PUSHED)
+        T = h.num_tokens
+        if T:
+            K.launch("ce", "ce_reduce_kernel", max(1, num_sms), 512,
+                     (K.ptr(x), K.ptr(w), K.u64(self._ce.base), K.u64(self.ce_region_bytes), K.u64(offs[1]),
+                      K.ptr(h.is_token_in_rank), K.ptr(h.extra["ce_pos"]), K.i32(first[me]),
+                      K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(out), K.ptr(out_w),
+                      K.i32(T), K.i32(row // 16), K.i32(Kk), K.i32(me), K.i32(R)))
+        self._ce_sync(CE_SYNC_DONE)

@@ -333,6 +333,51 @@ def case_cuda_graph(ctx):
             check_same(got, exp, f"[graph replay {it}] {nm}")
 
 
+def case_copy_engines(ctx):
+    """COMMLIB_CE_BYTES set (the world's environment): dispatch, cached dispatch and combine move the
+    rows with the copy engines (csrc/ce.cu's kernels run, the SM data kernels do not) and match the
+    reference backend bit for bit; a call whose rows overflow a staging region raises on the ranks
+    concerned before anything moves, and the Buffer stays usable."""
+    from commlib.validate import CommlibError
+
+    nv, _ = buffers(ctx)
+    assert nv.backend._ce is not None, "COMMLIB_CE_BYTES is not set in this world"
+    for fp8 in (False, True):
+        with commlib_kernels.record_launches() as launches:
+            run_case(ctx, cfg=default_cfg(num_sms=4), T=300, H=512, E=32, K=4, fp8=fp8, num_bias=2, seed=90)
+        torch.cuda.synchronize()
+        names = [n for n, _, _ in launches]
+        assert {"ce_pack_kernel", "ce_reduce_kernel", "ce_sync_kernel"} <= set(names), names
+        assert not {"dispatch_kernel", "combine_kernel"} & set(names), names
+    # a staging of 2 x 8 KB regions holds a few rows of 512 bf16 only
+    old = os.environ.get("COMMLIB_CE_BYTES")
+    os.environ["COMMLIB_CE_BYTES"] = str(4096 + ctx.world_size * 8192)
+    try:
+        small = Buffer(ctx.group, _SIZE_CFG.get_nvl_buffer_size_hint(_SIZE_HIDDEN_BYTES, ctx.world_size),
+                       backend="nvlink", explicitly_destroy=True)
+    finally:
+        os.environ["COMMLIB_CE_BYTES"] = old
+    dev = ctx.device
+    E, K = 32, 4
+    for T, fits in ((200, False), (2, True)):
+        idx = ((torch.arange(T * K, device=dev) * 7) % E).reshape(T, K)  # every rank gets rows
+        x = torch.randn(T, 512, device=dev).to(torch.bfloat16)
+        ntpr, _, ntpe, tir, _ = small.get_dispatch_layout(idx, E)
+        try:
+            rx, _, _, _, h, _ = small.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=tir,
+                                               num_tokens_per_expert=ntpe, topk_idx=idx, config=default_cfg())
+        except CommlibError as e:
+            assert not fits and "raise COMMLIB_CE_BYTES" in str(e), str(e)
+            continue
+        assert fits, "a dispatch overflowing the copy-engine staging did not raise"
+        cx, _, _ = small.combine(rx, h, config=default_cfg())
+        want = x.float() * tir.sum(1, keepdim=True).float()  # every rank returns the row unchanged
+        assert torch.equal(cx, want.to(torch.bfloat16)), "combine after the refused call differs"
+    torch.cuda.synchronize()
+    dist.barrier(group=ctx.group)
+    small.destroy()
+
+
 def case_smid(ctx):
     """With COMMLIB_DEBUG_SMID=1, every kernel records %smid per CTA: a dispatch and a combine use
     exactly num_sms CTAs on at most num_sms SMs, also while a long GEMM runs on another stream.

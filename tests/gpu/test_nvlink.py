@@ -107,6 +107,44 @@ def test_two_ranks(world2, name):
     assert world2[name] is None, world2[name]
 
 
+CASES_CE = ["copy_engines", "smoke", "routings_bf16", "routings_fp8", "odd_hidden", "v3_shape", "options",
+            "bad_ids", "rejected_input", "pressure"]
+CE_BYTES = str(256 << 20)  # 2 regions of 128 MB: every case's rows fit
+
+
+@pytest.fixture(scope="module")
+def world2_ce():
+    os.environ["COMMLIB_CE_BYTES"] = CE_BYTES
+    try:
+        return _run(2, CASES_CE, timeout_s=400)
+    finally:
+        del os.environ["COMMLIB_CE_BYTES"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", CASES_CE)
+def test_two_ranks_copy_engines(world2_ce, name):
+    """The 2-rank cases with COMMLIB_CE_BYTES set: dispatch / combine rows through the copy engines
+    (csrc/ce.cu), every output compared with the reference backend bit for bit. (cuda_graph and
+    options' num_worst_tokens calls take the SM kernels: the copy engines need the counts on the host.)"""
+    if name not in world2_ce:
+        pytest.skip("not selected (COMMLIB_TEST_CASES)")
+    assert world2_ce[name] is None, world2_ce[name]
+
+
+@needs_cuda
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_shared_gpus_copy_engines(world_size):
+    """Several processes per GPU with the copy engines (CUDA IPC inside one device too)."""
+    os.environ["COMMLIB_CE_BYTES"] = str(64 << 20)
+    try:
+        results = _run(world_size, ["copy_engines", "smoke", "many_ranks"], timeout_s=300)
+    finally:
+        del os.environ["COMMLIB_CE_BYTES"]
+    failed = {k: v for k, v in results.items() if v}
+    assert not failed, "\n\n".join(f"--- {k} ---\n{v}" for k, v in failed.items())
+
+
 @needs_cuda
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_shared_gpus(world_size):

@@ -1,0 +1,187 @@
+// ce.cu: the copy-engine data path of the NVLink engine (commlib/backends/nvlink.py, COMMLIB_CE_BYTES).
+//
+// The copy engines move the rows between GPUs (cudaMemcpyAsync into the peer's CE staging, issued by
+// the host: it knows every count after the count exchange); no SM touches NVLink. What is left for
+// the SMs is local: packing a rank's outgoing rows per destination (dispatch) and summing the rows
+// that came back (combine), plus three one-warp kernels that order the copies between the ranks.
+// Measured on 2 x H200 (benchmarks/bench_comm_interference.py, docs/pipeline.md): the copy engines
+// push 390 GB/s per direction and lose 0-3% beside memory-bound compute, where SM-driven copies at
+// 4-8 SMs lose 13-73%.
+//
+// CE staging (one per rank, every peer maps it over CUDA IPC):
+//   [0, 8 * MAX_RANKS)                   ready[src]: last call whose rows src has pushed here
+//   [8 * MAX_RANKS, 16 * MAX_RANKS)      free[dst]:  last call whose rows from here dst has consumed
+//   [CE_FLAG_BYTES + s * region, ...)    region s: the rows rank s pushed here (blocks, see nvlink.py)
+//
+// Every call (dispatch or combine on the copy-engine path) runs, on one stream:
+//   ce_sync(BEGIN)   seq = ++counter; wait until every peer freed its region for me (free[p] >= seq - 1)
+//   local packing (dispatch) | nothing (combine)
+//   copy-engine pushes into every peer's region [me]
+//   ce_sync(PUSHED)  ready[me] = seq at every peer (release, system scope); wait ready[p] >= seq here
+//   local reads of the regions (copies out, or ce_reduce)
+//   ce_sync(DONE)    free[me] = seq at every peer: they may overwrite their region here from now on
+// Every rank makes the same calls in the same order (the DeepEP contract), so seq agrees. The counter
+// lives in device memory: CUDA-graph replays advance it like eager calls.
+#include "common.cuh"
+
+#define CE_FLAG_BYTES 4096
+#define CE_SYNC_BEGIN 0
+#define CE_SYNC_PUSHED 1
+#define CE_SYNC_DONE 2
+
+__device__ __forceinline__ u64* ce_ready(u64 base) { return reinterpret_cast<u64*>(base); }
+__device__ __forceinline__ u64* ce_free(u64 base) { return reinterpret_cast<u64*>(base) + COMMLIB_MAX_RANKS; }
+
+// One warp; lane p speaks for peer p.
+extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int rank, int num_ranks, u64* counter,
+                                          u64 timeout_ns) {
+    const int lane = lane_id();
+    const bool peer = lane < num_ranks && lane != rank;
+    u64 seq = 0;
+    if (lane == 0) {
+        seq = *reinterpret_cast<volatile u64*>(counter);
+        if (mode == CE_SYNC_BEGIN) *reinterpret_cast<volatile u64*>(counter) = ++seq;
+    }
+    seq = __shfl_sync(FULL_MASK, seq, 0);
+    const u64 mine = peer_bases[rank];
+    const u64 theirs = peer ? peer_bases[lane] : 0;
+    if (mode == CE_SYNC_BEGIN) {
+        warp_wait_geq(ce_free(mine) + lane, seq - 1, peer, lane, WaitSite{"ce", "region free", rank, -1, false},
+                      timeout_ns);
+        return;
+    }
+    // The copies before this kernel on the stream have completed; make them visible system-wide
+    // before the flag that announces them.
+    asm volatile("fence.sc.sys;" ::: "memory");
+    if (peer) st_release_sys((mode == CE_SYNC_PUSHED ? ce_ready(theirs) : ce_free(theirs)) + rank, seq);
+    if (mode == CE_SYNC_PUSHED)
+        warp_wait_geq(ce_ready(mine) + lane, seq, peer, lane, WaitSite{"ce", "rows pushed", rank, -1, false},
+                      timeout_ns);
+}
+
+// Dispatch, sender side: token t goes to every rank r with is_token_in_rank[t, r], as row pos[t, r]
+// (its rank among this rank's tokens for r) of that destination's blocks: x rows, FP8 scales, top-k
+// ids (r's local ids, -1 elsewhere), weights (0 elsewhere) and source indices (t). For this rank the
+// blocks are recv_x and friends, already at this rank's row offset (the `own` pointers); for a peer r
+// they are region r of the local pack buffer, laid out like the peer's region for this rank (blocks
+// at `off`), which the copy engines then push. A block is written where this rank's own pointer is
+// not null (x always). One warp per token; each x vector is loaded once, stored to every destination.
+struct CeBlocks { u64 x, scales, topk, weights, src; };
+
+extern "C" __global__ void __launch_bounds__(1024) ce_pack_kernel(
+    const int4* __restrict__ x, const float* __restrict__ x_scales, const i64* __restrict__ topk_idx,
+    const float* __restrict__ topk_weights, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos,
+    u64 pack_base, u64 region_bytes, u64 off_scales, u64 off_topk, u64 off_weights, u64 off_src,
+    u64 own_x, u64 own_scales, u64 own_topk, u64 own_weights, u64 own_src,
+    int num_tokens, int hidden_int4, int num_scales, int num_topk, int num_local_experts, int rank, int num_ranks) {
+    const int lane = lane_id();
+    const int warps = blockDim.x >> 5;
+    const int R = num_ranks, K = num_topk, S = num_scales, H4 = hidden_int4;
+    auto blocks = [&](int r) {
+        if (r == rank) return CeBlocks{own_x, own_scales, own_topk, own_weights, own_src};
+        const u64 b = pack_base + (u64)r * region_bytes;
+        return CeBlocks{b, own_scales ? b + off_scales : 0, own_topk ? b + off_topk : 0,
+                        own_weights ? b + off_weights : 0, own_src ? b + off_src : 0};
+    };
+    for (int t = blockIdx.x * warps + warp_id(); t < num_tokens; t += gridDim.x * warps) {
+        const bool in = lane < R && is_token_in_rank[(i64)t * R + lane];
+        const u32 mask = __ballot_sync(FULL_MASK, in);
+        if (mask == 0) continue;
+        const int row = in ? pos[(i64)t * R + lane] : 0;
+        int4* xr[COMMLIB_MAX_RANKS];
+#pragma unroll
+        for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
+            const int p = __shfl_sync(FULL_MASK, row, r);
+            xr[r] = ((mask >> r) & 1u) ? reinterpret_cast<int4*>(blocks(r).x) + (i64)p * H4 : nullptr;
+        }
+        const int4* src = x + (i64)t * H4;
+        for (int i = lane; i < H4; i += 32) {
+            const int4 v = ld_nc_v4(src + i);
+#pragma unroll
+            for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+                if (xr[r] != nullptr) st_na_v4(xr[r] + i, v);
+        }
+        for (int r = 0; r < R; ++r) {  // small fields: lane-parallel, per destination
+            if (!((mask >> r) & 1u)) continue;
+            const int p = __shfl_sync(FULL_MASK, row, r);
+            const CeBlocks d = blocks(r);
+            if (d.scales != 0)
+                for (int s = lane; s < S; s += 32)
+                    reinterpret_cast<float*>(d.scales)[(i64)p * S + s] = x_scales[(i64)t * S + s];
+            if (lane < K && d.topk != 0) {
+                const i64 e = topk_idx[(i64)t * K + lane];
+                const i64 lo = (i64)r * num_local_experts;
+                const bool here = e >= lo && e < lo + num_local_experts;
+                reinterpret_cast<i64*>(d.topk)[(i64)p * K + lane] = here ? e - lo : -1;
+                if (d.weights != 0)
+                    reinterpret_cast<float*>(d.weights)[(i64)p * K + lane] = here ? topk_weights[(i64)t * K + lane] : 0.f;
+            }
+            if (lane == 0 && d.src != 0) reinterpret_cast<int*>(d.src)[p] = t;
+        }
+    }
+}
+
+// Combine, receiver side: out[t] = bf16(0 + row of each rank r holding t, in rank order, + bias0 +
+// bias1), summed in float32 with IEEE adds (csrc/combine.cu's sum, so the result is the same bits).
+// The row of rank r is x_local[local_offset + pos[t, me]] for this rank, else row pos[t, r] of the x
+// block of region r; the weights likewise (weights block at w_block_offset of each region).
+extern "C" __global__ void __launch_bounds__(512) ce_reduce_kernel(
+    const int4* __restrict__ x_local, const float* __restrict__ w_local, u64 staging, u64 region_bytes,
+    u64 w_block_offset, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos, int local_offset,
+    const int4* __restrict__ bias0, const int4* __restrict__ bias1, int4* __restrict__ out, float* __restrict__ out_w,
+    int num_tokens, int hidden_int4, int num_topk, int rank, int num_ranks) {
+    constexpr int U = 4;
+    const int lane = lane_id();
+    const int warps = blockDim.x >> 5;
+    const int R = num_ranks, K = num_topk, H4 = hidden_int4;
+    for (int t = blockIdx.x * warps + warp_id(); t < num_tokens; t += gridDim.x * warps) {
+        const bool in = lane < R && is_token_in_rank[(i64)t * R + lane];
+        const u32 mask = __ballot_sync(FULL_MASK, in);
+        const int row = in ? pos[(i64)t * R + lane] : 0;
+        const int4* rows[COMMLIB_MAX_RANKS];
+        float wsum = 0.f;
+#pragma unroll
+        for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
+            const int p = __shfl_sync(FULL_MASK, row, r);
+            rows[r] = nullptr;
+            if (!((mask >> r) & 1u)) continue;
+            const float* w;
+            if (r == rank) {
+                rows[r] = x_local + (i64)(local_offset + p) * H4;
+                w = w_local + (i64)(local_offset + p) * K;
+            } else {
+                const u64 region = staging + CE_FLAG_BYTES + (u64)r * region_bytes;
+                rows[r] = reinterpret_cast<const int4*>(region) + (i64)p * H4;
+                w = reinterpret_cast<const float*>(region + w_block_offset) + (i64)p * K;
+            }
+            if (out_w != nullptr && lane < K) wsum = add_rn(wsum, w[lane]);
+        }
+        const int4* b0 = bias0 != nullptr ? bias0 + (i64)t * H4 : nullptr;
+        const int4* b1 = bias1 != nullptr ? bias1 + (i64)t * H4 : nullptr;
+        int4* o = out + (i64)t * H4;
+        for (int base = 0; base < H4; base += 32 * U) {
+            const int i0 = base + lane;
+            float acc[U][8];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+#pragma unroll
+            for (int r = 0; r < COMMLIB_MAX_RANKS + 2; ++r) {
+                const int4* s = r < COMMLIB_MAX_RANKS ? rows[r] : (r == COMMLIB_MAX_RANKS ? b0 : b1);
+                if (s == nullptr) continue;
+                int4 v[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                    if (i0 + 32 * u < H4) v[u] = ld_nc_v4(s + i0 + 32 * u);
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                    if (i0 + 32 * u < H4) acc_bf16x8(acc[u], v[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (i0 + 32 * u < H4) st_na_v4(o + i0 + 32 * u, pack_bf16x8(acc[u]));
+        }
+        if (out_w != nullptr && lane < K) out_w[(i64)t * K + lane] = wsum;
+    }
+}

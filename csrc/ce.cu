@@ -64,15 +64,15 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
 // ids (r's local ids, -1 elsewhere), weights (0 elsewhere) and source indices (t). For this rank the
 // blocks are recv_x and friends, already at this rank's row offset (the `own` pointers); for a peer r
 // they are region r of the local pack buffer, laid out like the peer's region for this rank (blocks
-// at `off`), which the copy engines then push. A block is written where this rank's own pointer is
-// not null (x always). One warp per token; each x vector is loaded once, stored to every destination.
+// at `off`), which the copy engines then push. Bit b of `present` says block b (x, scales, top-k,
+// weights, sources) is written (x always); the own pointers may be null when no row stays here. One warp per token; each x vector is loaded once, stored to every destination.
 struct CeBlocks { u64 x, scales, topk, weights, src; };
 
 extern "C" __global__ void __launch_bounds__(1024) ce_pack_kernel(
     const int4* __restrict__ x, const float* __restrict__ x_scales, const i64* __restrict__ topk_idx,
     const float* __restrict__ topk_weights, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos,
     u64 pack_base, u64 region_bytes, u64 off_scales, u64 off_topk, u64 off_weights, u64 off_src,
-    u64 own_x, u64 own_scales, u64 own_topk, u64 own_weights, u64 own_src,
+    u64 own_x, u64 own_scales, u64 own_topk, u64 own_weights, u64 own_src, int present,
     int num_tokens, int hidden_int4, int num_scales, int num_topk, int num_local_experts, int rank, int num_ranks) {
     const int lane = lane_id();
     const int warps = blockDim.x >> 5;
@@ -80,8 +80,8 @@ extern "C" __global__ void __launch_bounds__(1024) ce_pack_kernel(
     auto blocks = [&](int r) {
         if (r == rank) return CeBlocks{own_x, own_scales, own_topk, own_weights, own_src};
         const u64 b = pack_base + (u64)r * region_bytes;
-        return CeBlocks{b, own_scales ? b + off_scales : 0, own_topk ? b + off_topk : 0,
-                        own_weights ? b + off_weights : 0, own_src ? b + off_src : 0};
+        return CeBlocks{b, (present & 2) ? b + off_scales : 0, (present & 4) ? b + off_topk : 0,
+                        (present & 8) ? b + off_weights : 0, (present & 16) ? b + off_src : 0};
     };
     for (int t = blockIdx.x * warps + warp_id(); t < num_tokens; t += gridDim.x * warps) {
         const bool in = lane < R && is_token_in_rank[(i64)t * R + lane];

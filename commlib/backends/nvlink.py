@@ -591,7 +591,7 @@ class NVLinkBackend(Backend):
             K.launch("ce", "ce_pack_kernel", max(1, num_sms), 1024,
                      (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir), K.ptr(pos),
                       K.u64(pack), K.u64(self.ce_region_bytes), *(K.u64(o) for o in offs[1:]),
-                      *(K.u64(own(b)) for b in range(5)),
+                      *(K.u64(own(b)) for b in range(5)), K.i32(sum(1 << b for b in range(5) if sizes[b])),
                       K.i32(T), K.i32(row // 16), K.i32(S), K.i32(Kk), K.i32(num_local), K.i32(me), K.i32(R)))
         self._ce_sync(CE_SYNC_BEGIN)  # packing needs no peer; pushing needs each peer's region free
         peers = self._ce.peer_ptrs

@@ -25,6 +25,14 @@
 #include "common.cuh"
 
 #define CE_FLAG_BYTES 4096
+// vectors of 16 bytes each lane keeps in flight: the packing and the sum are local memory-bound
+// passes on the few SMs the comm stream owns, so their rate is bytes in flight / memory latency
+#ifndef CE_PACK_UNROLL
+#define CE_PACK_UNROLL 6
+#endif
+#ifndef CE_SUM_UNROLL
+#define CE_SUM_UNROLL 6
+#endif
 #define CE_SYNC_BEGIN 0
 #define CE_SYNC_PUSHED 1
 #define CE_SYNC_DONE 2
@@ -95,11 +103,17 @@ extern "C" __global__ void __launch_bounds__(1024) ce_pack_kernel(
             xr[r] = ((mask >> r) & 1u) ? reinterpret_cast<int4*>(blocks(r).x) + (i64)p * H4 : nullptr;
         }
         const int4* src = x + (i64)t * H4;
-        for (int i = lane; i < H4; i += 32) {
-            const int4 v = ld_nc_v4(src + i);
+        for (int base = lane; base < H4; base += 32 * CE_PACK_UNROLL) {  // CE_PACK_UNROLL loads in flight
+            int4 v[CE_PACK_UNROLL];
+#pragma unroll
+            for (int u = 0; u < CE_PACK_UNROLL; ++u)
+                if (base + 32 * u < H4) v[u] = ld_nc_v4(src + base + 32 * u);
 #pragma unroll
             for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
-                if (xr[r] != nullptr) st_na_v4(xr[r] + i, v);
+                if (xr[r] != nullptr)
+#pragma unroll
+                    for (int u = 0; u < CE_PACK_UNROLL; ++u)
+                        if (base + 32 * u < H4) st_na_v4(xr[r] + base + 32 * u, v[u]);
         }
         for (int r = 0; r < R; ++r) {  // small fields: lane-parallel, per destination
             if (!((mask >> r) & 1u)) continue;
@@ -130,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(512) ce_reduce_kernel(
     u64 w_block_offset, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos, int local_offset,
     const int4* __restrict__ bias0, const int4* __restrict__ bias1, int4* __restrict__ out, float* __restrict__ out_w,
     int num_tokens, int hidden_int4, int num_topk, int rank, int num_ranks) {
-    constexpr int U = 4;
+    constexpr int U = CE_SUM_UNROLL;
     const int lane = lane_id();
     const int warps = blockDim.x >> 5;
     const int R = num_ranks, K = num_topk, H4 = hidden_int4;

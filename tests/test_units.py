@@ -6,7 +6,7 @@ import commlib
 from commlib import env, routing
 from commlib.config import Config, row_slot_bytes
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8, roundtrip_bound
-from commlib.layout import channel_prefix_matrix, channel_starts, dispatch_layout, send_head
+from commlib.layout import channel_prefix_matrix, channel_starts, dispatch_layout, rows_before, send_head
 from commlib.topology import Topology
 
 
@@ -41,6 +41,18 @@ def test_topology(monkeypatch):
         env.ranks_per_node()
 
 
+def test_ce_bytes(monkeypatch):
+    """COMMLIB_CE_BYTES: 0 (SM kernels) unless set; a negative or non-integer value is refused by name."""
+    monkeypatch.delenv("COMMLIB_CE_BYTES", raising=False)
+    assert env.ce_bytes() == 0
+    monkeypatch.setenv("COMMLIB_CE_BYTES", str(600 << 20))
+    assert env.ce_bytes() == 600 << 20
+    for bad in ("-1", "lots"):
+        monkeypatch.setenv("COMMLIB_CE_BYTES", bad)
+        with pytest.raises(ValueError, match="COMMLIB_CE_BYTES"):
+            env.ce_bytes()
+
+
 def test_default_on_switches(monkeypatch):
     """COMMLIB_FAST_LAUNCH and COMMLIB_DEFER_WGRAD are on unless set to 0 / false / no / off."""
     for name, read in (("COMMLIB_FAST_LAUNCH", env.fast_launch), ("COMMLIB_DEFER_WGRAD", env.defer_wgrad)):
@@ -70,6 +82,21 @@ def test_layout_helpers():
     rpm = torch.tensor([[1, 1, 1, 1], [3, 2, 2, 2], [4, 4, 4, 4], [5, 5, 5, 5]], dtype=torch.int32)
     sh = send_head(lay.is_token_in_rank, rpm, 1)
     assert sh[:, 0].tolist() == [1, -1, -1, -1] and sh[:, 3].tolist() == [-1, -1, 1, -1]
+    assert torch.equal(send_head(lay.is_token_in_rank, rpm, 1, before=rows_before(lay.is_token_in_rank)), sh)
+
+
+@pytest.mark.parametrize("T,R", [(0, 2), (1, 1), (7, 2), (300, 3), (1000, 8)])
+def test_rows_before_counts_earlier_tokens_per_rank(T, R):
+    """rows_before (the copy-engine path's row of a token among a rank's rows, and send_head's core):
+    int32 [T, R], contiguous, tokens before t with the same rank, checked against a plain loop."""
+    tir = torch.rand(T, R, generator=torch.Generator().manual_seed(T + R)) < 0.6
+    got = rows_before(tir)
+    assert got.dtype == torch.int32 and got.shape == (T, R) and got.is_contiguous()
+    seen = [0] * R
+    for t in range(T):
+        for r in range(R):
+            assert int(got[t, r]) == seen[r], (t, r)
+            seen[r] += int(tir[t, r])
 
 
 def test_fp8_roundtrip_within_bound():

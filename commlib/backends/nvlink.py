@@ -385,7 +385,7 @@ class NVLinkBackend(Backend):
                 ce_pos, sent, got = h.extra["ce_pos"], h.extra["send_counts"], h.extra["recv_counts"]
             else:
                 ce_pos, sent, got = rows_before(tir), host[4:4 + R], host[12:12 + R]
-                send_head = layout_send_head(tir, rpm, me)
+                send_head = layout_send_head(tir, rpm, me, before=ce_pos)
             self._ce_dispatch(x, scales, topk, weights, tir, ce_pos, sent, got, L, num_sms,
                               (recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx))
         else:

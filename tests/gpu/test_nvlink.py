@@ -66,7 +66,7 @@ def test_kernels_module_imports_without_cupy():
 def test_kernel_sources_assemble():
     from commlib import kernels
 
-    for family in ("layout", "notify", "dispatch", "combine"):
+    for family in ("layout", "notify", "dispatch", "combine", "ce"):
         src = kernels.source(family)
         assert "#include" not in src.replace("#include <cstdio>", ""), family
     opts = kernels.options(True)
@@ -83,7 +83,7 @@ def test_nvrtc_compiles_every_family():
     import nvrtc_compile
 
     for plain in (False, True):
-        for family in ("layout", "notify", "dispatch", "combine"):
+        for family in ("layout", "notify", "dispatch", "combine", "ce"):
             size, _ = nvrtc_compile.compile_family(family, plain)
             assert size > 0
 

@@ -176,25 +176,13 @@ extern "C" __global__ void __launch_bounds__(512) ce_reduce_kernel(
         for (int base = 0; base < H4; base += 32 * U) {
             const int i0 = base + lane;
             float acc[U][8];
+            zero_acc<U>(acc);
 #pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
-#pragma unroll
-            for (int r = 0; r < COMMLIB_MAX_RANKS + 2; ++r) {
+            for (int r = 0; r < COMMLIB_MAX_RANKS + 2; ++r) {  // the ranks' rows in rank order, then the biases
                 const int4* s = r < COMMLIB_MAX_RANKS ? rows[r] : (r == COMMLIB_MAX_RANKS ? b0 : b1);
-                if (s == nullptr) continue;
-                int4 v[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-                    if (i0 + 32 * u < H4) v[u] = ld_nc_v4(s + i0 + 32 * u);
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-                    if (i0 + 32 * u < H4) acc_bf16x8(acc[u], v[u]);
+                if (s != nullptr) acc_row_part<U>(acc, s, i0, H4);
             }
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (i0 + 32 * u < H4) st_na_v4(o + i0 + 32 * u, pack_bf16x8(acc[u]));
+            store_row_part<U>(o, acc, i0, H4);
         }
         if (out_w != nullptr && lane < K) out_w[(i64)t * K + lane] = wsum;
     }

@@ -503,6 +503,36 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
     return v;
 }
 
+// Row sums, U vectors per lane at a time: this lane's vectors i0, i0 + 32, ..., i0 + 32 (U - 1) of an
+// n-vector bf16 row. acc_row_part issues all U loads before the first add (U vectors in flight);
+// vectors past the row's end are skipped. Used where rows are summed in float32 in a fixed order
+// and rounded once (moe_rows.cu, ce.cu).
+template <int U>
+__device__ __forceinline__ void zero_acc(float (&acc)[U][8]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+}
+
+template <int U>
+__device__ __forceinline__ void acc_row_part(float (&acc)[U][8], const int4* row, int i0, int n) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+        if (i0 + 32 * u < n) v[u] = ld_nc_v4(row + i0 + 32 * u);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+        if (i0 + 32 * u < n) acc_bf16x8(acc[u], v[u]);
+}
+
+template <int U>
+__device__ __forceinline__ void store_row_part(int4* out, const float (&acc)[U][8], int i0, int n) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+        if (i0 + 32 * u < n) out[i0 + 32 * u] = pack_bf16x8(acc[u]);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Small helpers
 // ------------------------------------------------------------------------------------------------

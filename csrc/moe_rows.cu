@@ -35,25 +35,13 @@ extern "C" __global__ void __launch_bounds__(256) slot_sum_bf16(const int4* __re
         for (int base = 0; base < row_int4; base += 32 * U) {  // the whole warp iterates: shfl below
             const int i0 = base + lane;
             float acc[U][8];
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[u][j] = 0.f;
+            zero_acc<U>(acc);
             for (int k = 0; k < num_slots; ++k) {
                 const int p = __shfl_sync(FULL_MASK, mine, k);
                 if (p < 0) continue;  // the same p for the whole warp: no divergence
-                const int4* row = src + (i64)p * row_int4;
-                int4 v[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-                    if (i0 + 32 * u < row_int4) v[u] = ld_nc_v4(row + i0 + 32 * u);
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-                    if (i0 + 32 * u < row_int4) acc_bf16x8(acc[u], v[u]);
+                acc_row_part<U>(acc, src + (i64)p * row_int4, i0, row_int4);
             }
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (i0 + 32 * u < row_int4) out[i0 + 32 * u] = pack_bf16x8(acc[u]);
+            store_row_part<U>(out, acc, i0, row_int4);
         }
     }
 }

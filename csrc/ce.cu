@@ -105,9 +105,7 @@ extern "C" __global__ void __launch_bounds__(1024) ce_pack_kernel(
         const int4* src = x + (i64)t * H4;
         for (int base = lane; base < H4; base += 32 * CE_PACK_UNROLL) {  // CE_PACK_UNROLL loads in flight
             int4 v[CE_PACK_UNROLL];
-#pragma unroll
-            for (int u = 0; u < CE_PACK_UNROLL; ++u)
-                if (base + 32 * u < H4) v[u] = ld_nc_v4(src + base + 32 * u);
+            load_row_part<CE_PACK_UNROLL>(v, src, base, H4);
 #pragma unroll
             for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
                 if (xr[r] != nullptr)

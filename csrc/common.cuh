@@ -516,11 +516,16 @@ __device__ __forceinline__ void zero_acc(float (&acc)[U][8]) {
 }
 
 template <int U>
-__device__ __forceinline__ void acc_row_part(float (&acc)[U][8], const int4* row, int i0, int n) {
-    int4 v[U];
+__device__ __forceinline__ void load_row_part(int4 (&v)[U], const int4* row, int i0, int n) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
         if (i0 + 32 * u < n) v[u] = ld_nc_v4(row + i0 + 32 * u);
+}
+
+template <int U>
+__device__ __forceinline__ void acc_row_part(float (&acc)[U][8], const int4* row, int i0, int n) {
+    int4 v[U];
+    load_row_part<U>(v, row, i0, n);
 #pragma unroll
     for (int u = 0; u < U; ++u)
         if (i0 + 32 * u < n) acc_bf16x8(acc[u], v[u]);

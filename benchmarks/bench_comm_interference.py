@@ -236,6 +236,8 @@ def compute_beside_comm(ops: dict, alone: dict, mats, src, dst, comm_sms: int, g
     compute (``covered``)."""
     import torch
     import torch.distributed as dist
+
+    from commlib import timing
     work = {"gemm": lambda: torch.mm(*mats), "copy": lambda: dst.copy_(src)}
     carve0 = torch._C._get_sm_carveout_experimental()
 
@@ -254,14 +256,10 @@ def compute_beside_comm(ops: dict, alone: dict, mats, src, dst, comm_sms: int, g
                     op()
                 done.record()
             torch.cuda._sleep(1_000_000)  # the comm loop is running before the compute is queued
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(reps):
-            fn()
-        t1.record()
-        torch.cuda.synchronize()
+        end: list = []
+        ms = timing.loop_ms(fn, reps, end)
         torch._C._set_sm_carveout_experimental(carve0)
-        return t0.elapsed_time(t1) / reps, (not comm) or t1.elapsed_time(done) > 0
+        return ms, (not comm) or end[0].elapsed_time(done) > 0
 
     out = {}
     pair = alone["dispatch"] + alone["combine"]

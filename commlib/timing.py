@@ -105,6 +105,21 @@ def bench_cuda(fn: Callable[[], object], warmup: int = 5, iters: int = 20, flush
     return summarize(samples)
 
 
+def loop_ms(fn: Callable[[], object], reps: int, end: Optional[list] = None) -> float:
+    """Mean ms per call of ``reps`` back-to-back ``fn()`` calls on the current CUDA stream: one event
+    pair around the whole loop, one device sync; no warm-up, no L2 flush (for loops timed while other
+    streams run beside them). ``end``: a list that receives the end event."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    if end is not None:
+        end.append(stop)
+    return start.elapsed_time(stop) / reps
+
+
 def kernel_time(fn: Callable[[], object], names: str | Iterable[str], warmup: int = 5, iters: int = 20,
                 flush_l2: bool = True) -> Optional[dict]:
     """Per-call GPU time (us) of the kernels whose names contain each of ``names``.

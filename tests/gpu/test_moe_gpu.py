@@ -65,6 +65,7 @@ def test_sm_carveout_gemms_on_gpu():
     it (within bf16 rounding of a different tiling); the setting and the BLAS library are as before
     afterwards. Prints the GEMM times in and out of the carveout (information only)."""
     from commlib.pipeline import sm_carveout
+    from commlib.timing import loop_ms
 
     dev = torch.device("cuda", 0)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -78,13 +79,7 @@ def test_sm_carveout_gemms_on_gpu():
 
     def timed(fn, reps=20):
         fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
+        return loop_ms(fn, reps)
 
     before_carveout = torch._C._get_sm_carveout_experimental()
     before_blas = torch.backends.cuda.preferred_blas_library()

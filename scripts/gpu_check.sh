@@ -10,11 +10,13 @@
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
 # overlapab (bench_overlap.py with --sm-carveout off / auto for each argument set in OVERLAP_AB),
-# neighbour (bench_gemm_carveout.py --neighbour), interference (bench_comm_interference.py).
+# neighbour (bench_gemm_carveout.py --neighbour), interference (bench_comm_interference.py),
+# overlapce (bench_overlap.py balanced with the copy-engine path, COMMLIB_CE_BYTES, then without it).
+# tests2 and shared include the copy-engine cases (test_*_copy_engines).
 # Everything is logged to OUTDIR/gpu_check.log; the bench JSON (+ PNG) lands in OUTDIR and
 # benchmarks/results/.
 #
-# Subsets: GPU_CHECK_ONLY=all (default) | quick (compile, smoke, bench at 4096 tokens) | tests | bench | host,
+# Subsets: GPU_CHECK_ONLY=all (default) | quick (compile, smoke, bench at 4096 tokens) | tests | bench | host | ce,
 # or a comma list of stage names. BENCH_ARGS adds/overrides benchmark flags; BENCH_FLAGS replaces the
 # default sweep flags (--plot --plain --sms ... --chunks ...).
 # COMMLIB_TEST_CASES=a,b limits the 2-rank world to some cases (tests/gpu/nvlink_cases.py).
@@ -48,6 +50,7 @@ case "$ONLY" in
   next) STAGES="env,compile,hier,internode" ;;
   host) STAGES="env,compile,smoke,tests2,profile,bench,hier,internode" ;;
   ll) STAGES="env,compile,llgpu,llfault,lltrace,llbench" ;;   # low-latency mode: GPU tests, bad-id trap, benchmark
+  ce) STAGES="env,compile,tests2,shared,moegpu,overlapce" ;;   # copy-engine path: every case, the pipeline A/B
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -138,6 +141,8 @@ stage long 200 env COMMLIB_TEST_LONG_ROUNDS=${LONG_ROUNDS:-10000} $PY -m pytest 
 stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_sms --tokens 8192 --tag H200_balanced_sms_8192 --out-dir "$RES"
 stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_fb --out-dir "$RES"
 stage overlap 150 $PY benchmarks/bench_overlap.py --preset balanced --out-dir "$RES"
+stage overlapce 150 env COMMLIB_CE_BYTES=$((600 << 20)) $PY benchmarks/bench_overlap.py --preset balanced --tokens 16384 --layers 3 --comm-sms 4 --tag H200_balanced_ce --out-dir "$RES"
+stage overlapce 150 $PY benchmarks/bench_overlap.py --preset balanced --tokens 16384 --layers 3 --comm-sms 4 --tag H200_balanced_sm --out-dir "$RES"
 stage overlap 120 $PY benchmarks/bench_overlap.py --preset v3 --out-dir "$RES"
 # overlapab: the dual pipeline with and without the SM carveout, back to back, for each ';'-separated
 # argument set in OVERLAP_AB (each run tagged by its position and carveout).

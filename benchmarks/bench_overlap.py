@@ -568,6 +568,7 @@ def run(ctx, args) -> dict:
         # the expert stage's slot sums: one-pass kernel (csrc/moe_rows.cu) or torch's index_add ($COMMLIB_MOE_ROW_KERNEL)
         "moe_row_kernel": env.moe_row_kernel(),
         "ce_bytes": env.ce_bytes(),  # > 0: the nvlink backend's copy-engine data path (csrc/ce.cu)
+        "ce_sms": env.ce_sms(),
         # SMs of every dispatch / combine; source: --comm-sms, calibrated, Buffer.num_sms or a tuned config.
         # Timing effect on the GPU engines only (nvlink): the reference backend ignores it.
         "comm_sms": comm_sms,

@@ -19,6 +19,8 @@ Variables:
                            kernel csrc/moe_rows.cu on CUDA bf16 rows)
   COMMLIB_CE_BYTES         N > 0: the nvlink backend moves dispatch / combine rows with the copy engines through an
                            N-byte CUDA IPC staging per rank (csrc/ce.cu; default 0: SM kernels)
+  COMMLIB_CE_SMS           CTAs of the copy-engine path's packing and summing kernels (default 0: the call's
+                           Config.num_sms)
 """
 from __future__ import annotations
 
@@ -150,4 +152,11 @@ def ce_bytes() -> int:
     n = _int("COMMLIB_CE_BYTES", 0)
     if n < 0:
         raise ValueError(f"COMMLIB_CE_BYTES={n}: must be >= 0 (0: the SM kernels move the rows)")
+    return n
+
+
+def ce_sms() -> int:
+    n = _int("COMMLIB_CE_SMS", 0)
+    if n < 0:
+        raise ValueError(f"COMMLIB_CE_SMS={n}: must be >= 0 (0: the call's Config.num_sms)")
     return n

@@ -51,6 +51,13 @@ def test_ce_bytes(monkeypatch):
         monkeypatch.setenv("COMMLIB_CE_BYTES", bad)
         with pytest.raises(ValueError, match="COMMLIB_CE_BYTES"):
             env.ce_bytes()
+    monkeypatch.delenv("COMMLIB_CE_SMS", raising=False)
+    assert env.ce_sms() == 0
+    monkeypatch.setenv("COMMLIB_CE_SMS", "16")
+    assert env.ce_sms() == 16
+    monkeypatch.setenv("COMMLIB_CE_SMS", "-2")
+    with pytest.raises(ValueError, match="COMMLIB_CE_SMS"):
+        env.ce_sms()
 
 
 def test_default_on_switches(monkeypatch):

@@ -548,6 +548,12 @@ class NVLinkBackend(Backend):
                                f"{CE_FLAG_BYTES} flag bytes)")
         return offsets
 
+    @staticmethod
+    def _ce_grid(num_sms: int) -> int:
+        """CTAs of the packing / summing kernels: COMMLIB_CE_SMS, else the call's num_sms (one CTA per
+        SM: 1024 / 512 threads at 64 / 120 registers)."""
+        return max(1, env.ce_sms() or num_sms)
+
     def _ce_sync(self, mode: int) -> None:
         K.launch("ce", "ce_sync_kernel", 1, 32, (K.i32(mode), K.ptr(self._ce.peer_bases), K.i32(self.rank),
                                                   K.i32(self.num_ranks), K.ptr(self._ce_counter),
@@ -588,7 +594,7 @@ class NVLinkBackend(Backend):
 
         if T:
             pack = self._ce_pack.data_ptr()
-            K.launch("ce", "ce_pack_kernel", max(1, num_sms), 1024,
+            K.launch("ce", "ce_pack_kernel", self._ce_grid(num_sms), 1024,
                      (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir), K.ptr(pos),
                       K.u64(pack), K.u64(self.ce_region_bytes), *(K.u64(o) for o in offs[1:]),
                       *(K.u64(own(b)) for b in range(5)), K.i32(sum(1 << b for b in range(5) if sizes[b])),
@@ -624,7 +630,7 @@ class NVLinkBackend(Backend):
         self._ce_sync(CE_SYNC_PUSHED)
         T = h.num_tokens
         if T:
-            K.launch("ce", "ce_reduce_kernel", max(1, num_sms), 512,
+            K.launch("ce", "ce_reduce_kernel", self._ce_grid(num_sms), 512,
                      (K.ptr(x), K.ptr(w), K.u64(self._ce.base), K.u64(self.ce_region_bytes), K.u64(offs[1]),
                       K.ptr(h.is_token_in_rank), K.ptr(h.extra["ce_pos"]), K.i32(first[me]),
                       K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(out), K.ptr(out_w),

@@ -199,6 +199,7 @@ def _fake_backend(rank=0, R=2):
     be._smids, be._smid_slots = None, 1
     be._smid_count = {"notify": 0, "dispatch": 0, "combine": 0}
     be._smid_grids = {kind: [0] for kind in be._smid_count}
+    be._ce = None  # COMMLIB_CE_BYTES unset: the SM data kernels
     return be
 
 
@@ -369,6 +370,78 @@ def test_host_launch_arguments_match_kernels(monkeypatch):
     calls.clear()
     be.on_rejected(1)
     assert calls[0][0] == "notify_kernel" and calls[0][1][16] == 1  # mode REJECTED
+
+
+def test_host_copy_engine_path(monkeypatch):
+    """COMMLIB_CE_BYTES's host path (rank 1 of 2), launches and copies mocked: the dispatch packs,
+    syncs, pushes each block of the peer's rows into the peer's region for this rank and copies the
+    blocks the peer pushed into the outputs; the cached dispatch moves x only; the combine pushes the
+    peer's rows and weights back and sums; every launch passes exactly the kernels' parameters; rows
+    that overflow a region raise before any data kernel or copy."""
+    import types
+
+    from commlib.backends.base import CombineRequest
+    from commlib.config import Config
+    from commlib.validate import CommlibError
+
+    be = _fake_backend(rank=1, R=2)
+    region, base, peer = 1 << 20, 1 << 40, 1 << 41
+    be._ce = types.SimpleNamespace(base=base, peer_ptrs={0: peer}, num_bytes=4096 + 2 * region,
+                                   peer_bases=torch.tensor([peer, base]))
+    be.ce_region_bytes = region
+    be._ce_pack = torch.empty(2 * region, dtype=torch.uint8)
+    be._ce_counter = torch.zeros(1, dtype=torch.int64)
+    copies: list = []
+    be._ce_copies = copies.extend
+    sent, got = [3, 4], [2, 4]  # rank 1 sends 3 rows to rank 0 and 4 to itself; receives 2 from rank 0
+    calls = _mock_launch(monkeypatch, on_notify=lambda a: _fill_counts(a, {"total": 6, "sent": sent, "recv": got}))
+    res = be.dispatch(_dispatch_req())
+    assert [c[0] for c in calls] == ["notify_kernel", "ce_pack_kernel"] + ["ce_sync_kernel"] * 3
+    assert [c[1][0] for c in calls[2:]] == [0, 1, 2]  # begin, pushed, done
+    pack = calls[1][1]
+    row, topk, w, src = 512, 16, 8, 4  # bytes per row of each block (bf16 x of 256, no scales)
+    cap = (region - 16 * 5) // (row + topk + w + src)
+    a16 = lambda n: (n + 15) // 16 * 16  # noqa: E731 - each block starts 16-byte aligned
+    offs = [0, a16(cap * row), a16(cap * row), a16(cap * row) + a16(cap * topk),
+            a16(cap * row) + a16(cap * topk) + a16(cap * w)]
+    assert pack[6:12] == [be._ce_pack.data_ptr(), region] + offs[1:]
+    assert pack[12] == res.recv_x.data_ptr() + got[0] * row  # this rank's own rows: after rank 0's
+    assert pack[17] == 1 | 4 | 8 | 16  # x, top-k, weights, sources; no scales
+    outs = [res.recv_x, None, res.recv_topk_idx, res.recv_topk_weights, res.handle.recv_src_idx]
+    sizes = [row, 0, topk, w, src]
+    pushes = [(peer + 4096 + 1 * region + offs[b], be._ce_pack.data_ptr() + offs[b], sent[0] * sizes[b])
+              for b in (0, 2, 3, 4)]
+    pulls = [(outs[b].data_ptr(), base + 4096 + offs[b], got[0] * sizes[b]) for b in (0, 2, 3, 4)]
+    assert copies == pushes + pulls
+    h = res.handle
+    assert h.extra["send_counts"] == sent and h.extra["recv_counts"] == got and "ce_pos" in h.extra
+
+    calls.clear(), copies.clear()
+    req = _dispatch_req()
+    req.handle, req.topk_idx, req.topk_weights, req.layout = h, None, None, None
+    cached = be.dispatch(req)
+    assert [c[0] for c in calls] == ["ce_pack_kernel"] + ["ce_sync_kernel"] * 3 and calls[0][1][17] == 1
+    cap1 = (region - 16 * 5) // row
+    assert cap1 > 0 and copies == [(peer + 4096 + region, be._ce_pack.data_ptr(), sent[0] * row),
+                                   (cached.recv_x.data_ptr(), base + 4096, got[0] * row)]
+
+    calls.clear(), copies.clear()
+    y, yw = torch.zeros(6, 256, dtype=torch.bfloat16), torch.zeros(6, 2)
+    out = be.combine(CombineRequest(y, h, yw, (), Config(4, 8, 64, 64, 1024)))
+    assert [c[0] for c in calls] == ["ce_sync_kernel", "ce_sync_kernel", "ce_reduce_kernel", "ce_sync_kernel"]
+    ccap = (region - 16 * 2) // (row + w)
+    reduce = calls[2][1]
+    assert reduce[2:5] == [base, region, a16(ccap * row)] and reduce[7] == got[0]  # rank 0's rows come first
+    assert copies == [(peer + 4096 + region, y.data_ptr(), got[0] * row),
+                      (peer + 4096 + region + a16(ccap * row), yw.data_ptr(), got[0] * w)]
+    assert tuple(out.combined_x.shape) == (8, 256)
+
+    calls.clear(), copies.clear()
+    be.ce_region_bytes = 2048  # 3 dispatch rows of 540 bytes per region
+    sent = [5, 4]
+    with pytest.raises(CommlibError, match="raise COMMLIB_CE_BYTES"):
+        be.dispatch(_dispatch_req())
+    assert [c[0] for c in calls] == ["notify_kernel"] and copies == []
 
 
 def test_host_device_failure_poisons_buffer(monkeypatch):

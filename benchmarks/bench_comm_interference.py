@@ -281,26 +281,25 @@ def compute_beside_comm(ops: dict, alone: dict, mats, src, dst, comm_sms: int, g
 
 class CopyEnginePush:
     """Pushes ``nbytes[p]`` bytes from ``src_ptr`` into peer p's memory with cudaMemcpyAsync (the copy
-    engines over NVLink), on the current stream. Each rank owns a [R x region] receive area; rank r
-    writes its own slot of it."""
+    engines over NVLink), on the current stream. Each rank owns a [R x region] receive area (the
+    nvlink backend's PeerMemory: CUDA IPC); rank r writes its own slot of it."""
 
     def __init__(self, group, me: int, R: int, region: int, nbytes: list, src_ptr: int):
-        import cupy as cp
-        import torch.distributed as dist
-        self.rt, self.me, self.region, self.src = cp.cuda.runtime, me, region, src_ptr
+        import torch
+
+        from commlib.backends.peer_memory import PeerMemory
+        self.me, self.region, self.src = me, region, src_ptr
         self.nbytes = [0 if p == me else n for p, n in enumerate(nbytes)]
-        self.base = self.rt.malloc(R * region)  # its own allocation: an IPC handle names its base
-        handles = [None] * R
-        dist.all_gather_object(handles, bytes(self.rt.ipcGetMemHandle(self.base)), group=group)
-        self.peers = {p: self.rt.ipcOpenMemHandle(h) for p, h in enumerate(handles) if p != me}
+        self.mem = PeerMemory(R * region, group, me, R, torch.device("cuda", torch.cuda.current_device()))
+        self.mem.all_opened(group, me, R)
 
     def push(self) -> None:
+        import cupy as cp
         import torch
-        stream = torch.cuda.current_stream().cuda_stream
-        for p, ptr in self.peers.items():
+        rt, stream = cp.cuda.runtime, torch.cuda.current_stream().cuda_stream
+        for p, ptr in self.mem.peer_ptrs.items():
             if self.nbytes[p]:
-                self.rt.memcpyAsync(ptr + self.me * self.region, self.src, self.nbytes[p],
-                                    self.rt.memcpyDeviceToDevice, stream)
+                rt.memcpyAsync(ptr + self.me * self.region, self.src, self.nbytes[p], rt.memcpyDeviceToDevice, stream)
 
     def max_bytes(self, group) -> int:
         import torch
@@ -310,9 +309,7 @@ class CopyEnginePush:
         return int(t.item())
 
     def close(self) -> None:
-        for ptr in self.peers.values():
-            self.rt.ipcCloseMemHandle(ptr)
-        self.rt.free(self.base)
+        self.mem.close()
 
 
 def main(argv=None):

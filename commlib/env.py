@@ -20,7 +20,7 @@ Variables:
   COMMLIB_CE_BYTES         N > 0: the nvlink backend moves dispatch / combine rows with the copy engines through an
                            N-byte CUDA IPC staging per rank (csrc/ce.cu; default 0: SM kernels)
   COMMLIB_CE_SMS           CTAs of the copy-engine path's packing and summing kernels (default 0: the call's
-                           Config.num_sms)
+                           Config.num_sms, at least half the GPU's SMs)
 """
 from __future__ import annotations
 
@@ -158,5 +158,5 @@ def ce_bytes() -> int:
 def ce_sms() -> int:
     n = _int("COMMLIB_CE_SMS", 0)
     if n < 0:
-        raise ValueError(f"COMMLIB_CE_SMS={n}: must be >= 0 (0: the call's Config.num_sms)")
+        raise ValueError(f"COMMLIB_CE_SMS={n}: must be >= 0 (0: the call's Config.num_sms, at least half the GPU's SMs)")
     return n

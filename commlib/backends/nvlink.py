@@ -126,6 +126,7 @@ class NVLinkBackend(Backend):
             # the rows for every peer r are packed into region r here before the copy engines push them
             self._ce_pack = torch.empty(self.num_ranks * self.ce_region_bytes, dtype=torch.uint8, device=self.device)
             self._ce_counter = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._ce_half_sms = torch.cuda.get_device_properties(self.device).multi_processor_count // 2
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
         self._mem.all_opened(self.group, self.rank, self.num_ranks)
 
@@ -548,11 +549,13 @@ class NVLinkBackend(Backend):
                                f"{CE_FLAG_BYTES} flag bytes)")
         return offsets
 
-    @staticmethod
-    def _ce_grid(num_sms: int) -> int:
-        """CTAs of the packing / summing kernels: COMMLIB_CE_SMS, else the call's num_sms (one CTA per
-        SM: 1024 / 512 threads at 64 / 120 registers)."""
-        return max(1, env.ce_sms() or num_sms)
+    def _ce_grid(self, num_sms: int) -> int:
+        """CTAs of the packing / summing kernels (one per SM: 1024 / 512 threads at 64 / 120 registers):
+        COMMLIB_CE_SMS, else the call's num_sms but at least half the GPU's SMs. No SM touches NVLink on
+        this path; the packing and the sum are short local passes bound by bytes in flight, so few CTAs
+        stretch them (2 x H200, `balanced` 16384 tokens: F.dispatch 1.7 ms of packing alone on 4 CTAs,
+        1.22-1.28 ms for the whole dispatch on 64-128; docs/pipeline.md)."""
+        return max(1, env.ce_sms() or max(num_sms, self._ce_half_sms))
 
     def _ce_sync(self, mode: int) -> None:
         K.launch("ce", "ce_sync_kernel", 1, 32, (K.i32(mode), K.ptr(self._ce.peer_bases), K.i32(self.rank),

@@ -391,6 +391,8 @@ def test_host_copy_engine_path(monkeypatch):
     be.ce_region_bytes = region
     be._ce_pack = torch.empty(2 * region, dtype=torch.uint8)
     be._ce_counter = torch.zeros(1, dtype=torch.int64)
+    be._ce_half_sms = 66  # an H200's 132 SMs
+    monkeypatch.delenv("COMMLIB_CE_SMS", raising=False)
     copies: list = []
     be._ce_copies = copies.extend
     sent, got = [3, 4], [2, 4]  # rank 1 sends 3 rows to rank 0 and 4 to itself; receives 2 from rank 0
@@ -398,6 +400,7 @@ def test_host_copy_engine_path(monkeypatch):
     res = be.dispatch(_dispatch_req())
     assert [c[0] for c in calls] == ["notify_kernel", "ce_pack_kernel"] + ["ce_sync_kernel"] * 3
     assert [c[1][0] for c in calls[2:]] == [0, 1, 2]  # begin, pushed, done
+    assert calls.builds[1][1] == 66  # packing grid: half the SMs, more than the call's num_sms (4)
     pack = calls[1][1]
     row, topk, w, src = 512, 16, 8, 4  # bytes per row of each block (bf16 x of 256, no scales)
     cap = (region - 16 * 5) // (row + topk + w + src)
@@ -419,7 +422,10 @@ def test_host_copy_engine_path(monkeypatch):
     calls.clear(), copies.clear()
     req = _dispatch_req()
     req.handle, req.topk_idx, req.topk_weights, req.layout = h, None, None, None
+    monkeypatch.setenv("COMMLIB_CE_SMS", "16")
     cached = be.dispatch(req)
+    monkeypatch.delenv("COMMLIB_CE_SMS")
+    assert [g for n, g, _ in calls.builds if n == "ce_pack_kernel"] == [66, 16]
     assert [c[0] for c in calls] == ["ce_pack_kernel"] + ["ce_sync_kernel"] * 3 and calls[0][1][17] == 1
     cap1 = (region - 16 * 5) // row
     assert cap1 > 0 and copies == [(peer + 4096 + region, be._ce_pack.data_ptr(), sent[0] * row),
@@ -429,6 +435,7 @@ def test_host_copy_engine_path(monkeypatch):
     y, yw = torch.zeros(6, 256, dtype=torch.bfloat16), torch.zeros(6, 2)
     out = be.combine(CombineRequest(y, h, yw, (), Config(4, 8, 64, 64, 1024)))
     assert [c[0] for c in calls] == ["ce_sync_kernel", "ce_sync_kernel", "ce_reduce_kernel", "ce_sync_kernel"]
+    assert [g for n, g, _ in calls.builds if n == "ce_reduce_kernel"] == [66]
     ccap = (region - 16 * 2) // (row + w)
     reduce = calls[2][1]
     assert reduce[2:5] == [base, region, a16(ccap * row)] and reduce[7] == got[0]  # rank 0's rows come first

@@ -11,8 +11,8 @@
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
 # overlapab (bench_overlap.py with --sm-carveout off / auto for each argument set in OVERLAP_AB),
 # neighbour (bench_gemm_carveout.py --neighbour), interference (bench_comm_interference.py),
-# overlapce (bench_overlap.py balanced with the copy-engine path, COMMLIB_CE_BYTES, its kernels on the comm SMs
-# and on 16 CTAs (COMMLIB_CE_SMS), then without it).
+# overlapce (bench_overlap.py balanced with the copy-engine path, COMMLIB_CE_BYTES, then with the SM kernels on
+# 4 and on 20 SMs).
 # tests2 and shared include the copy-engine cases (test_*_copy_engines).
 # Everything is logged to OUTDIR/gpu_check.log; the bench JSON (+ PNG) lands in OUTDIR and
 # benchmarks/results/.
@@ -143,8 +143,8 @@ stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_sms --tokens
 stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_fb --out-dir "$RES"
 stage overlap 150 $PY benchmarks/bench_overlap.py --preset balanced --out-dir "$RES"
 stage overlapce 150 env COMMLIB_CE_BYTES=$((600 << 20)) $PY benchmarks/bench_overlap.py --preset balanced --tokens 16384 --layers 3 --comm-sms 4 --tag H200_balanced_ce --out-dir "$RES"
-stage overlapce 150 env COMMLIB_CE_BYTES=$((600 << 20)) COMMLIB_CE_SMS=16 $PY benchmarks/bench_overlap.py --preset balanced --tokens 16384 --layers 3 --comm-sms 4 --tag H200_balanced_ce_sms16 --out-dir "$RES"
-stage overlapce 150 $PY benchmarks/bench_overlap.py --preset balanced --tokens 16384 --layers 3 --comm-sms 4 --tag H200_balanced_sm --out-dir "$RES"
+stage overlapce 150 $PY benchmarks/bench_overlap.py --preset balanced --tokens 16384 --layers 3 --comm-sms 4 --tag H200_balanced_sm4 --out-dir "$RES"
+stage overlapce 150 $PY benchmarks/bench_overlap.py --preset balanced --tokens 16384 --layers 3 --comm-sms 20 --tag H200_balanced_sm20 --out-dir "$RES"
 stage overlap 120 $PY benchmarks/bench_overlap.py --preset v3 --out-dir "$RES"
 # overlapab: the dual pipeline with and without the SM carveout, back to back, for each ';'-separated
 # argument set in OVERLAP_AB (each run tagged by its position and carveout).

@@ -722,7 +722,7 @@ def _kernel_category(name: str) -> str:
 
 def _kernel_profile(fn) -> dict:
     """Run fn once under torch.profiler (CUDA activity): kernel time per category (sum of kernel
-    durations, ms), kernel count, and the five kernels with the most time. This rank's figures."""
+    durations, ms), kernel count, and the 20 kernels with the most time (ms, launches). This rank's figures."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -736,9 +736,10 @@ def _kernel_profile(fn) -> dict:
         c = cats.setdefault(_kernel_category(e.name), {"ms": 0.0, "kernels": 0})
         c["ms"] += ms
         c["kernels"] += 1
-        names[e.name] = names.get(e.name, 0.0) + ms
-    top = sorted(names.items(), key=lambda kv: -kv[1])[:5]
-    return {"categories": cats, "top": [{"name": n[:120], "ms": ms} for n, ms in top]}
+        ms0, n0 = names.get(e.name, (0.0, 0))
+        names[e.name] = (ms0 + ms, n0 + 1)
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])[:20]
+    return {"categories": cats, "top": [{"name": n[:120], "ms": ms, "launches": k} for n, (ms, k) in top]}
 
 
 def _figures(seq_ms: float, dual_ms: float, comm_ms: float, compute_ms: float) -> dict:

@@ -352,6 +352,9 @@ class NVLinkBackend(Backend):
                       K.i32(sig[4]),
                       K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns)))
             if not worst:
+                if self._ce is not None:  # the copy-engine path's layout needs no host value: queue it before the wait
+                    ce_layout = rows_before(tir)
+                    ce_layout = (ce_layout, layout_send_head(tir, rpm, me, before=ce_layout))
                 host = self._host_read(counts, "dispatch count exchange").tolist()
                 self._raise_bad_ids(host, sig)
                 N = host[0]
@@ -385,8 +388,7 @@ class NVLinkBackend(Backend):
             if cached:
                 ce_pos, sent, got = h.extra["ce_pos"], h.extra["send_counts"], h.extra["recv_counts"]
             else:
-                ce_pos, sent, got = rows_before(tir), host[4:4 + R], host[12:12 + R]
-                send_head = layout_send_head(tir, rpm, me, before=ce_pos)
+                (ce_pos, send_head), sent, got = ce_layout, host[4:4 + R], host[12:12 + R]
             self._ce_dispatch(x, scales, topk, weights, tir, ce_pos, sent, got, L, num_sms,
                               (recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx))
         else:

@@ -86,6 +86,7 @@ DEFAULT_VARIANT = {
     "SHARE_WORK": 1,              # a channel's sender, once done, takes the receiver's rows from a counter in the
                                   # cluster's shared memory (needs COMM_CLUSTER 2; common.cuh); 0: each CTA its own
     "COMM_TRACE": 0,              # 1: dispatch / combine record %globaltimer points per CTA (COMMLIB_DEBUG_SMID=1)
+    "COMM_L2_EVICT_FIRST": 0,     # 1: bulk row loads / stores (ld_nc_v4, st_na_v4) carry an L2 evict-first policy
     "LL_TRACE": 0,                # 1: low-latency kernels record %globaltimer points (csrc/low_latency.cu)
     "LL_PARTS": 1,                # low-latency dispatch: CTAs sharing a token row (2 measured 1.3 us slower)
     "LL_FENCE": 1,                # low-latency dispatch: 1 fence.acq_rel.sys before its arrivals, 0 fence.sc.sys

@@ -94,6 +94,18 @@ __device__ __forceinline__ u64 global_timer_ns() {
 // Bulk data: 16-byte vectors
 // ------------------------------------------------------------------------------------------------
 
+// COMMLIB_COMM_L2_EVICT_FIRST 1 (kernel variant, off): the bulk loads and stores below carry an L2
+// evict-first policy, so rows streamed once leave L2 before the lines of the compute beside them.
+#ifndef COMMLIB_COMM_L2_EVICT_FIRST
+#define COMMLIB_COMM_L2_EVICT_FIRST 0
+#endif
+
+__device__ __forceinline__ u64 l2_evict_first() {
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));  // not volatile: may be hoisted
+    return policy;
+}
+
 // Load of data nobody writes during this kernel, or written before an acquire we already did:
 //   .nc                read-only (texture) path: does not compete with the coherent L1 traffic
 //   .L1::no_allocate   the row is used once; keeping it in L1 only evicts things we reuse
@@ -102,6 +114,11 @@ __device__ __forceinline__ u64 global_timer_ns() {
 __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
 #if COMMLIB_PLAIN
     return *p;  // ld.global: may allocate in L1, no prefetch hint
+#elif COMMLIB_COMM_L2_EVICT_FIRST
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(l2_evict_first()));
+    return v;
 #else
     int4 v;
     asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
@@ -115,6 +132,9 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
 __device__ __forceinline__ void st_na_v4(int4* p, int4 v) {
 #if COMMLIB_PLAIN
     *p = v;     // st.global: default (write-back) policy
+#elif COMMLIB_COMM_L2_EVICT_FIRST
+    asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.s32 [%0], {%1, %2, %3, %4}, %5;"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(l2_evict_first()) : "memory");
 #else
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");

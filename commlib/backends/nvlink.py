@@ -324,6 +324,8 @@ class NVLinkBackend(Backend):
             weights = req.topk_weights.contiguous() if req.topk_weights is not None else None
         Kk = topk.shape[1] if topk is not None else 0
         L = E // R
+        # the copy engines move the rows (csrc/ce.cu) where the host knows every count
+        use_ce = self._ce is not None and not worst and (not cached or "ce_pos" in req.handle.extra)
         off_scales = _align(hidden_bytes)
         off_meta = off_scales + _align(S * 4)
         slot_bytes = _align(off_meta + 4 * (1 + 2 * Kk), SLOT_ALIGN)
@@ -352,7 +354,7 @@ class NVLinkBackend(Backend):
                       K.i32(sig[4]),
                       K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns)))
             if not worst:
-                if self._ce is not None:  # the copy-engine path's layout needs no host value: queue it before the wait
+                if use_ce:  # the copy-engine path's layout needs no host value: queue it before the wait
                     ce_layout = rows_before(tir)
                     ce_layout = (ce_layout, layout_send_head(tir, rpm, me, before=ce_layout))
                 host = self._host_read(counts, "dispatch count exchange").tolist()
@@ -376,15 +378,14 @@ class NVLinkBackend(Backend):
         recv_src_idx = send_head = recv_topk_idx = recv_topk_w = None
         if not cached:
             recv_src_idx = torch.empty(N, dtype=torch.int32, device=dev)
-            send_head = torch.empty((T, R), dtype=torch.int32, device=dev)
+            send_head = None if use_ce else torch.empty((T, R), dtype=torch.int32, device=dev)  # CE: from its layout
             if topk is not None:
                 recv_topk_idx = torch.empty((N, Kk), dtype=torch.int64, device=dev)
                 if weights is not None:
                     recv_topk_w = torch.empty((N, Kk), dtype=torch.float32, device=dev)
         num_sms = req.config.num_sms
         ce_pos = None
-        if self._ce is not None and not worst and (not cached or "ce_pos" in h.extra):
-            # the copy engines move the rows (csrc/ce.cu): the host knows every count
+        if use_ce:
             if cached:
                 ce_pos, sent, got = h.extra["ce_pos"], h.extra["send_counts"], h.extra["recv_counts"]
             else:
@@ -533,17 +534,17 @@ class NVLinkBackend(Backend):
         return CombineResult(out, out_w)
 
     # ------------------------------------------------------------------ the copy-engine path
-    def _ce_blocks(self, row_sizes: list, rows: list, what: str) -> tuple:
+    def _ce_blocks(self, row_sizes: list, sent: list, got: list, what: str) -> list:
         """Blocks of one call's staging region: block b holds ``cap`` rows of ``row_sizes[b]`` bytes
         (0: absent) at a 16-byte aligned offset; both ends of a push derive the same layout. Raises
-        when one of ``rows`` (the counts this rank pushes or receives) exceeds ``cap``."""
+        when the rows this rank pushes to a peer (``sent``) or receives from one (``got``) exceed ``cap``."""
         per_row = sum(row_sizes)
         cap = (self.ce_region_bytes - 16 * len(row_sizes)) // per_row
         offsets, at = [], 0
         for size in row_sizes:
             offsets.append(at)
             at += _align(cap * size)
-        most = max(rows, default=0)
+        most = max((n for counts in (sent, got) for r, n in enumerate(counts) if r != self.rank), default=0)
         if most > cap:
             raise CommlibError(f"[commlib rank {self.rank}] nvlink {what} (copy engines): {most} rows of {per_row} "
                                f"bytes do not fit a {self.ce_region_bytes}-byte staging region ({cap} rows); "
@@ -588,8 +589,7 @@ class NVLinkBackend(Backend):
         recv_x, recv_scales, recv_topk, recv_w, recv_src = outs
         sizes = [row, 4 * S if recv_scales is not None else 0, 8 * Kk if recv_topk is not None else 0,
                  4 * Kk if recv_w is not None else 0, 4 if recv_src is not None else 0]
-        offs = self._ce_blocks(sizes, [n for r, n in enumerate(sent) if r != me] +
-                               [n for s, n in enumerate(got) if s != me], "dispatch")
+        offs = self._ce_blocks(sizes, sent, got, "dispatch")
         outs_rows = [recv_x, recv_scales, recv_topk, recv_w, recv_src]
         first = [sum(got[:s]) for s in range(R)]  # recv rows are grouped by source rank
 
@@ -597,8 +597,8 @@ class NVLinkBackend(Backend):
             t = outs_rows[b]
             return 0 if t is None or not sizes[b] else t.data_ptr() + first[me] * sizes[b]
 
+        pack = self._ce_pack.data_ptr()
         if T:
-            pack = self._ce_pack.data_ptr()
             K.launch("ce", "ce_pack_kernel", self._ce_grid(num_sms), 1024,
                      (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir), K.ptr(pos),
                       K.u64(pack), K.u64(self.ce_region_bytes), *(K.u64(o) for o in offs[1:]),
@@ -606,8 +606,8 @@ class NVLinkBackend(Backend):
                       K.i32(T), K.i32(row // 16), K.i32(S), K.i32(Kk), K.i32(num_local), K.i32(me), K.i32(R)))
         self._ce_sync(CE_SYNC_BEGIN)  # packing needs no peer; pushing needs each peer's region free
         peers = self._ce.peer_ptrs
-        self._ce_copies([(self._ce_region(peers[r], me) + offs[b], self._ce_pack.data_ptr() + r * self.ce_region_bytes
-                          + offs[b], sent[r] * sizes[b])
+        self._ce_copies([(self._ce_region(peers[r], me) + offs[b], pack + r * self.ce_region_bytes + offs[b],
+                          sent[r] * sizes[b])
                          for r in range(R) if r != me for b in range(5) if sizes[b]])
         self._ce_sync(CE_SYNC_PUSHED)
         self._ce_copies([(outs_rows[b].data_ptr() + first[s] * sizes[b], self._ce_region(self._ce.base, s) + offs[b],
@@ -624,8 +624,7 @@ class NVLinkBackend(Backend):
         Kk = w.shape[1] if w is not None else 0
         sent, got = h.extra["send_counts"], h.extra["recv_counts"]
         sizes = [row, 4 * Kk]
-        offs = self._ce_blocks(sizes, [n for r, n in enumerate(sent) if r != me] +
-                               [n for s, n in enumerate(got) if s != me], "combine")
+        offs = self._ce_blocks(sizes, sent, got, "combine")
         first = [sum(got[:s]) for s in range(R)]
         peers = self._ce.peer_ptrs
         self._ce_sync(CE_SYNC_BEGIN)

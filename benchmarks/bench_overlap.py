@@ -569,6 +569,7 @@ def run(ctx, args) -> dict:
         "moe_row_kernel": env.moe_row_kernel(),
         "ce_bytes": env.ce_bytes(),  # > 0: the nvlink backend's copy-engine data path (csrc/ce.cu)
         "ce_sms": env.ce_sms(),
+        "ce_staging": env.ce_staging() if env.ce_bytes() else None,  # host: rows cross PCIe via pinned host memory
         # SMs of every dispatch / combine; source: --comm-sms, calibrated, Buffer.num_sms or a tuned config.
         # Timing effect on the GPU engines only (nvlink): the reference backend ignores it.
         "comm_sms": comm_sms,
@@ -773,7 +774,7 @@ def _print_table(result: dict) -> None:
           f"heads={sh['heads']}x{sh['head_dim']} layers={sh['layers']} fp8={sh['fp8']} "
           f"issue_order={result['issue_order']} comm_priority={result['comm_stream_priority']} "
           f"sm_carveout={result['sm_carveout']['sms']} defer_wgrad={result['defer_weight_grads']} "
-          f"moe_row_kernel={result.get('moe_row_kernel')} ce_bytes={result.get('ce_bytes')} comm_sms={result['comm_sms']} ({result['comm_sms_source']})")
+          f"moe_row_kernel={result.get('moe_row_kernel')} ce_bytes={result.get('ce_bytes')} ce_staging={result.get('ce_staging')} comm_sms={result['comm_sms']} ({result['comm_sms_source']})")
     print(f"#{'phase':>18} {'sequential':>11} {'dual':>9} {'comm':>9} {'compute':>9} {'comm/comp':>9} "
           f"{'dual/max':>9} {'speedup':>8} {'bound':>6}  verdict")
     print(f"#{'':>18} {'(ms)':>11} {'(ms)':>9} {'(ms)':>9} {'(ms)':>9} {'':>9} {'':>9} {'':>8} {'':>6}")

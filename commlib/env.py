@@ -21,6 +21,9 @@ Variables:
                            N-byte CUDA IPC staging per rank (csrc/ce.cu; default 0: SM kernels)
   COMMLIB_CE_SMS           CTAs of the copy-engine path's packing and summing kernels (default 0: the call's
                            Config.num_sms, at least half the GPU's SMs)
+  COMMLIB_CE_STAGING       device | host: where the copy-engine path's staging lives (default device: CUDA IPC over
+                           NVLink); host: pinned host memory shared by the ranks' processes, so rows cross PCIe
+                           twice (the path of GPUs without peer access, and of a NIC's DMA)
 """
 from __future__ import annotations
 
@@ -153,6 +156,13 @@ def ce_bytes() -> int:
     if n < 0:
         raise ValueError(f"COMMLIB_CE_BYTES={n}: must be >= 0 (0: the SM kernels move the rows)")
     return n
+
+
+def ce_staging() -> str:
+    v = (_get("COMMLIB_CE_STAGING", "") or "device").lower()
+    if v not in ("device", "host"):
+        raise ValueError(f"COMMLIB_CE_STAGING={v!r}: must be device or host")
+    return v
 
 
 def ce_sms() -> int:

@@ -41,6 +41,17 @@ def test_topology(monkeypatch):
         env.ranks_per_node()
 
 
+def test_ce_staging(monkeypatch):
+    """COMMLIB_CE_STAGING: device unless set; host; anything else is refused by name."""
+    monkeypatch.delenv("COMMLIB_CE_STAGING", raising=False)
+    assert env.ce_staging() == "device"
+    monkeypatch.setenv("COMMLIB_CE_STAGING", "HOST")
+    assert env.ce_staging() == "host"
+    monkeypatch.setenv("COMMLIB_CE_STAGING", "nvme")
+    with pytest.raises(ValueError, match="COMMLIB_CE_STAGING"):
+        env.ce_staging()
+
+
 def test_ce_bytes(monkeypatch):
     """COMMLIB_CE_BYTES: 0 (SM kernels) unless set; a negative or non-integer value is refused by name."""
     monkeypatch.delenv("COMMLIB_CE_BYTES", raising=False)

@@ -35,7 +35,7 @@ from ..layout import Layout, dispatch_layout, rows_before
 from ..layout import send_head as layout_send_head
 from ..validate import CommlibError
 from .base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
-from .peer_memory import PeerMemory
+from .peer_memory import HostPeerMemory, PeerMemory
 
 CE_FLAG_BYTES = 4096      # csrc/ce.cu: ready / free words before the copy-engine staging regions
 CE_SYNC_BEGIN, CE_SYNC_PUSHED, CE_SYNC_DONE = 0, 1, 2  # csrc/ce.cu ce_sync_kernel modes
@@ -80,6 +80,7 @@ class NVLinkBackend(Backend):
     """Intranode GPU backend over CUDA IPC peer pointers (see module docstring)."""
 
     name = "nvlink"
+    _ce_host = False  # COMMLIB_CE_STAGING=host: the copy-engine staging is pinned host memory
 
     def __init__(self, buffer) -> None:
         super().__init__(buffer)
@@ -122,8 +123,12 @@ class NVLinkBackend(Backend):
             if self.ce_region_bytes <= 0:
                 raise ValueError(f"[commlib rank {self.rank}] COMMLIB_CE_BYTES={ce_bytes} leaves no staging region "
                                  f"per rank (at least {CE_FLAG_BYTES + SLOT_ALIGN * self.num_ranks} bytes)")
-            self._ce = PeerMemory(ce_bytes, self.group, self.rank, self.num_ranks, self.device)
+            # staging "host": pinned host memory shared by the processes, rows cross PCIe out and back in
+            self._ce_host = env.ce_staging() == "host"
+            staging = HostPeerMemory if self._ce_host else PeerMemory
+            self._ce = staging(ce_bytes, self.group, self.rank, self.num_ranks, self.device)
             # the rows for every peer r are packed into region r here before the copy engines push them
+            # (host staging: combine's rows from peer r land in region r here before the sum)
             self._ce_pack = torch.empty(self.num_ranks * self.ce_region_bytes, dtype=torch.uint8, device=self.device)
             self._ce_counter = torch.zeros(1, dtype=torch.int64, device=self.device)
             self._ce_half_sms = torch.cuda.get_device_properties(self.device).multi_processor_count // 2
@@ -569,9 +574,10 @@ class NVLinkBackend(Backend):
         """cudaMemcpyAsync (copy engines) of (dst, src, bytes) on torch's current stream."""
         rt = K.cupy().cuda.runtime
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        kind = rt.memcpyDefault if self._ce_host else rt.memcpyDeviceToDevice  # host staging: D2H / H2D
         for dst, src, nbytes in copies:
             if nbytes:
-                rt.memcpyAsync(dst, src, nbytes, rt.memcpyDeviceToDevice, stream)
+                rt.memcpyAsync(dst, src, nbytes, kind, stream)
 
     def _ce_region(self, base: int, src: int) -> int:
         return base + CE_FLAG_BYTES + src * self.ce_region_bytes
@@ -632,10 +638,17 @@ class NVLinkBackend(Backend):
                           got[s] * sizes[b])
                          for s in range(R) if s != me for b, src in enumerate((x, w)) if sizes[b]])
         self._ce_sync(CE_SYNC_PUSHED)
+        staging = self._ce.base
+        if self._ce_host:  # the sum reads device memory: bring each source's blocks in first
+            land = self._ce_pack.data_ptr()
+            self._ce_copies([(land + s * self.ce_region_bytes + offs[b], self._ce_region(staging, s) + offs[b],
+                              sent[s] * sizes[b])
+                             for s in range(R) if s != me for b in range(2) if sizes[b]])
+            staging = land - CE_FLAG_BYTES  # ce_reduce_kernel finds region s at staging + CE_FLAG_BYTES + s * bytes
         T = h.num_tokens
         if T:
             K.launch("ce", "ce_reduce_kernel", self._ce_grid(num_sms), 512,
-                     (K.ptr(x), K.ptr(w), K.u64(self._ce.base), K.u64(self.ce_region_bytes), K.u64(offs[1]),
+                     (K.ptr(x), K.ptr(w), K.u64(staging), K.u64(self.ce_region_bytes), K.u64(offs[1]),
                       K.ptr(h.is_token_in_rank), K.ptr(h.extra["ce_pos"]), K.i32(first[me]),
                       K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(out), K.ptr(out_w),
                       K.i32(T), K.i32(row // 16), K.i32(Kk), K.i32(me), K.i32(R)))

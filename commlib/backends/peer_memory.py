@@ -5,10 +5,17 @@ covers exactly this allocation), zeroes it, and exchanges its cudaIpc handle wit
 ``all_gather_object`` on the group (NCCL or gloo: the group only carries these few bytes, never
 data). Works between processes sharing a GPU too. Used by the NVLink engine's buffer and by the
 low-latency buffer (commlib/backends/nvlink_ll.py).
+
+``HostPeerMemory`` has the same interface over pinned host memory: each rank's buffer is a memfd
+that every process of the node maps and registers with CUDA (cudaHostRegister, mapped), so kernels
+and copy engines of any rank reach it over PCIe without peer access between the GPUs.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -74,5 +81,98 @@ class PeerMemory:
                 cp.cuda.runtime.free(self.base)
             except Exception:  # noqa: BLE001
                 pass
+        self.peer_ptrs.clear()
+        self.base = None
+
+
+CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED = 1, 2
+CUDA_DEV_ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
+
+
+class HostPeerMemory:
+    """PeerMemory's interface over pinned host memory shared between the node's processes.
+
+    Each rank creates a ``num_bytes`` memfd (zero-filled), maps it and registers the mapping with
+    CUDA; the others open it through ``/proc/<pid>/fd/<fd>`` (same host, same user), map and register
+    it too. ``base`` / ``peer_ptrs`` / ``peer_bases`` are addresses in this process, usable by kernels
+    (system-scope loads and stores over PCIe) and by cudaMemcpyAsync (cudaMemcpyDefault). Collective at
+    creation, like PeerMemory.
+    """
+
+    def __init__(self, num_bytes: int, group, rank: int, num_ranks: int, device: torch.device) -> None:
+        cp = K.cupy()
+        self.num_bytes = int(num_bytes)
+        self.device = device
+        self.peer_ptrs: dict[int, int] = {}
+        self._maps: list = []  # (mmap, ctypes view, address) per mapping, own first
+        dev = device.index
+        if not cp.cuda.runtime.deviceGetAttribute(CUDA_DEV_ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, dev):
+            raise RuntimeError(f"[commlib rank {rank}] host staging: device {dev} cannot use host pointers of "
+                               "registered memory (cudaDevAttrCanUseHostPointerForRegisteredMem = 0)")
+        self._fd = os.memfd_create(f"commlib_peer_{rank}")
+        self.base: int | None = 0
+        try:
+            self._open_all(cp, group, rank, num_ranks, dev)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_all(self, cp, group, rank: int, num_ranks: int, dev) -> None:
+        os.ftruncate(self._fd, self.num_bytes)
+        with cp.cuda.Device(dev):
+            self.base = self._map(self._fd)
+        everyone: list = [None] * num_ranks
+        dist.all_gather_object(everyone, (os.getpid(), self._fd, socket.gethostname()), group=group)
+        bases = []
+        with cp.cuda.Device(dev):
+            for r, (pid, fd, host) in enumerate(everyone):
+                if r == rank:
+                    bases.append(self.base)
+                    continue
+                if host != socket.gethostname():
+                    raise RuntimeError(f"[commlib rank {rank}] host staging needs every rank on one host; rank {r} "
+                                       f"is on {host}")
+                peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+                try:
+                    p = self._map(peer_fd)
+                finally:
+                    os.close(peer_fd)
+                self.peer_ptrs[r] = p
+                bases.append(p)
+        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
+
+    def _map(self, fd: int) -> int:
+        mm = mmap.mmap(fd, self.num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        view = (ctypes.c_char * self.num_bytes).from_buffer(mm)
+        addr = ctypes.addressof(view)
+        self._maps.append((mm, view, addr))  # before registering: close() releases it either way
+        K.cupy().cuda.runtime.hostRegister(addr, self.num_bytes,
+                                           CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+        return addr
+
+    all_opened = PeerMemory.all_opened
+
+    def close(self) -> None:
+        """Wait for this device's work, unregister and unmap every mapping, close the memfd."""
+        if self.base is None:
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001
+            pass
+        cp = K.cupy()
+        maps, self._maps = self._maps, []
+        while maps:
+            mm, view, addr = maps.pop()
+            try:
+                cp.cuda.runtime.hostUnregister(addr)
+            except Exception:  # noqa: BLE001
+                pass
+            del view  # the last reference to the ctypes view: the mapping can close
+            try:
+                mm.close()
+            except Exception:  # noqa: BLE001 - a view still exported: the mapping goes with the process
+                pass
+        os.close(self._fd)
         self.peer_ptrs.clear()
         self.base = None

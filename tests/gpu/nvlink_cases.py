@@ -340,8 +340,12 @@ def case_copy_engines(ctx):
     concerned before anything moves, and the Buffer stays usable."""
     from commlib.validate import CommlibError
 
+    from commlib.backends.peer_memory import HostPeerMemory
+
     nv, _ = buffers(ctx)
     assert nv.backend._ce is not None, "COMMLIB_CE_BYTES is not set in this world"
+    host = os.environ.get("COMMLIB_CE_STAGING") == "host"
+    assert isinstance(nv.backend._ce, HostPeerMemory) == host, (type(nv.backend._ce), host)
     for fp8 in (False, True):
         with commlib_kernels.record_launches() as launches:
             run_case(ctx, cfg=default_cfg(num_sms=4), T=300, H=512, E=32, K=4, fp8=fp8, num_bias=2, seed=90)

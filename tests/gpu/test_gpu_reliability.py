@@ -443,12 +443,73 @@ def test_host_copy_engine_path(monkeypatch):
                       (peer + 4096 + region + a16(ccap * row), yw.data_ptr(), got[0] * w)]
     assert tuple(out.combined_x.shape) == (8, 256)
 
+    # COMMLIB_CE_STAGING=host: the same pushes (into host memory), then each source's blocks land in
+    # its region of the (device) pack buffer, which the sum reads instead of the staging
+    calls.clear(), copies.clear()
+    be._ce_host = True
+    be.combine(CombineRequest(y, h, yw, (), Config(4, 8, 64, 64, 1024)))
+    land = be._ce_pack.data_ptr()
+    assert [c[0] for c in calls] == ["ce_sync_kernel", "ce_sync_kernel", "ce_reduce_kernel", "ce_sync_kernel"]
+    assert calls[2][1][2] == land - 4096  # region s of the sum = land + s * region
+    assert copies[2:] == [(land + 0 * region, base + 4096, sent[0] * row),
+                          (land + a16(ccap * row), base + 4096 + a16(ccap * row), sent[0] * w)]
+    be._ce_host = False
+
     calls.clear(), copies.clear()
     be.ce_region_bytes = 2048  # 3 dispatch rows of 540 bytes per region
     sent = [5, 4]
     with pytest.raises(CommlibError, match="raise COMMLIB_CE_BYTES"):
         be.dispatch(_dispatch_req())
     assert [c[0] for c in calls] == ["notify_kernel"] and copies == []
+
+
+def test_host_peer_memory_shares_pages(monkeypatch):
+    """HostPeerMemory (COMMLIB_CE_STAGING=host) with CUDA mocked, as rank 1 of 2: it maps rank 0's memfd
+    through /proc (here a memfd of this process), registers both mappings, and bytes written on either
+    side are read on the other; a rank on another host is refused; close() unregisters each mapping."""
+    import contextlib
+    import socket
+    import types
+
+    from commlib.backends import peer_memory as pm
+
+    registered, unregistered = [], []
+    rt = types.SimpleNamespace(deviceGetAttribute=lambda attr, dev: 1,
+                               hostRegister=lambda p, n, flags: registered.append((p, n, flags)),
+                               hostUnregister=unregistered.append)
+    monkeypatch.setattr(pm.K, "cupy", lambda: types.SimpleNamespace(
+        cuda=types.SimpleNamespace(runtime=rt, Device=lambda dev: contextlib.nullcontext())))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    n = 1 << 16
+    fd0 = os.memfd_create("rank0")
+    os.ftruncate(fd0, n)
+    os.pwrite(fd0, b"from rank 0", 100)
+    host = [socket.gethostname()]
+
+    def gather(out, obj, group=None):
+        out[0], out[1] = (os.getpid(), fd0, host[0]), obj
+
+    monkeypatch.setattr(pm.dist, "all_gather_object", gather)
+    try:
+        mem = pm.HostPeerMemory(n, None, 1, 2, torch.device("cpu"))
+        assert ctypes.string_at(mem.peer_ptrs[0] + 100, 11) == b"from rank 0"
+        ctypes.memmove(mem.peer_ptrs[0] + 200, b"from rank 1", 11)
+        assert os.pread(fd0, 11, 200) == b"from rank 1"
+        ctypes.memmove(mem.base + 8, b"own", 3)
+        assert os.pread(mem._fd, 3, 8) == b"own"
+        assert mem.peer_bases.tolist() == [mem.peer_ptrs[0], mem.base]
+        assert sorted(p for p, _, _ in registered) == sorted([mem.base, mem.peer_ptrs[0]])
+        assert all(size == n and flags == 3 for _, size, flags in registered)  # portable | mapped
+        ptrs = [mem.base, mem.peer_ptrs[0]]
+        mem.close()
+        assert sorted(unregistered) == sorted(ptrs) and mem.base is None
+        host[0] = "elsewhere"
+        unregistered.clear()
+        with pytest.raises(RuntimeError, match="one host"):
+            pm.HostPeerMemory(n, None, 1, 2, torch.device("cpu"))
+        assert len(unregistered) == 1  # its own mapping, released on the way out
+    finally:
+        os.close(fd0)
 
 
 def test_host_device_failure_poisons_buffer(monkeypatch):

@@ -132,6 +132,28 @@ def test_two_ranks_copy_engines(world2_ce, name):
     assert world2_ce[name] is None, world2_ce[name]
 
 
+CASES_CE_HOST = ["copy_engines", "smoke", "routings_bf16", "routings_fp8", "v3_shape", "pressure"]
+
+
+@pytest.fixture(scope="module")
+def world2_ce_host():
+    os.environ.update(COMMLIB_CE_BYTES=CE_BYTES, COMMLIB_CE_STAGING="host")
+    try:
+        return _run(2, CASES_CE_HOST, timeout_s=400)
+    finally:
+        del os.environ["COMMLIB_CE_BYTES"], os.environ["COMMLIB_CE_STAGING"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", CASES_CE_HOST)
+def test_two_ranks_copy_engines_host(world2_ce_host, name):
+    """The copy-engine path with its staging in pinned host memory (COMMLIB_CE_STAGING=host): rows go
+    device -> host -> device over PCIe and the flags live in host memory; bit for bit with the reference."""
+    if name not in world2_ce_host:
+        pytest.skip("not selected (COMMLIB_TEST_CASES)")
+    assert world2_ce_host[name] is None, world2_ce_host[name]
+
+
 @needs_cuda
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_shared_gpus_copy_engines(world_size):

@@ -51,6 +51,14 @@ moves nothing in time. The JSON records ``comm_sms`` (and where it came from) fo
 Every shape flag overrides the preset. The JSON records comm / compute per phase, the best speedup
 any overlap could give ((comm + compute) / max), and verdicts against the issue's targets.
 
+A network hop (``--preset network --ce-staging host``): DeepSeek's comm ~ compute comes from the
+inter-node link, ~50 GB/s per GPU, beside GEMM-bound compute. ``--ce-staging host`` moves every
+dispatch and combine through the copy engines with the staging in pinned host memory
+(COMMLIB_CE_BYTES / COMMLIB_CE_STAGING=host, docs/pipeline.md): the rows cross PCIe out of one
+GPU and into the other, the path a NIC's DMA takes, with no SM on the wire. ``network`` keeps
+``balanced``'s routing at 16384 tokens and makes the compute GEMM-bound (16 heads, expert
+intermediate 3072), which puts each phase's comm / compute inside the "about equal" band.
+
 Writes JSON (device, git commit, command, figures, step spans) and a timeline PNG of the two
 streams to --out-dir (default benchmarks/results/).
 
@@ -59,6 +67,7 @@ Run:
   python3 benchmarks/bench_overlap.py --preset balanced_fb                  # GPUs (spawns 2 ranks)
   python3 benchmarks/bench_overlap.py --preset balanced_sms --tokens 8192   # GPUs, comm SMs calibrated
   ... --comm-sms 8                                                          # 8 SMs for every all-to-all
+  python3 benchmarks/bench_overlap.py --preset network --ce-staging host --comm-sms 8 --ce-sms 8 --layers 6
   python benchmarks/bench_overlap.py --ranks 2 --preset tiny                # CPU smoke test
   ... --issue-order compute_first                                           # the old issue order
 """
@@ -89,6 +98,7 @@ PRESETS = {
     "balanced": (4096, 7168, 16, 2, 2, 2, 256, 0, 4, 128),
     "balanced_fb": (4096, 7168, 2, 2, 1, 1, 256, 0, 0, 128),   # expert_hidden calibrated (see above)
     "balanced_sms": (4096, 7168, 2, 2, 1, 1, 256, 0, 0, 128),  # comm SMs calibrated (see above)
+    "network": (16384, 7168, 16, 2, 2, 2, 3072, 0, 16, 128),  # with --ce-staging host (see above)
     "tiny":     (32, 64, 8, 2, 2, 2, 32, 1, 4, 16),
 }
 CALIBRATED = {"balanced_fb"}           # presets whose expert_hidden is calibrated to compute ~ comm
@@ -155,6 +165,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "forward+backward comm ~ compute (default: on for "
                         f"{', '.join(sorted(CALIBRATED_SMS))} unless --comm-sms or --no-calibrate is given)")
     p.add_argument("--no-calibrate-comm-sms", dest="calibrate_comm_sms", action="store_false")
+    p.add_argument("--ce-staging", choices=("device", "host"), default=None,
+                   help="move dispatch / combine rows with the copy engines (sets COMMLIB_CE_STAGING for the ranks, "
+                        "and COMMLIB_CE_BYTES to 600 MB unless set): device = CUDA IPC over NVLink, host = pinned host "
+                        "memory over PCIe (a network-like hop)")
+    p.add_argument("--ce-sms", type=int, default=None, metavar="N",
+                   help="CTAs of the copy-engine path's packing and sum (sets COMMLIB_CE_SMS for the ranks)")
     p.add_argument("--fp8", action="store_true", help="FP8 dispatch (E4M3 + scales), bf16 combine")
     p.add_argument("--backend", default=None, help="Buffer backend (auto | reference | nvlink)")
     p.add_argument("--warmup", type=int, default=3)
@@ -176,6 +192,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.comm_sms is not None and (args.comm_sms <= 0 or args.comm_sms % 2):
         p.error(f"--comm-sms must be a positive even number (two CTAs per channel), got {args.comm_sms}")
+    if args.ce_sms is not None and args.ce_sms <= 0:
+        p.error(f"--ce-sms must be positive, got {args.ce_sms}")
     if args.send_chunk is not None and (args.comm_sms is None or args.send_chunk <= 0):
         p.error("--send-chunk needs --comm-sms and a positive token count")
     if args.calibrate_comm_sms and args.comm_sms is not None:
@@ -840,8 +858,18 @@ def _worker(ctx, args):
     return run(ctx, args)
 
 
+def _transport_env(args) -> None:
+    """--ce-staging / --ce-sms: the environment the ranks' Buffers read (set before any is created)."""
+    if args.ce_staging is not None:
+        os.environ["COMMLIB_CE_STAGING"] = args.ce_staging
+        os.environ.setdefault("COMMLIB_CE_BYTES", str(600 << 20))
+    if args.ce_sms is not None:
+        os.environ["COMMLIB_CE_SMS"] = str(args.ce_sms)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    _transport_env(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         from commlib.dist import init_distributed
         from commlib.launch import RankContext

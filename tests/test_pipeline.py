@@ -784,6 +784,29 @@ def test_sm_carveout_resolves_and_restores(monkeypatch):
     assert state["calls"] == []
 
 
+def test_bench_overlap_transport_flags(monkeypatch):
+    """--ce-staging / --ce-sms set the ranks' environment (COMMLIB_CE_BYTES only when unset); the
+    network preset's shapes; bad values are refused."""
+    from commlib import env
+
+    bench = _load_bench()
+    for k in ("COMMLIB_CE_STAGING", "COMMLIB_CE_BYTES", "COMMLIB_CE_SMS"):
+        monkeypatch.setenv(k, "")  # recorded, so what _transport_env sets is undone after the test
+        monkeypatch.delenv(k)
+    args = bench.parse_args(["--preset", "network", "--ce-staging", "host", "--ce-sms", "8"])
+    bench._transport_env(args)
+    assert (env.ce_staging(), env.ce_bytes(), env.ce_sms()) == ("host", 600 << 20, 8)
+    monkeypatch.setenv("COMMLIB_CE_BYTES", str(1 << 30))
+    bench._transport_env(bench.parse_args(["--ce-staging", "device"]))
+    assert (env.ce_staging(), env.ce_bytes()) == ("device", 1 << 30)
+    shapes = bench._resolve_shapes(args, on_gpu=True)
+    assert (shapes["tokens"], shapes["heads"], shapes["expert_hidden"], shapes["topk"]) == (16384, 16, 3072, 2)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ce-sms", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ce-staging", "nvme"])
+
+
 def test_bench_overlap_gap_split():
     """bench_overlap's schedule bound replays the dual order at sequential durations: lockstep pairs
     cost their max, a stream waits for its micro-batch's previous step; the split reports busy

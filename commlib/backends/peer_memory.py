@@ -23,6 +23,23 @@ import torch.distributed as dist
 from .. import kernels as K
 
 
+def _exchange(mem, token, group, rank: int, num_ranks: int, open_peer, device_ctx) -> None:
+    """Collective: all-gather every rank's ``token`` (what a peer needs to map its buffer) and map each
+    peer's with ``open_peer(r, token) -> address`` inside ``device_ctx``; sets ``mem.peer_ptrs`` and
+    ``mem.peer_bases`` (own ``mem.base`` included)."""
+    everyone: list = [None] * num_ranks
+    dist.all_gather_object(everyone, token, group=group)
+    bases = []
+    with device_ctx:
+        for r, theirs in enumerate(everyone):
+            if r == rank:
+                bases.append(mem.base)
+                continue
+            mem.peer_ptrs[r] = open_peer(r, theirs)
+            bases.append(mem.peer_ptrs[r])
+    mem.peer_bases = torch.tensor(bases, dtype=torch.int64, device=mem.device)
+
+
 class PeerMemory:
     """``base``: this rank's buffer; ``peer_ptrs``: {rank: mapped address} of the others;
     ``peer_bases``: [R] int64 device tensor of every rank's address in this process (own included).
@@ -42,18 +59,8 @@ class PeerMemory:
             cp.cuda.runtime.memset(self.base, 0, self.num_bytes)
             cp.cuda.runtime.deviceSynchronize()
             handle = bytes(cp.cuda.runtime.ipcGetMemHandle(self.base))
-        everyone: list = [None] * num_ranks
-        dist.all_gather_object(everyone, (handle, os.getpid(), dev), group=group)
-        bases = []
-        with cp.cuda.Device(dev):
-            for r, (h, _pid, _dev) in enumerate(everyone):
-                if r == rank:
-                    bases.append(self.base)
-                    continue
-                p = int(cp.cuda.runtime.ipcOpenMemHandle(h))
-                self.peer_ptrs[r] = p
-                bases.append(p)
-        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=device)
+        _exchange(self, handle, group, rank, num_ranks,
+                  lambda r, h: int(cp.cuda.runtime.ipcOpenMemHandle(h)), cp.cuda.Device(dev))
 
     def all_opened(self, group, rank: int, num_ranks: int) -> None:
         """Collective: returns once every rank has opened every handle (after a device sync), so no
@@ -121,25 +128,20 @@ class HostPeerMemory:
         os.ftruncate(self._fd, self.num_bytes)
         with cp.cuda.Device(dev):
             self.base = self._map(self._fd)
-        everyone: list = [None] * num_ranks
-        dist.all_gather_object(everyone, (os.getpid(), self._fd, socket.gethostname()), group=group)
-        bases = []
-        with cp.cuda.Device(dev):
-            for r, (pid, fd, host) in enumerate(everyone):
-                if r == rank:
-                    bases.append(self.base)
-                    continue
-                if host != socket.gethostname():
-                    raise RuntimeError(f"[commlib rank {rank}] host staging needs every rank on one host; rank {r} "
-                                       f"is on {host}")
-                peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
-                try:
-                    p = self._map(peer_fd)
-                finally:
-                    os.close(peer_fd)
-                self.peer_ptrs[r] = p
-                bases.append(p)
-        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
+
+        def open_peer(r: int, token) -> int:
+            pid, fd, host = token
+            if host != socket.gethostname():
+                raise RuntimeError(f"[commlib rank {rank}] host staging needs every rank on one host; rank {r} "
+                                   f"is on {host}")
+            peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+            try:
+                return self._map(peer_fd)
+            finally:
+                os.close(peer_fd)
+
+        _exchange(self, (os.getpid(), self._fd, socket.gethostname()), group, rank, num_ranks, open_peer,
+                  cp.cuda.Device(dev))
 
     def _map(self, fd: int) -> int:
         mm = mmap.mmap(fd, self.num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

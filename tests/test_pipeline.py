@@ -807,6 +807,21 @@ def test_bench_overlap_transport_flags(monkeypatch):
         bench.parse_args(["--ce-staging", "nvme"])
 
 
+def test_bench_overlap_halves_floor():
+    """Two forwards then two backwards: the floor is max(comm, compute) of each half, summed."""
+    bench = _load_bench()
+
+    def span(label, stream, ms):
+        return {"label": label, "stream": stream, "start_ms": 0.0, "end_ms": ms}
+
+    spans = [span("0.F.attn0", "compute", 2), span("0.F.dispatch0", "comm", 3), span("1.F.attn0", "compute", 2),
+             span("1.F.dispatch0", "comm", 3), span("0.B.attn0", "compute", 4), span("0.B.dispatch0", "comm", 3),
+             span("1.B.attn0", "compute", 4), span("1.B.dispatch0", "comm", 3)]
+    # forward half: comm 6 > compute 4; backward half: compute 8 > comm 6 -> 14, against max(12, 12)
+    assert bench.halves_floor_ms(spans) == 14
+    assert bench.halves_floor_ms(spans[:4]) == 6  # a forward alone: its own max
+
+
 def test_bench_overlap_gap_split():
     """bench_overlap's schedule bound replays the dual order at sequential durations: lockstep pairs
     cost their max, a stream waits for its micro-batch's previous step; the split reports busy

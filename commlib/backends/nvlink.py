@@ -49,6 +49,16 @@ NOTIFY_SIG_FIELDS = ("hidden", "x dtype", "FP8 scales per token", "num_topk", "t
                      "num_experts", "num_channels")  # K.NOTIFY_SIG_WORDS words, notify.cu's order
 
 
+def ce_settings(rank: int) -> tuple[int, bool]:
+    """(COMMLIB_CE_BYTES, staging in host memory?), both read and checked: a host staging asked for
+    without staging bytes is refused rather than silently left to the SM kernels."""
+    ce_bytes, host = env.ce_bytes(), env.ce_staging() == "host"
+    if host and not ce_bytes:
+        raise ValueError(f"[commlib rank {rank}] COMMLIB_CE_STAGING=host needs COMMLIB_CE_BYTES > 0 (the staging "
+                         "size per rank); without it the SM kernels move the rows")
+    return ce_bytes, host
+
+
 class RankDisagreement(CommlibError, ValueError):
     """Ranks called the same op with different shapes / dtype / Config: raised on every rank before
     any data moved; the Buffer stays usable (every rank is still in step)."""
@@ -117,14 +127,14 @@ class NVLinkBackend(Backend):
         self._smid_grids = {kind: [0] * self._smid_slots for kind in SMID_KINDS}
         self._probe_rows = None  # DISPATCH_PROBE_NO_REMOTE_COPY's shared recv_x (_probe_recv_x)
         self._ce: Optional[PeerMemory] = None  # the copy-engine path's staging (COMMLIB_CE_BYTES, csrc/ce.cu)
-        ce_bytes = env.ce_bytes()
+        ce_bytes, ce_host = ce_settings(self.rank)
         if ce_bytes:
             self.ce_region_bytes = (ce_bytes - CE_FLAG_BYTES) // self.num_ranks // SLOT_ALIGN * SLOT_ALIGN
             if self.ce_region_bytes <= 0:
                 raise ValueError(f"[commlib rank {self.rank}] COMMLIB_CE_BYTES={ce_bytes} leaves no staging region "
                                  f"per rank (at least {CE_FLAG_BYTES + SLOT_ALIGN * self.num_ranks} bytes)")
             # staging "host": pinned host memory shared by the processes, rows cross PCIe out and back in
-            self._ce_host = env.ce_staging() == "host"
+            self._ce_host = ce_host
             staging = HostPeerMemory if self._ce_host else PeerMemory
             self._ce = staging(ce_bytes, self.group, self.rank, self.num_ranks, self.device)
             # the rows for every peer r are packed into region r here before the copy engines push them

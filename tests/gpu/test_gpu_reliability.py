@@ -463,6 +463,26 @@ def test_host_copy_engine_path(monkeypatch):
     assert [c[0] for c in calls] == ["notify_kernel"] and copies == []
 
 
+def test_host_ce_settings(monkeypatch):
+    """The copy-engine settings the nvlink backend starts from: off by default, device or host staging
+    with COMMLIB_CE_BYTES, and host staging without bytes (or a bad staging name) refused by name."""
+    from commlib.backends.nvlink import ce_settings
+
+    for k in ("COMMLIB_CE_BYTES", "COMMLIB_CE_STAGING"):
+        monkeypatch.delenv(k, raising=False)
+    assert ce_settings(0) == (0, False)
+    monkeypatch.setenv("COMMLIB_CE_BYTES", str(64 << 20))
+    assert ce_settings(0) == (64 << 20, False)
+    monkeypatch.setenv("COMMLIB_CE_STAGING", "host")
+    assert ce_settings(0) == (64 << 20, True)
+    monkeypatch.delenv("COMMLIB_CE_BYTES")
+    with pytest.raises(ValueError, match="COMMLIB_CE_STAGING=host needs COMMLIB_CE_BYTES"):
+        ce_settings(1)
+    monkeypatch.setenv("COMMLIB_CE_STAGING", "nvme")
+    with pytest.raises(ValueError, match="COMMLIB_CE_STAGING"):
+        ce_settings(1)
+
+
 def test_host_peer_memory_shares_pages(monkeypatch):
     """HostPeerMemory (COMMLIB_CE_STAGING=host) with CUDA mocked, as rank 1 of 2: it maps rank 0's memfd
     through /proc (here a memfd of this process), registers both mappings, and bytes written on either

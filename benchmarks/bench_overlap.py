@@ -74,6 +74,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -90,7 +91,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from commlib.timing import slowest  # noqa: E402  (after the checkout is on sys.path)
+from commlib.clocks import ClockMonitor, clock_ratio  # noqa: E402  (after the checkout is on sys.path)
+from commlib.timing import slowest  # noqa: E402
 
 PRESETS = {
     #           tokens hidden experts topk groups topk_groups expert_hidden shared heads head_dim
@@ -180,6 +182,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--tag", default=None, help="name of the output files (default: device + preset)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-clocks", action="store_true",
+                   help="do not sample the GPUs' SM clock and power (nvidia-smi) during the measured loops")
     p.add_argument("--kernel-profile", action="store_true",
                    help="GPUs: after timing, run F(0)+B(1) once sequential and once dual under torch.profiler and "
                         "record the kernel time per category (comm, GEMM, attention, other) in both, to attribute "
@@ -524,10 +528,19 @@ def run(ctx, args) -> dict:
         if backend is not None:
             traces.setdefault(name, {})[sched] = {k: backend.trace_history(k) for k in ("dispatch", "combine")}
 
+    # SM clock / power while each measured loop runs (rank 0 samples every GPU of the host): a dual
+    # schedule dense enough to reach the power cap runs its kernels at a lower clock
+    monitor = ClockMonitor() if on_gpu and ctx.rank == 0 and not args.no_clocks else None
+    if monitor is not None and not monitor.start():
+        monitor = None
+    windows = monitor.window if monitor is not None else (lambda name: contextlib.nullcontext())
+
     phases = {}
     for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
-        seq_ms = _median_ms(clock, lambda: fn(False), args.warmup, args.iters)
-        dual_ms = _median_ms(clock, lambda: fn(True), args.warmup, args.iters)
+        with windows(f"{name}.sequential"):
+            seq_ms = _median_ms(clock, lambda: fn(False), args.warmup, args.iters)
+        with windows(f"{name}.dual"):
+            dual_ms = _median_ms(clock, lambda: fn(True), args.warmup, args.iters)
         tl_seq, tl_dual = P.Timeline(), P.Timeline()
         for sched, overlap, tl in (("sequential", False, tl_seq), ("dual", True, tl_dual)):
             trace_reset()
@@ -535,9 +548,11 @@ def run(ctx, args) -> dict:
             trace_keep(name, sched)
         phases[name] = (seq_ms, dual_ms, tl_seq.spans(), tl_dual.spans())
     tl_seq, tl_dual = P.Timeline(), P.Timeline()
-    seq_ms = timed_f_and_b(False, tl_seq, before_last=trace_reset)
+    with windows("fwd0_bwd1.sequential"):
+        seq_ms = timed_f_and_b(False, tl_seq, before_last=trace_reset)
     trace_keep("fwd0_bwd1", "sequential")
-    dual_ms = timed_f_and_b(True, tl_dual, before_last=trace_reset)
+    with windows("fwd0_bwd1.dual"):
+        dual_ms = timed_f_and_b(True, tl_dual, before_last=trace_reset)
     trace_keep("fwd0_bwd1", "dual")
     phases["fwd0_bwd1"] = (seq_ms, dual_ms, tl_seq.spans(), tl_dual.spans())
     kernel_profile = None
@@ -565,6 +580,12 @@ def run(ctx, args) -> dict:
             dist.all_gather_object(ranks, {sched: comm_trace_steps(sp, traces[name][sched])
                                            for sched, sp in (("sequential", spans_seq), ("dual", spans_dual))})
             figures[name]["comm_trace"] = {"ranks": ranks, "summary": [comm_trace_summary(r) for r in ranks]}
+    gpu_clocks = None
+    if monitor is not None:
+        monitor.stop()
+        gpu_clocks = monitor.summary()
+        for name in figures:
+            figures[name]["sm_clock_dual_over_sequential"] = clock_ratio(gpu_clocks, name)
     if ctx.rank != 0:
         return {}
 
@@ -604,6 +625,8 @@ def run(ctx, args) -> dict:
                                                 f"{BALANCED_RANGE[1]:.2f}"},
         "check": check,
         "kernel_profile": kernel_profile,
+        # per "<phase>.<schedule>" measured loop, per GPU: SM clock, power, power-cap share (commlib.clocks)
+        "gpu_clocks": gpu_clocks,
         "figures": figures,
     }
     _print_table(result)
@@ -827,6 +850,11 @@ def _print_table(result: dict) -> None:
                   f"compute {i['compute']:.2f}")
             print(f"# {name:>18}: sequential step means (ms): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in f.get("sequential_stage_ms", {}).items()))
+    for window, gpus in (result.get("gpu_clocks") or {}).items():
+        print(f"# clocks {window:>29}: " + "; ".join(
+            f"gpu{g} {c['sm_mhz_mean']:.0f} MHz (min {c['sm_mhz_min']:.0f}), "
+            + (f"{c['power_w_mean']:.0f} W, " if c["power_w_mean"] is not None else "")
+            + f"power cap {100 * c['power_cap_share']:.0f}% of {c['samples']} samples" for g, c in gpus.items()))
     print(f"# targets: dual/max(comm, compute) <= {TARGET_DUAL_OVER_MAX}; speedup >= {TARGET_SPEEDUP} where comm ~ "
           f"compute ({BALANCED_RANGE[0]:.2f} <= comm/compute <= {BALANCED_RANGE[1]:.2f}); bound = (comm + compute) / max")
 

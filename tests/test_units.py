@@ -284,3 +284,44 @@ def test_cu_function_handle_old_and_new_cupy():
     assert K.cu_function_handle(SimpleNamespace(kernel=SimpleNamespace(ptr=7))) == 7
     assert K.cu_function_handle(SimpleNamespace(kernel=None)) == 0
     assert K.cu_function_handle(object()) == 0
+
+
+def test_clock_monitor_windows():
+    """commlib.clocks: sampler lines are parsed (warnings and [N/A] power survive), stamped as they
+    arrive, and summed per window and GPU; the power-cap bit is counted; a missing sampler is False."""
+    import sys
+    import time
+
+    from commlib import clocks
+
+    assert clocks.parse_line("0, 1980, 123.4, 0x0000000000000004") == (0, 1980.0, 123.4, 4)
+    assert clocks.parse_line("1, 1545, [N/A], 0x0000000000000000") == (1, 1545.0, None, 0)
+    assert clocks.parse_line("Failed to query power") is None
+    # the fake sampler: two samples per GPU, a pause, then two more (GPU 0 power-capped at a lower clock)
+    script = ("import sys, time\n"
+              "for g in (0, 1): print(f'{g}, 1980, 300.0, 0x0', flush=True)\n"
+              "for g in (0, 1): print(f'{g}, 1980, 310.0, 0x1', flush=True)\n"
+              "time.sleep(1.0)\n"
+              "print('0, 1500, 700.0, 0x4', flush=True); print('1, 1900, [N/A], 0x0', flush=True)\n"
+              "print('0, 1600, 690.0, 0x4', flush=True); print('1, 1900, [N/A], 0x0', flush=True)\n"
+              "time.sleep(5)\n")
+    mon = clocks.ClockMonitor(command=[sys.executable, "-c", script])
+    assert mon.start()
+    with mon.window("forward.sequential"):
+        deadline = time.monotonic() + 20
+        while len(mon.samples) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    with mon.window("forward.dual"):
+        while len(mon.samples) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    mon.stop()
+    s = mon.summary()
+    seq, dual = s["forward.sequential"], s["forward.dual"]
+    assert seq["0"]["samples"] == 2 and seq["0"]["sm_mhz_mean"] == 1980 and seq["0"]["power_w_mean"] == 305
+    assert seq["0"]["power_cap_share"] == 0
+    assert dual["0"] == {"samples": 2, "sm_mhz_mean": 1550, "sm_mhz_min": 1500, "power_w_mean": 695,
+                         "power_cap_share": 1.0, "thermal_share": 0.0, "hw_slowdown_share": 0.0}
+    assert dual["1"]["power_w_mean"] is None and dual["1"]["sm_mhz_mean"] == 1900
+    assert clocks.clock_ratio(s, "forward") == pytest.approx((1550 / 1980 + 1900 / 1980) / 2)
+    assert clocks.clock_ratio(s, "forward_backward") is None
+    assert not clocks.ClockMonitor(command=["/nonexistent/nvidia-smi"]).start()

@@ -92,6 +92,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from commlib.clocks import ClockMonitor, clock_ratio  # noqa: E402  (after the checkout is on sys.path)
+from commlib.overlap import EventOverlap  # noqa: E402
 from commlib.timing import slowest  # noqa: E402
 
 PRESETS = {
@@ -253,6 +254,101 @@ def _git_commit() -> str | None:
     from commlib.bench import git_commit
     commit = git_commit()["commit"]
     return None if commit == "unknown" else commit
+
+
+_ROW_DTYPES = (torch.bfloat16, torch.float16) + tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+class ReplayComm:
+    """A Buffer stand-in for the compute-dense reference (``compute_dense_ms``).
+
+    In ``record`` mode every call (get_dispatch_layout, dispatch, combine) goes to the real Buffer,
+    and the stand-in keeps what the compute needs of its outputs: index and weight tensors, counts,
+    handles; the rows (bf16 / fp16 / fp8 tensors) only as shape and dtype. In ``replay`` mode each
+    call returns the next recorded outputs (``rewind()`` before each run) with the rows freshly
+    zero-filled on the comm stream, and moves nothing. A schedule replayed this way runs the same
+    kernels on the compute stream with nothing to wait for: the time the compute alone takes when
+    it runs densely, at whatever clock the power cap then allows (the sequential run's compute spans
+    sit between transfers, where the GPU cools down and the clock recovers)."""
+
+    def __init__(self, buffer) -> None:
+        self._buffer = buffer
+        self._log: list = []
+        self._pos = 0
+        self.mode = "record"
+
+    def __getattr__(self, name):  # everything else (comm_stream, rank, num_sms, ...) is the real Buffer's
+        return getattr(self._buffer, name)
+
+    def rewind(self) -> None:
+        self._pos = 0
+
+    @staticmethod
+    def _template(obj):
+        if isinstance(obj, torch.Tensor) and obj.dtype in _ROW_DTYPES:
+            return ("rows", tuple(obj.shape), obj.dtype, obj.device)
+        if isinstance(obj, tuple):
+            return tuple(ReplayComm._template(o) for o in obj)
+        return obj
+
+    @staticmethod
+    def _build(tmpl, made: list):
+        if isinstance(tmpl, tuple) and len(tmpl) == 4 and tmpl[0] == "rows":
+            t = torch.zeros(tmpl[1], dtype=tmpl[2], device=tmpl[3])
+            made.append(t)
+            return t
+        if isinstance(tmpl, tuple):
+            return tuple(ReplayComm._build(o, made) for o in tmpl)
+        return tmpl
+
+    def _call(self, kind: str, event_index: int, real, previous_event, async_finish: bool):
+        if self.mode == "record":
+            out = real()
+            tmpl = list(out)
+            tmpl[event_index] = None
+            self._log.append((kind, tuple(self._template(o) for o in tmpl)))
+            return out
+        if self._pos >= len(self._log) or self._log[self._pos][0] != kind:
+            raise RuntimeError(f"ReplayComm: call {self._pos} is a {kind}, the recorded run "
+                               f"{'had no more calls' if self._pos >= len(self._log) else 'made a ' + self._log[self._pos][0]}")
+        tmpl = self._log[self._pos][1]
+        self._pos += 1
+        comm = getattr(self._buffer, "comm_stream", None)
+        made: list = []
+        if comm is None:  # CPU: no streams
+            out = list(self._build(tmpl, made))
+            out[event_index] = EventOverlap(None)
+            return tuple(out)
+        cur = torch.cuda.current_stream()
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(cur)
+        with torch.cuda.stream(comm):
+            out = list(self._build(tmpl, made))
+            event = torch.cuda.Event()
+            event.record(comm)
+        for t in made:
+            t.record_stream(cur)
+        if not async_finish:
+            cur.wait_event(event)
+        out[event_index] = EventOverlap(event)
+        return tuple(out)
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False, **kw):
+        return self._call("layout", 4, lambda: self._buffer.get_dispatch_layout(
+            topk_idx, num_experts, previous_event=previous_event, async_finish=async_finish, **kw),
+            previous_event, async_finish)
+
+    def dispatch(self, x, *args, previous_event=None, async_finish=False, **kw):
+        return self._call("dispatch", 5, lambda: self._buffer.dispatch(
+            x, *args, previous_event=previous_event, async_finish=async_finish, **kw), previous_event, async_finish)
+
+    def combine(self, x, handle, *args, previous_event=None, async_finish=False, **kw):
+        return self._call("combine", 2, lambda: self._buffer.combine(
+            x, handle, *args, previous_event=previous_event, async_finish=async_finish, **kw),
+            previous_event, async_finish)
 
 
 class _Clock:
@@ -499,12 +595,14 @@ def run(ctx, args) -> dict:
                                              overlap=overlap, issue_order=order, sm_carveout=carveout,
                                              defer_weight_grads=defer)
 
-    def timed_f_and_b(overlap, timeline, before_last=None):
+    def timed_f_and_b(overlap, timeline, before_last=None, before_each=None):
         """DualPipe's steady state: micro-batch 1's forward ran earlier (untimed); time micro-batch
         0's forward together with micro-batch 1's backward. before_last(): called right before the
-        last (recorded) iteration's timed part."""
+        last (recorded) iteration's timed part; before_each(): at the start of every iteration."""
         times = []
         for it in range(args.warmup + args.iters):
+            if before_each is not None:
+                before_each()
             model.zero_grad(set_to_none=True)
             o1 = model(h1)
             last = it == args.warmup + args.iters - 1
@@ -555,6 +653,34 @@ def run(ctx, args) -> dict:
         dual_ms = timed_f_and_b(True, tl_dual, before_last=trace_reset)
     trace_keep("fwd0_bwd1", "dual")
     phases["fwd0_bwd1"] = (seq_ms, dual_ms, tl_seq.spans(), tl_dual.spans())
+    # The compute-dense reference: every phase's dual schedule again, its transfers replayed from a
+    # recorded run (ReplayComm), so the compute stream runs without a gap at the clock that allows
+    dense = {}
+    replay = ReplayComm(buffer)
+    real_buffer, model.buffer = model.buffer, replay
+    try:
+        for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd), ("fwd0_bwd1", None)):
+            replay.mode, replay._log = "record", []
+            replay.rewind()
+            if fn is not None:
+                fn(True)
+                replay.mode = "replay"
+
+                def once(fn=fn):
+                    replay.rewind()
+                    fn(True)
+                with windows(f"{name}.dense"):
+                    dense[name] = _median_ms(clock, once, args.warmup, args.iters)
+            else:
+                model.zero_grad(set_to_none=True)
+                f_and_b(model(h1), True)
+                replay.mode = "replay"
+                with windows(f"{name}.dense"):
+                    dense[name] = timed_f_and_b(True, None, before_each=replay.rewind)
+    finally:
+        model.buffer = real_buffer
+        replay._log = []
+
     kernel_profile = None
     if args.kernel_profile and on_gpu:
         def profiled(overlap):
@@ -569,8 +695,12 @@ def run(ctx, args) -> dict:
     figures = {}
     for name, (seq_ms, dual_ms, spans_seq, spans_dual) in phases.items():
         comm_ms, compute_ms = _sum_spans(spans_seq, "comm"), _sum_spans(spans_seq, "compute")
-        seq_ms, dual_ms, comm_ms, compute_ms = slowest([seq_ms, dual_ms, comm_ms, compute_ms])
+        seq_ms, dual_ms, comm_ms, compute_ms, dense_ms = slowest([seq_ms, dual_ms, comm_ms, compute_ms, dense[name]])
         figures[name] = _figures(seq_ms, dual_ms, comm_ms, compute_ms)
+        # against the compute as it runs without gaps (ReplayComm): the overlap's own cost, with the
+        # clock the power cap leaves a dense schedule taken out of it
+        figures[name].update(compute_dense_ms=dense_ms, compute_dense_over_sequential=dense_ms / max(compute_ms, 1e-9),
+                             dual_over_max_comm_compute_dense=dual_ms / max(comm_ms, dense_ms, 1e-9))
         figures[name].update(gap_split(spans_seq, spans_dual, max(comm_ms, compute_ms)))
         if name == "forward_backward":  # the halves cannot overlap each other (halves_floor_ms)
             figures[name]["halves_floor_over_max"] = halves_floor_ms(spans_seq) / max(comm_ms, compute_ms, 1e-9)
@@ -848,6 +978,9 @@ def _print_table(result: dict) -> None:
             print(f"# {name:>18}: schedule bound {f['schedule_bound_over_max']:.3f} x max{halves}; dual busy / "
                   f"sequential: comm {b['comm']:.2f}, compute {b['compute']:.2f}; idle share: comm {i['comm']:.2f}, "
                   f"compute {i['compute']:.2f}")
+            print(f"# {name:>18}: compute dense (transfers replayed) {f['compute_dense_ms']:.3f} ms = "
+                  f"{f['compute_dense_over_sequential']:.3f} x sequential compute; dual / max(comm, dense compute) "
+                  f"{f['dual_over_max_comm_compute_dense']:.3f}")
             print(f"# {name:>18}: sequential step means (ms): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in f.get("sequential_stage_ms", {}).items()))
     for window, gpus in (result.get("gpu_clocks") or {}).items():

@@ -407,6 +407,7 @@ def case_bench_overlap_smoke(ctx):
             assert os.path.exists(result["json_path"])
             assert result["calibration"] is None and result["issue_order"] == "auto"
             for f in result["figures"].values():
+                assert f["compute_dense_ms"] > 0 and f["dual_over_max_comm_compute_dense"] > 0
                 assert f["comm_over_compute"] > 0 and set(f["verdict"]) == {
                     "dual_over_max_ok", "comm_about_equal_compute", "speedup_target_applies", "speedup_ok"}
 
@@ -980,3 +981,48 @@ def test_linear_same_bits_and_deferred_next():
             assert chain_items == [] and len(next_items) == 1 and wc.grad is None
             wgrad.run(next_items)
             assert torch.equal(wc.grad, wb.grad)
+
+
+def test_bench_overlap_replay_comm():
+    """ReplayComm: record passes calls through and keeps index tensors, counts and handles; replay
+    returns them in call order with the rows zero-filled (same shapes and dtypes), moves nothing, and
+    refuses a call sequence that differs from the recorded one."""
+    import types
+    bench = _load_bench()
+
+    class Fake:
+        comm_stream = None
+        rank = 3
+
+        def __init__(self):
+            self.calls = 0
+
+        def dispatch(self, x, handle=None, previous_event=None, async_finish=False):
+            self.calls += 1
+            idx = torch.tensor([[0, -1], [1, 0]])
+            return x * 2, idx, torch.ones(2, 2), [2, 1], types.SimpleNamespace(idx=idx), "event"
+
+        def combine(self, x, handle, previous_event=None, async_finish=False):
+            self.calls += 1
+            return x + 1, None, "event"
+
+    real = Fake()
+    r = bench.ReplayComm(real)
+    x = torch.full((2, 4), 3.0, dtype=torch.bfloat16)
+    rec = r.dispatch(x)
+    assert rec[0].eq(6).all() and rec[5] == "event"
+    r.combine(rec[0], rec[4])
+    assert real.calls == 2 and r.rank == 3  # attributes fall through to the real Buffer
+    r.mode = "replay"
+    for _ in range(2):
+        r.rewind()
+        out = r.dispatch(x)
+        assert out[0].dtype == torch.bfloat16 and out[0].shape == (2, 4) and out[0].eq(0).all()
+        assert out[1] is rec[1] and out[2] is rec[2] and out[3] == [2, 1] and out[4] is rec[4]
+        assert out[5].event is None  # an EventOverlap (CPU: no event)
+        c = r.combine(out[0], out[4])
+        assert c[0].shape == (2, 4) and c[0].eq(0).all() and c[1] is None
+    assert real.calls == 2
+    r.rewind()
+    with pytest.raises(RuntimeError, match="call 0 is a combine"):
+        r.combine(x, None)

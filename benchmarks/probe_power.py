@@ -11,6 +11,7 @@ one side load at a time, launched first on a side stream and sized to last as lo
   spin_host  one warp polling a word of pinned host memory (system-scope loads), as the copy-engine
              path's flag kernels wait
   spin_dev   the same on a word of device memory
+  spin_sleep spin_host with a 256 ns __nanosleep between polls (kernel variant WAIT_BACKOFF_NS)
   hbm4       4 CTAs of 1024 threads copying between two 2 GB device buffers (the packing and the
              sum's kind of work, without pause, on 4 SMs)
 
@@ -34,19 +35,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-LOADS = ("alone", "pcie", "spin_host", "spin_dev", "hbm4", "alone_again")
+LOADS = ("alone", "pcie", "spin_host", "spin_dev", "spin_sleep", "hbm4", "alone_again")
 
 _SRC = r"""
 __device__ __forceinline__ unsigned long long now() {
     unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
 }
-// One warp polls *flag (system scope, like the flag kernels' waits) until ns have passed.
-extern "C" __global__ void spin_kernel(const unsigned long long* flag, unsigned long long ns, unsigned long long* sink) {
+// One warp polls *flag (system scope, like the flag kernels' waits) until ns have passed, sleeping
+// sleep_ns between polls when > 0.
+extern "C" __global__ void spin_kernel(const unsigned long long* flag, unsigned long long ns, unsigned long long* sink,
+                                       unsigned int sleep_ns) {
     const unsigned long long t0 = now();
     unsigned long long v = 0, seen = 0;
     while (now() - t0 < ns) {
         asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
         seen += v;
+        if (sleep_ns) __nanosleep(sleep_ns);
     }
     if (seen == 0x1234567ull) *sink = seen;
 }
@@ -117,10 +121,11 @@ def main(argv=None) -> None:
             with torch.cuda.stream(side2):
                 for _ in range(pcie_copies):
                     dst_d.copy_(pinned, non_blocking=True)
-        elif kind in ("spin_host", "spin_dev"):
-            flag = mapped(host_flag) if kind == "spin_host" else dev_flag.data_ptr()
+        elif kind in ("spin_host", "spin_dev", "spin_sleep"):
+            flag = dev_flag.data_ptr() if kind == "spin_dev" else mapped(host_flag)
             with cp.cuda.ExternalStream(side1.cuda_stream):
-                spin((1,), (32,), (cp.uint64(flag), cp.uint64(ns), cp.uint64(sink.data_ptr())))
+                spin((1,), (32,), (cp.uint64(flag), cp.uint64(ns), cp.uint64(sink.data_ptr()),
+                                   cp.uint32(256 if kind == "spin_sleep" else 0)))
         elif kind == "hbm4":
             with cp.cuda.ExternalStream(side1.cuda_stream):
                 copy((4,), (1024,), (cp.uint64(hbm_a.data_ptr()), cp.uint64(hbm_b.data_ptr()),

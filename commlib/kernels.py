@@ -85,6 +85,9 @@ DEFAULT_VARIANT = {
                                   # 2x1-cluster persistent GEMMs beside them keep their SMs (common.cuh; 1: plain)
     "SHARE_WORK": 1,              # a channel's sender, once done, takes the receiver's rows from a counter in the
                                   # cluster's shared memory (needs COMM_CLUSTER 2; common.cuh); 0: each CTA its own
+    "WAIT_BACKOFF_NS": 256,       # the one-warp flag waits of ce_sync (copy-engine path) and notify (count exchange)
+                                  # sleep about this long between polls, so a waiting warp leaves its SM's issue
+                                  # slots to the compute beside it; 0: they spin (benchmarks/probe_power.py)
     "COMM_TRACE": 0,              # 1: dispatch / combine record %globaltimer points per CTA (COMMLIB_DEBUG_SMID=1)
     "COMM_L2_EVICT_FIRST": 0,     # 1: bulk row loads / stores (ld_nc_v4, st_na_v4) carry an L2 evict-first policy
     "LL_TRACE": 0,                # 1: low-latency kernels record %globaltimer points (csrc/low_latency.cu)
@@ -171,6 +174,8 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     for key in ("DISPATCH_STREAM_BACKOFF_NS", "DISPATCH_STREAM_WINDOW"):  # knobs of the streaming sender
         if merged[key] < 0 or (merged[key] and not merged["DISPATCH_STREAM_SEND"]):
             raise ValueError(f"{key} must be >= 0 and needs DISPATCH_STREAM_SEND > 0, got {merged[key]}")
+    if not 0 <= merged["WAIT_BACKOFF_NS"] <= 1_000_000:  # __nanosleep takes at most ~1 ms
+        raise ValueError(f"WAIT_BACKOFF_NS must be in [0, 1000000] (0: spin), got {merged['WAIT_BACKOFF_NS']}")
     for key, zero in (("DISPATCH_STREAM_MAX_SMS", "never"), ("DISPATCH_STREAM_SEND", "round barriers"),
                       ("DISPATCH_SEND_WARPS", "every copy warp")):
         if merged[key] < 0:

@@ -55,7 +55,7 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
     const u64 theirs = peer ? peer_bases[lane] : 0;
     if (mode == CE_SYNC_BEGIN) {
         warp_wait_geq(ce_free(mine) + lane, seq - 1, peer, lane, WaitSite{"ce", "region free", rank, -1, false},
-                      timeout_ns);
+                      timeout_ns, COMMLIB_WAIT_BACKOFF_NS);
         return;
     }
     // The copies before this kernel on the stream have completed; make them visible system-wide
@@ -64,7 +64,7 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
     if (peer) st_release_sys((mode == CE_SYNC_PUSHED ? ce_ready(theirs) : ce_free(theirs)) + rank, seq);
     if (mode == CE_SYNC_PUSHED)
         warp_wait_geq(ce_ready(mine) + lane, seq, peer, lane, WaitSite{"ce", "rows pushed", rank, -1, false},
-                      timeout_ns);
+                      timeout_ns, COMMLIB_WAIT_BACKOFF_NS);
 }
 
 // Dispatch, sender side: token t goes to every rank r with is_token_in_rank[t, r], as row pos[t, r]

@@ -355,9 +355,16 @@ struct WaitSite {
 // whole warp at once; on timeout one lane names what it waited for (rank, channel, counter, the
 // peer rank = `peer`, expected vs seen; a progress word v is printed as seq = v >> 32 and count =
 // v & 0xffffffff) and the kernel traps. Returns this lane's last value.
+#ifndef COMMLIB_WAIT_BACKOFF_NS
+#define COMMLIB_WAIT_BACKOFF_NS 0  // the flag waits of ce_sync and notify (kernel variant WAIT_BACKOFF_NS)
+#endif
+// backoff_ns > 0: the warp sleeps about that long (__nanosleep) between polls. For waits in kernels
+// that have nothing else to do (the copy-engine path's ce_sync, the count exchange): a spinning warp
+// takes issue slots from whatever CTA shares its SM, a GEMM's beside the dual pipeline's comm stream
+// (benchmarks/probe_power.py: one spinning warp cost a full-GPU GEMM loop 6%).
 template <bool kExact>
 __device__ __noinline__ u64 warp_wait_until(const u64* p_lane, u64 expected_lane, u64 mask, bool active, int peer,
-                                            WaitSite site, u64 timeout_ns) {
+                                            WaitSite site, u64 timeout_ns, u32 backoff_ns = 0) {
     auto reached = [&](u64 v) { return kExact ? (v & mask) == expected_lane : v >= expected_lane; };
     u64 seen = active ? ld_acquire_sys(p_lane) : 0;
     bool ok = !active || reached(seen);
@@ -391,11 +398,12 @@ __device__ __noinline__ u64 warp_wait_until(const u64* p_lane, u64 expected_lane
             __syncwarp();
             asm volatile("trap;");
         }
+        if (backoff_ns) __nanosleep(backoff_ns);
     }
 }
 __device__ __forceinline__ u64 warp_wait_geq(const u64* p_lane, u64 expected_lane, bool active, int peer,
-                                             WaitSite site, u64 timeout_ns) {
-    return warp_wait_until<false>(p_lane, expected_lane, ~0ull, active, peer, site, timeout_ns);
+                                             WaitSite site, u64 timeout_ns, u32 backoff_ns = 0) {
+    return warp_wait_until<false>(p_lane, expected_lane, ~0ull, active, peer, site, timeout_ns, backoff_ns);
 }
 // Self-validating words (tag in the bits under `mask`, payload in the rest) in a region whose layout
 // can change from call to call: any stale bytes may sit there before the writer's store, so only

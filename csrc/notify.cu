@@ -140,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
     if (warp == 0) {
         const WaitSite site = {"notify", "notify flag", rank, -1, false};
         warp_wait_geq(flag_at(own, COMMLIB_OFF_NOTIFY_FLAG, parity * R + (lane < R ? lane : 0)), seq, lane < R,
-                      lane, site, timeout_ns);
+                      lane, site, timeout_ns, COMMLIB_WAIT_BACKOFF_NS);
     }
     __syncthreads();
 

@@ -272,6 +272,15 @@ def test_kernel_variant_parse_and_set():
         for name in names:
             assert len(K.kernel_signature(family, name)) > 3, (family, name)
     assert "-DCOMMLIB_COMM_CLUSTER=2" in K.options(False, dict(K.DEFAULT_VARIANT, COMM_CLUSTER=2))
+    # the flag waits of ce_sync and notify sleep between polls (0: spin); the value reaches both sources
+    assert f"-DCOMMLIB_WAIT_BACKOFF_NS={K.DEFAULT_VARIANT['WAIT_BACKOFF_NS']}" in K.options(False)
+    for family in ("ce", "notify"):
+        assert "COMMLIB_WAIT_BACKOFF_NS);" in K.source(family)
+    for bad in (-1, 2_000_000):
+        with pytest.raises(ValueError, match="WAIT_BACKOFF_NS"):
+            K.set_variant({"WAIT_BACKOFF_NS": bad})
+    assert K.set_variant({"WAIT_BACKOFF_NS": 0})["WAIT_BACKOFF_NS"] == 0
+    K.set_variant(None)
 
 
 def test_cu_function_handle_old_and_new_cupy():

@@ -85,9 +85,10 @@ DEFAULT_VARIANT = {
                                   # 2x1-cluster persistent GEMMs beside them keep their SMs (common.cuh; 1: plain)
     "SHARE_WORK": 1,              # a channel's sender, once done, takes the receiver's rows from a counter in the
                                   # cluster's shared memory (needs COMM_CLUSTER 2; common.cuh); 0: each CTA its own
-    "WAIT_BACKOFF_NS": 256,       # the one-warp flag waits of ce_sync (copy-engine path) and notify (count exchange)
-                                  # sleep about this long between polls, so a waiting warp leaves its SM's issue
-                                  # slots to the compute beside it; 0: they spin (benchmarks/probe_power.py)
+    "WAIT_BACKOFF_NS": 0,         # > 0: the one-warp flag waits of ce_sync (copy-engine path) and notify (count
+                                  # exchange) sleep about this long between polls; 0: they spin. 256 was neutral
+                                  # (2 x H200, bench_overlap network; probe_power: a GEMM loses the same 6% beside
+                                  # a sleeping warp as beside a spinning one: the CTA's SM, not its issue slots)
     "COMM_TRACE": 0,              # 1: dispatch / combine record %globaltimer points per CTA (COMMLIB_DEBUG_SMID=1)
     "COMM_L2_EVICT_FIRST": 0,     # 1: bulk row loads / stores (ld_nc_v4, st_na_v4) carry an L2 evict-first policy
     "LL_TRACE": 0,                # 1: low-latency kernels record %globaltimer points (csrc/low_latency.cu)

@@ -67,6 +67,8 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
                       timeout_ns, COMMLIB_WAIT_BACKOFF_NS);
 }
 
+// The packing and the sum launch as COMM_CLUSTER-CTA clusters (grid rounded up in nvlink.py): a plain
+// CTA can land alone on a GPC and cost a 2-CTA-cluster GEMM beside it a slot.
 // Dispatch, sender side: token t goes to every rank r with is_token_in_rank[t, r], as row pos[t, r]
 // (its rank among this rank's tokens for r) of that destination's blocks: x rows, FP8 scales, top-k
 // ids (r's local ids, -1 elsewhere), weights (0 elsewhere) and source indices (t). For this rank the
@@ -76,7 +78,7 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
 // weights, sources) is written (x always); the own pointers may be null when no row stays here. One warp per token; each x vector is loaded once, stored to every destination.
 struct CeBlocks { u64 x, scales, topk, weights, src; };
 
-extern "C" __global__ void __launch_bounds__(1024) ce_pack_kernel(
+extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(1024) ce_pack_kernel(
     const int4* __restrict__ x, const float* __restrict__ x_scales, const i64* __restrict__ topk_idx,
     const float* __restrict__ topk_weights, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos,
     u64 pack_base, u64 region_bytes, u64 off_scales, u64 off_topk, u64 off_weights, u64 off_src,
@@ -137,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(1024) ce_pack_kernel(
 // bias1), summed in float32 with IEEE adds (csrc/combine.cu's sum, so the result is the same bits).
 // The row of rank r is x_local[local_offset + pos[t, me]] for this rank, else row pos[t, r] of the x
 // block of region r; the weights likewise (weights block at w_block_offset of each region).
-extern "C" __global__ void __launch_bounds__(512) ce_reduce_kernel(
+extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(512) ce_reduce_kernel(
     const int4* __restrict__ x_local, const float* __restrict__ w_local, u64 staging, u64 region_bytes,
     u64 w_block_offset, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos, int local_offset,
     const int4* __restrict__ bias0, const int4* __restrict__ bias1, int4* __restrict__ out, float* __restrict__ out_w,

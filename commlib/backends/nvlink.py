@@ -573,7 +573,9 @@ class NVLinkBackend(Backend):
         this path; the packing and the sum are short local passes bound by bytes in flight, so few CTAs
         stretch them (2 x H200, `balanced` 16384 tokens: F.dispatch 1.7 ms of packing alone on 4 CTAs,
         1.22-1.28 ms for the whole dispatch on 64-128; docs/pipeline.md)."""
-        return max(1, env.ce_sms() or max(num_sms, self._ce_half_sms))
+        grid = max(1, env.ce_sms() or max(num_sms, self._ce_half_sms))
+        cluster = K.variant_value("COMM_CLUSTER")  # the kernels launch as clusters of this many CTAs
+        return -(-grid // cluster) * cluster
 
     def _ce_sync(self, mode: int) -> None:
         K.launch("ce", "ce_sync_kernel", 1, 32, (K.i32(mode), K.ptr(self._ce.peer_bases), K.i32(self.rank),

@@ -422,9 +422,10 @@ def test_host_copy_engine_path(monkeypatch):
     calls.clear(), copies.clear()
     req = _dispatch_req()
     req.handle, req.topk_idx, req.topk_weights, req.layout = h, None, None, None
-    monkeypatch.setenv("COMMLIB_CE_SMS", "16")
+    monkeypatch.setenv("COMMLIB_CE_SMS", "15")
     cached = be.dispatch(req)
     monkeypatch.delenv("COMMLIB_CE_SMS")
+    # the packing launches as 2-CTA clusters (COMM_CLUSTER): 15 CTAs asked, 16 launched
     assert [g for n, g, _ in calls.builds if n == "ce_pack_kernel"] == [66, 16]
     assert [c[0] for c in calls] == ["ce_pack_kernel"] + ["ce_sync_kernel"] * 3 and calls[0][1][17] == 1
     cap1 = (region - 16 * 5) // row

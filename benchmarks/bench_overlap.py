@@ -183,6 +183,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--tag", default=None, help="name of the output files (default: device + preset)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-dense", action="store_true",
+                   help="skip the compute-dense reference (each dual schedule replayed without transfers)")
     p.add_argument("--no-clocks", action="store_true",
                    help="do not sample the GPUs' SM clock and power (nvidia-smi) during the measured loops")
     p.add_argument("--kernel-profile", action="store_true",
@@ -659,7 +661,7 @@ def run(ctx, args) -> dict:
     replay = ReplayComm(buffer)
     real_buffer, model.buffer = model.buffer, replay
     try:
-        for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd), ("fwd0_bwd1", None)):
+        for name, fn in () if args.no_dense else (("forward", fwd), ("forward_backward", fwd_bwd), ("fwd0_bwd1", None)):
             replay.mode, replay._log = "record", []
             replay.rewind()
             if fn is not None:
@@ -695,12 +697,14 @@ def run(ctx, args) -> dict:
     figures = {}
     for name, (seq_ms, dual_ms, spans_seq, spans_dual) in phases.items():
         comm_ms, compute_ms = _sum_spans(spans_seq, "comm"), _sum_spans(spans_seq, "compute")
-        seq_ms, dual_ms, comm_ms, compute_ms, dense_ms = slowest([seq_ms, dual_ms, comm_ms, compute_ms, dense[name]])
+        seq_ms, dual_ms, comm_ms, compute_ms, dense_ms = slowest([seq_ms, dual_ms, comm_ms, compute_ms,
+                                                                  dense.get(name, 0.0)])
         figures[name] = _figures(seq_ms, dual_ms, comm_ms, compute_ms)
-        # against the compute as it runs without gaps (ReplayComm): the overlap's own cost, with the
-        # clock the power cap leaves a dense schedule taken out of it
-        figures[name].update(compute_dense_ms=dense_ms, compute_dense_over_sequential=dense_ms / max(compute_ms, 1e-9),
-                             dual_over_max_comm_compute_dense=dual_ms / max(comm_ms, dense_ms, 1e-9))
+        if name in dense:  # against the compute as it runs without gaps (ReplayComm): the overlap's own
+            # cost, with what a dense schedule's clock does to the compute taken out of it
+            figures[name].update(compute_dense_ms=dense_ms,
+                                 compute_dense_over_sequential=dense_ms / max(compute_ms, 1e-9),
+                                 dual_over_max_comm_compute_dense=dual_ms / max(comm_ms, dense_ms, 1e-9))
         figures[name].update(gap_split(spans_seq, spans_dual, max(comm_ms, compute_ms)))
         if name == "forward_backward":  # the halves cannot overlap each other (halves_floor_ms)
             figures[name]["halves_floor_over_max"] = halves_floor_ms(spans_seq) / max(comm_ms, compute_ms, 1e-9)
@@ -978,9 +982,10 @@ def _print_table(result: dict) -> None:
             print(f"# {name:>18}: schedule bound {f['schedule_bound_over_max']:.3f} x max{halves}; dual busy / "
                   f"sequential: comm {b['comm']:.2f}, compute {b['compute']:.2f}; idle share: comm {i['comm']:.2f}, "
                   f"compute {i['compute']:.2f}")
-            print(f"# {name:>18}: compute dense (transfers replayed) {f['compute_dense_ms']:.3f} ms = "
-                  f"{f['compute_dense_over_sequential']:.3f} x sequential compute; dual / max(comm, dense compute) "
-                  f"{f['dual_over_max_comm_compute_dense']:.3f}")
+            if "compute_dense_ms" in f:
+                print(f"# {name:>18}: compute dense (transfers replayed) {f['compute_dense_ms']:.3f} ms = "
+                      f"{f['compute_dense_over_sequential']:.3f} x sequential compute; dual / max(comm, dense "
+                      f"compute) {f['dual_over_max_comm_compute_dense']:.3f}")
             print(f"# {name:>18}: sequential step means (ms): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in f.get("sequential_stage_ms", {}).items()))
     for window, gpus in (result.get("gpu_clocks") or {}).items():

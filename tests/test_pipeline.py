@@ -420,10 +420,12 @@ def case_bench_overlap_balanced_fb_smoke(ctx):
     bench.CALIBRATION_SIZES = (16, 32)
     with tempfile.TemporaryDirectory() as out_dir:
         args = bench.parse_args(["--preset", "balanced_fb", "--tokens", "16", "--hidden", "64", "--warmup", "1",
-                                 "--iters", "1", "--no-plot", "--issue-order", "comm_first", "--out-dir", out_dir])
+                                 "--iters", "1", "--no-plot", "--issue-order", "comm_first", "--no-dense",
+                                 "--out-dir", out_dir])
         result = bench.run(ctx, args)
         if ctx.rank == 0:
             assert result["shapes"]["heads"] == 0 and result["issue_order"] == "comm_first"
+            assert not any("compute_dense_ms" in f for f in result["figures"].values())  # --no-dense
             cal = result["calibration"]
             assert cal is not None and cal["chosen"] in (16, 32) and cal["trials"]
             assert result["shapes"]["expert_hidden"] == cal["chosen"]

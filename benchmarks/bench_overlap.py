@@ -74,6 +74,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -260,6 +261,7 @@ def _git_commit() -> str | None:
 
 _ROW_DTYPES = (torch.bfloat16, torch.float16) + tuple(
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+_Rows = collections.namedtuple("_Rows", "shape dtype device")  # a recorded row tensor, kept as its shape
 
 
 class ReplayComm:
@@ -271,8 +273,8 @@ class ReplayComm:
     call returns the next recorded outputs (``rewind()`` before each run) with the rows freshly
     zero-filled on the comm stream, and moves nothing. A schedule replayed this way runs the same
     kernels on the compute stream with nothing to wait for: the time the compute alone takes when
-    it runs densely, at whatever clock the power cap then allows (the sequential run's compute spans
-    sit between transfers, where the GPU cools down and the clock recovers)."""
+    it runs densely, at whatever clock the power cap then allows (2 x H200: the sequential compute
+    spans' time, at 0.91-0.97x their clock; docs/pipeline.md)."""
 
     def __init__(self, buffer) -> None:
         self._buffer = buffer
@@ -286,18 +288,22 @@ class ReplayComm:
     def rewind(self) -> None:
         self._pos = 0
 
+    def record(self) -> None:
+        """Forget the recorded calls; the next calls pass through and are recorded anew."""
+        self._log, self._pos, self.mode = [], 0, "record"
+
     @staticmethod
     def _template(obj):
         if isinstance(obj, torch.Tensor) and obj.dtype in _ROW_DTYPES:
-            return ("rows", tuple(obj.shape), obj.dtype, obj.device)
+            return _Rows(tuple(obj.shape), obj.dtype, obj.device)
         if isinstance(obj, tuple):
             return tuple(ReplayComm._template(o) for o in obj)
         return obj
 
     @staticmethod
     def _build(tmpl, made: list):
-        if isinstance(tmpl, tuple) and len(tmpl) == 4 and tmpl[0] == "rows":
-            t = torch.zeros(tmpl[1], dtype=tmpl[2], device=tmpl[3])
+        if isinstance(tmpl, _Rows):
+            t = torch.zeros(tmpl.shape, dtype=tmpl.dtype, device=tmpl.device)
             made.append(t)
             return t
         if isinstance(tmpl, tuple):
@@ -662,8 +668,7 @@ def run(ctx, args) -> dict:
     real_buffer, model.buffer = model.buffer, replay
     try:
         for name, fn in () if args.no_dense else (("forward", fwd), ("forward_backward", fwd_bwd), ("fwd0_bwd1", None)):
-            replay.mode, replay._log = "record", []
-            replay.rewind()
+            replay.record()
             if fn is not None:
                 fn(True)
                 replay.mode = "replay"
@@ -681,7 +686,7 @@ def run(ctx, args) -> dict:
                     dense[name] = timed_f_and_b(True, None, before_each=replay.rewind)
     finally:
         model.buffer = real_buffer
-        replay._log = []
+        replay.record()  # drops the last recording's handles and index tensors
 
     kernel_profile = None
     if args.kernel_profile and on_gpu:

@@ -110,9 +110,6 @@ def main(argv=None) -> None:
     side1, side2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
     pcie_copies = max(1, int(args.seconds * 1.2 * 50e9 / big))  # ~50 GB/s per direction
 
-    def mapped(t):  # device address of a pinned host tensor (UVA: the same pointer)
-        return t.data_ptr()
-
     def side_load(kind: str) -> None:
         if kind == "pcie":
             with torch.cuda.stream(side1):
@@ -122,7 +119,8 @@ def main(argv=None) -> None:
                 for _ in range(pcie_copies):
                     dst_d.copy_(pinned, non_blocking=True)
         elif kind in ("spin_host", "spin_dev", "spin_sleep"):
-            flag = dev_flag.data_ptr() if kind == "spin_dev" else mapped(host_flag)
+            # a pinned host tensor's device address is its host pointer (UVA)
+            flag = (dev_flag if kind == "spin_dev" else host_flag).data_ptr()
             with cp.cuda.ExternalStream(side1.cuda_stream):
                 spin((1,), (32,), (cp.uint64(flag), cp.uint64(ns), cp.uint64(sink.data_ptr()),
                                    cp.uint32(256 if kind == "spin_sleep" else 0)))

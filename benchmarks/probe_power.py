@@ -70,7 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=5.0, help="length of each row's GEMM loop")
     p.add_argument("--smi-index", type=int, default=0, help="nvidia-smi's index of CUDA device 0")
     p.add_argument("--json", default="")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.seconds > 0:
+        p.error(f"--seconds must be positive, got {args.seconds}")
+    return args
 
 
 def main(argv=None) -> None:

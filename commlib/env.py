@@ -20,7 +20,7 @@ Variables:
   COMMLIB_CE_BYTES         N > 0: the nvlink backend moves dispatch / combine rows with the copy engines through an
                            N-byte CUDA IPC staging per rank (csrc/ce.cu; default 0: SM kernels)
   COMMLIB_CE_SMS           CTAs of the copy-engine path's packing and summing kernels (default 0: the call's
-                           Config.num_sms, at least half the GPU's SMs)
+                           Config.num_sms, at least half the GPU's SMs), rounded up to whole COMM_CLUSTER clusters
   COMMLIB_CE_STAGING       device | host: where the copy-engine path's staging lives (default device: CUDA IPC over
                            NVLink); host: pinned host memory shared by the ranks' processes, so rows cross PCIe
                            twice (the path of GPUs without peer access, and of a NIC's DMA)

@@ -192,6 +192,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="GPUs: after timing, run F(0)+B(1) once sequential and once dual under torch.profiler and "
                         "record the kernel time per category (comm, GEMM, attention, other) in both, to attribute "
                         "the interference (JSON: kernel_profile)")
+    p.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="GPUs: after timing, run forward+backward (two forwards, then two backwards) once "
+                        "sequential and once dual under torch.profiler (host API calls and kernels) and write "
+                        "each rank's chrome trace to DIR/<tag>_<schedule>_rank<r>.json.gz")
     p.add_argument("--comm-trace", action="store_true",
                    help="GPUs (nvlink backend): build the comm kernels with COMM_TRACE=1 and record every CTA's "
                         "%%globaltimer points in the timeline runs; per comm step, the kernel's own time, the "
@@ -699,6 +703,11 @@ def run(ctx, args) -> dict:
         kernel_profile = {sched: _kernel_profile(profiled(sched == "dual"))
                           for sched in ("sequential", "dual")}
 
+    if args.trace_dir and on_gpu:
+        for sched in ("sequential", "dual"):
+            _chrome_trace(lambda: fwd_bwd(sched == "dual"), args.trace_dir,
+                          f"{args.tag or 'overlap'}_{sched}_rank{ctx.rank}")
+
     figures = {}
     for name, (seq_ms, dual_ms, spans_seq, spans_dual) in phases.items():
         comm_ms, compute_ms = _sum_spans(spans_seq, "comm"), _sum_spans(spans_seq, "compute")
@@ -934,6 +943,27 @@ def _kernel_profile(fn) -> dict:
         names[e.name] = (ms0 + ms, n0 + 1)
     top = sorted(names.items(), key=lambda kv: -kv[1][0])[:20]
     return {"categories": cats, "top": [{"name": n[:120], "ms": ms, "launches": k} for n, (ms, k) in top]}
+
+
+def _chrome_trace(fn, out_dir: str, name: str) -> str:
+    """Run fn once (after a synchronised start) under torch.profiler with host and CUDA activity and
+    write the chrome trace, gzipped, to out_dir/name.json.gz: where the host waited, what each stream
+    ran and when. Returns the path."""
+    import gzip
+    import shutil
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(out_dir, exist_ok=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    raw = os.path.join(out_dir, name + ".json")
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+    return raw + ".gz"
 
 
 def _figures(seq_ms: float, dual_ms: float, comm_ms: float, compute_ms: float) -> dict:

@@ -175,6 +175,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "memory over PCIe (a network-like hop)")
     p.add_argument("--ce-sms", type=int, default=None, metavar="N",
                    help="CTAs of the copy-engine path's packing and sum (sets COMMLIB_CE_SMS for the ranks)")
+    p.add_argument("--no-ce-prepack", action="store_true",
+                   help="copy-engine path: every dispatch packs its rows on the comm stream (sets COMMLIB_CE_PREPACK=0 "
+                        "for the ranks; default: the pipeline packs them on the compute stream, Buffer.prepack)")
     p.add_argument("--fp8", action="store_true", help="FP8 dispatch (E4M3 + scales), bf16 combine")
     p.add_argument("--backend", default=None, help="Buffer backend (auto | reference | nvlink)")
     p.add_argument("--warmup", type=int, default=3)
@@ -347,6 +350,11 @@ class ReplayComm:
             cur.wait_event(event)
         out[event_index] = EventOverlap(event)
         return tuple(out)
+
+    def prepack(self, *args, **kw):
+        """None: the recorded and the replayed runs make the same calls (layout, dispatch), and the
+        replay leaves out the packing (transfer work; ~0.2 ms per dispatch on the compute stream)."""
+        return None
 
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False, **kw):
         return self._call("layout", 4, lambda: self._buffer.get_dispatch_layout(
@@ -758,6 +766,7 @@ def run(ctx, args) -> dict:
         "moe_row_kernel": env.moe_row_kernel(),
         "ce_bytes": env.ce_bytes(),  # > 0: the nvlink backend's copy-engine data path (csrc/ce.cu)
         "ce_sms": env.ce_sms(),
+        "ce_prepack": env.ce_prepack() if env.ce_bytes() else None,  # packing on the compute stream
         "ce_staging": env.ce_staging() if env.ce_bytes() else None,  # host: rows cross PCIe via pinned host memory
         # SMs of every dispatch / combine; source: --comm-sms, calibrated, Buffer.num_sms or a tuned config.
         # Timing effect on the GPU engines only (nvlink): the reference backend ignores it.
@@ -1081,6 +1090,8 @@ def _transport_env(args) -> None:
         os.environ.setdefault("COMMLIB_CE_BYTES", str(600 << 20))
     if args.ce_sms is not None:
         os.environ["COMMLIB_CE_SMS"] = str(args.ce_sms)
+    if args.no_ce_prepack:
+        os.environ["COMMLIB_CE_PREPACK"] = "0"
 
 
 def main(argv=None) -> None:

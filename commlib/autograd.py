@@ -81,25 +81,37 @@ def _check_bf16(name: str, t: torch.Tensor, buffer) -> None:
 def dispatch_forward(buffer, x: XLike, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
                      num_experts: int, *, config=None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                      previous_event=None, async_finish: bool = False,
-                     allocate_on_comm_stream: bool = False) -> DispatchOutput:
-    """Layout + dispatch. x: [T, H] bf16 or (fp8, scales); topk_idx: [T, K] int64 global expert ids."""
+                     allocate_on_comm_stream: bool = False, prepacked=None) -> DispatchOutput:
+    """Layout + dispatch. x: [T, H] bf16 or (fp8, scales); topk_idx: [T, K] int64 global expert ids.
+    prepacked: Buffer.prepack(x, topk_idx, topk_weights, num_experts)'s token (it holds the layout)."""
     # allocate_on_comm_stream is only legal with an explicit previous_event and async_finish.
     alloc = allocate_on_comm_stream and async_finish
-    layout = buffer.get_dispatch_layout(topk_idx, num_experts, previous_event=previous_event,
-                                        async_finish=async_finish,
-                                        allocate_on_comm_stream=alloc and previous_event is not None)
-    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, layout_event = layout
-    # With async_finish the layout's event orders dispatch after it on the comm stream; without,
-    # the current stream already waited for the layout, so "wait for the current stream" is right.
-    dispatch_prev = layout_event if async_finish else None
+    if prepacked is not None:  # the layout came with the packing, on the stream previous_event follows
+        lay = prepacked.layout
+        num_tokens_per_rank, num_tokens_per_rdma_rank = lay.num_tokens_per_rank, lay.num_tokens_per_rdma_rank
+        num_tokens_per_expert, is_token_in_rank = lay.num_tokens_per_expert, lay.is_token_in_rank
+        dispatch_prev = previous_event if async_finish else None
+    else:
+        layout = buffer.get_dispatch_layout(topk_idx, num_experts, previous_event=previous_event,
+                                            async_finish=async_finish,
+                                            allocate_on_comm_stream=alloc and previous_event is not None)
+        num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, layout_event = layout
+        # With async_finish the layout's event orders dispatch after it on the comm stream; without,
+        # the current stream already waited for the layout, so "wait for the current stream" is right.
+        dispatch_prev = layout_event if async_finish else None
     out = buffer.dispatch(x, num_tokens_per_rank=num_tokens_per_rank,
                           num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
                           is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
                           topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment,
                           num_worst_tokens=num_worst_tokens, config=config, previous_event=dispatch_prev,
                           async_finish=async_finish,
-                          allocate_on_comm_stream=alloc and dispatch_prev is not None)
+                          allocate_on_comm_stream=alloc and dispatch_prev is not None, **_prepacked(prepacked))
     return DispatchOutput(*out)
+
+
+def _prepacked(token) -> dict:
+    """dispatch()'s prepacked argument, passed only when there is one (stand-in buffers lack it)."""
+    return {} if token is None else {"prepacked": token}
 
 
 def prepare_dispatch_grads(grad_recv_x: torch.Tensor, grad_recv_topk_weights: Optional[torch.Tensor],
@@ -147,11 +159,13 @@ def combine_forward(buffer, y: torch.Tensor, handle, *, topk_weights: Optional[t
 
 
 def combine_backward(buffer, handle, grad_combined_x: torch.Tensor, *, config=None, previous_event=None,
-                     async_finish: bool = False, allocate_on_comm_stream: bool = False):
-    """Gradient of combine: a cached dispatch of grad_combined_x [T, H] -> (grad_y [N, H] bf16, event)."""
+                     async_finish: bool = False, allocate_on_comm_stream: bool = False, prepacked=None):
+    """Gradient of combine: a cached dispatch of grad_combined_x [T, H] -> (grad_y [N, H] bf16, event).
+    prepacked: Buffer.prepack(grad_combined_x, handle=handle)'s token (grad_combined_x bf16 and contiguous)."""
     grad = grad_combined_x.to(torch.bfloat16).contiguous()
     out = buffer.dispatch(grad, handle=handle, config=config, previous_event=previous_event,
-                          async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+                          async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+                          **_prepacked(prepacked))
     return out[0], out[5]
 
 

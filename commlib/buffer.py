@@ -330,7 +330,7 @@ class Buffer:
                  topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+                 allocate_on_comm_stream: bool = False, prepacked=None):
         """Send each token to the ranks holding its experts (once per rank).
 
         Args:
@@ -343,15 +343,27 @@ class Buffer:
             topk_idx: [T, K] int64; topk_weights: [T, K] float32 or None.
             expert_alignment: per-expert counts are rounded up to a multiple of this.
             num_worst_tokens: > 0 pads outputs to that many rows and avoids any host sync.
+            prepacked: what prepack() returned for this x (and handle); the layout arguments may
+                then be omitted (a non-cached prepack computed them). None: nothing prepacked.
         Returns:
             (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)
             recv_x: [N, H] bf16 or (fp8 [N, H], scales [N, H / 128]); rows grouped by source rank.
         """
         self._alive()
         try:
+            layout = getattr(prepacked, "layout", None)
+            if prepacked is not None and not hasattr(self.backend, "prepack"):
+                raise ValueError(f"[commlib rank {self.rank}] prepacked rows given to a {self.backend_name} Buffer, "
+                                 "whose prepack() returns None")
+            if layout is not None and num_tokens_per_rank is None and is_token_in_rank is None:
+                num_tokens_per_rank, num_tokens_per_rdma_rank = layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank
+                num_tokens_per_expert, is_token_in_rank = layout.num_tokens_per_expert, layout.is_token_in_rank
             req = self._prepare_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                          num_worst_tokens, config)
+            if prepacked is not None:
+                self._check_prepacked(prepacked, req)
+            req.prepacked = prepacked
         except (TypeError, ValueError):
             self._rejected(2 if handle is not None else 1)
             raise
@@ -362,6 +374,58 @@ class Buffer:
         recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
         return (recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
                 res.handle, event)
+
+    def prepack(self, x: XType, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                num_experts: Optional[int] = None, handle: Optional[DispatchHandle] = None):
+        """Pack x's rows for a coming dispatch now, on the current stream (commlib extension).
+
+        On the copy-engine path (COMMLIB_CE_BYTES) a dispatch first gathers each destination's rows
+        into one contiguous block for the copy engines. Inside the call that gather runs on the comm
+        stream, where beside a GEMM it gets only the SMs the GEMM leaves. Called right after the
+        compute that produced x (as the dual pipeline does, commlib.pipeline), the gather runs there on
+        every SM in a fraction of the time. Non-cached (topk_idx and num_experts given): the layout
+        (get_dispatch_layout) is computed here too. Pass the result to dispatch(prepacked=...) with the
+        same x (and handle); it is used once. Returns None where there is nothing to do (another
+        backend or path, COMMLIB_CE_PREPACK=0, more tokens than a staging region holds): dispatch
+        then packs itself, as without a prepack.
+        """
+        self._alive()
+        fn = getattr(self.backend, "prepack", None)
+        if fn is None or self.comm_stream is None:
+            return None
+        data, scales = split_x(x, self.rank, self.device)
+        T, H = data.shape
+        if handle is not None:
+            self._check_handle(handle, T, H)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError(f"[commlib rank {self.rank}] cached prepack (handle given) takes no topk_idx / "
+                                 "topk_weights")
+        else:
+            if topk_idx is None or num_experts is None:
+                raise ValueError(f"[commlib rank {self.rank}] prepack needs topk_idx and num_experts "
+                                 "(or a handle for a cached dispatch)")
+            check_routing(topk_idx, topk_weights, T, self.rank, self.device)
+            check_num_experts(num_experts, self.num_ranks, self.rank)
+            self._check_expert_ids(topk_idx, num_experts)
+        return fn(data, scales, topk_idx, topk_weights, int(num_experts or 0), handle)
+
+    def _check_prepacked(self, p, req: DispatchRequest) -> None:
+        """prepack()'s token fits this dispatch: same x (storage and shape) and handle, unused, a call
+        the copy engines take. Raised before the call's collectives, like any bad input."""
+        me = self.rank
+        x = getattr(p, "x", None)
+        if x is None or not hasattr(p, "consumed"):
+            raise ValueError(f"[commlib rank {me}] prepacked must come from this Buffer's prepack(), got "
+                             f"{type(p).__name__}")
+        if p.consumed:
+            raise ValueError(f"[commlib rank {me}] these prepacked rows were already dispatched (one dispatch "
+                             "per prepack)")
+        if p.handle is not req.handle or x.data_ptr() != req.x.data_ptr() or x.shape != req.x.shape:
+            raise ValueError(f"[commlib rank {me}] prepacked rows belong to another dispatch: prepack and dispatch "
+                             "must get the same x (and handle, for a cached dispatch)")
+        if req.num_worst_tokens:
+            raise ValueError(f"[commlib rank {me}] prepacked rows need a copy-engine dispatch; num_worst_tokens "
+                             "takes the SM kernels")
 
     def _rejected(self, op: int) -> None:
         """Input refused on this rank: backends that agree per call let the peers know."""

@@ -21,6 +21,9 @@ Variables:
                            N-byte CUDA IPC staging per rank (csrc/ce.cu; default 0: SM kernels)
   COMMLIB_CE_SMS           CTAs of the copy-engine path's packing and summing kernels (default 0: the call's
                            Config.num_sms, at least half the GPU's SMs), rounded up to whole COMM_CLUSTER clusters
+  COMMLIB_CE_PREPACK       0: Buffer.prepack returns None, every copy-engine dispatch packs its rows on the comm stream
+                           (default 1: the dual pipeline packs them on the compute stream, right after the step
+                           that made them, with every SM)
   COMMLIB_CE_STAGING       device | host: where the copy-engine path's staging lives (default device: CUDA IPC over
                            NVLink); host: pinned host memory shared by the ranks' processes, so rows cross PCIe
                            twice (the path of GPUs without peer access, and of a NIC's DMA)
@@ -163,6 +166,10 @@ def ce_staging() -> str:
     if v not in ("device", "host"):
         raise ValueError(f"COMMLIB_CE_STAGING={v!r}: must be device or host")
     return v
+
+
+def ce_prepack() -> bool:
+    return _flag_on("COMMLIB_CE_PREPACK")
 
 
 def ce_sms() -> int:

@@ -151,6 +151,14 @@ class CommStage:
         return 0
 
 
+def _prepack(buffer, x, **kw):
+    """Buffer.prepack on the compute stream, right after the step that made x (the dispatch's row
+    packing runs there on every SM instead of beside the other micro-batch's compute); None for a
+    buffer without it (the replay stand-ins of the benchmarks, other backends)."""
+    fn = getattr(buffer, "prepack", None)
+    return fn(x, **kw) if fn is not None else None
+
+
 def _buffer_call_sms(buffer, config) -> int:
     """SMs of a Buffer call made with ``config``: its num_sms, else the most the Buffer may choose
     itself (Buffer.num_sms or a tuned config's)."""
@@ -187,12 +195,13 @@ class DispatchStage(CommStage):
     def prepare_forward(self, inputs):
         if self.fp8:
             inputs = dict(inputs, x_wire=per_token_cast_to_fp8(inputs["x_wire"]))
-        return inputs
+        return dict(inputs, prepacked=_prepack(self.buffer, inputs["x_wire"], topk_idx=inputs["topk_idx"],
+                                               topk_weights=inputs["topk_weights"], num_experts=self.num_experts))
 
     def forward(self, inputs, previous_event, async_finish):
         out = ops.dispatch_forward(self.buffer, inputs["x_wire"], inputs["topk_idx"], inputs["topk_weights"],
                                    self.num_experts, config=self.config, previous_event=previous_event,
-                                   async_finish=async_finish)
+                                   async_finish=async_finish, prepacked=inputs.get("prepacked"))
         produced = {"recv_x": out.recv_x, "recv_topk_idx": out.recv_topk_idx,
                     "recv_topk_weights": out.recv_topk_weights, "counts": out.num_recv_tokens_per_expert_list,
                     "handle": out.handle}
@@ -252,11 +261,13 @@ class CombineStage(CommStage):
         g = grads.get("combined")
         if g is None:
             g = torch.zeros(shape, dtype=torch.bfloat16, device=device)
-        return {"combined": g.to(torch.bfloat16).contiguous()}
+        g = g.to(torch.bfloat16).contiguous()
+        return {"combined": g, "prepacked": _prepack(self.buffer, g, handle=saved[0])}
 
     def backward(self, saved, grads, previous_event, async_finish):
         grad_y, event = ops.combine_backward(self.buffer, saved[0], grads["combined"], config=self.config,
-                                             previous_event=previous_event, async_finish=async_finish)
+                                             previous_event=previous_event, async_finish=async_finish,
+                                             prepacked=grads.get("prepacked"))
         return {"y": grad_y}, event
 
 

@@ -15,7 +15,10 @@
 //
 // Every call (dispatch or combine on the copy-engine path) runs, on one stream:
 //   ce_sync(BEGIN)   seq = ++counter; wait until every peer freed its region for me (free[p] >= seq - 1)
-//   local packing (dispatch) | nothing (combine)
+//                    (a non-cached dispatch skips it: its count exchange already waited for every peer to
+//                    reach this call, so each peer's DONE of the call before has run; its PUSHED_NEXT
+//                    advances the counter instead)
+//   local packing (dispatch; or done before, on the caller's stream: NvlinkBackend.prepack) | nothing (combine)
 //   copy-engine pushes into every peer's region [me]
 //   ce_sync(PUSHED)  ready[me] = seq at every peer (release, system scope); wait ready[p] >= seq here
 //   local reads of the regions (copies out, or ce_reduce)
@@ -36,6 +39,7 @@
 #define CE_SYNC_BEGIN 0
 #define CE_SYNC_PUSHED 1
 #define CE_SYNC_DONE 2
+#define CE_SYNC_PUSHED_NEXT 3  // PUSHED for a call without BEGIN: seq = ++counter first
 
 __device__ __forceinline__ u64* ce_ready(u64 base) { return reinterpret_cast<u64*>(base); }
 __device__ __forceinline__ u64* ce_free(u64 base) { return reinterpret_cast<u64*>(base) + COMMLIB_MAX_RANKS; }
@@ -48,7 +52,7 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
     u64 seq = 0;
     if (lane == 0) {
         seq = *reinterpret_cast<volatile u64*>(counter);
-        if (mode == CE_SYNC_BEGIN) *reinterpret_cast<volatile u64*>(counter) = ++seq;
+        if (mode == CE_SYNC_BEGIN || mode == CE_SYNC_PUSHED_NEXT) *reinterpret_cast<volatile u64*>(counter) = ++seq;
     }
     seq = __shfl_sync(FULL_MASK, seq, 0);
     const u64 mine = peer_bases[rank];
@@ -61,8 +65,9 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
     // The copies before this kernel on the stream have completed; make them visible system-wide
     // before the flag that announces them.
     asm volatile("fence.sc.sys;" ::: "memory");
-    if (peer) st_release_sys((mode == CE_SYNC_PUSHED ? ce_ready(theirs) : ce_free(theirs)) + rank, seq);
-    if (mode == CE_SYNC_PUSHED)
+    const bool pushed = mode != CE_SYNC_DONE;
+    if (peer) st_release_sys((pushed ? ce_ready(theirs) : ce_free(theirs)) + rank, seq);
+    if (pushed)
         warp_wait_geq(ce_ready(mine) + lane, seq, peer, lane, WaitSite{"ce", "rows pushed", rank, -1, false},
                       timeout_ns, COMMLIB_WAIT_BACKOFF_NS);
 }

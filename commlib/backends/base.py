@@ -43,6 +43,7 @@ class DispatchRequest:
     expert_alignment: int
     num_worst_tokens: int
     config: Config
+    prepacked: Optional[object] = None       # Buffer.prepack's token for this call (backend-specific)
 
 
 @dataclasses.dataclass

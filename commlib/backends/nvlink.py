@@ -22,6 +22,7 @@ same calls in the same order (the DeepEP contract).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -38,7 +39,7 @@ from .base import Backend, CombineRequest, CombineResult, DispatchRequest, Dispa
 from .peer_memory import HostPeerMemory, PeerMemory
 
 CE_FLAG_BYTES = 4096      # csrc/ce.cu: ready / free words before the copy-engine staging regions
-CE_SYNC_BEGIN, CE_SYNC_PUSHED, CE_SYNC_DONE = 0, 1, 2  # csrc/ce.cu ce_sync_kernel modes
+CE_SYNC_BEGIN, CE_SYNC_PUSHED, CE_SYNC_DONE, CE_SYNC_PUSHED_NEXT = 0, 1, 2, 3  # csrc/ce.cu ce_sync_kernel modes
 SLOT_ALIGN = 128          # staging slots never share a cache line (a line read early could be stale)
 SMID_KINDS = {"notify": 0, "dispatch": 1, "combine": 2}
 _MAX_LAYOUT_SHARED = 48 * 1024
@@ -47,6 +48,28 @@ NOTIFY_MODE_REJECTED = 1   # this rank's Buffer refused its input: take part, wi
 NOTIFY_MODE_NO_HOST = 2    # num_worst_tokens: the host never reads the counts, so a mismatch traps
 NOTIFY_SIG_FIELDS = ("hidden", "x dtype", "FP8 scales per token", "num_topk", "topk_weights",
                      "num_experts", "num_channels")  # K.NOTIFY_SIG_WORDS words, notify.cu's order
+
+
+@dataclasses.dataclass
+class CePrepacked:
+    """Rows of a coming copy-engine dispatch, packed on the caller's stream (NvlinkBackend.prepack):
+    pack buffer ``slot`` holds every destination's blocks, this rank's own rows in region ``rank``.
+    Consumed by exactly one dispatch of the same x (and handle, for a cached one)."""
+    slot: int
+    x: torch.Tensor
+    handle: Optional[DispatchHandle]
+    layout: Optional[Layout]       # non-cached: the layout computed with the pack (dispatch's layout args)
+    pos: torch.Tensor              # [T, R] rows_before(is_token_in_rank): row of token t among those for r
+    sizes: list                    # block row sizes (_ce_sizes) and their offsets in a region
+    offs: list
+    consumed: bool = False
+
+
+def _ce_sizes(row: int, num_scales: int, num_topk: int, cached: bool, has_topk: bool, has_weights: bool) -> list:
+    """Bytes per row of a copy-engine dispatch's five blocks (x, FP8 scales, top-k ids, weights, source
+    index; 0 = absent), as the outputs the call returns: a cached dispatch moves x (and scales) only."""
+    return [row, 4 * num_scales, 8 * num_topk if (has_topk and not cached) else 0,
+            4 * num_topk if (has_topk and has_weights and not cached) else 0, 0 if cached else 4]
 
 
 def ce_settings(rank: int) -> tuple[int, bool]:
@@ -137,9 +160,17 @@ class NVLinkBackend(Backend):
             self._ce_host = ce_host
             staging = HostPeerMemory if self._ce_host else PeerMemory
             self._ce = staging(ce_bytes, self.group, self.rank, self.num_ranks, self.device)
-            # the rows for every peer r are packed into region r here before the copy engines push them
-            # (host staging: combine's rows from peer r land in region r here before the sum)
-            self._ce_pack = torch.empty(self.num_ranks * self.ce_region_bytes, dtype=torch.uint8, device=self.device)
+            # pack buffers: a dispatch's rows for every peer r are packed into region r of one before the
+            # copy engines push them. A buffer is taken by a prepack (caller's stream) or by a call, and
+            # free again after the call's copies out of it (its event): two prepacked dispatches can be
+            # in flight at once (the dual pipeline's two micro-batches), each with its own.
+            self._ce_packs: list = []
+            self._ce_pack_events: list = []   # per buffer: the comm stream's event after its last reader
+            self._ce_pack_pending: list = []  # per buffer: prepacked, its dispatch not issued yet
+            self._ce_take_pack()
+            # host staging: combine's rows from peer r land in region r here before the sum
+            self._ce_land = (torch.empty(self.num_ranks * self.ce_region_bytes, dtype=torch.uint8, device=self.device)
+                             if self._ce_host else None)
             self._ce_counter = torch.zeros(1, dtype=torch.int64, device=self.device)
             self._ce_half_sms = torch.cuda.get_device_properties(self.device).multi_processor_count // 2
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
@@ -341,6 +372,7 @@ class NVLinkBackend(Backend):
         L = E // R
         # the copy engines move the rows (csrc/ce.cu) where the host knows every count
         use_ce = self._ce is not None and not worst and (not cached or "ce_pos" in req.handle.extra)
+        prepacked = self._ce_consume(req, use_ce)
         off_scales = _align(hidden_bytes)
         off_meta = off_scales + _align(S * 4)
         slot_bytes = _align(off_meta + 4 * (1 + 2 * Kk), SLOT_ALIGN)
@@ -369,7 +401,7 @@ class NVLinkBackend(Backend):
                       K.i32(sig[4]),
                       K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns)))
             if not worst:
-                if use_ce:  # the copy-engine path's layout needs no host value: queue it before the wait
+                if use_ce and prepacked is None:  # the layout needs no host value: queue it before the wait
                     ce_layout = rows_before(tir)
                     ce_layout = (ce_layout, layout_send_head(tir, rpm, me, before=ce_layout))
                 host = self._host_read(counts, "dispatch count exchange").tolist()
@@ -403,10 +435,15 @@ class NVLinkBackend(Backend):
         if use_ce:
             if cached:
                 ce_pos, sent, got = h.extra["ce_pos"], h.extra["send_counts"], h.extra["recv_counts"]
+            elif prepacked is not None:
+                ce_pos, sent, got = prepacked.pos, host[4:4 + R], host[12:12 + R]
             else:
                 (ce_pos, send_head), sent, got = ce_layout, host[4:4 + R], host[12:12 + R]
             self._ce_dispatch(x, scales, topk, weights, tir, ce_pos, sent, got, L, num_sms,
-                              (recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx))
+                              (recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx),
+                              notified=not cached, prepacked=prepacked)
+            if prepacked is not None and not cached:  # for the handle only (combine reads ce_pos): off the
+                send_head = layout_send_head(tir, rpm, me, before=ce_pos)  # copies' critical path
         else:
             flags = 0 if cached else 1
             K.launch("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"),
@@ -554,11 +591,7 @@ class NVLinkBackend(Backend):
         (0: absent) at a 16-byte aligned offset; both ends of a push derive the same layout. Raises
         when the rows this rank pushes to a peer (``sent``) or receives from one (``got``) exceed ``cap``."""
         per_row = sum(row_sizes)
-        cap = (self.ce_region_bytes - 16 * len(row_sizes)) // per_row
-        offsets, at = [], 0
-        for size in row_sizes:
-            offsets.append(at)
-            at += _align(cap * size)
+        offsets, cap = self._ce_offsets(row_sizes)
         most = max((n for counts in (sent, got) for r, n in enumerate(counts) if r != self.rank), default=0)
         if most > cap:
             raise CommlibError(f"[commlib rank {self.rank}] nvlink {what} (copy engines): {most} rows of {per_row} "
@@ -567,13 +600,13 @@ class NVLinkBackend(Backend):
                                f"{CE_FLAG_BYTES} flag bytes)")
         return offsets
 
-    def _ce_grid(self, num_sms: int) -> int:
+    def _ce_grid(self, num_sms: int, every_sm: bool = False) -> int:
         """CTAs of the packing / summing kernels (one per SM: 1024 / 512 threads at 64 / 120 registers):
         COMMLIB_CE_SMS, else the call's num_sms but at least half the GPU's SMs. No SM touches NVLink on
         this path; the packing and the sum are short local passes bound by bytes in flight, so few CTAs
         stretch them (2 x H200, `balanced` 16384 tokens: F.dispatch 1.7 ms of packing alone on 4 CTAs,
         1.22-1.28 ms for the whole dispatch on 64-128; docs/pipeline.md)."""
-        grid = max(1, env.ce_sms() or max(num_sms, self._ce_half_sms))
+        grid = 2 * self._ce_half_sms if every_sm else max(1, env.ce_sms() or max(num_sms, self._ce_half_sms))
         cluster = K.variant_value("COMM_CLUSTER")  # the kernels launch as clusters of this many CTAs
         return -(-grid // cluster) * cluster
 
@@ -594,19 +627,117 @@ class NVLinkBackend(Backend):
     def _ce_region(self, base: int, src: int) -> int:
         return base + CE_FLAG_BYTES + src * self.ce_region_bytes
 
+    def _ce_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def _ce_event(self):
+        """An event recorded now on the current stream."""
+        event = torch.cuda.Event()
+        event.record(self._ce_stream())
+        return event
+
+    def _ce_take_pack(self) -> int:
+        """Index of a pack buffer no prepacked dispatch is waiting on (a new one when all are)."""
+        for i, pending in enumerate(self._ce_pack_pending):
+            if not pending:
+                return i
+        self._ce_packs.append(torch.empty(self.num_ranks * self.ce_region_bytes, dtype=torch.uint8,
+                                          device=self.device))
+        self._ce_pack_events.append(None)
+        self._ce_pack_pending.append(False)
+        return len(self._ce_packs) - 1
+
+    def _ce_pack_rows(self, slot: int, x, scales, topk, weights, tir, pos, sizes: list, offs: list, own: list,
+                      num_local: int, grid: int) -> None:
+        """ce_pack_kernel on the current stream: every peer r's rows into region r of pack buffer
+        ``slot``, this rank's own rows to ``own`` (one pointer per block, 0 = absent)."""
+        T, H = x.shape
+        K.launch("ce", "ce_pack_kernel", grid, 1024,
+                 (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir), K.ptr(pos),
+                  K.u64(self._ce_packs[slot].data_ptr()), K.u64(self.ce_region_bytes), *(K.u64(o) for o in offs[1:]),
+                  *(K.u64(o) for o in own), K.i32(sum(1 << b for b in range(5) if sizes[b])),
+                  K.i32(T), K.i32(H * x.element_size() // 16), K.i32(scales.shape[1] if scales is not None else 0),
+                  K.i32(topk.shape[1] if topk is not None else 0), K.i32(num_local), K.i32(self.rank),
+                  K.i32(self.num_ranks)))
+
+    def prepack(self, x: torch.Tensor, scales: Optional[torch.Tensor], topk: Optional[torch.Tensor],
+                weights: Optional[torch.Tensor], num_experts: int, handle: Optional[DispatchHandle]):
+        """Pack the rows of a coming copy-engine dispatch of ``x`` on the current stream, with every SM
+        (Buffer.prepack). Non-cached (``handle`` None): the layout too. Returns a CePrepacked for that
+        dispatch, or None where the call would not take the copy engines, COMMLIB_CE_PREPACK=0, or a
+        staging region holds fewer rows than x has (the call then packs itself and checks the counts)."""
+        if self._ce is None or not env.ce_prepack():
+            return None
+        cached = handle is not None
+        if cached and "ce_pos" not in handle.extra:
+            return None
+        given, x, T, R, me = x, _aligned(x), x.shape[0], self.num_ranks, self.rank
+        Kk = topk.shape[1] if topk is not None else 0
+        sizes = _ce_sizes(x.shape[1] * x.element_size(), scales.shape[1] if scales is not None else 0, Kk, cached,
+                          topk is not None, weights is not None)
+        offs, cap = self._ce_offsets(sizes)
+        if T > cap:  # own rows and each peer's are at most T: within the region, no count needed
+            return None
+        scales = scales.contiguous() if scales is not None else None
+        if cached:
+            layout, tir, pos = None, handle.is_token_in_rank, handle.extra["ce_pos"]
+        else:
+            topk = topk.contiguous()
+            weights = weights.contiguous() if weights is not None else None
+            layout = self.get_dispatch_layout(topk, num_experts)
+            tir = layout.is_token_in_rank
+            pos = rows_before(tir)
+        slot = self._ce_take_pack()
+        if self._ce_pack_events[slot] is not None:  # the last call's copies out of this buffer
+            self._ce_stream().wait_event(self._ce_pack_events[slot])
+        self._ce_pack_pending[slot] = True
+        base = self._ce_packs[slot].data_ptr() + me * self.ce_region_bytes
+        if T:
+            self._ce_pack_rows(slot, x, scales, topk, weights, tir, pos, sizes, offs,
+                               [base + offs[b] if sizes[b] else 0 for b in range(5)],
+                               num_experts // R if not cached else 0, self._ce_grid(0, every_sm=True))
+        return CePrepacked(slot, given, handle, layout, pos, sizes, offs)
+
+    def _ce_consume(self, req: DispatchRequest, use_ce: bool) -> Optional[CePrepacked]:
+        """The request's prepacked rows (Buffer._check_prepacked checked them against the request),
+        marked used; None when there are none."""
+        p = req.prepacked
+        if p is None:
+            return None
+        if not isinstance(p, CePrepacked) or not use_ce:
+            raise CommlibError(f"[commlib rank {self.rank}] prepacked rows reached a dispatch without the copy engines")
+        p.consumed = True
+        self._ce_pack_pending[p.slot] = False
+        stream = self._ce_stream()  # made on the caller's stream, read on this one
+        lay = p.layout
+        for t in (p.pos, *((lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank) if lay else ())):
+            if isinstance(t, torch.Tensor):
+                t.record_stream(stream)
+        return p
+
+    def _ce_offsets(self, sizes: list) -> tuple[list, int]:
+        """(offset of each block in a staging region, rows a region holds) for block row sizes ``sizes``."""
+        cap = (self.ce_region_bytes - 16 * len(sizes)) // sum(sizes)
+        offsets, at = [], 0
+        for size in sizes:
+            offsets.append(at)
+            at += _align(cap * size)
+        return offsets, cap
+
     def _ce_dispatch(self, x, scales, topk, weights, tir, pos, sent: list, got: list, num_local: int,
-                     num_sms: int, outs: tuple) -> None:
+                     num_sms: int, outs: tuple, notified: bool = False,
+                     prepacked: Optional[CePrepacked] = None) -> None:
         """Dispatch through the copy engines: pack every peer's rows (and this rank's own straight into
         the outputs), push each peer's blocks into its region for this rank, then copy the blocks the
-        peers pushed here into the outputs. ``sent[r]`` / ``got[s]``: rows to r / from s."""
+        peers pushed here into the outputs. ``sent[r]`` / ``got[s]``: rows to r / from s. ``notified``:
+        the call ran the count exchange (no BEGIN wait needed, csrc/ce.cu). ``prepacked``: the rows are
+        in its pack buffer already (own rows in region ``rank``, copied out here)."""
         R, me = self.num_ranks, self.rank
         T, H = x.shape
-        row = H * x.element_size()
-        S = scales.shape[1] if scales is not None else 0
-        Kk = topk.shape[1] if topk is not None else 0
         recv_x, recv_scales, recv_topk, recv_w, recv_src = outs
-        sizes = [row, 4 * S if recv_scales is not None else 0, 8 * Kk if recv_topk is not None else 0,
-                 4 * Kk if recv_w is not None else 0, 4 if recv_src is not None else 0]
+        sizes = _ce_sizes(H * x.element_size(), scales.shape[1] if scales is not None else 0,
+                          topk.shape[1] if topk is not None else 0, recv_src is None, recv_topk is not None,
+                          recv_w is not None)
         offs = self._ce_blocks(sizes, sent, got, "dispatch")
         outs_rows = [recv_x, recv_scales, recv_topk, recv_w, recv_src]
         first = [sum(got[:s]) for s in range(R)]  # recv rows are grouped by source rank
@@ -615,23 +746,32 @@ class NVLinkBackend(Backend):
             t = outs_rows[b]
             return 0 if t is None or not sizes[b] else t.data_ptr() + first[me] * sizes[b]
 
-        pack = self._ce_pack.data_ptr()
-        if T:
-            K.launch("ce", "ce_pack_kernel", self._ce_grid(num_sms), 1024,
-                     (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir), K.ptr(pos),
-                      K.u64(pack), K.u64(self.ce_region_bytes), *(K.u64(o) for o in offs[1:]),
-                      *(K.u64(own(b)) for b in range(5)), K.i32(sum(1 << b for b in range(5) if sizes[b])),
-                      K.i32(T), K.i32(row // 16), K.i32(S), K.i32(Kk), K.i32(num_local), K.i32(me), K.i32(R)))
-        self._ce_sync(CE_SYNC_BEGIN)  # packing needs no peer; pushing needs each peer's region free
+        if prepacked is not None:
+            if prepacked.sizes != sizes:
+                raise CommlibError(f"[commlib rank {me}] prepacked rows have blocks {prepacked.sizes}, this "
+                                   f"dispatch {sizes}")
+            slot = prepacked.slot
+        else:
+            slot = self._ce_take_pack()
+            if T:
+                self._ce_pack_rows(slot, x, scales, topk, weights, tir, pos, sizes, offs,
+                                   [own(b) for b in range(5)], num_local, self._ce_grid(num_sms))
+        pack = self._ce_packs[slot].data_ptr()
+        if not notified:
+            self._ce_sync(CE_SYNC_BEGIN)  # packing needs no peer; pushing needs each peer's region free
         peers = self._ce.peer_ptrs
         self._ce_copies([(self._ce_region(peers[r], me) + offs[b], pack + r * self.ce_region_bytes + offs[b],
                           sent[r] * sizes[b])
                          for r in range(R) if r != me for b in range(5) if sizes[b]])
-        self._ce_sync(CE_SYNC_PUSHED)
+        self._ce_sync(CE_SYNC_PUSHED_NEXT if notified else CE_SYNC_PUSHED)
         self._ce_copies([(outs_rows[b].data_ptr() + first[s] * sizes[b], self._ce_region(self._ce.base, s) + offs[b],
                           got[s] * sizes[b])
                          for s in range(R) if s != me for b in range(5) if sizes[b]])
+        if prepacked is not None:  # own rows: one copy per block out of region `rank` of the pack buffer
+            self._ce_copies([(own(b), pack + me * self.ce_region_bytes + offs[b], got[me] * sizes[b])
+                             for b in range(5) if own(b)])
         self._ce_sync(CE_SYNC_DONE)
+        self._ce_pack_events[slot] = self._ce_event()  # a prepack reusing the buffer waits for it
 
     def _ce_combine(self, x, w, h, biases, out, out_w, num_sms: int) -> None:
         """Combine through the copy engines: push the rows of each source rank back into its region for
@@ -652,7 +792,7 @@ class NVLinkBackend(Backend):
         self._ce_sync(CE_SYNC_PUSHED)
         staging = self._ce.base
         if self._ce_host:  # the sum reads device memory: bring each source's blocks in first
-            land = self._ce_pack.data_ptr()
+            land = self._ce_land.data_ptr()
             self._ce_copies([(land + s * self.ce_region_bytes + offs[b], self._ce_region(staging, s) + offs[b],
                               sent[s] * sizes[b])
                              for s in range(R) if s != me for b in range(2) if sizes[b]])

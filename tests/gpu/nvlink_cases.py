@@ -127,8 +127,10 @@ def as_bf16(recv_x):
 
 def run_case(ctx, *, routing_name="random", T=64, H=256, E=32, K=4, fp8=False, weights=True, worst=0,
              alignment=1, cfg: Config, combine_cfg: Config | None = None, num_bias=0, seed=0, cached=True,
-             key="main", token_counts=None):
-    """Dispatch + cached dispatch + combine through both Buffers; compare everything."""
+             key="main", token_counts=None, prepack=False):
+    """Dispatch + cached dispatch + combine through both Buffers; compare everything. prepack: the
+    nvlink Buffer's dispatches (both) get their rows packed ahead by Buffer.prepack, the non-cached
+    one its layout from there too."""
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     combine_cfg = combine_cfg or cfg
     nv, ref = buffers(ctx, key)
@@ -144,16 +146,29 @@ def run_case(ctx, *, routing_name="random", T=64, H=256, E=32, K=4, fp8=False, w
     tag = f"[{routing_name} T={T} H={H} E={E} K={K} fp8={fp8} w={weights} worst={worst} sms={cfg.num_sms}]"
     out = {}
     for name, buf in (("nvlink", nv), ("reference", ref)):
-        ntpr, nrr, ntpe, tir, _ = buf.get_dispatch_layout(idx, E)
-        rx, ridx, rw, per_expert, handle, _ = buf.dispatch(
-            x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
-            num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w if weights else None,
-            expert_alignment=alignment, num_worst_tokens=worst, config=cfg)
+        ahead = prepack and name == "nvlink"
+        if ahead:
+            tok = buf.prepack(x, topk_idx=idx, topk_weights=w if weights else None, num_experts=E)
+            assert tok is not None, f"{tag} prepack returned None on the copy-engine path"
+            lay = tok.layout
+            ntpr, nrr, ntpe, tir = (lay.num_tokens_per_rank, lay.num_tokens_per_rdma_rank, lay.num_tokens_per_expert,
+                                    lay.is_token_in_rank)
+            rx, ridx, rw, per_expert, handle, _ = buf.dispatch(
+                x, topk_idx=idx, topk_weights=w if weights else None, expert_alignment=alignment, config=cfg,
+                prepacked=tok)
+        else:
+            ntpr, nrr, ntpe, tir, _ = buf.get_dispatch_layout(idx, E)
+            rx, ridx, rw, per_expert, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
+                num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w if weights else None,
+                expert_alignment=alignment, num_worst_tokens=worst, config=cfg)
         res = {"layout": (ntpr, nrr, ntpe, tir), "recv_x": rx, "idx": ridx, "w": rw, "per_expert": per_expert,
                "handle": handle}
         if cached:
             x2, _ = make_x(T, H, fp8, torch.Generator().manual_seed(seed * 31 + me + 1), dev)
-            res["cached"] = buf.dispatch(x2, handle=handle, config=cfg)[0]
+            tok2 = buf.prepack(x2, handle=handle) if ahead else None
+            assert tok2 is not None or not ahead, f"{tag} cached prepack returned None"
+            res["cached"] = buf.dispatch(x2, handle=handle, config=cfg, **({"prepacked": tok2} if ahead else {}))[0]
         y = as_bf16(rx)
         y = (y.float() * (1.0 + 0.25 * me)).to(torch.bfloat16)
         cx, cw, _ = buf.combine(y, handle, topk_weights=rw, bias=biases or None, config=combine_cfg)
@@ -380,6 +395,62 @@ def case_copy_engines(ctx):
     torch.cuda.synchronize()
     dist.barrier(group=ctx.group)
     small.destroy()
+
+
+def case_ce_prepack(ctx):
+    """Buffer.prepack on the copy-engine path: the rows (and, non-cached, the layout) are packed on the
+    caller's stream ahead of the dispatch; the outputs match the reference bit for bit (BF16 and FP8,
+    cached too, a rank without tokens). Two prepacks in flight take two pack buffers and each dispatch
+    gets its own rows; a token is refused by name (before any collective) for another x, a second use
+    and num_worst_tokens, and the Buffer stays usable. COMMLIB_CE_PREPACK=0: prepack returns None."""
+    nv, ref = buffers(ctx)
+    assert nv.backend._ce is not None, "COMMLIB_CE_BYTES is not set in this world"
+    for i, (rname, fp8) in enumerate((("random", False), ("group_limited", True), ("zero_tokens", False),
+                                      ("all_remote", True), ("some_empty", False))):
+        run_case(ctx, routing_name=rname, cfg=default_cfg(num_sms=4), T=120 + 9 * i, H=512, E=32, K=4, fp8=fp8,
+                 num_bias=i % 2, seed=200 + i, prepack=True)
+    me, dev, E, K, H = ctx.rank, ctx.device, 32, 4, 512
+    g = torch.Generator().manual_seed(77 + me)
+    xs, idxs, toks = [], [], []
+    for j in range(2):  # both packed before either dispatch
+        idx, _ = make_routing("random", 64 + 8 * j, E, K, me, ctx.world_size, g)
+        x = torch.randn(64 + 8 * j, H, generator=g).to(torch.bfloat16).to(dev)
+        xs.append(x)
+        idxs.append(idx.to(dev))
+        toks.append(nv.prepack(x, topk_idx=idxs[-1], num_experts=E))
+    assert toks[0].slot != toks[1].slot, "two prepacks in flight share a pack buffer"
+    for j in range(2):
+        got = nv.dispatch(xs[j], topk_idx=idxs[j], config=default_cfg(num_sms=4), prepacked=toks[j])[0]
+        lay = ref.get_dispatch_layout(idxs[j], E)
+        want = ref.dispatch(xs[j], num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                            topk_idx=idxs[j], config=default_cfg(num_sms=4))[0]
+        check_same(got, want, f"two prepacks in flight, dispatch {j}")
+    x, idx = xs[0], idxs[0]
+    for bad, kw, words in ((xs[1], {}, "another dispatch"), (x, {"num_worst_tokens": 4096}, "num_worst_tokens"),
+                           (x, {"again": True}, "already dispatched")):
+        tok = nv.prepack(x, topk_idx=idx, num_experts=E)
+        if kw.pop("again", False):
+            nv.dispatch(x, topk_idx=idx, config=default_cfg(num_sms=4), prepacked=tok)
+        try:
+            nv.dispatch(bad, topk_idx=idxs[0] if bad is x else idxs[1], config=default_cfg(num_sms=4), prepacked=tok,
+                        **kw)
+        except ValueError as e:
+            assert words in str(e), str(e)
+        else:
+            raise AssertionError(f"a prepacked token was not refused ({words})")
+        if not tok.consumed:  # the refused token's buffer: dispatch it as meant, so none stays taken
+            nv.dispatch(x, topk_idx=idx, config=default_cfg(num_sms=4), prepacked=tok)
+    old = os.environ.get("COMMLIB_CE_PREPACK")
+    os.environ["COMMLIB_CE_PREPACK"] = "0"
+    try:
+        assert nv.prepack(x, topk_idx=idx, num_experts=E) is None
+    finally:
+        if old is None:
+            del os.environ["COMMLIB_CE_PREPACK"]
+        else:
+            os.environ["COMMLIB_CE_PREPACK"] = old
+    run_case(ctx, cfg=default_cfg(num_sms=4), T=50, H=512, E=32, K=4, seed=230)  # still usable
+    torch.cuda.synchronize()
 
 
 def case_smid(ctx):

@@ -107,7 +107,7 @@ def test_two_ranks(world2, name):
     assert world2[name] is None, world2[name]
 
 
-CASES_CE = ["copy_engines", "smoke", "routings_bf16", "routings_fp8", "odd_hidden", "v3_shape", "options",
+CASES_CE = ["copy_engines", "ce_prepack", "smoke", "routings_bf16", "routings_fp8", "odd_hidden", "v3_shape", "options",
             "bad_ids", "rejected_input", "pressure"]
 CE_BYTES = str(256 << 20)  # 2 regions of 128 MB: every case's rows fit
 
@@ -132,7 +132,7 @@ def test_two_ranks_copy_engines(world2_ce, name):
     assert world2_ce[name] is None, world2_ce[name]
 
 
-CASES_CE_HOST = ["copy_engines", "smoke", "routings_bf16", "routings_fp8", "v3_shape", "pressure"]
+CASES_CE_HOST = ["copy_engines", "ce_prepack", "smoke", "routings_bf16", "routings_fp8", "v3_shape", "pressure"]
 
 
 @pytest.fixture(scope="module")

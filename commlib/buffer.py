@@ -355,14 +355,14 @@ class Buffer:
             if prepacked is not None and not hasattr(self.backend, "prepack"):
                 raise ValueError(f"[commlib rank {self.rank}] prepacked rows given to a {self.backend_name} Buffer, "
                                  "whose prepack() returns None")
+            if prepacked is not None:
+                self._check_prepacked(prepacked, split_x(x, self.rank, self.device)[0], handle, num_worst_tokens)
             if layout is not None and num_tokens_per_rank is None and is_token_in_rank is None:
                 num_tokens_per_rank, num_tokens_per_rdma_rank = layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank
                 num_tokens_per_expert, is_token_in_rank = layout.num_tokens_per_expert, layout.is_token_in_rank
             req = self._prepare_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                          num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                          num_worst_tokens, config)
-            if prepacked is not None:
-                self._check_prepacked(prepacked, req)
             req.prepacked = prepacked
         except (TypeError, ValueError):
             self._rejected(2 if handle is not None else 1)
@@ -409,7 +409,7 @@ class Buffer:
             self._check_expert_ids(topk_idx, num_experts)
         return fn(data, scales, topk_idx, topk_weights, int(num_experts or 0), handle)
 
-    def _check_prepacked(self, p, req: DispatchRequest) -> None:
+    def _check_prepacked(self, p, data: torch.Tensor, handle, num_worst_tokens) -> None:
         """prepack()'s token fits this dispatch: same x (storage and shape) and handle, unused, a call
         the copy engines take. Raised before the call's collectives, like any bad input."""
         me = self.rank
@@ -420,10 +420,10 @@ class Buffer:
         if p.consumed:
             raise ValueError(f"[commlib rank {me}] these prepacked rows were already dispatched (one dispatch "
                              "per prepack)")
-        if p.handle is not req.handle or x.data_ptr() != req.x.data_ptr() or x.shape != req.x.shape:
+        if p.handle is not handle or x.data_ptr() != data.data_ptr() or x.shape != data.shape:
             raise ValueError(f"[commlib rank {me}] prepacked rows belong to another dispatch: prepack and dispatch "
                              "must get the same x (and handle, for a cached dispatch)")
-        if req.num_worst_tokens:
+        if num_worst_tokens:
             raise ValueError(f"[commlib rank {me}] prepacked rows need a copy-engine dispatch; num_worst_tokens "
                              "takes the SM kernels")
 

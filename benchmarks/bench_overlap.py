@@ -93,6 +93,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from commlib.clocks import ClockMonitor, clock_ratio  # noqa: E402  (after the checkout is on sys.path)
+from commlib.backends.base import PendingCombine  # noqa: E402
 from commlib.overlap import EventOverlap  # noqa: E402
 from commlib.timing import slowest  # noqa: E402
 
@@ -365,10 +366,14 @@ class ReplayComm:
         return self._call("dispatch", 5, lambda: self._buffer.dispatch(
             x, *args, previous_event=previous_event, async_finish=async_finish, **kw), previous_event, async_finish)
 
-    def combine(self, x, handle, *args, previous_event=None, async_finish=False, **kw):
-        return self._call("combine", 2, lambda: self._buffer.combine(
+    def combine(self, x, handle, *args, previous_event=None, async_finish=False, finish_later=False, **kw):
+        """finish_later: the recorded run sums on the comm stream; both hand a finished PendingCombine."""
+        out = self._call("combine", 2, lambda: self._buffer.combine(
             x, handle, *args, previous_event=previous_event, async_finish=async_finish, **kw),
             previous_event, async_finish)
+        if finish_later:
+            return PendingCombine(result=(out[0], out[1])), None, out[2]
+        return out
 
 
 class _Clock:

@@ -114,6 +114,17 @@ def _prepacked(token) -> dict:
     return {} if token is None else {"prepacked": token}
 
 
+def _later(finish_later: bool) -> dict:
+    """combine()'s finish_later argument, passed only when set (stand-in buffers lack it)."""
+    return {"finish_later": True} if finish_later else {}
+
+
+def finish(value):
+    """A combine result taken with finish_later: its outputs (PendingCombine.finish(), on the current
+    stream); anything else is returned as it is."""
+    return value.finish() if hasattr(value, "finish") else value
+
+
 def prepare_dispatch_grads(grad_recv_x: torch.Tensor, grad_recv_topk_weights: Optional[torch.Tensor],
                            recv_topk_idx: Optional[torch.Tensor]):
     """The compute half of dispatch's backward: grad_recv_x -> bf16 contiguous, the weight gradient
@@ -131,31 +142,36 @@ def prepare_dispatch_grads(grad_recv_x: torch.Tensor, grad_recv_topk_weights: Op
 
 def dispatch_backward(buffer, handle, grad_recv_x: torch.Tensor, grad_recv_topk_weights: Optional[torch.Tensor],
                       recv_topk_idx: Optional[torch.Tensor], *, config=None, previous_event=None,
-                      async_finish: bool = False, allocate_on_comm_stream: bool = False, prepared: bool = False):
+                      async_finish: bool = False, allocate_on_comm_stream: bool = False, prepared: bool = False,
+                      finish_later: bool = False):
     """Gradient of dispatch: a combine of the received rows' gradients.
 
     grad_recv_x: [N, H] (cast to bf16); grad_recv_topk_weights: [N, K] or None; recv_topk_idx: [N, K]
     (slots of other ranks are masked out of the weight gradient). ``prepared=True``: the two
     gradients already went through prepare_dispatch_grads (no compute is issued here).
-    Returns (grad_x [T, H] bf16, grad_topk_weights [T, K] float32 or None, event).
+    Returns (grad_x [T, H] bf16, grad_topk_weights [T, K] float32 or None, event); finish_later:
+    (PendingCombine, None, event), see Buffer.combine.
     """
     if not prepared:
         grad_recv_x, grad_recv_topk_weights = prepare_dispatch_grads(grad_recv_x, grad_recv_topk_weights,
                                                                      recv_topk_idx)
     grad_x, grad_topk_weights, event = buffer.combine(
         grad_recv_x, handle, topk_weights=grad_recv_topk_weights, config=config, previous_event=previous_event,
-        async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+        async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream, **_later(finish_later))
+    if finish_later:
+        return grad_x, None, event
     return grad_x, (grad_topk_weights if grad_recv_topk_weights is not None else None), event
 
 
 def combine_forward(buffer, y: torch.Tensor, handle, *, topk_weights: Optional[torch.Tensor] = None,
                     bias=None, config=None, previous_event=None, async_finish: bool = False,
-                    allocate_on_comm_stream: bool = False):
-    """y: [N, H] bf16 rows as dispatch delivered them -> (combined_x [T, H] bf16, combined_topk_weights, event)."""
+                    allocate_on_comm_stream: bool = False, finish_later: bool = False):
+    """y: [N, H] bf16 rows as dispatch delivered them -> (combined_x [T, H] bf16, combined_topk_weights, event);
+    finish_later: (PendingCombine, None, event), see Buffer.combine."""
     _check_bf16("combine x", y, buffer)
     return buffer.combine(y.contiguous(), handle, topk_weights=topk_weights, bias=bias, config=config,
                           previous_event=previous_event, async_finish=async_finish,
-                          allocate_on_comm_stream=allocate_on_comm_stream)
+                          allocate_on_comm_stream=allocate_on_comm_stream, **_later(finish_later))
 
 
 def combine_backward(buffer, handle, grad_combined_x: torch.Tensor, *, config=None, previous_event=None,

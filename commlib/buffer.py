@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import env
-from .backends.base import Backend, CombineRequest, DispatchRequest
+from .backends.base import Backend, CombineRequest, DispatchRequest, PendingCombine
 from .config import Config, default_combine_config, default_dispatch_config
 from .handle import DispatchHandle
 from .layout import Layout
@@ -483,7 +483,7 @@ class Buffer:
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Sequence[torch.Tensor], None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
+                allocate_on_comm_stream: bool = False, finish_later: bool = False):
         """Return each received row to its token's home rank and sum the rows of each token.
 
         Args:
@@ -491,8 +491,14 @@ class Buffer:
             handle: the dispatch handle.
             topk_weights: [N, K] float32 (summed the same way) or None.
             bias: None, a [T, H] bf16 tensor, or a tuple of up to two, added after the sum.
+            finish_later: (commlib extension) return a PendingCombine in place of the two outputs;
+                its finish(), called on the consuming stream after that stream waited for the
+                event, returns them. The copy-engine path with host staging runs its sum there,
+                with every SM, instead of on the comm stream beside the compute; elsewhere
+                finish() hands over outputs that are already complete.
         Returns:
-            (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event)
+            (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event);
+            finish_later: (PendingCombine, None, event)
         """
         self._alive()
         try:
@@ -500,9 +506,13 @@ class Buffer:
         except (TypeError, ValueError):
             self._rejected(3)
             raise
+        req.finish_later = bool(finish_later)
         res, event = self._run(lambda: self.backend.combine(req), [x, topk_weights, *req.bias, handle], previous_event,
                                async_finish, allocate_on_comm_stream)
-        return res.combined_x, res.combined_topk_weights, event
+        if not finish_later:
+            return res.combined_x, res.combined_topk_weights, event
+        pending = res.pending or PendingCombine(result=(res.combined_x, res.combined_topk_weights))
+        return pending, None, event
 
     def _prepare_combine(self, x, handle, topk_weights, bias, config) -> CombineRequest:
         if not isinstance(handle, DispatchHandle):

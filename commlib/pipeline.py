@@ -113,7 +113,9 @@ class CommStage:
                                before the event the communication waits for (casts, FP8 quantize)
       forward(inputs, previous_event, async_finish) -> (produced, saved, event)
                                communication only: no work on the compute stream
-      finalize_forward(produced) on the compute stream, after waiting for the event (dequantize)
+      finalize_forward(produced) on the compute stream, after waiting for the event (dequantize,
+                               the rest of a combine taken with finish_later)
+    and in the backward prepare_backward, backward, finalize_backward likewise.
     """
     kind = "comm"
     name = "comm"
@@ -131,6 +133,10 @@ class CommStage:
 
     def prepare_backward(self, saved, grads: dict) -> dict:
         """grads: {produced key: grad or None} -> what backward takes."""
+        return grads
+
+    def finalize_backward(self, grads: dict) -> dict:
+        """What backward returned -> the grads of consumed keys (on the compute stream, after the event)."""
         return grads
 
     def backward(self, saved, grads: dict, previous_event, async_finish: bool):
@@ -209,6 +215,12 @@ class DispatchStage(CommStage):
         saved = (out.handle, out.recv_topk_idx, data.shape, data.device)
         return produced, saved, out.event
 
+    def finalize_backward(self, grads):
+        if "x_wire" not in grads:
+            return grads
+        grad_x, grad_w = ops.finish(grads["x_wire"])
+        return {k: v for k, v in (("x_wire", grad_x), ("topk_weights", grad_w)) if v is not None}
+
     def finalize_forward(self, produced):
         if isinstance(produced["recv_x"], tuple):
             produced = dict(produced, recv_x=per_token_cast_back(*produced["recv_x"], torch.bfloat16))
@@ -227,10 +239,11 @@ class DispatchStage(CommStage):
 
     def backward(self, saved, grads, previous_event, async_finish):
         handle, recv_topk_idx = saved[0], saved[1]
-        grad_x, grad_w, event = ops.dispatch_backward(self.buffer, handle, grads["recv_x"], grads["recv_topk_weights"],
-                                                      recv_topk_idx, config=self.config, prepared=True,
-                                                      previous_event=previous_event, async_finish=async_finish)
-        return {"x_wire": grad_x, "topk_weights": grad_w}, event
+        pending, _, event = ops.dispatch_backward(self.buffer, handle, grads["recv_x"], grads["recv_topk_weights"],
+                                                  recv_topk_idx, config=self.config, prepared=True,
+                                                  previous_event=previous_event, async_finish=async_finish,
+                                                  finish_later=True)
+        return {"x_wire": pending}, event  # finalize_backward: (grad of x_wire, grad of topk_weights)
 
 
 class CombineStage(CommStage):
@@ -250,9 +263,13 @@ class CombineStage(CommStage):
     def prepare_forward(self, inputs):
         return dict(inputs, y=inputs["y"].contiguous())
 
+    def finalize_forward(self, produced):
+        return dict(produced, combined=ops.finish(produced["combined"])[0])
+
     def forward(self, inputs, previous_event, async_finish):
         combined, _, event = ops.combine_forward(self.buffer, inputs["y"], inputs["handle"], config=self.config,
-                                                 previous_event=previous_event, async_finish=async_finish)
+                                                 previous_event=previous_event, async_finish=async_finish,
+                                                 finish_later=True)  # finalize_forward sums, where a backend can wait
         handle = inputs["handle"]
         return {"combined": combined}, (handle, (handle.num_tokens, inputs["y"].shape[1]), inputs["y"].device), event
 
@@ -396,7 +413,7 @@ class Chain:
             stage, produced = self.to_finalize
             self.to_finalize = None
             if backward:
-                self.grads.update(produced)
+                self.grads.update(stage.finalize_backward(produced))
             else:
                 self.carry.update(stage.finalize_forward(produced))
 

@@ -1024,7 +1024,17 @@ def test_bench_overlap_replay_comm():
         assert out[5].event is None  # an EventOverlap (CPU: no event)
         c = r.combine(out[0], out[4])
         assert c[0].shape == (2, 4) and c[0].eq(0).all() and c[1] is None
+    r.rewind()
+    r.dispatch(x)
+    p, none, _ = r.combine(x, None, finish_later=True)  # what the pipeline's stages ask for
+    assert none is None and p.finish()[0].eq(0).all()
+    with pytest.raises(RuntimeError, match="already called"):
+        p.finish()
     assert real.calls == 2
+    r.rewind()
+    r.dispatch(x), r.combine(x, None)
+    with pytest.raises(RuntimeError, match="had no more calls"):
+        r.combine(x, None)
     r.rewind()
     with pytest.raises(RuntimeError, match="call 0 is a combine"):
         r.combine(x, None)

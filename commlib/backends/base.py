@@ -63,12 +63,32 @@ class CombineRequest:
     topk_weights: Optional[torch.Tensor]     # [N, K] float32
     bias: Sequence[torch.Tensor]             # 0 to 2 tensors [T, H] bf16
     config: Config
+    finish_later: bool = False               # leave the sum to PendingCombine.finish() where a backend can
 
 
 @dataclasses.dataclass
 class CombineResult:
     combined_x: torch.Tensor                 # [T, H] bf16
     combined_topk_weights: Optional[torch.Tensor]  # [T, K] float32
+    pending: Optional["PendingCombine"] = None  # finish_later: the outputs are written by pending.finish()
+
+
+class PendingCombine:
+    """What combine(finish_later=True) returns in place of its outputs: ``finish()``, called on the
+    stream that consumes them after it waited for the call's event, runs what is left of the combine
+    on that stream (the copy-engine path's sum, with every SM) and returns (combined_x,
+    combined_topk_weights). Once; a backend with nothing left to run hands its finished outputs."""
+
+    def __init__(self, fn=None, result: Optional[tuple] = None) -> None:
+        self._fn, self._result, self._done = fn, result, False
+
+    def finish(self) -> tuple:
+        if self._done:
+            raise RuntimeError("PendingCombine.finish() was already called")
+        self._done = True
+        if self._fn is not None:
+            self._result, self._fn = self._fn(), None
+        return self._result
 
 
 class Backend:

@@ -35,7 +35,7 @@ from ..handle import DispatchHandle
 from ..layout import Layout, dispatch_layout, rows_before
 from ..layout import send_head as layout_send_head
 from ..validate import CommlibError
-from .base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
+from .base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult, PendingCombine
 from .peer_memory import HostPeerMemory, PeerMemory
 
 CE_FLAG_BYTES = 4096      # csrc/ce.cu: ready / free words before the copy-engine staging regions
@@ -63,6 +63,32 @@ class CePrepacked:
     sizes: list                    # block row sizes (_ce_sizes) and their offsets in a region
     offs: list
     consumed: bool = False
+
+
+class StagingPool:
+    """Device buffers of ``nbytes`` each for the copy-engine path (packs, combine landings). A buffer
+    is taken by a call, or by a prepack / deferred sum that a later call or finish() completes
+    (``pending``); ``events[i]`` is recorded after its last reader, and whoever writes it next waits
+    for it. Buffers are allocated as needed: one or two in flight in practice."""
+
+    def __init__(self, nbytes: int, device) -> None:
+        self.nbytes, self.device = nbytes, device
+        self.bufs: list = []
+        self.events: list = []
+        self.pending: list = []
+
+    def take(self) -> int:
+        """Index of a buffer nothing pending holds (a new one when all are)."""
+        for i, pending in enumerate(self.pending):
+            if not pending:
+                return i
+        self.bufs.append(torch.empty(self.nbytes, dtype=torch.uint8, device=self.device))
+        self.events.append(None)
+        self.pending.append(False)
+        return len(self.bufs) - 1
+
+    def ptr(self, i: int) -> int:
+        return self.bufs[i].data_ptr()
 
 
 def _ce_sizes(row: int, num_scales: int, num_topk: int, cached: bool, has_topk: bool, has_weights: bool) -> list:
@@ -164,13 +190,11 @@ class NVLinkBackend(Backend):
             # copy engines push them. A buffer is taken by a prepack (caller's stream) or by a call, and
             # free again after the call's copies out of it (its event): two prepacked dispatches can be
             # in flight at once (the dual pipeline's two micro-batches), each with its own.
-            self._ce_packs: list = []
-            self._ce_pack_events: list = []   # per buffer: the comm stream's event after its last reader
-            self._ce_pack_pending: list = []  # per buffer: prepacked, its dispatch not issued yet
-            self._ce_take_pack()
-            # host staging: combine's rows from peer r land in region r here before the sum
-            self._ce_land = (torch.empty(self.num_ranks * self.ce_region_bytes, dtype=torch.uint8, device=self.device)
-                             if self._ce_host else None)
+            self._ce_packs = StagingPool(self.num_ranks * self.ce_region_bytes, self.device)
+            self._ce_packs.take()
+            # host staging: combine's rows from peer r land in region r of one of these before the sum
+            # (a deferred sum, combine(finish_later=True), keeps its buffer until finish())
+            self._ce_lands = StagingPool(self.num_ranks * self.ce_region_bytes, self.device)
             self._ce_counter = torch.zeros(1, dtype=torch.int64, device=self.device)
             self._ce_half_sms = torch.cuda.get_device_properties(self.device).multi_processor_count // 2
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
@@ -569,9 +593,9 @@ class NVLinkBackend(Backend):
         out_w = torch.empty((T, Kk), dtype=torch.float32, device=dev) if w is not None else None
         num_sms = req.config.num_sms
         if self._ce is not None and "ce_pos" in h.extra:
-            self._ce_combine(x, w, h, biases, out, out_w, num_sms)
+            pending = self._ce_combine(x, w, h, biases, out, out_w, num_sms, later=req.finish_later)
             self._count(h.extra.get("recv_counts"))
-            return CombineResult(out, out_w)
+            return CombineResult(out, out_w, pending)
         K.launch("combine", "combine_kernel", num_sms, K.threads("combine"),
                  (K.ptr(x), K.ptr(w), K.ptr(h.send_head),
                   K.ptr(h.rank_prefix_matrix), K.ptr(h.channel_prefix_matrix), K.ptr(h.recv_channel_prefix_matrix),
@@ -636,17 +660,6 @@ class NVLinkBackend(Backend):
         event.record(self._ce_stream())
         return event
 
-    def _ce_take_pack(self) -> int:
-        """Index of a pack buffer no prepacked dispatch is waiting on (a new one when all are)."""
-        for i, pending in enumerate(self._ce_pack_pending):
-            if not pending:
-                return i
-        self._ce_packs.append(torch.empty(self.num_ranks * self.ce_region_bytes, dtype=torch.uint8,
-                                          device=self.device))
-        self._ce_pack_events.append(None)
-        self._ce_pack_pending.append(False)
-        return len(self._ce_packs) - 1
-
     def _ce_pack_rows(self, slot: int, x, scales, topk, weights, tir, pos, sizes: list, offs: list, own: list,
                       num_local: int, grid: int) -> None:
         """ce_pack_kernel on the current stream: every peer r's rows into region r of pack buffer
@@ -654,7 +667,7 @@ class NVLinkBackend(Backend):
         T, H = x.shape
         K.launch("ce", "ce_pack_kernel", grid, 1024,
                  (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir), K.ptr(pos),
-                  K.u64(self._ce_packs[slot].data_ptr()), K.u64(self.ce_region_bytes), *(K.u64(o) for o in offs[1:]),
+                  K.u64(self._ce_packs.ptr(slot)), K.u64(self.ce_region_bytes), *(K.u64(o) for o in offs[1:]),
                   *(K.u64(o) for o in own), K.i32(sum(1 << b for b in range(5) if sizes[b])),
                   K.i32(T), K.i32(H * x.element_size() // 16), K.i32(scales.shape[1] if scales is not None else 0),
                   K.i32(topk.shape[1] if topk is not None else 0), K.i32(num_local), K.i32(self.rank),
@@ -687,11 +700,12 @@ class NVLinkBackend(Backend):
             layout = self.get_dispatch_layout(topk, num_experts)
             tir = layout.is_token_in_rank
             pos = rows_before(tir)
-        slot = self._ce_take_pack()
-        if self._ce_pack_events[slot] is not None:  # the last call's copies out of this buffer
-            self._ce_stream().wait_event(self._ce_pack_events[slot])
-        self._ce_pack_pending[slot] = True
-        base = self._ce_packs[slot].data_ptr() + me * self.ce_region_bytes
+        packs = self._ce_packs
+        slot = packs.take()
+        if packs.events[slot] is not None:  # the last call's copies out of this buffer
+            self._ce_stream().wait_event(packs.events[slot])
+        packs.pending[slot] = True
+        base = packs.ptr(slot) + me * self.ce_region_bytes
         if T:
             self._ce_pack_rows(slot, x, scales, topk, weights, tir, pos, sizes, offs,
                                [base + offs[b] if sizes[b] else 0 for b in range(5)],
@@ -707,7 +721,7 @@ class NVLinkBackend(Backend):
         if not isinstance(p, CePrepacked) or not use_ce:
             raise CommlibError(f"[commlib rank {self.rank}] prepacked rows reached a dispatch without the copy engines")
         p.consumed = True
-        self._ce_pack_pending[p.slot] = False
+        self._ce_packs.pending[p.slot] = False
         stream = self._ce_stream()  # made on the caller's stream, read on this one
         lay = p.layout
         for t in (p.pos, *((lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank) if lay else ())):
@@ -752,11 +766,11 @@ class NVLinkBackend(Backend):
                                    f"dispatch {sizes}")
             slot = prepacked.slot
         else:
-            slot = self._ce_take_pack()
+            slot = self._ce_packs.take()
             if T:
                 self._ce_pack_rows(slot, x, scales, topk, weights, tir, pos, sizes, offs,
                                    [own(b) for b in range(5)], num_local, self._ce_grid(num_sms))
-        pack = self._ce_packs[slot].data_ptr()
+        pack = self._ce_packs.ptr(slot)
         if not notified:
             self._ce_sync(CE_SYNC_BEGIN)  # packing needs no peer; pushing needs each peer's region free
         peers = self._ce.peer_ptrs
@@ -771,11 +785,13 @@ class NVLinkBackend(Backend):
             self._ce_copies([(own(b), pack + me * self.ce_region_bytes + offs[b], got[me] * sizes[b])
                              for b in range(5) if own(b)])
         self._ce_sync(CE_SYNC_DONE)
-        self._ce_pack_events[slot] = self._ce_event()  # a prepack reusing the buffer waits for it
+        self._ce_packs.events[slot] = self._ce_event()  # a prepack reusing the buffer waits for it
 
-    def _ce_combine(self, x, w, h, biases, out, out_w, num_sms: int) -> None:
+    def _ce_combine(self, x, w, h, biases, out, out_w, num_sms: int, later: bool = False):
         """Combine through the copy engines: push the rows of each source rank back into its region for
-        this rank, then sum every token's rows in rank order (csrc/ce.cu ce_reduce_kernel)."""
+        this rank, then sum every token's rows in rank order (csrc/ce.cu ce_reduce_kernel). Host
+        staging: the rows land in a device buffer first, and with ``later`` the sum is left to the
+        returned PendingCombine (run on the consumer's stream, every SM); else returns None."""
         R, me = self.num_ranks, self.rank
         N, H = x.shape
         row = H * 2
@@ -790,18 +806,45 @@ class NVLinkBackend(Backend):
                           got[s] * sizes[b])
                          for s in range(R) if s != me for b, src in enumerate((x, w)) if sizes[b]])
         self._ce_sync(CE_SYNC_PUSHED)
-        staging = self._ce.base
+        staging, slot, lands = self._ce.base, None, self._ce_lands
         if self._ce_host:  # the sum reads device memory: bring each source's blocks in first
-            land = self._ce_land.data_ptr()
+            slot = lands.take()
+            if lands.events[slot] is not None:  # the last sum out of this buffer
+                self._ce_stream().wait_event(lands.events[slot])
+            land = lands.ptr(slot)
             self._ce_copies([(land + s * self.ce_region_bytes + offs[b], self._ce_region(staging, s) + offs[b],
                               sent[s] * sizes[b])
                              for s in range(R) if s != me for b in range(2) if sizes[b]])
             staging = land - CE_FLAG_BYTES  # ce_reduce_kernel finds region s at staging + CE_FLAG_BYTES + s * bytes
+            self._ce_sync(CE_SYNC_DONE)  # the regions here are read: the peers may push into them again
         T = h.num_tokens
-        if T:
-            K.launch("ce", "ce_reduce_kernel", self._ce_grid(num_sms), 512,
-                     (K.ptr(x), K.ptr(w), K.u64(staging), K.u64(self.ce_region_bytes), K.u64(offs[1]),
-                      K.ptr(h.is_token_in_rank), K.ptr(h.extra["ce_pos"]), K.i32(first[me]),
-                      K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(out), K.ptr(out_w),
-                      K.i32(T), K.i32(row // 16), K.i32(Kk), K.i32(me), K.i32(R)))
-        self._ce_sync(CE_SYNC_DONE)
+
+        def reduce(grid: int) -> None:
+            if T:
+                K.launch("ce", "ce_reduce_kernel", grid, 512,
+                         (K.ptr(x), K.ptr(w), K.u64(staging), K.u64(self.ce_region_bytes), K.u64(offs[1]),
+                          K.ptr(h.is_token_in_rank), K.ptr(h.extra["ce_pos"]), K.i32(first[me]),
+                          K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(out), K.ptr(out_w),
+                          K.i32(T), K.i32(row // 16), K.i32(Kk), K.i32(me), K.i32(R)))
+
+        if slot is None:
+            reduce(self._ce_grid(num_sms))
+            self._ce_sync(CE_SYNC_DONE)
+            return None
+        if not later:
+            reduce(self._ce_grid(num_sms))
+            lands.events[slot] = self._ce_event()
+            return None
+        lands.pending[slot] = True
+
+        def finish():
+            reduce(self._ce_grid(0, every_sm=True))
+            stream = self._ce_stream()
+            for t in (out, out_w):  # made on the comm stream, written and used on this one
+                if t is not None:
+                    t.record_stream(stream)
+            lands.events[slot] = self._ce_event()
+            lands.pending[slot] = False
+            return out, out_w
+
+        return PendingCombine(finish)

@@ -130,7 +130,7 @@ def run_case(ctx, *, routing_name="random", T=64, H=256, E=32, K=4, fp8=False, w
              key="main", token_counts=None, prepack=False):
     """Dispatch + cached dispatch + combine through both Buffers; compare everything. prepack: the
     nvlink Buffer's dispatches (both) get their rows packed ahead by Buffer.prepack, the non-cached
-    one its layout from there too."""
+    one its layout from there too, and its combine leaves its sum to PendingCombine.finish()."""
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     combine_cfg = combine_cfg or cfg
     nv, ref = buffers(ctx, key)
@@ -171,7 +171,13 @@ def run_case(ctx, *, routing_name="random", T=64, H=256, E=32, K=4, fp8=False, w
             res["cached"] = buf.dispatch(x2, handle=handle, config=cfg, **({"prepacked": tok2} if ahead else {}))[0]
         y = as_bf16(rx)
         y = (y.float() * (1.0 + 0.25 * me)).to(torch.bfloat16)
-        cx, cw, _ = buf.combine(y, handle, topk_weights=rw, bias=biases or None, config=combine_cfg)
+        if ahead:  # with the sum left to the caller's stream (host staging) or handed over finished
+            pending, none, _ = buf.combine(y, handle, topk_weights=rw, bias=biases or None, config=combine_cfg,
+                                           finish_later=True)
+            assert none is None, f"{tag} combine(finish_later=True) returned outputs"
+            cx, cw = pending.finish()
+        else:
+            cx, cw, _ = buf.combine(y, handle, topk_weights=rw, bias=biases or None, config=combine_cfg)
         res["combined"] = (cx, cw)
         out[name] = res
     a, b = out["nvlink"], out["reference"]

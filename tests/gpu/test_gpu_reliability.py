@@ -392,8 +392,9 @@ def test_host_copy_engine_path(monkeypatch):
     be._ce = types.SimpleNamespace(base=base, peer_ptrs={0: peer}, num_bytes=4096 + 2 * region,
                                    peer_bases=torch.tensor([peer, base]))
     be.ce_region_bytes = region
-    be._ce_packs, be._ce_pack_events, be._ce_pack_pending = [torch.empty(2 * region, dtype=torch.uint8)], [None], [False]
-    be._ce_land = torch.empty(2 * region, dtype=torch.uint8)
+    from commlib.backends.nvlink import StagingPool
+    be._ce_packs, be._ce_lands = StagingPool(2 * region, "cpu"), StagingPool(2 * region, "cpu")
+    be._ce_packs.take()
     be._ce_event = lambda: "event"
     be._layout_scratch = {}
     be._ce_counter = torch.zeros(1, dtype=torch.int64)
@@ -406,7 +407,7 @@ def test_host_copy_engine_path(monkeypatch):
     res = be.dispatch(_dispatch_req())
     assert [c[0] for c in calls] == ["notify_kernel", "ce_pack_kernel"] + ["ce_sync_kernel"] * 2
     assert [c[1][0] for c in calls[2:]] == [3, 2]  # pushed (advancing the counter), done
-    assert be._ce_pack_events == ["event"] and be._ce_pack_pending == [False]
+    assert be._ce_packs.events == ["event"] and be._ce_packs.pending == [False]
     assert calls.builds[1][1] == 66  # packing grid: half the SMs, more than the call's num_sms (4)
     pack = calls[1][1]
     row, topk, w, src = 512, 16, 8, 4  # bytes per row of each block (bf16 x of 256, no scales)
@@ -414,12 +415,12 @@ def test_host_copy_engine_path(monkeypatch):
     a16 = lambda n: (n + 15) // 16 * 16  # noqa: E731 - each block starts 16-byte aligned
     offs = [0, a16(cap * row), a16(cap * row), a16(cap * row) + a16(cap * topk),
             a16(cap * row) + a16(cap * topk) + a16(cap * w)]
-    assert pack[6:12] == [be._ce_packs[0].data_ptr(), region] + offs[1:]
+    assert pack[6:12] == [be._ce_packs.ptr(0), region] + offs[1:]
     assert pack[12] == res.recv_x.data_ptr() + got[0] * row  # this rank's own rows: after rank 0's
     assert pack[17] == 1 | 4 | 8 | 16  # x, top-k, weights, sources; no scales
     outs = [res.recv_x, None, res.recv_topk_idx, res.recv_topk_weights, res.handle.recv_src_idx]
     sizes = [row, 0, topk, w, src]
-    pushes = [(peer + 4096 + 1 * region + offs[b], be._ce_packs[0].data_ptr() + offs[b], sent[0] * sizes[b])
+    pushes = [(peer + 4096 + 1 * region + offs[b], be._ce_packs.ptr(0) + offs[b], sent[0] * sizes[b])
               for b in (0, 2, 3, 4)]
     pulls = [(outs[b].data_ptr(), base + 4096 + offs[b], got[0] * sizes[b]) for b in (0, 2, 3, 4)]
     assert copies == pushes + pulls
@@ -437,7 +438,7 @@ def test_host_copy_engine_path(monkeypatch):
     assert [c[0] for c in calls] == ["ce_pack_kernel"] + ["ce_sync_kernel"] * 3 and calls[0][1][17] == 1
     assert [c[1][0] for c in calls[1:]] == [0, 1, 2]  # no count exchange: begin, pushed, done
     cap1 = (region - 16 * 5) // row
-    assert cap1 > 0 and copies == [(peer + 4096 + region, be._ce_packs[0].data_ptr(), sent[0] * row),
+    assert cap1 > 0 and copies == [(peer + 4096 + region, be._ce_packs.ptr(0), sent[0] * row),
                                    (cached.recv_x.data_ptr(), base + 4096, got[0] * row)]
 
     calls.clear(), copies.clear()
@@ -453,15 +454,34 @@ def test_host_copy_engine_path(monkeypatch):
     assert tuple(out.combined_x.shape) == (8, 256)
 
     # COMMLIB_CE_STAGING=host: the same pushes (into host memory), then each source's blocks land in
-    # its region of the (device) pack buffer, which the sum reads instead of the staging
+    # its region of a device landing buffer, which the sum reads instead of the staging; the staging
+    # is free again (DONE) before the sum
     calls.clear(), copies.clear()
     be._ce_host = True
     be.combine(CombineRequest(y, h, yw, (), Config(4, 8, 64, 64, 1024)))
-    land = be._ce_land.data_ptr()
-    assert [c[0] for c in calls] == ["ce_sync_kernel", "ce_sync_kernel", "ce_reduce_kernel", "ce_sync_kernel"]
-    assert calls[2][1][2] == land - 4096  # region s of the sum = land + s * region
+    be._ce_lands.take()
+    land = be._ce_lands.ptr(0)
+    assert [c[0] for c in calls] == ["ce_sync_kernel"] * 3 + ["ce_reduce_kernel"]
+    assert [c[1][0] for c in calls[:3]] == [0, 1, 2]
+    assert calls[3][1][2] == land - 4096  # region s of the sum = land + s * region
     assert copies[2:] == [(land + 0 * region, base + 4096, sent[0] * row),
                           (land + a16(ccap * row), base + 4096 + a16(ccap * row), sent[0] * w)]
+    # finish_later: the call stops after DONE; finish() sums with every SM and frees the landing buffer;
+    # a second deferred combine meanwhile lands in a second buffer
+    calls.clear(), copies.clear(), calls.builds.clear()
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    be._ce_stream = lambda: types.SimpleNamespace(wait_event=lambda e: None)
+    req = CombineRequest(y, h, yw, (), Config(4, 8, 64, 64, 1024), finish_later=True)
+    first, second = be.combine(req), be.combine(req)
+    assert [c[0] for c in calls] == ["ce_sync_kernel"] * 6 and be._ce_lands.pending == [True, True]
+    assert copies[2][0] == be._ce_lands.ptr(0) and copies[6][0] == be._ce_lands.ptr(1)
+    out_x, out_w = first.pending.finish()
+    assert out_x is first.combined_x and out_w is first.combined_topk_weights
+    assert calls[-1][0] == "ce_reduce_kernel" and calls.builds[-1][1] == 132 and calls[-1][1][2] == land - 4096
+    assert be._ce_lands.pending == [False, True] and be._ce_lands.events[0] == "event"
+    with pytest.raises(RuntimeError, match="already called"):
+        first.pending.finish()
+    second.pending.finish()
     be._ce_host = False
 
     # prepacked: buffer 0 is taken by a prepack not dispatched yet, so the next one packs into buffer 1
@@ -474,24 +494,24 @@ def test_host_copy_engine_path(monkeypatch):
     be.get_dispatch_layout = lambda topk, E: layouts.append((topk, E)) or req.layout  # on the caller's stream
     first_tok = be.prepack(req.x, None, req.topk_idx, req.topk_weights, 8, None)
     tok = be.prepack(req.x, None, req.topk_idx, req.topk_weights, 8, None)
-    assert (first_tok.slot, tok.slot) == (0, 1) and len(be._ce_packs) == 2 and waits == ["event"]
+    assert (first_tok.slot, tok.slot) == (0, 1) and len(be._ce_packs.bufs) == 2 and waits == ["event"]
     assert [n for n, g, _ in calls.builds] == ["ce_pack_kernel"] * 2 and len(layouts) == 2
     assert calls.builds[-1][1] == 132  # every SM: it runs on the compute stream between compute steps
     p = calls[-1][1]
-    own = be._ce_packs[1].data_ptr() + 1 * region  # region `rank` of pack buffer 1
-    assert p[6] == be._ce_packs[1].data_ptr() and p[12:17] == [own + offs[b] if sizes[b] else 0 for b in range(5)]
+    own = be._ce_packs.ptr(1) + 1 * region  # region `rank` of pack buffer 1
+    assert p[6] == be._ce_packs.ptr(1) and p[12:17] == [own + offs[b] if sizes[b] else 0 for b in range(5)]
     calls.clear()
     req.layout, req.prepacked = tok.layout, tok
     res = be.dispatch(req)
     assert [c[0] for c in calls] == ["notify_kernel"] + ["ce_sync_kernel"] * 2 and tok.consumed
-    assert be._ce_pack_pending == [True, False] and be._ce_pack_events[1] == "event"
+    assert be._ce_packs.pending == [True, False] and be._ce_packs.events[1] == "event"
     outs = [res.recv_x, None, res.recv_topk_idx, res.recv_topk_weights, res.handle.recv_src_idx]
-    pushes = [(peer + 4096 + region + offs[b], be._ce_packs[1].data_ptr() + offs[b], sent[0] * sizes[b])
+    pushes = [(peer + 4096 + region + offs[b], be._ce_packs.ptr(1) + offs[b], sent[0] * sizes[b])
               for b in (0, 2, 3, 4)]
     pulls = [(outs[b].data_ptr(), base + 4096 + offs[b], got[0] * sizes[b]) for b in (0, 2, 3, 4)]
     owns = [(outs[b].data_ptr() + got[0] * sizes[b], own + offs[b], got[1] * sizes[b]) for b in (0, 2, 3, 4)]
     assert copies == pushes + pulls + owns
-    be._ce_pack_pending[0] = False  # (first_tok is never dispatched here)
+    be._ce_packs.pending[0] = False  # (first_tok is never dispatched here)
     big = _dispatch_req(T=4000)  # more tokens than a region's rows: the call packs itself
     assert be.prepack(big.x, None, big.topk_idx, big.topk_weights, 8, None) is None
     monkeypatch.setenv("COMMLIB_CE_PREPACK", "0")

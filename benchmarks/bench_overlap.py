@@ -179,6 +179,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-ce-prepack", action="store_true",
                    help="copy-engine path: every dispatch packs its rows on the comm stream (sets COMMLIB_CE_PREPACK=0 "
                         "for the ranks; default: the pipeline packs them on the compute stream, Buffer.prepack)")
+    p.add_argument("--no-ce-defer-sum", action="store_true",
+                   help="copy-engine path, host staging: every combine sums on the comm stream (sets "
+                        "COMMLIB_CE_DEFER_SUM=0; default: the pipeline's combines sum on the compute stream)")
     p.add_argument("--fp8", action="store_true", help="FP8 dispatch (E4M3 + scales), bf16 combine")
     p.add_argument("--backend", default=None, help="Buffer backend (auto | reference | nvlink)")
     p.add_argument("--warmup", type=int, default=3)
@@ -772,6 +775,7 @@ def run(ctx, args) -> dict:
         "ce_bytes": env.ce_bytes(),  # > 0: the nvlink backend's copy-engine data path (csrc/ce.cu)
         "ce_sms": env.ce_sms(),
         "ce_prepack": env.ce_prepack() if env.ce_bytes() else None,  # packing on the compute stream
+        "ce_defer_sum": env.ce_defer_sum() if env.ce_bytes() else None,  # combine's sum there too
         "ce_staging": env.ce_staging() if env.ce_bytes() else None,  # host: rows cross PCIe via pinned host memory
         # SMs of every dispatch / combine; source: --comm-sms, calibrated, Buffer.num_sms or a tuned config.
         # Timing effect on the GPU engines only (nvlink): the reference backend ignores it.
@@ -1097,6 +1101,8 @@ def _transport_env(args) -> None:
         os.environ["COMMLIB_CE_SMS"] = str(args.ce_sms)
     if args.no_ce_prepack:
         os.environ["COMMLIB_CE_PREPACK"] = "0"
+    if args.no_ce_defer_sum:
+        os.environ["COMMLIB_CE_DEFER_SUM"] = "0"
 
 
 def main(argv=None) -> None:

@@ -593,7 +593,8 @@ class NVLinkBackend(Backend):
         out_w = torch.empty((T, Kk), dtype=torch.float32, device=dev) if w is not None else None
         num_sms = req.config.num_sms
         if self._ce is not None and "ce_pos" in h.extra:
-            pending = self._ce_combine(x, w, h, biases, out, out_w, num_sms, later=req.finish_later)
+            pending = self._ce_combine(x, w, h, biases, out, out_w, num_sms,
+                                       later=req.finish_later and env.ce_defer_sum())
             self._count(h.extra.get("recv_counts"))
             return CombineResult(out, out_w, pending)
         K.launch("combine", "combine_kernel", num_sms, K.threads("combine"),

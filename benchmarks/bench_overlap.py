@@ -179,9 +179,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-ce-prepack", action="store_true",
                    help="copy-engine path: every dispatch packs its rows on the comm stream (sets COMMLIB_CE_PREPACK=0 "
                         "for the ranks; default: the pipeline packs them on the compute stream, Buffer.prepack)")
-    p.add_argument("--no-ce-defer-sum", action="store_true",
-                   help="copy-engine path, host staging: every combine sums on the comm stream (sets "
-                        "COMMLIB_CE_DEFER_SUM=0; default: the pipeline's combines sum on the compute stream)")
+    p.add_argument("--ce-defer-sum", action="store_true",
+                   help="copy-engine path, host staging: the pipeline's combines sum on the compute stream "
+                        "(sets COMMLIB_CE_DEFER_SUM=1; default: on the comm stream, measured the same)")
     p.add_argument("--fp8", action="store_true", help="FP8 dispatch (E4M3 + scales), bf16 combine")
     p.add_argument("--backend", default=None, help="Buffer backend (auto | reference | nvlink)")
     p.add_argument("--warmup", type=int, default=3)
@@ -1101,8 +1101,8 @@ def _transport_env(args) -> None:
         os.environ["COMMLIB_CE_SMS"] = str(args.ce_sms)
     if args.no_ce_prepack:
         os.environ["COMMLIB_CE_PREPACK"] = "0"
-    if args.no_ce_defer_sum:
-        os.environ["COMMLIB_CE_DEFER_SUM"] = "0"
+    if args.ce_defer_sum:
+        os.environ["COMMLIB_CE_DEFER_SUM"] = "1"
 
 
 def main(argv=None) -> None:

@@ -24,8 +24,8 @@ Variables:
   COMMLIB_CE_PREPACK       0: Buffer.prepack returns None, every copy-engine dispatch packs its rows on the comm stream
                            (default 1: the dual pipeline packs them on the compute stream, right after the step
                            that made them, with every SM)
-  COMMLIB_CE_DEFER_SUM     0: a copy-engine combine sums on the comm stream even when asked to finish later (default
-                           1: host staging leaves the sum to PendingCombine.finish(), on the consumer's stream)
+  COMMLIB_CE_DEFER_SUM     1: a host-staged copy-engine combine asked to finish later (the dual pipeline's) leaves its
+                           sum to PendingCombine.finish(), on the consumer's stream (default 0: measured neutral)
   COMMLIB_CE_STAGING       device | host: where the copy-engine path's staging lives (default device: CUDA IPC over
                            NVLink); host: pinned host memory shared by the ranks' processes, so rows cross PCIe
                            twice (the path of GPUs without peer access, and of a NIC's DMA)
@@ -175,7 +175,7 @@ def ce_prepack() -> bool:
 
 
 def ce_defer_sum() -> bool:
-    return _flag_on("COMMLIB_CE_DEFER_SUM")
+    return _flag("COMMLIB_CE_DEFER_SUM")
 
 
 def ce_sms() -> int:

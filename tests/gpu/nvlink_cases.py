@@ -172,8 +172,12 @@ def run_case(ctx, *, routing_name="random", T=64, H=256, E=32, K=4, fp8=False, w
         y = as_bf16(rx)
         y = (y.float() * (1.0 + 0.25 * me)).to(torch.bfloat16)
         if ahead:  # with the sum left to the caller's stream (host staging) or handed over finished
-            pending, none, _ = buf.combine(y, handle, topk_weights=rw, bias=biases or None, config=combine_cfg,
-                                           finish_later=True)
+            os.environ["COMMLIB_CE_DEFER_SUM"] = "1"
+            try:
+                pending, none, _ = buf.combine(y, handle, topk_weights=rw, bias=biases or None, config=combine_cfg,
+                                               finish_later=True)
+            finally:
+                del os.environ["COMMLIB_CE_DEFER_SUM"]
             assert none is None, f"{tag} combine(finish_later=True) returned outputs"
             cx, cw = pending.finish()
         else:

@@ -472,6 +472,10 @@ def test_host_copy_engine_path(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     be._ce_stream = lambda: types.SimpleNamespace(wait_event=lambda e: None)
     req = CombineRequest(y, h, yw, (), Config(4, 8, 64, 64, 1024), finish_later=True)
+    be.combine(req)  # COMMLIB_CE_DEFER_SUM unset (default): the sum runs in the call
+    assert [c[0] for c in calls] == ["ce_sync_kernel"] * 3 + ["ce_reduce_kernel"]
+    calls.clear(), copies.clear()
+    monkeypatch.setenv("COMMLIB_CE_DEFER_SUM", "1")
     first, second = be.combine(req), be.combine(req)
     assert [c[0] for c in calls] == ["ce_sync_kernel"] * 6 and be._ce_lands.pending == [True, True]
     assert copies[2][0] == be._ce_lands.ptr(0) and copies[6][0] == be._ce_lands.ptr(1)

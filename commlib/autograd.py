@@ -86,10 +86,9 @@ def dispatch_forward(buffer, x: XLike, topk_idx: torch.Tensor, topk_weights: Opt
     prepacked: Buffer.prepack(x, topk_idx, topk_weights, num_experts)'s token (it holds the layout)."""
     # allocate_on_comm_stream is only legal with an explicit previous_event and async_finish.
     alloc = allocate_on_comm_stream and async_finish
-    if prepacked is not None:  # the layout came with the packing, on the stream previous_event follows
-        lay = prepacked.layout
-        num_tokens_per_rank, num_tokens_per_rdma_rank = lay.num_tokens_per_rank, lay.num_tokens_per_rdma_rank
-        num_tokens_per_expert, is_token_in_rank = lay.num_tokens_per_expert, lay.is_token_in_rank
+    if prepacked is not None:  # the layout came with the packing (dispatch takes it from the token), on
+        # the stream previous_event follows
+        num_tokens_per_rank = num_tokens_per_rdma_rank = num_tokens_per_expert = is_token_in_rank = None
         dispatch_prev = previous_event if async_finish else None
     else:
         layout = buffer.get_dispatch_layout(topk_idx, num_experts, previous_event=previous_event,

@@ -351,12 +351,9 @@ class Buffer:
         """
         self._alive()
         try:
-            layout = getattr(prepacked, "layout", None)
-            if prepacked is not None and not hasattr(self.backend, "prepack"):
-                raise ValueError(f"[commlib rank {self.rank}] prepacked rows given to a {self.backend_name} Buffer, "
-                                 "whose prepack() returns None")
             if prepacked is not None:
                 self._check_prepacked(prepacked, split_x(x, self.rank, self.device)[0], handle, num_worst_tokens)
+            layout = getattr(prepacked, "layout", None)
             if layout is not None and num_tokens_per_rank is None and is_token_in_rank is None:
                 num_tokens_per_rank, num_tokens_per_rdma_rank = layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank
                 num_tokens_per_expert, is_token_in_rank = layout.num_tokens_per_expert, layout.is_token_in_rank
@@ -413,6 +410,9 @@ class Buffer:
         """prepack()'s token fits this dispatch: same x (storage and shape) and handle, unused, a call
         the copy engines take. Raised before the call's collectives, like any bad input."""
         me = self.rank
+        if not hasattr(self.backend, "prepack"):
+            raise ValueError(f"[commlib rank {me}] prepacked rows given to a {self.backend_name} Buffer, whose "
+                             "prepack() returns None")
         x = getattr(p, "x", None)
         if x is None or not hasattr(p, "consumed"):
             raise ValueError(f"[commlib rank {me}] prepacked must come from this Buffer's prepack(), got "

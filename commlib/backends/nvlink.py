@@ -60,8 +60,7 @@ class CePrepacked:
     handle: Optional[DispatchHandle]
     layout: Optional[Layout]       # non-cached: the layout computed with the pack (dispatch's layout args)
     pos: torch.Tensor              # [T, R] rows_before(is_token_in_rank): row of token t among those for r
-    sizes: list                    # block row sizes (_ce_sizes) and their offsets in a region
-    offs: list
+    sizes: list                    # block row sizes (_ce_sizes): the dispatch checks it moves the same blocks
     consumed: bool = False
 
 
@@ -76,6 +75,14 @@ class StagingPool:
         self.bufs: list = []
         self.events: list = []
         self.pending: list = []
+
+    def take_after(self, stream) -> int:
+        """take(), with ``stream`` waiting for the buffer's last reader: for a writer on another
+        stream than the one that read it."""
+        i = self.take()
+        if self.events[i] is not None:
+            stream.wait_event(self.events[i])
+        return i
 
     def take(self) -> int:
         """Index of a buffer nothing pending holds (a new one when all are)."""
@@ -702,16 +709,14 @@ class NVLinkBackend(Backend):
             tir = layout.is_token_in_rank
             pos = rows_before(tir)
         packs = self._ce_packs
-        slot = packs.take()
-        if packs.events[slot] is not None:  # the last call's copies out of this buffer
-            self._ce_stream().wait_event(packs.events[slot])
+        slot = packs.take_after(self._ce_stream())  # after the last call's copies out of this buffer
         packs.pending[slot] = True
         base = packs.ptr(slot) + me * self.ce_region_bytes
         if T:
             self._ce_pack_rows(slot, x, scales, topk, weights, tir, pos, sizes, offs,
                                [base + offs[b] if sizes[b] else 0 for b in range(5)],
                                num_experts // R if not cached else 0, self._ce_grid(0, every_sm=True))
-        return CePrepacked(slot, given, handle, layout, pos, sizes, offs)
+        return CePrepacked(slot, given, handle, layout, pos, sizes)
 
     def _ce_consume(self, req: DispatchRequest, use_ce: bool) -> Optional[CePrepacked]:
         """The request's prepacked rows (Buffer._check_prepacked checked them against the request),
@@ -809,9 +814,7 @@ class NVLinkBackend(Backend):
         self._ce_sync(CE_SYNC_PUSHED)
         staging, slot, lands = self._ce.base, None, self._ce_lands
         if self._ce_host:  # the sum reads device memory: bring each source's blocks in first
-            slot = lands.take()
-            if lands.events[slot] is not None:  # the last sum out of this buffer
-                self._ce_stream().wait_event(lands.events[slot])
+            slot = lands.take_after(self._ce_stream())  # after the last sum out of this buffer
             land = lands.ptr(slot)
             self._ce_copies([(land + s * self.ce_region_bytes + offs[b], self._ce_region(staging, s) + offs[b],
                               sent[s] * sizes[b])

@@ -396,6 +396,7 @@ def test_host_copy_engine_path(monkeypatch):
     be._ce_packs, be._ce_lands = StagingPool(2 * region, "cpu"), StagingPool(2 * region, "cpu")
     be._ce_packs.take()
     be._ce_event = lambda: "event"
+    be._ce_stream = lambda: types.SimpleNamespace(wait_event=lambda e: None)  # no CUDA here
     be._layout_scratch = {}
     be._ce_counter = torch.zeros(1, dtype=torch.int64)
     be._ce_half_sms = 66  # an H200's 132 SMs

@@ -382,7 +382,8 @@ class Buffer:
         compute that produced x (as the dual pipeline does, commlib.pipeline), the gather runs there on
         every SM in a fraction of the time. Non-cached (topk_idx and num_experts given): the layout
         (get_dispatch_layout) is computed here too. Pass the result to dispatch(prepacked=...) with the
-        same x (and handle); it is used once. Returns None where there is nothing to do (another
+        same x (and handle); it is used once, and holds a pack buffer until then (at most 4 may be
+        outstanding; a fifth raises ValueError). Returns None where there is nothing to do (another
         backend or path, COMMLIB_CE_PREPACK=0, more tokens than a staging region holds): dispatch
         then packs itself, as without a prepack.
         """

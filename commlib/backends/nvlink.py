@@ -40,6 +40,7 @@ from .peer_memory import HostPeerMemory, PeerMemory
 
 CE_FLAG_BYTES = 4096      # csrc/ce.cu: ready / free words before the copy-engine staging regions
 CE_SYNC_BEGIN, CE_SYNC_PUSHED, CE_SYNC_DONE, CE_SYNC_PUSHED_NEXT = 0, 1, 2, 3  # csrc/ce.cu ce_sync_kernel modes
+CE_MAX_PREPACKED = 4       # prepacks not yet dispatched (each holds a pack buffer of COMMLIB_CE_BYTES)
 SLOT_ALIGN = 128          # staging slots never share a cache line (a line read early could be stale)
 SMID_KINDS = {"notify": 0, "dispatch": 1, "combine": 2}
 _MAX_LAYOUT_SHARED = 48 * 1024
@@ -709,6 +710,9 @@ class NVLinkBackend(Backend):
             tir = layout.is_token_in_rank
             pos = rows_before(tir)
         packs = self._ce_packs
+        if sum(packs.pending) >= CE_MAX_PREPACKED:  # each holds a pack buffer until its dispatch
+            raise ValueError(f"[commlib rank {me}] {CE_MAX_PREPACKED} prepacked dispatches are outstanding: "
+                             "dispatch them (each prepack() is for exactly one dispatch) before packing more")
         slot = packs.take_after(self._ce_stream())  # after the last call's copies out of this buffer
         packs.pending[slot] = True
         base = packs.ptr(slot) + me * self.ce_region_bytes

@@ -516,7 +516,11 @@ def test_host_copy_engine_path(monkeypatch):
     pulls = [(outs[b].data_ptr(), base + 4096 + offs[b], got[0] * sizes[b]) for b in (0, 2, 3, 4)]
     owns = [(outs[b].data_ptr() + got[0] * sizes[b], own + offs[b], got[1] * sizes[b]) for b in (0, 2, 3, 4)]
     assert copies == pushes + pulls + owns
-    be._ce_packs.pending[0] = False  # (first_tok is never dispatched here)
+    be._ce_packs.pending[:] = [True] * 4  # four prepacks never dispatched: the next is refused, nothing taken
+    with pytest.raises(ValueError, match="4 prepacked dispatches are outstanding"):
+        be.prepack(req.x, None, req.topk_idx, req.topk_weights, 8, None)
+    assert len(be._ce_packs.bufs) == 2
+    be._ce_packs.pending[:] = [False, False]  # (first_tok is never dispatched here)
     big = _dispatch_req(T=4000)  # more tokens than a region's rows: the call packs itself
     assert be.prepack(big.x, None, big.topk_idx, big.topk_weights, 8, None) is None
     monkeypatch.setenv("COMMLIB_CE_PREPACK", "0")

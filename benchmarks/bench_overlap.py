@@ -114,6 +114,7 @@ CALIBRATED_SMS = {"balanced_sms"}      # presets whose comm SMs are calibrated t
 COMM_SMS_CALIBRATION = (4, 6, 8, 12, 16, 20, 24)
 BALANCED_RANGE = (0.75, 4 / 3)          # "comm ~ compute": comm / compute within this range
 TARGET_DUAL_OVER_MAX, TARGET_SPEEDUP = 1.15, 1.3
+PHASES = ("forward", "forward_backward", "fwd0_bwd1")
 _FIELDS = ("tokens", "hidden", "experts", "topk", "groups", "topk_groups", "expert_hidden", "shared", "heads",
            "head_dim")
 
@@ -149,6 +150,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sm-carveout", default=None, metavar="auto|off|N",
                    help="SMs the dual schedules keep GEMMs off while they overlap (commlib.pipeline.sm_carveout; "
                         "default: $COMMLIB_SM_CARVEOUT, else auto = the comm SMs); the sequential runs never set it")
+    p.add_argument("--sm-carveout-backward", default=None, metavar="auto|off|N",
+                   help="forward+backward (two forwards, two backwards): the carveout from micro-batch 0's backward on "
+                        "(default: --sm-carveout's)")
+    p.add_argument("--fb-schedule", choices=("joint", "split"), default="joint",
+                   help="forward+backward, dual: joint = commlib.pipeline.dual_forward_backward (micro-batch 0's "
+                        "backward starts beside micro-batch 1's last forward steps; default), split = dual_forward "
+                        "then dual_backward")
+    p.add_argument("--phases", default="forward,forward_backward,fwd0_bwd1", metavar="P,...",
+                   help="phases to measure (forward, forward_backward, fwd0_bwd1; default all)")
     p.add_argument("--defer-wgrad", dest="defer_wgrad", action="store_true", default=None,
                    help="dual backward schedules defer the expert GEMMs' weight gradients (B / W split, "
                         "commlib.wgrad; default: $COMMLIB_DEFER_WGRAD, on); --no-defer-wgrad: in place")
@@ -209,6 +219,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "spread of its CTAs' starts and its start after the step's span began (JSON: comm_trace)")
     p.add_argument("--json", action="store_true", help="also print the JSON to stdout")
     args = p.parse_args(argv)
+    args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    bad = sorted(set(args.phases) - set(PHASES))
+    if bad or not args.phases:
+        p.error(f"--phases: pick from {', '.join(PHASES)}, got {args.phases}")
     if args.comm_sms is not None and (args.comm_sms <= 0 or args.comm_sms % 2):
         p.error(f"--comm-sms must be a positive even number (two CTAs per channel), got {args.comm_sms}")
     if args.ce_sms is not None and args.ce_sms <= 0:
@@ -409,17 +423,16 @@ def _sum_spans(spans, stream) -> float:
     return sum(s["end_ms"] - s["start_ms"] for s in spans if s["stream"] == stream)
 
 
-def _check(model, P, h0, h1, g0, g1, device, order="auto", carveout=None, defer=None) -> dict:
-    """Dual vs sequential forward+backward once: outputs and every gradient, relative L2 error.
+def _check(model, fb, device) -> dict:
+    """Dual vs sequential forward+backward once (fb(overlap) -> the two outputs): outputs and every
+    gradient, relative L2 error.
 
     CPU: bit-identical (error 0). GPUs: index_add uses atomics, so float sums vary in order and
     bf16 results can differ in the last bit; the check allows 1e-2 relative (a wrong schedule,
     e.g. a missing wait, gives errors of order 1)."""
     def once(overlap):
         model.zero_grad(set_to_none=True)
-        o0, o1 = P.dual_forward(model, (h0,), (h1,), overlap=overlap, issue_order=order, sm_carveout=carveout)
-        P.dual_backward(o0, g0, o1, g1, overlap=overlap, issue_order=order, sm_carveout=carveout,
-                        defer_weight_grads=defer)
+        o0, o1 = fb(overlap)
         out = {"out0": o0.detach().clone(), "out1": o1.detach().clone()}
         out.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         model.zero_grad(set_to_none=True)
@@ -586,6 +599,7 @@ def run(ctx, args) -> dict:
     clock = _Clock(device)
     order = args.issue_order
     carveout = args.sm_carveout
+    carveout_bwd = args.sm_carveout_backward if args.sm_carveout_backward is not None else carveout
     defer = args.defer_wgrad
 
     calibration = None
@@ -611,11 +625,17 @@ def run(ctx, args) -> dict:
                            sm_carveout=carveout)
 
     def fwd_bwd(overlap, timeline=None):
+        """Two forwards then two backwards (--fb-schedule); returns the two outputs."""
         model.zero_grad(set_to_none=True)
+        if args.fb_schedule == "joint":
+            return P.dual_forward_backward(model, (h0,), (h1,), grads0=g0, grads1=g1, timeline=timeline,
+                                           overlap=overlap, issue_order=order, sm_carveout=(carveout, carveout_bwd),
+                                           defer_weight_grads=defer)
         o0, o1 = P.dual_forward(model, (h0,), (h1,), timeline=timeline, overlap=overlap, issue_order=order,
                                 sm_carveout=carveout)
-        P.dual_backward(o0, g0, o1, g1, timeline=timeline, overlap=overlap, issue_order=order, sm_carveout=carveout,
-                        defer_weight_grads=defer)
+        P.dual_backward(o0, g0, o1, g1, timeline=timeline, overlap=overlap, issue_order=order,
+                        sm_carveout=carveout_bwd, defer_weight_grads=defer)
+        return o0, o1
 
     def f_and_b(o1, overlap, timeline=None):
         """Micro-batch 0's forward with micro-batch 1's backward (o1: its forward's outputs)."""
@@ -641,7 +661,7 @@ def run(ctx, args) -> dict:
                 times.append(t)
         return statistics.median(times)
 
-    check = _check(model, P, h0, h1, g0, g1, device, order, carveout, defer)
+    check = _check(model, fwd_bwd, device)
 
     backend = buffer.backend if args.comm_trace else None
     traces: dict = {}  # phase -> schedule -> {kernel kind: [per launch: per CTA (start, own done, end)]}
@@ -663,6 +683,8 @@ def run(ctx, args) -> dict:
 
     phases = {}
     for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
+        if name not in args.phases:
+            continue
         with windows(f"{name}.sequential"):
             seq_ms = _median_ms(clock, lambda: fn(False), args.warmup, args.iters)
         with windows(f"{name}.dual"):
@@ -673,14 +695,15 @@ def run(ctx, args) -> dict:
             clock.time_ms(lambda: fn(overlap, tl))
             trace_keep(name, sched)
         phases[name] = (seq_ms, dual_ms, tl_seq.spans(), tl_dual.spans())
-    tl_seq, tl_dual = P.Timeline(), P.Timeline()
-    with windows("fwd0_bwd1.sequential"):
-        seq_ms = timed_f_and_b(False, tl_seq, before_last=trace_reset)
-    trace_keep("fwd0_bwd1", "sequential")
-    with windows("fwd0_bwd1.dual"):
-        dual_ms = timed_f_and_b(True, tl_dual, before_last=trace_reset)
-    trace_keep("fwd0_bwd1", "dual")
-    phases["fwd0_bwd1"] = (seq_ms, dual_ms, tl_seq.spans(), tl_dual.spans())
+    if "fwd0_bwd1" in args.phases:
+        tl_seq, tl_dual = P.Timeline(), P.Timeline()
+        with windows("fwd0_bwd1.sequential"):
+            seq_ms = timed_f_and_b(False, tl_seq, before_last=trace_reset)
+        trace_keep("fwd0_bwd1", "sequential")
+        with windows("fwd0_bwd1.dual"):
+            dual_ms = timed_f_and_b(True, tl_dual, before_last=trace_reset)
+        trace_keep("fwd0_bwd1", "dual")
+        phases["fwd0_bwd1"] = (seq_ms, dual_ms, tl_seq.spans(), tl_dual.spans())
     # The compute-dense reference: every phase's dual schedule again, its transfers replayed from a
     # recorded run (ReplayComm), so the compute stream runs without a gap at the clock that allows
     dense = {}
@@ -688,6 +711,8 @@ def run(ctx, args) -> dict:
     real_buffer, model.buffer = model.buffer, replay
     try:
         for name, fn in () if args.no_dense else (("forward", fwd), ("forward_backward", fwd_bwd), ("fwd0_bwd1", None)):
+            if name not in args.phases:
+                continue
             replay.record()
             if fn is not None:
                 fn(True)
@@ -764,9 +789,14 @@ def run(ctx, args) -> dict:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "shapes": dict(sh, layers=args.layers, fp8=args.fp8, dtype="bf16"),
         "issue_order": order,
+        "phases": args.phases,
+        # forward+backward's dual schedule: joint (dual_forward_backward) or split (dual_forward, dual_backward)
+        "fb_schedule": args.fb_schedule,
         # SMs the dual schedules kept GEMMs off (torch's SM carveout; sequential runs: none)
         "sm_carveout": {"requested": carveout if carveout is not None else "$COMMLIB_SM_CARVEOUT or auto",
-                        "sms": _carveout_sms(P, model, on_gpu, carveout)},
+                        "sms": _carveout_sms(P, model, on_gpu, carveout),
+                        "backward_requested": carveout_bwd if carveout_bwd is not None else "as the forward",
+                        "backward_sms": _carveout_sms(P, model, on_gpu, carveout_bwd)},
         "comm_stream_priority": args.comm_priority,
         "kernel_variant": args.kernel_variant or "default",
         "defer_weight_grads": P._defer_weight_grads(defer),

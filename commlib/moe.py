@@ -762,7 +762,9 @@ class MoEModel(StagedModule):
                                   fp8=self.cfg.fp8_dispatch),
                     ComputeStage(f"experts{l}", blk.stage_experts),
                     CombineStage(self.buffer, name=f"combine{l}", config=self.comm_configs[1])]
-        out.append(ComputeStage("finish", lambda c: {"out": self._epilogue(MoEBlock.stage_finish(c)["h"])}))
+        # without a head the last stage is a residual add: light (never paired with a comm step)
+        out.append(ComputeStage("finish", lambda c: {"out": self._epilogue(MoEBlock.stage_finish(c)["h"])},
+                                light=self.vocab_size is None))
         return out
 
     def forward(self, x):

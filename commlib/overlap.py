@@ -38,7 +38,8 @@ class EventOverlap:
 
 def __getattr__(name):
     # The dual-pipeline schedule lives in commlib.pipeline; reachable here under the name.
-    if name in ("dual_forward", "dual_backward", "overlapped_forward_backward", "StagedModule"):
+    if name in ("dual_forward", "dual_backward", "dual_forward_backward", "overlapped_forward_backward",
+                "StagedModule"):
         from . import pipeline
         return getattr(pipeline, name)
     raise AttributeError(name)

@@ -99,10 +99,16 @@ Carry = dict
 
 @dataclasses.dataclass
 class ComputeStage:
-    """Differentiable torch code: fn(carry) -> new carry (keep keys it does not touch)."""
+    """Differentiable torch code: fn(carry) -> new carry (keep keys it does not touch).
+
+    ``light``: the stage's compute (forward and backward) is negligible beside a comm step (a residual
+    add, a norm). The overlapped schedules issue a light step as soon as its turn comes instead of
+    pairing it with a comm step of the other micro-batch, so that comm step can pair with real work.
+    """
     name: str
     fn: Callable[[Carry], Carry]
     kind: str = "compute"
+    light: bool = False
 
 
 class CommStage:
@@ -365,6 +371,11 @@ class Step:
     label: str
     run: Callable[[], None]
     blocks_host: bool = False   # comm steps: the call waits on the host (non-cached dispatch)
+    light: bool = False         # compute steps: never paired (ComputeStage.light)
+
+    @property
+    def unpaired(self) -> bool:
+        return self.kind == "none" or self.light
 
 
 class Chain:
@@ -491,7 +502,8 @@ class Chain:
         for i, stage in enumerate(self.stages):
             label = f"{self.tag}F.{stage.name}"
             if stage.kind == "compute":
-                steps.append(Step("compute", label, lambda i=i: self._forward_compute(i, timeline)))
+                steps.append(Step("compute", label, lambda i=i: self._forward_compute(i, timeline),
+                                  light=getattr(stage, "light", False)))
             else:
                 steps.append(Step("comm", label, lambda i=i: self._forward_comm(i, overlap, timeline),
                                   blocks_host=stage.blocks_host(backward=False)))
@@ -539,19 +551,27 @@ class Chain:
         if overlap and event is not None:
             self.pending, self.ready = event, event
 
-    def backward_steps(self, overlap: bool, timeline: Optional[Timeline] = None) -> list[Step]:
+    def begin_backward(self) -> None:
+        """Start the backward from the captured output gradients (the first backward step's inputs)."""
         if self.output_grads is None:
             raise RuntimeError("pipeline: backward of a micro-batch whose output gradients were not captured")
         if self.done_backward:
             raise RuntimeError("pipeline: the backward of this micro-batch already ran")
         self.grads = {k: g for k, g in zip(self.output_keys, self.output_grads) if g is not None}
         self.ready = _capture(self.device)
+
+    def backward_steps(self, overlap: bool, timeline: Optional[Timeline] = None, begin: bool = True) -> list[Step]:
+        """The backward steps. ``begin=False``: the caller runs begin_backward() before the first of
+        them (a schedule that builds the list before the forward has run)."""
+        if begin:
+            self.begin_backward()
         steps = []
         for i in reversed(range(len(self.stages))):
             stage = self.stages[i]
             label = f"{self.tag}B.{stage.name}"
             if stage.kind == "compute":
-                steps.append(Step("compute", label, lambda i=i: self._backward_compute(i, timeline)))
+                steps.append(Step("compute", label, lambda i=i: self._backward_compute(i, timeline),
+                                  light=getattr(stage, "light", False)))
             else:
                 steps.append(Step("comm", label, lambda i=i: self._backward_comm(i, overlap, timeline),
                                   blocks_host=stage.blocks_host(backward=True)))
@@ -671,7 +691,8 @@ def _comm_first(comm: Step, order: str) -> bool:
     return order == "comm_first"
 
 
-def _interleave(a: list[Step], b: list[Step], lead: int = 0, order: str = "auto") -> None:
+def _interleave(a: list[Step], b: list[Step], lead: int = 0, order: str = "auto",
+                after_comm_first: bool = False) -> None:
     """Issue two step lists, pairing a compute step of one with a comm step of the other.
 
     Issue order of a pair (``order``):
@@ -682,19 +703,23 @@ def _interleave(a: list[Step], b: list[Step], lead: int = 0, order: str = "auto"
                       while the host waits.
       "comm_first"    always the comm step first; "compute_first" always the compute step first
                       (the schedule before the issue-order rule; kept for measurements).
-    When both next steps are of the same kind, the list ``lead`` (0 = a, 1 = b) issues its step
-    alone; the lists then stay out of phase. The order never changes which steps are paired, nor
-    the order of the comm steps among themselves, so every rank still runs the same collectives in
-    the same order whatever it chooses.
+    Bookkeeping steps and light compute steps (``Step.unpaired``) are issued as soon as their turn
+    comes. When both next steps are of the same kind, one list issues its step alone; the lists then
+    stay out of phase. Which one: the list ``lead`` (0 = a, 1 = b); with ``after_comm_first``, the
+    list whose last paired step was a comm step, if only one of them, since its step's input is the
+    sooner ready (a comm step waits for the comm stream, its other neighbour for a compute step).
+    The order never changes which steps are paired, nor the order of the comm steps among
+    themselves, so every rank still runs the same collectives in the same order whatever it chooses.
     """
     i = j = 0
+    last = [None, None]  # kind of each list's last paired-kind step
     while i < len(a) or j < len(b):
         sa = a[i] if i < len(a) else None
         sb = b[j] if j < len(b) else None
-        if sa is not None and sa.kind == "none":
+        if sa is not None and sa.unpaired:
             sa.run(); i += 1
             continue
-        if sb is not None and sb.kind == "none":
+        if sb is not None and sb.unpaired:
             sb.run(); j += 1
             continue
         if sa is not None and sb is not None and sa.kind != sb.kind:
@@ -705,12 +730,21 @@ def _interleave(a: list[Step], b: list[Step], lead: int = 0, order: str = "auto"
             else:
                 comp.run()
                 comm.run()
+            last = [sa.kind, sb.kind]
             i += 1
             j += 1
-        elif sa is not None and (sb is None or lead == 0):
-            sa.run(); i += 1
+            continue
+        first = lead
+        if sa is None:
+            first = 1
+        elif sb is None:
+            first = 0
+        elif after_comm_first and (last[0] == "comm") != (last[1] == "comm"):
+            first = 0 if last[0] == "comm" else 1
+        if first == 0:
+            sa.run(); last[0] = sa.kind; i += 1
         else:
-            sb.run(); j += 1
+            sb.run(); last[1] = sb.kind; j += 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -796,6 +830,33 @@ def resolve_sm_carveout(value, stages: Iterable = ()) -> int:
 
 
 @contextlib.contextmanager
+def _carveout_phases(device: Optional[torch.device] = None):
+    """Yields set(num_sms): from now on torch's GEMMs keep off ``num_sms`` SMs (<= 0: the value
+    before); returns the count set. The value before is restored on exit. A no-op on CPU or where
+    torch lacks the setting (set returns 0)."""
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    if device is None or device.type != "cuda" or setter is None or getter is None:
+        yield lambda num_sms: 0
+        return
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    previous = getter()
+
+    def set_(num_sms: int) -> int:
+        if num_sms <= 0:
+            setter(previous)
+            return 0
+        n = min(int(num_sms), total - 1)
+        setter(n)
+        return n
+
+    try:
+        yield set_
+    finally:
+        setter(previous)
+
+
+@contextlib.contextmanager
 def sm_carveout(num_sms: int, device: Optional[torch.device] = None):
     """While active, the GEMMs torch launches (cuBLAS, the CUTLASS grouped GEMM behind
     ``torch._grouped_mm``) size their grids for all SMs but ``num_sms`` (torch's experimental SM
@@ -807,19 +868,11 @@ def sm_carveout(num_sms: int, device: Optional[torch.device] = None):
     7168 x 1536 matmul 482-509 us instead of 444-446. Alone, a GEMM may lose to wave quantization
     (benchmarks/bench_gemm_carveout.py: -4..+7% at 4 SMs, up to +48% at 12). A no-op for
     num_sms <= 0, on CPU, or where torch lacks the setting."""
-    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
-    if num_sms <= 0 or device is None or device.type != "cuda" or setter is None or getter is None:
+    if num_sms <= 0:
         yield 0
         return
-    total = torch.cuda.get_device_properties(device).multi_processor_count
-    n = min(int(num_sms), total - 1)
-    previous = getter()
-    setter(n)
-    try:
-        yield n
-    finally:
-        setter(previous)
+    with _carveout_phases(device) as set_:
+        yield set_(num_sms)
 
 
 def _defer_weight_grads(value: Optional[bool]) -> bool:
@@ -843,14 +896,21 @@ def _share_deferred(chains: Sequence) -> Optional[list]:
 
 
 def _run(a: list[Step], b: list[Step], overlap: bool, lead: int, issue_order: Optional[str] = None,
-         chains: Sequence = (), carveout=None) -> None:
+         chains: Sequence = (), carveout=None, after_comm_first: bool = False,
+         carveout_switch: Optional[dict] = None) -> None:
+    """Issue two step lists: overlapped (``_interleave``, under the SM carveout, with the schedule's
+    shared deferred weight gradients), or one after the other (the baseline). ``carveout_switch``:
+    a dict that receives "set", the carveout's setter, for a step that changes it mid-schedule."""
     order = _issue_order(issue_order)
     if overlap:
         chains = [c for c in chains if c is not None]
         shared = _share_deferred(chains)
         stages = [s for c in chains for s in c.stages]
-        with sm_carveout(resolve_sm_carveout(carveout, stages), _chains_device(chains)):
-            _interleave(a, b, lead, order)
+        with _carveout_phases(_chains_device(chains)) as set_carveout:
+            set_carveout(resolve_sm_carveout(carveout, stages))
+            if carveout_switch is not None:
+                carveout_switch["set"] = set_carveout
+            _interleave(a, b, lead, order, after_comm_first)
             if shared:
                 wgrad.run(shared)
         for c in chains:
@@ -902,6 +962,85 @@ def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timelin
     s0 = chain0.backward_steps(overlap, timeline) if chain0 is not None else []
     s1 = chain1.backward_steps(overlap, timeline) if chain1 is not None else []
     _run(s0, s1, overlap, lead=0, issue_order=issue_order, chains=(chain0, chain1), carveout=sm_carveout)
+
+
+def _detached(out):
+    return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
+
+
+def dual_forward_backward(module: StagedModule, inputs0: Sequence, inputs1: Sequence,
+                          grads0: Optional[Sequence] = None, grads1: Optional[Sequence] = None,
+                          criterion=None, timeline: Optional[Timeline] = None,
+                          overlap: bool = True, issue_order: Optional[str] = None, sm_carveout=None,
+                          defer_weight_grads: Optional[bool] = None):
+    """Forward and backward of two micro-batches through ``module`` as one overlapped schedule (two
+    forwards then two backwards, e.g. a data-parallel step split in two).
+
+    Where to start each backward: ``criterion(*outputs) -> scalar loss`` (one callable, or a pair:
+    micro-batch 0's and 1's, e.g. with their own labels), or ``grads0`` / ``grads1``, the outputs'
+    gradients (as for torch.autograd.backward), known before the forward ends.
+
+    The joint schedule: micro-batch 0's backward starts as soon as its forward ends, beside
+    micro-batch 1's last forward steps. Its first comm step (combine', the cached dispatch of the
+    output gradients) goes right after its last combine, before micro-batch 1's, and its expert
+    backward then runs beside micro-batch 1's last combine and combine'. ``dual_forward`` followed by
+    ``dual_backward`` instead leaves the compute stream idle for two comm steps in a row at the turn
+    (micro-batch 1's last combine, then micro-batch 0's combine'); here it is one. In the backward
+    micro-batch 1 then issues its steps first where both lists' next steps are comm steps.
+
+    ``sm_carveout``: as for ``dual_forward``, or a pair (forward, backward): the carveout changes when
+    micro-batch 0's backward starts. ``issue_order`` / ``defer_weight_grads``: as for
+    ``dual_backward``. ``overlap=False``: ``dual_forward`` then ``dual_backward``, both sequential
+    (the baseline, the same work).
+    Returns (loss0, loss1) with ``criterion``, else (outputs0, outputs1); detached (their backward ran).
+    """
+    if criterion is None and (grads0 is None or grads1 is None):
+        raise ValueError("dual_forward_backward: give criterion, or both grads0 and grads1")
+    if not torch.is_grad_enabled():
+        raise RuntimeError("dual_forward_backward: autograd is disabled (torch.no_grad); use dual_forward")
+    fwd_cv, bwd_cv = sm_carveout if isinstance(sm_carveout, tuple) else (sm_carveout, sm_carveout)
+    given = (grads0, grads1)
+    criteria = tuple(criterion) if isinstance(criterion, (tuple, list)) else (criterion, criterion)
+    if len(criteria) != 2:
+        raise ValueError(f"dual_forward_backward: criterion must be a callable or a pair, got {len(criteria)}")
+    if not overlap:
+        outs = dual_forward(module, inputs0, inputs1, timeline, overlap=False)
+        if criterion is not None:
+            losses = [crit(*_as_list(o)) for crit, o in zip(criteria, outs)]
+            dual_backward(losses[0], None, losses[1], None, timeline, overlap=False)
+            return tuple(loss.detach() for loss in losses)
+        dual_backward(outs[0], grads0, outs[1], grads1, timeline, overlap=False)
+        return tuple(_detached(o) for o in outs)
+    chains = [module.start(*inputs0, tag="0."), module.start(*inputs1, tag="1.")]
+    defer = _defer_weight_grads(defer_weight_grads)
+    for c in chains:
+        c.defer_wgrad = defer
+    stages = [s for c in chains for s in c.stages]
+    switch: dict = {}
+    results: list = [None, None]
+
+    def turn(k: int) -> None:
+        """Micro-batch k's forward has been issued: its output gradients, then its backward begins."""
+        chain = chains[k]
+        out = module.finish(chain)
+        if criterion is not None:
+            loss = criteria[k](*_as_list(out))
+            tensors, grads, results[k] = [loss], None, loss.detach()
+        else:
+            tensors, grads, results[k] = _as_list(out), _as_list(given[k]), _detached(out)
+        if _capture_output_grads(tensors, grads) is not chain:
+            what = "loss" if criterion is not None else "outputs"
+            raise RuntimeError(f"dual_forward_backward: micro-batch {k}'s {what} do not reach its forward "
+                               "(outputs without grad, or a loss that does not use them)")
+        if k == 0 and bwd_cv != fwd_cv:
+            switch["set"](resolve_sm_carveout(bwd_cv, stages))
+        chain.begin_backward()
+
+    lists = [c.forward_steps(True, timeline) + [Step("none", f"{c.tag}turn", lambda k=k: turn(k))]
+             + c.backward_steps(True, timeline, begin=False) for k, c in enumerate(chains)]
+    _run(lists[0], lists[1], True, lead=0, issue_order=issue_order, chains=chains, carveout=fwd_cv,
+         after_comm_first=True, carveout_switch=switch)
+    return results[0], results[1]
 
 
 def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criterion0: Optional[Callable],

@@ -18,7 +18,7 @@ The loss of a rank is its tokens' summed cross-entropy divided by the global tok
 summed gradients are those of the global mean loss, which is what the single-process run computes.
 
 Schedules: ``sequential`` runs the staged model on the rank's batch; ``dual`` splits it into two
-micro-batches and runs commlib.pipeline.dual_forward / dual_backward (one micro-batch's
+micro-batches and runs commlib.pipeline.dual_forward_backward (one micro-batch's
 dispatch/combine overlapping the other's compute on GPUs; the same arithmetic on CPU).
 """
 from __future__ import annotations
@@ -120,11 +120,13 @@ def train(args, schedule: str, buffer=None, rank: int = 0, num_ranks: int = 1, d
             if not ep:
                 raise ValueError("the dual schedule needs expert parallelism (a Buffer)")
             half = inputs.shape[0] // 2
-            o0, o1 = P.dual_forward(model, (inputs[:half],), (inputs[half:],))
-            l0 = _ce_sum(o0, targets[:half]) / num_global_tokens
-            l1 = _ce_sum(o1, targets[half:]) / num_global_tokens
-            P.dual_backward(l0, None, l1, None)
-            loss = (l0 + l1).detach()
+            # both forwards then both backwards, one schedule (micro-batch 0's backward starts beside
+            # micro-batch 1's last forward steps)
+            l0, l1 = P.dual_forward_backward(
+                model, (inputs[:half],), (inputs[half:],),
+                criterion=(lambda o: _ce_sum(o, targets[:half]) / num_global_tokens,
+                           lambda o: _ce_sum(o, targets[half:]) / num_global_tokens))
+            loss = l0 + l1
         elif schedule == "sequential":
             logits = model(inputs)
             if ep:

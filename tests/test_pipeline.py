@@ -19,7 +19,7 @@ from worlds import run_world
 
 WORLD = 2
 CASES = ["staged_equals_plain_and_single_process", "dual_forward_backward", "deferred_weight_grads",
-         "overlapped_forward_backward",
+         "overlapped_forward_backward", "joint_forward_backward",
          "schedule_pairs_comm_with_compute", "issue_orders_same_results", "fp8_dispatch_stage", "inference_no_grad",
          "moe_layer_without_attention", "bench_overlap_smoke", "bench_overlap_balanced_fb_smoke",
          "bench_overlap_comm_sms"]
@@ -247,6 +247,61 @@ def case_overlapped_forward_backward(ctx):
         assert x0.grad is not None
 
 
+def case_joint_forward_backward(ctx):
+    """dual_forward_backward (two forwards then two backwards as one schedule) gives the sequential
+    losses / outputs and gradients bit for bit (criterion or given gradients, deferred weight
+    gradients or not, a (forward, backward) carveout pair), and its turn from forward to backward
+    is the joint one: micro-batch 0's combine' right after its last combine, before micro-batch 1's,
+    with micro-batch 0's expert backward paired with micro-batch 1's last combine."""
+    from commlib import pipeline as P
+    model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
+    for defer in (False, True):
+        model.zero_grad(set_to_none=True)
+        l0, l1 = P.dual_forward_backward(model, (mb0,), (mb1,), criterion=_loss, defer_weight_grads=defer,
+                                         sm_carveout=("auto", "off"))
+        assert torch.equal(l0, _loss(s0)) and torch.equal(l1, _loss(s1)) and l0.grad_fn is None
+        _assert_same_grads(g_seq, _grads(model), f"joint (criterion, defer={defer}) vs sequential")
+    leaf0, leaf1 = s0.detach().requires_grad_(), s1.detach().requires_grad_()
+    g0 = torch.autograd.grad(_loss(leaf0), leaf0)[0]
+    g1 = torch.autograd.grad(_loss(leaf1), leaf1)[0]
+    for overlap in (True, False):
+        model.zero_grad(set_to_none=True)
+        o0, o1 = P.dual_forward_backward(model, (mb0,), (mb1,), grads0=g0, grads1=g1, overlap=overlap)
+        assert torch.equal(o0, s0) and torch.equal(o1, s1) and o0.grad_fn is None
+        _assert_same_grads(g_seq, _grads(model), f"joint (gradients, overlap={overlap}) vs sequential")
+    model.zero_grad(set_to_none=True)
+    for bad, err in (({}, ValueError), ({"grads0": g0}, ValueError), ({"criterion": (_loss,)}, ValueError)):
+        with pytest.raises(err, match="criterion"):
+            P.dual_forward_backward(model, (mb0,), (mb1,), **bad)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="autograd"):
+        P.dual_forward_backward(model, (mb0,), (mb1,), criterion=_loss)
+
+    # The turn, on a hidden-state chunk (its last stage is a residual add: light, never paired).
+    chunk = _model(ctx, _buf(ctx), vocab=None, seed=3)
+    g = torch.Generator().manual_seed(20 + ctx.rank)
+    h0, h1 = torch.randn(1, SEQ, H, generator=g), torch.randn(1, SEQ, H, generator=g)
+    r0, r1 = chunk(h0), chunk(h1)
+    _loss(r0).backward()
+    _loss(r1).backward()
+    ref = _grads(chunk)
+    chunk.zero_grad(set_to_none=True)
+    tl = P.Timeline()
+    l0, l1 = P.dual_forward_backward(chunk, (h0,), (h1,), criterion=_loss, timeline=tl)
+    assert torch.equal(l0, _loss(r0)) and torch.equal(l1, _loss(r1))
+    _assert_same_grads(ref, _grads(chunk), "joint, chunk, vs sequential")
+    labels = [s["label"] for s in tl.spans()]
+    last = f"combine{LAYERS - 1}"
+    comm = [l for l in labels if _is_comm(l)]
+    turn = comm.index(f"0.F.{last}")
+    assert comm[turn:turn + 5] == [f"0.F.{last}", f"0.B.{last}", f"1.F.{last}", f"1.B.{last}",
+                                   f"0.B.dispatch{LAYERS - 1}"], comm
+    i = labels.index(f"1.F.{last}")
+    assert labels[i + 1] == f"0.B.experts{LAYERS - 1}", labels  # combine issued first, its partner next
+    # every other comm step is paired with a compute step of the other micro-batch
+    _check_pairs([l for l in labels if l not in (f"0.B.{last}", f"1.B.{last}")
+                  and not l.endswith("finish")])
+
+
 def case_schedule_pairs_comm_with_compute(ctx):
     """Issue order (CPU timeline = host order): every comm step is paired with a compute step of
     the other micro-batch, and the issue-order rule holds: a comm step that does not wait on the
@@ -406,10 +461,23 @@ def case_bench_overlap_smoke(ctx):
             assert result["figures"]["forward"]["sequential_ms"] > 0
             assert os.path.exists(result["json_path"])
             assert result["calibration"] is None and result["issue_order"] == "auto"
+            assert result["fb_schedule"] == "joint" and result["check"]["max_relative_error"] == 0
             for f in result["figures"].values():
                 assert f["compute_dense_ms"] > 0 and f["dual_over_max_comm_compute_dense"] > 0
                 assert f["comm_over_compute"] > 0 and set(f["verdict"]) == {
                     "dual_over_max_ok", "comm_about_equal_compute", "speedup_target_applies", "speedup_ok"}
+        # the split forward+backward schedule, one phase, a backward carveout of its own
+        args = bench.parse_args(["--tokens", "16", "--hidden", "64", "--experts", "8", "--topk", "2",
+                                 "--expert-hidden", "32", "--heads", "4", "--layers", "1", "--warmup", "1",
+                                 "--iters", "1", "--out-dir", out_dir, "--no-plot", "--no-dense",
+                                 "--fb-schedule", "split", "--phases", "forward_backward",
+                                 "--sm-carveout-backward", "off"])
+        result = bench.run(ctx, args)
+        if ctx.rank == 0:
+            assert list(result["figures"]) == ["forward_backward"] and result["fb_schedule"] == "split"
+            assert result["sm_carveout"]["backward_requested"] == "off" and result["check"]["ok"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--phases", "forward,bogus"])
 
 
 def case_bench_overlap_balanced_fb_smoke(ctx):

@@ -157,6 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="forward+backward, dual: joint = commlib.pipeline.dual_forward_backward (micro-batch 0's "
                         "backward starts beside micro-batch 1's last forward steps; default), split = dual_forward "
                         "then dual_backward")
+    p.add_argument("--turn-defer", action="store_true",
+                   help="joint forward+backward: micro-batch 0's first expert backward defers its weight gradients "
+                        "too (commlib.pipeline.TURN_KEEPS_WGRAD = False; default: in place, beside two comm steps)")
     p.add_argument("--phases", default="forward,forward_backward,fwd0_bwd1", metavar="P,...",
                    help="phases to measure (forward, forward_backward, fwd0_bwd1; default all)")
     p.add_argument("--defer-wgrad", dest="defer_wgrad", action="store_true", default=None,
@@ -600,6 +603,7 @@ def run(ctx, args) -> dict:
     order = args.issue_order
     carveout = args.sm_carveout
     carveout_bwd = args.sm_carveout_backward if args.sm_carveout_backward is not None else carveout
+    P.TURN_KEEPS_WGRAD = not args.turn_defer
     defer = args.defer_wgrad
 
     calibration = None
@@ -792,6 +796,7 @@ def run(ctx, args) -> dict:
         "phases": args.phases,
         # forward+backward's dual schedule: joint (dual_forward_backward) or split (dual_forward, dual_backward)
         "fb_schedule": args.fb_schedule,
+        "turn_keeps_wgrad": P.TURN_KEEPS_WGRAD,
         # SMs the dual schedules kept GEMMs off (torch's SM carveout; sequential runs: none)
         "sm_carveout": {"requested": carveout if carveout is not None else "$COMMLIB_SM_CARVEOUT or auto",
                         "sms": _carveout_sms(P, model, on_gpu, carveout),

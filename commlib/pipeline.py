@@ -412,6 +412,7 @@ class Chain:
         # the schedule's two chains, run after the next compute step of either (the rest at the end
         # of the schedule).
         self.defer_wgrad = False
+        self.keep_wgrad_steps = 0   # this many (non-light) backward compute steps first run in place
         self.wgrad_pending: list = []
         self.wgrad_next: Optional[list] = None
 
@@ -522,7 +523,10 @@ class Chain:
             if g is not None and isinstance(t, torch.Tensor) and t.requires_grad:
                 tensors.append(t)
                 grads.append(g.to(t.dtype) if g.dtype != t.dtype else g)
-        deferred: Optional[list] = [] if self.defer_wgrad else None
+        keep = self.keep_wgrad_steps > 0 and not getattr(stage, "light", False)
+        if keep:
+            self.keep_wgrad_steps -= 1
+        deferred: Optional[list] = [] if self.defer_wgrad and not keep else None
         if tensors:
             with wgrad.deferring(deferred):
                 torch.autograd.backward(tensors, grads)
@@ -964,6 +968,9 @@ def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timelin
     _run(s0, s1, overlap, lead=0, issue_order=issue_order, chains=(chain0, chain1), carveout=sm_carveout)
 
 
+TURN_KEEPS_WGRAD = True  # dual_forward_backward: see there (a module switch for measurements)
+
+
 def _detached(out):
     return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
 
@@ -1015,6 +1022,13 @@ def dual_forward_backward(module: StagedModule, inputs0: Sequence, inputs1: Sequ
     defer = _defer_weight_grads(defer_weight_grads)
     for c in chains:
         c.defer_wgrad = defer
+    # Where the chains end with a comm step (or a light stage after it), micro-batch 0's first
+    # backward compute step (the expert backward after the turn) pairs with micro-batch 1's last two
+    # comm steps (combine, combine'): deferring its weight gradients would only leave the compute
+    # stream idle there.
+    last = chains[0].stages[-1] if chains[0].stages else None
+    ends_in_comm = last is not None and (last.kind == "comm" or getattr(last, "light", False))
+    chains[0].keep_wgrad_steps = int(TURN_KEEPS_WGRAD and ends_in_comm)
     stages = [s for c in chains for s in c.stages]
     switch: dict = {}
     results: list = [None, None]

@@ -286,9 +286,24 @@ def case_joint_forward_backward(ctx):
     ref = _grads(chunk)
     chunk.zero_grad(set_to_none=True)
     tl = P.Timeline()
-    l0, l1 = P.dual_forward_backward(chunk, (h0,), (h1,), criterion=_loss, timeline=tl)
+    from commlib import wgrad
+    ran, real_run = [], wgrad.run
+
+    def counting_run(queue):
+        ran.append(len(queue))
+        return real_run(queue)
+
+    wgrad.run = counting_run
+    try:
+        l0, l1 = P.dual_forward_backward(chunk, (h0,), (h1,), criterion=_loss, timeline=tl,
+                                         defer_weight_grads=True)
+    finally:
+        wgrad.run = real_run
     assert torch.equal(l0, _loss(r0)) and torch.equal(l1, _loss(r1))
     _assert_same_grads(ref, _grads(chunk), "joint, chunk, vs sequential")
+    # every expert GEMM's and projection's weight gradient went through the queue (2 + 2 per layer
+    # and micro-batch) but micro-batch 0's first expert backward's, after the turn (TURN_KEEPS_WGRAD)
+    assert sum(ran) == 4 * LAYERS * 2 - 2, ran
     labels = [s["label"] for s in tl.spans()]
     last = f"combine{LAYERS - 1}"
     comm = [l for l in labels if _is_comm(l)]

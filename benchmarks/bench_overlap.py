@@ -298,17 +298,20 @@ class ReplayComm:
     In ``record`` mode every call (get_dispatch_layout, dispatch, combine) goes to the real Buffer,
     and the stand-in keeps what the compute needs of its outputs: index and weight tensors, counts,
     handles; the rows (bf16 / fp16 / fp8 tensors) only as shape and dtype. In ``replay`` mode each
-    call returns the next recorded outputs (``rewind()`` before each run) with the rows freshly
-    zero-filled on the comm stream, and moves nothing. A schedule replayed this way runs the same
-    kernels on the compute stream with nothing to wait for: the time the compute alone takes when
-    it runs densely, at whatever clock the power cap then allows (2 x H200: the sequential compute
-    spans' time, at 0.91-0.97x their clock; docs/pipeline.md)."""
+    call returns the next recorded outputs (``rewind()`` before each run) with the rows made anew on
+    the comm stream, and moves nothing. A schedule replayed this way runs the same kernels on the
+    compute stream with nothing to wait for: the time the compute alone takes when it runs densely,
+    at whatever clock the power cap then allows. The rows are copies of random normal values (one
+    source tensor per dtype), not zeros: a GEMM on zeros toggles fewer bits and draws
+    less power, so under the cap it may run at a higher clock than on activations (the zero-filled
+    rows before 2026-12-01 read 0.98-1.02x the sequential compute at ~1810 MHz; docs/pipeline.md)."""
 
     def __init__(self, buffer) -> None:
         self._buffer = buffer
         self._log: list = []
         self._pos = 0
         self.mode = "record"
+        self._sources: dict = {}  # (shape, dtype, device) -> random rows the replayed rows copy
 
     def __getattr__(self, name):  # everything else (comm_stream, rank, num_sms, ...) is the real Buffer's
         return getattr(self._buffer, name)
@@ -319,6 +322,7 @@ class ReplayComm:
     def record(self) -> None:
         """Forget the recorded calls; the next calls pass through and are recorded anew."""
         self._log, self._pos, self.mode = [], 0, "record"
+        self._sources = {}
 
     @staticmethod
     def _template(obj):
@@ -328,14 +332,25 @@ class ReplayComm:
             return tuple(ReplayComm._template(o) for o in obj)
         return obj
 
-    @staticmethod
-    def _build(tmpl, made: list):
+    def _source(self, tmpl: _Rows) -> torch.Tensor:
+        """Random normal values of the template's shape: a view of one flat tensor per dtype and
+        device (grown to the largest rows asked for)."""
+        numel = math.prod(tmpl.shape)
+        key = (tmpl.dtype, tmpl.device)
+        src = self._sources.get(key)
+        if src is None or src.numel() < numel:
+            g = torch.Generator(device=tmpl.device).manual_seed(numel)
+            src = torch.randn(numel, generator=g, device=tmpl.device, dtype=torch.float32).to(tmpl.dtype)
+            self._sources[key] = src
+        return src[:numel].view(tmpl.shape)
+
+    def _build(self, tmpl, made: list):
         if isinstance(tmpl, _Rows):
-            t = torch.zeros(tmpl.shape, dtype=tmpl.dtype, device=tmpl.device)
+            t = self._source(tmpl).clone()
             made.append(t)
             return t
         if isinstance(tmpl, tuple):
-            return tuple(ReplayComm._build(o, made) for o in tmpl)
+            return tuple(self._build(o, made) for o in tmpl)
         return tmpl
 
     def _call(self, kind: str, event_index: int, real, previous_event, async_finish: bool):

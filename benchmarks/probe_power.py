@@ -14,12 +14,14 @@ one side load at a time, launched first on a side stream and sized to last as lo
   spin_sleep spin_host with a 256 ns __nanosleep between polls (kernel variant WAIT_BACKOFF_NS)
   hbm4       4 CTAs of 1024 threads copying between two 2 GB device buffers (the packing and the
              sum's kind of work, without pause, on 4 SMs)
+  zeros      no side load; the GEMM's 16384 x 7168 operand is all zeros (as the rows bench_overlap's
+             compute-dense reference replayed before 2026-12-01): the data's share of the power
 
 Each row: ms per GEMM (CUDA events), its ratio to ``alone``, the mean SM clock, power and the
 share of samples at the power cap (commlib.clocks, nvidia-smi every 50 ms; the GPU is CUDA device
 0, named by nvidia-smi's index ``--smi-index``).
 
-    python3 benchmarks/probe_power.py [--seconds 5] [--json PATH]
+    python3 benchmarks/probe_power.py [--seconds 5] [--loads alone,zeros,...] [--json PATH]
 
 Needs a GPU and CuPy (the two spin kernels and the copy kernel); nothing of commlib's transport runs.
 """
@@ -35,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-LOADS = ("alone", "pcie", "spin_host", "spin_dev", "spin_sleep", "hbm4", "alone_again")
+LOADS = ("alone", "pcie", "spin_host", "spin_dev", "spin_sleep", "hbm4", "zeros", "alone_again")
 
 _SRC = r"""
 __device__ __forceinline__ unsigned long long now() {
@@ -69,8 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=5.0, help="length of each row's GEMM loop")
     p.add_argument("--smi-index", type=int, default=0, help="nvidia-smi's index of CUDA device 0")
+    p.add_argument("--loads", default=",".join(LOADS), help="rows to run, in this order (first: the reference)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    args.loads = [x for x in args.loads.split(",") if x]
+    if not args.loads or set(args.loads) - set(LOADS):
+        p.error(f"--loads: pick from {', '.join(LOADS)}, got {args.loads}")
     if not args.seconds > 0:
         p.error(f"--seconds must be positive, got {args.seconds}")
     return args
@@ -86,6 +92,7 @@ def main(argv=None) -> None:
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     a = torch.randn(16384, 7168, device=dev, dtype=torch.bfloat16)
+    a_zero = torch.zeros_like(a)
     b = torch.randn(7168, 3072, device=dev, dtype=torch.bfloat16)
     out = torch.empty(16384, 3072, device=dev, dtype=torch.bfloat16)
     for _ in range(20):
@@ -135,24 +142,25 @@ def main(argv=None) -> None:
     mon = ClockMonitor()
     have_clocks = mon.start()
     rows = {}
-    for kind in LOADS:
+    for kind in args.loads:
         torch.cuda.synchronize()
         time.sleep(1.0)  # let the clock settle between rows
-        side_load("alone" if kind.startswith("alone") else kind)
+        side_load(kind)
+        lhs = a_zero if kind == "zeros" else a
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with mon.window(kind):
             start.record()
             for _ in range(n_gemm):
-                torch.mm(a, b, out=out)
+                torch.mm(lhs, b, out=out)
             end.record()
             end.synchronize()
         torch.cuda.synchronize()  # the side load's tail
         rows[kind] = {"gemm_ms": start.elapsed_time(end) / n_gemm}
     mon.stop()
     clocks = mon.summary() if have_clocks else {}
-    base = rows["alone"]["gemm_ms"]
+    base = rows[args.loads[0]]["gemm_ms"]
     print(f"# probe_power: GEMM 16384x7168x3072 bf16, {n_gemm} per row; clocks of nvidia-smi GPU {args.smi_index}")
-    print(f"{'load':>12} {'ms/GEMM':>9} {'x alone':>8} {'MHz':>6} {'W':>6} {'cap':>5}")
+    print(f"{'load':>12} {'ms/GEMM':>9} {'x ' + args.loads[0]:>8} {'MHz':>6} {'W':>6} {'cap':>5}")
     for kind, r in rows.items():
         c = clocks.get(kind, {}).get(str(args.smi_index))
         r["over_alone"] = r["gemm_ms"] / base

@@ -147,15 +147,16 @@ def main(argv=None) -> None:
         time.sleep(1.0)  # let the clock settle between rows
         side_load(kind)
         lhs = a_zero if kind == "zeros" else a
+        name = kind if kind not in rows else f"{kind}#{sum(k.split('#')[0] == kind for k in rows) + 1}"
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with mon.window(kind):
+        with mon.window(name):
             start.record()
             for _ in range(n_gemm):
                 torch.mm(lhs, b, out=out)
             end.record()
             end.synchronize()
         torch.cuda.synchronize()  # the side load's tail
-        rows[kind] = {"gemm_ms": start.elapsed_time(end) / n_gemm}
+        rows[name] = {"gemm_ms": start.elapsed_time(end) / n_gemm}
     mon.stop()
     clocks = mon.summary() if have_clocks else {}
     base = rows[args.loads[0]]["gemm_ms"]

@@ -372,6 +372,7 @@ class Step:
     run: Callable[[], None]
     blocks_host: bool = False   # comm steps: the call waits on the host (non-cached dispatch)
     light: bool = False         # compute steps: never paired (ComputeStage.light)
+    stream: object = None       # comm steps: the stream their work goes to (None: unknown / CPU)
 
     @property
     def unpaired(self) -> bool:
@@ -465,7 +466,8 @@ class Chain:
                                f"stage {stage.name!r} left {sorted(out)}")
             self.prepared = (i + 1, nxt.prepare_forward({k: out[k] for k in nxt.consumes}))
         self.ready = _capture(self.device)
-        self._run_deferred(None)
+        if not getattr(stage, "light", False):  # a light step is not "the next compute step" of a queue
+            self._run_deferred(None)
         if timeline:
             timeline.end(tok)
 
@@ -507,7 +509,7 @@ class Chain:
                                   light=getattr(stage, "light", False)))
             else:
                 steps.append(Step("comm", label, lambda i=i: self._forward_comm(i, overlap, timeline),
-                                  blocks_host=stage.blocks_host(backward=False)))
+                                  blocks_host=stage.blocks_host(backward=False), stream=stage.comm_stream()))
         steps.append(Step("none", f"{self.tag}F.end", lambda: self._settle(backward=False)))
         return steps
 
@@ -523,8 +525,9 @@ class Chain:
             if g is not None and isinstance(t, torch.Tensor) and t.requires_grad:
                 tensors.append(t)
                 grads.append(g.to(t.dtype) if g.dtype != t.dtype else g)
-        keep = self.keep_wgrad_steps > 0 and not getattr(stage, "light", False)
-        if keep:
+        light = getattr(stage, "light", False)
+        keep = light or self.keep_wgrad_steps > 0
+        if keep and not light:
             self.keep_wgrad_steps -= 1
         deferred: Optional[list] = [] if self.defer_wgrad and not keep else None
         if tensors:
@@ -537,7 +540,7 @@ class Chain:
             self.prepared = (i - 1, prv.prepare_backward(self.records[i - 1],
                                                          {k: self.grads.get(k) for k in prv.produces}))
         self.ready = _capture(self.device)
-        if self.defer_wgrad:
+        if self.defer_wgrad and not light:
             self._run_deferred(deferred)
         if timeline:
             timeline.end(tok)
@@ -578,7 +581,7 @@ class Chain:
                                   light=getattr(stage, "light", False)))
             else:
                 steps.append(Step("comm", label, lambda i=i: self._backward_comm(i, overlap, timeline),
-                                  blocks_host=stage.blocks_host(backward=True)))
+                                  blocks_host=stage.blocks_host(backward=True), stream=stage.comm_stream()))
         steps.append(Step("none", f"{self.tag}B.end", self._backward_end))
         return steps
 
@@ -971,6 +974,34 @@ def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timelin
 TURN_KEEPS_WGRAD = True  # dual_forward_backward: see there (a module switch for measurements)
 
 
+def _turn_on_comm_stream(steps: list[Step], turn: int) -> None:
+    """Where only light and bookkeeping steps lie between a chain's last forward comm step and its
+    first backward comm step (a residual add, the loss and its backward, the gradients' packing),
+    issue them on that comm stream: on the compute stream they would queue behind the other
+    micro-batch's expert backward, and hold this chain's combine' back until it ends. ``turn``: the
+    index of the step between the chain's forward and backward steps."""
+    comm = [i for i, st in enumerate(steps) if st.kind == "comm"]
+    before = [i for i in comm if i < turn]
+    after = [i for i in comm if i > turn]
+    if not before or not after:
+        return
+    p, q = before[-1], after[0]
+    if not all(steps[i].unpaired for i in range(p + 1, q)):
+        return
+    stream = steps[p].stream
+    if stream is None:
+        return
+    for i in range(p + 1, q):
+        steps[i] = dataclasses.replace(steps[i], run=_on_stream(stream, steps[i].run))
+
+
+def _on_stream(stream, fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        with torch.cuda.stream(stream):
+            fn()
+    return run
+
+
 def _detached(out):
     return tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
 
@@ -1050,8 +1081,12 @@ def dual_forward_backward(module: StagedModule, inputs0: Sequence, inputs1: Sequ
             switch["set"](resolve_sm_carveout(bwd_cv, stages))
         chain.begin_backward()
 
-    lists = [c.forward_steps(True, timeline) + [Step("none", f"{c.tag}turn", lambda k=k: turn(k))]
-             + c.backward_steps(True, timeline, begin=False) for k, c in enumerate(chains)]
+    lists = []
+    for k, c in enumerate(chains):
+        fwd = c.forward_steps(True, timeline)
+        steps = fwd + [Step("none", f"{c.tag}turn", lambda k=k: turn(k))] + c.backward_steps(True, timeline, begin=False)
+        _turn_on_comm_stream(steps, len(fwd))
+        lists.append(steps)
     _run(lists[0], lists[1], True, lead=0, issue_order=issue_order, chains=chains, carveout=fwd_cv,
          after_comm_first=True, carveout_switch=switch)
     return results[0], results[1]

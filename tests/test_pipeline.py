@@ -1121,3 +1121,28 @@ def test_bench_overlap_replay_comm():
     r.rewind()
     with pytest.raises(RuntimeError, match="call 0 is a combine"):
         r.combine(x, None)
+
+
+def test_turn_moves_to_the_comm_stream_only_between_comm_steps():
+    """dual_forward_backward issues a chain's turn (light and bookkeeping steps between its last
+    forward and first backward comm step) on that comm stream; a heavy step between, or no stream
+    (CPU), leaves every step where it was."""
+    from commlib import pipeline as P
+
+    def noop():
+        pass
+
+    stream = object()  # stands for a CUDA stream; the steps are only wrapped here, never run
+
+    def steps(light=True, comm_stream=stream):
+        return [P.Step("compute", "F.attn", noop), P.Step("comm", "F.combine", noop, stream=comm_stream),
+                P.Step("compute", "F.finish", noop, light=light), P.Step("none", "F.end", noop),
+                P.Step("none", "turn", noop), P.Step("compute", "B.finish", noop, light=light),
+                P.Step("comm", "B.combine", noop, stream=comm_stream), P.Step("compute", "B.experts", noop)]
+
+    s = steps()
+    P._turn_on_comm_stream(s, 4)
+    assert [st.run is not noop for st in s] == [False, False, True, True, True, True, False, False]
+    for s in (steps(light=False), steps(comm_stream=None)):
+        P._turn_on_comm_stream(s, 4)
+        assert all(st.run is noop for st in s)

@@ -14,6 +14,8 @@ one side load at a time, launched first on a side stream and sized to last as lo
   spin_sleep spin_host with a 256 ns __nanosleep between polls (kernel variant WAIT_BACKOFF_NS)
   hbm4       4 CTAs of 1024 threads copying between two 2 GB device buffers (the packing and the
              sum's kind of work, without pause, on 4 SMs)
+  gaps       no side load; the GEMMs run in bursts of ~12 ms with the GPU idle ~7 ms between (the
+             sequential schedule's compute spans between its comm steps); ms per GEMM inside bursts
   zeros      no side load; the GEMM's 16384 x 7168 operand is all zeros (as the rows bench_overlap's
              compute-dense reference replayed before 2026-12-01): the data's share of the power
 
@@ -37,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-LOADS = ("alone", "pcie", "spin_host", "spin_dev", "spin_sleep", "hbm4", "zeros", "alone_again")
+LOADS = ("alone", "pcie", "spin_host", "spin_dev", "spin_sleep", "hbm4", "gaps", "zeros", "alone_again")
 
 _SRC = r"""
 __device__ __forceinline__ unsigned long long now() {
@@ -65,6 +67,9 @@ extern "C" __global__ void __launch_bounds__(1024, 1) copy_kernel(const int4* sr
         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += step) dst[i] = src[i];
 }
 """
+
+
+BURST_S, GAP_S = 0.012, 0.007  # "gaps": a compute span of the sequential schedule, then a comm step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,6 +109,7 @@ def main(argv=None) -> None:
     torch.cuda.synchronize()
     gemm_s = (time.perf_counter() - t0) / 50
     n_gemm = max(10, int(args.seconds / gemm_s))
+    burst = max(1, round(BURST_S / gemm_s))  # "gaps": GEMMs per burst
     ns = int(args.seconds * 1.2e9)  # side loads outlast the GEMM loop
 
     mod = cp.RawModule(code=_SRC, options=("-std=c++17",))
@@ -150,13 +156,26 @@ def main(argv=None) -> None:
         name = kind if kind not in rows else f"{kind}#{sum(k.split('#')[0] == kind for k in rows) + 1}"
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with mon.window(name):
-            start.record()
-            for _ in range(n_gemm):
-                torch.mm(lhs, b, out=out)
-            end.record()
-            end.synchronize()
+            if kind == "gaps":
+                busy_ms = 0.0
+                for _ in range(0, n_gemm, burst):
+                    start.record()
+                    for _ in range(burst):
+                        torch.mm(lhs, b, out=out)
+                    end.record()
+                    end.synchronize()
+                    busy_ms += start.elapsed_time(end)
+                    time.sleep(GAP_S)
+                gemm_ms = busy_ms / (burst * len(range(0, n_gemm, burst)))
+            else:
+                start.record()
+                for _ in range(n_gemm):
+                    torch.mm(lhs, b, out=out)
+                end.record()
+                end.synchronize()
+                gemm_ms = start.elapsed_time(end) / n_gemm
         torch.cuda.synchronize()  # the side load's tail
-        rows[name] = {"gemm_ms": start.elapsed_time(end) / n_gemm}
+        rows[name] = {"gemm_ms": gemm_ms}
     mon.stop()
     clocks = mon.summary() if have_clocks else {}
     base = rows[args.loads[0]]["gemm_ms"]

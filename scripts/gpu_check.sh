@@ -10,6 +10,9 @@
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
 # overlapab (bench_overlap.py with --sm-carveout off / auto for each argument set in OVERLAP_AB),
+# overlapfb (2 GPUs: forward+backward on --preset network --ce-staging host, the split schedule against
+# dual_forward_backward, BF16 at expert intermediate 2816 and FP8 dispatch at 2048 / 1536, the backward's
+# carveout off, the sum on the compute stream; then the three phases with the compute-dense reference),
 # neighbour (bench_gemm_carveout.py --neighbour), interference (bench_comm_interference.py),
 # overlapce (bench_overlap.py balanced with the copy-engine path, COMMLIB_CE_BYTES, then with the SM kernels on
 # 4 and on 20 SMs).
@@ -52,6 +55,7 @@ case "$ONLY" in
   host) STAGES="env,compile,smoke,tests2,profile,bench,hier,internode" ;;
   ll) STAGES="env,compile,llgpu,llfault,lltrace,llbench" ;;   # low-latency mode: GPU tests, bad-id trap, benchmark
   ce) STAGES="env,compile,tests2,shared,moegpu,overlapce" ;;   # copy-engine path: every case, the pipeline A/B
+  fb) STAGES="env,overlapfb" ;;   # two forwards then two backwards on the network hop: split vs joint schedule
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -155,6 +159,18 @@ for i in "${!AB_SETS[@]}"; do
       --tag "H200_ab${i}_cv${cv}" --out-dir "$RES"
   done
 done
+# overlapfb: the forward+backward phase alone (~45 s a run), then every phase with the dense reference
+FB="$PY benchmarks/bench_overlap.py --preset network --ce-staging host --comm-sms 4 --layers 6 --out-dir $RES"
+C=${COMMLIB_GIT_COMMIT:-local}
+for args in "--expert-hidden 2816 --fb-schedule split:i2816_split" "--expert-hidden 2816:i2816_joint" \
+            "--expert-hidden 2816 --sm-carveout-backward off:i2816_joint_bco" \
+            "--expert-hidden 2816 --sm-carveout-backward off --ce-defer-sum:i2816_joint_bco_ds" \
+            "--fp8 --expert-hidden 2048 --fb-schedule split:fp8_i2048_split" "--fp8 --expert-hidden 2048:fp8_i2048_joint" \
+            "--fp8 --expert-hidden 1536:fp8_i1536_joint"; do
+  stage overlapfb 100 $FB --iters 8 --no-dense --no-plot --phases forward_backward ${args%%:*} \
+    --tag "NVIDIA_H200_network_s4_fb_${args##*:}_$C"
+done
+stage overlapfb 200 $FB --iters 10 --expert-hidden 2816 --tag "NVIDIA_H200_network_i2816_s4_joint_$C"
 # what the comm kernels' neighbours cost: GEMMs beside plain vs clustered comm CTAs; comm beside each load
 stage neighbour 90 $PY benchmarks/bench_gemm_carveout.py --neighbour 4,12 --json "$RES/gemm_neighbour.json"
 stage interference 150 $PY benchmarks/bench_comm_interference.py --json "$RES/comm_interference.json"

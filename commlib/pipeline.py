@@ -974,12 +974,13 @@ def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timelin
 TURN_KEEPS_WGRAD = True  # dual_forward_backward: see there (a module switch for measurements)
 
 
-def _turn_on_comm_stream(steps: list[Step], turn: int) -> None:
+def _turn_on_comm_stream(steps: list[Step], turn: int, wrap: Optional[Callable] = None) -> None:
     """Where only light and bookkeeping steps lie between a chain's last forward comm step and its
     first backward comm step (a residual add, the loss and its backward, the gradients' packing),
     issue them on that comm stream: on the compute stream they would queue behind the other
     micro-batch's expert backward, and hold this chain's combine' back until it ends. ``turn``: the
-    index of the step between the chain's forward and backward steps."""
+    index of the step between the chain's forward and backward steps; ``wrap(stream, run)``: the
+    moved step's run (default: ``run`` under ``torch.cuda.stream(stream)``)."""
     comm = [i for i, st in enumerate(steps) if st.kind == "comm"]
     before = [i for i in comm if i < turn]
     after = [i for i in comm if i > turn]
@@ -991,8 +992,9 @@ def _turn_on_comm_stream(steps: list[Step], turn: int) -> None:
     stream = steps[p].stream
     if stream is None:
         return
+    wrap = wrap or _on_stream
     for i in range(p + 1, q):
-        steps[i] = dataclasses.replace(steps[i], run=_on_stream(stream, steps[i].run))
+        steps[i] = dataclasses.replace(steps[i], run=wrap(stream, steps[i].run))
 
 
 def _on_stream(stream, fn: Callable[[], None]) -> Callable[[], None]:

@@ -1151,3 +1151,41 @@ def test_turn_moves_to_the_comm_stream_only_between_comm_steps():
     for s in (steps(light=False), steps(comm_stream=None)):
         P._turn_on_comm_stream(s, 4)
         assert all(st.run is noop for st in s)
+
+
+def test_model_schedule_joint_turn_on_comm_stream_is_shorter(tmp_path):
+    """benchmarks/model_schedule.py: sequential durations replayed in each schedule's order; with a
+    compute-bound backward the joint schedule (turn on the comm stream) beats the split one, and
+    with the turn on the compute stream it does not."""
+    import importlib.util
+    import json
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("model_schedule", os.path.join(root, "benchmarks", "model_schedule.py"))
+    ms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ms)
+    dur = {"F.attn": 6.0, "F.dispatch": 7.5, "F.experts": 6.0, "F.combine": 7.5, "F.finish": 0.2,
+           "B.finish": 0.3, "B.combine": 7.5, "B.experts": 13.0, "B.dispatch": 7.5, "B.attn": 13.0}
+    names = [(f"{s}{l}", "comm" if s in ("dispatch", "combine") else "compute")
+             for l in range(2) for s in ("attn", "dispatch", "experts", "combine")] + [("finish", "compute")]
+    spans, t = [], 0.0
+    for tag in ("0", "1"):
+        for phase, order in (("F", names), ("B", list(reversed(names)))):
+            for name, stream in order:
+                d = dur[f"{phase}.{name.rstrip('01')}"]
+                spans.append({"label": f"{tag}.{phase}.{name}", "stream": stream, "start_ms": t, "end_ms": t + d})
+                t += d
+    comm = sum(s["end_ms"] - s["start_ms"] for s in spans if s["stream"] == "comm")
+    compute = sum(s["end_ms"] - s["start_ms"] for s in spans if s["stream"] == "compute")
+    path = tmp_path / "fb.json"
+    path.write_text(json.dumps({"figures": {"forward_backward": {
+        "spans_sequential": spans, "comm_ms": comm, "compute_ms": compute, "dual_over_max_comm_compute": 1.2,
+        "halves_floor_over_max": 1.05}}}))
+    m = ms.model(str(path), {"finish"})
+    assert m["joint"] < m["split"] - 0.005, m
+    assert m["joint_compute"] >= m["split"] - 1e-9, m
+    o = ms.orders(ms.chain_stages(spans), {"finish"})["joint"]
+    comm_order = [label for label, stream in o if "combine" in label or "dispatch" in label]
+    i = comm_order.index("0.F.combine1")
+    assert comm_order[i:i + 4] == ["0.F.combine1", "0.B.combine1", "1.F.combine1", "1.B.combine1"], comm_order
+    assert ["0.F.finish", "comm"] in o and ["1.B.finish", "comm"] in o  # the turn, on the comm stream

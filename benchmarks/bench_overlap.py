@@ -153,10 +153,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sm-carveout-backward", default=None, metavar="auto|off|N",
                    help="forward+backward (two forwards, two backwards): the carveout from micro-batch 0's backward on "
                         "(default: --sm-carveout's)")
-    p.add_argument("--fb-schedule", choices=("joint", "split"), default="joint",
-                   help="forward+backward, dual: joint = commlib.pipeline.dual_forward_backward (micro-batch 0's "
-                        "backward starts beside micro-batch 1's last forward steps; default), split = dual_forward "
-                        "then dual_backward")
+    p.add_argument("--fb-schedule", choices=("split", "joint"), default="split",
+                   help="forward+backward, dual (commlib.pipeline.dual_forward_backward's schedule): split = "
+                        "dual_forward then dual_backward (default), joint = one interleaving, micro-batch 0's "
+                        "backward starting beside micro-batch 1's last forward steps")
     p.add_argument("--turn-defer", action="store_true",
                    help="joint forward+backward: micro-batch 0's first expert backward defers its weight gradients "
                         "too (commlib.pipeline.TURN_KEEPS_WGRAD = False; default: in place, beside two comm steps)")
@@ -646,15 +646,9 @@ def run(ctx, args) -> dict:
     def fwd_bwd(overlap, timeline=None):
         """Two forwards then two backwards (--fb-schedule); returns the two outputs."""
         model.zero_grad(set_to_none=True)
-        if args.fb_schedule == "joint":
-            return P.dual_forward_backward(model, (h0,), (h1,), grads0=g0, grads1=g1, timeline=timeline,
-                                           overlap=overlap, issue_order=order, sm_carveout=(carveout, carveout_bwd),
-                                           defer_weight_grads=defer)
-        o0, o1 = P.dual_forward(model, (h0,), (h1,), timeline=timeline, overlap=overlap, issue_order=order,
-                                sm_carveout=carveout)
-        P.dual_backward(o0, g0, o1, g1, timeline=timeline, overlap=overlap, issue_order=order,
-                        sm_carveout=carveout_bwd, defer_weight_grads=defer)
-        return o0, o1
+        return P.dual_forward_backward(model, (h0,), (h1,), grads0=g0, grads1=g1, timeline=timeline,
+                                       overlap=overlap, issue_order=order, sm_carveout=(carveout, carveout_bwd),
+                                       defer_weight_grads=defer, schedule=args.fb_schedule)
 
     def f_and_b(o1, overlap, timeline=None):
         """Micro-batch 0's forward with micro-batch 1's backward (o1: its forward's outputs)."""

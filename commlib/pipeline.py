@@ -1012,21 +1012,26 @@ def dual_forward_backward(module: StagedModule, inputs0: Sequence, inputs1: Sequ
                           grads0: Optional[Sequence] = None, grads1: Optional[Sequence] = None,
                           criterion=None, timeline: Optional[Timeline] = None,
                           overlap: bool = True, issue_order: Optional[str] = None, sm_carveout=None,
-                          defer_weight_grads: Optional[bool] = None):
-    """Forward and backward of two micro-batches through ``module`` as one overlapped schedule (two
-    forwards then two backwards, e.g. a data-parallel step split in two).
+                          defer_weight_grads: Optional[bool] = None, schedule: str = "split"):
+    """Forward and backward of two micro-batches through ``module``, overlapped (two forwards then two
+    backwards, e.g. a data-parallel step split in two).
 
     Where to start each backward: ``criterion(*outputs) -> scalar loss`` (one callable, or a pair:
     micro-batch 0's and 1's, e.g. with their own labels), or ``grads0`` / ``grads1``, the outputs'
     gradients (as for torch.autograd.backward), known before the forward ends.
 
-    The joint schedule: micro-batch 0's backward starts as soon as its forward ends, beside
+    ``schedule="split"`` (default): ``dual_forward``, the losses or given gradients, ``dual_backward``.
+    ``schedule="joint"``: one interleaving, micro-batch 0's backward starting as soon as its forward
+    ends, beside
     micro-batch 1's last forward steps. Its first comm step (combine', the cached dispatch of the
     output gradients) goes right after its last combine, before micro-batch 1's, and its expert
-    backward then runs beside micro-batch 1's last combine and combine'. ``dual_forward`` followed by
-    ``dual_backward`` instead leaves the compute stream idle for two comm steps in a row at the turn
-    (micro-batch 1's last combine, then micro-batch 0's combine'); here it is one. In the backward
-    micro-batch 1 then issues its steps first where both lists' next steps are comm steps.
+    backward then runs beside micro-batch 1's last combine and combine'. The split schedule instead
+    leaves the compute stream idle for two comm steps in a row at the turn (micro-batch 1's last
+    combine, then micro-batch 0's combine'); here it is one. In the backward micro-batch 1 then
+    issues its steps first where both lists' next steps are comm steps. Measured on 2 x H200
+    (docs/pipeline.md) the two take the same time: the comm stream is busy through the turn either
+    way, and the turn's memory-bound steps (residual add, packing) get only the carved-out SMs
+    beside the expert backward.
 
     ``sm_carveout``: as for ``dual_forward``, or a pair (forward, backward): the carveout changes when
     micro-batch 0's backward starts. ``issue_order`` / ``defer_weight_grads``: as for
@@ -1036,6 +1041,8 @@ def dual_forward_backward(module: StagedModule, inputs0: Sequence, inputs1: Sequ
     """
     if criterion is None and (grads0 is None or grads1 is None):
         raise ValueError("dual_forward_backward: give criterion, or both grads0 and grads1")
+    if schedule not in ("split", "joint"):
+        raise ValueError(f"dual_forward_backward: schedule must be 'split' or 'joint', got {schedule!r}")
     if not torch.is_grad_enabled():
         raise RuntimeError("dual_forward_backward: autograd is disabled (torch.no_grad); use dual_forward")
     fwd_cv, bwd_cv = sm_carveout if isinstance(sm_carveout, tuple) else (sm_carveout, sm_carveout)
@@ -1043,13 +1050,16 @@ def dual_forward_backward(module: StagedModule, inputs0: Sequence, inputs1: Sequ
     criteria = tuple(criterion) if isinstance(criterion, (tuple, list)) else (criterion, criterion)
     if len(criteria) != 2:
         raise ValueError(f"dual_forward_backward: criterion must be a callable or a pair, got {len(criteria)}")
-    if not overlap:
-        outs = dual_forward(module, inputs0, inputs1, timeline, overlap=False)
+    if not overlap or schedule == "split":
+        outs = dual_forward(module, inputs0, inputs1, timeline, overlap=overlap, issue_order=issue_order,
+                            sm_carveout=fwd_cv)
+        back = dict(timeline=timeline, overlap=overlap, issue_order=issue_order, sm_carveout=bwd_cv,
+                    defer_weight_grads=defer_weight_grads)
         if criterion is not None:
             losses = [crit(*_as_list(o)) for crit, o in zip(criteria, outs)]
-            dual_backward(losses[0], None, losses[1], None, timeline, overlap=False)
+            dual_backward(losses[0], None, losses[1], None, **back)
             return tuple(loss.detach() for loss in losses)
-        dual_backward(outs[0], grads0, outs[1], grads1, timeline, overlap=False)
+        dual_backward(outs[0], grads0, outs[1], grads1, **back)
         return tuple(_detached(o) for o in outs)
     chains = [module.start(*inputs0, tag="0."), module.start(*inputs1, tag="1.")]
     defer = _defer_weight_grads(defer_weight_grads)

@@ -162,15 +162,16 @@ done
 # overlapfb: the forward+backward phase alone (~45 s a run), then every phase with the dense reference
 FB="$PY benchmarks/bench_overlap.py --preset network --ce-staging host --comm-sms 4 --layers 6 --out-dir $RES"
 C=${COMMLIB_GIT_COMMIT:-local}
-for args in "--expert-hidden 2816 --fb-schedule split:i2816_split" "--expert-hidden 2816:i2816_joint" \
-            "--expert-hidden 2816 --sm-carveout-backward off:i2816_joint_bco" \
-            "--expert-hidden 2816 --sm-carveout-backward off --ce-defer-sum:i2816_joint_bco_ds" \
-            "--fp8 --expert-hidden 2048 --fb-schedule split:fp8_i2048_split" "--fp8 --expert-hidden 2048:fp8_i2048_joint" \
-            "--fp8 --expert-hidden 1536:fp8_i1536_joint"; do
+for args in "--expert-hidden 2816 --fb-schedule split:i2816_split" "--expert-hidden 2816 --fb-schedule joint:i2816_joint" \
+            "--expert-hidden 2816 --fb-schedule joint --sm-carveout-backward off:i2816_joint_bco" \
+            "--expert-hidden 2816 --fb-schedule joint --sm-carveout-backward off --ce-defer-sum:i2816_joint_bco_ds" \
+            "--fp8 --expert-hidden 2048 --fb-schedule split:fp8_i2048_split" \
+            "--fp8 --expert-hidden 2048 --fb-schedule joint:fp8_i2048_joint" \
+            "--fp8 --expert-hidden 1536 --fb-schedule joint:fp8_i1536_joint"; do
   stage overlapfb 100 $FB --iters 8 --no-dense --no-plot --phases forward_backward ${args%%:*} \
     --tag "NVIDIA_H200_network_s4_fb_${args##*:}_$C"
 done
-stage overlapfb 200 $FB --iters 10 --expert-hidden 2816 --tag "NVIDIA_H200_network_i2816_s4_joint_$C"
+stage overlapfb 200 $FB --iters 10 --expert-hidden 2816 --tag "NVIDIA_H200_network_i2816_s4_$C"
 # what the comm kernels' neighbours cost: GEMMs beside plain vs clustered comm CTAs; comm beside each load
 stage neighbour 90 $PY benchmarks/bench_gemm_carveout.py --neighbour 4,12 --json "$RES/gemm_neighbour.json"
 stage interference 150 $PY benchmarks/bench_comm_interference.py --json "$RES/comm_interference.json"

@@ -256,23 +256,27 @@ def case_joint_forward_backward(ctx):
     from commlib import pipeline as P
     model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
     for defer in (False, True):
-        model.zero_grad(set_to_none=True)
-        l0, l1 = P.dual_forward_backward(model, (mb0,), (mb1,), criterion=_loss, defer_weight_grads=defer,
-                                         sm_carveout=("auto", "off"))
-        assert torch.equal(l0, _loss(s0)) and torch.equal(l1, _loss(s1)) and l0.grad_fn is None
-        _assert_same_grads(g_seq, _grads(model), f"joint (criterion, defer={defer}) vs sequential")
+        for schedule in ("split", "joint"):
+            model.zero_grad(set_to_none=True)
+            l0, l1 = P.dual_forward_backward(model, (mb0,), (mb1,), criterion=_loss, defer_weight_grads=defer,
+                                             sm_carveout=("auto", "off"), schedule=schedule)
+            assert torch.equal(l0, _loss(s0)) and torch.equal(l1, _loss(s1)) and l0.grad_fn is None
+            _assert_same_grads(g_seq, _grads(model), f"{schedule} (criterion, defer={defer}) vs sequential")
     leaf0, leaf1 = s0.detach().requires_grad_(), s1.detach().requires_grad_()
     g0 = torch.autograd.grad(_loss(leaf0), leaf0)[0]
     g1 = torch.autograd.grad(_loss(leaf1), leaf1)[0]
-    for overlap in (True, False):
+    for overlap, schedule in ((True, "joint"), (True, "split"), (False, "joint")):
         model.zero_grad(set_to_none=True)
-        o0, o1 = P.dual_forward_backward(model, (mb0,), (mb1,), grads0=g0, grads1=g1, overlap=overlap)
+        o0, o1 = P.dual_forward_backward(model, (mb0,), (mb1,), grads0=g0, grads1=g1, overlap=overlap,
+                                         schedule=schedule)
         assert torch.equal(o0, s0) and torch.equal(o1, s1) and o0.grad_fn is None
-        _assert_same_grads(g_seq, _grads(model), f"joint (gradients, overlap={overlap}) vs sequential")
+        _assert_same_grads(g_seq, _grads(model), f"{schedule} (gradients, overlap={overlap}) vs sequential")
     model.zero_grad(set_to_none=True)
     for bad, err in (({}, ValueError), ({"grads0": g0}, ValueError), ({"criterion": (_loss,)}, ValueError)):
         with pytest.raises(err, match="criterion"):
             P.dual_forward_backward(model, (mb0,), (mb1,), **bad)
+    with pytest.raises(ValueError, match="schedule"):
+        P.dual_forward_backward(model, (mb0,), (mb1,), criterion=_loss, schedule="bogus")
     with torch.no_grad(), pytest.raises(RuntimeError, match="autograd"):
         P.dual_forward_backward(model, (mb0,), (mb1,), criterion=_loss)
 
@@ -296,7 +300,7 @@ def case_joint_forward_backward(ctx):
     wgrad.run = counting_run
     try:
         l0, l1 = P.dual_forward_backward(chunk, (h0,), (h1,), criterion=_loss, timeline=tl,
-                                         defer_weight_grads=True)
+                                         defer_weight_grads=True, schedule="joint")
     finally:
         wgrad.run = real_run
     assert torch.equal(l0, _loss(r0)) and torch.equal(l1, _loss(r1))
@@ -476,20 +480,20 @@ def case_bench_overlap_smoke(ctx):
             assert result["figures"]["forward"]["sequential_ms"] > 0
             assert os.path.exists(result["json_path"])
             assert result["calibration"] is None and result["issue_order"] == "auto"
-            assert result["fb_schedule"] == "joint" and result["check"]["max_relative_error"] == 0
+            assert result["fb_schedule"] == "split" and result["check"]["max_relative_error"] == 0
             for f in result["figures"].values():
                 assert f["compute_dense_ms"] > 0 and f["dual_over_max_comm_compute_dense"] > 0
                 assert f["comm_over_compute"] > 0 and set(f["verdict"]) == {
                     "dual_over_max_ok", "comm_about_equal_compute", "speedup_target_applies", "speedup_ok"}
-        # the split forward+backward schedule, one phase, a backward carveout of its own
+        # the joint forward+backward schedule, one phase, a backward carveout of its own
         args = bench.parse_args(["--tokens", "16", "--hidden", "64", "--experts", "8", "--topk", "2",
                                  "--expert-hidden", "32", "--heads", "4", "--layers", "1", "--warmup", "1",
                                  "--iters", "1", "--out-dir", out_dir, "--no-plot", "--no-dense",
-                                 "--fb-schedule", "split", "--phases", "forward_backward",
+                                 "--fb-schedule", "joint", "--phases", "forward_backward",
                                  "--sm-carveout-backward", "off"])
         result = bench.run(ctx, args)
         if ctx.rank == 0:
-            assert list(result["figures"]) == ["forward_backward"] and result["fb_schedule"] == "split"
+            assert list(result["figures"]) == ["forward_backward"] and result["fb_schedule"] == "joint"
             assert result["sm_carveout"]["backward_requested"] == "off" and result["check"]["ok"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--phases", "forward,bogus"])

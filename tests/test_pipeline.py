@@ -483,6 +483,7 @@ def case_bench_overlap_smoke(ctx):
             assert result["fb_schedule"] == "split" and result["check"]["max_relative_error"] == 0
             for f in result["figures"].values():
                 assert f["compute_dense_ms"] > 0 and f["dual_over_max_comm_compute_dense"] > 0
+                assert set(f["verdict_dense"]) == set(f["verdict"]) and f["comm_over_compute_dense"] > 0
                 assert f["comm_over_compute"] > 0 and set(f["verdict"]) == {
                     "dual_over_max_ok", "comm_about_equal_compute", "speedup_target_applies", "speedup_ok"}
         # the joint forward+backward schedule, one phase, a backward carveout of its own

@@ -1126,7 +1126,9 @@ def plot_timeline(result: dict, path: str) -> None:
         extra = (f"  (comm {fig_['comm_ms']:.2f} / compute {fig_['compute_ms']:.2f} ms = "
                  f"{fig_['comm_over_compute']:.2f})" if sched == "sequential" else
                  f"  (dual / max {fig_['dual_over_max_comm_compute']:.3f}, speedup "
-                 f"{fig_['speedup_over_sequential']:.3f})")
+                 f"{fig_['speedup_over_sequential']:.3f}"
+                 + (f"; compute alone, back to back: {fig_['compute_dense_ms']:.2f} ms, dual / max "
+                    f"{fig_['dual_over_max_comm_compute_dense']:.3f}" if "compute_dense_ms" in fig_ else "") + ")")
         ax.set_title(f"{name}: {sched}, {ms:.2f} ms{extra}", fontsize=8, loc="left")
         ax.set_xlabel("ms", fontsize=7)
     fig.suptitle(f"commlib dual pipeline on {result['device']} x{result['num_ranks']}, preset "

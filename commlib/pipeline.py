@@ -1,6 +1,7 @@
 """The dual pipeline: two micro-batches through a MoE model, one communicating while the other
-computes (DeepSeek-V3's two-micro-batch overlap), forward, backward, and forward-with-backward
-(DualPipe's ``overlapped_forward_backward`` hook).
+computes (DeepSeek-V3's two-micro-batch overlap), forward, backward, both in one call
+(``dual_forward_backward``), and forward-with-backward (DualPipe's ``overlapped_forward_backward``
+hook).
 
 How it works
 ------------

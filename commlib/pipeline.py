@@ -1023,8 +1023,7 @@ def dual_forward_backward(module: StagedModule, inputs0: Sequence, inputs1: Sequ
 
     ``schedule="split"`` (default): ``dual_forward``, the losses or given gradients, ``dual_backward``.
     ``schedule="joint"``: one interleaving, micro-batch 0's backward starting as soon as its forward
-    ends, beside
-    micro-batch 1's last forward steps. Its first comm step (combine', the cached dispatch of the
+    ends, beside micro-batch 1's last forward steps. Its first comm step (combine', the cached dispatch of the
     output gradients) goes right after its last combine, before micro-batch 1's, and its expert
     backward then runs beside micro-batch 1's last combine and combine'. The split schedule instead
     leaves the compute stream idle for two comm steps in a row at the turn (micro-batch 1's last
@@ -1042,6 +1041,11 @@ def dual_forward_backward(module: StagedModule, inputs0: Sequence, inputs1: Sequ
     """
     if criterion is None and (grads0 is None or grads1 is None):
         raise ValueError("dual_forward_backward: give criterion, or both grads0 and grads1")
+    if criterion is not None and (grads0 is not None or grads1 is not None):
+        raise ValueError("dual_forward_backward: give criterion or grads0 / grads1, not both")
+    if isinstance(sm_carveout, tuple) and len(sm_carveout) != 2:
+        raise ValueError(f"dual_forward_backward: sm_carveout must be a value or a (forward, backward) pair, "
+                         f"got {sm_carveout!r}")
     if schedule not in ("split", "joint"):
         raise ValueError(f"dual_forward_backward: schedule must be 'split' or 'joint', got {schedule!r}")
     if not torch.is_grad_enabled():

@@ -272,9 +272,12 @@ def case_joint_forward_backward(ctx):
         assert torch.equal(o0, s0) and torch.equal(o1, s1) and o0.grad_fn is None
         _assert_same_grads(g_seq, _grads(model), f"{schedule} (gradients, overlap={overlap}) vs sequential")
     model.zero_grad(set_to_none=True)
-    for bad, err in (({}, ValueError), ({"grads0": g0}, ValueError), ({"criterion": (_loss,)}, ValueError)):
+    for bad, err in (({}, ValueError), ({"grads0": g0}, ValueError), ({"criterion": (_loss,)}, ValueError),
+                     ({"criterion": _loss, "grads0": g0, "grads1": g1}, ValueError)):
         with pytest.raises(err, match="criterion"):
             P.dual_forward_backward(model, (mb0,), (mb1,), **bad)
+    with pytest.raises(ValueError, match="sm_carveout"):
+        P.dual_forward_backward(model, (mb0,), (mb1,), criterion=_loss, sm_carveout=("auto", "off", 4))
     with pytest.raises(ValueError, match="schedule"):
         P.dual_forward_backward(model, (mb0,), (mb1,), criterion=_loss, schedule="bogus")
     with torch.no_grad(), pytest.raises(RuntimeError, match="autograd"):

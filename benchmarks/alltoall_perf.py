@@ -7,7 +7,7 @@ Run it under either launcher (one process per GPU, or CPU processes on gloo):
 
 (scripts/launch_mpirun.sh and scripts/launch_torchrun.sh add the usual flags.) Under MPI the
 Buffer is built from the communicator, ``Buffer(group=None, comm=MPI.COMM_WORLD)``, which sets
-up torch.distributed; under torchrun from the launcher's environment (``commlib.dist``).
+up torch.distributed; under torchrun from the launcher's environment (``commlib.utils.dist``).
 
 For every token count from -b to -e (times -f each step) and every op, one row:
   size   bytes per rank: rows received x row bytes for dispatch (local rows included), rows sent
@@ -37,8 +37,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import torch
 import torch.distributed as dist
 
-from commlib import bench
-from commlib.bench import OPS, Workload
+from commlib.bench import main as bench
+from commlib.bench.main import OPS, Workload
 from commlib.topology import Topology
 
 OP_GROUPS = {
@@ -140,7 +140,7 @@ def setup(args):
     from commlib.buffer import Buffer
 
     if ("RANK" in os.environ and "MASTER_ADDR" in os.environ) or not _under_mpi():
-        from commlib.dist import init_distributed
+        from commlib.utils.dist import init_distributed
         group = init_distributed()
         rank, size, comm = dist.get_rank(group), dist.get_world_size(group), None
     else:
@@ -244,5 +244,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from commlib.launch import exit_rank
+    from commlib.utils.launch import exit_rank
     exit_rank(main())

@@ -78,7 +78,7 @@ def parse_args(argv=None):
                           ("iters", 10), ("ranks", 2)):
         p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--kernel-variant", default="", metavar="KEY=V,...",
-                   help="NVLink kernel build variant (commlib.kernels.DEFAULT_VARIANT keys) on every rank")
+                   help="NVLink kernel build variant (commlib.cuda.loader.DEFAULT_VARIANT keys) on every rank")
     p.add_argument("--no-ce", dest="ce", action="store_false",
                    help="skip the ce_push row: the dispatch's payload pushed by the copy engines (cudaMemcpyAsync)")
     p.add_argument("--json", default="")
@@ -101,8 +101,9 @@ def _worker(ctx, args):
     import torch
     import torch.distributed as dist
 
-    from commlib import kernels as K
-    from commlib import routing, timing
+    from commlib.cuda import loader as K
+    from commlib import routing
+    from commlib.utils import timing
     from commlib.buffer import Buffer
     from commlib.config import Config
 
@@ -237,7 +238,7 @@ def compute_beside_comm(ops: dict, alone: dict, mats, src, dst, comm_sms: int, g
     import torch
     import torch.distributed as dist
 
-    from commlib import timing
+    from commlib.utils import timing
     work = {"gemm": lambda: torch.mm(*mats), "copy": lambda: dst.copy_(src)}
     carve0 = torch._C._get_sm_carveout_experimental()
 
@@ -287,7 +288,7 @@ class CopyEnginePush:
     def __init__(self, group, me: int, R: int, region: int, nbytes: list, src_ptr: int):
         import torch
 
-        from commlib.backends.peer_memory import PeerMemory
+        from commlib.backends.nvlink.peer_memory import PeerMemory
         self.me, self.region, self.src = me, region, src_ptr
         self.nbytes = [0 if p == me else n for p, n in enumerate(nbytes)]
         self.mem = PeerMemory(R * region, group, me, R, torch.device("cuda", torch.cuda.current_device()))
@@ -314,7 +315,7 @@ class CopyEnginePush:
 
 def main(argv=None):
     args = parse_args(argv)
-    from commlib.launch import parallel_launch
+    from commlib.utils.launch import parallel_launch
     rows, covered, split, spans = parallel_launch(args.ranks, _worker, args, use_gpu=True)
     ce_bytes = rows.pop("ce_push_bytes", None)
     beside = rows.pop("compute_beside_comm", {})
@@ -342,7 +343,7 @@ def main(argv=None):
     if args.json:
         import torch
 
-        from commlib.bench import git_commit
+        from commlib.bench.main import git_commit
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"benchmark": "bench_comm_interference", "device": torch.cuda.get_device_name(0),

@@ -1,4 +1,4 @@
-"""What torch's SM carveout (commlib.pipeline.sm_carveout) costs the MoE layer's GEMMs on one GPU,
+"""What torch's SM carveout (commlib.training.pipeline.schedule.sm_carveout) costs the MoE layer's GEMMs on one GPU,
 alone: each GEMM timed (CUDA events, mean of 30 after 3 warm-ups) on the default cuBLAS path with
 0 / 4 / 12 SMs carved out, and with cuBLASLt preferred (0 / 4 carved out). Prints a table in
 microseconds; --json PATH also writes it.
@@ -21,7 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from commlib.bench import git_commit  # noqa: E402
+from commlib.bench.main import git_commit  # noqa: E402
 
 COLUMNS = (("cublas", None), ("cublas", 4), ("cublas", 12), ("cublaslt", None), ("cublaslt", 4))
 HEADERS = ("default", "cv4", "cv12", "lt", "lt+cv4")

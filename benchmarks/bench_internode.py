@@ -2,7 +2,7 @@
 
     python benchmarks/bench_internode.py [--ranks 2 --ranks-per-node 1] [--tokens 4096] [--json [PATH]]
 
-Runs commlib.bench's checked workload (V3 on GPUs, scaled down on CPUs) with
+Runs commlib.bench.main's checked workload (V3 on GPUs, scaled down on CPUs) with
 ``backend="hierarchical"`` and, from the Buffer's row counters, reports per op and rank:
   network GB/s  rows that crossed between (emulated) nodes x row bytes / time;
   NVLink GB/s   rows moved between two ranks of one node x row bytes / time.
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from commlib import bench as B  # noqa: E402
+from commlib.bench import main as B  # noqa: E402
 
 OPS = ["dispatch_bf16", "dispatch_bf16_cached", "dispatch_fp8", "combine"]
 BASELINE_OPS = ["a2a_dispatch_bf16", "a2a_combine"]  # flat all_to_all_single over every rank, same run
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH")
     a = p.parse_args(argv)
-    from commlib.launch import parallel_launch
+    from commlib.utils.launch import parallel_launch
 
     if a.ranks % a.ranks_per_node or a.ranks // a.ranks_per_node < 2:
         raise SystemExit("--ranks must be a multiple of --ranks-per-node with at least 2 nodes")

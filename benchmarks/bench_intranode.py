@@ -6,17 +6,17 @@
 Workload (DESIGN.md "Performance method"): hidden 7168, top-8 of 256 experts, group-limited routing
 (8 groups, top-4 groups), per rank 512..8192 tokens; BF16 dispatch, FP8 dispatch (E4M3 + one float
 scale per 128 channels), BF16 combine. Every figure is the slowest rank's median of --iters timed
-calls after --warmup calls, with a 256 MB L2 flush before each (commlib.timing.bench_cuda).
+calls after --warmup calls, with a 256 MB L2 flush before each (commlib.utils.timing.bench_cuda).
 
 Columns, per op and token count:
   full      the call a user waits for (dispatch: count exchange + the one host sync + the kernel)
   cached    dispatch with the handle reused (no count exchange, no sync): how DeepEP measures
-  kernel    CUDA events around the data kernel's launch alone (commlib.kernels.record_launches)
+  kernel    CUDA events around the data kernel's launch alone (commlib.cuda.loader.record_launches)
   size      logical bytes: dispatch = received rows x row bytes (local rows included; FP8 rows count
             (1 + 4/128) / 2 of a BF16 row), combine = rows sent back x BF16 row bytes
   nvl       bytes that crossed NVLink to the peers (rows to/from other ranks)
   algbw     size / time (GB/s = 1e9 B/s);  nvlbw = nvl / time
-  nccl      the baseline (commlib.baseline: count exchange + permute + all_to_all_single (+ reverse
+  nccl      the baseline (commlib.bench.baseline: count exchange + permute + all_to_all_single (+ reverse
             + unpermute)), same inputs, same process; x_nccl = nccl time / commlib time
   #wrong    elements of commlib's output that differ from the baseline's (both are bit-exact on one node)
 --plain runs the cached dispatch and the combine a second time with plain loads/stores (no PTX cache
@@ -41,7 +41,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import torch
 import torch.distributed as dist
 
-from commlib.timing import slowest
+from commlib.utils.timing import slowest
 
 REPO = Path(__file__).resolve().parent.parent
 # DeepEP's published intranode figures (GB/s) the brief compares against, and this engine's targets.
@@ -68,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--chunks", default="", help="comma list of send chunks to sweep at --sweep-tokens")
     p.add_argument("--sweep-tokens", type=int, default=4096)
     p.add_argument("--variants", default="", help="kernel variants to A/B at --sweep-tokens: "
-                   "'name:KEY=V,KEY=V;name2:...' (keys: commlib.kernels.DEFAULT_VARIANT)")
+                   "'name:KEY=V,KEY=V;name2:...' (keys: commlib.cuda.loader.DEFAULT_VARIANT)")
     p.add_argument("--json", default="", help="file or folder for the JSON results")
     p.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
     return p.parse_args(argv)
@@ -80,7 +80,7 @@ def parse_args(argv=None):
 
 def _bench(fn, warmup: int, iters: int) -> float:
     try:
-        from commlib.timing import bench_cuda
+        from commlib.utils.timing import bench_cuda
         return bench_cuda(fn, warmup=warmup, iters=iters, flush_l2=True)["median_us"]
     except ImportError:  # minimal private version
         flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -108,7 +108,7 @@ def measure(fn, kernels: list[str], args, group) -> dict:
               events; calls that sync the host (non-cached dispatch) still see the peer's skew."""
     import time
 
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
 
     full = _bench(fn, args.warmup, args.iters)
     torch.cuda.synchronize()
@@ -141,14 +141,14 @@ def measure(fn, kernels: list[str], args, group) -> dict:
 
 def worker(ctx, a: dict):
     args = argparse.Namespace(**a)
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
     from commlib import routing
     from commlib.buffer import Buffer
     from commlib.config import Config
     from commlib.fp8 import per_token_cast_to_fp8
 
     try:
-        from commlib import baseline
+        from commlib.bench import baseline
     except ImportError:
         baseline = None
     R, me, dev, group = ctx.world_size, ctx.rank, ctx.device, ctx.group
@@ -341,7 +341,7 @@ def verdicts(result: dict) -> list[str]:
 
 
 def git_commit() -> str:
-    from commlib.bench import git_commit as commit_info
+    from commlib.bench.main import git_commit as commit_info
     info = commit_info()
     return info["commit"] + ("-dirty" if info["dirty"] else "")
 
@@ -388,7 +388,7 @@ def plot(result: dict, png: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from commlib.launch import parallel_launch
+    from commlib.utils.launch import parallel_launch
 
     args = parse_args(argv)
     result = parallel_launch(args.world, worker, vars(args), use_gpu=True, timeout_s=540)

@@ -27,8 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from commlib import bench as B  # noqa: E402
-from commlib.timing import bench_cuda, capture_graph as _graph, reduce_times, summarize  # noqa: E402
+from commlib.bench import main as B  # noqa: E402
+from commlib.utils.timing import bench_cuda, capture_graph as _graph, reduce_times, summarize  # noqa: E402
 
 TARGETS_US = {"dispatch_graph": 25.0, "combine_graph": 32.0}
 DEEPEP_2XH200_US = {"dispatch": 29.0, "combine": 40.0, "send": 20.0, "recv": 8.0}
@@ -55,7 +55,7 @@ def _worker(ctx, a):
     M, H, E = a.tokens, a.hidden, a.experts
     L = E // R
     nbytes = Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
     variant = K.parse_variant(a.variant)
     if a.trace:  # every rank builds the kernels with the %globaltimer points (before the Buffer compiles)
         variant["LL_TRACE"] = 1
@@ -102,7 +102,7 @@ def _worker(ctx, a):
     timed("combine_graph", g_c.replay)
     traces = None
     if a.trace:  # one more replay of each, then where each launch spent its time, per CTA
-        from commlib.backends.nvlink_ll import trace_summary
+        from commlib.backends.low_latency.nvlink import trace_summary
         ll = buf._low_latency
         grids = (ll.dispatch_grid(a.tokens, L), ll.combine_grid(M))
         mine = {}
@@ -205,14 +205,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH")
     p.add_argument("--variant", default="", metavar="KEY=V,...",
-                   help="kernel build variant (commlib.kernels.DEFAULT_VARIANT keys, e.g. LL_PARTS=1) for A/B runs")
+                   help="kernel build variant (commlib.cuda.loader.DEFAULT_VARIANT keys, e.g. LL_PARTS=1) for A/B runs")
     p.add_argument("--trace", action="store_true",
                    help="build with COMMLIB_LL_TRACE and print per-CTA time points of one graph replay")
     a = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < a.ranks:
         print(f"[bench_low_latency] needs {a.ranks} GPUs; skipped")
         return 0
-    from commlib.launch import parallel_launch
+    from commlib.utils.launch import parallel_launch
 
     res = parallel_launch(a.ranks, _worker, a, use_gpu=True, timeout_s=600)
     fig = res["figures"]

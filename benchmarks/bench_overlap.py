@@ -92,10 +92,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from commlib.clocks import ClockMonitor, clock_ratio  # noqa: E402  (after the checkout is on sys.path)
+from commlib.bench.clocks import ClockMonitor, clock_ratio  # noqa: E402  (after the checkout is on sys.path)
 from commlib.backends.base import PendingCombine  # noqa: E402
-from commlib.overlap import EventOverlap  # noqa: E402
-from commlib.timing import slowest  # noqa: E402
+from commlib.utils.event import EventOverlap  # noqa: E402
+from commlib.utils.timing import slowest  # noqa: E402
 
 PRESETS = {
     #           tokens hidden experts topk groups topk_groups expert_hidden shared heads head_dim
@@ -148,30 +148,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--comm-priority", type=int, default=None,
                    help="replace the Buffer's comm stream by one of this CUDA priority (-1 = high); experiment")
     p.add_argument("--sm-carveout", default=None, metavar="auto|off|N",
-                   help="SMs the dual schedules keep GEMMs off while they overlap (commlib.pipeline.sm_carveout; "
+                   help="SMs the dual schedules keep GEMMs off while they overlap (commlib.training.pipeline.schedule.sm_carveout; "
                         "default: $COMMLIB_SM_CARVEOUT, else auto = the comm SMs); the sequential runs never set it")
     p.add_argument("--sm-carveout-backward", default=None, metavar="auto|off|N",
                    help="forward+backward (two forwards, two backwards): the carveout from micro-batch 0's backward on "
                         "(default: --sm-carveout's)")
     p.add_argument("--fb-schedule", choices=("split", "joint"), default="split",
-                   help="forward+backward, dual (commlib.pipeline.dual_forward_backward's schedule): split = "
+                   help="forward+backward, dual (commlib.training.pipeline.schedule.dual_forward_backward's schedule): split = "
                         "dual_forward then dual_backward (default), joint = one interleaving, micro-batch 0's "
                         "backward starting beside micro-batch 1's last forward steps")
     p.add_argument("--turn-defer", action="store_true",
                    help="joint forward+backward: micro-batch 0's first expert backward defers its weight gradients "
-                        "too (commlib.pipeline.TURN_KEEPS_WGRAD = False; default: in place, beside two comm steps)")
+                        "too (commlib.training.pipeline.schedule.TURN_KEEPS_WGRAD = False; default: in place, beside two comm steps)")
     p.add_argument("--phases", default="forward,forward_backward,fwd0_bwd1", metavar="P,...",
                    help="phases to measure (forward, forward_backward, fwd0_bwd1; default all)")
     p.add_argument("--defer-wgrad", dest="defer_wgrad", action="store_true", default=None,
                    help="dual backward schedules defer the expert GEMMs' weight gradients (B / W split, "
-                        "commlib.wgrad; default: $COMMLIB_DEFER_WGRAD, on); --no-defer-wgrad: in place")
+                        "commlib.training.wgrad; default: $COMMLIB_DEFER_WGRAD, on); --no-defer-wgrad: in place")
     p.add_argument("--no-defer-wgrad", dest="defer_wgrad", action="store_false")
     p.add_argument("--kernel-variant", default="", metavar="KEY=V,...",
-                   help="NVLink kernel build variant (commlib.kernels.DEFAULT_VARIANT keys, e.g. "
+                   help="NVLink kernel build variant (commlib.cuda.loader.DEFAULT_VARIANT keys, e.g. "
                         "DISPATCH_THREADS=512,COMBINE_THREADS=512) for every rank; experiment")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--issue-order", choices=("auto", "comm_first", "compute_first"), default="auto",
-                   help="which step of a (compute, comm) pair the host issues first (commlib.pipeline); "
+                   help="which step of a (compute, comm) pair the host issues first (commlib.training.pipeline.schedule); "
                         "auto: comm first unless it waits on the host (non-cached dispatch)")
     p.add_argument("--calibrate", dest="calibrate", action="store_true", default=None,
                    help="pick expert_hidden so that forward+backward compute ~ comm (default: on for "
@@ -282,7 +282,7 @@ def _comm_configs(num_ranks: int, num_sms, tokens: int, send_chunk=None) -> tupl
 
 
 def _git_commit() -> str | None:
-    from commlib.bench import git_commit
+    from commlib.bench.main import git_commit
     commit = git_commit()["commit"]
     return None if commit == "unknown" else commit
 
@@ -478,7 +478,7 @@ def _check(model, fb, device) -> dict:
 
 
 def _build_model(args, sh, buffer, device, comm_configs=(None, None)):
-    from commlib.moe import MoEConfig, MoEModel
+    from commlib.training.moe.layer import MoEConfig, MoEModel
     dtype = torch.bfloat16
     cfg = MoEConfig(hidden=sh["hidden"], num_experts=sh["experts"], topk=sh["topk"],
                     expert_hidden=sh["expert_hidden"], num_groups=sh["groups"], topk_groups=sh["topk_groups"],
@@ -514,7 +514,7 @@ def _sequential_fb_split(P, model, h0, h1, g0, g1, clock, warmup=2, reps=3) -> t
 def _calibrate(ctx, args, sh, buffer, inputs, clock, comm_configs=(None, None)) -> tuple:
     """expert_hidden whose sequential forward+backward compute / comm is nearest 1 (same on every
     rank: the figures are gathered). Compute grows with expert_hidden, comm does not."""
-    from commlib import pipeline as P
+    from commlib.training.pipeline import schedule as P
     trials = []
     for size in CALIBRATION_SIZES:
         model = _build_model(args, dict(sh, expert_hidden=size), buffer, ctx.device, comm_configs)
@@ -539,7 +539,7 @@ def _calibrate_comm_sms(ctx, model, inputs, clock, tokens) -> tuple:
     every rank: the figures are gathered). Communication slows down with fewer SMs; compute does
     not change (the sequential run never overlaps the two). Fewest SMs first, stopping once comm <=
     compute. Leaves the chosen configs on ``model``."""
-    from commlib import pipeline as P
+    from commlib.training.pipeline import schedule as P
     trials = []
     for sms in COMM_SMS_CALIBRATION:
         model.comm_configs = _comm_configs(ctx.world_size, sms, tokens)
@@ -575,8 +575,8 @@ def _buffer_default_sms(buffer):
 def run(ctx, args) -> dict:
     """Run the benchmark on this rank (all ranks call it); rank 0 returns the result dict."""
     from commlib import Buffer
-    from commlib import env
-    from commlib import pipeline as P
+    from commlib.utils import env
+    from commlib.training.pipeline import schedule as P
 
     device = ctx.device
     on_gpu = device.type == "cuda"
@@ -587,7 +587,7 @@ def run(ctx, args) -> dict:
     if args.comm_trace and not on_gpu:
         raise SystemExit("[overlap] --comm-trace needs the GPUs (the nvlink backend records the trace)")
     if args.kernel_variant or args.comm_trace:
-        from commlib import kernels as K
+        from commlib.cuda import loader as K
         variant = K.parse_variant(args.kernel_variant)
         if args.comm_trace:  # every launch of a timeline run keeps its own trace slot (trace_history)
             variant["COMM_TRACE"] = 1
@@ -838,7 +838,7 @@ def run(ctx, args) -> dict:
                                                 f"{BALANCED_RANGE[1]:.2f}"},
         "check": check,
         "kernel_profile": kernel_profile,
-        # per "<phase>.<schedule>" measured loop, per GPU: SM clock, power, power-cap share (commlib.clocks)
+        # per "<phase>.<schedule>" measured loop, per GPU: SM clock, power, power-cap share (commlib.bench.clocks)
         "gpu_clocks": gpu_clocks,
         "figures": figures,
     }
@@ -1161,8 +1161,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     _transport_env(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        from commlib.dist import init_distributed
-        from commlib.launch import RankContext
+        from commlib.utils.dist import init_distributed
+        from commlib.utils.launch import RankContext
         group = init_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
         device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -1171,11 +1171,11 @@ def main(argv=None) -> None:
         run(RankContext(rank, world, rpn, device, group), args)
         dist.destroy_process_group()
     else:
-        from commlib.launch import parallel_launch
+        from commlib.utils.launch import parallel_launch
         parallel_launch(args.ranks, _worker, args, use_gpu=True)
 
 
 if __name__ == "__main__":
-    from commlib.launch import exit_rank
+    from commlib.utils.launch import exit_rank
     main()
     exit_rank(0)  # under torchrun this process is a rank: leave without the interpreter's finalization

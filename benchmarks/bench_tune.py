@@ -5,7 +5,7 @@
     python benchmarks/bench_tune.py --simulate --world 16 --ranks-per-node 8 --seeds 5 --check
 
 For each kind (dispatch, combine) and token count (default 128, 1024, 4096 per rank; hidden 7168,
-top-8 of 256 experts, group-limited routing) both strategies of ``commlib.tune.search`` run on the
+top-8 of 256 experts, group-limited routing) both strategies of ``commlib.tuning.autotune.search`` run on the
 same search space, then the two winners and the default config are timed again, interleaved,
 with fresh samples ("verify"). Claims, checked on the V3 rows (4096 tokens; --check turns a miss
 into exit status 1) and reported for all rows:
@@ -41,7 +41,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from commlib import tune
+from commlib.tuning import autotune as tune
 from commlib.config import Config, default_combine_config, default_dispatch_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
         unit = "(sim s)"
     else:
         import torch
-        from commlib.launch import parallel_launch
+        from commlib.utils.launch import parallel_launch
         if not torch.cuda.is_available():
             print("bench_tune: no CUDA GPU; use --simulate for the cost model", file=sys.stderr)
             return 2

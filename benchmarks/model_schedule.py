@@ -2,7 +2,7 @@
 
 bench_overlap.py records every step's span in the sequential and the dual run (JSON
 ``figures.forward_backward.spans_sequential``). This replays the sequential durations in the issue
-order of two schedules of two forwards then two backwards, built by commlib.pipeline's own
+order of two schedules of two forwards then two backwards, built by commlib.training.pipeline.schedule's own
 ``_interleave`` on stand-in steps (no model, no GPU):
 
   split   dual_forward, then dual_backward
@@ -48,7 +48,7 @@ def chain_stages(spans: list) -> list:
 
 def orders(stages: list, light: set) -> dict:
     """Issue order (label, stream) of each schedule for two chains of ``stages``."""
-    from commlib import pipeline as P
+    from commlib.training.pipeline import schedule as P
     issued: list = []
     on = ["compute"]  # the stream a compute step's work goes to (the turn may move it to comm)
 

@@ -1,4 +1,4 @@
-"""Plot bandwidth vs tokens per rank from the JSON that alltoall_perf.py / ``commlib.bench`` write.
+"""Plot bandwidth vs tokens per rank from the JSON that alltoall_perf.py / ``commlib.bench.main`` write.
 
     python benchmarks/plot.py benchmarks/results/alltoall_perf_*.json [--out benchmarks/results/plots]
 
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-# Same numbers as commlib.bench.DEEPEP_2XH200_GBPS; repeated so plotting needs no torch.
+# Same numbers as commlib.bench.main.DEEPEP_2XH200_GBPS; repeated so plotting needs no torch.
 DEEPEP_2XH200_GBPS = {"dispatch_bf16": 339.0, "dispatch_fp8": 246.0, "combine": 287.0}
 DEEPEP_TOKENS = 4096
 
@@ -82,7 +82,7 @@ def plot_file(path: Path, out_dir: Path, metric: str, deepep: str = "auto") -> P
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("json", nargs="+", type=Path, help="result files from alltoall_perf.py --json or commlib.bench --json")
+    p.add_argument("json", nargs="+", type=Path, help="result files from alltoall_perf.py --json or commlib.bench.main --json")
     p.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: <json folder>/plots)")
     p.add_argument("--metric", choices=("algbw", "busbw"), default="algbw")
     p.add_argument("--deepep", choices=("auto", "on", "off"), default="auto",

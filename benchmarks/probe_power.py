@@ -20,7 +20,7 @@ one side load at a time, launched first on a side stream and sized to last as lo
              compute-dense reference replayed before 2026-12-01): the data's share of the power
 
 Each row: ms per GEMM (CUDA events), its ratio to ``alone``, the mean SM clock, power and the
-share of samples at the power cap (commlib.clocks, nvidia-smi every 50 ms; the GPU is CUDA device
+share of samples at the power cap (commlib.bench.clocks, nvidia-smi every 50 ms; the GPU is CUDA device
 0, named by nvidia-smi's index ``--smi-index``).
 
     python3 benchmarks/probe_power.py [--seconds 5] [--loads alone,zeros,...] [--json PATH]
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     import cupy as cp
     import torch
 
-    from commlib.clocks import ClockMonitor
+    from commlib.bench.clocks import ClockMonitor
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)

@@ -67,7 +67,7 @@ def launch_path() -> str:
     """Which path the data kernels were launched through: the ctypes cuLaunchKernel one needs a
     CUfunction handle (kernels.cu_function_handle: ``.ptr``, or ``.kernel.ptr`` on CuPy 14); without one
     every launch takes CuPy's."""
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
     kinds = sorted({type(lau.fn).__name__ for lau in K._launchers.values()})
     with_handle = sum(1 for lau in K._launchers.values() if lau.handle)
     fast = K._fast_launch and with_handle == len(K._launchers)
@@ -83,7 +83,7 @@ def main():
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--fp8", action="store_true")
     a = p.parse_args()
-    from commlib.launch import parallel_launch
+    from commlib.utils.launch import parallel_launch
     print(parallel_launch(2, worker, a, use_gpu=True, timeout_s=300))
 
 

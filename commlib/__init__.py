@@ -1,14 +1,17 @@
 """commlib: expert-parallel dispatch/combine for Mixture-of-Experts, a drop-in for DeepEP's Buffer."""
-from .config import Config
-from .layout import topk_idx_t
-from .fp8 import per_token_cast_to_fp8, per_token_cast_back
+from commlib.config import Config
+from commlib.layout import topk_idx_t
+from commlib.fp8 import per_token_cast_to_fp8, per_token_cast_back
 
-__version__ = "0.1.0"
-from .buffer import Buffer
-from .overlap import EventOverlap
-from .handle import DispatchHandle
-from .topology import Topology
-from . import routing
+from commlib.version import __version__  # noqa: F401
+from commlib.buffer import Buffer
+from commlib.utils.event import EventOverlap
+from commlib.handle import DispatchHandle
+from commlib.topology import Topology
+from commlib import routing
+from commlib.tuning import autotune as _autotune
+
+Buffer.autotuner = _autotune.get_config
 
 __all__ = ["Buffer", "Config", "EventOverlap", "DispatchHandle", "Topology", "topk_idx_t",
            "per_token_cast_to_fp8", "per_token_cast_back", "routing"]

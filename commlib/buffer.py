@@ -16,14 +16,18 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import env
-from .backends.base import Backend, CombineRequest, DispatchRequest, PendingCombine
-from .config import Config, default_combine_config, default_dispatch_config
-from .handle import DispatchHandle
-from .layout import Layout
-from .overlap import EventOverlap
-from .topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology
-from .validate import CommlibError, check_layout, check_num_experts, check_routing, check_tensor, split_x
+from commlib.utils import env
+from commlib.utils.dist import group_from_comm
+from commlib.backends import make_backend, make_low_latency
+from commlib.backends.base import Backend, BackendContext, CombineRequest, DispatchRequest, PendingCombine
+from commlib.backends.low_latency.reference import rdma_size_hint
+from commlib.config import Config, default_combine_config, default_dispatch_config
+from commlib.handle import DispatchHandle
+from commlib.layout import Layout
+from commlib.utils.event import EventOverlap
+from commlib.topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology
+from commlib.tuning import cache as tuning_cache
+from commlib.validate import CommlibError, check_layout, check_num_experts, check_routing, check_tensor, expert_id_error, split_x
 
 _buffer_ids = itertools.count(1)
 
@@ -61,6 +65,8 @@ class Buffer:
     """
 
     num_sms: int = env.num_sms()
+    # tuning.autotune.get_config, set when commlib is imported: tunes on first use with COMMLIB_AUTOTUNE=1
+    autotuner = None
 
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -70,7 +76,6 @@ class Buffer:
                  max_nodes_per_token: int = DEFAULT_MAX_NODES_PER_TOKEN) -> None:
         if group is None:
             if comm is not None:
-                from .dist import group_from_comm
                 group = group_from_comm(comm)
             elif dist.is_initialized():
                 group = dist.group.WORLD
@@ -107,21 +112,11 @@ class Buffer:
         self.backend: Backend = self._make_backend(self.backend_name)
         self._low_latency = None
         if low_latency_mode:
-            if self.backend_name == "nvlink":
-                from .backends.nvlink_ll import NVLinkLowLatency
-                try:
-                    self._low_latency = NVLinkLowLatency(self, self.backend)
-                except BaseException:
-                    self.backend.destroy()
-                    raise
-            elif self.backend_name == "reference":
-                from .low_latency import LowLatencyReference
-                self._low_latency = LowLatencyReference(self, self.backend)
-            else:
+            try:
+                self._low_latency = make_low_latency(self.backend_name, self._ctx, self.backend)
+            except BaseException:
                 self.backend.destroy()
-                raise NotImplementedError(
-                    f"Buffer: low_latency_mode=True has no {self.backend_name} kernels yet; pass backend='nvlink' "
-                    "(one node) or backend='reference' (torch.distributed collectives, same semantics)")
+                raise
 
     # ------------------------------------------------------------------ set-up
     def _check_world_agrees(self) -> None:
@@ -157,14 +152,15 @@ class Buffer:
         return name
 
     def _make_backend(self, name: str) -> Backend:
-        if name == "nvlink":
-            from .backends.nvlink import NVLinkBackend
-            return NVLinkBackend(self)
-        if name == "hierarchical":
-            from .backends.hierarchical import HierarchicalBackend
-            return HierarchicalBackend(self)
-        from .backends.reference import ReferenceBackend
-        return ReferenceBackend(self)
+        self._ctx = BackendContext(
+            group=self.group, rank=self.rank, num_ranks=self.num_ranks, topology=self.topology,
+            device=self.device, buffer_id=self.buffer_id, timeout_s=self.timeout_s,
+            num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=self.num_rdma_bytes,
+            max_nodes_per_token=self.max_nodes_per_token, num_sms=lambda: Buffer.num_sms,
+            default_config=lambda kind, r: (Buffer.get_dispatch_config if kind == "dispatch"
+                                            else Buffer.get_combine_config)(r),
+            run=self._run, make_node_buffer=_node_buffer)
+        return make_backend(name, self._ctx)
 
     def destroy(self) -> None:
         """Release peer buffers and streams. The Buffer refuses every call afterwards."""
@@ -316,7 +312,6 @@ class Buffer:
     def _check_expert_ids(self, topk_idx: torch.Tensor, num_experts: int) -> None:
         # On the GPU engines the layout kernel checks ids itself (a host check would cost a sync).
         if self.backend_name == "reference" or not topk_idx.is_cuda:
-            from .validate import expert_id_error
             msg = expert_id_error(topk_idx, num_experts)
             if msg:
                 raise ValueError(f"[commlib rank {self.rank}] {msg}")
@@ -379,7 +374,7 @@ class Buffer:
         On the copy-engine path (COMMLIB_CE_BYTES) a dispatch first gathers each destination's rows
         into one contiguous block for the copy engines. Inside the call that gather runs on the comm
         stream, where beside a GEMM it gets only the SMs the GEMM leaves. Called right after the
-        compute that produced x (as the dual pipeline does, commlib.pipeline), the gather runs there on
+        compute that produced x (as the dual pipeline does, commlib.training.pipeline.schedule), the gather runs there on
         every SM in a fraction of the time. Non-cached (topk_idx and num_experts given): the layout
         (get_dispatch_layout) is computed here too. Pass the result to dispatch(prepacked=...) with the
         same x (and handle); it is used once, and holds a pack buffer until then (at most 4 may be
@@ -552,7 +547,6 @@ class Buffer:
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         """Bytes of ``num_rdma_bytes`` a low-latency Buffer needs."""
-        from .low_latency import rdma_size_hint
         return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def _ll(self):
@@ -573,7 +567,7 @@ class Buffer:
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, use_fp8: bool = True, round_scale: bool = False,
                              use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
-        """Decode-mode dispatch (see commlib.low_latency): returns (recv_x, recv_count, handle, event, hook).
+        """Decode-mode dispatch (see commlib.backends.low_latency.reference): returns (recv_x, recv_count, handle, event, hook).
 
         x: [T, H] bf16 (T <= num_max_dispatch_tokens_per_rank); topk_idx: [T, K] int64.
         recv_x: [L, R * M, H] bf16, or (E4M3 [L, R * M, H], scales) with use_fp8; recv_count: [L] int32.
@@ -601,17 +595,18 @@ class Buffer:
             if not isinstance(config, Config):
                 raise TypeError(f"[commlib rank {self.rank}] config must be a commlib.Config, got {type(config).__name__}")
             return config
-        # A tuned config (commlib.tune) for this shape, looked up once per (kind, hidden, dtype, token
+        # A tuned config (commlib.tuning.autotune) for this shape, looked up once per (kind, hidden, dtype, token
         # bucket) and remembered. The lookup is local (no collective on the hot path): ranks must call
         # with token counts in the same power-of-two bucket, as with any per-shape config. With
         # COMMLIB_AUTOTUNE=1 a miss tunes now, collectively.
-        from . import tune
-        key = (kind, hidden, dtype, tune.token_bucket(num_tokens), Buffer.num_sms)
+        key = (kind, hidden, dtype, tuning_cache.token_bucket(num_tokens), Buffer.num_sms)
         if key not in self._tuned:
             if env.autotune():
-                found = tune.get_config(self, kind, (num_tokens, hidden), dtype)
+                if Buffer.autotuner is None:
+                    raise RuntimeError("COMMLIB_AUTOTUNE=1 needs commlib.tuning.autotune imported (import commlib does it)")
+                found = Buffer.autotuner(self, kind, (num_tokens, hidden), dtype)
             else:
-                found = tune.cached_config(kind=kind, num_ranks=self.num_ranks,
+                found = tuning_cache.cached_config(kind=kind, num_ranks=self.num_ranks,
                                            ranks_per_node=self.topology.ranks_per_node, hidden=hidden,
                                            dtype=dtype, num_tokens=num_tokens, device=self.device,
                                            num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=self.num_rdma_bytes)
@@ -657,6 +652,11 @@ class Buffer:
         if hidden is not None and handle.hidden and handle.hidden != hidden:
             raise ValueError(f"[commlib rank {self.rank}] cached dispatch: x has hidden {hidden}, the handle "
                              f"was made for {handle.hidden}")
+
+
+def _node_buffer(group, num_nvl_bytes: int, ranks_per_node: int, backend: str) -> Buffer:
+    """An intranode Buffer on ``group`` (the hierarchical backend's fan-out; collective)."""
+    return Buffer(group, num_nvl_bytes, ranks_per_node=ranks_per_node, backend=backend)
 
 
 def _tensors_of(obj, skip=()):

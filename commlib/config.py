@@ -19,19 +19,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from commlib.utils.math import align_up
+
 # Per-row metadata that travels next to a token's hidden bytes (bounds used to size buffers).
 MAX_TOPK = 32
 CONTROL_BYTES = 1 << 20  # flags, counters and count-exchange slots at the start of every buffer
 
 
-def _align(n: int, a: int = 16) -> int:
-    return (n + a - 1) // a * a
-
-
 def row_slot_bytes(hidden_bytes: int) -> int:
     """Bytes one buffered token needs: hidden bytes, FP8 scales (one float per 128 bytes), metadata."""
     scale_bytes = math.ceil(hidden_bytes / 128) * 4
-    return _align(hidden_bytes) + _align(scale_bytes) + 16 + _align(MAX_TOPK * 12)
+    return align_up(hidden_bytes) + align_up(scale_bytes) + 16 + align_up(MAX_TOPK * 12)
 
 
 @dataclasses.dataclass
@@ -94,7 +92,7 @@ class Config:
 
 
 # Defaults per EP size (num_sms is filled in from Buffer.num_sms). Tuned on 2 x H200; the tuner
-# (commlib.tune) may override them per machine and shape.
+# (commlib.tuning.autotune) may override them per machine and shape.
 _DISPATCH_DEFAULTS = {
     # num_ranks: (send chunk, recv capacity, rdma send chunk, rdma recv capacity)
     1: (32, 1024, 64, 1024),

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from .topology import Topology
+from commlib.topology import Topology
 
 
 @dataclasses.dataclass

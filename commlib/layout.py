@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .topology import Topology
+from commlib.topology import Topology
 
 topk_idx_t = torch.int64
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import env
+from commlib.utils import env
 
 # A token may target at most this many nodes (DeepSeek-V3's node-limited routing).
 DEFAULT_MAX_NODES_PER_TOKEN = 4

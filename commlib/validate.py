@@ -6,12 +6,11 @@ from typing import Optional
 
 import torch
 
-from .config import MAX_TOPK
-from .fp8 import BLOCK
+from commlib.config import MAX_TOPK
+from commlib.fp8 import BLOCK
+from commlib.utils.errors import CommlibError  # noqa: F401 - re-exported
 
 
-class CommlibError(RuntimeError):
-    """A failure inside communication (timeout, peer mismatch, use after destroy)."""
 
 
 def _where(rank: int) -> str:

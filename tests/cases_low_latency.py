@@ -7,7 +7,7 @@ import torch
 
 import commlib
 from commlib.fp8 import per_token_cast_to_fp8
-from commlib.low_latency import unpack_ue8m0
+from commlib.backends.low_latency.reference import unpack_ue8m0
 
 E_PER_RANK, H, K, M = 4, 512, 4, 24
 

@@ -1,4 +1,4 @@
-"""commlib.autograd: gradients of dispatch / combine, FP8, torch.compile, on CPU ranks.
+"""commlib.training.autograd: gradients of dispatch / combine, FP8, torch.compile, on CPU ranks.
 
 One world of 4 ranks laid out as 2 emulated nodes x 2 (so both the NVLink-style and the
 hierarchical reference paths run); every case runs inside it. Expected gradients are computed on
@@ -86,7 +86,7 @@ def _global_ids(handle):
 # ------------------------------------------------------------------ cases
 
 def case_dispatch_grad(ctx):
-    from commlib import autograd as ops
+    from commlib.training import autograd as ops
     buf, r, R = _buf(ctx), ctx.rank, ctx.world_size
     x_all, idx_all, w_all, grad_rows, grad_w, _ = _global_inputs(R)
     x = x_all[r].clone().requires_grad_()
@@ -108,7 +108,7 @@ def case_dispatch_grad(ctx):
 
 
 def case_combine_grad(ctx):
-    from commlib import autograd as ops
+    from commlib.training import autograd as ops
     buf, r, R = _buf(ctx), ctx.rank, ctx.world_size
     x_all, idx_all, w_all, _, _, grad_home = _global_inputs(R, seed=1)
     out = ops.dispatch(buf, x_all[r], idx_all[r], w_all[r], E)
@@ -125,7 +125,7 @@ def case_combine_grad(ctx):
 
 
 def case_fp8_dispatch_grad(ctx):
-    from commlib import autograd as ops
+    from commlib.training import autograd as ops
     from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8
     buf, r, R = _buf(ctx), ctx.rank, ctx.world_size
     x_all, idx_all, w_all, grad_rows, _, _ = _global_inputs(R, seed=2)
@@ -139,7 +139,7 @@ def case_fp8_dispatch_grad(ctx):
 
 
 def case_fp8_tuple_input(ctx):
-    from commlib import autograd as ops
+    from commlib.training import autograd as ops
     from commlib.fp8 import per_token_cast_to_fp8
     buf, r, R = _buf(ctx), ctx.rank, ctx.world_size
     x_all, idx_all, w_all, _, grad_w, _ = _global_inputs(R, seed=3)
@@ -152,7 +152,7 @@ def case_fp8_tuple_input(ctx):
 
 
 def case_no_weights(ctx):
-    from commlib import autograd as ops
+    from commlib.training import autograd as ops
     buf, r, R = _buf(ctx), ctx.rank, ctx.world_size
     x_all, idx_all, _, grad_rows, _, _ = _global_inputs(R, seed=4)
     x = x_all[r].clone().requires_grad_()
@@ -167,7 +167,7 @@ def case_torch_compile(ctx):
     """torch.compile traces around the ops (a graph break at each) and matches eager exactly."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
-    from commlib import autograd as ops
+    from commlib.training import autograd as ops
     buf, r, R = _buf(ctx), ctx.rank, ctx.world_size
     torch._dynamo.reset()
 
@@ -199,7 +199,7 @@ def case_torch_compile(ctx):
 
 
 def case_bad_dtype(ctx):
-    from commlib import autograd as ops
+    from commlib.training import autograd as ops
     buf, r, R = _buf(ctx), ctx.rank, ctx.world_size
     x_all, idx_all, w_all, _, _, _ = _global_inputs(R)
     with pytest.raises(TypeError, match="bfloat16"):

@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commlib import baseline, bench, timing
+from commlib.bench import baseline
+from commlib.bench import main as bench
+from commlib.utils import timing
 from commlib.fp8 import per_token_cast_to_fp8
 from commlib.routing import group_limited_topk
 from worlds import run_world
@@ -258,7 +260,7 @@ def test_alltoall_perf_torchrun():
 
 EXIT_RANK_SCRIPT = """
 import sys, torch, torch.distributed as dist
-from commlib.launch import exit_rank
+from commlib.utils.launch import exit_rank
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
 for _ in range(20):  # collectives whose tensors gloo's threads may still hold at exit
     dist.all_reduce(torch.ones(4096), async_op=True).wait()
@@ -278,7 +280,7 @@ def test_exit_rank_keeps_code_and_output():
 
 
 def bench_free_port() -> int:
-    from commlib.launch import free_port
+    from commlib.utils.launch import free_port
     return free_port()
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import commlib
-from commlib.launch import parallel_launch
+from commlib.utils.launch import parallel_launch
 
 TIMEOUT_S = 3.0
 E, H, K, T = 16, 128, 4, 12

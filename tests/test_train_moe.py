@@ -9,7 +9,7 @@ Tolerances (stated; see docs/pipeline.md):
     two per-rank gradients does not depend on the all-reduce's order.
   * dual schedule vs sequential: step 0 within 1e-6, then 0.05 absolute over 50 steps. Splitting
     a rank's batch into two micro-batches changes the row count of every GEMM, hence float
-    rounding, and training amplifies the difference (routing decisions flip); commlib.pipeline's
+    rounding, and training amplifies the difference (routing decisions flip); commlib.training.pipeline.schedule's
     own tests show dual == sequential bit for bit on the same micro-batches.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 
-from commlib.launch import free_port
+from commlib.utils.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "train_moe.py")

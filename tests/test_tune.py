@@ -1,4 +1,4 @@
-"""commlib.tune: keying, the on-disk cache (corrupt / foreign files, concurrent writers), the search
+"""commlib.tuning.autotune: keying, the on-disk cache (corrupt / foreign files, concurrent writers), the search
 (smart within 3% of the exhaustive best for <= 25% of its time, on the benchmark's cost model),
 the noise rule, autotune / get_config, and one spawned 2-rank gloo world for rank agreement and the
 CLI worker on the real Buffer."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from commlib import tune
+from commlib.tuning import autotune as tune
 from commlib.config import Config, default_combine_config, default_dispatch_config
 from commlib.topology import Topology
 from worlds import run_world
@@ -407,7 +407,7 @@ def test_autotune_respects_the_buffer_size(tmp_path):
 
 def test_cli_main_prints_table_and_json(tmp_path, monkeypatch, capsys):
     """main() without spawning: parallel_launch is replaced by canned rank-0 results."""
-    import commlib.launch
+    import commlib.utils.launch
 
     def fake_launch(world, worker, args, **kwargs):
         assert worker is tune._cli_worker and world == 2 and kwargs["ranks_per_node"] == 2
@@ -418,7 +418,7 @@ def test_cli_main_prints_table_and_json(tmp_path, monkeypatch, capsys):
             out.append({"kind": kind, "num_tokens": T, "dtype": "bf16", **res.to_json()})
         return out
 
-    monkeypatch.setattr(commlib.launch, "parallel_launch", fake_launch)
+    monkeypatch.setattr(commlib.utils.launch, "parallel_launch", fake_launch)
     out_json = tmp_path / "r.json"
     assert tune.main(["--cpu", "--world", "2", "--tokens", "1024", "--sms", "8:24:4", "--no-store",
                       "--json", str(out_json)]) == 0

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import commlib
-from commlib import env, routing
+from commlib import routing
+from commlib.utils import env
 from commlib.config import Config, row_slot_bytes
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8, roundtrip_bound
 from commlib.layout import channel_prefix_matrix, channel_starts, dispatch_layout, rows_before, send_head
@@ -168,7 +169,7 @@ def test_kernel_signatures_and_argument_layout():
     the layout kernel's is what nvlink.py passes, and offsets follow native alignment."""
     import struct
 
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
 
     for family, names in K._FAMILIES.items():
         for name in names:
@@ -185,7 +186,7 @@ def test_kernel_signatures_and_argument_layout():
 
 def test_kernel_variant_parse_and_set():
     """Benchmarks' --variant / --kernel-variant text -> set_variant; unknown keys and bad items raise."""
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
     assert K.parse_variant("") == {} and K.parse_variant(" , ") == {}
     assert K.parse_variant("DISPATCH_THREADS=512, COMBINE_THREADS=512") == {"DISPATCH_THREADS": 512,
                                                                            "COMBINE_THREADS": 512}
@@ -288,7 +289,7 @@ def test_cu_function_handle_old_and_new_cupy():
     RawKernel CuPy 14's get_function returns; none found means CuPy's own launch (handle 0)."""
     from types import SimpleNamespace
 
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
     assert K.cu_function_handle(SimpleNamespace(ptr=5)) == 5
     assert K.cu_function_handle(SimpleNamespace(kernel=SimpleNamespace(ptr=7))) == 7
     assert K.cu_function_handle(SimpleNamespace(kernel=None)) == 0
@@ -296,12 +297,12 @@ def test_cu_function_handle_old_and_new_cupy():
 
 
 def test_clock_monitor_windows():
-    """commlib.clocks: sampler lines are parsed (warnings and [N/A] power survive), stamped as they
+    """commlib.bench.clocks: sampler lines are parsed (warnings and [N/A] power survive), stamped as they
     arrive, and summed per window and GPU; the power-cap bit is counted; a missing sampler is False."""
     import sys
     import time
 
-    from commlib import clocks
+    from commlib.bench import clocks
 
     assert clocks.parse_line("0, 1980, 123.4, 0x0000000000000004") == (0, 1980.0, 123.4, 4)
     assert clocks.parse_line("1, 1545, [N/A], 0x0000000000000000") == (1, 1545.0, None, 0)

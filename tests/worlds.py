@@ -11,7 +11,7 @@ import traceback
 
 import torch.distributed as dist
 
-from commlib.launch import parallel_launch
+from commlib.utils.launch import parallel_launch
 
 
 def _worker(ctx, module_name: str, names: list[str]):

@@ -22,13 +22,14 @@ changed, so they are bit-exact too):
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..config import Config
-from ..handle import DispatchHandle
-from ..layout import Layout
+from commlib.config import Config
+from commlib.handle import DispatchHandle
+from commlib.layout import Layout
+from commlib.topology import Topology
 
 
 @dataclasses.dataclass
@@ -90,15 +91,38 @@ class PendingCombine:
             self._result, self._fn = self._fn(), None
         return self._result
 
+@dataclasses.dataclass
+class BackendContext:
+    """What a backend may know of the Buffer that owns it (built by the Buffer, read-only here)."""
+
+    group: Any                      # the torch.distributed process group of the Buffer
+    rank: int
+    num_ranks: int
+    topology: Topology
+    device: torch.device
+    buffer_id: int                  # unique per Buffer and process (names staging, keys caches)
+    timeout_s: float                # longest host or device wait (COMMLIB_TIMEOUT_S)
+    num_nvl_bytes: int
+    num_rdma_bytes: int
+    max_nodes_per_token: int
+    num_sms: Callable[[], int]      # the current SM budget (Buffer.set_num_sms changes it)
+    default_config: Callable[[str, int], Config]   # (kind, num_ranks) -> the default Config
+    # run(fn, inputs, previous_event, async_finish, allocate_on_comm_stream): fn on the comm stream
+    # with DeepEP's event semantics; returns (fn's result, EventOverlap or None).
+    run: Callable[..., Any]
+    # make_node_buffer(group, num_nvl_bytes, ranks_per_node, backend) -> an intranode Buffer
+    # (collective over ``group``); the hierarchical backend fans out through it.
+    make_node_buffer: Optional[Callable[..., Any]] = None
+
 
 class Backend:
-    """Base class. ``buffer`` gives group, topology, device, num_nvl_bytes, num_rdma_bytes."""
+    """Base class. ``ctx`` (a BackendContext) is all a backend knows of its Buffer."""
 
     name = "base"
 
-    def __init__(self, buffer) -> None:
-        self.buffer = buffer
-        self.topology = buffer.topology
+    def __init__(self, ctx: "BackendContext") -> None:
+        self.ctx = ctx
+        self.topology = ctx.topology
         # Rows moved, for tests and benchmarks: internode = rows that crossed between nodes,
         # intranode = rows that moved between two ranks of one node (local copies not counted).
         self.counters = {"internode_rows": 0, "intranode_rows": 0, "local_rows": 0}

@@ -31,9 +31,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import layout as L
-from .base import CombineRequest, DispatchRequest
-from .reference import _BIG, ReferenceBackend, sum_rows
+from commlib import layout as L
+from commlib.utils.math import SORT_KEY_BIG
+from commlib.backends.base import CombineRequest, DispatchRequest
+from commlib.backends.reference import ReferenceBackend, sum_rows
 
 
 def _pad16(n: int) -> int:
@@ -61,8 +62,8 @@ def _clip(count: int, k: int, chunk: int) -> int:
 class HierarchicalBackend(ReferenceBackend):
     name = "hierarchical"
 
-    def __init__(self, buffer, intranode_backend: Optional[str] = None) -> None:
-        super().__init__(buffer)
+    def __init__(self, ctx, intranode_backend: Optional[str] = None) -> None:
+        super().__init__(ctx)
         topo = self.topology
         if topo.num_nodes < 2:
             raise ValueError(f"[commlib rank {topo.rank}] the hierarchical engine needs several nodes, the "
@@ -72,7 +73,7 @@ class HierarchicalBackend(ReferenceBackend):
         self.network_ctas = 0
         rail_options = None
         if dist.get_backend(self.group) == "nccl":
-            self.network_ctas = max(2, buffer.num_sms // 5)
+            self.network_ctas = max(2, ctx.num_sms() // 5)
             try:
                 rail_options = dist.ProcessGroupNCCL.Options()
                 rail_options.config.min_ctas = 1
@@ -93,7 +94,7 @@ class HierarchicalBackend(ReferenceBackend):
             g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)])
             if n == topo.node:
                 self.node_group = g
-        self.intranode_backend = intranode_backend or ("nvlink" if buffer.device.type == "cuda" else "reference")
+        self.intranode_backend = intranode_backend or ("nvlink" if ctx.device.type == "cuda" else "reference")
         self._node_buffer = None
         self._node_buffer_bytes = 0
 
@@ -148,7 +149,7 @@ class HierarchicalBackend(ReferenceBackend):
         rows = torch.cat(arrived)
         src = torch.cat(arrived_src).to(torch.int64)
         src_idx = packer.unpack(rows)["src_idx"].flatten().to(torch.int64)
-        sort = torch.argsort(src * _BIG + src_idx, stable=True)
+        sort = torch.argsort(src * SORT_KEY_BIG + src_idx, stable=True)
         plan = {"order1": order1, "recv1_counts": recv1_counts, "send1_counts": send1_counts, "chunk": chunk,
                 "num_chunks": num_chunks, "node_handles": node_handles,
                 "arrived_rows": [int(a.shape[0]) for a in arrived], "sort": sort}
@@ -193,13 +194,12 @@ class HierarchicalBackend(ReferenceBackend):
     # ------------------------------------------------------------------ fan-out
     def _node(self, row_bytes: int, config):
         """The intranode Buffer, (re)made when a call needs more buffer than it has (collective)."""
-        from ..buffer import Buffer
         P = self.topology.ranks_per_node
-        need = max(self.buffer.num_nvl_bytes, config.get_nvl_buffer_size_hint(row_bytes, P))
+        need = max(self.ctx.num_nvl_bytes, config.get_nvl_buffer_size_hint(row_bytes, P))
         if self._node_buffer is None or need > self._node_buffer_bytes:
             if self._node_buffer is not None:
                 self._node_buffer.destroy()
-            self._node_buffer = Buffer(self.node_group, need, ranks_per_node=P, backend=self.intranode_backend)
+            self._node_buffer = self.ctx.make_node_buffer(self.node_group, need, P, self.intranode_backend)
             self._node_buffer_bytes = need
         return self._node_buffer.backend
 
@@ -211,7 +211,7 @@ class HierarchicalBackend(ReferenceBackend):
         rows = torch.zeros(J, width, dtype=torch.uint8, device=recv1.device)
         rows[:, :row_bytes] = recv1
         rows[:, row_bytes:row_bytes + 4] = src_rank1.view(torch.uint8).view(-1, 4)
-        x = rows.view(torch.bfloat16).to(self.buffer.device)
+        x = rows.view(torch.bfloat16).to(self.ctx.device)
         config = self._fanout_config(req.config)
         node_backend = self._node(width, config)
         if cached_plan is not None:
@@ -222,7 +222,7 @@ class HierarchicalBackend(ReferenceBackend):
             per_node = num_experts // M
             local = topk - node * per_node
             local = torch.where((topk >= 0) & (local >= 0) & (local < per_node), local, torch.full_like(local, -1))
-            local = local.to(self.buffer.device).contiguous()
+            local = local.to(self.ctx.device).contiguous()
             layout = node_backend.get_dispatch_layout(local, per_node)
             sub = DispatchRequest(x, None, local, None, layout, None, per_node, 1, 0, config)
         res = node_backend.dispatch(sub)
@@ -253,9 +253,9 @@ class HierarchicalBackend(ReferenceBackend):
         """One chunk's node reduction: the intranode Buffer's combine (float32 sum in local-rank
         order, cast to bf16). Returns (bf16 [J_k, H], float32 [J_k, K] or None)."""
         cols = packer.unpack(rows)
-        y = cols["y"].to(self.buffer.device).contiguous()
-        w = cols["w"].to(self.buffer.device).contiguous() if K else None
-        config = self._fanout_config(self.buffer.get_combine_config(self.topology.ranks_per_node))
+        y = cols["y"].to(self.ctx.device).contiguous()
+        w = cols["w"].to(self.ctx.device).contiguous() if K else None
+        config = self._fanout_config(self.ctx.default_config("combine", self.topology.ranks_per_node))
         res = self._node_buffer.backend.combine(CombineRequest(y, node_handle, w, (), config))
         self._count_node_rows(node_handle)
         part_w = res.combined_topk_weights.to(self.comm_device) if K else None

@@ -22,12 +22,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import layout as L
-from ..handle import DispatchHandle
-from ..validate import CommlibError
-from .base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
+from commlib import layout as L
+from commlib.handle import DispatchHandle
+from commlib.validate import CommlibError
+from commlib.utils.math import SORT_KEY_BIG
+from commlib.backends.base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
 
-_BIG = 1 << 31
 
 # What every rank must agree on before an op moves data (checked in the first collective).
 SIG_FIELDS = ("op", "call", "hidden", "num_experts", "fp8", "topk", "topk_weights", "num_sms",
@@ -74,11 +74,11 @@ class _Packer:
 class ReferenceBackend(Backend):
     name = "reference"
 
-    def __init__(self, buffer) -> None:
-        super().__init__(buffer)
-        self.group = buffer.group
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.group = ctx.group
         backend = dist.get_backend(self.group)
-        self.comm_device = torch.device("cpu") if backend == "gloo" else buffer.device
+        self.comm_device = torch.device("cpu") if backend == "gloo" else ctx.device
         self.calls = 0          # ops issued on this Buffer; identical on every rank unless ranks diverge
         self.failed: Optional[str] = None
         self._phase = ""
@@ -86,7 +86,7 @@ class ReferenceBackend(Backend):
     # ------------------------------------------------------------------ waits and agreement
     def _wait(self, work) -> None:
         """Wait for a collective, at most COMMLIB_TIMEOUT_S; a timeout poisons the Buffer."""
-        timeout = self.buffer.timeout_s
+        timeout = self.ctx.timeout_s
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError for timeouts and dead peers
@@ -192,7 +192,7 @@ class ReferenceBackend(Backend):
             node_excess = 0
             if topo.num_nodes > 1:
                 nodes_per_token = L.token_in_node(is_tir, topo).sum(dim=1)
-                limit = self.buffer.max_nodes_per_token
+                limit = self.ctx.max_nodes_per_token
                 node_excess = int((nodes_per_token > limit).sum())
             gathered = self._agree(sig, send_counts.cpu().tolist() + [node_excess])
             counts_all = gathered[:, :R]
@@ -200,7 +200,7 @@ class ReferenceBackend(Backend):
             if bad:
                 raise ValueError(
                     f"[commlib rank {me}] routing sends tokens to more than max_nodes_per_token="
-                    f"{self.buffer.max_nodes_per_token} nodes (rank, tokens over the limit): {bad}; use a "
+                    f"{self.ctx.max_nodes_per_token} nodes (rank, tokens over the limit): {bad}; use a "
                     "node-limited gate (commlib.routing.group_limited_topk) or raise the Buffer's max_nodes_per_token")
             rank_prefix = torch.cumsum(counts_all, dim=0).to(torch.int32)
             chan_prefix = L.channel_prefix_matrix(is_tir, C)
@@ -311,7 +311,7 @@ class ReferenceBackend(Backend):
                                                          req.handle.extra["plan"] if cached else None, req)
         plan.update(fanout_plan)
         src_idx = packer.unpack(arrived)["src_idx"].flatten().to(torch.int64)
-        plan["sort"] = torch.argsort(arrived_src.to(torch.int64) * _BIG + src_idx, stable=True)
+        plan["sort"] = torch.argsort(arrived_src.to(torch.int64) * SORT_KEY_BIG + src_idx, stable=True)
         return arrived[plan["sort"]], plan
 
     def _network_a2a(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:

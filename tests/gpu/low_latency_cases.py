@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from commlib.buffer import Buffer
-from commlib.low_latency import unpack_ue8m0
-from commlib.timing import capture_graph
+from commlib.backends.low_latency.reference import unpack_ue8m0
+from commlib.utils.timing import capture_graph
 from nvlink_cases import check_same
 
 _BUFFERS: dict = {}

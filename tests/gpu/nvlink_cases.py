@@ -13,12 +13,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from commlib import kernels as commlib_kernels
+from commlib.cuda import loader as commlib_kernels
 from commlib import routing
 from commlib.buffer import Buffer
 from commlib.config import Config
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8
-from commlib.timing import capture_graph
+from commlib.utils.timing import capture_graph
 
 _BUFFERS: dict = {}  # per process: Buffers are built once per world (creation is collective)
 
@@ -26,7 +26,7 @@ _BUFFERS: dict = {}  # per process: Buffers are built once per world (creation i
 # COMMLIB_TEST_KERNEL_VARIANT="LOCAL_IN_RECEIVER=1,DISPATCH_THREADS=1024" (keys: kernels.DEFAULT_VARIANT).
 _VARIANT = os.environ.get("COMMLIB_TEST_KERNEL_VARIANT", "")
 if _VARIANT:
-    from commlib import kernels as _K
+    from commlib.cuda import loader as _K
     _K.set_variant({k: int(v) for k, v in (kv.split("=") for kv in _VARIANT.split(",") if kv)})
 
 
@@ -365,7 +365,7 @@ def case_copy_engines(ctx):
     concerned before anything moves, and the Buffer stays usable."""
     from commlib.validate import CommlibError
 
-    from commlib.backends.peer_memory import HostPeerMemory
+    from commlib.backends.nvlink.peer_memory import HostPeerMemory
 
     nv, _ = buffers(ctx)
     assert nv.backend._ce is not None, "COMMLIB_CE_BYTES is not set in this world"

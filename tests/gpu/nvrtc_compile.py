@@ -12,7 +12,7 @@ import time
 def compile_family(family: str, plain: bool) -> tuple[int, str]:
     from cupy.cuda import nvrtc
 
-    from commlib import kernels
+    from commlib.cuda import loader as kernels
 
     opts = list(kernels.options(plain)) + ["-arch=sm_90", "-ftz=true", "--device-as-default-execution-space"]
     prog = nvrtc.createProgram(kernels.source(family), f"{family}.cu", [], [])
@@ -24,7 +24,7 @@ def compile_family(family: str, plain: bool) -> tuple[int, str]:
 
 
 def main() -> int:
-    from commlib.kernels import _FAMILIES
+    from commlib.cuda.loader import _FAMILIES
 
     for plain in (False, True):
         for family in _FAMILIES:

@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from commlib.launch import parallel_launch
+from commlib.utils.launch import parallel_launch
 
 E, K, T, H = 8, 2, 64, 256
 

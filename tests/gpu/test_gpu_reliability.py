@@ -185,7 +185,7 @@ class _FakeTopology:
 
 
 def _fake_backend(rank=0, R=2):
-    from commlib.backends.nvlink import NVLinkBackend
+    from commlib.backends.nvlink.engine import NVLinkBackend
 
     be = NVLinkBackend.__new__(NVLinkBackend)
     be.topology = _FakeTopology(rank, R)
@@ -212,7 +212,7 @@ class _Calls(list):
 
 
 def _mock_launch(monkeypatch, on_notify=None, fail=False):
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
 
     calls = _Calls()
     builds = calls.builds  # (kernel, grid, variant_key) per launch
@@ -248,7 +248,7 @@ def _dispatch_req(T=8, H=256, E=8, Kk=2, fp8=False, num_sms=4, worst=0):
 
 def _fill_counts(args, values: dict):
     """Write host_counts the way notify.cu would (args[10] = host_counts pointer, CPU tensor)."""
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
 
     n = K.HOST_COUNTS_EXPERT
     words = (ctypes.c_int32 * n).from_address(int(args[10]))
@@ -268,7 +268,7 @@ def test_trace_history_slots():
     """COMMLIB_DEBUG_SMID_SLOTS: each launch gets the next slot of its kind; trace_history reads them
     oldest first, last_trace / last_smids the newest; more launches than slots raise, a reset
     starts over. The kernels are stood in for by writes at the pointer each launch was given."""
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
 
     be = _fake_backend()
     slots, words = 3, K.TRACE_OFFSET_WORDS + 256 * K.TRACE_POINTS * 2
@@ -310,7 +310,7 @@ def test_host_signature_mismatch_message(monkeypatch):
     """The notify launch carries the signature; a peer's differing one raises on this rank with the
     fields and both values, as RankDisagreement (CommlibError and ValueError); the Buffer stays usable."""
     pytest.importorskip("numpy")
-    from commlib.backends.nvlink import RankDisagreement
+    from commlib.backends.nvlink.engine import RankDisagreement
     from commlib.validate import CommlibError
 
     be = _fake_backend()
@@ -331,7 +331,7 @@ def test_host_signature_mismatch_message(monkeypatch):
 
 
 def test_host_config_mismatch_names_num_sms(monkeypatch):
-    from commlib.backends.nvlink import RankDisagreement
+    from commlib.backends.nvlink.engine import RankDisagreement
 
     be = _fake_backend()
     theirs = [256, 2, 0, 2, 1, 8, 5]  # rank 1 runs num_sms 10
@@ -351,7 +351,7 @@ def test_host_launch_arguments_match_kernels(monkeypatch):
     res = be.dispatch(_dispatch_req())
     assert [c[0] for c in calls] == ["notify_kernel", "dispatch_kernel"]
     # DISPATCH_STREAM_MAX_SMS (default 20): this 4-SM dispatch launches the streaming sender's build
-    from commlib import kernels as K
+    from commlib.cuda import loader as K
     name, grid, key = calls.builds[-1]
     assert name == "dispatch_kernel" and grid == 4 and key == K.dispatch_variant_key(4)
     assert dict(key)["DISPATCH_STREAM_SEND"] == 1
@@ -392,7 +392,7 @@ def test_host_copy_engine_path(monkeypatch):
     be._ce = types.SimpleNamespace(base=base, peer_ptrs={0: peer}, num_bytes=4096 + 2 * region,
                                    peer_bases=torch.tensor([peer, base]))
     be.ce_region_bytes = region
-    from commlib.backends.nvlink import StagingPool
+    from commlib.backends.nvlink.engine import StagingPool
     be._ce_packs, be._ce_lands = StagingPool(2 * region, "cpu"), StagingPool(2 * region, "cpu")
     be._ce_packs.take()
     be._ce_event = lambda: "event"
@@ -538,7 +538,7 @@ def test_host_copy_engine_path(monkeypatch):
 def test_host_ce_settings(monkeypatch):
     """The copy-engine settings the nvlink backend starts from: off by default, device or host staging
     with COMMLIB_CE_BYTES, and host staging without bytes (or a bad staging name) refused by name."""
-    from commlib.backends.nvlink import ce_settings
+    from commlib.backends.nvlink.engine import ce_settings
 
     for k in ("COMMLIB_CE_BYTES", "COMMLIB_CE_STAGING"):
         monkeypatch.delenv(k, raising=False)
@@ -563,7 +563,7 @@ def test_host_peer_memory_shares_pages(monkeypatch):
     import socket
     import types
 
-    from commlib.backends import peer_memory as pm
+    from commlib.backends.nvlink import peer_memory as pm
 
     registered, unregistered = [], []
     rt = types.SimpleNamespace(deviceGetAttribute=lambda attr, dev: 1,

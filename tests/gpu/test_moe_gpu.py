@@ -1,4 +1,4 @@
-"""commlib.moe's expert stage on one GPU: routed_experts through torch._grouped_mm (bf16), both its
+"""commlib.training.moe.layer's expert stage on one GPU: routed_experts through torch._grouped_mm (bf16), both its
 paths (one local slot per row: the permutation; several: the slot sum of csrc/moe_rows.cu), against
 the float64 per-row loop of tests/test_pipeline.py, values and gradients; the slot-sum kernel against
 a float32 sum in slot order, bit for bit, and against torch's index_add path. Skipped without a GPU.
@@ -23,7 +23,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not hasattr(torc
 @needs_gpu
 @pytest.mark.parametrize("kind", ["one_slot", "several"])
 def test_routed_experts_grouped_mm_matches_reference(kind):
-    from commlib.moe import _use_grouped_mm, routed_experts
+    from commlib.training.moe.layer import _use_grouped_mm, routed_experts
     from test_pipeline import _counts, _expert_params, _reference, _rel_err, _routing
 
     dev = torch.device("cuda", 0)
@@ -60,12 +60,12 @@ def test_routed_experts_grouped_mm_matches_reference(kind):
 
 @needs_gpu
 def test_sm_carveout_gemms_on_gpu():
-    """commlib.pipeline.sm_carveout on a GPU: inside it torch's carveout is set; a plain matmul
+    """commlib.training.pipeline.schedule.sm_carveout on a GPU: inside it torch's carveout is set; a plain matmul
     (cuBLAS) and a grouped GEMM (CUTLASS), both sized for fewer SMs, give the same values as outside
     it (within bf16 rounding of a different tiling); the setting and the BLAS library are as before
     afterwards. Prints the GEMM times in and out of the carveout (information only)."""
-    from commlib.pipeline import sm_carveout
-    from commlib.timing import loop_ms
+    from commlib.training.pipeline.schedule import sm_carveout
+    from commlib.utils.timing import loop_ms
 
     dev = torch.device("cuda", 0)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -100,7 +100,7 @@ def test_sm_carveout_gemms_on_gpu():
 
 @needs_gpu
 def test_deferred_weight_grads_grouped_mm():
-    """commlib.wgrad through torch._grouped_mm: deferred expert weight gradients equal the immediate
+    """commlib.training.wgrad through torch._grouped_mm: deferred expert weight gradients equal the immediate
     ones bit for bit (x^T g per group as a K-grouped _grouped_mm), accumulate like autograd, and a
     view's gradient is never deferred (tests/test_pipeline.py's check, on the GPU path)."""
     from test_pipeline import deferred_equals_immediate
@@ -139,7 +139,7 @@ def test_slot_sum_kernel_matches_float32_sum():
     """csrc/moe_rows.cu slot_sum_bf16: bit for bit the float32 sum in slot order rounded once, for
     K = 1 .. 32 slots, rows that are not a multiple of the kernel's 4 x 32 vectors, rows without a
     slot (zeros), no rows at all; with <= 2 slots per row also bit for bit torch's index_add path."""
-    from commlib.moe import _row_kernel_ok, _slot_sum_kernel
+    from commlib.training.moe.layer import _row_kernel_ok, _slot_sum_kernel
 
     dev = torch.device("cuda", 0)
     for N, K, H, seed in ((4096, 2, 7168, 0), (1000, 8, 7168, 1), (777, 32, 136, 2), (300, 3, 8, 3),
@@ -166,7 +166,7 @@ def test_routed_experts_row_kernel_against_index_add(monkeypatch):
     gather's backward) against COMMLIB_MOE_ROW_KERNEL=0 (torch's index_add): the kernel runs twice per
     forward + backward, and values and gradients agree (bit for bit where a row has <= 2 slots; the
     routing's 3-slot rows may round differently, torch's atomics add in any order)."""
-    import commlib.moe as moe
+    import commlib.training.moe.layer as moe
     from test_pipeline import _counts, _expert_params, _routing
 
     dev = torch.device("cuda", 0)

@@ -57,14 +57,14 @@ def _run(world_size: int, names: list[str], timeout_s: float) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def test_kernels_module_imports_without_cupy():
-    """commlib.kernels and the nvlink backend import on a CPU-only machine (CuPy loads lazily)."""
-    code = ("import sys; import commlib.kernels, commlib.backends.nvlink; "
+    """commlib.cuda.loader and the nvlink backend import on a CPU-only machine (CuPy loads lazily)."""
+    code = ("import sys; import commlib.cuda.loader, commlib.backends.nvlink.engine; "
             "assert 'cupy' not in sys.modules, 'cupy imported at module import'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_kernel_sources_assemble():
-    from commlib import kernels
+    from commlib.cuda import loader as kernels
 
     for family in ("layout", "notify", "dispatch", "combine", "ce"):
         src = kernels.source(family)
@@ -180,7 +180,7 @@ _TIMEOUT_SCRIPT = textwrap.dedent("""
     import os, sys, time
     sys.path[:0] = [{root!r}, {tests!r}]  # the checkout, installed or not
     import torch
-    from commlib.launch import parallel_launch
+    from commlib.utils.launch import parallel_launch
 
     def worker(ctx):
         from commlib.buffer import Buffer

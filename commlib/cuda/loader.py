@@ -19,9 +19,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import env
+from commlib.config import CONTROL_BYTES
+from commlib.utils import env
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
 
 # Limits and the control-region layout, shared with csrc/common.cuh (passed with -D, one source).
 MAX_RANKS = 8
@@ -103,7 +104,7 @@ _FAMILIES = {
     "dispatch": ("dispatch_kernel",),
     "combine": ("combine_kernel",),
     "low_latency": ("ll_dispatch_kernel", "ll_combine_kernel"),
-    "moe_rows": ("slot_sum_bf16",),   # commlib.moe's expert stage (no peer memory)
+    "moe_rows": ("slot_sum_bf16",),   # commlib.training.moe.layer's expert stage (no peer memory)
     "ce": ("ce_sync_kernel", "ce_pack_kernel", "ce_reduce_kernel"),  # the copy-engine data path
 }
 
@@ -565,7 +566,6 @@ def u64(v: int) -> int:
 def notify_slot_words(num_ranks: int) -> int:
     """int32 words of one notify slot: a fixed stride, so even a rank that rejected its input (and
     may not know num_experts) writes its slot where the peers read it."""
-    from .config import CONTROL_BYTES
 
     free = CONTROL_BYTES - CONTROL_LAYOUT["COMMLIB_OFF_NOTIFY_DATA"]
     return free // (2 * num_ranks * 4) // 4 * 4

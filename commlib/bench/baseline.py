@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from .layout import token_in_rank
+from commlib.layout import token_in_rank
 
 # x, or (x_fp8, scales) as DeepEP's dispatch accepts
 Rows = Union[torch.Tensor, tuple]

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .launch import SAFE_ENV
+from commlib.utils.launch import SAFE_ENV, free_port
 
 
 def _default_backend() -> str:
@@ -61,7 +61,6 @@ def init_distributed(backend: Optional[str] = None, comm: Any = None,
     env_info = _mpi_rank_size()
     local_rank = env_info[2] if env_info else rank
     if rank == 0:
-        from .launch import free_port
         # One host: loopback. Several: this host's address, reachable by the other nodes.
         local_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", os.environ.get("MPI_LOCALNRANKS", size)))
         default = "127.0.0.1" if local_size >= size else socket.gethostbyname(socket.gethostname())

@@ -3,7 +3,7 @@
 Legend: T tokens here (T <= M = num_max_dispatch_tokens_per_rank), H hidden, K top-k, E experts,
 R ranks, L = E / R local experts.
 
-Same methods and results as commlib.low_latency.LowLatencyReference (the executable
+Same methods and results as commlib.backends.low_latency.reference.LowLatencyReference (the executable
 specification), with static shapes and no host sync, so dispatch + combine can be captured in a
 CUDA graph and replayed. Differences, all documented in the issue's terms:
   - rows of ``recv_x`` past ``recv_count`` are left as they are (DeepEP's behaviour; zeroing
@@ -19,11 +19,11 @@ CUDA graph and replayed. Differences, all documented in the issue's terms:
     in call order. Both are checked on the host; on the device a third send waits for the first
     receive and times out with a '[commlib] rank ... timeout' line instead of corrupting it.
 
-Memory: one IPC buffer per rank (commlib.backends.peer_memory) of CONTROL_BYTES +
+Memory: one IPC buffer per rank (commlib.backends.nvlink.peer_memory) of CONTROL_BYTES +
 ``num_rdma_bytes`` + SLACK bytes, separate from the NVLink engine's buffer:
   [0, CONTROL_BYTES)   count words, done words, arrival words (see csrc/low_latency.cu)
   then  dispatch half 0, dispatch half 1 (E * M slots each), combine half 0, combine half 1
-        (flags, top-k records and R * M partial slots: commlib.low_latency.combine_half_bytes);
+        (flags, top-k records and R * M partial slots: commlib.backends.low_latency.reference.combine_half_bytes);
         the halves' sizes come from the size hint's, so a call of either dtype fits the same halves.
 Two calls in flight with different (M, H, E) are not supported (their halves would overlap).
 """
@@ -35,13 +35,13 @@ from typing import Optional
 
 import torch
 
-from .. import kernels as K
-from ..fp8 import BLOCK
-from ..config import MAX_TOPK
-from ..low_latency import (LowLatencyEngine, LowLatencyHandle, check_combine_args, check_dispatch_args,
+from commlib.cuda import loader as K
+from commlib.utils.math import align_up, aligned_16
+from commlib.fp8 import BLOCK
+from commlib.config import MAX_TOPK
+from commlib.backends.low_latency.reference import (LowLatencyEngine, LowLatencyHandle, check_combine_args, check_dispatch_args,
                            combine_half_bytes)
-from .nvlink import _aligned
-from .peer_memory import PeerMemory
+from commlib.backends.nvlink.peer_memory import PeerMemory
 
 THREADS = 512               # COMMLIB_LL_THREADS in csrc/low_latency.cu
 CTAS_PER_SM = 2             # its __launch_bounds__: two CTAs fit an SM (64 registers a thread)
@@ -63,27 +63,23 @@ assert OFF_COMBINE_DONE + 8 * K.MAX_RANKS <= OFF_ARRIVAL and CONTROL_BYTES % 409
 _call_ids = itertools.count(1)
 
 
-def _align(n: int, a: int = 16) -> int:
-    return (n + a - 1) // a * a
-
-
 def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool, num_ranks: int = 0) -> dict:
     """Byte offsets of one call's regions and slot layout (the same on every rank)."""
     row_d = 2 * H + H // BLOCK * 4 + 16          # rdma_size_hint's dispatch row
-    half_d = _align(E * M * row_d)
+    half_d = align_up(E * M * row_d)
     R = num_ranks or E  # ranks (at most E; the worst case when unknown)
     # combine half (csrc/low_latency.cu, combine_slot_offset): flags [R][M], records [R][M][2K],
     # then slots [R][M] of 2H bytes; sized for the largest top-k
-    half_c = _align(combine_half_bytes(M, H, R, E))
-    assert _align(R * M * 8 * (2 * MAX_TOPK + 1)) + R * M * 2 * H <= half_c
+    half_c = align_up(combine_half_bytes(M, H, R, E))
+    assert align_up(R * M * 8 * (2 * MAX_TOPK + 1)) + R * M * 2 * H <= half_c
     data_bytes = H if use_fp8 else 2 * H
     scale_bytes = (H // BLOCK if use_ue8m0 else H // BLOCK * 4) if use_fp8 else 0
-    off_scales = _align(data_bytes)
-    slot_bytes = off_scales + _align(scale_bytes)
+    off_scales = align_up(data_bytes)
+    slot_bytes = off_scales + align_up(scale_bytes)
     assert slot_bytes <= row_d, (slot_bytes, row_d)
     # dispatch half (csrc/low_latency.cu, dispatch_meta_offset): token rows [R][M], then meta [L][R][M] u64
-    need_d = _align(R * M * slot_bytes) + E * M * 8
-    half_d = max(half_d, _align(need_d))
+    need_d = align_up(R * M * slot_bytes) + E * M * 8
+    half_d = max(half_d, align_up(need_d))
     return {"off_dispatch": CONTROL_BYTES, "half_dispatch": half_d,
             "off_combine": CONTROL_BYTES + 2 * half_d, "half_combine": half_c,
             "end": CONTROL_BYTES + 2 * half_d + 2 * half_c,
@@ -93,17 +89,17 @@ def geometry(M: int, H: int, E: int, use_fp8: bool, use_ue8m0: bool, num_ranks: 
 class NVLinkLowLatency(LowLatencyEngine):
     """Low-latency dispatch / combine kernels over CUDA IPC (see module docstring)."""
 
-    def __init__(self, buffer, backend) -> None:
-        super().__init__(buffer, backend)
-        self.rank, self.num_ranks = buffer.rank, buffer.num_ranks
-        self.device = buffer.device
-        self.timeout_ns = int(float(buffer.timeout_s) * 1e9)
+    def __init__(self, ctx, backend) -> None:
+        super().__init__(ctx, backend)
+        self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
+        self.device = ctx.device
+        self.timeout_ns = int(float(ctx.timeout_s) * 1e9)
         self.pad_zeros = False
         # CTAs per launch: up to two per SM (the fused send + receive kernel needs every CTA resident;
         # with 144 local experts at the decode shape, 132 CTAs left 12 of them doing two experts)
         self.num_sms = CTAS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.capacity = CONTROL_BYTES + int(buffer.num_rdma_bytes) + SLACK
-        self.mem: Optional[PeerMemory] = PeerMemory(self.capacity, buffer.group, self.rank, self.num_ranks,
+        self.capacity = CONTROL_BYTES + int(ctx.num_rdma_bytes) + SLACK
+        self.mem: Optional[PeerMemory] = PeerMemory(self.capacity, ctx.group, self.rank, self.num_ranks,
                                                     self.device)
         # [0, 4): completed (dispatch send, dispatch recv, combine send, combine recv) phases, << 32;
         # [TRACE_BASE, CUM_BASE): COMMLIB_LL_TRACE timestamps; [CUM_BASE, ...): arrival totals per
@@ -111,7 +107,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         self.state = torch.zeros(CUM_BASE + 4 * MAX_EXPERTS, dtype=torch.int64, device=self.device)
         self._pending = {"dispatch": collections.deque(), "combine": collections.deque()}
         K.compile_all()
-        self.mem.all_opened(buffer.group, self.rank, self.num_ranks)
+        self.mem.all_opened(ctx.group, self.rank, self.num_ranks)
 
     def destroy(self) -> None:
         if self.mem is None:
@@ -177,7 +173,7 @@ class NVLinkLowLatency(LowLatencyEngine):
                                  "each, in call order")
             self._alive()
             pending.popleft()
-            self.buffer._run(receive, [], None, False, False)
+            self.ctx.run(receive, [], None, False, False)
             if handle is not None:
                 handle.extra["received"] = True
         return hook
@@ -186,7 +182,7 @@ class NVLinkLowLatency(LowLatencyEngine):
     def dispatch(self, x, topk_idx, M: int, num_experts: int, use_fp8: bool, round_scale: bool,
                  use_ue8m0: bool, return_recv_hook: bool):
         self._alive()
-        b, R, me, dev = self.buffer, self.num_ranks, self.rank, self.device
+        b, R, me, dev = self.ctx, self.num_ranks, self.rank, self.device
         check_dispatch_args(b, x, topk_idx, M, num_experts, use_fp8, round_scale, use_ue8m0, check_ids=False)
         T, H = x.shape
         Kk = topk_idx.shape[1]
@@ -196,7 +192,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         mode = FP8_MODES["bf16" if not use_fp8 else "fp8_ue8m0" if use_ue8m0 else "fp8_pow2" if round_scale
                          else "fp8"]
         call = self._issue("dispatch", return_recv_hook)
-        x = _aligned(x)
+        x = aligned_16(x)
         idx = topk_idx.contiguous()
         if use_fp8:
             recv_data = torch.empty((L, RM, H), dtype=torch.float8_e4m3fn, device=dev)
@@ -236,7 +232,7 @@ class NVLinkLowLatency(LowLatencyEngine):
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, zero_copy: bool,
                 return_recv_hook: bool, out: Optional[torch.Tensor]):
         self._alive()
-        b, R, me, dev = self.buffer, self.num_ranks, self.rank, self.device
+        b, R, me, dev = self.ctx, self.num_ranks, self.rank, self.device
         check_combine_args(b, self._combine_buffers, x, topk_idx, topk_weights, handle, zero_copy, out)
         if handle.extra.get("engine") != "nvlink":
             raise ValueError(f"[commlib rank {me}] handle was not made by the nvlink low-latency engine")
@@ -246,7 +242,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         if H % 8:
             raise ValueError(f"[commlib rank {me}] nvlink low-latency combine: hidden ({H}) must be a multiple of 8")
         call = self._issue("combine", return_recv_hook)
-        x = _aligned(x)
+        x = aligned_16(x)
         idx = topk_idx.contiguous()
         w = topk_weights.contiguous()
         direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0

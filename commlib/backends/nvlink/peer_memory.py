@@ -20,7 +20,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .. import kernels as K
+from commlib.cuda import loader as K
 
 
 def _exchange(mem, token, group, rank: int, num_ranks: int, open_peer, device_ctx) -> None:

@@ -28,9 +28,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .config import MAX_TOPK
-from .fp8 import BLOCK, FP8_MAX
-from .validate import check_tensor
+from commlib.config import MAX_TOPK
+from commlib.fp8 import BLOCK, FP8_MAX
+from commlib.validate import check_tensor
 
 _MIN_AMAX = 1e-4
 
@@ -171,15 +171,15 @@ def rank_grouped_sum(vals: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
 class LowLatencyEngine:
     """What every low-latency engine shares: the Buffer, and the two alternating combine inputs."""
 
-    def __init__(self, buffer, backend) -> None:
-        self.buffer = buffer
+    def __init__(self, ctx, backend) -> None:
+        self.ctx = ctx
         self.backend = backend
         self._combine_buffers: list = [None, None]
         self._next = 0
 
     def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The [L, R * M, H] bf16 buffer a zero-copy combine reads (two alternate, as in DeepEP)."""
-        b = self.buffer
+        b = self.ctx
         L = handle.num_experts // b.num_ranks
         shape = (L, b.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         i = self._next
@@ -202,7 +202,7 @@ class LowLatencyReference(LowLatencyEngine):
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx, M: int, num_experts: int, use_fp8: bool, round_scale: bool,
                  use_ue8m0: bool, return_recv_hook: bool):
-        b, rank, R = self.buffer, self.buffer.rank, self.buffer.num_ranks
+        b, rank, R = self.ctx, self.ctx.rank, self.ctx.num_ranks
         check_dispatch_args(b, x, topk_idx, M, num_experts, use_fp8, round_scale, use_ue8m0)
         T, H = x.shape
         L = num_experts // R
@@ -230,7 +230,7 @@ class LowLatencyReference(LowLatencyEngine):
         send_counts = torch.bincount(dest, minlength=R).tolist()
         self.backend.calls += 1
         counts = self.backend._agree(self.backend.signature(4, H, num_experts, use_fp8, topk_idx.shape[1],
-                                                            False, b.get_dispatch_config(R)),
+                                                            False, b.default_config("dispatch", R)),
                                      send_counts + [0])
         recv_counts = counts[:, rank].tolist()
         self.backend._phase = "low_latency_dispatch (data exchange)"
@@ -281,7 +281,7 @@ class LowLatencyReference(LowLatencyEngine):
     # ------------------------------------------------------------------ combine
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, zero_copy: bool,
                 return_recv_hook: bool, out: Optional[torch.Tensor]):
-        b, R = self.buffer, self.buffer.num_ranks
+        b, R = self.ctx, self.ctx.num_ranks
         check_combine_args(b, self._combine_buffers, x, topk_idx, topk_weights, handle, zero_copy, out)
         H = handle.hidden
         T, K = handle.extra["T"], handle.extra["K"]
@@ -292,7 +292,7 @@ class LowLatencyReference(LowLatencyEngine):
         arrival[ex["pos"].to(dev)] = rows
         self.backend.calls += 1
         self.backend._agree(self.backend.signature(5, H, handle.num_experts, False, K, True,
-                                                   b.get_combine_config(R)), [0] * (R + 1))
+                                                   b.default_config("combine", R)), [0] * (R + 1))
         self.backend._phase = "low_latency_combine (data exchange)"
         back = self.backend._a2a_rows(arrival.contiguous().view(torch.uint8).view(-1, 2 * H),
                                       ex["recv_counts"], ex["send_counts"]).view(torch.bfloat16)

@@ -18,7 +18,7 @@ Ops (rows):  dispatch_bf16         get_dispatch_layout + dispatch (the full call
                                    how DeepEP's published figures are measured)
              dispatch_fp8          full call, E4M3 rows + float scales per 128 channels
              combine               combine with topk_weights
-             a2a_*                 baseline (``commlib.baseline``): count exchange + permute +
+             a2a_*                 baseline (``commlib.bench.baseline``): count exchange + permute +
                                    all_to_all_single (+ reverse + unpermute for combine)
 Bytes: dispatch = rows received x row bytes (local rows included), combine = rows sent back.
 
@@ -42,11 +42,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import baseline
-from .fp8 import per_token_cast_to_fp8
-from .layout import local_expert_ids, tokens_per_expert_list
-from .routing import group_limited_topk
-from .timing import bench_cuda
+from commlib.bench import baseline
+from commlib.fp8 import per_token_cast_to_fp8
+from commlib.layout import local_expert_ids, tokens_per_expert_list
+from commlib.routing import group_limited_topk
+from commlib.utils.timing import bench_cuda
+from commlib.buffer import Buffer
+from commlib.utils import env
+from commlib.utils.launch import parallel_launch
+from commlib.version import __version__
 
 # DeepEP's intranode figures on 2 x H200, 4096 tokens/rank, V3 shapes (logical GB/s, cached mode).
 DEEPEP_2XH200_GBPS = {"dispatch_bf16": 339.0, "dispatch_fp8": 246.0, "combine": 287.0}
@@ -154,7 +158,6 @@ def _list_wrong(got, want: list) -> int:
 # ------------------------------------------------------------------------------ one size, all ops
 def buffer_bytes(hidden: int, num_ranks: int, ranks_per_node: int, num_nodes: int) -> tuple[int, int]:
     """(num_nvl_bytes, num_rdma_bytes) for BF16 rows of ``hidden`` with the default configs."""
-    from .buffer import Buffer
 
     configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
     nvl = max(c.get_nvl_buffer_size_hint(hidden * 2, ranks_per_node) for c in configs)
@@ -361,7 +364,6 @@ def repo_root() -> Optional[Path]:
 def git_commit() -> dict:
     """{"commit", "dirty"} of the checkout; COMMLIB_GIT_COMMIT where there is no .git (the device
     machine receives the working tree without it). Every benchmark records this."""
-    from . import env
     root = repo_root()
     info = {"commit": env.git_commit() or "unknown", "dirty": None}
     if root is None or not (root / ".git").exists():
@@ -388,7 +390,6 @@ def device_info() -> dict:
 
 def result_document(tool: str, command: str, rows: list[dict], **extra) -> dict:
     """The JSON every result file holds: device, git commit, command line, figures, ratios."""
-    from . import __version__
 
     ratios = [{"op": r["op"], "tokens": r["tokens"], "baseline_op": r["baseline_op"],
                "speedup": round(r["speedup"], 4)} for r in rows if "speedup" in r]
@@ -422,7 +423,6 @@ def write_json(doc: dict, path: Optional[str], stem: str) -> Path:
 
 # ------------------------------------------------------------------------------ the main job
 def _worker(ctx, w: Workload, ops: list[str], iters: int, warmup: int, backend: Optional[str]) -> dict:
-    from .buffer import Buffer
 
     R = ctx.world_size
     nvl, rdma = buffer_bytes(w.hidden, R, ctx.ranks_per_node, R // ctx.ranks_per_node)
@@ -467,7 +467,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from .launch import parallel_launch
 
     args = parse_args(argv)
     w = Workload(args.tokens, args.hidden, args.experts, args.topk, args.groups, args.topk_groups, args.seed)

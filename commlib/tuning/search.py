@@ -1,7 +1,7 @@
-"""The search half of commlib.tune: the space of valid Configs for a call shape and the search
+"""The search half of commlib.tuning.autotune: the space of valid Configs for a call shape and the search
 over it (smart: coarse grid, diagonal hill-climb, successive halving; or exhaustive), independent of
 GPUs: ``search(space, time_fn)`` only needs ``time_fn(config) -> [sample times]``.
-commlib.tune re-exports everything here; import from there.
+commlib.tuning.autotune re-exports everything here; import from there.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from .config import Config
+from commlib.config import Config
 
 KINDS = ("dispatch", "combine")
 
@@ -30,7 +30,7 @@ DEFAULT_RDMA_RECV = (256, 512, 1024, 2048, 4096)
 TimeFn = Callable[[Config], Sequence[float]]
 
 
-def _tup(config: Config) -> tuple:
+def config_fields(config: Config) -> tuple:
     """Config -> its fields in order (dataclasses.astuple deep-copies: too slow for 10^4 candidates)."""
     return tuple(getattr(config, name) for name in FIELDS)
 
@@ -65,12 +65,12 @@ def token_bucket(num_tokens: int) -> int:
     return 1 << max(0, int(num_tokens) - 1).bit_length()
 
 
-def _check_kind(kind: str) -> None:
+def check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be 'dispatch' or 'combine', got {kind!r}")
 
 
-def _fits(config: Config, num_tokens: int, num_ranks: int, ranks_per_node: int, hidden_bytes: int,
+def fits(config: Config, num_tokens: int, num_ranks: int, ranks_per_node: int, hidden_bytes: int,
           num_nvl_bytes: Optional[int], num_rdma_bytes: Optional[int]) -> bool:
     """Can a call of ``num_tokens`` rows of ``hidden_bytes`` run with ``config`` on this Buffer?"""
     if config.max_tokens_per_call() < num_tokens:
@@ -107,7 +107,7 @@ class SearchSpace:
     num_rdma_bytes: Optional[int] = None
 
     def is_valid(self, config: Config) -> bool:
-        return _fits(config, self.num_tokens, self.num_ranks, self.ranks_per_node, max(self.hidden_bytes, 1),
+        return fits(config, self.num_tokens, self.num_ranks, self.ranks_per_node, max(self.hidden_bytes, 1),
                      self.num_nvl_bytes if self.hidden_bytes else None,
                      self.num_rdma_bytes if self.hidden_bytes else None)
 
@@ -132,7 +132,7 @@ def default_space(kind: str, num_ranks: int, ranks_per_node: int, hidden: int, d
 
     On one node the network fields do not matter and stay at the default (64, 1024).
     """
-    _check_kind(kind)
+    check_kind(kind)
     if num_ranks <= 0 or ranks_per_node <= 0 or num_ranks % ranks_per_node:
         raise ValueError(f"ranks_per_node ({ranks_per_node}) must divide num_ranks ({num_ranks})")
     sms = tuple(s for s in num_sms if s % 2 == 0 and s > 0 and (max_num_sms is None or s <= max_num_sms))
@@ -432,11 +432,11 @@ def search(space: SearchSpace | Sequence[Config], time_fn: TimeFn, *, default: O
     if batches < 1:
         raise ValueError(f"batches must be >= 1, got {batches}")
     configs = space.configs() if isinstance(space, SearchSpace) else list(space)
-    configs = list(dict.fromkeys(_tup(c) for c in configs))  # as tuples: Config is unhashable
+    configs = list(dict.fromkeys(config_fields(c) for c in configs))  # as tuples: Config is unhashable
     if not configs:
         raise ValueError("tuning: the search space is empty (no candidate satisfies the token count / buffer size)")
     runnable_default = default is not None and (
-        _tup(default) in configs or (isinstance(space, SearchSpace) and space.is_valid(default)))
+        config_fields(default) in configs or (isinstance(space, SearchSpace) and space.is_valid(default)))
     if strategy == "exhaustive":
         total = len(configs) * batches
     else:  # estimate: the same search on a flat landscape (no timing, pure bookkeeping)
@@ -450,7 +450,7 @@ def search(space: SearchSpace | Sequence[Config], time_fn: TimeFn, *, default: O
     best_trial = s.trials[best]
     best_time, default_time, margin, replaced = best_trial.median, None, 0.0, True
     finals = []
-    if runnable_default and best != _tup(default):
+    if runnable_default and best != config_fields(default):
         # The decision uses fresh samples of the two, batch by batch in turn: a drift over the search
         # (clocks, temperature, other tenants) then hits both alike.
         finals = [Trial(best_trial.config), Trial(default)]
@@ -480,7 +480,7 @@ def search(space: SearchSpace | Sequence[Config], time_fn: TimeFn, *, default: O
 
 def _start(s: _Searcher, default: Optional[Config]) -> tuple:
     if default is not None:
-        return s.project(_tup(default), {})
+        return s.project(config_fields(default), {})
     return s.project(tuple(axis[len(axis) // 2] for axis in s.axes), {})
 
 

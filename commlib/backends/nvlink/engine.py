@@ -28,15 +28,16 @@ from typing import Optional
 
 import torch
 
-from .. import env
-from .. import kernels as K
-from ..config import CONTROL_BYTES
-from ..handle import DispatchHandle
-from ..layout import Layout, dispatch_layout, rows_before
-from ..layout import send_head as layout_send_head
-from ..validate import CommlibError
-from .base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult, PendingCombine
-from .peer_memory import HostPeerMemory, PeerMemory
+from commlib.utils import env
+from commlib.utils.math import align_up, aligned_16
+from commlib.cuda import loader as K
+from commlib.config import CONTROL_BYTES
+from commlib.handle import DispatchHandle
+from commlib.layout import Layout, dispatch_layout, rows_before
+from commlib.layout import send_head as layout_send_head
+from commlib.validate import CommlibError
+from commlib.backends.base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult, PendingCombine
+from commlib.backends.nvlink.peer_memory import HostPeerMemory, PeerMemory
 
 CE_FLAG_BYTES = 4096      # csrc/ce.cu: ready / free words before the copy-engine staging regions
 CE_SYNC_BEGIN, CE_SYNC_PUSHED, CE_SYNC_DONE, CE_SYNC_PUSHED_NEXT = 0, 1, 2, 3  # csrc/ce.cu ce_sync_kernel modes
@@ -131,26 +132,14 @@ def _sig_value(field: str, v: int) -> str:
     return str(v)
 
 
-def _align(n: int, a: int = 16) -> int:
-    return (n + a - 1) // a * a
-
-
-def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Contiguous and 16-byte aligned (the kernels use 16-byte vectors; a sliced view may not be)."""
-    if t is None:
-        return None
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 class NVLinkBackend(Backend):
     """Intranode GPU backend over CUDA IPC peer pointers (see module docstring)."""
 
     name = "nvlink"
     _ce_host = False  # COMMLIB_CE_STAGING=host: the copy-engine staging is pinned host memory
 
-    def __init__(self, buffer) -> None:
-        super().__init__(buffer)
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
         topo = self.topology
         self.rank, self.num_ranks = topo.rank, topo.num_ranks
         if topo.num_nodes != 1:
@@ -159,15 +148,15 @@ class NVLinkBackend(Backend):
         if self.num_ranks > K.MAX_RANKS:
             raise ValueError(f"[commlib rank {self.rank}] the nvlink backend supports at most {K.MAX_RANKS} "
                              f"ranks per node, got {self.num_ranks}")
-        self.device = buffer.device
+        self.device = ctx.device
         if self.device.type != "cuda":
             raise ValueError(f"[commlib rank {self.rank}] the nvlink backend needs a CUDA device")
-        self.group = buffer.group
-        self.timeout_ns = int(float(buffer.timeout_s) * 1e9)
+        self.group = ctx.group
+        self.timeout_ns = int(float(ctx.timeout_s) * 1e9)
         self.failed: Optional[str] = None
         self._base: Optional[int] = None
         self._peer_ptrs: dict[int, int] = {}
-        self.num_bytes = max(int(buffer.num_nvl_bytes), CONTROL_BYTES)
+        self.num_bytes = max(int(ctx.num_nvl_bytes), CONTROL_BYTES)
         self.region_bytes = ((self.num_bytes - CONTROL_BYTES) // 2) // SLOT_ALIGN * SLOT_ALIGN
         self._mem = PeerMemory(self.num_bytes, self.group, self.rank, self.num_ranks, self.device)
         self._base, self._peer_ptrs = self._mem.base, self._mem.peer_ptrs
@@ -354,7 +343,7 @@ class NVLinkBackend(Backend):
         """Tokens (rows) per published round: the config's send chunk, rounded to whole passes of
         the sender's copy warps (every warp but the publisher)."""
         warps = K.threads(family) // 32 - 1
-        return _align(max(1, int(send_chunk)), warps)
+        return align_up(max(1, int(send_chunk)), warps)
 
     # ------------------------------------------------------------------ dispatch
     def _device_failure(self, what: str, e: BaseException) -> CommlibError:
@@ -377,7 +366,7 @@ class NVLinkBackend(Backend):
 
     def _dispatch(self, req: DispatchRequest) -> DispatchResult:
         R, me, dev = self.num_ranks, self.rank, self.device
-        x = _aligned(req.x)
+        x = aligned_16(req.x)
         T, H = x.shape
         hidden_bytes = H * x.element_size()
         if hidden_bytes % 16:
@@ -405,9 +394,9 @@ class NVLinkBackend(Backend):
         # the copy engines move the rows (csrc/ce.cu) where the host knows every count
         use_ce = self._ce is not None and not worst and (not cached or "ce_pos" in req.handle.extra)
         prepacked = self._ce_consume(req, use_ce)
-        off_scales = _align(hidden_bytes)
-        off_meta = off_scales + _align(S * 4)
-        slot_bytes = _align(off_meta + 4 * (1 + 2 * Kk), SLOT_ALIGN)
+        off_scales = align_up(hidden_bytes)
+        off_meta = off_scales + align_up(S * 4)
+        slot_bytes = align_up(off_meta + 4 * (1 + 2 * Kk), SLOT_ALIGN)
         cap = self._check_channels(C, T, slot_bytes, "dispatch")
 
         host = None
@@ -584,7 +573,7 @@ class NVLinkBackend(Backend):
         R, me, dev = self.num_ranks, self.rank, self.device
         if h.backend != self.name:
             raise CommlibError(f"[commlib rank {me}] handle was made by backend {h.backend!r}, not {self.name!r}")
-        x = _aligned(req.x)
+        x = aligned_16(req.x)
         N, H = x.shape
         hidden_bytes = H * x.element_size()
         if x.dtype != torch.bfloat16 or hidden_bytes % 16:
@@ -593,9 +582,9 @@ class NVLinkBackend(Backend):
         T, C = h.num_tokens, h.num_channels
         w = req.topk_weights.contiguous() if req.topk_weights is not None else None
         Kk = w.shape[1] if w is not None else 0
-        biases = [_aligned(b) for b in req.bias] + [None, None]
-        off_w = _align(hidden_bytes)
-        slot_bytes = _align(off_w + 4 * Kk, SLOT_ALIGN)
+        biases = [aligned_16(b) for b in req.bias] + [None, None]
+        off_w = align_up(hidden_bytes)
+        slot_bytes = align_up(off_w + 4 * Kk, SLOT_ALIGN)
         cap = self._check_channels(C, T, slot_bytes, "combine")
         out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
         out_w = torch.empty((T, Kk), dtype=torch.float32, device=dev) if w is not None else None
@@ -693,7 +682,7 @@ class NVLinkBackend(Backend):
         cached = handle is not None
         if cached and "ce_pos" not in handle.extra:
             return None
-        given, x, T, R, me = x, _aligned(x), x.shape[0], self.num_ranks, self.rank
+        given, x, T, R, me = x, aligned_16(x), x.shape[0], self.num_ranks, self.rank
         Kk = topk.shape[1] if topk is not None else 0
         sizes = _ce_sizes(x.shape[1] * x.element_size(), scales.shape[1] if scales is not None else 0, Kk, cached,
                           topk is not None, weights is not None)
@@ -745,7 +734,7 @@ class NVLinkBackend(Backend):
         offsets, at = [], 0
         for size in sizes:
             offsets.append(at)
-            at += _align(cap * size)
+            at += align_up(cap * size)
         return offsets, cap
 
     def _ce_dispatch(self, x, scales, topk, weights, tir, pos, sent: list, got: list, num_local: int,

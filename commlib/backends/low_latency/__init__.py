@@ -1,0 +1,1 @@
+"""Low-latency (decode) dispatch / combine: ``reference`` (collectives) and ``nvlink`` (kernels)."""

@@ -1,0 +1,1 @@
+"""The NVLink engine: dispatch / combine kernels over CUDA-IPC peer memory on one node."""

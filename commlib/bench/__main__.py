@@ -1,0 +1,5 @@
+import sys
+
+from commlib.bench.main import main
+
+sys.exit(main())

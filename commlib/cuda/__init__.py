@@ -1,0 +1,1 @@
+"""CUDA kernels: ``csrc/`` (shipped as package data) and ``loader`` (NVRTC through CuPy, launch)."""

@@ -1,0 +1,2 @@
+"""Training on top of the Buffer: differentiable ``autograd`` ops, the ``moe`` layer and model, the
+dual ``pipeline`` and its weight-gradient deferral (``wgrad``)."""

@@ -1,0 +1,5 @@
+import sys
+
+from commlib.tuning.autotune import main
+
+sys.exit(main())

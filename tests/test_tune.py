@@ -3,7 +3,6 @@
 the noise rule, autotune / get_config, and one spawned 2-rank gloo world for rank agreement and the
 CLI worker on the real Buffer."""
 import dataclasses
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -22,14 +21,7 @@ from worlds import run_world
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_tune", REPO / "benchmarks" / "bench_tune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+from benchmarks import bench_tune as bench
 
 
 def key(**overrides):
@@ -407,8 +399,6 @@ def test_autotune_respects_the_buffer_size(tmp_path):
 
 def test_cli_main_prints_table_and_json(tmp_path, monkeypatch, capsys):
     """main() without spawning: parallel_launch is replaced by canned rank-0 results."""
-    import commlib.utils.launch
-
     def fake_launch(world, worker, args, **kwargs):
         assert worker is tune._cli_worker and world == 2 and kwargs["ranks_per_node"] == 2
         out = []
@@ -418,7 +408,7 @@ def test_cli_main_prints_table_and_json(tmp_path, monkeypatch, capsys):
             out.append({"kind": kind, "num_tokens": T, "dtype": "bf16", **res.to_json()})
         return out
 
-    monkeypatch.setattr(commlib.utils.launch, "parallel_launch", fake_launch)
+    monkeypatch.setattr(tune, "parallel_launch", fake_launch)
     out_json = tmp_path / "r.json"
     assert tune.main(["--cpu", "--world", "2", "--tokens", "1024", "--sms", "8:24:4", "--no-store",
                       "--json", str(out_json)]) == 0

@@ -1,0 +1,1 @@
+"""Probes and models: optional, may import commlib and benchmarks; nothing imports them."""

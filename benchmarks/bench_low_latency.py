@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default="", metavar="KEY=V,...",
                    help="kernel build variant (commlib.cuda.loader.DEFAULT_VARIANT keys, e.g. LL_PARTS=1) for A/B runs")
     p.add_argument("--trace", action="store_true",
-                   help="build with COMMLIB_LL_TRACE and print per-CTA time points of one graph replay")
+                   help="build with the LL_TRACE kernel variant and print per-CTA time points of one graph replay")
     a = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < a.ranks:
         print(f"[bench_low_latency] needs {a.ranks} GPUs; skipped")

@@ -120,8 +120,8 @@ stage profile 90 $PY benchmarks/profile_host.py --fp8 --calls 300
 stage profile 90 env COMMLIB_FAST_LAUNCH=0 $PY benchmarks/profile_host.py --fp8 --calls 300
 stage bench 200 $PY benchmarks/bench_intranode.py --json "$OUTDIR" ${BENCH_FLAGS:---plot --plain --sms 8,12,16,24,32 --chunks 64,128} ${BENCH_ARGS:-}
 # the same world under other kernel builds (space-separated KEY=V,KEY=V lists), to qualify them; by
-# default the kept non-default paths: plain CTAs, no work sharing, and the cp.async rings with the trace
-for v in ${GPU_CHECK_TEST_VARIANTS-COMM_CLUSTER=1 SHARE_WORK=0 DISPATCH_ASYNC_DEPTH=8,COMBINE_ASYNC_DEPTH=12,COMM_TRACE=1}; do
+# default the kept non-default paths: plain CTAs, no work sharing, and the trace
+for v in ${GPU_CHECK_TEST_VARIANTS-COMM_CLUSTER=1 SHARE_WORK=0 COMM_TRACE=1}; do
   stage tests2 120 env COMMLIB_TEST_KERNEL_VARIANT="$v" $PY -m pytest tests/gpu/test_nvlink.py -q -k "two_ranks" -p no:cacheprovider
   SUMMARY[-1]="${SUMMARY[-1]} [variant $v]"
 done

@@ -24,10 +24,10 @@ def compile_family(family: str, plain: bool) -> tuple[int, str]:
 
 
 def main() -> int:
-    from commlib.cuda.loader import _FAMILIES
+    from commlib.cuda.loader import FAMILIES
 
     for plain in (False, True):
-        for family in _FAMILIES:
+        for family in FAMILIES:
             t0 = time.perf_counter()
             size, log = compile_family(family, plain)
             print(f"[nvrtc] {family:9s} plain={int(plain)} cubin {size} bytes in {time.perf_counter() - t0:.2f} s")

@@ -171,7 +171,6 @@ class NVLinkBackend(Backend):
         # per kind: launches since the reset, and the grid of the launch each slot holds
         self._smid_count = {kind: 0 for kind in SMID_KINDS}
         self._smid_grids = {kind: [0] * self._smid_slots for kind in SMID_KINDS}
-        self._probe_rows = None  # DISPATCH_PROBE_NO_REMOTE_COPY's shared recv_x (_probe_recv_x)
         self._ce: Optional[PeerMemory] = None  # the copy-engine path's staging (COMMLIB_CE_BYTES, csrc/ce.cu)
         ce_bytes, ce_host = ce_settings(self.rank)
         if ce_bytes:
@@ -312,15 +311,6 @@ class NVLinkBackend(Backend):
                  shared_mem=(R + num_experts) * 4)
         return Layout(ntpr, None, ntpe, tir)
 
-    def _probe_recv_x(self, N: int, H: int, dtype) -> torch.Tensor:
-        """DISPATCH_PROBE_NO_REMOTE_COPY (a timing probe, wrong results): the kernel never writes remote
-        rows, so every call gets rows of one tensor zeroed once and shared by all calls. Finite values
-        keep a model's routing sane, and no per-call fill kernel waits for SMs beside compute."""
-        buf = self._probe_rows
-        if buf is None or buf.dtype != dtype or buf.shape[1] != H or buf.shape[0] < N:
-            buf = self._probe_rows = torch.zeros((max(N, 1), H), dtype=dtype, device=self.device)
-        return buf[:N]
-
     # ------------------------------------------------------------------ geometry
     def _capacity(self, slot_bytes: int, num_channels: int) -> int:
         return self.region_bytes // (self.num_ranks * num_channels * slot_bytes)
@@ -438,10 +428,7 @@ class NVLinkBackend(Backend):
             else:
                 N = int(self._host_read(rpm[R - 1, me], "cached dispatch row count"))
 
-        if K.variant_value("DISPATCH_PROBE_NO_REMOTE_COPY"):
-            recv_x = self._probe_recv_x(N, H, x.dtype)
-        else:
-            recv_x = torch.empty((N, H), dtype=x.dtype, device=dev)
+        recv_x = torch.empty((N, H), dtype=x.dtype, device=dev)
         recv_scales = torch.empty((N, S), dtype=torch.float32, device=dev) if scales is not None else None
         recv_src_idx = send_head = recv_topk_idx = recv_topk_w = None
         if not cached:
@@ -479,7 +466,6 @@ class NVLinkBackend(Backend):
                       # with num_worst_tokens the host never sees the counts: the kernel checks the error word
                       K.u64(counts.data_ptr() + 4 * K.HOST_COUNTS["bad_rank"]) if (counts is not None and worst) else K.u64(0),
                       K.ptr(self.seq_counters), self._smid_ptr("dispatch", num_sms), K.u64(self.timeout_ns)),
-                     shared_mem=K.dynamic_smem("dispatch"),
                      variant_key=K.dispatch_variant_key(num_sms))  # DISPATCH_STREAM_MAX_SMS: per call
 
         if cached:
@@ -602,8 +588,7 @@ class NVLinkBackend(Backend):
                   K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C),
                   K.u64(CONTROL_BYTES + self.region_bytes), K.i32(cap), K.i32(slot_bytes), K.i32(off_w),
                   K.i32(self._round(req.config.num_max_nvl_chunked_send_tokens, "combine")),
-                  K.ptr(self.seq_counters), self._smid_ptr("combine", num_sms), K.u64(self.timeout_ns)),
-                 shared_mem=K.dynamic_smem("combine"))
+                  K.ptr(self.seq_counters), self._smid_ptr("combine", num_sms), K.u64(self.timeout_ns)))
         self._count(h.extra.get("recv_counts"))
         return CombineResult(out, out_w)
 

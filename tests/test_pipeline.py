@@ -1,4 +1,4 @@
-"""commlib.training.pipeline.schedule and commlib.training.moe.layer on CPU ranks: the staged MoE model equals the plain one and the
+"""commlib.training.pipeline and commlib.training.moe on CPU ranks: the staged MoE model equals the plain one and the
 single-process equivalent; the dual schedules (two forwards, two backwards, DualPipe's
 forward-with-backward hook) give the same outputs and gradients as running the micro-batches one
 after the other, bit for bit, in every issue order; the schedule pairs every comm step with a
@@ -28,7 +28,7 @@ H, E, K, HEADS, LAYERS, SEQ, VOCAB = 64, 8, 2, 4, 2, 8, 40
 
 
 def _cfg(hidden=H, **kw):
-    from commlib.training.moe.layer import MoEConfig
+    from commlib.training.moe import MoEConfig
     return MoEConfig(hidden=hidden, num_experts=E, topk=K, expert_hidden=32, num_groups=2, topk_groups=2,
                      num_shared_experts=1, **kw)
 
@@ -45,7 +45,7 @@ def _buf(ctx, hidden=H):
 
 
 def _model(ctx, buffer, vocab=VOCAB, seed=0, hidden=H, **cfg_kw):
-    from commlib.training.moe.layer import MoEModel
+    from commlib.training.moe import MoEModel
     torch.manual_seed(seed)
     return MoEModel(_cfg(hidden, **cfg_kw), LAYERS, HEADS, buffer=buffer, num_ranks=ctx.world_size,
                     vocab_size=vocab, max_seq_len=SEQ)
@@ -127,7 +127,7 @@ def _sequential_run(ctx, seed: int):
 
 
 def case_dual_forward_backward(ctx):
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
 
     o0, o1 = P.dual_forward(model, (mb0,), (mb1,))
@@ -166,7 +166,7 @@ def case_deferred_weight_grads(ctx):
     dual_backward and overlapped_forward_backward give the sequential gradients bit for bit, and
     the deferral did happen: 2 expert GEMMs + 2 projections per layer and micro-batch went through
     the queue."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     from commlib.training import wgrad
     model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
     ran = []
@@ -206,7 +206,7 @@ def case_deferred_weight_grads(ctx):
 
 def case_overlapped_forward_backward(ctx):
     """DualPipe's contract on a hidden-state chunk: inputs are leaves, input grads land in .grad."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     chunk = _model(ctx, _buf(ctx), vocab=None, seed=3)
     g = torch.Generator().manual_seed(10 + ctx.rank)
     h0 = torch.randn(1, SEQ, H, generator=g)
@@ -253,7 +253,7 @@ def case_joint_forward_backward(ctx):
     gradients or not, a (forward, backward) carveout pair), and its turn from forward to backward
     is the joint one: micro-batch 0's combine' right after its last combine, before micro-batch 1's,
     with micro-batch 0's expert backward paired with micro-batch 1's last combine."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
     for defer in (False, True):
         for schedule in ("split", "joint"):
@@ -329,7 +329,7 @@ def case_schedule_pairs_comm_with_compute(ctx):
     the other micro-batch, and the issue-order rule holds: a comm step that does not wait on the
     host goes first (the comm stream is fed before the host issues the compute kernels), a forward
     dispatch (it reads its receive count on the host) goes right after its compute partner."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model = _model(ctx, _buf(ctx))
     _, mine = _tokens(ctx, batch_per_rank=2, seed=4)
     tl = P.Timeline()
@@ -387,7 +387,7 @@ def _check_pairs(labels, order="auto"):
 
 def case_issue_orders_same_results(ctx):
     """Every issue order gives the sequential outputs and gradients bit for bit."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=7)
     for order in P.ISSUE_ORDERS:
         model.zero_grad(set_to_none=True)
@@ -404,7 +404,7 @@ def case_issue_orders_same_results(ctx):
 
 
 def case_fp8_dispatch_stage(ctx):
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model = _model(ctx, _buf(ctx, 128), hidden=128, fp8_dispatch=True)
     single = _model(ctx, None, hidden=128, fp8_dispatch=True)
     everything, mine = _tokens(ctx, seed=5)
@@ -428,7 +428,7 @@ def case_fp8_dispatch_stage(ctx):
 
 
 def case_inference_no_grad(ctx):
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model = _model(ctx, _buf(ctx))
     _, mine = _tokens(ctx, seed=6)
     with torch.no_grad():
@@ -440,8 +440,8 @@ def case_inference_no_grad(ctx):
 
 def case_moe_layer_without_attention(ctx):
     """num_heads=0 (the MoE layer alone, bench_overlap's balanced_fb): EP == single process, dual == sequential."""
-    from commlib.training.pipeline import schedule as P
-    from commlib.training.moe.layer import MoEModel
+    from commlib.training import pipeline as P
+    from commlib.training.moe import MoEModel
     torch.manual_seed(0)
     model = MoEModel(_cfg(), 1, 0, buffer=_buf(ctx), num_ranks=ctx.world_size, vocab_size=VOCAB, max_seq_len=SEQ)
     torch.manual_seed(0)
@@ -589,7 +589,7 @@ def test_pipeline(results, name):
 
 
 # ------------------------------------------------------------------ the expert stage, one process
-# commlib.training.moe.layer.routed_experts against a per-row loop in float64, both its paths (one local slot per
+# commlib.training.moe.routed_experts against a per-row loop in float64, both its paths (one local slot per
 # row: a permutation; several: the float32 index_add), forward and gradients; RMSNorm and
 # MoELayer.finish against the formulas they replace.
 
@@ -641,7 +641,7 @@ def _reference(x, idx, weights, w_gate_up, w_down):
 
 
 def _run_routed(x, idx, weights, w_gate_up, w_down, g_out, **kw):
-    from commlib.training.moe.layer import routed_experts
+    from commlib.training.moe import routed_experts
     leaves = [t.detach().clone().requires_grad_() for t in (x, w_gate_up, w_down, weights)]
     xs, w1, w2, tw = leaves
     y = routed_experts(xs, idx, tw, w1, w2, impl="loop", **kw)
@@ -709,7 +709,7 @@ def test_routed_experts_matches_per_row_reference(dtype, kind):
 
 def test_routed_experts_permutation_backward_is_exact():
     """float64 gradcheck and gradgradcheck of both paths (the permutation's backward is itself)."""
-    from commlib.training.moe.layer import routed_experts
+    from commlib.training.moe import routed_experts
     w_gate_up, w_down = _expert_params(torch.float64)
     x = torch.randn(_N, _H, dtype=torch.float64)
     for kind, kw in (("one_slot", dict(rows_have_local_expert=True)), ("several", {})):
@@ -724,7 +724,7 @@ def test_routed_experts_permutation_backward_is_exact():
 
 
 def test_routed_experts_flag_refuses_rows_without_slots():
-    from commlib.training.moe.layer import routed_experts
+    from commlib.training.moe import routed_experts
     w_gate_up, w_down = _expert_params(torch.float32)
     idx, weights = _routing("some_empty")
     idx = idx[: _L]   # rows 0 (no slot), 1 (two), 2 (three), 3 (one): M == 6 > N == 4, fine
@@ -738,7 +738,7 @@ def test_routed_experts_flag_refuses_rows_without_slots():
 
 def test_expert_compute_dispatch_flag_same_bits():
     """MoELayer.expert_compute with rows_have_local_expert (its dispatch callers) == without."""
-    from commlib.training.moe.layer import MoEConfig, MoELayer
+    from commlib.training.moe import MoEConfig, MoELayer
     torch.manual_seed(0)
     cfg = MoEConfig(hidden=_H, num_experts=_L, topk=_K, expert_hidden=_I, expert_impl="loop")
     layer = MoELayer(cfg, buffer=None, num_ranks=1)
@@ -758,14 +758,14 @@ def test_expert_compute_dispatch_flag_same_bits():
 
 
 def test_moe_config_rejects_bad_shared_stage():
-    from commlib.training.moe.layer import MoEConfig
+    from commlib.training.moe import MoEConfig
     with pytest.raises(ValueError, match="shared_stage"):
         MoEConfig(hidden=64, num_experts=8, topk=2, expert_hidden=32, shared_stage="dispatch")
 
 
 def test_rmsnorm_matches_formula():
     import warnings
-    from commlib.training.moe.layer import RMSNorm
+    from commlib.training.moe import RMSNorm
     torch.manual_seed(0)
     H = 256
     norm = RMSNorm(H)
@@ -806,7 +806,7 @@ def test_rmsnorm_matches_formula():
 
 
 def test_finish_same_bits_as_cast_then_add():
-    from commlib.training.moe.layer import MoELayer
+    from commlib.training.moe import MoELayer
     torch.manual_seed(0)
     combined = torch.randn(32, 64).to(torch.bfloat16)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -828,7 +828,7 @@ def test_sm_carveout_resolves_and_restores(monkeypatch):
     carveout for its body only (clamped below the SM count) and is a no-op on CPU or for 0."""
     import types
     from commlib import Config
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
 
     class FakeBuffer:          # what _buffer_call_sms reads: the class's num_sms, the tuned configs
         num_sms = 4
@@ -985,7 +985,7 @@ def deferred_equals_immediate(device=None, dtype=torch.float32, impl="auto"):
     slice of the parameter) are never deferred.
     Shared with tests/gpu/test_moe_gpu.py."""
     from commlib.training import wgrad
-    from commlib.training.moe.layer import routed_experts
+    from commlib.training.moe import routed_experts
     device = device or torch.device("cpu")
     w_gate_up, w_down = (p.to(device) for p in _expert_params(dtype))
     idx, weights = _routing("some_empty")
@@ -1033,7 +1033,7 @@ def test_deferred_weight_grads_from_another_thread():
     activated on the caller's thread must still collect them (it did not when it was thread-local)."""
     import threading
     from commlib.training import wgrad
-    from commlib.training.moe.layer import routed_experts
+    from commlib.training.moe import routed_experts
     w_gate_up, w_down = (torch.nn.Parameter(p) for p in _expert_params(torch.float32))
     idx, weights = _routing("one_slot")
     x = torch.randn(idx.shape[0], _H)
@@ -1053,7 +1053,7 @@ def test_linear_same_bits_and_deferred_next():
     and inside wgrad.deferring its weight gradient is queued with placement NEXT (split() sorts the
     queue's entries by placement) and equals the immediate one once run."""
     from commlib.training import wgrad
-    from commlib.training.moe.layer import linear
+    from commlib.training.moe import linear
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for shape in ((2, 5, 16), (7, 16)):
@@ -1140,7 +1140,7 @@ def test_turn_moves_to_the_comm_stream_only_between_comm_steps():
     """dual_forward_backward issues a chain's turn (light and bookkeeping steps between its last
     forward and first backward comm step) on that comm stream; a heavy step between, or no stream
     (CPU), leaves every step where it was."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
 
     def noop():
         pass
@@ -1154,10 +1154,10 @@ def test_turn_moves_to_the_comm_stream_only_between_comm_steps():
                 P.Step("comm", "B.combine", noop, stream=comm_stream), P.Step("compute", "B.experts", noop)]
 
     s = steps()
-    P._turn_on_comm_stream(s, 4)
+    P.turn_on_comm_stream(s, 4)
     assert [st.run is not noop for st in s] == [False, False, True, True, True, True, False, False]
     for s in (steps(light=False), steps(comm_stream=None)):
-        P._turn_on_comm_stream(s, 4)
+        P.turn_on_comm_stream(s, 4)
         assert all(st.run is noop for st in s)
 
 

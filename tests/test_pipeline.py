@@ -460,20 +460,11 @@ def case_moe_layer_without_attention(ctx):
     _assert_same_grads(g_seq, _grads(model), "no-attention dual vs sequential")
 
 
-def _load_bench():
-    import importlib.util
-    import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_overlap", os.path.join(root, "benchmarks", "bench_overlap.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def case_bench_overlap_smoke(ctx):
     import os
     import tempfile
-    bench = _load_bench()
+
+    from benchmarks import bench_overlap as bench
     with tempfile.TemporaryDirectory() as out_dir:
         args = bench.parse_args(["--tokens", "16", "--hidden", "64", "--experts", "8", "--topk", "2",
                                  "--expert-hidden", "32", "--heads", "4", "--layers", "1", "--warmup", "1",
@@ -484,7 +475,10 @@ def case_bench_overlap_smoke(ctx):
             assert os.path.exists(result["json_path"])
             assert result["calibration"] is None and result["issue_order"] == "auto"
             assert result["fb_schedule"] == "split" and result["check"]["max_relative_error"] == 0
+            assert result["check"]["ok"] and set(result["check"]["phases"]) == set(result["figures"])
+            assert all(c["checked"] and c["compared"] >= 2 for c in result["check"]["phases"].values())
             for f in result["figures"].values():
+                assert f["checked"] and f["compute_dense_checked"] is False  # replayed rows: not compared
                 assert f["compute_dense_ms"] > 0 and f["dual_over_max_comm_compute_dense"] > 0
                 assert set(f["verdict_dense"]) == set(f["verdict"]) and f["comm_over_compute_dense"] > 0
                 assert f["comm_over_compute"] > 0 and set(f["verdict"]) == {
@@ -507,30 +501,37 @@ def case_bench_overlap_balanced_fb_smoke(ctx):
     """The balanced_fb preset at tiny shapes: no attention, expert_hidden calibrated (two sizes here)."""
     import os
     import tempfile
-    bench = _load_bench()
-    bench.CALIBRATION_SIZES = (16, 32)
-    with tempfile.TemporaryDirectory() as out_dir:
-        args = bench.parse_args(["--preset", "balanced_fb", "--tokens", "16", "--hidden", "64", "--warmup", "1",
-                                 "--iters", "1", "--no-plot", "--issue-order", "comm_first", "--no-dense",
-                                 "--out-dir", out_dir])
-        result = bench.run(ctx, args)
-        if ctx.rank == 0:
-            assert result["shapes"]["heads"] == 0 and result["issue_order"] == "comm_first"
-            assert not any("compute_dense_ms" in f for f in result["figures"].values())  # --no-dense
-            cal = result["calibration"]
-            assert cal is not None and cal["chosen"] in (16, 32) and cal["trials"]
-            assert result["shapes"]["expert_hidden"] == cal["chosen"]
-            assert result["check"]["ok"]
-            assert os.path.exists(result["json_path"])
+
+    from benchmarks import bench_overlap as bench
+    from benchmarks.overlap import calibrate
+    sizes, calibrate.CALIBRATION_SIZES = calibrate.CALIBRATION_SIZES, (16, 32)
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            args = bench.parse_args(["--preset", "balanced_fb", "--tokens", "16", "--hidden", "64", "--warmup",
+                                     "1", "--iters", "1", "--no-plot", "--issue-order", "comm_first", "--no-dense",
+                                     "--out-dir", out_dir])
+            result = bench.run(ctx, args)
+            if ctx.rank == 0:
+                assert result["shapes"]["heads"] == 0 and result["issue_order"] == "comm_first"
+                assert not any("compute_dense_ms" in f for f in result["figures"].values())  # --no-dense
+                cal = result["calibration"]
+                assert cal is not None and cal["chosen"] in (16, 32) and cal["trials"]
+                assert result["shapes"]["expert_hidden"] == cal["chosen"]
+                assert result["check"]["ok"]
+                assert os.path.exists(result["json_path"])
+    finally:
+        calibrate.CALIBRATION_SIZES = sizes
 
 
 def case_bench_overlap_comm_sms(ctx):
     """--comm-sms N: every dispatch and combine (forward, backward, cached) gets Config(num_sms=N), and
     Buffer.num_sms stays as it was; balanced_sms calibrates N (two candidates here)."""
     import tempfile
+
+    from benchmarks import bench_overlap as bench
+    from benchmarks.overlap import calibrate
     from commlib import Buffer
-    bench = _load_bench()
-    bench.COMM_SMS_CALIBRATION = (4, 6)
+    candidates, calibrate.COMM_SMS_CALIBRATION = calibrate.COMM_SMS_CALIBRATION, (4, 6)
     seen = []   # (op, cached, num_sms) of every call on this rank
     dispatch, combine = Buffer.dispatch, Buffer.combine
 
@@ -571,6 +572,7 @@ def case_bench_overlap_comm_sms(ctx):
                 assert result["check"]["ok"]
     finally:
         Buffer.dispatch, Buffer.combine = dispatch, combine
+        calibrate.COMM_SMS_CALIBRATION = candidates
     assert Buffer.num_sms == default_sms   # per call, nothing class-wide
     with pytest.raises(SystemExit):
         bench.parse_args(["--comm-sms", "3"])
@@ -881,29 +883,29 @@ def test_sm_carveout_resolves_and_restores(monkeypatch):
 def test_bench_overlap_transport_flags(monkeypatch):
     """--ce-staging / --ce-sms set the ranks' environment (COMMLIB_CE_BYTES only when unset); the
     network preset's shapes; bad values are refused."""
+    from benchmarks.overlap.options import parse_args, resolve_shapes, transport_env
     from commlib.utils import env
 
-    bench = _load_bench()
     for k in ("COMMLIB_CE_STAGING", "COMMLIB_CE_BYTES", "COMMLIB_CE_SMS"):
         monkeypatch.setenv(k, "")  # recorded, so what _transport_env sets is undone after the test
         monkeypatch.delenv(k)
-    args = bench.parse_args(["--preset", "network", "--ce-staging", "host", "--ce-sms", "8"])
-    bench._transport_env(args)
+    args = parse_args(["--preset", "network", "--ce-staging", "host", "--ce-sms", "8"])
+    transport_env(args)
     assert (env.ce_staging(), env.ce_bytes(), env.ce_sms()) == ("host", 600 << 20, 8)
     monkeypatch.setenv("COMMLIB_CE_BYTES", str(1 << 30))
-    bench._transport_env(bench.parse_args(["--ce-staging", "device"]))
+    transport_env(parse_args(["--ce-staging", "device"]))
     assert (env.ce_staging(), env.ce_bytes()) == ("device", 1 << 30)
-    shapes = bench._resolve_shapes(args, on_gpu=True)
+    shapes = resolve_shapes(args, on_gpu=True)
     assert (shapes["tokens"], shapes["heads"], shapes["expert_hidden"], shapes["topk"]) == (16384, 16, 3072, 2)
     with pytest.raises(SystemExit):
-        bench.parse_args(["--ce-sms", "0"])
+        parse_args(["--ce-sms", "0"])
     with pytest.raises(SystemExit):
-        bench.parse_args(["--ce-staging", "nvme"])
+        parse_args(["--ce-staging", "nvme"])
 
 
 def test_bench_overlap_halves_floor():
     """Two forwards then two backwards: the floor is max(comm, compute) of each half, summed."""
-    bench = _load_bench()
+    from benchmarks.overlap import analysis as bench
 
     def span(label, stream, ms):
         return {"label": label, "stream": stream, "start_ms": 0.0, "end_ms": ms}
@@ -920,7 +922,7 @@ def test_bench_overlap_gap_split():
     """bench_overlap's schedule bound replays the dual order at sequential durations: lockstep pairs
     cost their max, a stream waits for its micro-batch's previous step; the split reports busy
     ratios and idle shares from the spans."""
-    bench = _load_bench()
+    from benchmarks.overlap import analysis as bench
 
     def span(label, stream, t0, t1):
         return {"label": label, "stream": stream, "start_ms": t0, "end_ms": t1}
@@ -949,7 +951,7 @@ def test_bench_overlap_comm_trace_steps():
     launch order per kind (combine' runs the dispatch kernel, dispatch' the combine kernel); each
     step gets the kernel's own time, its CTAs' start spread and its start after the span began
     (the soonest step counting 0); unmatched launches or steps raise."""
-    bench = _load_bench()
+    from benchmarks.overlap import analysis as bench
 
     def span(label, t0, t1):
         return {"label": label, "stream": "comm", "start_ms": t0, "end_ms": t1}
@@ -1082,7 +1084,8 @@ def test_bench_overlap_replay_comm():
     which a GEMM runs on at a lower power), moves nothing, and refuses a call sequence that differs
     from the recorded one."""
     import types
-    bench = _load_bench()
+
+    from benchmarks.overlap.replay import ReplayComm
 
     class Fake:
         comm_stream = None
@@ -1101,7 +1104,7 @@ def test_bench_overlap_replay_comm():
             return x + 1, None, "event"
 
     real = Fake()
-    r = bench.ReplayComm(real)
+    r = ReplayComm(real)
     x = torch.full((2, 4), 3.0, dtype=torch.bfloat16)
     rec = r.dispatch(x)
     assert rec[0].eq(6).all() and rec[5] == "event"
@@ -1162,16 +1165,12 @@ def test_turn_moves_to_the_comm_stream_only_between_comm_steps():
 
 
 def test_model_schedule_joint_turn_on_comm_stream_is_shorter(tmp_path):
-    """benchmarks/model_schedule.py: sequential durations replayed in each schedule's order; with a
+    """experiments.model_schedule: sequential durations replayed in each schedule's order; with a
     compute-bound backward the joint schedule (turn on the comm stream) beats the split one, and
     with the turn on the compute stream it does not."""
-    import importlib.util
     import json
-    import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("model_schedule", os.path.join(root, "benchmarks", "model_schedule.py"))
-    ms = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ms)
+
+    from experiments import model_schedule as ms
     dur = {"F.attn": 6.0, "F.dispatch": 7.5, "F.experts": 6.0, "F.combine": 7.5, "F.finish": 0.2,
            "B.finish": 0.3, "B.combine": 7.5, "B.experts": 13.0, "B.dispatch": 7.5, "B.attn": 13.0}
     names = [(f"{s}{l}", "comm" if s in ("dispatch", "combine") else "compute")
@@ -1197,3 +1196,54 @@ def test_model_schedule_joint_turn_on_comm_stream_is_shorter(tmp_path):
     i = comm_order.index("0.F.combine1")
     assert comm_order[i:i + 4] == ["0.F.combine1", "0.B.combine1", "1.F.combine1", "1.B.combine1"], comm_order
     assert ["0.F.finish", "comm"] in o and ["1.B.finish", "comm"] in o  # the turn, on the comm stream
+
+
+def test_bench_overlap_check_and_exit_code(monkeypatch):
+    """bench_overlap's check: the run is ok only when every compared phase is; a phase not compared
+    reads N/A and does not count; a wrong compared result makes main() return 1 (the exit code),
+    a right one or none compared 0."""
+    from benchmarks import bench_overlap as bench
+    from benchmarks.overlap.check import NOT_CHECKED, exit_code, status, summarize
+
+    def phase(err, tol=0.0):
+        return {"checked": True, "max_relative_error": err, "worst": "out0", "compared": 3, "tolerance": tol,
+                "ok": err <= tol}
+
+    good = summarize({"forward": phase(0.0), "fwd0_bwd1": NOT_CHECKED})
+    assert good["ok"] is True and good["checked"] and exit_code({"check": good}) == 0
+    assert status(good["phases"]["fwd0_bwd1"]) == "N/A" and status(good) == "ok"
+    bad = summarize({"forward": phase(0.0), "forward_backward": phase(0.5, 1e-2)})
+    assert bad["ok"] is False and bad["worst"] == "forward_backward: out0" and bad["max_relative_error"] == 0.5
+    assert status(bad) == "WRONG" and exit_code({"check": bad}) == 1
+    none = summarize({"forward": NOT_CHECKED})
+    assert none["ok"] is None and status(none) == "N/A" and exit_code({"check": none}) == 0
+    for check, code in ((bad, 1), (good, 0)):
+        monkeypatch.setattr(bench, "parallel_launch", lambda *a, check=check, **kw: {"check": check})
+        assert bench.main(["--preset", "tiny"]) == code
+
+
+def test_bench_overlap_compare_finds_a_wrong_schedule(monkeypatch):
+    """check.compare against a run whose dual result differs: WRONG (one rank, gloo)."""
+    import torch.distributed as dist
+
+    from benchmarks.overlap.check import compare
+    from commlib.utils.launch import free_port
+
+    model = torch.nn.Linear(4, 4)
+    x = torch.ones(2, 4)
+
+    def run(overlap):
+        y = model(x) * (1.5 if overlap else 1.0)   # a "schedule" that gets the numbers wrong
+        y.sum().backward()
+        return y
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        c = compare(model, run, torch.device("cpu"), "forward")
+        assert c["checked"] and not c["ok"] and c["max_relative_error"] > 0.1 and c["compared"] == 3
+        same = compare(model, lambda overlap: run(False), torch.device("cpu"), "forward")
+        assert same["ok"] and same["max_relative_error"] == 0
+    finally:
+        dist.destroy_process_group()

@@ -13,23 +13,18 @@ events); the figure of merit is time(dual) / max(comm, compute) (1.0 = perfect o
 
 Shapes: ``--preset v3`` is DeepSeek-V3's MoE layer scaled to 2 GPUs (hidden 7168, 256 experts =
 128 per GPU, top-8 in 4 of 8 groups, expert intermediate 2048, one shared expert, 4096 tokens per
-micro-batch, attention stand-in: 56 heads x 128). On 2 x H200 compute dominates there (forward
-~15 ms per micro-batch against ~1.3 ms of dispatch + combine), so overlap can hide the
-communication (dual / max ~1.0) but cannot give much speedup. ``--preset balanced`` keeps the
-token rows (4096 x 7168 bf16) and cuts the work per row (16 experts, top-2, expert intermediate
-256, no shared expert, 4 heads x 128) to bring compute towards comm; measured on 2 x H200 its
-forward is comm : compute ~ 1 : 3 and its forward+backward too (4.4 vs 13.6 ms), where no schedule
-can beat sequential by more than (comm + compute) / compute ~ 1.3x. ``--preset balanced_fb`` aims
+micro-batch, attention stand-in: 56 heads x 128). Compute dominates there, so overlap can hide
+the communication but cannot give much speedup. ``--preset balanced`` keeps the token rows
+(4096 x 7168 bf16) and cuts the work per row (16 experts, top-2, expert intermediate 256, no
+shared expert, 4 heads x 128) to bring compute towards comm. ``--preset balanced_fb`` aims
 at forward+backward comm ~ compute: the MoE layer alone (``heads 0``: no attention,
 whose norms and projections alone outweigh the all-to-alls), V3's traffic pattern at EP2 (every
 token reaches both GPUs: top-2 of 2 experts, 8192 rows received per GPU per micro-batch) and the
 expert intermediate size *calibrated* on the spot: before timing, the sequential forward+backward
 is measured for expert_hidden in 64 .. 4096 and the size whose compute / comm is nearest 1 is
 kept (``--no-calibrate`` or an explicit ``--expert-hidden`` skips it; the trials are in the JSON).
-On 2 x H200 even the floor (64) leaves forward+backward compute ~2.5-3x the communication
-(benchmarks/results/overlap_NVIDIA_H200_balanced_fb*.json; the calibration stops at its first
-size): the NVLink engine with its default 20 SMs is simply fast there, and what compute remains
-at 64 is mostly work that does not depend on expert_hidden (routing, row gathers and scatters).
+Where even the smallest size leaves compute above comm, the calibration stops at its first size
+(what compute remains is mostly routing and row gathers and scatters; docs/pipeline.md).
 
 Communication SMs (``--comm-sms N``): DeepSeek's design point turns the other knob. Every dispatch
 and combine of the benchmark (forward and backward, sequential and dual) is passed

@@ -50,8 +50,9 @@ def compare(model: torch.nn.Module, run: Callable, device: torch.device, phase: 
     worst, worst_name = max(everyone, key=lambda x: x[0])
     ok = worst <= tol
     if dist.get_rank() == 0:
+        where = f" ({worst_name})" if worst_name else ""
         print(f"[overlap] check {phase}: dual vs sequential, {len(ref)} tensors (outputs + gradients): max relative "
-              f"error {worst:.3e}{f' ({worst_name})' if worst_name else ''} {'ok' if ok else 'WRONG'} (tolerance {tol})")
+              f"error {worst:.3e}{where} {'ok' if ok else 'WRONG'} (tolerance {tol})")
     return {"checked": True, "max_relative_error": worst, "worst": worst_name, "compared": len(ref),
             "tolerance": tol, "ok": ok}
 

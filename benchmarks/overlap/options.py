@@ -55,13 +55,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--comm-priority", type=int, default=None,
                    help="replace the Buffer's comm stream by one of this CUDA priority (-1 = high); experiment")
     p.add_argument("--sm-carveout", default=None, metavar="auto|off|N",
-                   help="SMs the dual schedules keep GEMMs off while they overlap (commlib.training.pipeline.schedule.sm_carveout; "
+                   help="SMs the dual schedules keep GEMMs off while they overlap (commlib.training.pipeline.sm_carveout; "
                         "default: $COMMLIB_SM_CARVEOUT, else auto = the comm SMs); the sequential runs never set it")
     p.add_argument("--sm-carveout-backward", default=None, metavar="auto|off|N",
                    help="forward+backward (two forwards, two backwards): the carveout from micro-batch 0's backward on "
                         "(default: --sm-carveout's)")
     p.add_argument("--fb-schedule", choices=("split", "joint"), default="split",
-                   help="forward+backward, dual (commlib.training.pipeline.schedule.dual_forward_backward's schedule): split = "
+                   help="forward+backward, dual (commlib.training.pipeline.dual_forward_backward's schedule): split = "
                         "dual_forward then dual_backward (default), joint = one interleaving, micro-batch 0's "
                         "backward starting beside micro-batch 1's last forward steps")
     p.add_argument("--turn-defer", action="store_true",
@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "DISPATCH_THREADS=512,COMBINE_THREADS=512) for every rank; experiment")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--issue-order", choices=("auto", "comm_first", "compute_first"), default="auto",
-                   help="which step of a (compute, comm) pair the host issues first (commlib.training.pipeline.schedule); "
+                   help="which step of a (compute, comm) pair the host issues first (commlib.training.pipeline.interleave); "
                         "auto: comm first unless it waits on the host (non-cached dispatch)")
     p.add_argument("--calibrate", dest="calibrate", action="store_true", default=None,
                    help="pick expert_hidden so that forward+backward compute ~ comm (default: on for "

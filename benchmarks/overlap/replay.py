@@ -25,8 +25,7 @@ class ReplayComm:
     compute stream with nothing to wait for: the time the compute alone takes when it runs densely,
     at whatever clock the power cap then allows. The rows are copies of random normal values (one
     source tensor per dtype), not zeros: a GEMM on zeros toggles fewer bits and draws
-    less power, so under the cap it may run at a higher clock than on activations (the zero-filled
-    rows before 2026-12-01 read 0.98-1.02x the sequential compute at ~1810 MHz; docs/pipeline.md)."""
+    less power, so under the cap it may run at a higher clock than on activations (docs/pipeline.md)."""
 
     def __init__(self, buffer) -> None:
         self._buffer = buffer
@@ -111,7 +110,7 @@ class ReplayComm:
 
     def prepack(self, *args, **kw):
         """None: the recorded and the replayed runs make the same calls (layout, dispatch), and the
-        replay leaves out the packing (transfer work; ~0.2 ms per dispatch on the compute stream)."""
+        replay leaves out the packing (transfer work on the compute stream)."""
         return None
 
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False, **kw):

@@ -10,6 +10,7 @@ COMM_DTYPE = torch.bfloat16
 
 @dataclasses.dataclass
 class MoEConfig:
+    """The shapes and choices of a MoE layer (H hidden, E experts, K top-k, I expert intermediate)."""
     hidden: int
     num_experts: int
     topk: int

@@ -129,7 +129,10 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) without bias, its weight gradient deferrable in the overlapped schedules."""
+    """F.linear(x, w) without bias, its weight gradient deferrable in the overlapped schedules.
+
+    Args: x [..., A] and w [B, A], the same float dtype. Returns: [..., B] in that dtype.
+    """
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _Linear.apply(x, w)
     return F.linear(x, w)
@@ -219,7 +222,12 @@ class Experts(nn.Module):
 
     def forward(self, x_NH, topk_idx_NK, topk_weights_NK, counts=None, impl="auto", lo=0, hi=None,
                 rows_have_local_expert: bool = False):
-        """Experts [lo, hi) of this module on local ids 0 .. hi - lo (see routed_experts)."""
+        """Experts [lo, hi) of this module on local ids 0 .. hi - lo.
+
+        Args: x_NH [N, H] rows; topk_idx_NK [N, K] int64 local ids (-1 = not here); topk_weights_NK
+        [N, K] float; counts, impl, rows_have_local_expert: see ``routed_experts``.
+        Returns: [N, H] in the weights' dtype.
+        """
         hi = self.num_local if hi is None else hi
         if (lo, hi) == (0, self.num_local):   # the parameters themselves: their weight gradients can be deferred
             w_gate_up, w_down = self.w_gate_up, self.w_down
@@ -230,6 +238,8 @@ class Experts(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """The shared expert: down(silu(gate(x)) * up(x)), x [T, H] -> [T, H] (float32 parameters)."""
+
     def __init__(self, hidden: int, inner: int, device=None) -> None:
         super().__init__()
         self.gate_up = nn.Linear(hidden, 2 * inner, bias=False, device=device)

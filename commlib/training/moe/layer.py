@@ -1,8 +1,8 @@
-"""A Mixture-of-Experts layer with expert parallelism through Buffer + commlib.training.autograd, its
-single-process equivalent.
+"""A Mixture-of-Experts layer with expert parallelism through Buffer + commlib.training.autograd, and
+its single-process equivalent.
 
-Legend: T tokens on this rank, H hidden, I expert intermediate size, E experts, L local experts
-(E / ranks), K top-k, N rows this rank received, M routed (row, slot) pairs, B batch, S sequence.
+Legend: T tokens on this rank, H hidden, E experts, L local experts (E / ranks), K top-k, N rows
+this rank received.
 
 Numerics, stated once: activations cross the wire in bf16 (dispatch moves ``x_TH.to(bf16)``,
 the expert partial sum of a row is cast to bf16 before combine, combine sums in float32 and
@@ -95,9 +95,15 @@ class _EmulatedCombine(torch.autograd.Function):
 class MoELayer(nn.Module):
     """Router + routed experts (+ shared experts), expert-parallel over ``buffer``'s ranks.
 
-    buffer: a commlib Buffer (expert parallelism: this rank holds experts [rank * L, (rank+1) * L)),
-    or None: all experts local, emulating ``num_ranks`` ranks' bf16 communication exactly.
-    forward(x [T, H] float) -> [T, H] in x's dtype.
+    Args:
+      cfg: the layer's shapes and choices.
+      buffer: a commlib Buffer (expert parallelism: this rank holds experts [rank * L, (rank+1) * L)),
+        or None: all experts local, emulating ``num_ranks`` ranks' bf16 communication exactly.
+      num_ranks: without a Buffer, the ranks to emulate (default 1).
+      full_init: draw the full [E, ...] expert tensors and keep this rank's slice (module docstring).
+      device: where the parameters live.
+
+    forward(x_TH [T, H], any float dtype) -> [T, H] in x's dtype.
     """
 
     def __init__(self, cfg: MoEConfig, buffer=None, num_ranks: Optional[int] = None, full_init: bool = True,
@@ -117,7 +123,7 @@ class MoELayer(nn.Module):
         self.shared = (SwiGLU(cfg.hidden, cfg.num_shared_experts * cfg.expert_hidden, device=device)
                        if cfg.num_shared_experts > 0 else None)
 
-    # --- pieces, shared by forward() and the pipeline stages (commlib.training.pipeline.schedule) ---
+    # --- pieces, shared by forward() and the pipeline stages (MoEBlock.stage_*) ---
     def route(self, x_TH: torch.Tensor):
         """-> (x_TH bf16 for the wire, topk_idx [T, K] int64, topk_weights [T, K] float32)."""
         topk_idx, topk_weights = self.router(x_TH)
@@ -136,10 +142,12 @@ class MoELayer(nn.Module):
         return y.to(COMM_DTYPE)
 
     def shared_compute(self, x_TH: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shared experts on x_TH [T, H] -> [T, H] (float32), or None without shared experts."""
         return self.shared(x_TH) if self.shared is not None else None
 
     @staticmethod
     def finish(combined_TH: torch.Tensor, shared_TH: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """combined_TH [T, H] bf16 (+ shared_TH [T, H]) -> [T, H] in ``dtype``."""
         if shared_TH is None:
             return combined_TH.to(dtype)
         shared_TH = shared_TH.to(dtype)

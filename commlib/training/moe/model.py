@@ -21,6 +21,8 @@ _HAS_RMS_NORM = hasattr(F, "rms_norm")   # torch >= 2.4
 
 
 class RMSNorm(nn.Module):
+    """RMS normalization over the last dimension with a learned scale ([H] float32 weight)."""
+
     def __init__(self, hidden: int, eps: float = 1e-6, device=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden, device=device))
@@ -56,6 +58,7 @@ class Attention(nn.Module):
         self.out = nn.Linear(inner, hidden, bias=False, device=device, dtype=dtype)
 
     def forward(self, x_BSH):
+        """x_BSH [B, S, H] in the projections' dtype -> [B, S, H] in that dtype."""
         B, S, _ = x_BSH.shape
         # linear(): the projections' weight gradients can be deferred by the dual pipeline (wgrad)
         q, k, v = linear(x_BSH, self.qkv.weight).view(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
@@ -69,7 +72,7 @@ class MoEBlock(nn.Module):
     ``num_heads=0``: no attention (and no norm1): h = h + moe(norm2(h)), a MoE layer alone (the
     overlap benchmark uses it to bring compute down to the communication's size).
 
-    Pipeline stages (commlib.training.pipeline.schedule), carry keys in brackets:
+    Pipeline stages (commlib.training.pipeline.stages), carry keys in brackets:
       attn     compute  [h] -> [h, x_wire, topk_idx, topk_weights, shared | x_norm]
       dispatch comm     [x_wire, topk_idx, topk_weights] -> [recv_x, recv_topk_idx, recv_topk_weights, counts, handle]
       experts  compute  [recv_*, counts, (x_norm)] -> [y, shared]
@@ -151,7 +154,7 @@ class MoEModel(StagedModule):
 
     With ``vocab_size`` the input is token ids [B, S] int64 and the output logits [B, S, V] (a
     whole small LM); without, input and output are hidden states [B, S, H] (one DualPipe chunk).
-    With a Buffer (expert parallelism) ``forward`` runs the staged chain (commlib.training.pipeline.schedule), so the
+    With a Buffer (expert parallelism) ``forward`` runs the staged chain (commlib.training.pipeline), so the
     dual-pipeline schedules can interleave two micro-batches; ``staged=False`` runs the blocks as
     plain modules through the autograd ops instead. Without a Buffer it is the single-process
     equivalent (same parameters under the same seed, same bf16 wire rounding).
@@ -214,6 +217,11 @@ class MoEModel(StagedModule):
         return out
 
     def forward(self, x):
+        """x: token ids [B, S] int64 (with ``vocab_size``) or hidden states [B, S, H].
+
+        Returns: logits [B, S, V] (with ``vocab_size``) or hidden states [B, S, H], in the
+        parameters' dtype.
+        """
         if self.buffer is not None and self.staged:
             return StagedModule.forward(self, x)
         R = self.blocks[0].moe.num_ranks if len(self.blocks) else 1

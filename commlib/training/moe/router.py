@@ -23,6 +23,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.randn(cfg.num_experts, cfg.hidden, device=device) / math.sqrt(cfg.hidden))
 
     def forward(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: x_TH [T, H], any float dtype (scored in float32).
+        Returns: (topk_idx [T, K] int64 global expert ids, topk_weights [T, K] float32, scaled by
+        ``routed_scaling``)."""
         scores_TE = torch.sigmoid(F.linear(x_TH.float(), self.weight.float()))
         topk_idx_TK, topk_weights_TK = group_limited_topk(scores_TE, self.cfg.num_groups, self.cfg.topk_groups,
                                                           self.cfg.topk)

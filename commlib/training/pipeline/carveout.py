@@ -11,9 +11,16 @@ from commlib.utils import env
 
 
 def resolve_sm_carveout(value, stages: Iterable = ()) -> int:
-    """SMs the overlapped schedules keep GEMMs off: ``value`` (None: $COMMLIB_SM_CARVEOUT, default
-    "auto"); "auto" = the most SMs any comm stage among ``stages`` occupies per call (its Config's
-    num_sms, else the Buffer's), "off" or 0 = none, an int = that many."""
+    """SMs the overlapped schedules keep GEMMs off.
+
+    Args:
+      value: None ($COMMLIB_SM_CARVEOUT, default "auto"); "auto" = the most SMs any comm stage among
+        ``stages`` occupies per call (its Config's num_sms, else the Buffer's); "off" or 0 = none;
+        an int (or its string) = that many.
+      stages: the schedule's stages (only CommStages count).
+    Returns:
+      the SM count (int >= 0). Raises ValueError for anything else.
+    """
     if value is None:
         value = env.sm_carveout()
     if isinstance(value, str):
@@ -62,14 +69,20 @@ def carveout_phases(device: Optional[torch.device] = None):
 def sm_carveout(num_sms: int, device: Optional[torch.device] = None):
     """While active, the GEMMs torch launches (cuBLAS, the CUTLASS grouped GEMM behind
     ``torch._grouped_mm``) size their grids for all SMs but ``num_sms`` (torch's experimental SM
-    carveout, process-wide; the previous value is restored on exit). DeepSeek-V3's point: persistent
-    GEMM kernels hold every SM until they finish, so a communication kernel queued beside one waits
-    for SMs, and a GEMM sized for every SM runs a second wave on the SMs the comm kernels hold; with
-    the carveout, the ``num_sms`` SMs stay free of GEMM CTAs. The default cuBLAS path honours it
-    (torch 2.11, one H200), so the BLAS library is left alone: preferring cuBLASLt made a 16384 x
-    7168 x 1536 matmul 482-509 us instead of 444-446. Alone, a GEMM may lose to wave quantization
-    (benchmarks/bench_gemm_carveout.py: -4..+7% at 4 SMs, up to +48% at 12). A no-op for
-    num_sms <= 0, on CPU, or where torch lacks the setting."""
+    carveout, process-wide; the previous value is restored on exit).
+
+    DeepSeek-V3's point: persistent GEMM kernels hold every SM until they finish, so a communication
+    kernel queued beside one waits for SMs, and a GEMM sized for every SM runs a second wave on the
+    SMs the comm kernels hold; with the carveout, the ``num_sms`` SMs stay free of GEMM CTAs. The
+    default cuBLAS path honours it, so the BLAS library is left alone. Alone, a GEMM may lose to
+    wave quantization (experiments/bench_gemm_carveout.py measures it).
+
+    Args:
+      num_sms: SMs to keep free (<= 0: a no-op).
+      device: the CUDA device whose SM count bounds it (None or CPU: a no-op).
+    Yields:
+      the SM count set (0 where nothing was set: CPU, torch without the setting).
+    """
     if num_sms <= 0:
         yield 0
         return

@@ -1,6 +1,6 @@
 """One micro-batch through one staged module (``Chain``), its steps (``Step``), and the issue of two
 step lists side by side (``interleave``): the mechanics under the schedules of
-commlib.training.pipeline.schedule.
+commlib.training.pipeline.schedule (StagedModule and the public schedules).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def _capture(device: torch.device) -> Optional[EventOverlap]:
 
 @dataclasses.dataclass
 class Step:
+    """One step of a chain's forward or backward: one stage, issued by ``run()``."""
     kind: str            # "compute" | "comm" | "none" (bookkeeping, never paired)
     label: str
     run: Callable[[], None]
@@ -51,6 +52,13 @@ class Chain:
     next compute step waits for). ``prepared`` holds the next comm step's inputs, prepared at the
     end of the compute step that produced them; ``to_finalize`` the last comm step's outputs,
     finalized at the start of the compute step that consumes them.
+
+    Args:
+      module: the StagedModule (its ``input_keys_and_tensors`` names where input gradients go).
+      stages: the module's stages, in forward order.
+      inputs: the module's inputs (tensors that receive the input gradients at the backward's end).
+      carry: the first stage's carry (``module.make_carry(*inputs)``).
+      tag: prefix of the step labels ("0." / "1." for the two micro-batches).
     """
 
     def __init__(self, module, stages: Sequence, inputs: tuple, carry: Carry,

@@ -139,7 +139,7 @@ class StagedModule(nn.Module):
     @classmethod
     def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
                                     output_grads1):
-        """DualPipe's hook; see commlib.training.pipeline.schedule.overlapped_forward_backward."""
+        """DualPipe's hook; see overlapped_forward_backward (this module)."""
         return overlapped_forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
                                            output_grads1)
 
@@ -198,11 +198,22 @@ def _run(a: list[Step], b: list[Step], overlap: bool, lead: int, issue_order: Op
 def dual_forward(module: StagedModule, inputs0: Sequence, inputs1: Sequence, timeline: Optional[Timeline] = None,
                  overlap: bool = True, issue_order: Optional[str] = None, sm_carveout=None):
     """Forward of two micro-batches through ``module``, one's communication overlapping the
-    other's compute. Returns (outputs0, outputs1), each attached for autograd like module(*inputs).
-    ``overlap=False`` runs micro-batch 0 then 1 with synchronous communication (the baseline).
-    ``issue_order``: see ``interleave`` (default "auto", or $COMMLIB_ISSUE_ORDER).
-    ``sm_carveout``: SMs kept free of GEMMs while overlapping (``resolve_sm_carveout``: default
-    "auto" = the comm stages' SMs, or $COMMLIB_SM_CARVEOUT; "off" = none)."""
+    other's compute.
+
+    Args:
+      module: the StagedModule both micro-batches run through.
+      inputs0, inputs1: each micro-batch's inputs, as for ``module(*inputs)`` (for MoEModel: token
+        ids [B, S] int64, or hidden states [B, S, H] in the model's dtype).
+      timeline: records every step's span on its stream (None: nothing recorded).
+      overlap: False runs micro-batch 0 then 1 with synchronous communication (the baseline).
+      issue_order: which step of a (compute, comm) pair the host issues first: "auto" (default, or
+        $COMMLIB_ISSUE_ORDER), "comm_first", "compute_first" (see ``interleave``).
+      sm_carveout: SMs kept free of GEMMs while overlapping (``resolve_sm_carveout``: None =
+        $COMMLIB_SM_CARVEOUT, default "auto" = the comm stages' SMs; "off" = none; an int).
+    Returns:
+      (outputs0, outputs1): what ``module(*inputs)`` returns for each (for MoEModel: [B, S, V]
+      logits or [B, S, H] hidden states), attached for autograd like ``module(*inputs)``'s.
+    """
     issue_order = resolve_issue_order(issue_order)
     c0, c1 = module.start(*inputs0, tag="0."), module.start(*inputs1, tag="1.")
     _run(c0.forward_steps(overlap, timeline), c1.forward_steps(overlap, timeline), overlap, lead=0,
@@ -213,16 +224,24 @@ def dual_forward(module: StagedModule, inputs0: Sequence, inputs1: Sequence, tim
 def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timeline] = None,
                   overlap: bool = True, issue_order: Optional[str] = None, sm_carveout=None,
                   defer_weight_grads: Optional[bool] = None) -> None:
-    """Backward of two micro-batches (each: a loss with grads None, or outputs with their
-    gradients, as for torch.autograd.backward), one's communication overlapping the other's
-    compute. ``overlap=False``: micro-batch 0 then 1, synchronous communication.
-    ``issue_order`` / ``sm_carveout``: as for ``dual_forward``.
-    ``defer_weight_grads`` (overlapped only; default $COMMLIB_DEFER_WGRAD, on): the weight gradients
-    of a backward compute step run later (DualPipe's B / W split, commlib.training.wgrad): the expert GEMMs'
-    after the chain's next backward compute step, the attention projections' after the next compute
-    step of either micro-batch, so the step that feeds the next comm step is shorter.
-    Measured on 2 x H200 (docs/pipeline.md): up to ~10% off the dual time where expert GEMMs are
-    long, neutral elsewhere; gradients are unchanged (two summands per parameter commute)."""
+    """Backward of two micro-batches, one's communication overlapping the other's compute.
+
+    Args:
+      tensors0, grads0: micro-batch 0's loss (a scalar tensor) and None, or its outputs (a tensor
+        or a sequence, e.g. [B, S, H]) and their gradients (same shapes and dtypes), as for
+        torch.autograd.backward. Their graph must reach a staged module's outputs (``dual_forward``).
+      tensors1, grads1: the same for micro-batch 1.
+      timeline, issue_order, sm_carveout: as for ``dual_forward``.
+      overlap: False runs micro-batch 0's backward then 1's, synchronous communication.
+      defer_weight_grads: overlapped only; None = $COMMLIB_DEFER_WGRAD (default on). The weight
+        gradients of a backward compute step run later (DualPipe's B / W split,
+        commlib.training.wgrad): the expert GEMMs' after the chain's next backward compute step,
+        the attention projections' after the next compute step of either micro-batch, so the step
+        that feeds the next comm step is shorter. Gradients are unchanged (two summands per
+        parameter commute).
+    Returns:
+      None; parameters and leaf inputs get their ``.grad`` (accumulated, as ``backward()`` does).
+    """
     issue_order = resolve_issue_order(issue_order)
     t0, t1 = _as_list(tensors0), _as_list(tensors1)
     chain0 = capture_output_grads(t0, grads0 if grads0 is None else _as_list(grads0))
@@ -239,7 +258,9 @@ def dual_backward(tensors0, grads0, tensors1, grads1, timeline: Optional[Timelin
     _run(s0, s1, overlap, lead=0, issue_order=issue_order, chains=(chain0, chain1), carveout=sm_carveout)
 
 
-TURN_KEEPS_WGRAD = True  # dual_forward_backward: see there (a module switch for measurements)
+# dual_forward_backward, joint schedule: micro-batch 0's first backward compute step after the turn
+# keeps its weight gradients in place (beside two comm steps); a module switch for measurements.
+TURN_KEEPS_WGRAD = True
 
 
 def turn_on_comm_stream(steps: list[Step], turn: int, wrap: Optional[Callable] = None) -> None:
@@ -284,27 +305,33 @@ def dual_forward_backward(module: StagedModule, inputs0: Sequence, inputs1: Sequ
     """Forward and backward of two micro-batches through ``module``, overlapped (two forwards then two
     backwards, e.g. a data-parallel step split in two).
 
-    Where to start each backward: ``criterion(*outputs) -> scalar loss`` (one callable, or a pair:
-    micro-batch 0's and 1's, e.g. with their own labels), or ``grads0`` / ``grads1``, the outputs'
-    gradients (as for torch.autograd.backward), known before the forward ends.
-
     ``schedule="split"`` (default): ``dual_forward``, the losses or given gradients, ``dual_backward``.
     ``schedule="joint"``: one interleaving, micro-batch 0's backward starting as soon as its forward
-    ends, beside micro-batch 1's last forward steps. Its first comm step (combine', the cached dispatch of the
-    output gradients) goes right after its last combine, before micro-batch 1's, and its expert
-    backward then runs beside micro-batch 1's last combine and combine'. The split schedule instead
-    leaves the compute stream idle for two comm steps in a row at the turn (micro-batch 1's last
-    combine, then micro-batch 0's combine'); here it is one. In the backward micro-batch 1 then
-    issues its steps first where both lists' next steps are comm steps. Measured on 2 x H200
-    (docs/pipeline.md) the two take the same time: the comm stream is busy through the turn either
-    way, and the turn's memory-bound steps (residual add, packing) get only the carved-out SMs
-    beside the expert backward.
+    ends, beside micro-batch 1's last forward steps. Its first comm step (combine', the cached
+    dispatch of the output gradients) goes right after its last combine, before micro-batch 1's,
+    and its expert backward then runs beside micro-batch 1's last combine and combine'. The split
+    schedule instead leaves the compute stream idle for two comm steps in a row at the turn
+    (micro-batch 1's last combine, then micro-batch 0's combine'); here it is one. In the backward
+    micro-batch 1 then issues its steps first where both lists' next steps are comm steps. Where the
+    comm stream is busy through the turn either way, the two take the same time (docs/pipeline.md).
 
-    ``sm_carveout``: as for ``dual_forward``, or a pair (forward, backward): the carveout changes when
-    micro-batch 0's backward starts. ``issue_order`` / ``defer_weight_grads``: as for
-    ``dual_backward``. ``overlap=False``: ``dual_forward`` then ``dual_backward``, both sequential
-    (the baseline, the same work).
-    Returns (loss0, loss1) with ``criterion``, else (outputs0, outputs1); detached (their backward ran).
+    Args:
+      module: the StagedModule both micro-batches run through.
+      inputs0, inputs1: each micro-batch's inputs, as for ``module(*inputs)``.
+      grads0, grads1: the outputs' gradients (same shapes and dtypes as the outputs, e.g. [B, S, H]),
+        known before the forward ends; give both, or ``criterion``.
+      criterion: ``criterion(*outputs) -> scalar loss`` where each backward starts: one callable, or
+        a pair (micro-batch 0's and 1's, e.g. with their own labels).
+      timeline, issue_order: as for ``dual_forward``.
+      overlap: False runs ``dual_forward`` then ``dual_backward``, both sequential (the baseline,
+        the same work).
+      sm_carveout: as for ``dual_forward``, or a pair (forward, backward): the carveout changes when
+        micro-batch 0's backward starts.
+      defer_weight_grads: as for ``dual_backward``.
+      schedule: "split" or "joint" (above).
+    Returns:
+      (loss0, loss1), scalar tensors, with ``criterion``; else (outputs0, outputs1) as
+      ``module(*inputs)`` returns them. Detached: their backward ran, parameters have ``.grad``.
     """
     if criterion is None and (grads0 is None or grads1 is None):
         raise ValueError("dual_forward_backward: give criterion, or both grads0 and grads1")
@@ -385,14 +412,24 @@ def overlapped_forward_backward(module0: StagedModule, inputs0: Sequence, criter
     """Forward of micro-batch 0 through module0 interleaved with the backward of micro-batch 1
     through module1 (DualPipe's ``overlapped_forward_backward`` contract).
 
-    loss1: micro-batch 1's loss (last pipeline stage), or None and then outputs1 / output_grads1
-    are module1's outputs and their gradients. The backward of the loss (criterion, head) up to
-    module1's outputs runs first, then module1's stages backward, paired with module0's stages
-    forward, then module1's input gradients are passed on (leaves get ``.grad``).
-    Returns (outputs0 as a list, loss0 = criterion0(*outputs0, *labels0) or None).
-    ``overlap=False``: the forward, then the backward, synchronous communication (the baseline).
-    ``issue_order`` / ``sm_carveout``: as for ``dual_forward``; ``defer_weight_grads``: as for
-    ``dual_backward``.
+    The backward of loss1 (criterion, head) up to module1's outputs runs first, then module1's
+    stages backward, paired with module0's stages forward, then module1's input gradients are
+    passed on (leaves get ``.grad``).
+
+    Args:
+      module0: the StagedModule micro-batch 0's forward runs through.
+      inputs0: its inputs, as for ``module0(*inputs0)`` (e.g. hidden states [B, S, H]).
+      criterion0: ``criterion0(*outputs0, *labels0) -> loss0`` (last pipeline stage), or None.
+      labels0: the extra arguments of criterion0 (e.g. target ids [B, S] int64), or None.
+      module1: the StagedModule micro-batch 1's forward ran through.
+      loss1: micro-batch 1's scalar loss (last pipeline stage), or None: then outputs1 and
+        output_grads1 are module1's outputs and their gradients (same shapes and dtypes).
+      timeline, overlap, issue_order, sm_carveout: as for ``dual_forward`` (overlap=False: the
+        forward, then the backward, synchronous communication).
+      defer_weight_grads: as for ``dual_backward``.
+    Returns:
+      (outputs0, loss0): module0's outputs as a list of tensors (attached for autograd), and
+      criterion0's loss or None.
     """
     issue_order = resolve_issue_order(issue_order)
     if loss1 is not None:

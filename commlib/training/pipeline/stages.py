@@ -1,7 +1,7 @@
 """The stages of a staged module: compute (any differentiable torch code) and communication
 (dispatch, combine) with hand-written backwards, each passing a carry of named tensors on.
 
-Legend: T tokens on this rank, H hidden, K top-k, N rows this rank received.
+Legend: T tokens on this rank, H hidden, K top-k, N rows this rank received, L local experts.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8
 from commlib.training import autograd as ops
 
-Carry = dict   # stage name -> tensor (or handle): what one stage hands the next
+Carry = dict   # key -> tensor (or handle): what one stage hands the next
 
 
 @dataclasses.dataclass
@@ -100,10 +100,22 @@ def _buffer_call_sms(buffer, config) -> int:
 
 
 class DispatchStage(CommStage):
-    """[x_wire, topk_idx, topk_weights] -> [recv_x, recv_topk_idx, recv_topk_weights, counts, handle].
+    """Dispatch as a stage: the carry's rows go to the ranks of their experts.
 
-    fp8=True: x_wire (bf16) is quantized before the move and recv_x dequantized to bf16 after;
-    the backward moves bf16 gradients (straight-through, as commlib.training.autograd.dispatch(fp8=True)).
+    Consumes: x_wire [T, H] bf16, topk_idx [T, K] int64 (global expert ids, -1 = none),
+    topk_weights [T, K] float32.
+    Produces: recv_x [N, H] bf16, recv_topk_idx [N, K] int64 (local expert ids, -1 = not here),
+    recv_topk_weights [N, K] float32, counts (list of L ints: rows per local expert), handle (for
+    the combine and the backward).
+
+    Args:
+      buffer: a commlib Buffer (or a stand-in with dispatch / combine / comm_stream).
+      num_experts: E, the global expert count.
+      name: the stage's name in step labels and timelines.
+      config: the Buffer Config of every call (forward and backward); None: the Buffer's choice.
+      fp8: x_wire is quantized to E4M3 + scales before the move and recv_x dequantized to bf16
+        after; the backward moves bf16 gradients (straight-through, as
+        commlib.training.autograd.dispatch(fp8=True)).
     """
     consumes = ("x_wire", "topk_idx", "topk_weights")
     produces = ("recv_x", "recv_topk_idx", "recv_topk_weights", "counts", "handle")
@@ -172,7 +184,16 @@ class DispatchStage(CommStage):
 
 
 class CombineStage(CommStage):
-    """[y, handle] -> [combined]."""
+    """Combine as a stage: expert outputs go back to their tokens' ranks, weighted sums per token.
+
+    Consumes: y [N, H] bf16 (the rows of a dispatch, each row's weighted expert output), handle
+    (that dispatch's). Produces: combined [T, H] bf16 (summed in float32).
+
+    Args:
+      buffer: a commlib Buffer (or a stand-in with dispatch / combine / comm_stream).
+      name: the stage's name in step labels and timelines.
+      config: the Buffer Config of every call (forward and backward); None: the Buffer's choice.
+    """
     consumes = ("y", "handle")
     produces = ("combined",)
 

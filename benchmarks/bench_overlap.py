@@ -316,8 +316,7 @@ def run(ctx, args) -> dict:
             torch.cuda.synchronize()
             dist.barrier()
             return lambda: f_and_b(o1, overlap)
-        kernels = {sched: kernel_profile(profiled(sched == "dual"))
-                          for sched in ("sequential", "dual")}
+        kernels = {sched: kernel_profile(profiled(sched == "dual")) for sched in ("sequential", "dual")}
 
     if args.trace_dir and on_gpu:
         for sched in ("sequential", "dual"):

@@ -14,16 +14,16 @@ PRESETS = {
     #           tokens hidden experts topk groups topk_groups expert_hidden shared heads head_dim
     "v3":       (4096, 7168, 256, 8, 8, 4, 2048, 1, 56, 128),
     "balanced": (4096, 7168, 16, 2, 2, 2, 256, 0, 4, 128),
-    "balanced_fb": (4096, 7168, 2, 2, 1, 1, 256, 0, 0, 128),   # expert_hidden calibrated (see above)
-    "balanced_sms": (4096, 7168, 2, 2, 1, 1, 256, 0, 0, 128),  # comm SMs calibrated (see above)
-    "network": (16384, 7168, 16, 2, 2, 2, 3072, 0, 16, 128),  # with --ce-staging host (see above)
+    "balanced_fb": (4096, 7168, 2, 2, 1, 1, 256, 0, 0, 128),   # expert_hidden calibrated (see bench_overlap)
+    "balanced_sms": (4096, 7168, 2, 2, 1, 1, 256, 0, 0, 128),  # comm SMs calibrated (see bench_overlap)
+    "network": (16384, 7168, 16, 2, 2, 2, 3072, 0, 16, 128),  # with --ce-staging host (see bench_overlap)
     "tiny":     (32, 64, 8, 2, 2, 2, 32, 1, 4, 16),
 }
 CALIBRATED = {"balanced_fb"}           # presets whose expert_hidden is calibrated to compute ~ comm
 CALIBRATED_SMS = {"balanced_sms"}      # presets whose comm SMs are calibrated to comm ~ compute
 PHASES = ("forward", "forward_backward", "fwd0_bwd1")
 FIELDS = ("tokens", "hidden", "experts", "topk", "groups", "topk_groups", "expert_hidden", "shared", "heads",
-           "head_dim")
+          "head_dim")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -147,6 +147,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve_shapes(args, on_gpu: bool) -> dict:
+    """The run's shapes: the preset's (default v3 on GPUs, tiny on CPU), each overridden by its flag."""
     preset = args.preset or ("v3" if on_gpu else "tiny")
     shapes = dict(zip(FIELDS, PRESETS[preset]))
     for f in FIELDS:

@@ -1,39 +1,29 @@
 """Model: a forward+backward run's sequential step durations replayed in another schedule's order.
 
-bench_overlap.py records every step's span in the sequential and the dual run (JSON
+benchmarks.bench_overlap records every step's span in the sequential and the dual run (JSON
 ``figures.forward_backward.spans_sequential``). This replays the sequential durations in the issue
-order of two schedules of two forwards then two backwards, built by commlib.training.pipeline.schedule's own
-``_interleave`` on stand-in steps (no model, no GPU):
+order of two schedules of two forwards then two backwards, built by commlib.training.pipeline's own
+``interleave`` on stand-in steps (no model, no GPU):
 
   split   dual_forward, then dual_backward
   joint   dual_forward_backward (micro-batch 0's backward starts beside micro-batch 1's last
           forward steps), with its turn on the comm stream as on the GPUs, and without (``joint_compute``)
 
 Each step starts when the step before it on its stream and the step before it in its micro-batch
-have ended (``bench_overlap.schedule_bound_ms``): no interference, no host delay, no clock change.
+have ended (``benchmarks.overlap.analysis.schedule_bound_ms``): no interference, no host delay, no clock change.
 Printed over max(comm, compute) of the recorded run, with the halves floor (forward comm-or-compute
 plus backward comm-or-compute).
 
-    python3 benchmarks/model_schedule.py benchmarks/results/overlap_<tag>.json [...] [--light finish]
+    python -m experiments.model_schedule benchmarks/results/overlap_<tag>.json [...] [--light finish]
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_overlap", os.path.join(ROOT, "benchmarks", "bench_overlap.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks.overlap.analysis import schedule_bound_ms
+from commlib.training import pipeline as P
 
 
 def chain_stages(spans: list) -> list:
@@ -48,7 +38,6 @@ def chain_stages(spans: list) -> list:
 
 def orders(stages: list, light: set) -> dict:
     """Issue order (label, stream) of each schedule for two chains of ``stages``."""
-    from commlib.training.pipeline import schedule as P
     issued: list = []
     on = ["compute"]  # the stream a compute step's work goes to (the turn may move it to comm)
 
@@ -70,8 +59,8 @@ def orders(stages: list, light: set) -> dict:
 
     result = {}
     (f0, b0), (f1, b1) = steps("0"), steps("1")
-    P._interleave(f0, f1)
-    P._interleave(b0, b1)
+    P.interleave(f0, f1)
+    P.interleave(b0, b1)
     result["split"], issued = issued, []
     for name, moved in (("joint", True), ("joint_compute", False)):
         lists = []
@@ -79,15 +68,14 @@ def orders(stages: list, light: set) -> dict:
             fwd, bwd = steps(tag)
             lst = fwd + [P.Step("none", f"{tag}.turn", lambda: None)] + bwd
             if moved:  # as dual_forward_backward does on the GPUs
-                P._turn_on_comm_stream(lst, len(fwd), wrap=on_comm)
+                P.turn_on_comm_stream(lst, len(fwd), wrap=on_comm)
             lists.append(lst)
-        P._interleave(lists[0], lists[1], after_comm_first=True)
+        P.interleave(lists[0], lists[1], after_comm_first=True)
         result[name], issued = issued, []
     return result
 
 
 def model(path: str, light: set) -> dict:
-    bench = _bench()
     with open(path) as f:
         fig = json.load(f)["figures"]["forward_backward"]
     seq = fig["spans_sequential"]
@@ -99,13 +87,13 @@ def model(path: str, light: set) -> dict:
         spans = [{"label": label, "stream": stream, "start_ms": float(i), "end_ms": float(i)}
                  for i, (label, stream) in enumerate(order)]
         seq_moved = [dict(dur[label], stream=stream) for label, stream in order]
-        out[name] = bench.schedule_bound_ms(seq_moved, spans) / busiest
+        out[name] = schedule_bound_ms(seq_moved, spans) / busiest
     return out
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("json", nargs="+", help="bench_overlap.py result files")
+    p.add_argument("json", nargs="+", help="benchmarks.bench_overlap result files")
     p.add_argument("--light", default="finish", help="stage names that are light (never paired; comma list)")
     args = p.parse_args(argv)
     light = {x for x in args.light.split(",") if x}

@@ -1,4 +1,4 @@
-"""What torch's SM carveout (commlib.training.pipeline.schedule.sm_carveout) costs the MoE layer's GEMMs on one GPU,
+"""What torch's SM carveout (commlib.training.pipeline.sm_carveout) costs the MoE layer's GEMMs on one GPU,
 alone: each GEMM timed (CUDA events, mean of 30 after 3 warm-ups) on the default cuBLAS path with
 0 / 4 / 12 SMs carved out, and with cuBLASLt preferred (0 / 4 carved out). Prints a table in
 microseconds; --json PATH also writes it.
@@ -7,7 +7,7 @@ microseconds; --json PATH also writes it.
 1024-thread CTAs launched one by one (where comm CTAs land without clusters), and beside N/2
 two-CTA clusters (kernel variant COMM_CLUSTER=2): what a comm kernel's placement costs the GEMM.
 
-Run: python3 benchmarks/bench_gemm_carveout.py [--neighbour 4,12] [--json benchmarks/results/gemm_carveout_H200.json]
+Run: python -m experiments.bench_gemm_carveout [--neighbour 4,12] [--json benchmarks/results/gemm_carveout_H200.json]
 """
 from __future__ import annotations
 
@@ -18,10 +18,7 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-from commlib.bench.main import git_commit  # noqa: E402
+from commlib.bench.main import git_commit
 
 COLUMNS = (("cublas", None), ("cublas", 4), ("cublas", 12), ("cublaslt", None), ("cublaslt", 4))
 HEADERS = ("default", "cv4", "cv12", "lt", "lt+cv4")

@@ -17,13 +17,13 @@ one side load at a time, launched first on a side stream and sized to last as lo
   gaps       no side load; the GEMMs run in bursts of ~12 ms with the GPU idle ~7 ms between (the
              sequential schedule's compute spans between its comm steps); ms per GEMM inside bursts
   zeros      no side load; the GEMM's 16384 x 7168 operand is all zeros (as the rows bench_overlap's
-             compute-dense reference replayed before 2026-12-01): the data's share of the power
+             compute-dense reference once replayed): the data's share of the power
 
 Each row: ms per GEMM (CUDA events), its ratio to ``alone``, the mean SM clock, power and the
 share of samples at the power cap (commlib.bench.clocks, nvidia-smi every 50 ms; the GPU is CUDA device
 0, named by nvidia-smi's index ``--smi-index``).
 
-    python3 benchmarks/probe_power.py [--seconds 5] [--loads alone,zeros,...] [--json PATH]
+    python -m experiments.probe_power [--seconds 5] [--loads alone,zeros,...] [--json PATH]
 
 Needs a GPU and CuPy (the two spin kernels and the copy kernel); nothing of commlib's transport runs.
 """
@@ -32,12 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 LOADS = ("alone", "pcie", "spin_host", "spin_dev", "spin_sleep", "hbm4", "gaps", "zeros", "alone_again")
 

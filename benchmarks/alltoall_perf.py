@@ -2,8 +2,8 @@
 
 Run it under either launcher (one process per GPU, or CPU processes on gloo):
 
-    mpirun -np 4 python benchmarks/alltoall_perf.py -b 128 -e 4096 -f 2
-    torchrun --nproc-per-node 8 benchmarks/alltoall_perf.py -b 128 -e 4K -f 2 -n 20 -w 5
+    mpirun -np 4 python -m benchmarks.alltoall_perf -b 128 -e 4096 -f 2
+    torchrun --nproc-per-node 8 -m benchmarks.alltoall_perf -b 128 -e 4K -f 2 -n 20 -w 5
 
 (scripts/launch_mpirun.sh and scripts/launch_torchrun.sh add the usual flags.) Under MPI the
 Buffer is built from the communicator, ``Buffer(group=None, comm=MPI.COMM_WORLD)``, which sets
@@ -28,11 +28,6 @@ import os
 import shlex
 import socket
 import sys
-
-try:
-    import commlib  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.distributed as dist

@@ -1,6 +1,6 @@
 """Internode benchmark: the hierarchical engine on emulated nodes, network and NVLink GB/s.
 
-    python benchmarks/bench_internode.py [--ranks 2 --ranks-per-node 1] [--tokens 4096] [--json [PATH]]
+    python -m benchmarks.bench_internode [--ranks 2 --ranks-per-node 1] [--tokens 4096] [--json [PATH]]
 
 Runs commlib.bench.main's checked workload (V3 on GPUs, scaled down on CPUs) with
 ``backend="hierarchical"`` and, from the Buffer's row counters, reports per op and rank:
@@ -8,23 +8,18 @@ Runs commlib.bench.main's checked workload (V3 on GPUs, scaled down on CPUs) wit
   NVLink GB/s   rows moved between two ranks of one node x row bytes / time.
 On one machine the "network" is not InfiniBand: 2 GPUs as 2 nodes x 1 send the network hop over
 NVLink (NCCL), and CPU ranks over loopback (gloo). The figures show the engine's data path and
-its once-per-node traffic, not IB performance; benchmarks/model_internode.py predicts that.
+its once-per-node traffic, not IB performance; experiments/model_internode.py predicts that.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from commlib.bench import main as B  # noqa: E402
+from commlib.bench import main as B
 
 OPS = ["dispatch_bf16", "dispatch_bf16_cached", "dispatch_fp8", "combine"]
 BASELINE_OPS = ["a2a_dispatch_bf16", "a2a_combine"]  # flat all_to_all_single over every rank, same run

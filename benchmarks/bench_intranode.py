@@ -1,7 +1,7 @@
 """NVLink engine benchmark: DeepSeek-V3 dispatch / combine on one node vs the NCCL all-to-all baseline.
 
-    python benchmarks/bench_intranode.py                       # 2 ranks, 512..8192 tokens
-    python benchmarks/bench_intranode.py --json benchmarks/results --plot --plain --sms 8,12,16,20,24
+    python -m benchmarks.bench_intranode                       # 2 ranks, 512..8192 tokens
+    python -m benchmarks.bench_intranode --json --plot --plain --sms 8,12,16,20,24
 
 Workload (DESIGN.md "Performance method"): hidden 7168, top-8 of 256 experts, group-limited routing
 (8 groups, top-4 groups), per rank 512..8192 tokens; BF16 dispatch, FP8 dispatch (E4M3 + one float
@@ -32,11 +32,6 @@ import shlex
 import statistics
 import sys
 from pathlib import Path
-
-try:
-    import commlib  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.distributed as dist

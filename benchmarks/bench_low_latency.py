@@ -1,7 +1,7 @@
 """Low-latency (decode) benchmark: nvlink low-latency dispatch / combine vs NCCL, issue 8's workload.
 
-    python benchmarks/bench_low_latency.py [--tokens 128 --hidden 7168 --experts 288 --topk 8]
-                                           [--sms N] [--iters 50] [--json PATH]
+    python -m benchmarks.bench_low_latency [--tokens 128 --hidden 7168 --experts 288 --topk 8]
+                                          [--sms N] [--iters 50] [--json PATH]
 
 Two ranks (one per GPU). Per rank: T tokens, top-k of E experts (random, distinct), FP8 dispatch
 (cast in the kernel), BF16 combine. Reports, slowest rank's median over iterations (CUDA events,
@@ -16,19 +16,14 @@ The first call of each kind is checked against the reference backend (#wrong = b
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from commlib.bench import main as B  # noqa: E402
-from commlib.utils.timing import bench_cuda, capture_graph as _graph, reduce_times, summarize  # noqa: E402
+from commlib.bench import main as B
+from commlib.utils.timing import bench_cuda, capture_graph as _graph, reduce_times, summarize
 
 TARGETS_US = {"dispatch_graph": 25.0, "combine_graph": 32.0}
 DEEPEP_2XH200_US = {"dispatch": 29.0, "combine": 40.0, "send": 20.0, "recv": 8.0}

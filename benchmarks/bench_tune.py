@@ -1,8 +1,8 @@
 """Auto-tuner benchmark: the smart search against the exhaustive sweep, and tuned against default.
 
-    python benchmarks/bench_tune.py                        # real engine: one rank per GPU, V3 workload
-    python benchmarks/bench_tune.py --simulate             # synthetic cost model with noise (CPU, seconds)
-    python benchmarks/bench_tune.py --simulate --world 16 --ranks-per-node 8 --seeds 5 --check
+    python -m benchmarks.bench_tune                        # real engine: one rank per GPU, V3 workload
+    python -m benchmarks.bench_tune --simulate             # synthetic cost model with noise (CPU, seconds)
+    python -m benchmarks.bench_tune --simulate --world 16 --ranks-per-node 8 --seeds 5 --check
 
 For each kind (dispatch, combine) and token count (default 128, 1024, 4096 per rank; hidden 7168,
 top-8 of 256 experts, group-limited routing) both strategies of ``commlib.tuning.autotune.search`` run on the
@@ -35,11 +35,6 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any, Optional
-
-try:
-    import commlib  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from commlib.tuning import autotune as tune
 from commlib.config import Config, default_combine_config, default_dispatch_config

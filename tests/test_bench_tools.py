@@ -232,7 +232,7 @@ def test_rows_not_compared_read_na():
     assert results.wrong_cell({"op": "d", "wrong": 0}) == "N/A"  # a count without the flag is not a check
 
 
-def test_bench_intranode_table_marks_unchecked_rows(capsys):
+def test_bench_intranode_table_marks_unchecked_rows(capsys, tmp_path):
     """bench_intranode's table: compared rows show their count, others N/A; the footer says which."""
     from benchmarks import bench_intranode as BI
 
@@ -249,6 +249,11 @@ def test_bench_intranode_table_marks_unchecked_rows(capsys):
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
     assert [line[-1] for line in lines] == ["0", "2", "N/A"], lines
     assert results.exit_status(res["rows"]) == 1
+    path = BI.write_json(res, str(tmp_path), ["--sms", "8"])
+    assert re.fullmatch(r"bench_intranode_cpux2_\d{8}_[0-9a-z]+\.json", path.name), path.name
+    doc = json.loads(path.read_text())
+    assert [r["checked"] for r in doc["rows"]] == [True, True, False] and "wrong" not in doc["rows"][2]
+    assert doc["command"] == "python -m benchmarks.bench_intranode --sms 8" and doc["world_size"] == 2
 
 
 # ----------------------------------------------------------------------------- result files
@@ -435,7 +440,7 @@ def case_planted_library_bugs_fail_the_main_job(ctx):
 
     def scale_447(orig):
         def cast(x):
-            q, s = orig(x)
+            _, s = orig(x)
             s = s * (448.0 / 447.0)
             return (x.float().view(x.shape[0], -1, 128) / s.unsqueeze(2)).to(torch.float8_e4m3fn).view(x.shape), s
         return cast
@@ -467,8 +472,41 @@ def case_slowest_rank(ctx):
     assert r == {"median_us": R - 1, "mean_us": 1.0, "min_us": 0.0, "max_us": 2.0 * (R - 1), "samples": [me]}, r
 
 
+def case_low_latency_checks(ctx):
+    """bench_low_latency's checks of its timed outputs, on the reference backend: a repeat call
+    matches, one wrong byte in a row, a count or the combined output is counted."""
+    from benchmarks import bench_low_latency as LL
+    from commlib.buffer import Buffer
+
+    R, me = ctx.world_size, ctx.rank
+    M, H, E, K = 6, 256, 4 * R, 3
+    g = torch.Generator().manual_seed(100 + me)
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)])
+    w = torch.rand(M, K, generator=g)
+    kw = dict(use_fp8=True, round_scale=False, use_ue8m0=False)
+    buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True,
+                 backend="reference")
+    recv_x = buf.low_latency_dispatch(x, idx, M, E, **kw)[0]
+    y = torch.randn(recv_x[0].shape, generator=g).to(torch.bfloat16)
+    want = LL.reference_outputs(buf, x, idx, w, y, M, E, kw)
+    out = buf.low_latency_dispatch(x, idx, M, E, **kw)
+    assert LL.check_dispatch(out, want) == 0
+    combined = buf.low_latency_combine(y, idx, w, out[2])
+    assert LL.check_combine(combined, want) == 0
+    e = int(torch.nonzero(want["count"])[0])
+    out[0][0].view(torch.uint8)[e, 0, 0] ^= 1                      # one byte of a received row
+    assert LL.check_dispatch(out, want) == 1
+    out[1][e] += 1                                                 # a count (4 bytes, one differs)
+    assert LL.check_dispatch(out, want) >= 2
+    combined[0].view(torch.uint8)[0, 0] ^= 1
+    assert LL.check_combine(combined, want) == 1
+    buf.destroy()
+
+
 CASES = ["baseline_vs_oracle", "checks_catch_wrong_results", "measure_all_ops", "slowest_rank",
-         "unchecked_rows_say_so", "wrong_counts_sum_over_ranks", "planted_library_bugs_fail_the_main_job"]
+         "unchecked_rows_say_so", "wrong_counts_sum_over_ranks", "planted_library_bugs_fail_the_main_job",
+         "low_latency_checks"]
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ Ops (rows):  dispatch_bf16         get_dispatch_layout + dispatch (the full call
                                    all_to_all_single (+ reverse + unpermute for combine)
 Bytes: dispatch = rows received x row bytes (local rows included), combine = rows sent back.
 
-The helpers below (workload, oracle, ``measure``, table, JSON) are shared with
-``benchmarks/alltoall_perf.py``.
+The helpers below (workload, expectation, ``measure``, table, JSON) are shared with
+``benchmarks.alltoall_perf`` and ``benchmarks.bench_internode``.
 """
 from __future__ import annotations
 

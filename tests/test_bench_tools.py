@@ -256,6 +256,70 @@ def test_bench_intranode_table_marks_unchecked_rows(capsys, tmp_path):
     assert doc["command"] == "python -m benchmarks.bench_intranode --sms 8" and doc["world_size"] == 2
 
 
+# ----------------------------------------------------------------------------- main()s, their ranks faked
+def _intranode_row(op, tag, wrong):
+    return {"op": op, "tag": tag, "tokens": 4096, "num_sms": 20, "size_bytes": 1e6, "full_us": 10.0,
+            "algbw_full": 100.0, "cached_us": None, "algbw_cached": None, "cached_kernel_us": None,
+            "kernel_us": 8.0, "algbw_kernel": 125.0, "nvlbw_kernel": 60.0, "nccl_us": None, "nccl_algbw": None,
+            "x_nccl": None, "x_deepep": 0.3, "layout_us": 5.0, "layout_kernel_us": 2.0, "notify_us": 1.0,
+            "host_us": 3.0, "cached_host_us": None, **results.checked_fields(wrong)}
+
+
+@pytest.mark.parametrize("wrong, status", [(0, 0), (None, 0), (5, 1)])
+def test_gpu_benchmark_mains_exit_on_wrong_rows(monkeypatch, tmp_path, capsys, wrong, status):
+    """bench_intranode and bench_low_latency (GPU-only workers, faked here) exit 1 exactly when a
+    compared row is wrong; rows nothing compared read N/A and do not fail."""
+    from benchmarks import bench_intranode as BI
+    from benchmarks import bench_low_latency as LL
+    from commlib.utils import launch
+
+    rows = [_intranode_row("dispatch_bf16", "main", 0), _intranode_row("combine", "sms_sweep", wrong)]
+    monkeypatch.setattr(launch, "parallel_launch",
+                        lambda *a, **k: {"rows": rows, "device": "NVIDIA H200", "world": 2})
+    assert BI.main(["--json", str(tmp_path)]) == status
+    out = capsys.readouterr().out
+    assert out.count(" N/A\n") == (wrong is None), out
+
+    figs = {"dispatch_graph": 20.0, "combine_graph": 25.0, "dispatch_eager": 40.0, "combine_eager": 45.0,
+            "nccl_dispatch": 30.0, "nccl_combine": 50.0}
+    ll_rows = [{"op": op, "time_us": v, **results.checked_fields(None if op.startswith("nccl") else
+                                                                 (wrong if op == "combine_graph" else 0))}
+               for op, v in figs.items()]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    monkeypatch.setattr(launch, "parallel_launch", lambda *a, **k: {
+        "figures": figs, "rows": ll_rows, "wrong_dispatch": 0, "wrong_combine": 0, "num_sms": 4,
+        "send_rows": [1, 1], "recv_rows": [1, 1], "trace": None})
+    assert LL.main(["--json", str(tmp_path / "ll.json")]) == status
+    out = capsys.readouterr().out
+    table = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.startswith("  ")}
+    assert table["nccl_dispatch"] == "N/A" and table["dispatch_graph"] == "0", out
+    assert table["combine_graph"] == results.wrong_cell(ll_rows[1]), out
+    doc = json.loads((tmp_path / "ll.json").read_text())
+    assert [r["checked"] for r in doc["rows"]] == [r["checked"] for r in ll_rows]
+    assert doc["device"]["name"] == "NVIDIA H200" and doc["command"].startswith("python -m benchmarks.bench_low_latency")
+
+
+def test_main_job_exits_on_wrong_rows(monkeypatch, capsys):
+    """The main job's verdict and exit status from its gathered rows (its ranks faked)."""
+    def fake(wrong_combine):
+        rows = []
+        for op in bench.OPS:
+            wrong = wrong_combine if op == "combine" else 0
+            rows.append({"op": op, "tokens": 8, "bytes": 100.0, "time_us": 1.0, "algbw_gbps": 0.1, "busbw_gbps": 0.05,
+                         **results.checked_fields(wrong)})
+        return lambda *a, **k: {"rows": rows, "info": {"backend": "reference", "reference_checked": False,
+                                                       "buffer_device": "cpu", "process_group": "gloo"}}
+
+    for wrong, status, verdict in ((0, 0, "all results verified"), (3, 1, "FAILED: 3 wrong"), (None, 0, "not checked: combine")):
+        monkeypatch.setattr(bench, "parallel_launch", fake(wrong))
+        assert bench.main(["--tokens", "8", "--hidden", "128", "--experts", "16", "--topk", "2", "--groups", "4",
+                           "--topk-groups", "2"]) == status
+        out = capsys.readouterr().out
+        assert verdict in out, out
+
+
 # ----------------------------------------------------------------------------- result files
 def test_result_names():
     h200 = {"kind": "cuda", "name": "NVIDIA H200"}

@@ -236,13 +236,7 @@ def test_bench_intranode_table_marks_unchecked_rows(capsys, tmp_path):
     """bench_intranode's table: compared rows show their count, others N/A; the footer says which."""
     from benchmarks import bench_intranode as BI
 
-    def row(op, tag, wrong):
-        return {"op": op, "tag": tag, "tokens": 4096, "num_sms": 20, "size_bytes": 1e6, "full_us": 10.0,
-                "algbw_full": 100.0, "cached_us": None, "algbw_cached": None, "cached_kernel_us": None,
-                "kernel_us": 8.0, "algbw_kernel": 125.0, "nvlbw_kernel": 60.0, "nccl_us": None, "nccl_algbw": None,
-                "x_nccl": None, "x_deepep": 0.3, "layout_us": 5.0, "layout_kernel_us": 2.0, "notify_us": 1.0,
-                "host_us": 3.0, "cached_host_us": None, **results.checked_fields(wrong)}
-
+    row = _intranode_row
     res = {"world": 2, "device": "NVIDIA H200", "rows": [row("dispatch_bf16", "main", 0), row("combine", "main", 2),
                                                          row("dispatch_bf16", "sms_sweep", None)]}
     BI.print_table(res)

@@ -2,8 +2,8 @@
 
 Written from the contract (DeepEP's dispatch / combine), in plain torch, importing nothing of
 commlib: not the layout, routing, FP8 or backend code the benchmarks check. A bug there cannot
-hide here by being shared. Every function takes all ranks' inputs (each rank rebuilds its peers'
-from their seeds) and answers for one rank.
+hide here by being shared. The routing functions take every rank's inputs (each rank rebuilds its
+peers' from their seeds) and answer for one rank.
 
 The contract, as this module states it:
   * experts are split in contiguous blocks, E / R per rank: rank r owns [r E/R, (r + 1) E/R);
@@ -60,14 +60,10 @@ def tokens_to(topk_idxs: Sequence[torch.Tensor], num_experts: int, rank: int) ->
 
 def gather(per_rank: Sequence[torch.Tensor], tokens: Sequence[torch.Tensor]) -> torch.Tensor:
     """Rows ``per_rank[s][tokens[s]]`` for every source s, concatenated in rank order."""
-    parts = []
-    for t, i in zip(per_rank, tokens):
-        if t.element_size() == 1 and t.is_floating_point():  # FP8: index its bytes
-            parts.append(t.view(torch.uint8)[i.to(t.device)].view(t.dtype))
-        else:
-            parts.append(t[i.to(t.device)])
-    return torch.cat(parts, dim=0) if parts[0].element_size() > 1 or not parts[0].is_floating_point() \
-        else torch.cat([p.view(torch.uint8) for p in parts], dim=0).view(parts[0].dtype)
+    fp8 = per_rank[0].is_floating_point() and per_rank[0].element_size() == 1
+    parts = [(t.view(torch.uint8) if fp8 else t)[i.to(t.device)] for t, i in zip(per_rank, tokens)]
+    out = torch.cat(parts, dim=0)
+    return out.view(per_rank[0].dtype) if fp8 else out  # FP8: indexed and joined as bytes
 
 
 def local_expert_ids(topk_idx_NK: torch.Tensor, rank: int, num_experts: int, num_ranks: int) -> torch.Tensor:

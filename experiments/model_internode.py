@@ -1,6 +1,6 @@
 """Predict internode dispatch / combine for EP16 .. EP256 from the V3 routing's traffic matrix.
 
-    python benchmarks/model_internode.py [--tokens 4096] [--sample 1024] [--json [PATH]]
+    python -m experiments.model_internode [--tokens 4096] [--sample 1024] [--json [PATH]]
 
 For each EP size (8 GPUs per node) it samples DeepSeek-V3 routing (256 experts, top-8, node-limited:
 experts grouped by node, at most 4 nodes per token) and counts, per GPU, the rows that must leave
@@ -30,11 +30,9 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from commlib.routing import group_limited_topk
 
-from commlib.routing import group_limited_topk  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: benchmarks/results lives there
 
 # DeepEP's README, internode normal kernels on H800 (NVLink ~160 GB/s, CX7 IB 400 Gb/s = 50 GB/s per GPU):
 # RDMA bandwidth of dispatch (FP8) / combine (BF16) at EP16, EP32, EP64.
@@ -52,8 +50,10 @@ def nvlink_engine_gbps() -> tuple[float, str]:
     best = None  # (date, GB/s, file): the newest run's default row; A/B runs at other SM counts do not count
     for f in files:
         try:
-            doc = json.load(open(f))
-            rows, date = doc["rows"], str(doc.get("date", ""))
+            with open(f) as fh:
+                doc = json.load(fh)
+            # when it ran, as yyyymmddHHMMSS: "date" (older files) or the ISO "timestamp"
+            rows, date = doc["rows"], "".join(ch for ch in str(doc.get("date") or doc.get("timestamp", "")) if ch.isdigit())[:14]
         except (OSError, ValueError, KeyError):
             continue
         for r in rows:
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         path = a.json if a.json != "auto" else os.path.join(
             ROOT, "benchmarks", "results", f"model_internode_{datetime.date.today():%Y%m%d}.json")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        doc = {"tool": "benchmarks/model_internode.py", "command": " ".join(["python"] + sys.argv),
+        doc = {"tool": "experiments.model_internode", "command": " ".join(["python"] + sys.argv),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "assumptions": {"net_efficiency": a.net_efficiency, "latency_us": a.latency_us,
                                "nvlink_engine_gbps": nvl_gbps, "nvlink_engine_source": nvl_src,

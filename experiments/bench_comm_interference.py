@@ -23,7 +23,7 @@ With ``--kernel-variant COMM_TRACE=1`` each row also splits the last call of eac
 over CTAs, slowest rank): when the senders and the receivers finished their own work and when they
 ended (with SHARE_WORK=1 a sender ends after the receiver rows it took over).
 
-Run (GPUs, spawns 2 ranks): python3 benchmarks/bench_comm_interference.py [--comm-sms 4]
+Run (GPUs, spawns 2 ranks): python -m experiments.bench_comm_interference [--comm-sms 4]
     [--kernel-variant KEY=V,...] [--no-ce] [--json PATH]
 """
 from __future__ import annotations
@@ -34,9 +34,6 @@ import math
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 LOADS = ("alone", "fma", "l2", "hbm", "gemm")
 

@@ -10,7 +10,7 @@ last warp finished; the rate of a group is its bytes over that time. P = 32 (pus
 (local copies only) and mixes in between, on --sms SMs, GPU 0's figures (GPU 1 runs the mirror
 image at the same time).
 
-    python3 benchmarks/probe_sm_mix.py [--sms 4] [--rows 4096] [--hidden 7168] [--json PATH]
+    python -m experiments.probe_sm_mix [--sms 4] [--rows 4096] [--hidden 7168] [--json PATH]
 
 Needs two GPUs with peer access (CuPy); nothing of commlib runs here.
 """

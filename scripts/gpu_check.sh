@@ -100,12 +100,12 @@ EOF
 compile_kernels() {
   $PY - <<'EOF'
 import time, torch
-from commlib import kernels
+from commlib.cuda import loader as kernels
 torch.cuda.init()
 for plain in (False, True):
     t0 = time.perf_counter()
     kernels.compile_all(plain)
-    print(f"[compile] plain={plain}: {len(kernels._FAMILIES)} families in {time.perf_counter() - t0:.2f} s")
+    print(f"[compile] plain={plain}: {len(kernels.FAMILIES)} families in {time.perf_counter() - t0:.2f} s")
 EOF
 }
 

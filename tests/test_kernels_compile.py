@@ -48,7 +48,7 @@ def _compile_nvcc(nvcc: str, build, folder: Path) -> str:
     src.write_text(build.source)
     # -cubin: the device compile NVRTC does (cicc + ptxas), without a host pass NVRTC never runs
     cmd = [nvcc, *build.options, "-cubin", "-o", str(folder / f"{stem}.cubin"), str(src)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     if r.returncode:
         return f"{_label(build)}: {' '.join(cmd)}\n{r.stderr[-4000:]}"
     return ""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -77,6 +77,8 @@ DEFAULT_VARIANT = {
 }
 MACRO_PREFIX = "CL_"  # kernel macros; environment variables keep COMMLIB_
 
+# Every kernel family: csrc/<family>.cu -> its extern "C" kernels. One list for the library's builds
+# (compile_all, launch) and the compile test (default_builds); it covers every csrc/*.cu.
 FAMILIES = {
     "layout": ("layout_kernel",),
     "notify": ("notify_kernel",),
@@ -203,6 +205,31 @@ def options(plain: bool, knobs: Optional[dict] = None) -> tuple:
     })
     defines.update({MACRO_PREFIX + k: v for k, v in (knobs if knobs is not None else _variant).items()})
     return ("-std=c++17", "--gpu-architecture=sm_90") + tuple(f"-D{k}={v}" for k, v in defines.items())
+
+
+class KernelBuild(NamedTuple):
+    """One NVRTC build the library makes: ``cupy.RawModule(code=source, options=options)``."""
+
+    family: str          # csrc/<family>.cu
+    names: tuple         # its extern "C" kernels
+    plain: bool          # plain loads / stores (COMMLIB_PLAIN_LDST) or the PTX-hinted ones
+    variant: str         # "default", or "streaming" (the dispatch build DISPATCH_STREAM_MAX_SMS picks)
+    options: tuple       # -std, --gpu-architecture and every -D define
+    source: str          # the family's text with common.cuh pasted in
+
+
+def default_builds() -> list:
+    """Every build the library compiles under DEFAULT_VARIANT: each family in both load / store
+    modes, and the streaming sender's dispatch build where DISPATCH_STREAM_MAX_SMS picks it."""
+    streaming = _streaming_variant_key(DEFAULT_VARIANT)
+    builds = []
+    for plain in (False, True):
+        for family, names in FAMILIES.items():
+            text = source(family)
+            builds.append(KernelBuild(family, names, plain, "default", options(plain, DEFAULT_VARIANT), text))
+            if family == "dispatch" and streaming is not None:
+                builds.append(KernelBuild(family, names, plain, "streaming", options(plain, dict(streaming)), text))
+    return builds
 
 
 _functions: dict = {}  # (family, name, plain, variant, device) -> CuPy function: the launch hot path

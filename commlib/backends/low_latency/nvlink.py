@@ -43,7 +43,7 @@ from commlib.backends.low_latency.reference import (LowLatencyEngine, LowLatency
                            combine_half_bytes)
 from commlib.backends.nvlink.peer_memory import PeerMemory
 
-THREADS = 512               # CL_LL_THREADS in csrc/low_latency.cu
+THREADS = 512               # kLlThreads in csrc/low_latency.cu
 CTAS_PER_SM = 2             # its __launch_bounds__: two CTAs fit an SM (64 registers a thread)
 TRACE_BASE, TRACE_CTAS = 64, 256  # LL_TRACE_BASE, LL_TRACE_CTAS in csrc/low_latency.cu
 MAX_EXPERTS = 2048          # LL_MAX_EXPERTS in csrc/low_latency.cu: words per half of the control arrays

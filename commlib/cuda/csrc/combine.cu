@@ -26,22 +26,15 @@
 // COMBINE_DONE only after a cluster barrier with it.
 #include "common.cuh"
 
-#ifndef CL_COMBINE_THREADS
-#define CL_COMBINE_THREADS 1024
-#endif
-#ifndef CL_COMBINE_MIN_BLOCKS
-#define CL_COMBINE_MIN_BLOCKS 1   // CTAs per SM the register budget allows
-#endif
-#ifndef CL_COMBINE_COPY_UNROLL
-#define CL_COMBINE_COPY_UNROLL 4  // sender: 16-byte vectors in flight per lane
-#endif
-#ifndef CL_COMBINE_SUM_UNROLL
-#define CL_COMBINE_SUM_UNROLL 2   // receiver: vectors per rank, two ranks' loads in flight at once
+// The variant's knobs (loader.DEFAULT_VARIANT, passed with -D).
+#if !defined(CL_COMBINE_THREADS) || !defined(CL_COMBINE_MIN_BLOCKS) || !defined(CL_COMBINE_COPY_UNROLL) || \
+    !defined(CL_COMBINE_SUM_UNROLL)
+#error "combine.cu compiles with the -D defines of commlib/cuda/loader.py options()"
 #endif
 constexpr int kCombineThreads = CL_COMBINE_THREADS;
-constexpr int kCombineMinBlocks = CL_COMBINE_MIN_BLOCKS;
-constexpr int kCombineCopyUnroll = CL_COMBINE_COPY_UNROLL;
-constexpr int kCombineSumUnroll = CL_COMBINE_SUM_UNROLL;
+constexpr int kCombineMinBlocks = CL_COMBINE_MIN_BLOCKS;    // CTAs per SM the register budget allows
+constexpr int kCombineCopyUnroll = CL_COMBINE_COPY_UNROLL;  // sender: 16-byte vectors in flight per lane
+constexpr int kCombineSumUnroll = CL_COMBINE_SUM_UNROLL;    // receiver: vectors per rank, two ranks' loads in flight
 
 struct CombineArgs {
     const int4* x; const float* topk_weights; const int* send_head;

@@ -2,8 +2,10 @@
 //
 // Compiled by NVRTC through CuPy (commlib/cuda/loader.py), which pastes this file in front of each
 // kernel family, so it uses no host headers: only builtin types (int4, ...) and inline PTX.
-// loader.py also defines the buffer-layout constants (CL_OFF_*) with -D; the defaults below
-// only let `nvcc -c csrc/X.cu` check a file on its own.
+// loader.py also defines the limits, the buffer-layout constants (CL_OFF_*) and the kernel
+// variant's knobs with -D (loader.options()). None has a fallback here: a build that misses one
+// fails to compile instead of running with a value the host does not know (tests/test_kernels_compile.py
+// compiles every family from loader.default_builds()).
 //
 // CL_PLAIN=1 swaps the cache-hinted 16-byte loads/stores for plain C++ ones, so a benchmark
 // can show what the hints buy (COMMLIB_PLAIN_LDST=1 at run time picks that build).
@@ -17,31 +19,28 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef long long i64;
 
-#ifndef CL_PLAIN
-#define CL_PLAIN 0
+// From loader.options():
+//   CL_PLAIN               1: plain loads / stores (COMMLIB_PLAIN_LDST), 0: the PTX-hinted ones
+//   CL_MAX_RANKS           NVLink peers of one node; rank masks fit one byte
+//   CL_MAX_CHANNELS        num_sms <= 2 x this
+//   Control region (the first CONTROL_BYTES of every rank's buffer), byte offsets (CONTROL_LAYOUT):
+//   CL_OFF_DISPATCH_TAIL   u64 [src rank][channel]: sender progress, written by src
+//   CL_OFF_DISPATCH_DONE   u64 [dst rank][channel]: "consumed up to seq", written by dst
+//   CL_OFF_COMBINE_TAIL    u64 [src rank][channel]
+//   CL_OFF_COMBINE_DONE    u64 [dst rank][channel]
+//   CL_OFF_NOTIFY_FLAG     u64 [parity][src rank]
+//   CL_OFF_DISPATCH_SIG    u64 [src rank][channel]: src sender's call_signature, written by src
+//   CL_OFF_COMBINE_SIG     u64 [src rank][channel]
+//   CL_OFF_NOTIFY_DATA     int [parity][src rank][slot_words]
+//   CL_COMM_CLUSTER, CL_SHARE_WORK, CL_COMM_TRACE, CL_TRACE_OFFSET_WORDS, CL_TRACE_POINTS (below)
+#if !defined(CL_PLAIN) || !defined(CL_MAX_RANKS) || !defined(CL_MAX_CHANNELS) || !defined(CL_OFF_DISPATCH_TAIL) || \
+    !defined(CL_OFF_DISPATCH_DONE) || !defined(CL_OFF_COMBINE_TAIL) || !defined(CL_OFF_COMBINE_DONE) ||             \
+    !defined(CL_OFF_NOTIFY_FLAG) || !defined(CL_OFF_DISPATCH_SIG) || !defined(CL_OFF_COMBINE_SIG) ||                 \
+    !defined(CL_OFF_NOTIFY_DATA) || !defined(CL_COMM_CLUSTER) || !defined(CL_SHARE_WORK) ||                          \
+    !defined(CL_COMM_TRACE) || !defined(CL_TRACE_OFFSET_WORDS) || !defined(CL_TRACE_POINTS)
+#error "commlib kernels compile with the -D defines of commlib/cuda/loader.py options()"
 #endif
 constexpr bool kPlain = CL_PLAIN;
-
-// Limits shared with commlib/cuda/loader.py (it passes the same numbers with -D).
-#ifndef CL_MAX_RANKS
-#define CL_MAX_RANKS 8          // NVLink peers of one node; rank masks fit one byte
-#endif
-#ifndef CL_MAX_CHANNELS
-#define CL_MAX_CHANNELS 128     // num_sms <= 256
-#endif
-// Control region (the first CONTROL_BYTES of every rank's buffer), byte offsets.
-#ifndef CL_OFF_DISPATCH_TAIL
-#define CL_OFF_DISPATCH_TAIL 0          // u64 [src rank][channel]: sender progress, written by src
-#define CL_OFF_DISPATCH_DONE 8192       // u64 [dst rank][channel]: "consumed up to seq", written by dst
-#define CL_OFF_COMBINE_TAIL 16384       // u64 [src rank][channel]
-#define CL_OFF_COMBINE_DONE 24576       // u64 [dst rank][channel]
-#define CL_OFF_NOTIFY_FLAG 32768        // u64 [parity][src rank]
-#define CL_OFF_NOTIFY_DATA 53248        // int [parity][src rank][slot_words]
-#endif
-#ifndef CL_OFF_DISPATCH_SIG
-#define CL_OFF_DISPATCH_SIG 36864       // u64 [src rank][channel]: src sender's call_signature, written by src
-#define CL_OFF_COMBINE_SIG 45056        // u64 [src rank][channel]
-#endif
 // Notify slot words (int32 offsets inside one source's slot).
 #define CL_NW_NTPR 0                    // [R] the source's num_tokens_per_rank
 #define CL_NW_BAD 8                     // bad top-k ids the source saw
@@ -56,9 +55,6 @@ constexpr bool kPlain = CL_PLAIN;
 // GEMM (CUTLASS, 2x1 clusters) sizes its grid for all SMs but the carveout; comm CTAs scattered one
 // per GPC leave odd free SMs behind, fewer cluster slots than that grid, and the GEMM's last clusters
 // wait for a whole first wave (benchmarks/bench_gemm_carveout.py --neighbour measures it).
-#ifndef CL_COMM_CLUSTER
-#define CL_COMM_CLUSTER 2
-#endif
 #if CL_COMM_CLUSTER > 1
 #define CL_CLUSTER_DIMS __cluster_dims__(CL_COMM_CLUSTER, 1, 1)
 #else
@@ -393,9 +389,6 @@ __device__ __forceinline__ u32 lanemask_lt() { return (1u << (threadIdx.x & 31))
 // exactly one warp with the receiver's code, so results do not depend on who did it. A cluster
 // barrier after the items (release / acquire) orders both CTAs' reads of the staging slots before
 // the receiver hands them back to the senders.
-#ifndef CL_SHARE_WORK
-#define CL_SHARE_WORK 0
-#endif
 #define CL_SHARE (CL_SHARE_WORK && CL_COMM_CLUSTER == 2)
 
 // All threads of both CTAs of the cluster; memory before it is visible to the other CTA after it.
@@ -444,15 +437,8 @@ __device__ __forceinline__ WorkItems channel_work_items(int role) {
 
 // CL_COMM_TRACE 1: the data kernels also record %globaltimer points per CTA, after the
 // %smid words of the debug buffer (nvlink/engine.py last_trace): [CTA][start, own work done, end].
-#ifndef CL_COMM_TRACE
-#define CL_COMM_TRACE 0
-#endif
 constexpr bool kCommTrace = CL_COMM_TRACE;
-#ifndef CL_TRACE_OFFSET_WORDS      // loader.py passes both
-#define CL_TRACE_OFFSET_WORDS 256  // u32 words of %smid before the trace
-#define CL_TRACE_POINTS 3
-#endif
-constexpr int kTraceOffsetWords = CL_TRACE_OFFSET_WORDS;
+constexpr int kTraceOffsetWords = CL_TRACE_OFFSET_WORDS;  // u32 words of %smid before the trace
 constexpr int kTracePoints = CL_TRACE_POINTS;
 __device__ __forceinline__ void trace_point(u32* smids, int point) {
     if (kCommTrace && smids != nullptr && threadIdx.x == 0)

@@ -30,27 +30,19 @@
 // the receiver hands the slots back (DISPATCH_DONE) only after a cluster barrier with it.
 #include "common.cuh"
 
-#ifndef CL_DISPATCH_THREADS
-#define CL_DISPATCH_THREADS 1024
+// The variant's knobs (loader.DEFAULT_VARIANT, passed with -D).
+#if !defined(CL_DISPATCH_THREADS) || !defined(CL_DISPATCH_MIN_BLOCKS) || !defined(CL_DISPATCH_UNROLL) || \
+    !defined(CL_LOCAL_IN_RECEIVER) || !defined(CL_DISPATCH_STREAM_SEND)
+#error "dispatch.cu compiles with the -D defines of commlib/cuda/loader.py options()"
 #endif
-#ifndef CL_DISPATCH_MIN_BLOCKS
-#define CL_DISPATCH_MIN_BLOCKS 1  // CTAs per SM the register budget allows (2 at 512 threads: half an SM)
-#endif
-#ifndef CL_DISPATCH_UNROLL
-#define CL_DISPATCH_UNROLL 4      // 16-byte vectors in flight per lane
-#endif
-#ifndef CL_LOCAL_IN_RECEIVER
-#define CL_LOCAL_IN_RECEIVER 1    // 1: the receiver CTA copies the local half (x -> recv_x), the sender only pushes
-#endif
-#ifndef CL_DISPATCH_STREAM_SEND
-#define CL_DISPATCH_STREAM_SEND 0  // N > 0: sender warps stream their tokens without round barriers; the
-#endif                                   // publisher follows per-warp progress words, each released after every
-                                         // N of the warp's tokens (see dispatch_send)
 constexpr int kDispatchThreads = CL_DISPATCH_THREADS;
-constexpr int kDispatchMinBlocks = CL_DISPATCH_MIN_BLOCKS;
-constexpr int kDispatchUnroll = CL_DISPATCH_UNROLL;
+constexpr int kDispatchMinBlocks = CL_DISPATCH_MIN_BLOCKS;  // CTAs per SM the register budget allows
+constexpr int kDispatchUnroll = CL_DISPATCH_UNROLL;         // 16-byte vectors in flight per lane
+// 1: the receiver CTA copies the local half (x -> recv_x), the sender only pushes
 constexpr bool kLocalInReceiver = CL_LOCAL_IN_RECEIVER;
-constexpr int kStreamReleaseEvery = CL_DISPATCH_STREAM_SEND;  // > 0: the streaming sender (#if below)
+// N > 0: sender warps stream their tokens without round barriers; the publisher follows per-warp
+// progress words, each released after every N of the warp's tokens (see dispatch_send)
+constexpr int kStreamReleaseEvery = CL_DISPATCH_STREAM_SEND;
 
 #define DISPATCH_FLAG_WRITE_HANDLE 1  // write send_head and recv_src_idx (non-cached mode)
 

@@ -48,17 +48,15 @@
 // the sender returns at once, the hook launches the receiver; no SM waits in between).
 #include "common.cuh"
 
-#ifndef CL_LL_THREADS
-#define CL_LL_THREADS 512         // commlib/backends/low_latency/nvlink.py launches this many, 2 CTAs per SM
+// The variant's knobs (loader.DEFAULT_VARIANT, passed with -D).
+#if !defined(CL_LL_PARTS) || !defined(CL_LL_TRACE) || !defined(CL_LL_FENCE)
+#error "low_latency.cu compiles with the -D defines of commlib/cuda/loader.py options()"
 #endif
 #define LL_UNROLL 4
 #define LL_MAX_EXPERTS 2048            // low_latency/nvlink.py MAX_EXPERTS
 #define LL_SMEM_PAIRS 4096             // (token, slot) ids kept in shared memory for the slot scan
 #define LL_SMEM_WANT 1024              // dispatch receiver: segments whose arrival targets stay in shared memory
-#ifndef CL_LL_PARTS
-#define CL_LL_PARTS 1             // loader.DEFAULT_VARIANT["LL_PARTS"]
-#endif
-constexpr int kLlThreads = CL_LL_THREADS;
+constexpr int kLlThreads = 512;  // commlib/backends/low_latency/nvlink.py THREADS launches this many, 2 CTAs per SM
 constexpr int kLlMaxParts = CL_LL_PARTS;  // dispatch: CTAs sharing one token row when the grid has CTAs to spare
 #define LL_COMBINE_RECV_PARTS 2        // combine: CTAs sharing one token's sum when the grid has CTAs to spare
 #define LL_RECV_ROWS 512               // rows whose sources the dispatch receiver keeps in shared memory at once
@@ -72,9 +70,6 @@ constexpr int kLlMaxParts = CL_LL_PARTS;  // dispatch: CTAs sharing one token ro
 // (after its fence and arrivals), arrivals seen, recv rows done, end; kernel 1 combine: start, send ready, records written, first
 // item's record seen, its partial stored, send done (flags released), first token's partials seen,
 // end: commlib/backends/low_latency/nvlink.py TRACE_POINTS). benchmarks/bench_low_latency.py --trace reads them.
-#ifndef CL_LL_TRACE
-#define CL_LL_TRACE 0
-#endif
 #define LL_TRACE_BASE 64
 #define LL_TRACE_CTAS 256
 constexpr bool kLlTrace = CL_LL_TRACE;
@@ -163,9 +158,6 @@ __device__ __forceinline__ u64 ll_record_tag(u64 seq) { return (seq & 0x7fffffff
 // A release fence at system scope: with the relaxed reductions after it, the PTX pattern of a
 // release reduction. CL_LL_FENCE=1 (default) uses fence.acq_rel.sys; 0 the sequentially
 // consistent __threadfence_system (fence.sc.sys), the stronger and older choice.
-#ifndef CL_LL_FENCE
-#define CL_LL_FENCE 1
-#endif
 constexpr bool kLlAcqRelFence = CL_LL_FENCE;
 __device__ __forceinline__ void ll_release_fence() {
     if constexpr (kLlAcqRelFence)

@@ -19,10 +19,7 @@
 // vectors of 8 values in flight per slot.
 #include "common.cuh"
 
-#ifndef CL_ROW_UNROLL
-#define CL_ROW_UNROLL 4
-#endif
-constexpr int kRowUnroll = CL_ROW_UNROLL;
+constexpr int kRowUnroll = 4;  // rows' vectors in flight per lane
 
 extern "C" __global__ void __launch_bounds__(256) slot_sum_bf16(const int4* __restrict__ src, const int* __restrict__ pos,
                                                                 int4* __restrict__ dst, int num_rows, int num_slots,

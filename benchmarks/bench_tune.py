@@ -45,13 +45,13 @@ V3_TOKENS = 4096
 class SimulatedWorkload:
     """A synthetic, noisy cost model of one dispatch or combine call (per rank, microseconds).
 
-    With H200-like constants (docs/launch.md, "The performance method"): launch + count exchange; rows over NVLink at bw(num_sms)
-    (saturating near 330 GB/s, losing a little past 24 CTAs to contention); a pipeline fill of one
-    send chunk per channel; a flag round trip per chunk, half hidden behind the copies; a fixed
-    cost per channel. Several nodes add the network hop with its own chunk, overlapped with the
-    NVLink part; combine adds the reduction of rows by the receiving CTAs. Capacities above what
-    a call needs cost 0.3% per doubling (buffer footprint), and a fixed +-0.75% ripple per config
-    keeps the landscape from being perfectly smooth. The optimum chunk shrinks as num_sms grows:
+    With H200-like constants (docs/launch.md, "The performance method"): launch + count exchange;
+    rows over NVLink at bw(num_sms) (saturating near 330 GB/s, losing a little past 24 CTAs to
+    contention); a pipeline fill of one send chunk per channel; a flag round trip per chunk, half
+    hidden behind the copies; a fixed cost per channel. Several nodes add the network hop with its
+    own chunk, overlapped with the NVLink part; combine adds the reduction of rows by the receiving
+    CTAs. Capacities above what a call needs cost 0.3% per doubling (buffer footprint), and a fixed
+    +-0.75% ripple per config keeps the landscape from being perfectly smooth. The optimum chunk shrinks as num_sms grows:
     a diagonal valley, as on the real engine.
     Samples: lognormal noise (``noise``), a per-batch drift, 3% outliers of +5..30%.
     ``elapsed`` accumulates every simulated call, warm-ups included: the tuning time.

@@ -2,7 +2,7 @@
 
 The dual pipeline's 2F->2B run on 2 x H200 sits at the 700 W cap at ~1700 MHz, while the same
 compute replayed without transfers sits at the cap at ~1880 MHz (bench_overlap's compute-dense
-reference, docs/pipeline.md). This probe asks which part of the host-staged transport takes the
+reference, docs/notes/2026-11-30_pipeline_log.md). This probe asks which part of the host-staged transport takes the
 power: a bf16 GEMM loop (16384 x 7168 x 3072, every SM) runs for ``--seconds`` alone and beside
 one side load at a time, launched first on a side stream and sized to last as long:
 

@@ -11,7 +11,7 @@ one side load at a time, launched first on a side stream and sized to last as lo
   spin_host  one warp polling a word of pinned host memory (system-scope loads), as the copy-engine
              path's flag kernels wait
   spin_dev   the same on a word of device memory
-  spin_sleep spin_host with a 256 ns __nanosleep between polls (kernel variant WAIT_BACKOFF_NS)
+  spin_sleep spin_host with a 256 ns __nanosleep between polls (as the removed WAIT_BACKOFF_NS variant did)
   hbm4       4 CTAs of 1024 threads copying between two 2 GB device buffers (the packing and the
              sum's kind of work, without pause, on 4 SMs)
   gaps       no side load; the GEMMs run in bursts of ~12 ms with the GPU idle ~7 ms between (the

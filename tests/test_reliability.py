@@ -122,3 +122,25 @@ def test_ranks_disagree(what, word):
     name, msg, took = _run_fault(f"disagree_{what}")
     assert name == "ValueError" and word in msg, msg
     assert took < TIMEOUT_S
+
+
+def test_world_reports_a_case_failing_on_one_rank_within_a_minute():
+    """Rank 1 fails a case while rank 0 waits in a collective rank 1 never enters: the world stops
+    and raises with rank 1's assertion text well before any collective or run timeout."""
+    from worlds import run_world
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        run_world(2, "cases_worlds", ["passes", "fails_on_rank_1_only", "passes"], timeout_s=600)
+    took = time.monotonic() - t0
+    msg = str(info.value)
+    assert "planted failure on rank 1 only" in msg and "rank 1" in msg and "fails_on_rank_1_only" in msg, msg
+    assert "ranks [0] did not finish" in msg, msg
+    assert took < 60, f"took {took:.0f} s"
+
+
+def test_world_collects_failures_of_every_rank_and_moves_on():
+    """A case that fails on every rank is reported with each rank's text; the next case still runs."""
+    from worlds import run_world
+    res = run_world(2, "cases_worlds", ["fails_on_every_rank", "passes"], timeout_s=120)
+    assert res["passes"] is None
+    assert all(f"planted failure on rank {r}" in res["fails_on_every_rank"] for r in range(2)), res

@@ -48,7 +48,7 @@ def _fault_worker(ctx, fault):
         rx, _, _, _, h, _ = _dispatch(buf, x, idx)
         if ctx.rank == 1:
             time.sleep(TIMEOUT_S + 3)  # never calls combine
-            return None
+            return "skipped combine"
         first = _outcome(lambda: buf.combine(rx, h))
         second = _outcome(lambda: _dispatch(buf, x, idx))
         return first, second
@@ -89,39 +89,59 @@ def _fault_worker(ctx, fault):
 
 
 def _run_fault(fault):
-    return parallel_launch(2, _fault_worker, fault, timeout_s=120, allow_exit=True)
+    """Every rank's outcome, in rank order (None for a rank that left on purpose)."""
+    return parallel_launch(2, _fault_worker, fault, timeout_s=120, allow_exit=True, return_all=True)
+
+
+def _raised(outcome, exc_name, *words, within=None):
+    name, msg, took = outcome
+    assert name == exc_name, f"expected {exc_name}, got {name}: {msg}"
+    for word in words:
+        assert word in msg, f"{word!r} not in: {msg}"
+    if within is not None:
+        assert took < within, f"raised after {took:.1f} s: {msg}"
 
 
 def test_rank_exits_before_dispatch():
-    name, msg, took = _run_fault("exit_before_dispatch")
-    assert name == "CommlibError" and "rank 0" in msg, msg
-    assert took < TIMEOUT_S + 5
+    rank0, rank1 = _run_fault("exit_before_dispatch")
+    _raised(rank0, "CommlibError", "rank 0", "dispatch", "a peer exited", within=TIMEOUT_S + 5)
+    assert rank1 is None  # it left before the call
 
 
 def test_rank_skips_combine_times_out_and_poisons_buffer():
-    (name, msg, took), (name2, msg2, _) = _run_fault("skip_combine")
-    assert name == "CommlibError" and "timed out" in msg and "combine" in msg and "COMMLIB_TIMEOUT_S" in msg, msg
-    assert TIMEOUT_S - 0.5 < took < TIMEOUT_S + 5
-    assert name2 == "CommlibError" and "unusable" in msg2, msg2
+    (first, second), rank1 = _run_fault("skip_combine")
+    _raised(first, "CommlibError", "timed out", "combine", "COMMLIB_TIMEOUT_S", within=TIMEOUT_S + 5)
+    assert first[2] > TIMEOUT_S - 0.5, first
+    _raised(second, "CommlibError", "unusable", within=1.0)
+    assert rank1 == "skipped combine"
 
 
 def test_rank_skips_combine_and_dispatches():
-    name, msg, took = _run_fault("skip_combine_then_dispatch")
-    assert name == "ValueError" and "disagree" in msg and "op" in msg, msg
-    assert took < TIMEOUT_S
+    rank0, rank1 = _run_fault("skip_combine_then_dispatch")
+    _raised(rank0, "ValueError", "rank 0", "disagree", "op: rank 1 has dispatch, rank 0 has combine", within=TIMEOUT_S)
+    _raised(rank1, "ValueError", "rank 1", "disagree", "op: rank 0 has combine, rank 1 has dispatch", within=TIMEOUT_S)
 
 
 def test_rank_dispatches_twice():
-    name, msg, _ = _run_fault("dispatch_twice")
-    assert name == "ValueError" and "combine" in msg and "dispatch" in msg, msg
+    rank0, rank1 = _run_fault("dispatch_twice")
+    _raised(rank0, "ValueError", "rank 0", "op: rank 1 has combine, rank 0 has dispatch", within=TIMEOUT_S)
+    _raised(rank1, "ValueError", "rank 1", "op: rank 0 has dispatch, rank 1 has combine", within=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("what,word", [("num_experts", "num_experts"), ("hidden", "hidden"), ("dtype", "fp8"),
-                                       ("config", "num_sms"), ("bad_input_on_one_rank", "rejected")])
+                                       ("config", "num_sms")])
 def test_ranks_disagree(what, word):
-    name, msg, took = _run_fault(f"disagree_{what}")
-    assert name == "ValueError" and word in msg, msg
-    assert took < TIMEOUT_S
+    """Every rank raises, naming the field and both ranks' values, before anything is sent."""
+    for rank, outcome in enumerate(_run_fault(f"disagree_{what}")):
+        _raised(outcome, "ValueError", f"[commlib rank {rank}] ranks disagree", f"{word}: rank {1 - rank} has",
+                f"rank {rank} has", within=TIMEOUT_S)
+
+
+def test_bad_input_on_one_rank():
+    """The rank with the bad input raises its own error by name; the other says which rank refused."""
+    rank0, rank1 = _run_fault("disagree_bad_input_on_one_rank")
+    _raised(rank0, "ValueError", "rank 0", "rank(s) [1] rejected", "nothing was sent", within=TIMEOUT_S)
+    _raised(rank1, "TypeError", "topk_idx", "int64", within=TIMEOUT_S)
 
 
 def test_world_reports_a_case_failing_on_one_rank_within_a_minute():

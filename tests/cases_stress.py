@@ -21,6 +21,7 @@ _buffers: dict = {}
 
 # The property test's examples: each one runs on every topology of the world (pinned, derandomized).
 PROPERTY_EXAMPLES = 30
+_examples_run = []
 
 
 def topologies(world: int) -> list[int]:
@@ -117,6 +118,7 @@ def _property(ctx, T, K, per_rank, drop, H, seed):
     Ts = [T] + [(T + 7 * r) % 41 for r in range(1, R)]  # rank 0 always has tokens; others may have none
     for p in topologies(R):
         assert round_trip(ctx, _buffer(ctx, p), seed, Ts, H, E, K, drop) > 0
+    _examples_run.append((T, K, per_rank, drop, H, seed))
 
 
 def case_property(ctx):
@@ -124,6 +126,9 @@ def case_property(ctx):
     ranks stay in step), each run on every topology (3 on 4 ranks: 90 checked round trips). Every
     example carries data: rank 0 has at least one token and a token's first top-k slot is never
     dropped."""
+    _examples_run.clear()
     _property(ctx)
+    assert len(_examples_run) == PROPERTY_EXAMPLES, f"hypothesis ran {len(_examples_run)} examples"
     if ctx.rank == 0:
-        print(f"[stress] property: {PROPERTY_EXAMPLES} examples x topologies {topologies(ctx.world_size)}")
+        print(f"[stress] property: {len(_examples_run)} examples x topologies {topologies(ctx.world_size)}, "
+              f"first {_examples_run[0]}, last {_examples_run[-1]}")

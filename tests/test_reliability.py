@@ -1,6 +1,7 @@
-"""Fault injection on CPU (gloo) ranks: every surviving rank raises within COMMLIB_TIMEOUT_S,
-never hangs; a Buffer that timed out refuses further calls. Plus long runs, property-based
-routing, and the "nothing lost" invariant."""
+"""Fault injection on CPU (gloo) ranks: each rank's outcome is checked (every surviving rank raises
+the expected error, naming itself and what differs, within COMMLIB_TIMEOUT_S; the rank that made
+the fault did what it was told); a Buffer that timed out refuses further calls. And the test worlds
+themselves: a case that fails on one rank only is reported with that rank's text within a minute."""
 import os
 import time
 

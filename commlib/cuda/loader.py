@@ -330,7 +330,7 @@ def kernel_signature(family: str, name: str) -> str:
         words = [w for w in p.replace("const", " ").replace("__restrict__", " ").split()][:-1]
         ctype = " ".join(words)
         if ctype not in _C_TYPES:
-            raise RuntimeError(f"csrc/{family}.cu {name}: parameter {p!r} has a type kernels.py cannot pass")
+            raise RuntimeError(f"csrc/{family}.cu {name}: parameter {p!r} has a type the loader cannot pass")
         codes.append(_C_TYPES[ctype])
     return "".join(codes)
 

@@ -11,7 +11,6 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
 
 import deep_ep
 import deep_ep.buffer as deep_ep_buffer

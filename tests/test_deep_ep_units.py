@@ -58,6 +58,9 @@ def test_import_says_which_and_warns_on_a_real_deep_ep(tmp_path):
     r = _run(code, {"COMMLIB_DEEP_EP_QUIET": "1"}, str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "RuntimeWarning" in r.stderr and "deep_ep_cpp at" in r.stderr and "Uninstall one" in r.stderr
+    r = _run("import runpy; runpy.run_module('deep_ep', run_name='__main__')", {"COMMLIB_DEEP_EP_QUIET": "1"},
+             str(tmp_path))
+    assert "deep_ep -> commlib" in r.stdout and "real DeepEP visible: deep_ep_cpp at" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("hosts, want", [

@@ -144,14 +144,16 @@ class Buffer:
     # ------------------------------------------------------------------ set-up
     def _check_world_agrees(self) -> None:
         """Every rank must build the Buffer with the same sizes and topology."""
-        mine = (self.num_nvl_bytes, self.num_rdma_bytes, self.topology.ranks_per_node, self.num_ranks)
+        mine = (self.num_nvl_bytes, self.num_rdma_bytes, self.topology.ranks_per_node, self.num_ranks,
+                bool(self.low_latency_mode), self.enable_shrink)
         everyone = [None] * self.num_ranks
         dist.all_gather_object(everyone, mine, group=self.group)
         for r, theirs in enumerate(everyone):
             if theirs != mine:
                 raise ValueError(
                     f"[commlib rank {self.rank}] Buffer arguments differ between ranks: rank {r} has "
-                    f"(num_nvl_bytes, num_rdma_bytes, ranks_per_node, world) = {theirs}, this rank {mine}")
+                    f"(num_nvl_bytes, num_rdma_bytes, ranks_per_node, world, low_latency_mode, enable_shrink) = "
+                    f"{theirs}, this rank {mine}")
 
     def _choose_backend(self, requested: Optional[str]) -> str:
         name = (requested or env.backend()).lower()

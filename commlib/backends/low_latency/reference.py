@@ -298,7 +298,7 @@ class LowLatencyReference(LowLatencyEngine):
             waits = [time.perf_counter_ns() - t0] * R
         else:
             self.backend._phase = "low_latency_dispatch (shrink-mode exchange)"
-            recv, recv_counts = self._p2p_a2a(payload, send_counts, None, mask, waits)
+            recv, recv_counts = self._store_a2a(payload, send_counts, None, mask, waits)
         if wait_stats is not None:
             wait_stats += torch.tensor(waits, dtype=torch.int64, device=wait_stats.device)
         meta_r = recv[:, -8:].contiguous().view(torch.int32).view(-1, 2)
@@ -350,7 +350,7 @@ class LowLatencyReference(LowLatencyEngine):
         self._store = dist.distributed_c10d._get_default_store()
         self._seq = 0
 
-    def _p2p_a2a(self, rows: torch.Tensor, send_counts: list, recv_counts: Optional[list], mask: torch.Tensor,
+    def _store_a2a(self, rows: torch.Tensor, send_counts: list, recv_counts: Optional[list], mask: torch.Tensor,
                  waits: list):
         """All-to-all of byte rows [n, width] among the unmasked ranks only (shrink mode), so a rank
         that stopped calling cannot block the others: a peer whose rows do not arrive within the
@@ -392,7 +392,7 @@ class LowLatencyReference(LowLatencyEngine):
         one that does not answer within the timeout is masked."""
         self.backend.calls += 1
         self.backend._phase = "clean_low_latency_buffer (shrink-mode barrier)"
-        self._p2p_a2a(torch.zeros(0, 1, dtype=torch.uint8), [0] * self.ctx.num_ranks, None, mask,
+        self._store_a2a(torch.zeros(0, 1, dtype=torch.uint8), [0] * self.ctx.num_ranks, None, mask,
                       [0] * self.ctx.num_ranks)
 
     @staticmethod
@@ -429,7 +429,7 @@ class LowLatencyReference(LowLatencyEngine):
             waits = [time.perf_counter_ns() - t0] * R
         else:
             self.backend._phase = "low_latency_combine (shrink-mode exchange)"
-            back, _ = self._p2p_a2a(rows_out, ex["recv_counts"], ex["send_counts"], mask, waits)
+            back, _ = self._store_a2a(rows_out, ex["recv_counts"], ex["send_counts"], mask, waits)
             back = back.view(torch.bfloat16)
         if wait_stats is not None:
             wait_stats += torch.tensor(waits, dtype=torch.int64, device=wait_stats.device)

@@ -16,7 +16,8 @@ import importlib.util
 import logging
 import warnings
 
-from commlib import Buffer, Config, EventOverlap, __version__ as _commlib_version, topk_idx_t
+from commlib import Buffer, Config, EventOverlap, topk_idx_t
+from commlib import __version__ as _commlib_version
 from commlib.utils import env as _env
 from commlib.utils.event import EventHandle
 

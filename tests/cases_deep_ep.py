@@ -14,9 +14,9 @@ import torch
 
 import deep_ep
 import deep_ep.buffer as deep_ep_buffer
-from deep_ep.utils import EventHandle, EventOverlap
 from commlib.backends.low_latency.reference import logfmt_roundtrip, unpack_ue8m0
 from commlib.fp8 import per_token_cast_to_fp8
+from deep_ep.utils import EventHandle, EventOverlap
 
 E, H, K = 16, 512, 4
 LL_E_PER_RANK, LL_M = 4, 16
@@ -113,8 +113,8 @@ def case_surface(ctx):
     # Config: DeepEP's positional form, and keywords (SGLang's Config(**json))
     c = deep_ep.Config(20, 6, 256, 6, 128)
     assert c.num_max_nvl_chunked_recv_tokens == 256
-    assert deep_ep.Config(**{"num_sms": 20, "num_max_nvl_chunked_send_tokens": 6,
-                             "num_max_nvl_chunked_recv_tokens": 256}).num_sms == 20
+    as_json = {"num_sms": 20, "num_max_nvl_chunked_send_tokens": 6, "num_max_nvl_chunked_recv_tokens": 256}
+    assert deep_ep.Config(**as_json).num_sms == 20
     buf.destroy()
 
 
@@ -413,7 +413,7 @@ def case_megatron(ctx):
     R, me = ctx.world_size, ctx.rank
     x, idx, w = _inputs(13, me, R)
     try:
-        from megatron.core.transformer.moe import fused_a2a  # noqa: PLC0415 - optional client
+        from megatron.core.transformer.moe import fused_a2a
     except ImportError:
         fused_a2a = None
     if fused_a2a is not None and fused_a2a.HAVE_DEEP_EP:
@@ -457,10 +457,13 @@ def case_sglang(ctx):
     """SGLang's DeepEP dispatcher (auto mode): one Buffer for normal and low-latency calls."""
     R, me = ctx.world_size, ctx.rank
     Ell = LL_E_PER_RANK * R
-    cfg_d = deep_ep.Config(**{"num_sms": deep_ep.Buffer.num_sms, "num_max_nvl_chunked_send_tokens": 8,
-                              "num_max_nvl_chunked_recv_tokens": 256})
-    cfg_c = deep_ep.Config(**{"num_sms": deep_ep.Buffer.num_sms, "num_max_nvl_chunked_send_tokens": 4,
-                              "num_max_nvl_chunked_recv_tokens": 256})
+    deepep_config = {  # SGLang's --deepep-config JSON, built with Config(**entry)
+        "normal_dispatch": {"num_sms": deep_ep.Buffer.num_sms, "num_max_nvl_chunked_send_tokens": 8,
+                            "num_max_nvl_chunked_recv_tokens": 256},
+        "normal_combine": {"num_sms": deep_ep.Buffer.num_sms, "num_max_nvl_chunked_send_tokens": 4,
+                           "num_max_nvl_chunked_recv_tokens": 256}}
+    cfg_d = deep_ep.Config(**deepep_config["normal_dispatch"])
+    cfg_c = deep_ep.Config(**deepep_config["normal_combine"])
     nvl = max(c.get_nvl_buffer_size_hint(H * 2, R) for c in (cfg_d, cfg_c))
     rdma = max(cfg_d.get_rdma_buffer_size_hint(H * 2, R),
                deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_M, H, R, Ell))

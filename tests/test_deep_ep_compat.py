@@ -2,7 +2,6 @@
 the API surface, high-throughput and low-latency semantics, shrink mode, and the call sequences of
 Megatron-LM, SGLang and vLLM (tests/cases_deep_ep.py). One world per size; all cases run inside it."""
 import pytest
-
 from worlds import run_world
 
 CASES = {

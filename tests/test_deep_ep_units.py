@@ -23,7 +23,9 @@ def test_deep_ep_is_commlib():
     assert deep_ep.__implementation__ == "commlib" and deep_ep.__version__ == commlib.__version__
     assert deep_ep.Buffer is commlib.Buffer and deep_ep.Config is commlib.Config
     assert deep_ep.topk_idx_t is torch.int64
-    from deep_ep.utils import EventHandle as EH, EventOverlap as EO, check_nvlink_connections
+    from deep_ep.utils import EventHandle as EH
+    from deep_ep.utils import EventOverlap as EO
+    from deep_ep.utils import check_nvlink_connections
     assert EH is EventHandle and EO is EventOverlap
     check_nvlink_connections(None)
     from deep_ep.buffer import Buffer

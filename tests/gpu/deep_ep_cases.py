@@ -3,10 +3,10 @@ against the reference backend of the same world (tests/cases_deep_ep.py holds th
 from __future__ import annotations
 
 import torch
+from nvlink_cases import check_same
 
 import deep_ep
 from deep_ep.utils import EventHandle, EventOverlap
-from nvlink_cases import check_same
 
 E, H, K = 16, 512, 4
 M_LL, E_PER_RANK = 16, 4

@@ -16,7 +16,7 @@ sys.path.insert(0, str(HERE.parent))   # tests/worlds.py
 
 pytestmark = pytest.mark.gpu
 
-from commlib.buffer import _cupy_available as _have_cupy  # noqa: E402
+from commlib.buffer import _cupy_available as _have_cupy
 
 needs_2_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
                                   or not _have_cupy(), reason="needs 2 GPUs and CuPy")

@@ -52,7 +52,10 @@ def _inputs(seed, rank, T, H, E, K, drop):
 
 
 def round_trip(ctx, buf, seed, Ts, H, E, K, drop) -> int:
-    """One dispatch + combine, both checked against the oracle; returns the rows this rank received."""
+    """One dispatch + combine, both checked against the oracle; returns the rows all ranks received.
+
+    The ranks agree on the outcome before raising (a failure on one rank fails the round on every
+    rank), so they stay in step: hypothesis replays the same failing example everywhere."""
     R, me = ctx.world_size, ctx.rank
     P = buf.topology.ranks_per_node
     tag = f"[seed {seed} rpn {P} Ts {Ts} H {H} E {E} K {K} drop {drop}]"
@@ -62,23 +65,30 @@ def round_trip(ctx, buf, seed, Ts, H, E, K, drop) -> int:
     rx, ri, rw, lst, h, _ = buf.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr,
                                          is_token_in_rank=tir, num_tokens_per_expert=nte, topk_idx=idx,
                                          topk_weights=w)
-    exp = O.dispatch_expected([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins], E, R, me)
-    assert torch.equal(rx.view(torch.int16), exp["recv_x"].view(torch.int16)), f"{tag} recv_x"
-    assert torch.equal(ri, exp["recv_topk_idx"]), f"{tag} recv_topk_idx"
-    assert torch.equal(rw, exp["recv_topk_weights"]), f"{tag} recv_topk_weights"
-    assert lst == exp["per_expert"], f"{tag} per-expert counts {lst} != {exp['per_expert']}"
-    assert torch.equal(h.rank_prefix_matrix, exp["rank_prefix_matrix"]), f"{tag} rank_prefix_matrix"
-    assert torch.equal(h.recv_src_idx, exp["recv_src_idx"]), f"{tag} recv_src_idx"
-
     factors = [1 + r / 8 for r in range(R)]
     y = (rx.float() * factors[me]).to(torch.bfloat16)
     cx, cw, _ = buf.combine(y, h, rw)
+
+    exp = O.dispatch_expected([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins], E, R, me)
     exp_cx = O.combine_scaled_expected(x, tir, P, factors)
-    assert torch.equal(cx.view(torch.int16), exp_cx.view(torch.int16)), f"{tag} combined x"
-    assert torch.equal(cw, torch.where(idx >= 0, w, torch.zeros_like(w))), f"{tag} combined weights"
+    checks = {
+        "recv_x": torch.equal(rx.view(torch.int16), exp["recv_x"].view(torch.int16)),
+        "recv_topk_idx": torch.equal(ri, exp["recv_topk_idx"]),
+        "recv_topk_weights": torch.equal(rw, exp["recv_topk_weights"]),
+        f"per-expert counts {lst} (oracle {exp['per_expert']})": lst == exp["per_expert"],
+        "rank_prefix_matrix": torch.equal(h.rank_prefix_matrix, exp["rank_prefix_matrix"]),
+        "recv_src_idx": torch.equal(h.recv_src_idx, exp["recv_src_idx"]),
+        "combined x": torch.equal(cx.view(torch.int16), exp_cx.view(torch.int16)),
+        "combined weights": torch.equal(cw, torch.where(idx >= 0, w, torch.zeros_like(w))),
+    }
+    wrong = [name for name, ok in checks.items() if not ok]
     # nothing lost: rows received everywhere = (token, destination rank) pairs sent everywhere
-    totals = torch.tensor([rx.shape[0], int(tir.sum())], dtype=torch.int64)
+    totals = torch.tensor([rx.shape[0], int(tir.sum()), len(wrong)], dtype=torch.int64)
     dist.all_reduce(totals)
+    if wrong:
+        raise AssertionError(f"rank {me} {tag}: differs from the oracle: {', '.join(wrong)}")
+    if totals[2]:
+        raise AssertionError(f"rank {me} {tag}: {int(totals[2])} checks failed on other ranks")
     assert totals[0] == totals[1], f"{tag} rows received {int(totals[0])} != pairs sent {int(totals[1])}"
     return int(totals[0])
 

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.gpu
 from commlib.buffer import _cupy_available as _have_cupy  # noqa: E402
 
 
-needs_2_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
-                                  or not _have_cupy(), reason="needs 2 GPUs and CuPy")
+# One GPU is enough: ranks beyond the GPU count share a device (CUDA IPC inside it, a gloo group);
+# such runs check correctness only, the ranks' kernels take turns on the GPU.
+needs_2_gpus = pytest.mark.skipif(not torch.cuda.is_available() or not _have_cupy(), reason="needs a GPU and CuPy")
 
 CASES_2 = ["bf16", "fp8", "hooks_and_zero_copy", "two_in_flight", "cuda_graph", "decode_shape", "many_experts",
            "teardown"]

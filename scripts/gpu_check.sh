@@ -56,6 +56,9 @@ case "$ONLY" in
   ll) STAGES="env,compile,llgpu,llfault,lltrace,llbench" ;;   # low-latency mode: GPU tests, bad-id trap, benchmark
   ce) STAGES="env,compile,tests2,shared,moegpu,overlapce" ;;   # copy-engine path: every case, the pipeline A/B
   fb) STAGES="env,overlapfb" ;;   # two forwards then two backwards on the network hop: split vs joint schedule
+  # the one-GPU kind after a change of layout: every GPU test world (ranks share the GPU where there is
+  # one), the kernels from a non-editable wheel install, the main job
+  onegpu) STAGES="env,compile,wheel,tests2,rings,deepep,llgpu,moegpu,timeout,faults,cpu,shared" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -109,10 +112,22 @@ for plain in (False, True):
 EOF
 }
 
-export -f env_info compile_kernels
+
+# A wheel built from this tree, installed (not editable) into its own folder and imported from
+# outside the checkout: the kernels must compile from the package data and the main job must pass.
+wheel_check() {
+  local W=/tmp/cl_wheel S=/tmp/cl_site
+  rm -rf "$W" "$S"; mkdir -p "$W"
+  $PY -m pip wheel --no-deps --no-build-isolation -q -w "$W" . || return 1
+  $PY -m pip install -q --no-deps --no-compile --target "$S" "$W"/commlib-*.whl || return 1
+  (cd /tmp && PYTHONPATH="$S" $PY -c "import commlib, commlib.cuda.loader as L; print('[wheel]', commlib.__file__, L.CSRC); assert str(L.CSRC).startswith('$S')" &&
+   PYTHONPATH="$S" $PY -m commlib.bench --ranks 2 --tokens 1024 --iters 3 --warmup 1 --json "$W/results")
+}
+export -f env_info compile_kernels wheel_check
 export PY
 stage env 60 bash -c env_info
 stage compile 90 bash -c compile_kernels
+stage wheel 200 bash -c wheel_check
 stage smoke 90 env COMMLIB_TEST_CASES=smoke $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "two_ranks" -p no:cacheprovider
 stage tests2 200 $PY -m pytest tests/gpu/test_nvlink.py -q -s -k "two_ranks" -p no:cacheprovider
 # host time per call, fast launch path vs CuPy's (COMMLIB_FAST_LAUNCH=0)
@@ -131,6 +146,8 @@ stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout
 # fault injection: disagreeing ranks (one world), traps / timeouts (one short world each; logs in OUTDIR/faults)
 stage faults 150 env COMMLIB_FAULT_LOG_DIR="$OUTDIR/faults" $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k "not long_run" -p no:cacheprovider
 stage cpu 60 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "imports or assemble or nvrtc" -p no:cacheprovider
+stage rings 200 $PY -m pytest tests/gpu/test_nvlink.py -q -k "rings" -p no:cacheprovider
+stage deepep 200 $PY -m pytest tests/gpu/test_deep_ep_gpu.py -x -q -p no:cacheprovider
 stage llgpu 150 $PY -m pytest tests/gpu/test_low_latency_gpu.py -x -q -s -p no:cacheprovider
 stage moegpu 90 $PY -m pytest tests/gpu/test_moe_gpu.py -x -q -p no:cacheprovider
 stage llfault 60 env COMMLIB_FAULT_LOG_DIR="$OUTDIR/faults" $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k "ll_bad_expert_id" -p no:cacheprovider

@@ -8,6 +8,7 @@ happens here, before any byte moves; backends get clean requests (commlib/backen
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -541,7 +542,9 @@ class Buffer:
                     raise ValueError(f"[commlib rank {self.rank}] bias[{i}] must have shape [{T}, {H}], "
                                      f"got {list(b.shape)}")
         config = self._resolve_config(config, "combine", T, H)
-        self._check_capacity(T, H * 2, config, 0, topk_weights.shape[1] if topk_weights is not None else 0)
+        # combine's rows travel on the dispatch's channels (the handle's), whatever num_sms it runs with
+        rings = dataclasses.replace(config, num_sms=2 * handle.num_channels) if handle.num_channels else config
+        self._check_capacity(T, H * 2, rings, 0, topk_weights.shape[1] if topk_weights is not None else 0)
         return CombineRequest(x, handle, topk_weights, biases, config)
 
     # ------------------------------------------------------------------ low-latency mode (decode)

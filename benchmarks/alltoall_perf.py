@@ -2,8 +2,8 @@
 
 Run it under either launcher (one process per GPU, or CPU processes on gloo):
 
-    mpirun -np 4 python benchmarks/alltoall_perf.py -b 128 -e 4096 -f 2
-    torchrun --nproc-per-node 8 benchmarks/alltoall_perf.py -b 128 -e 4K -f 2 -n 20 -w 5
+    mpirun -np 4 python -m benchmarks.alltoall_perf -b 128 -e 4096 -f 2
+    torchrun --nproc-per-node 8 -m benchmarks.alltoall_perf -b 128 -e 4K -f 2 -n 20 -w 5
 
 (scripts/launch_mpirun.sh and scripts/launch_torchrun.sh add the usual flags.) Under MPI the
 Buffer is built from the communicator, ``Buffer(group=None, comm=MPI.COMM_WORLD)``, which sets
@@ -15,7 +15,8 @@ For every token count from -b to -e (times -f each step) and every op, one row:
   count  tokens per rank
   time   the slowest rank's median over -n timed iterations (CUDA events, L2 flushed before each)
   algbw  size / time;  busbw = algbw x (n-1)/n, as nccl-tests defines it for all-to-all
-  #wrong elements that differ from a single-process oracle (summed over ranks); -c 0 skips it
+  #wrong elements that differ from the oracle (commlib.bench.oracle, summed over ranks); -c 0
+         skips the comparison and the column reads N/A. Exit status 1 when a compared row is wrong.
 Ops: dispatch (BF16; FP8 with --fp8), dispatch_cached (handle reused, how DeepEP measures),
 combine, and the baseline a2a_dispatch / a2a_combine (count exchange + permute +
 all_to_all_single + unpermute, what Megatron's all-to-all dispatcher does).
@@ -29,15 +30,11 @@ import shlex
 import socket
 import sys
 
-try:
-    import commlib  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch
 import torch.distributed as dist
 
 from commlib.bench import main as bench
+from commlib.bench import results
 from commlib.bench.main import OPS, Workload
 from commlib.topology import Topology
 
@@ -102,7 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 between timed runs")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
-                   help="write results (default path: benchmarks/results/alltoall_perf_<device>_<time>.json)")
+                   help="write results: a .json file, or a folder for the standard name (default: "
+                        "benchmarks/results/alltoall_perf_<gpu>x<n>_<yyyymmdd>_<commit>.json)")
     args = p.parse_args(argv)
     if args.step_factor < 2:
         p.error("-f must be >= 2")
@@ -168,7 +166,7 @@ def main(argv=None) -> int:
     where = [None] * R
     dist.all_gather_object(where, (rank, os.getpid(), socket.gethostname(), str(buf.device)), group=group)
     if rank == 0:
-        print(f"# commlib alltoall_perf: dispatch / combine vs all_to_all_single")
+        print("# commlib alltoall_perf: dispatch / combine vs all_to_all_single")
         print(f"#  ranks {R} ({topo.num_nodes} node{'s' if topo.num_nodes > 1 else ''} x {topo.ranks_per_node})"
               f"  backend {buf.backend_name}  process group {dist.get_backend(group)}"
               f"  launcher {'mpirun' if _under_mpi() else 'torchrun/env'}")
@@ -183,27 +181,20 @@ def main(argv=None) -> int:
         print("#", flush=True)
 
     rows: list[dict] = []
-    local_wrong = 0
+    mine: list[dict] = []  # this rank's rows: their #wrong is already summed over the ranks
     for T in counts:
         per_rank = bench.measure(buf, ref, group, base.with_tokens(T), args.ops, args.iters, args.warmup_iters,
                                  check=bool(args.check), flush_l2=not args.no_flush)
-        local_wrong += sum(r["wrong"] for r in per_rank)
+        mine += per_rank
         table = bench.gather(per_rank, group)
         if rank == 0:
             rows += table
             print(f"# {T} tokens done", flush=True)
-
-    wrong_t = torch.tensor([local_wrong], dtype=torch.int64,
-                           device=buf.device if dist.get_backend(group) == "nccl" else "cpu")
-    dist.all_reduce(wrong_t, group=group)
-    total_wrong = int(wrong_t.item())
+    total_wrong = results.total_wrong(mine)
 
     if rank == 0:
         for op in args.ops:
-            op_rows = [dict(r) for r in rows if r["op"] == op]
-            if not args.check:
-                for r in op_rows:
-                    r["wrong"] = "N/A"
+            op_rows = [r for r in rows if r["op"] == op]
             print("#")
             print(f"# op: {op} -- {TITLES[op]}")
             for line in bench.nccl_table(op_rows, PERF_COLUMNS if OPS[op][2] else PERF_COLUMNS[:-1]):
@@ -215,11 +206,10 @@ def main(argv=None) -> int:
                 print(f"# vs baseline: {r['op']:<22} {r['tokens']:>6} tokens  {r['speedup']:6.2f}x "
                       f"({r['baseline_op']} {r['speedup'] * r['time_us']:.1f} us -> {r['time_us']:.1f} us)")
         avg = sum(r["busbw_gbps"] for r in commlib_rows) / len(commlib_rows) if commlib_rows else 0.0
-        print(f"# Out of bounds values : {total_wrong if args.check else 'not checked'}"
-              f"{'' if not args.check else (' OK' if total_wrong == 0 else ' FAILED')}")
+        print(results.check_footer(rows))
         print(f"# Avg bus bandwidth    : {avg:.4g} (commlib rows)")
         if args.json is not None:
-            command = " ".join(shlex.quote(a) for a in [os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else argv))
+            command = " ".join(shlex.quote(a) for a in ["-m", "benchmarks.alltoall_perf"] + (sys.argv[1:] if argv is None else argv))
             if _under_mpi():
                 launch = f"mpirun -np {R} python"
             else:
@@ -231,7 +221,7 @@ def main(argv=None) -> int:
                 ranks_per_node=topo.ranks_per_node, num_nodes=topo.num_nodes, backend=buf.backend_name,
                 process_group=dist.get_backend(group), iters=args.iters, warmup=args.warmup_iters,
                 check=args.check, total_wrong=total_wrong if args.check else None)
-            print(f"# wrote {bench.write_json(doc, args.json, 'alltoall_perf')}", flush=True)
+            print(f"# wrote {results.write_result(doc, args.json)}", flush=True)
     if dist.get_backend(group) == "nccl":
         dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
     else:
@@ -240,7 +230,7 @@ def main(argv=None) -> int:
     if ref is not None:
         ref.destroy()
     dist.destroy_process_group()
-    return 1 if total_wrong else 0
+    return results.exit_status(mine)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Internode benchmark: the hierarchical engine on emulated nodes, network and NVLink GB/s.
 
-    python benchmarks/bench_internode.py [--ranks 2 --ranks-per-node 1] [--tokens 4096] [--json [PATH]]
+    python -m benchmarks.bench_internode [--ranks 2 --ranks-per-node 1] [--tokens 4096] [--json [PATH]]
 
 Runs commlib.bench.main's checked workload (V3 on GPUs, scaled down on CPUs) with
 ``backend="hierarchical"`` and, from the Buffer's row counters, reports per op and rank:
@@ -8,23 +8,21 @@ Runs commlib.bench.main's checked workload (V3 on GPUs, scaled down on CPUs) wit
   NVLink GB/s   rows moved between two ranks of one node x row bytes / time.
 On one machine the "network" is not InfiniBand: 2 GPUs as 2 nodes x 1 send the network hop over
 NVLink (NCCL), and CPU ranks over loopback (gloo). The figures show the engine's data path and
-its once-per-node traffic, not IB performance; benchmarks/model_internode.py predicts that.
+its once-per-node traffic, not IB performance; experiments/model_internode.py predicts that.
+Every row (the hierarchical engine's, the flat baseline's, the reference backend's) is checked
+against commlib.bench.oracle, #wrong summed over the ranks; exit status 1 when any is wrong.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from commlib.bench import main as B  # noqa: E402
+from commlib.bench import main as B
+from commlib.bench import results
 
 OPS = ["dispatch_bf16", "dispatch_bf16_cached", "dispatch_fp8", "combine"]
 BASELINE_OPS = ["a2a_dispatch_bf16", "a2a_combine"]  # flat all_to_all_single over every rank, same run
@@ -43,8 +41,9 @@ def _worker(ctx, w, iters: int, warmup: int):
     buf = Buffer(ctx.group, nvl, rdma, backend="hierarchical", ranks_per_node=ctx.ranks_per_node)
     ref = Buffer(ctx.group, nvl, rdma, backend="reference", ranks_per_node=ctx.ranks_per_node)
     rows = B.measure(buf, ref, ctx.group, w, OPS + BASELINE_OPS, iters, warmup)
-    # the reference backend (same algorithm, torch collectives for both hops) timed in the same run
-    ref_table = B.gather(B.measure(ref, None, ctx.group, w, OPS, iters, warmup, check=False), ctx.group)
+    # the reference backend (same algorithm, torch collectives for both hops) timed in the same run,
+    # its outputs checked against the oracle like every other row
+    ref_table = B.gather(B.measure(ref, None, ctx.group, w, OPS, iters, warmup), ctx.group)
     # rows per call that crossed nodes / moved inside a node: counter deltas over one call of each op
     inp = B.make_inputs(w, ctx.rank, buf.device)
     x, idx, wts = inp["x"], inp["topk_idx"], inp["topk_weights"]
@@ -97,7 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20 if gpus else 3)
     p.add_argument("--warmup", type=int, default=5 if gpus else 1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH")
+    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
+                   help="a .json file, or a folder for the standard name (default: benchmarks/results/)")
     a = p.parse_args(argv)
     from commlib.utils.launch import parallel_launch
 
@@ -120,15 +120,20 @@ def main(argv=None) -> int:
         r["net_gbps"] = r["net_rows"] * rb / t / 1e3 if t else 0.0
         r["nvl_gbps"] = r["nvl_rows"] * rb / t / 1e3 if t else 0.0
         print(f"  {r['op']:>30} {r['tokens']:>7} {t:>10.1f} {r['algbw_gbps']:>8.2f} {r['net_rows']:>9.0f} "
-              f"{r['net_gbps']:>9.2f} {r['nvl_rows']:>9.0f} {r['nvl_gbps']:>9.2f} {r['wrong']:>7}")
-    wrong = sum(r["wrong"] for r in rows)
+              f"{r['net_gbps']:>9.2f} {r['nvl_rows']:>9.0f} {r['nvl_gbps']:>9.2f} {results.wrong_cell(r):>7}")
+    print(results.check_footer(rows))
     if a.json is not None:
-        cmd = "python benchmarks/bench_internode.py " + " ".join(shlex.quote(v) for v in (argv or sys.argv[1:]))
+        cmd = "python -m benchmarks.bench_internode " + " ".join(shlex.quote(v) for v in (argv or sys.argv[1:]))
         doc = B.result_document("bench_internode", cmd.strip(), rows, world_size=a.ranks,
                                 network_is=link, **info)
-        print(f"# wrote {B.write_json(doc, a.json, 'bench_internode')}")
-    print(f"[bench_internode] {'FAILED: %d wrong elements' % wrong if wrong else 'all results verified: #wrong 0'}")
-    return 1 if wrong else 0
+        print(f"# wrote {results.write_result(doc, a.json)}")
+    wrong = results.total_wrong(rows)
+    unchecked = [r["op"] for r in rows if not r.get("checked")]
+    verdict = (f"FAILED: {wrong} wrong elements" if wrong else
+               f"not checked: {', '.join(unchecked)}; the other rows: #wrong 0" if unchecked else
+               "all results verified: #wrong 0")
+    print(f"[bench_internode] {verdict}")
+    return results.exit_status(rows)
 
 
 if __name__ == "__main__":

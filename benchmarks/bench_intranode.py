@@ -1,7 +1,7 @@
 """NVLink engine benchmark: DeepSeek-V3 dispatch / combine on one node vs the NCCL all-to-all baseline.
 
-    python benchmarks/bench_intranode.py                       # 2 ranks, 512..8192 tokens
-    python benchmarks/bench_intranode.py --json benchmarks/results --plot --plain --sms 8,12,16,20,24
+    python -m benchmarks.bench_intranode                       # 2 ranks, 512..8192 tokens
+    python -m benchmarks.bench_intranode --json --plot --plain --sms 8,12,16,20,24
 
 Workload (DESIGN.md "Performance method"): hidden 7168, top-8 of 256 experts, group-limited routing
 (8 groups, top-4 groups), per rank 512..8192 tokens; BF16 dispatch, FP8 dispatch (E4M3 + one float
@@ -18,32 +18,27 @@ Columns, per op and token count:
   algbw     size / time (GB/s = 1e9 B/s);  nvlbw = nvl / time
   nccl      the baseline (commlib.bench.baseline: count exchange + permute + all_to_all_single (+ reverse
             + unpermute)), same inputs, same process; x_nccl = nccl time / commlib time
-  #wrong    elements of commlib's output that differ from the baseline's (both are bit-exact on one node)
+  #wrong    elements of commlib's output that differ from the baseline's (both are bit-exact on one node),
+            summed over the ranks, for every row (main, sweeps, variants, plain) after its timing;
+            N/A with --no-check. Exit status 1 when any compared row is wrong.
 --plain runs the cached dispatch and the combine a second time with plain loads/stores (no PTX cache
 hints) to show what the hints buy; --sms sweeps the SM budget at --sweep-tokens.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import shlex
 import statistics
 import sys
 from pathlib import Path
 
-try:
-    import commlib  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 import torch.distributed as dist
 
+from commlib.bench import baseline, results
 from commlib.utils.timing import slowest
 
-REPO = Path(__file__).resolve().parent.parent
 # DeepEP's published intranode figures (GB/s) the brief compares against, and this engine's targets.
 DEEPEP = {"dispatch_bf16": 339.0, "dispatch_fp8": 246.0, "combine": 287.0}
 TARGETS = {"dispatch_bf16": 450.0, "dispatch_fp8": 330.0, "combine": 380.0, "layout_us": 15.0, "x_nccl": 1.5}
@@ -62,14 +57,18 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--no-baseline", action="store_true", help="do not time the NCCL baseline (rows are still checked)")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip the comparisons with the baseline's outputs (#wrong N/A)")
     p.add_argument("--plain", action="store_true", help="also time plain loads/stores (A/B of the PTX hints)")
     p.add_argument("--sms", default="", help="comma list of num_sms to sweep at --sweep-tokens")
     p.add_argument("--chunks", default="", help="comma list of send chunks to sweep at --sweep-tokens")
     p.add_argument("--sweep-tokens", type=int, default=4096)
     p.add_argument("--variants", default="", help="kernel variants to A/B at --sweep-tokens: "
                    "'name:KEY=V,KEY=V;name2:...' (keys: commlib.cuda.loader.DEFAULT_VARIANT)")
-    p.add_argument("--json", default="", help="file or folder for the JSON results")
+    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
+                   help="write the results: a .json file, or a folder for the standard name "
+                        "(default: benchmarks/results/bench_intranode_<gpu>x<n>_<yyyymmdd>_<commit>.json)")
     p.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
     return p.parse_args(argv)
 
@@ -147,10 +146,6 @@ def worker(ctx, a: dict):
     from commlib.config import Config
     from commlib.fp8 import per_token_cast_to_fp8
 
-    try:
-        from commlib.bench import baseline
-    except ImportError:
-        baseline = None
     R, me, dev, group = ctx.world_size, ctx.rank, ctx.device, ctx.group
     H, E, Kk = args.hidden, args.experts, args.topk
     tokens = [int(t) for t in args.tokens.split(",") if t]
@@ -178,7 +173,7 @@ def worker(ctx, a: dict):
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         return x.to(dev), idx.to(dev), w.to(dev)
 
-    def one_size(T: int, cfg: Config, with_fp8: bool, with_baseline: bool, tag: str, check: bool = False):
+    def one_size(T: int, cfg: Config, with_fp8: bool, with_baseline: bool, tag: str, check: bool = True):
         x, idx, w = inputs(T)
         xq = per_token_cast_to_fp8(x)
         ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx, E)
@@ -205,10 +200,11 @@ def worker(ctx, a: dict):
                                                     ["dispatch_kernel"], args, group)
         y = recv_x
         res["combine"] = measure(lambda: buf.combine(y, handle, config=cfg), ["combine_kernel"], args, group)
-        wrong = {}
+        wrong = {}  # op -> elements that differ from the baseline's outputs (compared ops only)
         base = {}
-        if (with_baseline or check) and baseline is not None:
+        if with_baseline or check:
             b_recv, state = baseline.a2a_dispatch(x, idx, E, group)
+        if check:
             wrong["dispatch_bf16"] = baseline.count_wrong(disp(x)[0], b_recv)
             wrong["dispatch_bf16"] += baseline.count_wrong(buf.dispatch(x, handle=handle, config=cfg)[0], b_recv)
             c_mine = buf.combine(y, handle, config=cfg)[0]
@@ -217,7 +213,7 @@ def worker(ctx, a: dict):
                 (bq, bs), _ = baseline.a2a_dispatch(xq, idx, E, group)
                 (mq, ms) = disp(xq)[0]
                 wrong["dispatch_fp8"] = baseline.count_wrong(mq, bq) + baseline.count_wrong(ms, bs)
-        if with_baseline and baseline is not None:
+        if with_baseline:
             base["dispatch_bf16"] = slowest([_bench(lambda: baseline.a2a_dispatch(x, idx, E, group),
                                                      args.warmup, args.iters)], group)[0]
             base["combine"] = slowest([_bench(lambda: baseline.a2a_combine(b_recv, state, group),
@@ -225,10 +221,7 @@ def worker(ctx, a: dict):
             if with_fp8:
                 base["dispatch_fp8"] = slowest([_bench(lambda: baseline.a2a_dispatch(xq, idx, E, group),
                                                         args.warmup, args.iters)], group)[0]
-        wrong_t = torch.tensor([wrong.get(k, 0) for k in ("dispatch_bf16", "dispatch_fp8", "combine")],
-                               dtype=torch.float64, device=dev)
-        dist.all_reduce(wrong_t, group=group)
-        wrong = dict(zip(("dispatch_bf16", "dispatch_fp8", "combine"), [int(v) for v in wrong_t.tolist()]))
+        wrong = dict(zip(res, results.reduce_wrong([wrong.get(op) for op in res], group)))  # summed over ranks
         # bytes (mean over ranks)
         sizes = torch.tensor([N, remote_in, remote_out], dtype=torch.float64, device=dev)
         dist.all_reduce(sizes, group=group)
@@ -240,13 +233,13 @@ def worker(ctx, a: dict):
             nvl = (rout_mean if op.startswith("dispatch") else rin_mean) * bf16_row * scale
             kern = m.get("dispatch_kernel", m.get("combine_kernel"))
             row = {"op": op, "tokens": T, "num_sms": cfg.num_sms, "send_chunk": cfg.num_max_nvl_chunked_send_tokens,
-                   "tag": tag, "plain": K.plain_mode(), "variant": K.variant(), "checked": bool(wrong),
+                   "tag": tag, "plain": K.plain_mode(), "variant": K.variant(), **results.checked_fields(wrong[op]),
                    "size_bytes": size, "nvl_bytes": nvl,
                    "full_us": m["full"], "host_us": m["host"], "kernel_us": kern, "notify_us": m.get("notify_kernel"),
                    "cached_us": m.get("cached", {}).get("full"), "cached_host_us": m.get("cached", {}).get("host"),
                    "cached_kernel_us": m.get("cached", {}).get("dispatch_kernel"),
                    "layout_us": layout["full"], "layout_kernel_us": layout["layout_kernel"],
-                   "nccl_us": base.get(op), "wrong": wrong.get(op, 0)}
+                   "nccl_us": base.get(op)}
             best = row["cached_us"] or row["full_us"]
             # kernel-only: the cached call's kernel for dispatch (no host sync, so no skew inside)
             kern_best = row["cached_kernel_us"] or kern
@@ -262,11 +255,11 @@ def worker(ctx, a: dict):
         return out
 
     for T in tokens:
-        rows_out += one_size(T, cfg_for(args.num_sms), True, not args.no_baseline, "main")
+        rows_out += one_size(T, cfg_for(args.num_sms), True, not args.no_baseline, "main", check=args.check)
     for n in sms_list:
-        rows_out += one_size(args.sweep_tokens, cfg_for(n), False, False, "sms_sweep")
+        rows_out += one_size(args.sweep_tokens, cfg_for(n), False, False, "sms_sweep", check=args.check)
     for c in chunk_list:
-        rows_out += one_size(args.sweep_tokens, cfg_for(args.num_sms, c), False, False, "chunk_sweep")
+        rows_out += one_size(args.sweep_tokens, cfg_for(args.num_sms, c), False, False, "chunk_sweep", check=args.check)
     for name, knobs in variants:
         K.set_variant(knobs)
         try:
@@ -307,7 +300,7 @@ def print_table(result: dict) -> None:
               f"{_f(r['algbw_full'], '7.1f')} {_f(r['cached_us'])} {_f(r['algbw_cached'], '7.1f')} "
               f"{_f(r['cached_kernel_us'] or r['kernel_us'])} {_f(r['algbw_kernel'], '7.1f')} {_f(r['nvlbw_kernel'], '7.1f')} "
               f"{_f(r['nccl_us'])} {_f(r['nccl_algbw'], '7.1f')} {_f(r['x_nccl'], '6.2f')} "
-              f"{_f(r['x_deepep'], '8.2f')} {r['wrong'] if r.get('checked', True) else '-':>6}")
+              f"{_f(r['x_deepep'], '8.2f')} {results.wrong_cell(r):>6}")
     lay = [r for r in result["rows"] if r["op"] == "dispatch_bf16" and r["tag"] == "main"]
     for r in lay:
         print(f"# [layout] tokens {r['tokens']}: get_dispatch_layout {r['layout_us']:.1f} us full, "
@@ -317,6 +310,7 @@ def print_table(result: dict) -> None:
         if r["tag"] == "main":
             print(f"#   {r['op']:>14} {r['tokens']:>5}: full call {r['host_us']:.0f} us host"
                   + (f", cached call {r['cached_host_us']:.0f} us host" if r.get("cached_host_us") else ""))
+    print(results.check_footer(result["rows"]))
     for line in verdicts(result):
         print(line)
 
@@ -340,25 +334,15 @@ def verdicts(result: dict) -> list[str]:
     return out
 
 
-def git_commit() -> str:
-    from commlib.bench.main import git_commit as commit_info
-    info = commit_info()
-    return info["commit"] + ("-dirty" if info["dirty"] else "")
-
-
-def write_json(result: dict, target: str) -> Path:
-    path = Path(target)
-    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    if path.suffix != ".json":
-        path.mkdir(parents=True, exist_ok=True)
-        dev = result["device"].replace(" ", "_")
-        path = path / f"bench_intranode_{dev}_x{result['world']}_{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = dict(result)
-    doc.update({"benchmark": "bench_intranode", "git_commit": git_commit(), "command": shlex.join(sys.argv),
-                "date": stamp, "deepep_reference_gbps": DEEPEP, "targets": TARGETS, "verdicts": verdicts(result)})
-    path.write_text(json.dumps(doc, indent=1))
-    return path
+def write_json(result: dict, target: str, argv=None) -> Path:
+    """The result document (``commlib.bench.results``) at ``target`` (a .json file or a folder)."""
+    command = "python -m benchmarks.bench_intranode " + shlex.join(sys.argv[1:] if argv is None else argv)
+    doc = results.result_document("bench_intranode", command.strip(), result["rows"], world_size=result["world"],
+                                  device_name=result["device"], deepep_reference_gbps=DEEPEP, targets=TARGETS,
+                                  verdicts=verdicts(result), ratios=[
+                                      {"op": r["op"], "tokens": r["tokens"], "tag": r["tag"], "x_nccl": r["x_nccl"],
+                                       "x_deepep": r["x_deepep"]} for r in result["rows"]])
+    return results.write_result(doc, target)
 
 
 def plot(result: dict, png: Path) -> None:
@@ -393,14 +377,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = parallel_launch(args.world, worker, vars(args), use_gpu=True, timeout_s=540)
     print_table(result)
-    if args.json:
-        path = write_json(result, args.json)
+    if args.json is not None:
+        path = write_json(result, args.json, argv)
         print(f"# [json] {path}")
         if args.plot:
             png = path.with_suffix(".png")
             plot(result, png)
             print(f"# [plot] {png}")
-    return 0
+    return results.exit_status(result["rows"])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Low-latency (decode) benchmark: nvlink low-latency dispatch / combine vs NCCL, issue 8's workload.
 
-    python benchmarks/bench_low_latency.py [--tokens 128 --hidden 7168 --experts 288 --topk 8]
-                                           [--sms N] [--iters 50] [--json PATH]
+    python -m benchmarks.bench_low_latency [--tokens 128 --hidden 7168 --experts 288 --topk 8]
+                                          [--sms N] [--iters 50] [--json PATH]
 
 Two ranks (one per GPU). Per rank: T tokens, top-k of E experts (random, distinct), FP8 dispatch
 (cast in the kernel), BF16 combine. Reports, slowest rank's median over iterations (CUDA events,
@@ -11,24 +11,23 @@ L2 flushed before each):
   send and receive phases with return_recv_hook=True (two graphs: send, then the hook)
   NCCL baseline: all_to_all_single of the same rows (dispatch: E4M3 + scales per (token, expert)
   pair, combine: bf16 rows back), split sizes precomputed (no count exchange), in the same run.
-The first call of each kind is checked against the reference backend (#wrong = bytes that differ).
+Checked against the reference backend (#wrong = bytes that differ, summed over the ranks): the
+first call of each kind, and every timed commlib figure's outputs after its timing loop (the graph
+replays', the eager calls', the hooks'). The NCCL rows move unset buffers: not checked (N/A). Exit
+status 1 when anything compared is wrong.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from commlib.bench import main as B  # noqa: E402
-from commlib.utils.timing import bench_cuda, capture_graph as _graph, reduce_times, summarize  # noqa: E402
+from commlib.bench import main as B
+from commlib.bench import results
+from commlib.utils.timing import bench_cuda, capture_graph as _graph, reduce_times, summarize
 
 TARGETS_US = {"dispatch_graph": 25.0, "combine_graph": 32.0}
 DEEPEP_2XH200_US = {"dispatch": 29.0, "combine": 40.0, "send": 20.0, "recv": 8.0}
@@ -44,8 +43,33 @@ def _inputs(rank: int, a, dev):
 
 def _wrong(got, want) -> int:
     a = got.contiguous().view(torch.uint8).reshape(-1)
-    b = want.contiguous().view(torch.uint8).reshape(-1)
+    b = want.contiguous().view(torch.uint8).reshape(-1).to(a.device)
     return int((a != b).sum().item()) if a.numel() == b.numel() else max(a.numel(), b.numel())
+
+
+def reference_outputs(ref, x, idx, w, y, M: int, E: int, kw: dict) -> dict:
+    """The reference backend's low-latency dispatch and combine of the same inputs (copies)."""
+    rx, rcount, rh, _, _ = ref.low_latency_dispatch(x, idx, M, E, **kw)
+    combined = ref.low_latency_combine(y, idx, w, rh)[0]
+    return {"x": rx[0].clone(), "scales": rx[1].clone(), "count": rcount.clone(), "src_info": rh.src_info.clone(),
+            "layout_range": rh.layout_range.clone(), "combined": combined.clone()}
+
+
+def check_dispatch(out, want: dict) -> int:
+    """Bytes of a low-latency dispatch's outputs (recv_x, recv_count, handle) that differ from the
+    reference's: the count, the handle's source info and layout ranges, each expert's rows up to
+    its count (FP8 rows and scales)."""
+    got_x, got_count, got_h = out[0], out[1], out[2]
+    wrong = (_wrong(got_count, want["count"]) + _wrong(got_h.src_info, want["src_info"])
+             + _wrong(got_h.layout_range, want["layout_range"]))
+    for e, n in enumerate(want["count"].cpu().tolist()):
+        wrong += _wrong(got_x[0][e, :n], want["x"][e, :n]) + _wrong(got_x[1][e, :n], want["scales"][e, :n])
+    return wrong
+
+
+def check_combine(out, want: dict) -> int:
+    """Bytes of a low-latency combine's output that differ from the reference's."""
+    return _wrong(out[0], want["combined"])
 
 
 def _worker(ctx, a):
@@ -79,27 +103,28 @@ def _worker(ctx, a):
 
     # correctness: the first call of each against the reference transport
     ref = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="reference", explicitly_destroy=True)
-    rx, rcount, rh, _, _ = ref.low_latency_dispatch(x, idx, M, E, **kw)
-    got_x, got_count, got_h, _, _ = dispatch()
-    wrong = _wrong(got_count, rcount) + _wrong(got_h.src_info, rh.src_info) + _wrong(got_h.layout_range, rh.layout_range)
-    counts = rcount.cpu().tolist()
-    for e, n in enumerate(counts):
-        wrong += _wrong(got_x[0][e, :n], rx[0][e, :n]) + _wrong(got_x[1][e, :n], rx[1][e, :n])
-    want_c = ref.low_latency_combine(y, idx, w, rh)[0]
-    wrong_c = _wrong(buf.low_latency_combine(y, idx, w, got_h)[0], want_c)
+    want = reference_outputs(ref, x, idx, w, y, M, E, kw)
     ref.destroy()
+    got = dispatch()
+    wrong = check_dispatch(got, want)
+    wrong_c = check_combine(buf.low_latency_combine(y, idx, w, got[2]), want)
 
     fig = {}
+    checked = {}  # figure -> bytes that differ from the reference in its outputs after the timing
     it, wu = a.iters, a.warmup
 
     def timed(name, fn):
         fig[name] = reduce_times(bench_cuda(fn, warmup=wu, iters=it), ctx.group)["median_us"]
 
-    # CUDA graphs: dispatch alone, combine alone
-    g_d, _ = _graph(dispatch)
-    g_c, _ = _graph(combine)
+    # CUDA graphs: dispatch alone, combine alone; each replay's outputs checked after its timing
+    g_d, out_d = _graph(dispatch)
+    g_c, out_c = _graph(combine)
     timed("dispatch_graph", g_d.replay)
+    torch.cuda.synchronize()
+    checked["dispatch_graph"] = check_dispatch(out_d, want)
     timed("combine_graph", g_c.replay)
+    torch.cuda.synchronize()
+    checked["combine_graph"] = check_combine(out_c, want)
     traces = None
     if a.trace:  # one more replay of each, then where each launch spent its time, per CTA
         from commlib.backends.low_latency.nvlink import trace_summary
@@ -117,8 +142,13 @@ def _worker(ctx, a):
                 mine["combine: own items"] = trace_summary(ll.state, 1, grids[1], range((R - 1) * M, R * M))
         traces = [None] * R
         dist.all_gather_object(traces, mine, group=ctx.group)
-    timed("dispatch_eager", dispatch)
-    timed("combine_eager", combine)
+    last = {}
+    timed("dispatch_eager", lambda: last.__setitem__("dispatch", dispatch()))
+    torch.cuda.synchronize()
+    checked["dispatch_eager"] = check_dispatch(last["dispatch"], want)
+    timed("combine_eager", lambda: last.__setitem__("combine", combine()))
+    torch.cuda.synchronize()
+    checked["combine_eager"] = check_combine(last["combine"], want)
 
     # hooks: the send phase and the receive phase as two graphs, timed with events in between
     state = {}
@@ -160,6 +190,9 @@ def _worker(ctx, a):
                            (f"{name}_recv_hook", [(e1, e2) for _, e1, e2 in ev])):
             samples = [s.elapsed_time(t) * 1e3 for s, t in pairs]
             fig[key] = reduce_times(summarize(samples), ctx.group)["median_us"]
+        # the last send + hook replay's outputs (one result for both figures of the pair)
+        n_wrong = check_dispatch(graphs[name][2], want) if name == "dispatch" else check_combine(graphs[name][2], want)
+        checked[f"{name}_send_hook"] = checked[f"{name}_recv_hook"] = n_wrong
     del flush
 
     # NCCL baseline: the same rows through all_to_all_single, splits known in advance
@@ -184,7 +217,10 @@ def _worker(ctx, a):
     timed("nccl_dispatch", nccl_dispatch)
     timed("nccl_combine", nccl_combine)
     buf.destroy()
-    rows = [{"op": op, "time_us": fig[op]} for op in fig]
+    ops = list(fig)
+    counts = results.reduce_wrong([checked.get(op) for op in ops] + [wrong, wrong_c], ctx.group)
+    rows = [{"op": op, "time_us": fig[op], **results.checked_fields(n)} for op, n in zip(ops, counts)]
+    wrong, wrong_c = counts[-2], counts[-1]
     return {"figures": fig, "rows": rows, "wrong_dispatch": wrong, "wrong_combine": wrong_c,
             "num_sms": int(buf._low_latency.num_sms) if buf._low_latency else None,
             "send_rows": send_counts, "recv_rows": recv_counts, "trace": traces}
@@ -203,11 +239,12 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH")
+    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
+                   help="a .json file, or a folder for the standard name (default: benchmarks/results/)")
     p.add_argument("--variant", default="", metavar="KEY=V,...",
                    help="kernel build variant (commlib.cuda.loader.DEFAULT_VARIANT keys, e.g. LL_PARTS=1) for A/B runs")
     p.add_argument("--trace", action="store_true",
-                   help="build with COMMLIB_LL_TRACE and print per-CTA time points of one graph replay")
+                   help="build with the LL_TRACE kernel variant and print per-CTA time points of one graph replay")
     a = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < a.ranks:
         print(f"[bench_low_latency] needs {a.ranks} GPUs; skipped")
@@ -229,18 +266,23 @@ def main(argv=None) -> int:
             print(f"# trace rank {r} {kernel} (us after the first CTA's start: min / median / max over CTAs)")
             for name, (lo, med, hi) in points.items():
                 print(f"#   {name:>18} {lo:8.2f} {med:8.2f} {hi:8.2f}")
-    print(f"# {'op':>20} {'time(us)':>10} {'target':>8} {'vs_nccl':>8}")
+    print(f"# {'op':>20} {'time(us)':>10} {'target':>8} {'vs_nccl':>8} {'#wrong':>7}")
+    by_op = {r["op"]: r for r in res["rows"]}
     for op, t in fig.items():
         target = TARGETS_US.get(op)
         base = {"dispatch_graph": "nccl_dispatch", "dispatch_eager": "nccl_dispatch",
                 "combine_graph": "nccl_combine", "combine_eager": "nccl_combine"}.get(op)
         vs = f"{fig[base] / t:.2f}" if base else ""
-        print(f"  {op:>20} {t:>10.1f} {(f'{target:.0f}' if target else ''):>8} {vs:>8}")
+        print(f"  {op:>20} {t:>10.1f} {(f'{target:.0f}' if target else ''):>8} {vs:>8} "
+              f"{results.wrong_cell(by_op[op]):>7}")
     for k, ok in met.items():
         print(f"[target] {k} {fig[k]:.1f} us <= {TARGETS_US[k]:.0f} us: {'met' if ok else 'NOT met'}")
-    wrong = res["wrong_dispatch"] + res["wrong_combine"]
+    first = [{"op": "first_dispatch", **results.checked_fields(res["wrong_dispatch"])},
+             {"op": "first_combine", **results.checked_fields(res["wrong_combine"])}]
+    wrong = results.total_wrong(res["rows"] + first)
+    print(results.check_footer(res["rows"] + first))
     if a.json is not None:
-        cmd = "python benchmarks/bench_low_latency.py " + " ".join(shlex.quote(v) for v in (argv or sys.argv[1:]))
+        cmd = "python -m benchmarks.bench_low_latency " + " ".join(shlex.quote(v) for v in (argv or sys.argv[1:]))
         doc = B.result_document("bench_low_latency", cmd.strip(), res["rows"], world_size=a.ranks,
                                 workload={"tokens": a.tokens, "hidden": a.hidden, "experts": a.experts,
                                           "topk": a.topk, "fp8": True, "round_scale": a.round_scale,
@@ -248,9 +290,9 @@ def main(argv=None) -> int:
                                 figures_us=fig, targets_us=TARGETS_US, targets_met=met,
                                 kernel_variant=a.variant or "default",
                                 deepep_2xh200_us=DEEPEP_2XH200_US, num_sms=res["num_sms"],
-                                wrong={"dispatch": res["wrong_dispatch"], "combine": res["wrong_combine"]})
-        doc["ratios"] = ratios
-        print(f"# wrote {B.write_json(doc, a.json, 'bench_low_latency')}")
+                                wrong={"first_dispatch": res["wrong_dispatch"], "first_combine": res["wrong_combine"]},
+                                ratios=ratios)
+        print(f"# wrote {results.write_result(doc, a.json)}")
     print(f"[bench_low_latency] {'FAILED: %d bytes differ from the reference' % wrong if wrong else 'checked against the reference: #wrong 0'}")
     return 1 if wrong else 0
 

@@ -1,8 +1,8 @@
 """Auto-tuner benchmark: the smart search against the exhaustive sweep, and tuned against default.
 
-    python benchmarks/bench_tune.py                        # real engine: one rank per GPU, V3 workload
-    python benchmarks/bench_tune.py --simulate             # synthetic cost model with noise (CPU, seconds)
-    python benchmarks/bench_tune.py --simulate --world 16 --ranks-per-node 8 --seeds 5 --check
+    python -m benchmarks.bench_tune                        # real engine: one rank per GPU, V3 workload
+    python -m benchmarks.bench_tune --simulate             # synthetic cost model with noise (CPU, seconds)
+    python -m benchmarks.bench_tune --simulate --world 16 --ranks-per-node 8 --seeds 5 --check
 
 For each kind (dispatch, combine) and token count (default 128, 1024, 4096 per rank; hidden 7168,
 top-8 of 256 experts, group-limited routing) both strategies of ``commlib.tuning.autotune.search`` run on the
@@ -21,30 +21,22 @@ Columns:
   speedup   default / tuned, where tuned is what the search returns (the default itself when the
             winner's gain is within the noise)
 With --simulate the times are the cost model's noise-free times (the truth the search estimates).
-JSON goes to benchmarks/results/ (--json to choose the path).
+JSON goes to benchmarks/results/ (--json: a file or a folder).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
 import random
+import shlex
 import statistics
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
-try:
-    import commlib  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from commlib.bench import results
 from commlib.tuning import autotune as tune
 from commlib.config import Config, default_combine_config, default_dispatch_config
-
-REPO = Path(__file__).resolve().parent.parent
 QUALITY_LIMIT = 1.03
 COST_LIMIT = 0.25
 V3_TOKENS = 4096
@@ -278,7 +270,8 @@ def parse_args(argv=None):
     p.add_argument("--num-nvl-bytes", type=int, default=2 << 30, help="largest buffer a candidate may need")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=1, help="--simulate: repeat over this many seeds")
-    p.add_argument("--json", default=None, help="output file (default: benchmarks/results/tune_<...>.json)")
+    p.add_argument("--json", default=None, help="a .json file, or a folder for the standard name (default: "
+                   "benchmarks/results/bench_tune_<gpu>x<n>_<yyyymmdd>_<commit>.json)")
     p.add_argument("--check", action="store_true", help="exit 1 unless the 3% / 25% claims hold")
     return p.parse_args(argv)
 
@@ -313,14 +306,14 @@ def main(argv=None) -> int:
     print(f"# V3 ({V3_TOKENS} tokens): tuning time <= {s['v3_worst_cost_ratio'] * 100:.1f}% (limit "
           f"{COST_LIMIT * 100:.0f}%), result within {(s['v3_worst_quality'] - 1) * 100:+.2f}% (limit "
           f"+{(QUALITY_LIMIT - 1) * 100:.0f}%): {verdict}")
-    out = Path(args.json) if args.json else (
-        REPO / "benchmarks" / "results" /
-        f"tune_{gpu.replace(' ', '_')}_x{args.world}_{datetime.date.today().strftime('%Y%m%d')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"gpu": gpu, "world": args.world, "ranks_per_node": args.ranks_per_node, "hidden": args.hidden,
-           "dtype": args.dtype, "batches": args.batches, "reps": args.reps, "warmup": args.warmup,
-           "simulated": args.simulate, "summary": s, "rows": rows}
-    out.write_text(json.dumps(doc, indent=1))
+    command = "python -m benchmarks.bench_tune " + " ".join(shlex.quote(v) for v in (sys.argv[1:] if argv is None else argv))
+    doc = results.result_document("bench_tune", command.strip(), rows, world_size=args.world, gpu=gpu,
+                                  ranks_per_node=args.ranks_per_node, hidden=args.hidden, dtype=args.dtype,
+                                  batches=args.batches, reps=args.reps, warmup=args.warmup, simulated=args.simulate,
+                                  summary=s, ratios=[{"kind": r.get("kind"), "tokens": r.get("num_tokens"),
+                                                      "strategy": r.get("strategy"), "speedup": r.get("speedup")}
+                                                     for r in rows])
+    out = results.write_result(doc, args.json, name="bench_tune_simulated" if args.simulate else "bench_tune")
     print(f"# wrote {out}")
     return 1 if args.check and not s["ok"] else 0
 

@@ -1,6 +1,6 @@
 """Plot bandwidth vs tokens per rank from the JSON that alltoall_perf.py / ``commlib.bench.main`` write.
 
-    python benchmarks/plot.py benchmarks/results/alltoall_perf_*.json [--out benchmarks/results/plots]
+    python -m benchmarks.plot benchmarks/results/alltoall_perf_*.json [--out benchmarks/results/plots]
 
 One PNG per JSON file, three panels (dispatch BF16, dispatch FP8, combine), each with:
   commlib (full call; dispatch BF16 also the cached-handle call), the all_to_all_single

@@ -1,6 +1,6 @@
 """Where the host time of a call goes: cProfile over N cached dispatch / combine calls on 2 GPUs.
 
-    python benchmarks/profile_host.py [--tokens 4096] [--hidden 7168] [--calls 200] [--fp8]
+    python -m benchmarks.profile_host [--tokens 4096] [--hidden 7168] [--calls 200] [--fp8]
 
 Prints the per-call host time and the functions with the most own time (rank 0). The GPU engines
 are host-bound when this per-call time exceeds the kernel time (small batches, FP8).
@@ -10,15 +10,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def worker(ctx, a):

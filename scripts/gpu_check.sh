@@ -6,15 +6,15 @@
 # Stages (each under a hard `timeout`, clamped to what is left of GPU_CHECK_BUDGET_S, so a hang can
 # never eat the device lease): env (nvidia-smi topo, versions), compile (every kernel family, both
 # load/store modes), smoke (2 ranks, one case), tests2 (2-rank world, every case), bench
-# (benchmarks/bench_intranode.py --json), shared (4 and 8 ranks on 2 GPUs), timeout (device-timeout test),
+# (python -m benchmarks.bench_intranode --json), shared (4 and 8 ranks on 2 GPUs), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
-# overlapab (bench_overlap.py with --sm-carveout off / auto for each argument set in OVERLAP_AB),
+# overlapab (benchmarks.bench_overlap with --sm-carveout off / auto for each argument set in OVERLAP_AB),
 # overlapfb (2 GPUs: forward+backward on --preset network --ce-staging host, the split schedule against
 # dual_forward_backward, BF16 at expert intermediate 2816 and FP8 dispatch at 2048 / 1536, the backward's
 # carveout off, the sum on the compute stream; then the three phases with the compute-dense reference),
-# neighbour (bench_gemm_carveout.py --neighbour), interference (bench_comm_interference.py),
-# overlapce (bench_overlap.py balanced with the copy-engine path, COMMLIB_CE_BYTES, then with the SM kernels on
+# neighbour (experiments.bench_gemm_carveout --neighbour), interference (experiments.bench_comm_interference),
+# overlapce (benchmarks.bench_overlap balanced with the copy-engine path, COMMLIB_CE_BYTES, then with the SM kernels on
 # 4 and on 20 SMs).
 # tests2 and shared include the copy-engine cases (test_*_copy_engines).
 # Everything is logged to OUTDIR/gpu_check.log; the bench JSON (+ PNG) lands in OUTDIR and
@@ -100,12 +100,12 @@ EOF
 compile_kernels() {
   $PY - <<'EOF'
 import time, torch
-from commlib import kernels
+from commlib.cuda import loader as kernels
 torch.cuda.init()
 for plain in (False, True):
     t0 = time.perf_counter()
     kernels.compile_all(plain)
-    print(f"[compile] plain={plain}: {len(kernels._FAMILIES)} families in {time.perf_counter() - t0:.2f} s")
+    print(f"[compile] plain={plain}: {len(kernels.FAMILIES)} families in {time.perf_counter() - t0:.2f} s")
 EOF
 }
 
@@ -116,12 +116,12 @@ stage compile 90 bash -c compile_kernels
 stage smoke 90 env COMMLIB_TEST_CASES=smoke $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "two_ranks" -p no:cacheprovider
 stage tests2 200 $PY -m pytest tests/gpu/test_nvlink.py -q -s -k "two_ranks" -p no:cacheprovider
 # host time per call, fast launch path vs CuPy's (COMMLIB_FAST_LAUNCH=0)
-stage profile 90 $PY benchmarks/profile_host.py --fp8 --calls 300
-stage profile 90 env COMMLIB_FAST_LAUNCH=0 $PY benchmarks/profile_host.py --fp8 --calls 300
-stage bench 200 $PY benchmarks/bench_intranode.py --json "$OUTDIR" ${BENCH_FLAGS:---plot --plain --sms 8,12,16,24,32 --chunks 64,128} ${BENCH_ARGS:-}
+stage profile 90 $PY -m benchmarks.profile_host --fp8 --calls 300
+stage profile 90 env COMMLIB_FAST_LAUNCH=0 $PY -m benchmarks.profile_host --fp8 --calls 300
+stage bench 200 $PY -m benchmarks.bench_intranode --json "$OUTDIR" ${BENCH_FLAGS:---plot --plain --sms 8,12,16,24,32 --chunks 64,128} ${BENCH_ARGS:-}
 # the same world under other kernel builds (space-separated KEY=V,KEY=V lists), to qualify them; by
-# default the kept non-default paths: plain CTAs, no work sharing, and the cp.async rings with the trace
-for v in ${GPU_CHECK_TEST_VARIANTS-COMM_CLUSTER=1 SHARE_WORK=0 DISPATCH_ASYNC_DEPTH=8,COMBINE_ASYNC_DEPTH=12,COMM_TRACE=1}; do
+# default the kept non-default paths: plain CTAs, no work sharing, and the trace
+for v in ${GPU_CHECK_TEST_VARIANTS-COMM_CLUSTER=1 SHARE_WORK=0 COMM_TRACE=1}; do
   stage tests2 120 env COMMLIB_TEST_KERNEL_VARIANT="$v" $PY -m pytest tests/gpu/test_nvlink.py -q -k "two_ranks" -p no:cacheprovider
   SUMMARY[-1]="${SUMMARY[-1]} [variant $v]"
 done
@@ -134,33 +134,33 @@ stage cpu 60 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "imports or assembl
 stage llgpu 150 $PY -m pytest tests/gpu/test_low_latency_gpu.py -x -q -s -p no:cacheprovider
 stage moegpu 90 $PY -m pytest tests/gpu/test_moe_gpu.py -x -q -p no:cacheprovider
 stage llfault 60 env COMMLIB_FAULT_LOG_DIR="$OUTDIR/faults" $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k "ll_bad_expert_id" -p no:cacheprovider
-stage lltrace 120 $PY benchmarks/bench_low_latency.py --trace --iters 20
+stage lltrace 120 $PY -m benchmarks.bench_low_latency --trace --iters 20
 
 # Whole-library stages: the main job, the mpirun sweep (+ plot), the 10k-round long run, the dual
 # pipeline and the tuner; their JSON/PNG go to OUTDIR/results (packed into results.tar.gz).
 RES=${RESULTS_DIR:-/tmp/commlib_results}; rm -rf "$RES"; mkdir -p "$RES"
-stage main 120 $PY -m commlib.bench --json "$RES/bench_main_gpu.json"
-stage a2a 150 env NP=2 PYTHON=$PY bash scripts/launch_mpirun.sh benchmarks/alltoall_perf.py -b 512 -e 8K -f 2 --fp8 --json "$RES/alltoall_perf_gpu.json"
-stage plot 60 $PY benchmarks/plot.py "$RES/alltoall_perf_gpu.json" --out "$RES"
+stage main 120 $PY -m commlib.bench --json "$RES"
+stage a2a 150 env NP=2 PYTHON=$PY bash scripts/launch_mpirun.sh -m benchmarks.alltoall_perf -b 512 -e 8K -f 2 --fp8 --json "$RES"
+stage plot 60 $PY -m benchmarks.plot "$RES"/alltoall_perf_*.json --out "$RES"
 stage long 200 env COMMLIB_TEST_LONG_ROUNDS=${LONG_ROUNDS:-10000} $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k long_run -p no:cacheprovider
-stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_sms --tokens 8192 --tag H200_balanced_sms_8192 --out-dir "$RES"
-stage overlap 180 $PY benchmarks/bench_overlap.py --preset balanced_fb --out-dir "$RES"
-stage overlap 150 $PY benchmarks/bench_overlap.py --preset balanced --out-dir "$RES"
-stage overlapce 150 env COMMLIB_CE_BYTES=$((600 << 20)) $PY benchmarks/bench_overlap.py --preset balanced --tokens 16384 --layers 3 --comm-sms 4 --tag H200_balanced_ce --out-dir "$RES"
-stage overlapce 150 $PY benchmarks/bench_overlap.py --preset balanced --tokens 16384 --layers 3 --comm-sms 4 --tag H200_balanced_sm4 --out-dir "$RES"
-stage overlapce 150 $PY benchmarks/bench_overlap.py --preset balanced --tokens 16384 --layers 3 --comm-sms 20 --tag H200_balanced_sm20 --out-dir "$RES"
-stage overlap 120 $PY benchmarks/bench_overlap.py --preset v3 --out-dir "$RES"
+stage overlap 180 $PY -m benchmarks.bench_overlap --preset balanced_sms --tokens 8192 --tag H200_balanced_sms_8192 --out-dir "$RES"
+stage overlap 180 $PY -m benchmarks.bench_overlap --preset balanced_fb --out-dir "$RES"
+stage overlap 150 $PY -m benchmarks.bench_overlap --preset balanced --out-dir "$RES"
+stage overlapce 150 env COMMLIB_CE_BYTES=$((600 << 20)) $PY -m benchmarks.bench_overlap --preset balanced --tokens 16384 --layers 3 --comm-sms 4 --tag H200_balanced_ce --out-dir "$RES"
+stage overlapce 150 $PY -m benchmarks.bench_overlap --preset balanced --tokens 16384 --layers 3 --comm-sms 4 --tag H200_balanced_sm4 --out-dir "$RES"
+stage overlapce 150 $PY -m benchmarks.bench_overlap --preset balanced --tokens 16384 --layers 3 --comm-sms 20 --tag H200_balanced_sm20 --out-dir "$RES"
+stage overlap 120 $PY -m benchmarks.bench_overlap --preset v3 --out-dir "$RES"
 # overlapab: the dual pipeline with and without the SM carveout, back to back, for each ';'-separated
 # argument set in OVERLAP_AB (each run tagged by its position and carveout).
 IFS=';' read -r -a AB_SETS <<<"${OVERLAP_AB:---preset balanced --tokens 16384 --layers 3 --comm-sms 4}"
 for i in "${!AB_SETS[@]}"; do
   for cv in ${OVERLAP_AB_CARVEOUTS:-off auto}; do
-    stage overlapab ${OVERLAP_AB_TIMEOUT:-150} $PY benchmarks/bench_overlap.py ${AB_SETS[$i]} --sm-carveout "$cv" \
+    stage overlapab ${OVERLAP_AB_TIMEOUT:-150} $PY -m benchmarks.bench_overlap ${AB_SETS[$i]} --sm-carveout "$cv" \
       --tag "H200_ab${i}_cv${cv}" --out-dir "$RES"
   done
 done
 # overlapfb: the forward+backward phase alone (~45 s a run), then every phase with the dense reference
-FB="$PY benchmarks/bench_overlap.py --preset network --ce-staging host --comm-sms 4 --layers 6 --out-dir $RES"
+FB="$PY -m benchmarks.bench_overlap --preset network --ce-staging host --comm-sms 4 --layers 6 --out-dir $RES"
 C=${COMMLIB_GIT_COMMIT:-local}
 for args in "--expert-hidden 2816 --fb-schedule split:i2816_split" "--expert-hidden 2816 --fb-schedule joint:i2816_joint" \
             "--expert-hidden 2816 --fb-schedule joint --sm-carveout-backward off:i2816_joint_bco" \
@@ -173,11 +173,11 @@ for args in "--expert-hidden 2816 --fb-schedule split:i2816_split" "--expert-hid
 done
 stage overlapfb 200 $FB --iters 10 --expert-hidden 2816 --tag "NVIDIA_H200_network_i2816_s4_$C"
 # what the comm kernels' neighbours cost: GEMMs beside plain vs clustered comm CTAs; comm beside each load
-stage neighbour 90 $PY benchmarks/bench_gemm_carveout.py --neighbour 4,12 --json "$RES/gemm_neighbour.json"
-stage interference 150 $PY benchmarks/bench_comm_interference.py --json "$RES/comm_interference.json"
-stage tune 200 $PY benchmarks/bench_tune.py ${TUNE_ARGS:-} --json "$RES/tune_gpu.json"
-stage internode 150 $PY benchmarks/bench_internode.py --json "$RES/bench_internode_gpu.json"
-stage llbench 120 $PY benchmarks/bench_low_latency.py --json "$RES/bench_low_latency_gpu.json"
+stage neighbour 90 $PY -m experiments.bench_gemm_carveout --neighbour 4,12 --json "$RES/gemm_neighbour.json"
+stage interference 150 $PY -m experiments.bench_comm_interference --json "$RES/comm_interference.json"
+stage tune 200 $PY -m benchmarks.bench_tune ${TUNE_ARGS:-} --json "$RES"
+stage internode 150 $PY -m benchmarks.bench_internode --json "$RES"
+stage llbench 120 $PY -m benchmarks.bench_low_latency --json "$RES"
 if ls "$RES"/* >/dev/null 2>&1; then tar -czf "$OUTDIR/results.tar.gz" -C "$RES" . && log "[gpu_check] packed $(ls "$RES" | wc -l) result files"; fi
 
 # keep a copy of the benchmark JSON with the repository's results

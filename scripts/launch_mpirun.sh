@@ -4,15 +4,15 @@
 #   one node, 4 ranks (CPU ranks on gloo without GPUs, one GPU each with them):
 #       NP=4 scripts/launch_mpirun.sh
 #   the CI check (4 CPU ranks as 2 emulated nodes x 2, every row verified):
-#       NP=4 COMMLIB_RANKS_PER_NODE=2 scripts/launch_mpirun.sh benchmarks/alltoall_perf.py -b 32 -e 128 -n 3
+#       NP=4 COMMLIB_RANKS_PER_NODE=2 scripts/launch_mpirun.sh -m benchmarks.alltoall_perf -b 32 -e 128 -n 3
 #   several nodes, listed in a hostfile (see scripts/hostfile.example):
-#       NP=16 HOSTFILE=scripts/hostfile.example scripts/launch_mpirun.sh benchmarks/alltoall_perf.py --fp8 --json
+#       NP=16 HOSTFILE=scripts/hostfile.example scripts/launch_mpirun.sh -m benchmarks.alltoall_perf --fp8 --json
 #
 # Environment: NP (4), HOSTFILE (none: this machine), NPERNODE (ranks per node with a hostfile;
 # default: the slots of each host), MASTER_ADDR (with a hostfile: its first host; the address
 # rank 0 listens on for torch.distributed's rendezvous), MASTER_PORT, MPIRUN (mpirun),
-# PYTHON (python). Arguments: a script (*.py) or -m module and its arguments; with none,
-# benchmarks/alltoall_perf.py.
+# PYTHON (python). Arguments: -m module (or a script, *.py) and its arguments; with none,
+# -m benchmarks.alltoall_perf. The checkout is put on PYTHONPATH, so modules resolve from anywhere.
 #
 # Flags added for you: --allow-run-as-root when run as root (Open MPI refuses root otherwise),
 # --oversubscribe when NP exceeds this machine's cores (e.g. 4 ranks on a 2-core CI box),
@@ -57,7 +57,7 @@ while IFS='=' read -r name _; do
 done < <(env)
 
 if [[ $# -eq 0 || ( "$1" != *.py && "$1" != "-m" ) ]]; then
-    set -- "${ROOT}/benchmarks/alltoall_perf.py" "$@"
+    set -- -m benchmarks.alltoall_perf "$@"
 fi
 
 set -x

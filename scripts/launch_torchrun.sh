@@ -4,7 +4,7 @@
 #   one node, one rank per GPU (or 4 CPU ranks without GPUs), the bandwidth benchmark:
 #       scripts/launch_torchrun.sh
 #   one node, your own arguments:
-#       NPROC_PER_NODE=8 scripts/launch_torchrun.sh benchmarks/alltoall_perf.py -b 128 -e 4K -f 2 --fp8 --json
+#       NPROC_PER_NODE=8 scripts/launch_torchrun.sh -m benchmarks.alltoall_perf -b 128 -e 4K -f 2 --fp8 --json
 #   two nodes x 8 GPUs (same command on both, NODE_RANK differs; MASTER_ADDR = node 0's address):
 #       NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 scripts/launch_torchrun.sh   # on node 0
 #       NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 scripts/launch_torchrun.sh   # on node 1
@@ -12,8 +12,8 @@
 #       NPROC_PER_NODE=4 COMMLIB_RANKS_PER_NODE=2 scripts/launch_torchrun.sh
 #
 # Environment: NNODES (1), NODE_RANK (0), NPROC_PER_NODE (GPUs, else 4), MASTER_ADDR (127.0.0.1),
-# MASTER_PORT (29500), PYTHON (python). Arguments: a script (*.py) or -m module, then its
-# arguments; with none, benchmarks/alltoall_perf.py. Every COMMLIB_* variable is passed through.
+# MASTER_PORT (29500), PYTHON (python). Arguments: -m module (or a script, *.py), then its
+# arguments; with none, -m benchmarks.alltoall_perf. Every COMMLIB_* variable is passed through.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,7 +35,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 
 if [[ $# -eq 0 || ( "$1" != *.py && "$1" != "-m" ) ]]; then
-    set -- "${ROOT}/benchmarks/alltoall_perf.py" "$@"
+    set -- -m benchmarks.alltoall_perf "$@"
 fi
 
 set -x

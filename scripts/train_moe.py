@@ -18,7 +18,7 @@ The loss of a rank is its tokens' summed cross-entropy divided by the global tok
 summed gradients are those of the global mean loss, which is what the single-process run computes.
 
 Schedules: ``sequential`` runs the staged model on the rank's batch; ``dual`` splits it into two
-micro-batches and runs commlib.training.pipeline.schedule.dual_forward_backward (one micro-batch's
+micro-batches and runs commlib.training.pipeline.dual_forward_backward (one micro-batch's
 dispatch/combine overlapping the other's compute on GPUs; the same arithmetic on CPU).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from commlib.training.moe.layer import MoEConfig, MoEModel  # noqa: E402
+from commlib.training.moe import MoEConfig, MoEModel  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,7 +101,7 @@ def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def train(args, schedule: str, buffer=None, rank: int = 0, num_ranks: int = 1, device=None) -> list[float]:
     """Train one model; returns the global mean loss of every step."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     device = device or torch.device("cpu")
     ep = buffer is not None
     model = build_model(args, buffer, num_ranks, device)

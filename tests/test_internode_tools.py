@@ -1,13 +1,10 @@
 """The internode model: node-limited routing, once-per-node saves network rows, output is JSON; and
 the pure helpers of the other model-side benchmark tools (the comm trace split)."""
 import json
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import model_internode as M  # noqa: E402
+from benchmarks import bench_internode
+from experiments import bench_comm_interference
+from experiments import model_internode as M
 
 
 def test_traffic_once_per_node_and_node_limit():
@@ -30,7 +27,6 @@ def test_main_writes_json(tmp_path):
 
 
 def test_bench_internode_smoke(capsys):
-    import bench_internode
     assert bench_internode.main(["--tokens", "32", "--hidden", "256", "--iters", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     assert "not InfiniBand" in out and "#wrong 0" in out
@@ -57,7 +53,7 @@ def test_nvlink_leg_takes_newest_default_row(tmp_path, monkeypatch):
 def test_comm_trace_role_split():
     """bench_comm_interference's split of a COMM_TRACE launch: even CTAs are senders, odd ones
     receivers; means in us from the earliest start."""
-    import bench_comm_interference as B
+    B = bench_comm_interference
     trace = [(1_000, 3_000, 9_000), (1_000, 8_000, 9_000), (2_000, 5_000, 11_000), (1_500, 10_000, 11_000)]
     t = B.role_times(trace)
     assert t == {"sender_own_us": 3.0, "sender_end_us": 9.0, "receiver_own_us": 8.0, "receiver_end_us": 9.0}

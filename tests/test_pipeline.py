@@ -1,4 +1,4 @@
-"""commlib.training.pipeline.schedule and commlib.training.moe.layer on CPU ranks: the staged MoE model equals the plain one and the
+"""commlib.training.pipeline and commlib.training.moe on CPU ranks: the staged MoE model equals the plain one and the
 single-process equivalent; the dual schedules (two forwards, two backwards, DualPipe's
 forward-with-backward hook) give the same outputs and gradients as running the micro-batches one
 after the other, bit for bit, in every issue order; the schedule pairs every comm step with a
@@ -28,7 +28,7 @@ H, E, K, HEADS, LAYERS, SEQ, VOCAB = 64, 8, 2, 4, 2, 8, 40
 
 
 def _cfg(hidden=H, **kw):
-    from commlib.training.moe.layer import MoEConfig
+    from commlib.training.moe import MoEConfig
     return MoEConfig(hidden=hidden, num_experts=E, topk=K, expert_hidden=32, num_groups=2, topk_groups=2,
                      num_shared_experts=1, **kw)
 
@@ -45,7 +45,7 @@ def _buf(ctx, hidden=H):
 
 
 def _model(ctx, buffer, vocab=VOCAB, seed=0, hidden=H, **cfg_kw):
-    from commlib.training.moe.layer import MoEModel
+    from commlib.training.moe import MoEModel
     torch.manual_seed(seed)
     return MoEModel(_cfg(hidden, **cfg_kw), LAYERS, HEADS, buffer=buffer, num_ranks=ctx.world_size,
                     vocab_size=vocab, max_seq_len=SEQ)
@@ -127,7 +127,7 @@ def _sequential_run(ctx, seed: int):
 
 
 def case_dual_forward_backward(ctx):
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
 
     o0, o1 = P.dual_forward(model, (mb0,), (mb1,))
@@ -166,7 +166,7 @@ def case_deferred_weight_grads(ctx):
     dual_backward and overlapped_forward_backward give the sequential gradients bit for bit, and
     the deferral did happen: 2 expert GEMMs + 2 projections per layer and micro-batch went through
     the queue."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     from commlib.training import wgrad
     model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
     ran = []
@@ -206,7 +206,7 @@ def case_deferred_weight_grads(ctx):
 
 def case_overlapped_forward_backward(ctx):
     """DualPipe's contract on a hidden-state chunk: inputs are leaves, input grads land in .grad."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     chunk = _model(ctx, _buf(ctx), vocab=None, seed=3)
     g = torch.Generator().manual_seed(10 + ctx.rank)
     h0 = torch.randn(1, SEQ, H, generator=g)
@@ -253,7 +253,7 @@ def case_joint_forward_backward(ctx):
     gradients or not, a (forward, backward) carveout pair), and its turn from forward to backward
     is the joint one: micro-batch 0's combine' right after its last combine, before micro-batch 1's,
     with micro-batch 0's expert backward paired with micro-batch 1's last combine."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=2)
     for defer in (False, True):
         for schedule in ("split", "joint"):
@@ -329,7 +329,7 @@ def case_schedule_pairs_comm_with_compute(ctx):
     the other micro-batch, and the issue-order rule holds: a comm step that does not wait on the
     host goes first (the comm stream is fed before the host issues the compute kernels), a forward
     dispatch (it reads its receive count on the host) goes right after its compute partner."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model = _model(ctx, _buf(ctx))
     _, mine = _tokens(ctx, batch_per_rank=2, seed=4)
     tl = P.Timeline()
@@ -387,7 +387,7 @@ def _check_pairs(labels, order="auto"):
 
 def case_issue_orders_same_results(ctx):
     """Every issue order gives the sequential outputs and gradients bit for bit."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model, mb0, mb1, s0, s1, g_seq = _sequential_run(ctx, seed=7)
     for order in P.ISSUE_ORDERS:
         model.zero_grad(set_to_none=True)
@@ -404,7 +404,7 @@ def case_issue_orders_same_results(ctx):
 
 
 def case_fp8_dispatch_stage(ctx):
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model = _model(ctx, _buf(ctx, 128), hidden=128, fp8_dispatch=True)
     single = _model(ctx, None, hidden=128, fp8_dispatch=True)
     everything, mine = _tokens(ctx, seed=5)
@@ -428,7 +428,7 @@ def case_fp8_dispatch_stage(ctx):
 
 
 def case_inference_no_grad(ctx):
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
     model = _model(ctx, _buf(ctx))
     _, mine = _tokens(ctx, seed=6)
     with torch.no_grad():
@@ -440,8 +440,8 @@ def case_inference_no_grad(ctx):
 
 def case_moe_layer_without_attention(ctx):
     """num_heads=0 (the MoE layer alone, bench_overlap's balanced_fb): EP == single process, dual == sequential."""
-    from commlib.training.pipeline import schedule as P
-    from commlib.training.moe.layer import MoEModel
+    from commlib.training import pipeline as P
+    from commlib.training.moe import MoEModel
     torch.manual_seed(0)
     model = MoEModel(_cfg(), 1, 0, buffer=_buf(ctx), num_ranks=ctx.world_size, vocab_size=VOCAB, max_seq_len=SEQ)
     torch.manual_seed(0)
@@ -460,20 +460,11 @@ def case_moe_layer_without_attention(ctx):
     _assert_same_grads(g_seq, _grads(model), "no-attention dual vs sequential")
 
 
-def _load_bench():
-    import importlib.util
-    import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_overlap", os.path.join(root, "benchmarks", "bench_overlap.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def case_bench_overlap_smoke(ctx):
     import os
     import tempfile
-    bench = _load_bench()
+
+    from benchmarks import bench_overlap as bench
     with tempfile.TemporaryDirectory() as out_dir:
         args = bench.parse_args(["--tokens", "16", "--hidden", "64", "--experts", "8", "--topk", "2",
                                  "--expert-hidden", "32", "--heads", "4", "--layers", "1", "--warmup", "1",
@@ -484,7 +475,10 @@ def case_bench_overlap_smoke(ctx):
             assert os.path.exists(result["json_path"])
             assert result["calibration"] is None and result["issue_order"] == "auto"
             assert result["fb_schedule"] == "split" and result["check"]["max_relative_error"] == 0
+            assert result["check"]["ok"] and set(result["check"]["phases"]) == set(result["figures"])
+            assert all(c["checked"] and c["compared"] >= 2 for c in result["check"]["phases"].values())
             for f in result["figures"].values():
+                assert f["checked"] and f["compute_dense_checked"] is False  # replayed rows: not compared
                 assert f["compute_dense_ms"] > 0 and f["dual_over_max_comm_compute_dense"] > 0
                 assert set(f["verdict_dense"]) == set(f["verdict"]) and f["comm_over_compute_dense"] > 0
                 assert f["comm_over_compute"] > 0 and set(f["verdict"]) == {
@@ -507,30 +501,37 @@ def case_bench_overlap_balanced_fb_smoke(ctx):
     """The balanced_fb preset at tiny shapes: no attention, expert_hidden calibrated (two sizes here)."""
     import os
     import tempfile
-    bench = _load_bench()
-    bench.CALIBRATION_SIZES = (16, 32)
-    with tempfile.TemporaryDirectory() as out_dir:
-        args = bench.parse_args(["--preset", "balanced_fb", "--tokens", "16", "--hidden", "64", "--warmup", "1",
-                                 "--iters", "1", "--no-plot", "--issue-order", "comm_first", "--no-dense",
-                                 "--out-dir", out_dir])
-        result = bench.run(ctx, args)
-        if ctx.rank == 0:
-            assert result["shapes"]["heads"] == 0 and result["issue_order"] == "comm_first"
-            assert not any("compute_dense_ms" in f for f in result["figures"].values())  # --no-dense
-            cal = result["calibration"]
-            assert cal is not None and cal["chosen"] in (16, 32) and cal["trials"]
-            assert result["shapes"]["expert_hidden"] == cal["chosen"]
-            assert result["check"]["ok"]
-            assert os.path.exists(result["json_path"])
+
+    from benchmarks import bench_overlap as bench
+    from benchmarks.overlap import calibrate
+    sizes, calibrate.CALIBRATION_SIZES = calibrate.CALIBRATION_SIZES, (16, 32)
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            args = bench.parse_args(["--preset", "balanced_fb", "--tokens", "16", "--hidden", "64", "--warmup",
+                                     "1", "--iters", "1", "--no-plot", "--issue-order", "comm_first", "--no-dense",
+                                     "--out-dir", out_dir])
+            result = bench.run(ctx, args)
+            if ctx.rank == 0:
+                assert result["shapes"]["heads"] == 0 and result["issue_order"] == "comm_first"
+                assert not any("compute_dense_ms" in f for f in result["figures"].values())  # --no-dense
+                cal = result["calibration"]
+                assert cal is not None and cal["chosen"] in (16, 32) and cal["trials"]
+                assert result["shapes"]["expert_hidden"] == cal["chosen"]
+                assert result["check"]["ok"]
+                assert os.path.exists(result["json_path"])
+    finally:
+        calibrate.CALIBRATION_SIZES = sizes
 
 
 def case_bench_overlap_comm_sms(ctx):
     """--comm-sms N: every dispatch and combine (forward, backward, cached) gets Config(num_sms=N), and
     Buffer.num_sms stays as it was; balanced_sms calibrates N (two candidates here)."""
     import tempfile
+
+    from benchmarks import bench_overlap as bench
+    from benchmarks.overlap import calibrate
     from commlib import Buffer
-    bench = _load_bench()
-    bench.COMM_SMS_CALIBRATION = (4, 6)
+    candidates, calibrate.COMM_SMS_CALIBRATION = calibrate.COMM_SMS_CALIBRATION, (4, 6)
     seen = []   # (op, cached, num_sms) of every call on this rank
     dispatch, combine = Buffer.dispatch, Buffer.combine
 
@@ -571,6 +572,7 @@ def case_bench_overlap_comm_sms(ctx):
                 assert result["check"]["ok"]
     finally:
         Buffer.dispatch, Buffer.combine = dispatch, combine
+        calibrate.COMM_SMS_CALIBRATION = candidates
     assert Buffer.num_sms == default_sms   # per call, nothing class-wide
     with pytest.raises(SystemExit):
         bench.parse_args(["--comm-sms", "3"])
@@ -589,7 +591,7 @@ def test_pipeline(results, name):
 
 
 # ------------------------------------------------------------------ the expert stage, one process
-# commlib.training.moe.layer.routed_experts against a per-row loop in float64, both its paths (one local slot per
+# commlib.training.moe.routed_experts against a per-row loop in float64, both its paths (one local slot per
 # row: a permutation; several: the float32 index_add), forward and gradients; RMSNorm and
 # MoELayer.finish against the formulas they replace.
 
@@ -641,7 +643,7 @@ def _reference(x, idx, weights, w_gate_up, w_down):
 
 
 def _run_routed(x, idx, weights, w_gate_up, w_down, g_out, **kw):
-    from commlib.training.moe.layer import routed_experts
+    from commlib.training.moe import routed_experts
     leaves = [t.detach().clone().requires_grad_() for t in (x, w_gate_up, w_down, weights)]
     xs, w1, w2, tw = leaves
     y = routed_experts(xs, idx, tw, w1, w2, impl="loop", **kw)
@@ -709,7 +711,7 @@ def test_routed_experts_matches_per_row_reference(dtype, kind):
 
 def test_routed_experts_permutation_backward_is_exact():
     """float64 gradcheck and gradgradcheck of both paths (the permutation's backward is itself)."""
-    from commlib.training.moe.layer import routed_experts
+    from commlib.training.moe import routed_experts
     w_gate_up, w_down = _expert_params(torch.float64)
     x = torch.randn(_N, _H, dtype=torch.float64)
     for kind, kw in (("one_slot", dict(rows_have_local_expert=True)), ("several", {})):
@@ -724,7 +726,7 @@ def test_routed_experts_permutation_backward_is_exact():
 
 
 def test_routed_experts_flag_refuses_rows_without_slots():
-    from commlib.training.moe.layer import routed_experts
+    from commlib.training.moe import routed_experts
     w_gate_up, w_down = _expert_params(torch.float32)
     idx, weights = _routing("some_empty")
     idx = idx[: _L]   # rows 0 (no slot), 1 (two), 2 (three), 3 (one): M == 6 > N == 4, fine
@@ -738,7 +740,7 @@ def test_routed_experts_flag_refuses_rows_without_slots():
 
 def test_expert_compute_dispatch_flag_same_bits():
     """MoELayer.expert_compute with rows_have_local_expert (its dispatch callers) == without."""
-    from commlib.training.moe.layer import MoEConfig, MoELayer
+    from commlib.training.moe import MoEConfig, MoELayer
     torch.manual_seed(0)
     cfg = MoEConfig(hidden=_H, num_experts=_L, topk=_K, expert_hidden=_I, expert_impl="loop")
     layer = MoELayer(cfg, buffer=None, num_ranks=1)
@@ -758,14 +760,14 @@ def test_expert_compute_dispatch_flag_same_bits():
 
 
 def test_moe_config_rejects_bad_shared_stage():
-    from commlib.training.moe.layer import MoEConfig
+    from commlib.training.moe import MoEConfig
     with pytest.raises(ValueError, match="shared_stage"):
         MoEConfig(hidden=64, num_experts=8, topk=2, expert_hidden=32, shared_stage="dispatch")
 
 
 def test_rmsnorm_matches_formula():
     import warnings
-    from commlib.training.moe.layer import RMSNorm
+    from commlib.training.moe import RMSNorm
     torch.manual_seed(0)
     H = 256
     norm = RMSNorm(H)
@@ -806,7 +808,7 @@ def test_rmsnorm_matches_formula():
 
 
 def test_finish_same_bits_as_cast_then_add():
-    from commlib.training.moe.layer import MoELayer
+    from commlib.training.moe import MoELayer
     torch.manual_seed(0)
     combined = torch.randn(32, 64).to(torch.bfloat16)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -828,7 +830,7 @@ def test_sm_carveout_resolves_and_restores(monkeypatch):
     carveout for its body only (clamped below the SM count) and is a no-op on CPU or for 0."""
     import types
     from commlib import Config
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
 
     class FakeBuffer:          # what _buffer_call_sms reads: the class's num_sms, the tuned configs
         num_sms = 4
@@ -881,29 +883,29 @@ def test_sm_carveout_resolves_and_restores(monkeypatch):
 def test_bench_overlap_transport_flags(monkeypatch):
     """--ce-staging / --ce-sms set the ranks' environment (COMMLIB_CE_BYTES only when unset); the
     network preset's shapes; bad values are refused."""
+    from benchmarks.overlap.options import parse_args, resolve_shapes, transport_env
     from commlib.utils import env
 
-    bench = _load_bench()
     for k in ("COMMLIB_CE_STAGING", "COMMLIB_CE_BYTES", "COMMLIB_CE_SMS"):
         monkeypatch.setenv(k, "")  # recorded, so what _transport_env sets is undone after the test
         monkeypatch.delenv(k)
-    args = bench.parse_args(["--preset", "network", "--ce-staging", "host", "--ce-sms", "8"])
-    bench._transport_env(args)
+    args = parse_args(["--preset", "network", "--ce-staging", "host", "--ce-sms", "8"])
+    transport_env(args)
     assert (env.ce_staging(), env.ce_bytes(), env.ce_sms()) == ("host", 600 << 20, 8)
     monkeypatch.setenv("COMMLIB_CE_BYTES", str(1 << 30))
-    bench._transport_env(bench.parse_args(["--ce-staging", "device"]))
+    transport_env(parse_args(["--ce-staging", "device"]))
     assert (env.ce_staging(), env.ce_bytes()) == ("device", 1 << 30)
-    shapes = bench._resolve_shapes(args, on_gpu=True)
+    shapes = resolve_shapes(args, on_gpu=True)
     assert (shapes["tokens"], shapes["heads"], shapes["expert_hidden"], shapes["topk"]) == (16384, 16, 3072, 2)
     with pytest.raises(SystemExit):
-        bench.parse_args(["--ce-sms", "0"])
+        parse_args(["--ce-sms", "0"])
     with pytest.raises(SystemExit):
-        bench.parse_args(["--ce-staging", "nvme"])
+        parse_args(["--ce-staging", "nvme"])
 
 
 def test_bench_overlap_halves_floor():
     """Two forwards then two backwards: the floor is max(comm, compute) of each half, summed."""
-    bench = _load_bench()
+    from benchmarks.overlap import analysis as bench
 
     def span(label, stream, ms):
         return {"label": label, "stream": stream, "start_ms": 0.0, "end_ms": ms}
@@ -920,7 +922,7 @@ def test_bench_overlap_gap_split():
     """bench_overlap's schedule bound replays the dual order at sequential durations: lockstep pairs
     cost their max, a stream waits for its micro-batch's previous step; the split reports busy
     ratios and idle shares from the spans."""
-    bench = _load_bench()
+    from benchmarks.overlap import analysis as bench
 
     def span(label, stream, t0, t1):
         return {"label": label, "stream": stream, "start_ms": t0, "end_ms": t1}
@@ -949,7 +951,7 @@ def test_bench_overlap_comm_trace_steps():
     launch order per kind (combine' runs the dispatch kernel, dispatch' the combine kernel); each
     step gets the kernel's own time, its CTAs' start spread and its start after the span began
     (the soonest step counting 0); unmatched launches or steps raise."""
-    bench = _load_bench()
+    from benchmarks.overlap import analysis as bench
 
     def span(label, t0, t1):
         return {"label": label, "stream": "comm", "start_ms": t0, "end_ms": t1}
@@ -985,7 +987,7 @@ def deferred_equals_immediate(device=None, dtype=torch.float32, impl="auto"):
     slice of the parameter) are never deferred.
     Shared with tests/gpu/test_moe_gpu.py."""
     from commlib.training import wgrad
-    from commlib.training.moe.layer import routed_experts
+    from commlib.training.moe import routed_experts
     device = device or torch.device("cpu")
     w_gate_up, w_down = (p.to(device) for p in _expert_params(dtype))
     idx, weights = _routing("some_empty")
@@ -1033,7 +1035,7 @@ def test_deferred_weight_grads_from_another_thread():
     activated on the caller's thread must still collect them (it did not when it was thread-local)."""
     import threading
     from commlib.training import wgrad
-    from commlib.training.moe.layer import routed_experts
+    from commlib.training.moe import routed_experts
     w_gate_up, w_down = (torch.nn.Parameter(p) for p in _expert_params(torch.float32))
     idx, weights = _routing("one_slot")
     x = torch.randn(idx.shape[0], _H)
@@ -1053,7 +1055,7 @@ def test_linear_same_bits_and_deferred_next():
     and inside wgrad.deferring its weight gradient is queued with placement NEXT (split() sorts the
     queue's entries by placement) and equals the immediate one once run."""
     from commlib.training import wgrad
-    from commlib.training.moe.layer import linear
+    from commlib.training.moe import linear
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for shape in ((2, 5, 16), (7, 16)):
@@ -1082,7 +1084,8 @@ def test_bench_overlap_replay_comm():
     which a GEMM runs on at a lower power), moves nothing, and refuses a call sequence that differs
     from the recorded one."""
     import types
-    bench = _load_bench()
+
+    from benchmarks.overlap.replay import ReplayComm
 
     class Fake:
         comm_stream = None
@@ -1101,7 +1104,7 @@ def test_bench_overlap_replay_comm():
             return x + 1, None, "event"
 
     real = Fake()
-    r = bench.ReplayComm(real)
+    r = ReplayComm(real)
     x = torch.full((2, 4), 3.0, dtype=torch.bfloat16)
     rec = r.dispatch(x)
     assert rec[0].eq(6).all() and rec[5] == "event"
@@ -1140,7 +1143,7 @@ def test_turn_moves_to_the_comm_stream_only_between_comm_steps():
     """dual_forward_backward issues a chain's turn (light and bookkeeping steps between its last
     forward and first backward comm step) on that comm stream; a heavy step between, or no stream
     (CPU), leaves every step where it was."""
-    from commlib.training.pipeline import schedule as P
+    from commlib.training import pipeline as P
 
     def noop():
         pass
@@ -1154,24 +1157,20 @@ def test_turn_moves_to_the_comm_stream_only_between_comm_steps():
                 P.Step("comm", "B.combine", noop, stream=comm_stream), P.Step("compute", "B.experts", noop)]
 
     s = steps()
-    P._turn_on_comm_stream(s, 4)
+    P.turn_on_comm_stream(s, 4)
     assert [st.run is not noop for st in s] == [False, False, True, True, True, True, False, False]
     for s in (steps(light=False), steps(comm_stream=None)):
-        P._turn_on_comm_stream(s, 4)
+        P.turn_on_comm_stream(s, 4)
         assert all(st.run is noop for st in s)
 
 
 def test_model_schedule_joint_turn_on_comm_stream_is_shorter(tmp_path):
-    """benchmarks/model_schedule.py: sequential durations replayed in each schedule's order; with a
+    """experiments.model_schedule: sequential durations replayed in each schedule's order; with a
     compute-bound backward the joint schedule (turn on the comm stream) beats the split one, and
     with the turn on the compute stream it does not."""
-    import importlib.util
     import json
-    import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("model_schedule", os.path.join(root, "benchmarks", "model_schedule.py"))
-    ms = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ms)
+
+    from experiments import model_schedule as ms
     dur = {"F.attn": 6.0, "F.dispatch": 7.5, "F.experts": 6.0, "F.combine": 7.5, "F.finish": 0.2,
            "B.finish": 0.3, "B.combine": 7.5, "B.experts": 13.0, "B.dispatch": 7.5, "B.attn": 13.0}
     names = [(f"{s}{l}", "comm" if s in ("dispatch", "combine") else "compute")
@@ -1197,3 +1196,54 @@ def test_model_schedule_joint_turn_on_comm_stream_is_shorter(tmp_path):
     i = comm_order.index("0.F.combine1")
     assert comm_order[i:i + 4] == ["0.F.combine1", "0.B.combine1", "1.F.combine1", "1.B.combine1"], comm_order
     assert ["0.F.finish", "comm"] in o and ["1.B.finish", "comm"] in o  # the turn, on the comm stream
+
+
+def test_bench_overlap_check_and_exit_code(monkeypatch):
+    """bench_overlap's check: the run is ok only when every compared phase is; a phase not compared
+    reads N/A and does not count; a wrong compared result makes main() return 1 (the exit code),
+    a right one or none compared 0."""
+    from benchmarks import bench_overlap as bench
+    from benchmarks.overlap.check import NOT_CHECKED, exit_code, status, summarize
+
+    def phase(err, tol=0.0):
+        return {"checked": True, "max_relative_error": err, "worst": "out0", "compared": 3, "tolerance": tol,
+                "ok": err <= tol}
+
+    good = summarize({"forward": phase(0.0), "fwd0_bwd1": NOT_CHECKED})
+    assert good["ok"] is True and good["checked"] and exit_code({"check": good}) == 0
+    assert status(good["phases"]["fwd0_bwd1"]) == "N/A" and status(good) == "ok"
+    bad = summarize({"forward": phase(0.0), "forward_backward": phase(0.5, 1e-2)})
+    assert bad["ok"] is False and bad["worst"] == "forward_backward: out0" and bad["max_relative_error"] == 0.5
+    assert status(bad) == "WRONG" and exit_code({"check": bad}) == 1
+    none = summarize({"forward": NOT_CHECKED})
+    assert none["ok"] is None and status(none) == "N/A" and exit_code({"check": none}) == 0
+    for check, code in ((bad, 1), (good, 0)):
+        monkeypatch.setattr(bench, "parallel_launch", lambda *a, check=check, **kw: {"check": check})
+        assert bench.main(["--preset", "tiny"]) == code
+
+
+def test_bench_overlap_compare_finds_a_wrong_schedule(monkeypatch):
+    """check.compare against a run whose dual result differs: WRONG (one rank, gloo)."""
+    import torch.distributed as dist
+
+    from benchmarks.overlap.check import compare
+    from commlib.utils.launch import free_port
+
+    model = torch.nn.Linear(4, 4)
+    x = torch.ones(2, 4)
+
+    def run(overlap):
+        y = model(x) * (1.5 if overlap else 1.0)   # a "schedule" that gets the numbers wrong
+        y.sum().backward()
+        return y
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        c = compare(model, run, torch.device("cpu"), "forward")
+        assert c["checked"] and not c["ok"] and c["max_relative_error"] > 0.1 and c["compared"] == 3
+        same = compare(model, lambda overlap: run(False), torch.device("cpu"), "forward")
+        assert same["ok"] and same["max_relative_error"] == 0
+    finally:
+        dist.destroy_process_group()

@@ -23,7 +23,7 @@ sends (token copies), N rows this rank receives.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -153,47 +153,6 @@ def a2a_combine(y: torch.Tensor, state: A2AState, group=None) -> torch.Tensor:
             acc_TH.index_add_(0, state.token_of_row[start:start + count], back_SH[start:start + count].float())
         start += count
     return acc_TH.to(y.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Single-process oracle: what every rank should receive, computed from all ranks' inputs.
-# ---------------------------------------------------------------------------------------------
-
-def oracle_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor], num_experts: int,
-                    rank: int) -> tuple[torch.Tensor, list]:
-    """Rows rank ``rank`` receives: for each source s in rank order, x_s[t] for every token t of s
-    with an expert on ``rank``, in token order. Also returns the source token index of each row."""
-    R = len(xs)
-    rows, src = [], []
-    for s in range(R):
-        mask_T = token_in_rank(topk_idxs[s], num_experts, R)[:, rank]
-        idx = mask_T.nonzero(as_tuple=True)[0]
-        rows.append(xs[s].index_select(0, idx))
-        src.append(idx)
-    return torch.cat(rows, dim=0), src
-
-
-def oracle_combine(ys_by_rank: Sequence[torch.Tensor], src_by_rank: Sequence[list], rank: int,
-                   num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What rank ``rank`` gets back when every rank r returns rows ``ys_by_rank[r]`` (dispatched
-    order; ``src_by_rank[r][s]`` = source token indices of r's rows from source s).
-
-    Returns (combined [T, H] float32 sum in rank order, cast to y's dtype; sum_abs [T, H] float32 of
-    |terms|, for error bounds when partial sums are rounded, as on several nodes).
-    """
-    R = len(ys_by_rank)
-    H = ys_by_rank[0].shape[1]
-    dev = ys_by_rank[0].device
-    acc = torch.zeros(num_tokens, H, dtype=torch.float32, device=dev)
-    sum_abs = torch.zeros(num_tokens, H, dtype=torch.float32, device=dev)
-    for r in range(R):
-        counts = [len(i) for i in src_by_rank[r]]
-        start = sum(counts[:rank])
-        rows = ys_by_rank[r][start:start + counts[rank]].float().to(dev)
-        idx = src_by_rank[r][rank].to(dev)
-        acc.index_add_(0, idx, rows)
-        sum_abs.index_add_(0, idx, rows.abs())
-    return acc.to(ys_by_rank[0].dtype), sum_abs
 
 
 def count_wrong(got: Optional[torch.Tensor], want: torch.Tensor) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -28,77 +28,58 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 MAX_RANKS = 8
 MAX_CHANNELS = 128
 CONTROL_LAYOUT = {
-    "COMMLIB_OFF_DISPATCH_TAIL": 0,
-    "COMMLIB_OFF_DISPATCH_DONE": 8 * MAX_RANKS * MAX_CHANNELS,
-    "COMMLIB_OFF_COMBINE_TAIL": 2 * 8 * MAX_RANKS * MAX_CHANNELS,
-    "COMMLIB_OFF_COMBINE_DONE": 3 * 8 * MAX_RANKS * MAX_CHANNELS,
-    "COMMLIB_OFF_NOTIFY_FLAG": 4 * 8 * MAX_RANKS * MAX_CHANNELS,
+    "CL_OFF_DISPATCH_TAIL": 0,
+    "CL_OFF_DISPATCH_DONE": 8 * MAX_RANKS * MAX_CHANNELS,
+    "CL_OFF_COMBINE_TAIL": 2 * 8 * MAX_RANKS * MAX_CHANNELS,
+    "CL_OFF_COMBINE_DONE": 3 * 8 * MAX_RANKS * MAX_CHANNELS,
+    "CL_OFF_NOTIFY_FLAG": 4 * 8 * MAX_RANKS * MAX_CHANNELS,
     # per-call signature words u64 [src][channel] (csrc/common.cuh call_signature), then the notify slots
-    "COMMLIB_OFF_DISPATCH_SIG": 4 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
-    "COMMLIB_OFF_COMBINE_SIG": 5 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
-    "COMMLIB_OFF_NOTIFY_DATA": 6 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
+    "CL_OFF_DISPATCH_SIG": 4 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
+    "CL_OFF_COMBINE_SIG": 5 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
+    "CL_OFF_NOTIFY_DATA": 6 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
 }
-NOTIFY_WORD_EXPERT = 16 + MAX_CHANNELS       # COMMLIB_NW_EXPERT
+NOTIFY_WORD_EXPERT = 16 + MAX_CHANNELS       # CL_NW_EXPERT
 HOST_COUNTS = {"total": 0, "bad_me": 1, "bad_rank": 2, "bad_value": 3, "sent": 4, "recv": 12,
                "sig_rank": 20, "sig": 21, "expert": 28}  # sig: [NOTIFY_SIG_WORDS] of rank sig_rank
 HOST_COUNTS_EXPERT = HOST_COUNTS["expert"]   # HC_* in notify.cu
 NOTIFY_REJECTED = 0x40000000                 # REJECTED in notify.cu
-NOTIFY_SIG_WORDS = 7                         # COMMLIB_NW_SIG_WORDS: what ranks must agree on (notify.cu)
+NOTIFY_SIG_WORDS = 7                         # CL_NW_SIG_WORDS: what ranks must agree on (notify.cu)
 NUM_SEQ_COUNTERS = 3 * 2 * MAX_CHANNELS      # [kind][role][channel]
-TRACE_OFFSET_WORDS = 256                     # COMMLIB_TRACE_OFFSET_WORDS: int32 %smid words before the trace
-TRACE_POINTS = 3                             # COMMLIB_TRACE_POINTS: u64 %globaltimer points per CTA
+TRACE_OFFSET_WORDS = 256                     # CL_TRACE_OFFSET_WORDS: int32 %smid words before the trace
+TRACE_POINTS = 3                             # CL_TRACE_POINTS: u64 %globaltimer points per CTA
 LAYOUT_THREADS = 256
 NOTIFY_THREADS = 512
-# Compile-time knobs of the data kernels (each set is its own cached build). The defaults are what
-# benchmarks/bench_intranode.py --variants measured best on 2 x H200 (docs/nvlink_engine.md:
-# 1024 threads + local half in the receiver: cached BF16 dispatch 253 us vs 288 us with 512 threads
-# and the local half in the sender, V3 shape, 4096 tokens); set_variant() swaps them.
+# Compile-time knobs of the kernels (each set is its own cached build), passed as -DCL_<KEY>. The
+# defaults are what benchmarks/bench_intranode.py --variants measured best (docs/nvlink_engine.md);
+# set_variant() swaps them for A/B runs. Variants that lost their measurement left the kernels
+# (docs/notes/2026-12_kernel_variants.md).
 DEFAULT_VARIANT = {
-    "DISPATCH_THREADS": 1024,     # 31 copy warps + 1 publisher warp (64 registers/thread, some spills)
+    "DISPATCH_THREADS": 1024,     # 31 copy warps + 1 publisher warp
     "COMBINE_THREADS": 1024,
-    "DISPATCH_MIN_BLOCKS": 1,     # __launch_bounds__ min CTAs per SM: 2 with 512 threads caps registers at 64,
-    "COMBINE_MIN_BLOCKS": 1,      # so a comm CTA needs only half an SM (it can start beside compute CTAs)
+    "DISPATCH_MIN_BLOCKS": 1,     # __launch_bounds__ min CTAs per SM (2 with 512 threads: half an SM per comm CTA)
+    "COMBINE_MIN_BLOCKS": 1,
     "DISPATCH_UNROLL": 4,         # 16-byte vectors in flight per lane
     "COMBINE_COPY_UNROLL": 4,
     "COMBINE_SUM_UNROLL": 2,      # per rank; two ranks' loads in flight together
     "LOCAL_IN_RECEIVER": 1,       # the receiver CTA copies the local half, the sender only pushes
-    "DISPATCH_ASYNC_DEPTH": 0,    # > 0: rows stream through cp.async rings, this many 16-byte vectors in flight per
-    "COMBINE_ASYNC_DEPTH": 0,     # lane (dynamic shared memory: dynamic_smem()); 0: register-staged copies
-    "DISPATCH_BULK": 0,           # 1: the dispatch receiver copies rows with cp.async.bulk (TMA), ~190 KB in flight
-    "DISPATCH_SEND_WARPS": 0,     # > 0: only this many dispatch sender warps push rows (0: all copy warps)
     "DISPATCH_STREAM_SEND": 0,    # N > 0: dispatch sender warps stream tokens without round barriers; each releases
                                   # its progress word after every N of its tokens
-    "DISPATCH_BULK_SEND": 0,      # 1: the dispatch sender pushes rows with one destination as cp.async.bulk (TMA)
     "DISPATCH_STREAM_MAX_SMS": 20,  # N > 0 (with DISPATCH_STREAM_SEND 0): dispatch calls of at most N SMs launch the
-                                  # streaming sender's build (DISPATCH_STREAM_SEND 1), the others this one; 0: never.
-                                  # 20: streaming was 3-8% faster from 4 to 20 SMs, 2.7% slower at 24 (2 x H200)
-    "DISPATCH_STREAM_WINDOW": 0,  # W > 0 (with DISPATCH_STREAM_SEND): copy warps run at most W blocks of 32 tokens
-                                  # ahead of the last block whose rows are all copied; 0: unbounded
-    "DISPATCH_STREAM_BACKOFF_NS": 0,  # (with DISPATCH_STREAM_SEND) the publisher sleeps this long between polls of
-                                  # the copy warps' progress words; 0: it spins
-    "DISPATCH_RECV_SPLIT": 0,     # N > 0: N dispatch receiver warps copy the local half while the others copy remote
-                                  # rows as they arrive (needs LOCAL_IN_RECEIVER 1 and SHARE_WORK 1); 0: local first
-    "DISPATCH_PROBE_NO_REMOTE_COPY": 0,  # probe, WRONG results: the receiver leaves remote rows' hidden data out
-                                  # of recv_x (zeros), so a dispatch costs no staging -> recv_x copy: the bound of
-                                  # a receive written straight into recv_x; timing only, never for tests
-    "BULK_CHUNK": 3072,           # bytes per bulk piece; two per warp (dynamic shared memory: dynamic_smem())
+                                  # streaming sender's build (DISPATCH_STREAM_SEND 1), the others this one; 0: never
     "COMM_CLUSTER": 2,            # dispatch / combine launch as 2-CTA clusters: SM pairs of one GPC, so torch's
                                   # 2x1-cluster persistent GEMMs beside them keep their SMs (common.cuh; 1: plain)
     "SHARE_WORK": 1,              # a channel's sender, once done, takes the receiver's rows from a counter in the
                                   # cluster's shared memory (needs COMM_CLUSTER 2; common.cuh); 0: each CTA its own
-    "WAIT_BACKOFF_NS": 0,         # > 0: the one-warp flag waits of ce_sync (copy-engine path) and notify (count
-                                  # exchange) sleep about this long between polls; 0: they spin. 256 was neutral
-                                  # (2 x H200, bench_overlap network; probe_power: a GEMM loses the same 6% beside
-                                  # a sleeping warp as beside a spinning one: the CTA's SM, not its issue slots)
     "COMM_TRACE": 0,              # 1: dispatch / combine record %globaltimer points per CTA (COMMLIB_DEBUG_SMID=1)
-    "COMM_L2_EVICT_FIRST": 0,     # 1: bulk row loads / stores (ld_nc_v4, st_na_v4) carry an L2 evict-first policy
     "LL_TRACE": 0,                # 1: low-latency kernels record %globaltimer points (csrc/low_latency.cu)
-    "LL_PARTS": 1,                # low-latency dispatch: CTAs sharing a token row (2 measured 1.3 us slower)
+    "LL_PARTS": 1,                # low-latency dispatch: CTAs sharing a token row
     "LL_FENCE": 1,                # low-latency dispatch: 1 fence.acq_rel.sys before its arrivals, 0 fence.sc.sys
-    "LL_DONE_FENCE": 0,           # low-latency receive phases: 0 GPU-scope fence before the done shares, 1 fence.acq_rel.sys
 }
+MACRO_PREFIX = "CL_"  # kernel macros; environment variables keep COMMLIB_
 
-_FAMILIES = {
+# Every kernel family: csrc/<family>.cu -> its extern "C" kernels. One list for the library's builds
+# (compile_all, launch) and the compile test (default_builds); it covers every csrc/*.cu.
+FAMILIES = {
     "layout": ("layout_kernel",),
     "notify": ("notify_kernel",),
     "dispatch": ("dispatch_kernel",),
@@ -158,73 +139,21 @@ def set_variant(overrides: Optional[dict] = None) -> dict:
     merged.update({k: int(v) for k, v in (overrides or {}).items()})
     if merged["COMM_CLUSTER"] not in (1, 2):  # the grid (Config.num_sms) is only known to be even
         raise ValueError(f"COMM_CLUSTER must be 1 or 2, got {merged['COMM_CLUSTER']}")
-    for key in ("DISPATCH_BULK", "DISPATCH_BULK_SEND", "SHARE_WORK", "COMM_TRACE", "DISPATCH_PROBE_NO_REMOTE_COPY"):
+    for key in ("SHARE_WORK", "COMM_TRACE", "LL_TRACE", "LOCAL_IN_RECEIVER"):
         if merged[key] not in (0, 1):
             raise ValueError(f"{key} must be 0 or 1, got {merged[key]}")
-    if merged["DISPATCH_STREAM_SEND"] and merged["DISPATCH_BULK_SEND"]:
-        raise ValueError("DISPATCH_STREAM_SEND=1 cannot go with DISPATCH_BULK_SEND=1 (bulk pushes are published per round)")
     if merged["COMM_CLUSTER"] != 2 and "SHARE_WORK" not in (overrides or {}):
         merged["SHARE_WORK"] = 0  # the default follows plain CTAs; asking for both is an error below
     if merged["SHARE_WORK"] and merged["COMM_CLUSTER"] != 2:
         raise ValueError("SHARE_WORK=1 needs COMM_CLUSTER=2 (the sender reaches the receiver's counter "
                          "through the cluster's shared memory)")
-    split = merged["DISPATCH_RECV_SPLIT"]
-    if split and not (0 < split < merged["DISPATCH_THREADS"] // 32 and merged["LOCAL_IN_RECEIVER"] and merged["SHARE_WORK"]):
-        raise ValueError(f"DISPATCH_RECV_SPLIT={split}: needs 0 < N < the receiver's warps "
-                         f"({merged['DISPATCH_THREADS'] // 32}), LOCAL_IN_RECEIVER=1 and SHARE_WORK=1 (the local "
-                         f"warps join the remote rows through the shared counter)")
-    for key in ("DISPATCH_STREAM_BACKOFF_NS", "DISPATCH_STREAM_WINDOW"):  # knobs of the streaming sender
-        if merged[key] < 0 or (merged[key] and not merged["DISPATCH_STREAM_SEND"]):
-            raise ValueError(f"{key} must be >= 0 and needs DISPATCH_STREAM_SEND > 0, got {merged[key]}")
-    if not 0 <= merged["WAIT_BACKOFF_NS"] <= 1_000_000:  # __nanosleep takes at most ~1 ms
-        raise ValueError(f"WAIT_BACKOFF_NS must be in [0, 1000000] (0: spin), got {merged['WAIT_BACKOFF_NS']}")
-    for key, zero in (("DISPATCH_STREAM_MAX_SMS", "never"), ("DISPATCH_STREAM_SEND", "round barriers"),
-                      ("DISPATCH_SEND_WARPS", "every copy warp")):
+    for key, zero in (("DISPATCH_STREAM_MAX_SMS", "never"), ("DISPATCH_STREAM_SEND", "round barriers")):
         if merged[key] < 0:
             raise ValueError(f"{key} must be >= 0 (0: {zero}), got {merged[key]}")
-    for family in ("dispatch", "combine"):
-        key = f"{family.upper()}_ASYNC_DEPTH"
-        if merged[key] < 0 or (family == "dispatch" and merged[key] and _dispatch_bulk(merged)):
-            raise ValueError(f"{key} must be >= 0 and cannot go with DISPATCH_BULK / DISPATCH_BULK_SEND, "
-                             f"got {merged[key]}")
-        if _async_bytes(merged, family) > MAX_DYNAMIC_SMEM:
-            raise ValueError(f"{key}={merged[key]}: {_async_bytes(merged, family)} bytes of shared "
-                             f"memory for {family} rings, over {MAX_DYNAMIC_SMEM}")
-    chunk = merged["BULK_CHUNK"]
-    if chunk <= 0 or chunk % 16 or _bulk_bytes(chunk) > MAX_DYNAMIC_SMEM:
-        raise ValueError(f"BULK_CHUNK must be a positive multiple of 16 with {_bulk_bytes(chunk)} <= "
-                         f"{MAX_DYNAMIC_SMEM} bytes of shared memory, got {chunk}")
     _variant = merged
     _variant_key = tuple(sorted(_variant.items()))
     _streaming_key = _streaming_variant_key(_variant)
     return dict(_variant)
-
-
-MAX_DYNAMIC_SMEM = 220 * 1024  # sm_90 allows 227 KB per CTA; the data kernels' static arrays take ~4 KB
-
-
-def _dispatch_bulk(knobs: dict) -> bool:
-    """Whether a dispatch CTA takes bulk-copy pipes (dynamic shared memory: _bulk_bytes)."""
-    return bool(knobs["DISPATCH_BULK"] or knobs["DISPATCH_BULK_SEND"])
-
-
-def _bulk_bytes(chunk: int) -> int:
-    return 1024 + 32 * 2 * chunk  # COMMLIB_BULK_SMEM in common.cuh: mbarriers, then two pieces per warp
-
-
-def _async_bytes(knobs: dict, family: str) -> int:
-    """cp.async rings of ``family``: per warp, depth x 512 bytes (common.cuh async_stream)."""
-    name = family.upper()
-    return knobs[f"{name}_THREADS"] // 32 * knobs[f"{name}_ASYNC_DEPTH"] * 512
-
-
-def dynamic_smem(family: str) -> int:
-    """Dynamic shared memory a data kernel of ``family`` takes under the current variant (bytes)."""
-    if family == "dispatch" and _dispatch_bulk(_variant):
-        return _bulk_bytes(_variant["BULK_CHUNK"])
-    if family in ("dispatch", "combine"):
-        return _async_bytes(_variant, family)
-    return 0
 
 
 def parse_variant(text: str) -> dict:
@@ -255,8 +184,8 @@ def threads(family: str) -> int:
 
 def source(family: str) -> str:
     """The full NVRTC source of one kernel family (common.cuh pasted in)."""
-    if family not in _FAMILIES:
-        raise ValueError(f"unknown kernel family {family!r}; expected one of {sorted(_FAMILIES)}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; expected one of {sorted(FAMILIES)}")
     common = (CSRC / "common.cuh").read_text()
     text = (CSRC / f"{family}.cu").read_text()
     include = '#include "common.cuh"'
@@ -268,14 +197,39 @@ def source(family: str) -> str:
 def options(plain: bool, knobs: Optional[dict] = None) -> tuple:
     defines = dict(CONTROL_LAYOUT)
     defines.update({
-        "COMMLIB_PLAIN": int(plain),
-        "COMMLIB_MAX_RANKS": MAX_RANKS,
-        "COMMLIB_MAX_CHANNELS": MAX_CHANNELS,
-        "COMMLIB_TRACE_OFFSET_WORDS": TRACE_OFFSET_WORDS,
-        "COMMLIB_TRACE_POINTS": TRACE_POINTS,
+        "CL_PLAIN": int(plain),
+        "CL_MAX_RANKS": MAX_RANKS,
+        "CL_MAX_CHANNELS": MAX_CHANNELS,
+        "CL_TRACE_OFFSET_WORDS": TRACE_OFFSET_WORDS,
+        "CL_TRACE_POINTS": TRACE_POINTS,
     })
-    defines.update({f"COMMLIB_{k}": v for k, v in (knobs if knobs is not None else _variant).items()})
+    defines.update({MACRO_PREFIX + k: v for k, v in (knobs if knobs is not None else _variant).items()})
     return ("-std=c++17", "--gpu-architecture=sm_90") + tuple(f"-D{k}={v}" for k, v in defines.items())
+
+
+class KernelBuild(NamedTuple):
+    """One NVRTC build the library makes: ``cupy.RawModule(code=source, options=options)``."""
+
+    family: str          # csrc/<family>.cu
+    names: tuple         # its extern "C" kernels
+    plain: bool          # plain loads / stores (COMMLIB_PLAIN_LDST) or the PTX-hinted ones
+    variant: str         # "default", or "streaming" (the dispatch build DISPATCH_STREAM_MAX_SMS picks)
+    options: tuple       # -std, --gpu-architecture and every -D define
+    source: str          # the family's text with common.cuh pasted in
+
+
+def default_builds() -> list:
+    """Every build the library compiles under DEFAULT_VARIANT: each family in both load / store
+    modes, and the streaming sender's dispatch build where DISPATCH_STREAM_MAX_SMS picks it."""
+    streaming = _streaming_variant_key(DEFAULT_VARIANT)
+    builds = []
+    for plain in (False, True):
+        for family, names in FAMILIES.items():
+            text = source(family)
+            builds.append(KernelBuild(family, names, plain, "default", options(plain, DEFAULT_VARIANT), text))
+            if family == "dispatch" and streaming is not None:
+                builds.append(KernelBuild(family, names, plain, "streaming", options(plain, dict(streaming)), text))
+    return builds
 
 
 _functions: dict = {}  # (family, name, plain, variant, device) -> CuPy function: the launch hot path
@@ -283,8 +237,8 @@ _functions: dict = {}  # (family, name, plain, variant, device) -> CuPy function
 
 def _streaming_variant_key(knobs: dict) -> Optional[tuple]:
     """The streaming sender's twin of ``knobs`` that DISPATCH_STREAM_MAX_SMS picks for small dispatch
-    calls, or None where it never applies (limit 0, already streaming, or bulk pushes)."""
-    if knobs["DISPATCH_STREAM_MAX_SMS"] <= 0 or knobs["DISPATCH_STREAM_SEND"] or knobs["DISPATCH_BULK_SEND"]:
+    calls, or None where it never applies (limit 0, or already streaming)."""
+    if knobs["DISPATCH_STREAM_MAX_SMS"] <= 0 or knobs["DISPATCH_STREAM_SEND"]:
         return None
     return tuple(sorted(dict(knobs, DISPATCH_STREAM_SEND=1).items()))
 
@@ -295,8 +249,8 @@ _streaming_key: Optional[tuple] = _streaming_variant_key(_variant)  # both set b
 
 def dispatch_variant_key(num_sms: int) -> tuple:
     """The build a dispatch of ``num_sms`` SMs launches: the current variant, or, when
-    DISPATCH_STREAM_MAX_SMS >= num_sms (and the variant's sender has round barriers and no bulk
-    pushes), the same with DISPATCH_STREAM_SEND=1. Both builds speak the same protocol to the
+    DISPATCH_STREAM_MAX_SMS >= num_sms (and the variant's sender has round barriers),
+    the same with DISPATCH_STREAM_SEND=1. Both builds speak the same protocol to the
     receivers (tails, done flags, sequence counters), so calls of either may follow each other;
     every rank of a call has the same num_sms, hence the same build. Called per dispatch: both keys
     are computed once, by set_variant."""
@@ -331,7 +285,7 @@ def compile_all(plain: Optional[bool] = None) -> dict:
     modes = [plain_mode()] if plain is None else [plain]
     out = {}
     for mode in modes:
-        for family, names in _FAMILIES.items():
+        for family, names in FAMILIES.items():
             for name in names:
                 out[(name, mode)] = _function(family, name, mode)
                 if family == "dispatch" and _streaming_key is not None:
@@ -357,7 +311,7 @@ def kernel_signature(family: str, name: str) -> str:
     import re
 
     text = (CSRC / f"{family}.cu").read_text()
-    m = re.search(r'extern\s+"C"\s+__global__\s+void\s+(?:COMMLIB_[A-Z_]+\s+)?(?:__launch_bounds__\s*\([^)]*\)\s*)?'
+    m = re.search(r'extern\s+"C"\s+__global__\s+void\s+(?:CL_[A-Z_]+\s+)?(?:__launch_bounds__\s*\([^)]*\)\s*)?'
                   + re.escape(name) + r"\s*\(", text)
     if m is None:
         raise RuntimeError(f'csrc/{family}.cu has no extern "C" __global__ kernel {name!r}')
@@ -413,9 +367,6 @@ class _Launcher:
 
         self.fn = _function(family, name, plain, device, vkey)
         self.handle = cu_function_handle(self.fn)
-        smem = dynamic_smem(family)
-        if smem > 48 * 1024:  # above the default limit: opt in once (get_function gives a RawKernel)
-            self.fn.max_dynamic_shared_size_bytes = smem
         codes = kernel_signature(family, name)
         self.fmt = struct.Struct("@" + codes)
         self.count = len(codes)
@@ -567,5 +518,5 @@ def notify_slot_words(num_ranks: int) -> int:
     """int32 words of one notify slot: a fixed stride, so even a rank that rejected its input (and
     may not know num_experts) writes its slot where the peers read it."""
 
-    free = CONTROL_BYTES - CONTROL_LAYOUT["COMMLIB_OFF_NOTIFY_DATA"]
+    free = CONTROL_BYTES - CONTROL_LAYOUT["CL_OFF_NOTIFY_DATA"]
     return free // (2 * num_ranks * 4) // 4 * 4

@@ -41,7 +41,7 @@ per call, nothing next to the communication itself.
 
 Asynchrony: the primitives (``dispatch_forward``, ``dispatch_backward``, ``combine_forward``,
 ``combine_backward``) take ``previous_event`` / ``async_finish`` / ``allocate_on_comm_stream``
-like the Buffer and return the Buffer's event; the dual pipeline (commlib.training.pipeline.schedule) calls them
+like the Buffer and return the Buffer's event; the dual pipeline (commlib.training.pipeline.stages) calls them
 directly to overlap communication with the other micro-batch's compute. The autograd ops run
 them stream-ordered (``async_finish=False``): the comm stream waits for the current stream and
 the current stream waits for the comm stream, with no host synchronisation beyond what a

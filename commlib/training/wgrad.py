@@ -1,6 +1,6 @@
 """Deferred weight gradients: a backward pass split into its input-gradient part (needed by the next
 step of the chain) and its weight-gradient part (needed only by the optimizer), DualPipe's B / W
-split. While ``deferring(queue)`` is active, ops that support it (commlib.training.moe.layer's grouped expert
+split. While ``deferring(queue)`` is active, ops that support it (commlib.training.moe.experts' grouped expert
 GEMMs) put ``(parameter, compute)`` into ``queue`` instead of returning the parameter's gradient
 to autograd; ``run(queue)`` later computes each and accumulates it into ``parameter.grad`` the way
 autograd's AccumulateGrad does (set when None, else add in place).
@@ -10,7 +10,7 @@ while a queue is active; otherwise ``defer`` returns False and the op returns th
 The active queue is process-wide, not per thread: autograd runs the backward of CUDA ops on its own
 per-device threads, while the caller's thread waits in ``torch.autograd.backward`` (a thread-local
 queue was invisible there: nothing was deferred on the GPU). So one thread at a time may defer.
-commlib.training.pipeline.schedule uses this in its overlapped schedules (``defer_weight_grads``).
+commlib.training.pipeline uses this in its overlapped schedules (``defer_weight_grads``).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def deferring(queue: Optional[list]):
         _queue = previous
 
 
-CHAIN, NEXT = "chain", "next"   # where a schedule runs a deferred gradient (commlib.training.pipeline.schedule)
+CHAIN, NEXT = "chain", "next"   # where a schedule runs a deferred gradient (commlib.training.pipeline)
 
 
 def defer(param: torch.Tensor, compute: Callable[[], torch.Tensor], where: str = CHAIN) -> bool:

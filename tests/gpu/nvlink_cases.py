@@ -23,7 +23,7 @@ from commlib.utils.timing import capture_graph
 _BUFFERS: dict = {}  # per process: Buffers are built once per world (creation is collective)
 
 # Test harness knob (not a library setting): run every case under another kernel build, e.g.
-# COMMLIB_TEST_KERNEL_VARIANT="LOCAL_IN_RECEIVER=1,DISPATCH_THREADS=1024" (keys: kernels.DEFAULT_VARIANT).
+# COMMLIB_TEST_KERNEL_VARIANT="LOCAL_IN_RECEIVER=1,DISPATCH_THREADS=1024" (keys: commlib.cuda.loader.DEFAULT_VARIANT).
 _VARIANT = os.environ.get("COMMLIB_TEST_KERNEL_VARIANT", "")
 if _VARIANT:
     from commlib.cuda import loader as _K

@@ -1,4 +1,4 @@
-"""commlib.training.moe.layer's expert stage on one GPU: routed_experts through torch._grouped_mm (bf16), both its
+"""commlib.training.moe's expert stage on one GPU: routed_experts through torch._grouped_mm (bf16), both its
 paths (one local slot per row: the permutation; several: the slot sum of csrc/moe_rows.cu), against
 the float64 per-row loop of tests/test_pipeline.py, values and gradients; the slot-sum kernel against
 a float32 sum in slot order, bit for bit, and against torch's index_add path. Skipped without a GPU.
@@ -23,7 +23,8 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not hasattr(torc
 @needs_gpu
 @pytest.mark.parametrize("kind", ["one_slot", "several"])
 def test_routed_experts_grouped_mm_matches_reference(kind):
-    from commlib.training.moe.layer import _use_grouped_mm, routed_experts
+    from commlib.training.moe import routed_experts
+    from commlib.training.moe.experts import use_grouped_mm
     from test_pipeline import _counts, _expert_params, _reference, _rel_err, _routing
 
     dev = torch.device("cuda", 0)
@@ -42,7 +43,7 @@ def test_routed_experts_grouped_mm_matches_reference(kind):
     for name, kw in (("counts", dict(counts=_counts(idx))),
                      ("flag", dict(counts=_counts(idx), rows_have_local_expert=True))):
         leaves = [t.to(dev).detach().clone().requires_grad_() for t in (x, w_gate_up, w_down, weights)]
-        assert _use_grouped_mm(leaves[0], "auto")
+        assert use_grouped_mm(leaves[0], "auto")
         y = routed_experts(leaves[0], idx.to(dev), leaves[3], leaves[1], leaves[2], impl="auto", **kw)
         permuted = "GatherRows" in type(y.grad_fn).__name__
         assert permuted == (kind == "one_slot" and name == "flag"), (name, type(y.grad_fn))
@@ -60,11 +61,11 @@ def test_routed_experts_grouped_mm_matches_reference(kind):
 
 @needs_gpu
 def test_sm_carveout_gemms_on_gpu():
-    """commlib.training.pipeline.schedule.sm_carveout on a GPU: inside it torch's carveout is set; a plain matmul
+    """commlib.training.pipeline.sm_carveout on a GPU: inside it torch's carveout is set; a plain matmul
     (cuBLAS) and a grouped GEMM (CUTLASS), both sized for fewer SMs, give the same values as outside
     it (within bf16 rounding of a different tiling); the setting and the BLAS library are as before
     afterwards. Prints the GEMM times in and out of the carveout (information only)."""
-    from commlib.training.pipeline.schedule import sm_carveout
+    from commlib.training.pipeline import sm_carveout
     from commlib.utils.timing import loop_ms
 
     dev = torch.device("cuda", 0)
@@ -139,20 +140,20 @@ def test_slot_sum_kernel_matches_float32_sum():
     """csrc/moe_rows.cu slot_sum_bf16: bit for bit the float32 sum in slot order rounded once, for
     K = 1 .. 32 slots, rows that are not a multiple of the kernel's 4 x 32 vectors, rows without a
     slot (zeros), no rows at all; with <= 2 slots per row also bit for bit torch's index_add path."""
-    from commlib.training.moe.layer import _row_kernel_ok, _slot_sum_kernel
+    from commlib.training.moe.rows import row_kernel_ok, slot_sum_kernel
 
     dev = torch.device("cuda", 0)
     for N, K, H, seed in ((4096, 2, 7168, 0), (1000, 8, 7168, 1), (777, 32, 136, 2), (300, 3, 8, 3),
                           (513, 1, 1032, 4), (0, 4, 64, 5)):
         src, pos = _slot_case(N, K, H, seed)
-        assert _row_kernel_ok(src.to(dev), K)
-        got = _slot_sum_kernel(src.to(dev), pos.to(dev)).cpu()
+        assert row_kernel_ok(src.to(dev), K)
+        got = slot_sum_kernel(src.to(dev), pos.to(dev)).cpu()
         want = _slot_sum_reference(src, pos)
         assert got.shape == (N, H) and torch.equal(got.view(torch.int16), want.view(torch.int16)), (N, K, H)
         if K <= 2 and N:   # two terms commute: torch's float32 zeros + index_add (atomics) gives the same bits,
             # except that float32 atomic adds flush subnormals (PTX atom.add.f32): without them here
             src = torch.where(src.float().abs() < 2.0 ** -126, torch.zeros_like(src), src)
-            got = _slot_sum_kernel(src.to(dev), pos.to(dev)).cpu()
+            got = slot_sum_kernel(src.to(dev), pos.to(dev)).cpu()
             m, n = torch.nonzero(pos.long() >= 0, as_tuple=True)
             rows = torch.empty(int(pos.ge(0).sum()), dtype=torch.int64)
             rows[pos[m, n].long()] = m
@@ -166,7 +167,7 @@ def test_routed_experts_row_kernel_against_index_add(monkeypatch):
     gather's backward) against COMMLIB_MOE_ROW_KERNEL=0 (torch's index_add): the kernel runs twice per
     forward + backward, and values and gradients agree (bit for bit where a row has <= 2 slots; the
     routing's 3-slot rows may round differently, torch's atomics add in any order)."""
-    import commlib.training.moe.layer as moe
+    from commlib.training.moe import routed_experts, rows
     from test_pipeline import _counts, _expert_params, _routing
 
     dev = torch.device("cuda", 0)
@@ -176,14 +177,14 @@ def test_routed_experts_row_kernel_against_index_add(monkeypatch):
     x = torch.randn(idx.shape[0], w_gate_up.shape[1], generator=g).to(torch.bfloat16)
     g_out = torch.randn(x.shape, generator=g).to(dev, torch.bfloat16)
     calls = []
-    real = moe._slot_sum_kernel
-    monkeypatch.setattr(moe, "_slot_sum_kernel", lambda *a: calls.append(1) or real(*a))
+    real = rows.slot_sum_kernel
+    monkeypatch.setattr(rows, "slot_sum_kernel", lambda *a: calls.append(1) or real(*a))
     results = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("COMMLIB_MOE_ROW_KERNEL", flag)
         calls.clear()
         leaves = [t.to(dev).detach().clone().requires_grad_() for t in (x, w_gate_up, w_down, weights)]
-        y = moe.routed_experts(leaves[0], idx.to(dev), leaves[3], leaves[1], leaves[2], counts=_counts(idx))
+        y = routed_experts(leaves[0], idx.to(dev), leaves[3], leaves[1], leaves[2], counts=_counts(idx))
         assert "SlotSum" in type(y.grad_fn).__name__
         grads = torch.autograd.grad(y, leaves, g_out)
         assert len(calls) == (2 if flag == "1" else 0), (flag, len(calls))

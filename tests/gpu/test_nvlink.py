@@ -70,7 +70,7 @@ def test_kernel_sources_assemble():
         src = kernels.source(family)
         assert "#include" not in src.replace("#include <cstdio>", ""), family
     opts = kernels.options(True)
-    assert "-DCOMMLIB_PLAIN=1" in opts and "--gpu-architecture=sm_90" in opts
+    assert "-DCL_PLAIN=1" in opts and "--gpu-architecture=sm_90" in opts
 
 
 def test_nvrtc_compiles_every_family():

@@ -43,7 +43,7 @@ from commlib.backends.low_latency.reference import (LowLatencyEngine, LowLatency
                            combine_half_bytes)
 from commlib.backends.nvlink.peer_memory import PeerMemory
 
-THREADS = 512               # COMMLIB_LL_THREADS in csrc/low_latency.cu
+THREADS = 512               # kLlThreads in csrc/low_latency.cu
 CTAS_PER_SM = 2             # its __launch_bounds__: two CTAs fit an SM (64 registers a thread)
 TRACE_BASE, TRACE_CTAS = 64, 256  # LL_TRACE_BASE, LL_TRACE_CTAS in csrc/low_latency.cu
 MAX_EXPERTS = 2048          # LL_MAX_EXPERTS in csrc/low_latency.cu: words per half of the control arrays
@@ -102,7 +102,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         self.mem: Optional[PeerMemory] = PeerMemory(self.capacity, ctx.group, self.rank, self.num_ranks,
                                                     self.device)
         # [0, 4): completed (dispatch send, dispatch recv, combine send, combine recv) phases, << 32;
-        # [TRACE_BASE, CUM_BASE): COMMLIB_LL_TRACE timestamps; [CUM_BASE, ...): arrival totals per
+        # [TRACE_BASE, CUM_BASE): LL_TRACE variant timestamps; [CUM_BASE, ...): arrival totals per
         # (call & 3, local expert, source) (csrc/low_latency.cu, LL_CUM_BASE)
         self.state = torch.zeros(CUM_BASE + 4 * MAX_EXPERTS, dtype=torch.int64, device=self.device)
         self._pending = {"dispatch": collections.deque(), "combine": collections.deque()}
@@ -273,7 +273,7 @@ TRACE_POINTS = (("start", "send_ready", "rows_stored", "slots_scanned", "send_do
 
 
 def trace_summary(state: torch.Tensor, kernel: int, num_ctas: int, ctas: Optional[range] = None) -> dict:
-    """Per trace point (COMMLIB_LL_TRACE=1): (min, median, max) microseconds after the earliest CTA start
+    """Per trace point (kernel variant LL_TRACE=1): (min, median, max) microseconds after the earliest CTA start
     of the last launch of ``kernel`` (0 dispatch, 1 combine), over ``ctas`` (default: all of the
     launch's ``num_ctas``); points a launch did not reach are left out."""
     t = state[TRACE_BASE:CUM_BASE].view(2, TRACE_CTAS, 8)[kernel, :num_ctas].cpu().double()

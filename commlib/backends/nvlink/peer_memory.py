@@ -4,7 +4,7 @@ Each rank cudaMallocs ``num_bytes`` (CuPy's runtime, not torch's allocator, so t
 covers exactly this allocation), zeroes it, and exchanges its cudaIpc handle with
 ``all_gather_object`` on the group (NCCL or gloo: the group only carries these few bytes, never
 data). Works between processes sharing a GPU too. Used by the NVLink engine's buffer and by the
-low-latency buffer (commlib/backends/nvlink_ll.py).
+low-latency buffer (commlib/backends/low_latency/nvlink.py).
 
 ``HostPeerMemory`` has the same interface over pinned host memory: each rank's buffer is a memfd
 that every process of the node maps and registers with CUDA (cudaHostRegister, mapped), so kernels
@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from commlib.cuda import loader as K
+
+SLOT_ALIGN = 128  # staging slots never share a cache line (a line read early could be stale)
 
 
 def _exchange(mem, token, group, rank: int, num_ranks: int, open_peer, device_ctx) -> None:

@@ -1,4 +1,4 @@
-// ce.cu: the copy-engine data path of the NVLink engine (commlib/backends/nvlink.py, COMMLIB_CE_BYTES).
+// ce.cu: the copy-engine data path of the NVLink engine (commlib/backends/nvlink/copy_engine.py, COMMLIB_CE_BYTES).
 //
 // The copy engines move the rows between GPUs (cudaMemcpyAsync into the peer's CE staging, issued by
 // the host: it knows every count after the count exchange); no SM touches NVLink. What is left for
@@ -11,7 +11,7 @@
 // CE staging (one per rank, every peer maps it over CUDA IPC):
 //   [0, 8 * MAX_RANKS)                   ready[src]: last call whose rows src has pushed here
 //   [8 * MAX_RANKS, 16 * MAX_RANKS)      free[dst]:  last call whose rows from here dst has consumed
-//   [CE_FLAG_BYTES + s * region, ...)    region s: the rows rank s pushed here (blocks, see nvlink.py)
+//   [CE_FLAG_BYTES + s * region, ...)    region s: the rows rank s pushed here (blocks, see nvlink/copy_engine.py)
 //
 // Every call (dispatch or combine on the copy-engine path) runs, on one stream:
 //   ce_sync(BEGIN)   seq = ++counter; wait until every peer freed its region for me (free[p] >= seq - 1)
@@ -42,7 +42,7 @@
 #define CE_SYNC_PUSHED_NEXT 3  // PUSHED for a call without BEGIN: seq = ++counter first
 
 __device__ __forceinline__ u64* ce_ready(u64 base) { return reinterpret_cast<u64*>(base); }
-__device__ __forceinline__ u64* ce_free(u64 base) { return reinterpret_cast<u64*>(base) + COMMLIB_MAX_RANKS; }
+__device__ __forceinline__ u64* ce_free(u64 base) { return reinterpret_cast<u64*>(base) + CL_MAX_RANKS; }
 
 // One warp; lane p speaks for peer p.
 extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int rank, int num_ranks, u64* counter,
@@ -59,7 +59,7 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
     const u64 theirs = peer ? peer_bases[lane] : 0;
     if (mode == CE_SYNC_BEGIN) {
         warp_wait_geq(ce_free(mine) + lane, seq - 1, peer, lane, WaitSite{"ce", "region free", rank, -1, false},
-                      timeout_ns, COMMLIB_WAIT_BACKOFF_NS);
+                      timeout_ns);
         return;
     }
     // The copies before this kernel on the stream have completed; make them visible system-wide
@@ -69,10 +69,10 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
     if (peer) st_release_sys((pushed ? ce_ready(theirs) : ce_free(theirs)) + rank, seq);
     if (pushed)
         warp_wait_geq(ce_ready(mine) + lane, seq, peer, lane, WaitSite{"ce", "rows pushed", rank, -1, false},
-                      timeout_ns, COMMLIB_WAIT_BACKOFF_NS);
+                      timeout_ns);
 }
 
-// The packing and the sum launch as COMM_CLUSTER-CTA clusters (grid rounded up in nvlink.py): a plain
+// The packing and the sum launch as COMM_CLUSTER-CTA clusters (grid rounded up in nvlink/copy_engine.py): a plain
 // CTA can land alone on a GPC and cost a 2-CTA-cluster GEMM beside it a slot.
 // Dispatch, sender side: token t goes to every rank r with is_token_in_rank[t, r], as row pos[t, r]
 // (its rank among this rank's tokens for r) of that destination's blocks: x rows, FP8 scales, top-k
@@ -83,7 +83,7 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
 // weights, sources) is written (x always); the own pointers may be null when no row stays here. One warp per token; each x vector is loaded once, stored to every destination.
 struct CeBlocks { u64 x, scales, topk, weights, src; };
 
-extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(1024) ce_pack_kernel(
+extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(1024) ce_pack_kernel(
     const int4* __restrict__ x, const float* __restrict__ x_scales, const i64* __restrict__ topk_idx,
     const float* __restrict__ topk_weights, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos,
     u64 pack_base, u64 region_bytes, u64 off_scales, u64 off_topk, u64 off_weights, u64 off_src,
@@ -103,9 +103,9 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(1024) ce_pack_
         const u32 mask = __ballot_sync(FULL_MASK, in);
         if (mask == 0) continue;
         const int row = in ? pos[(i64)t * R + lane] : 0;
-        int4* xr[COMMLIB_MAX_RANKS];
+        int4* xr[CL_MAX_RANKS];
 #pragma unroll
-        for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
+        for (int r = 0; r < CL_MAX_RANKS; ++r) {
             const int p = __shfl_sync(FULL_MASK, row, r);
             xr[r] = ((mask >> r) & 1u) ? reinterpret_cast<int4*>(blocks(r).x) + (i64)p * H4 : nullptr;
         }
@@ -114,7 +114,7 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(1024) ce_pack_
             int4 v[CE_PACK_UNROLL];
             load_row_part<CE_PACK_UNROLL>(v, src, base, H4);
 #pragma unroll
-            for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+            for (int r = 0; r < CL_MAX_RANKS; ++r)
                 if (xr[r] != nullptr)
 #pragma unroll
                     for (int u = 0; u < CE_PACK_UNROLL; ++u)
@@ -144,7 +144,7 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(1024) ce_pack_
 // bias1), summed in float32 with IEEE adds (csrc/combine.cu's sum, so the result is the same bits).
 // The row of rank r is x_local[local_offset + pos[t, me]] for this rank, else row pos[t, r] of the x
 // block of region r; the weights likewise (weights block at w_block_offset of each region).
-extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(512) ce_reduce_kernel(
+extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(512) ce_reduce_kernel(
     const int4* __restrict__ x_local, const float* __restrict__ w_local, u64 staging, u64 region_bytes,
     u64 w_block_offset, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos, int local_offset,
     const int4* __restrict__ bias0, const int4* __restrict__ bias1, int4* __restrict__ out, float* __restrict__ out_w,
@@ -157,10 +157,10 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(512) ce_reduce
         const bool in = lane < R && is_token_in_rank[(i64)t * R + lane];
         const u32 mask = __ballot_sync(FULL_MASK, in);
         const int row = in ? pos[(i64)t * R + lane] : 0;
-        const int4* rows[COMMLIB_MAX_RANKS];
+        const int4* rows[CL_MAX_RANKS];
         float wsum = 0.f;
 #pragma unroll
-        for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
+        for (int r = 0; r < CL_MAX_RANKS; ++r) {
             const int p = __shfl_sync(FULL_MASK, row, r);
             rows[r] = nullptr;
             if (!((mask >> r) & 1u)) continue;
@@ -183,8 +183,8 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(512) ce_reduce
             float acc[U][8];
             zero_acc<U>(acc);
 #pragma unroll
-            for (int r = 0; r < COMMLIB_MAX_RANKS + 2; ++r) {  // the ranks' rows in rank order, then the biases
-                const int4* s = r < COMMLIB_MAX_RANKS ? rows[r] : (r == COMMLIB_MAX_RANKS ? b0 : b1);
+            for (int r = 0; r < CL_MAX_RANKS + 2; ++r) {  // the ranks' rows in rank order, then the biases
+                const int4* s = r < CL_MAX_RANKS ? rows[r] : (r == CL_MAX_RANKS ? b0 : b1);
                 if (s != nullptr) acc_row_part<U>(acc, s, i0, H4);
             }
             store_row_part<U>(o, acc, i0, H4);

@@ -21,28 +21,20 @@
 // staging slot send_head[t][r] - rank_prefix[me - 1][r] - channel_prefix[r][c] of source r
 // otherwise; acc = 0.f; acc += row (fp32, rank order); acc += bias0; acc += bias1; cast to bf16
 // (round to nearest even). The weights are summed the same way, in fp32.
-// Work sharing (COMMLIB_SHARE, common.cuh): tokens come from a counter in the receiver's shared
+// Work sharing (CL_SHARE, common.cuh): tokens come from a counter in the receiver's shared
 // memory; the sender CTA takes tokens too once its rows are published, and the receiver releases
 // COMBINE_DONE only after a cluster barrier with it.
 #include "common.cuh"
 
-#ifndef COMMLIB_COMBINE_THREADS
-#define COMMLIB_COMBINE_THREADS 1024
+// The variant's knobs (loader.DEFAULT_VARIANT, passed with -D).
+#if !defined(CL_COMBINE_THREADS) || !defined(CL_COMBINE_MIN_BLOCKS) || !defined(CL_COMBINE_COPY_UNROLL) || \
+    !defined(CL_COMBINE_SUM_UNROLL)
+#error "combine.cu compiles with the -D defines of commlib/cuda/loader.py options()"
 #endif
-#ifndef COMMLIB_COMBINE_MIN_BLOCKS
-#define COMMLIB_COMBINE_MIN_BLOCKS 1   // CTAs per SM the register budget allows
-#endif
-#ifndef COMMLIB_COMBINE_COPY_UNROLL
-#define COMMLIB_COMBINE_COPY_UNROLL 4  // sender: 16-byte vectors in flight per lane
-#endif
-#ifndef COMMLIB_COMBINE_SUM_UNROLL
-#define COMMLIB_COMBINE_SUM_UNROLL 2   // receiver: vectors per rank, two ranks' loads in flight at once
-#endif
-#ifndef COMMLIB_COMBINE_ASYNC_DEPTH
-#define COMMLIB_COMBINE_ASYNC_DEPTH 0  // > 0: rows stream through cp.async rings of this depth (common.cuh)
-#endif
-#define COMBINE_COPY_UNROLL COMMLIB_COMBINE_COPY_UNROLL
-#define COMBINE_SUM_UNROLL COMMLIB_COMBINE_SUM_UNROLL
+constexpr int kCombineThreads = CL_COMBINE_THREADS;
+constexpr int kCombineMinBlocks = CL_COMBINE_MIN_BLOCKS;    // CTAs per SM the register budget allows
+constexpr int kCombineCopyUnroll = CL_COMBINE_COPY_UNROLL;  // sender: 16-byte vectors in flight per lane
+constexpr int kCombineSumUnroll = CL_COMBINE_SUM_UNROLL;    // receiver: vectors per rank, two ranks' loads in flight
 
 struct CombineArgs {
     const int4* x; const float* topk_weights; const int* send_head;
@@ -66,7 +58,7 @@ __device__ __forceinline__ u64 combine_slot(const CombineArgs& a, u64 base, int 
 // ------------------------------------------------------------------------------------------------
 
 __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
-    __shared__ int s_dst[COMMLIB_MAX_RANKS], s_off[COMMLIB_MAX_RANKS + 1], s_base[COMMLIB_MAX_RANKS];
+    __shared__ int s_dst[CL_MAX_RANKS], s_off[CL_MAX_RANKS + 1], s_base[CL_MAX_RANKS];
     const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
     const int publisher = num_warps - 1, num_copy_warps = num_warps - 1;
     const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk;
@@ -75,7 +67,7 @@ __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
     if (warp == publisher) {
         const WaitSite site = {"combine", "combine done (previous call consumed)", me, c, false};
         const bool active = lane < R && lane != me;
-        warp_wait_geq(flag_at(own, COMMLIB_OFF_COMBINE_DONE, (active ? lane : 0) * COMMLIB_MAX_CHANNELS + c),
+        warp_wait_geq(flag_at(own, CL_OFF_COMBINE_DONE, (active ? lane : 0) * CL_MAX_CHANNELS + c),
                       seq - 1, active, lane, site, a.timeout_ns);
         if (lane == 0)  // home ranks, starting after me so the ranks spread over the links
             channel_remote_rows(rpm, a.recv_channel_prefix_matrix, R, C, me, c, s_dst, s_off, s_base);
@@ -83,8 +75,8 @@ __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
     __syncthreads();
     // this call's signature, before any tail: the same lane's first release below publishes it
     if (warp == publisher && lane < R - 1)
-        st_volatile(signature_at(a.peer_bases[s_dst[lane]], COMMLIB_OFF_COMBINE_SIG, me, c),
-                    call_signature(COMMLIB_SIG_COMBINE, seq, a.hidden_int4, 0, K, C));
+        st_volatile(signature_at(a.peer_bases[s_dst[lane]], CL_OFF_COMBINE_SIG, me, c),
+                    call_signature(CL_SIG_COMBINE, seq, a.hidden_int4, 0, K, C));
     const int num_items = s_off[R - 1];
     for (int round_start = 0; round_start < num_items; round_start += a.round_rows) {
         const int round_end = min(round_start + a.round_rows, num_items);
@@ -98,19 +90,15 @@ __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
                 const float wv = (a.topk_weights != nullptr && lane < K) ? __ldg(a.topk_weights + (i64)row * K + lane) : 0.f;
                 const int4* src = a.x + (i64)row * a.hidden_int4;
                 int4* dst = reinterpret_cast<int4*>(slot);
-#if COMMLIB_COMBINE_ASYNC_DEPTH > 0
-                async_copy_row<COMMLIB_COMBINE_ASYNC_DEPTH>(dst, src, a.hidden_int4);
-#else
-                for (int v0 = lane; v0 < a.hidden_int4; v0 += 32 * COMBINE_COPY_UNROLL) {
-                    int4 v[COMBINE_COPY_UNROLL];
+                for (int v0 = lane; v0 < a.hidden_int4; v0 += 32 * kCombineCopyUnroll) {
+                    int4 v[kCombineCopyUnroll];
 #pragma unroll
-                    for (int u = 0; u < COMBINE_COPY_UNROLL; ++u)
+                    for (int u = 0; u < kCombineCopyUnroll; ++u)
                         if (v0 + u * 32 < a.hidden_int4) v[u] = ld_nc_v4(src + v0 + u * 32);
 #pragma unroll
-                    for (int u = 0; u < COMBINE_COPY_UNROLL; ++u)
+                    for (int u = 0; u < kCombineCopyUnroll; ++u)
                         if (v0 + u * 32 < a.hidden_int4) st_na_v4(dst + v0 + u * 32, v[u]);
                 }
-#endif
                 if (a.topk_weights != nullptr && lane < K) reinterpret_cast<float*>(slot + a.slot_off_weights)[lane] = wv;
             }
         }
@@ -118,7 +106,7 @@ __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
         if (warp == publisher && lane < R - 1) {
             const int lo = s_off[lane], hi = s_off[lane + 1];
             if (round_start < hi && round_end > lo)  // this round wrote rows for destination lane
-                st_release_sys(flag_at(a.peer_bases[s_dst[lane]], COMMLIB_OFF_COMBINE_TAIL, me * COMMLIB_MAX_CHANNELS + c),
+                st_release_sys(flag_at(a.peer_bases[s_dst[lane]], CL_OFF_COMBINE_TAIL, me * CL_MAX_CHANNELS + c),
                                tail_word(seq, (u32)(min(round_end, hi) - lo)));
         }
     }
@@ -128,17 +116,17 @@ __device__ void combine_send(const CombineArgs& a, int c, u64 seq) {
 // Receiver
 // ------------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ void load_vectors(int4 (&v)[COMBINE_SUM_UNROLL], const int4* p, int i, int n) {
+__device__ __forceinline__ void load_vectors(int4 (&v)[kCombineSumUnroll], const int4* p, int i, int n) {
 #pragma unroll
-    for (int u = 0; u < COMBINE_SUM_UNROLL; ++u)
+    for (int u = 0; u < kCombineSumUnroll; ++u)
         v[u] = (i + u * 32 < n) ? ld_nc_v4(p + i + u * 32) : make_int4(0, 0, 0, 0);
 }
 
 // Tokens of channel c, taken from `work`: sum each token's rows into combined_x. The whole CTA
-// calls it: the receiver, and (COMMLIB_SHARE) the sender once its own rounds are published.
+// calls it: the receiver, and (CL_SHARE) the sender once its own rounds are published.
 __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkItems work) {
-    __shared__ u64 s_row_all[32][COMMLIB_MAX_RANKS];  // per warp: row pointer of each rank
-    __shared__ u64 s_w_all[32][COMMLIB_MAX_RANKS];    // per warp: weights pointer of each rank
+    __shared__ u64 s_row_all[32][CL_MAX_RANKS];  // per warp: row pointer of each rank
+    __shared__ u64 s_w_all[32][CL_MAX_RANKS];    // per warp: weights pointer of each rank
     const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk;
     const int H4 = a.hidden_int4;
@@ -151,7 +139,7 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
     // lane r < R: where rank r's rows for this channel start in my staging
     const int r_lane = lane < R ? lane : 0;
     const int slot_base = lane < R ? rows_before(a.rank_prefix_matrix, R, me, r_lane) + a.channel_prefix_matrix[r_lane * C + c] : 0;
-    const u64* tail = flag_at(own, COMMLIB_OFF_COMBINE_TAIL, r_lane * COMMLIB_MAX_CHANNELS + c);
+    const u64* tail = flag_at(own, CL_OFF_COMBINE_TAIL, r_lane * CL_MAX_CHANNELS + c);
     const WaitSite site = {"combine", "combine tail (sender progress)", me, c, true};
     u32 ready = 0;  // lane r: rows of rank r acquired so far
 
@@ -176,73 +164,37 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
             const bool act = need > ready;
             // ready == 0: this warp's first rows of rank r_lane; is it the same call, same slot geometry?
             const u64 v = warp_wait_geq_signed(tail, tail_word(seq, need), act, r_lane, site, a.timeout_ns,
-                                               (COMMLIB_OFF_COMBINE_SIG - COMMLIB_OFF_COMBINE_TAIL) / 8,
-                                               call_signature(COMMLIB_SIG_COMBINE, seq, H4, 0, K, C), ready == 0);
+                                               (CL_OFF_COMBINE_SIG - CL_OFF_COMBINE_TAIL) / 8,
+                                               call_signature(CL_SIG_COMBINE, seq, H4, 0, K, C), ready == 0);
             if (act) ready = (u32)v;
         }
         __syncwarp();
         // weights first: their loads overlap the rows'; summed in rank order like the rows
         float wsum = 0.f;
         if (a.combined_topk_weights != nullptr && lane < K) {
-            float wr[COMMLIB_MAX_RANKS];
+            float wr[CL_MAX_RANKS];
 #pragma unroll
-            for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+            for (int r = 0; r < CL_MAX_RANKS; ++r)
                 wr[r] = ((vmask >> r) & 1u) ? __ldcg(reinterpret_cast<const float*>(s_w[r]) + lane) : 0.f;
 #pragma unroll
-            for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+            for (int r = 0; r < CL_MAX_RANKS; ++r)
                 if ((vmask >> r) & 1u) wsum = add_rn(wsum, wr[r]);
         }
 
         const int4* b0 = a.bias0 != nullptr ? a.bias0 + (i64)t * H4 : nullptr;
         const int4* b1 = a.bias1 != nullptr ? a.bias1 + (i64)t * H4 : nullptr;
         int4* out = a.combined_x + (i64)t * H4;
-#if COMMLIB_COMBINE_ASYNC_DEPTH > 0
-        {   // the token's rows in rank order, then the biases: one stream, vector-major
-            const int nk = __popc(vmask) + (b0 != nullptr) + (b1 != nullptr);
-            if (nk == 0) {  // a token that went nowhere: zeros, as the sum of nothing
-                for (int i = lane; i < H4; i += 32) st_na_v4(out + i, make_int4(0, 0, 0, 0));
-            } else {
-                const int4* srcs[COMMLIB_MAX_RANKS + 2];
-                int k = 0;
+        for (int i = lane; i < H4; i += 32 * kCombineSumUnroll) {
+            float acc[kCombineSumUnroll][8];
 #pragma unroll
-                for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
-                    if ((vmask >> r) & 1u) srcs[k++] = reinterpret_cast<const int4*>(s_row[r]);
-                if (b0 != nullptr) srcs[k++] = b0;
-                if (b1 != nullptr) srcs[k++] = b1;
-                int ik = 0, iv = 0, ck = 0, cv = 0;  // the stream visits q in order: source ik of vector iv
-                float acc[8];
-                async_stream<COMMLIB_COMBINE_ASYNC_DEPTH>(lane_vectors(H4) * nk,
-                    [&](int) {
-                        const int4* p = srcs[ik] + lane + 32 * iv;
-                        if (++ik == nk) { ik = 0; ++iv; }
-                        return p;
-                    },
-                    [&](int, int4 v) {
-                        if (ck == 0) {
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-                        }
-                        acc_bf16x8(acc, v);
-                        if (++ck == nk) {
-                            st_na_v4(out + lane + 32 * cv, pack_bf16x8(acc));
-                            ck = 0;
-                            ++cv;
-                        }
-                    });
-            }
-        }
-#else
-        for (int i = lane; i < H4; i += 32 * COMBINE_SUM_UNROLL) {
-            float acc[COMBINE_SUM_UNROLL][8];
-#pragma unroll
-            for (int u = 0; u < COMBINE_SUM_UNROLL; ++u)
+            for (int u = 0; u < kCombineSumUnroll; ++u)
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
             u32 m = vmask;
             while (m) {  // two ranks at a time: their loads are in flight together; adds stay in rank order
                 const int ra = __ffs(m) - 1;
                 m &= m - 1;
-                int4 va[COMBINE_SUM_UNROLL], vb[COMBINE_SUM_UNROLL];
+                int4 va[kCombineSumUnroll], vb[kCombineSumUnroll];
                 load_vectors(va, reinterpret_cast<const int4*>(s_row[ra]), i, H4);
                 const bool two = m != 0;
                 if (two) {
@@ -251,29 +203,28 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
                     load_vectors(vb, reinterpret_cast<const int4*>(s_row[rb]), i, H4);
                 }
 #pragma unroll
-                for (int u = 0; u < COMBINE_SUM_UNROLL; ++u) acc_bf16x8(acc[u], va[u]);
+                for (int u = 0; u < kCombineSumUnroll; ++u) acc_bf16x8(acc[u], va[u]);
                 if (two) {
 #pragma unroll
-                    for (int u = 0; u < COMBINE_SUM_UNROLL; ++u) acc_bf16x8(acc[u], vb[u]);
+                    for (int u = 0; u < kCombineSumUnroll; ++u) acc_bf16x8(acc[u], vb[u]);
                 }
             }
             if (b0 != nullptr) {
-                int4 vb0[COMBINE_SUM_UNROLL];
+                int4 vb0[kCombineSumUnroll];
                 load_vectors(vb0, b0, i, H4);
 #pragma unroll
-                for (int u = 0; u < COMBINE_SUM_UNROLL; ++u) acc_bf16x8(acc[u], vb0[u]);
+                for (int u = 0; u < kCombineSumUnroll; ++u) acc_bf16x8(acc[u], vb0[u]);
             }
             if (b1 != nullptr) {
-                int4 vb1[COMBINE_SUM_UNROLL];
+                int4 vb1[kCombineSumUnroll];
                 load_vectors(vb1, b1, i, H4);
 #pragma unroll
-                for (int u = 0; u < COMBINE_SUM_UNROLL; ++u) acc_bf16x8(acc[u], vb1[u]);
+                for (int u = 0; u < kCombineSumUnroll; ++u) acc_bf16x8(acc[u], vb1[u]);
             }
 #pragma unroll
-            for (int u = 0; u < COMBINE_SUM_UNROLL; ++u)
+            for (int u = 0; u < kCombineSumUnroll; ++u)
                 if (i + u * 32 < H4) st_na_v4(out + i + u * 32, pack_bf16x8(acc[u]));
         }
-#endif
         if (a.combined_topk_weights != nullptr && lane < K) a.combined_topk_weights[(i64)t * K + lane] = wsum;
         __syncwarp();  // s_row / s_w are rewritten by the next token
     }
@@ -285,15 +236,15 @@ __device__ void combine_recv(const CombineArgs& a, int c, u64 seq, WorkItems wor
     combine_recv_tokens(a, c, seq, work);
     trace_point(smids, 1);
     __syncthreads();
-#if COMMLIB_SHARE
+#if CL_SHARE
     cluster_sync();  // the sender's tokens are done too
 #endif
     // every slot of this channel is read: hand them back to the senders
     if (warp == 0 && lane < a.num_ranks && lane != a.rank)
-        st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_COMBINE_DONE, a.rank * COMMLIB_MAX_CHANNELS + c), seq);
+        st_release_sys(flag_at(a.peer_bases[lane], CL_OFF_COMBINE_DONE, a.rank * CL_MAX_CHANNELS + c), seq);
 }
 
-extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_COMBINE_THREADS, COMMLIB_COMBINE_MIN_BLOCKS) combine_kernel(
+extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(kCombineThreads, kCombineMinBlocks) combine_kernel(
     const int4* x, const float* topk_weights, const int* send_head,
     const int* rank_prefix_matrix, const int* channel_prefix_matrix, const int* recv_channel_prefix_matrix,
     const int4* bias0, const int4* bias1, int4* combined_x, float* combined_topk_weights,
@@ -311,14 +262,14 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_COMBIN
     const int num_pairs = gridDim.x >> 1;
     trace_point(smids, 0);
     for (int c = blockIdx.x >> 1; c < num_channels; c += num_pairs) {
-        if (threadIdx.x == 0) s_seq = read_seq(seq_counters, COMMLIB_SEQ_COMBINE, role, c);
+        if (threadIdx.x == 0) s_seq = read_seq(seq_counters, CL_SEQ_COMBINE, role, c);
         const WorkItems work = channel_work_items(role);
         __syncthreads();
         const u64 seq = s_seq;
         if (role == 0) {
             combine_send(a, c, seq);
             trace_point(smids, 1);
-#if COMMLIB_SHARE
+#if CL_SHARE
             combine_recv_tokens(a, c, seq, work);
             cluster_sync();  // pairs with the receiver's, before it hands the slots back
 #endif
@@ -326,7 +277,7 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_COMBIN
             combine_recv(a, c, seq, work, smids);
         }
         __syncthreads();
-        if (threadIdx.x == 0) seq_counters[COMMLIB_SEQ_INDEX(COMMLIB_SEQ_COMBINE, role, c)] = seq;
+        if (threadIdx.x == 0) seq_counters[CL_SEQ_INDEX(CL_SEQ_COMBINE, role, c)] = seq;
     }
     trace_point(smids, 2);
 }

@@ -25,52 +25,24 @@
 // Receiver CTA: all warps copy rows from the staging slots into recv_x (row = rank_prefix of the
 // source + recv_channel_prefix + i), converting nothing: the sender already wrote local ids.
 // Rows past the received count (num_worst_tokens) are padded by the receiver CTAs.
-// Work sharing (COMMLIB_SHARE, common.cuh): the received rows are items of a counter in the
+// Work sharing (CL_SHARE, common.cuh): the received rows are items of a counter in the
 // receiver's shared memory; the sender CTA takes items too once its last round is published, and
 // the receiver hands the slots back (DISPATCH_DONE) only after a cluster barrier with it.
 #include "common.cuh"
 
-#ifndef COMMLIB_DISPATCH_THREADS
-#define COMMLIB_DISPATCH_THREADS 1024
+// The variant's knobs (loader.DEFAULT_VARIANT, passed with -D).
+#if !defined(CL_DISPATCH_THREADS) || !defined(CL_DISPATCH_MIN_BLOCKS) || !defined(CL_DISPATCH_UNROLL) || \
+    !defined(CL_LOCAL_IN_RECEIVER) || !defined(CL_DISPATCH_STREAM_SEND)
+#error "dispatch.cu compiles with the -D defines of commlib/cuda/loader.py options()"
 #endif
-#ifndef COMMLIB_DISPATCH_MIN_BLOCKS
-#define COMMLIB_DISPATCH_MIN_BLOCKS 1  // CTAs per SM the register budget allows (2 at 512 threads: half an SM)
-#endif
-#ifndef COMMLIB_DISPATCH_UNROLL
-#define COMMLIB_DISPATCH_UNROLL 4      // 16-byte vectors in flight per lane
-#endif
-#ifndef COMMLIB_LOCAL_IN_RECEIVER
-#define COMMLIB_LOCAL_IN_RECEIVER 1    // 1: the receiver CTA copies the local half (x -> recv_x), the sender only pushes
-#endif
-#define DISPATCH_UNROLL COMMLIB_DISPATCH_UNROLL
-#ifndef COMMLIB_DISPATCH_ASYNC_DEPTH
-#define COMMLIB_DISPATCH_ASYNC_DEPTH 0  // > 0: rows stream through cp.async rings of this depth (common.cuh)
-#endif
-#ifndef COMMLIB_DISPATCH_BULK
-#define COMMLIB_DISPATCH_BULK 0        // 1: the receiver's row copies (both halves) are bulk copies (common.cuh)
-#endif
-#ifndef COMMLIB_DISPATCH_SEND_WARPS
-#define COMMLIB_DISPATCH_SEND_WARPS 0  // > 0: only this many sender warps push rows (0: all but the publisher)
-#endif
-#ifndef COMMLIB_DISPATCH_STREAM_SEND
-#define COMMLIB_DISPATCH_STREAM_SEND 0  // N > 0: sender warps stream their tokens without round barriers; the
-#endif                                   // publisher follows per-warp progress words, each released after every
-                                         // N of the warp's tokens (see dispatch_send)
-#ifndef COMMLIB_DISPATCH_STREAM_WINDOW
-#define COMMLIB_DISPATCH_STREAM_WINDOW 0  // streaming sender: W > 0 keeps copy warps at most W blocks of 32
-#endif                                    // tokens past the last block whose rows are all copied; 0: no bound
-#ifndef COMMLIB_DISPATCH_STREAM_BACKOFF_NS
-#define COMMLIB_DISPATCH_STREAM_BACKOFF_NS 0  // streaming sender: the publisher sleeps this long between polls
-#endif                                        // of the progress words (0: it spins)
-#ifndef COMMLIB_DISPATCH_RECV_SPLIT
-#define COMMLIB_DISPATCH_RECV_SPLIT 0  // N > 0: N receiver warps copy the local half while the others copy
-#endif                                 // remote rows as they arrive (still in L2); 0: local half first
-#ifndef COMMLIB_DISPATCH_PROBE_NO_REMOTE_COPY
-#define COMMLIB_DISPATCH_PROBE_NO_REMOTE_COPY 0  // 1: a timing probe with WRONG results: remote rows' hidden
-#endif                                           // data is not copied out of the staging slots (kernels.py)
-#ifndef COMMLIB_DISPATCH_BULK_SEND
-#define COMMLIB_DISPATCH_BULK_SEND 0   // 1: the sender pushes a row with one destination as bulk copies (TMA)
-#endif
+constexpr int kDispatchThreads = CL_DISPATCH_THREADS;
+constexpr int kDispatchMinBlocks = CL_DISPATCH_MIN_BLOCKS;  // CTAs per SM the register budget allows
+constexpr int kDispatchUnroll = CL_DISPATCH_UNROLL;         // 16-byte vectors in flight per lane
+// 1: the receiver CTA copies the local half (x -> recv_x), the sender only pushes
+constexpr bool kLocalInReceiver = CL_LOCAL_IN_RECEIVER;
+// N > 0: sender warps stream their tokens without round barriers; the publisher follows per-warp
+// progress words, each released after every N of the warp's tokens (see dispatch_send)
+constexpr int kStreamReleaseEvery = CL_DISPATCH_STREAM_SEND;
 
 #define DISPATCH_FLAG_WRITE_HANDLE 1  // write send_head and recv_src_idx (non-cached mode)
 
@@ -115,12 +87,9 @@ __device__ __forceinline__ u64 dispatch_slot(const DispatchArgs& a, u64 base, in
 // ------------------------------------------------------------------------------------------------
 
 // One warp copies token `tok` to every rank in dmask. Lane r < R holds slot_r (its index among the
-// channel's tokens for rank r). s_dst: this warp's scratch (destination row of each rank). bp: the
-// warp's bulk-copy pipe when the row has one destination and goes as a bulk copy (the receiver's
-// local half, COMMLIB_DISPATCH_BULK; a sender's push to one peer, COMMLIB_DISPATCH_BULK_SEND), else
-// nullptr.
+// channel's tokens for rank r). s_dst: this warp's scratch (destination row of each rank).
 __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c, int tok, u32 dmask, int my_slot,
-                                                    int local_base, u64* s_dst, BulkPipe* bp) {
+                                                    int local_base, u64* s_dst) {
     const int lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, S = a.num_scales;
     // The small fields are loaded first: their latency overlaps the row's instead of adding to it.
@@ -149,25 +118,10 @@ __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c
 
     // hidden: read once, store to every destination
     const int4* src = a.x + (i64)tok * a.hidden_int4;
-    if (bp != nullptr) {
-        const int r = __ffs(dmask) - 1;  // the one destination
-        if (s_dst[r] != 0) bulk_copy_row(reinterpret_cast<int4*>(s_dst[r]), src, a.hidden_int4, *bp);
-    } else
-#if COMMLIB_DISPATCH_ASYNC_DEPTH > 0
-    async_stream<COMMLIB_DISPATCH_ASYNC_DEPTH>(lane_vectors(a.hidden_int4), [&](int q) { return src + lane + 32 * q; }, [&](int q, int4 v) {
-        u32 m = dmask;
-        while (m) {
-            const int r = __ffs(m) - 1;
-            m &= m - 1;
-            int4* dst = reinterpret_cast<int4*>(s_dst[r]);
-            if (dst != nullptr) st_na_v4(dst + lane + 32 * q, v);
-        }
-    });
-#else
-    for (int i = lane; i < a.hidden_int4; i += 32 * DISPATCH_UNROLL) {
-        int4 v[DISPATCH_UNROLL];
+    for (int i = lane; i < a.hidden_int4; i += 32 * kDispatchUnroll) {
+        int4 v[kDispatchUnroll];
 #pragma unroll
-        for (int u = 0; u < DISPATCH_UNROLL; ++u)
+        for (int u = 0; u < kDispatchUnroll; ++u)
             if (i + u * 32 < a.hidden_int4) v[u] = ld_nc_v4(src + i + u * 32);
         u32 m = dmask;
         while (m) {
@@ -176,11 +130,10 @@ __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c
             int4* dst = reinterpret_cast<int4*>(s_dst[r]);
             if (dst == nullptr) continue;
 #pragma unroll
-            for (int u = 0; u < DISPATCH_UNROLL; ++u)
+            for (int u = 0; u < kDispatchUnroll; ++u)
                 if (i + u * 32 < a.hidden_int4) st_na_v4(dst + i + u * 32, v[u]);
         }
     }
-#endif
     // Small fields: plain stores (the round's release orders them before the tail, like the rows).
     u32 m = dmask;
     while (m) {
@@ -222,18 +175,18 @@ __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c
 struct TokenBlock {
     u32 bits;
     int item;
-    int slot[COMMLIB_MAX_RANKS];
+    int slot[CL_MAX_RANKS];
 };
 
 __device__ __forceinline__ TokenBlock scan_token_block(const DispatchArgs& a, int sb, int block_end, u32 serve,
-                                                       int (&count)[COMMLIB_MAX_RANKS], int& items) {
+                                                       int (&count)[CL_MAX_RANKS], int& items) {
     TokenBlock b;
     const int t = sb + lane_id();
     b.bits = 0;
     if (t < block_end)
         for (int r = 0; r < a.num_ranks; ++r) b.bits |= (u32)(a.is_token_in_rank[(i64)t * a.num_ranks + r] != 0) << r;
 #pragma unroll
-    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
+    for (int r = 0; r < CL_MAX_RANKS; ++r) {
         const u32 m = __ballot_sync(FULL_MASK, (b.bits >> r) & 1u);
         b.slot[r] = count[r] + __popc(m & lanemask_lt());
         count[r] += __popc(m);
@@ -249,16 +202,16 @@ __device__ __forceinline__ void write_send_head(const DispatchArgs& a, bool vali
                                                 const int* s_head_base) {
     if (!(a.flags & DISPATCH_FLAG_WRITE_HANDLE) || !valid) return;
 #pragma unroll
-    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+    for (int r = 0; r < CL_MAX_RANKS; ++r)
         if (r < a.num_ranks) a.send_head[(i64)t * a.num_ranks + r] = ((b.bits >> r) & 1u) ? s_head_base[r] + b.slot[r] : -1;
 }
 
 // This warp's tokens of the block (item % num_copy_warps == warp). s_progress (streaming sender):
-// after every COMMLIB_DISPATCH_STREAM_SEND-th token of the warp (unreleased counts them), lane 0
+// after every kStreamReleaseEvery-th token of the warp (unreleased counts them), lane 0
 // release-stores the warp's next item.
 __device__ __forceinline__ void copy_own_tokens(const DispatchArgs& a, int c, int sb, const TokenBlock& b, u32 serve,
-                                                int num_copy_warps, int local_base, u64* s_dst, BulkPipe* bp,
-                                                int* s_progress, int& unreleased) {
+                                                int num_copy_warps, int local_base, u64* s_dst, int* s_progress,
+                                                int& unreleased) {
     const int warp = warp_id(), lane = lane_id();
     u32 mine = __ballot_sync(FULL_MASK, (b.bits & serve) != 0 && b.item % num_copy_warps == warp);
     while (mine) {
@@ -267,12 +220,12 @@ __device__ __forceinline__ void copy_own_tokens(const DispatchArgs& a, int c, in
         const u32 dmask = __shfl_sync(FULL_MASK, b.bits, l) & serve;
         int my_slot = 0;
 #pragma unroll
-        for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) {
+        for (int r = 0; r < CL_MAX_RANKS; ++r) {
             const int v = __shfl_sync(FULL_MASK, b.slot[r], l);
             if (lane == r) my_slot = v;
         }
-        dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst, __popc(dmask) == 1 ? bp : nullptr);
-        if (s_progress != nullptr && ++unreleased >= COMMLIB_DISPATCH_STREAM_SEND) {
+        dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst);
+        if (s_progress != nullptr && ++unreleased >= kStreamReleaseEvery) {
             unreleased = 0;
             const int item = __shfl_sync(FULL_MASK, b.item, l);
             __syncwarp();  // every lane's stores of the token before lane 0's release
@@ -282,26 +235,24 @@ __device__ __forceinline__ void copy_own_tokens(const DispatchArgs& a, int c, in
 }
 
 // The publisher warp: lane r < R (a peer) release-stores the count of tokens sent to it so far.
-__device__ __forceinline__ void publish_tails(const DispatchArgs& a, int c, u64 seq, const int (&count)[COMMLIB_MAX_RANKS]) {
+__device__ __forceinline__ void publish_tails(const DispatchArgs& a, int c, u64 seq, const int (&count)[CL_MAX_RANKS]) {
     const int lane = lane_id();
     if (lane >= a.num_ranks || lane == a.rank) return;
     int mine = 0;
 #pragma unroll
-    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r)
+    for (int r = 0; r < CL_MAX_RANKS; ++r)
         if (lane == r) mine = count[r];
-    st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_DISPATCH_TAIL, a.rank * COMMLIB_MAX_CHANNELS + c),
+    st_release_sys(flag_at(a.peer_bases[lane], CL_OFF_DISPATCH_TAIL, a.rank * CL_MAX_CHANNELS + c),
                    tail_word(seq, (u32)mine));
 }
 
-// bp: this warp's bulk-copy pipe (COMMLIB_DISPATCH_BULK_SEND), else nullptr.
-__device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* bp) {
-    __shared__ u64 s_dst_all[32][COMMLIB_MAX_RANKS];
-    __shared__ int s_head_base[COMMLIB_MAX_RANKS];
+__device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
+    __shared__ u64 s_dst_all[32][CL_MAX_RANKS];
+    __shared__ int s_head_base[CL_MAX_RANKS];
     const int warp = warp_id(), lane = lane_id();
     const int num_warps = blockDim.x >> 5;
     const int publisher = num_warps - 1;
-    const int num_copy_warps = COMMLIB_DISPATCH_SEND_WARPS > 0 && COMMLIB_DISPATCH_SEND_WARPS < num_warps - 1
-                                   ? COMMLIB_DISPATCH_SEND_WARPS : num_warps - 1;
+    const int num_copy_warps = num_warps - 1;
     const int R = a.num_ranks, C = a.num_channels, me = a.rank;
     const u64 own = a.peer_bases[me];
     int start, end;
@@ -311,7 +262,7 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
         // The previous call's receivers must be done with our slots before we overwrite them.
         const WaitSite site = {"dispatch", "dispatch done (previous call consumed)", me, c, false};
         const bool active = lane < R && lane != me;
-        warp_wait_geq(flag_at(own, COMMLIB_OFF_DISPATCH_DONE, (active ? lane : 0) * COMMLIB_MAX_CHANNELS + c),
+        warp_wait_geq(flag_at(own, CL_OFF_DISPATCH_DONE, (active ? lane : 0) * CL_MAX_CHANNELS + c),
                       seq - 1, active, lane, site, a.timeout_ns);
         if (lane < R)  // row of this channel's first token in rank lane's recv_x
             s_head_base[lane] = rows_before(a.rank_prefix_matrix, R, me, lane) + a.channel_prefix_matrix[lane * C + c];
@@ -320,27 +271,25 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
     // This call's signature, once the previous call's receivers are done (the wait above): copy warp
     // 0 writes it, and the first round's __syncthreads + tail release publish it like the rows.
     if (warp == 0 && lane < R && lane != me)
-        st_volatile(signature_at(a.peer_bases[lane], COMMLIB_OFF_DISPATCH_SIG, me, c),
-                    call_signature(COMMLIB_SIG_DISPATCH, seq, a.hidden_int4, a.num_scales, a.num_topk, C));
+        st_volatile(signature_at(a.peer_bases[lane], CL_OFF_DISPATCH_SIG, me, c),
+                    call_signature(CL_SIG_DISPATCH, seq, a.hidden_int4, a.num_scales, a.num_topk, C));
     const int local_base = s_head_base[me];
     u64* s_dst = s_dst_all[warp];
 
-    int count[COMMLIB_MAX_RANKS];  // tokens so far per destination: identical in every warp
+    int count[CL_MAX_RANKS];  // tokens so far per destination: identical in every warp
 #pragma unroll
-    for (int r = 0; r < COMMLIB_MAX_RANKS; ++r) count[r] = 0;
+    for (int r = 0; r < CL_MAX_RANKS; ++r) count[r] = 0;
     int items = 0;  // tokens the sender copies so far (with a destination it serves)
     // destinations the sender copies to: all, or only the peers when the receiver does the local half
-    const u32 serve = COMMLIB_LOCAL_IN_RECEIVER ? ~(1u << me) : ~0u;
+    const u32 serve = kLocalInReceiver ? ~(1u << me) : ~0u;
     const bool copier = warp < num_copy_warps;
-#if COMMLIB_DISPATCH_STREAM_SEND
+#if CL_DISPATCH_STREAM_SEND
     // No round barriers: each copy warp streams its own tokens and, after each, release-stores its
     // next item (s_progress); the publisher acquires those words, and once every item of a block is
     // copied (the smallest next item is past the block) it releases the tails, at the round size.
     __shared__ int s_progress[32];
-    __shared__ int s_cleared;  // (STREAM_WINDOW) every row of the tokens before this one is copied
     int unreleased = 0;  // tokens this warp copied since its last release
     if (copier && lane == 0) s_progress[warp] = warp;  // its first item
-    if (threadIdx.x == 0) s_cleared = start;
     __syncthreads();  // the progress words, and the signature above, before any tail release
     for (int sb = start; sb < end; sb += 32) {
         const int block_end = min(sb + 32, end);
@@ -352,20 +301,14 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
                 next = lane < num_copy_warps ? ld_acquire_cta_shared(s_progress + lane) : 0x7fffffff;
                 for (int o = 16; o; o >>= 1) next = min(next, __shfl_xor_sync(FULL_MASK, next, o));
                 if (next >= items) break;
-                if (COMMLIB_DISPATCH_STREAM_BACKOFF_NS > 0) __nanosleep(COMMLIB_DISPATCH_STREAM_BACKOFF_NS);
             }
             __syncwarp();  // lane r's release below covers what the other lanes acquired
             // at the first block end past each round boundary (rounds are whole passes of the copy
             // warps, 31 tokens each by default, so they rarely end on a 32-token block), and at the end
             if ((block_end - start) / a.round_tokens != (sb - start) / a.round_tokens || block_end == end)
                 publish_tails(a, c, seq, count);
-            if (COMMLIB_DISPATCH_STREAM_WINDOW > 0 && lane == 0) st_volatile(&s_cleared, block_end);
         } else if (copier) {
-            // A throttle only (the rows' order comes from the progress words): the slowest warp's
-            // block is always within the window, so waiting here cannot deadlock.
-            if (COMMLIB_DISPATCH_STREAM_WINDOW > 0)
-                while (ld_volatile(&s_cleared) < sb - 32 * COMMLIB_DISPATCH_STREAM_WINDOW) {}
-            copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, bp, s_progress, unreleased);
+            copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, s_progress, unreleased);
         }
     }
     __syncwarp();  // every lane's stores of its last tokens before lane 0's release
@@ -379,10 +322,8 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
             if (warp == publisher)
                 write_send_head(a, sb + lane < round_end, sb + lane, b, s_head_base);
             else if (copier)
-                copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, bp, nullptr, unreleased);
+                copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, nullptr, unreleased);
         }
-        // bulk pushes complete and ordered before the generic-proxy release of this round's tail
-        if (bp != nullptr && lane == 0) bulk_publish_writes();
         __syncthreads();  // every copy of this round is issued; the release below covers them
         if (warp == publisher) publish_tails(a, c, seq, count);
     }
@@ -394,19 +335,15 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
 // ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n) {
-#if COMMLIB_DISPATCH_ASYNC_DEPTH > 0
-    async_copy_row<COMMLIB_DISPATCH_ASYNC_DEPTH>(dst, src, n);
-#else
-    for (int i = lane_id(); i < n; i += 32 * DISPATCH_UNROLL) {
-        int4 v[DISPATCH_UNROLL];
+    for (int i = lane_id(); i < n; i += 32 * kDispatchUnroll) {
+        int4 v[kDispatchUnroll];
 #pragma unroll
-        for (int u = 0; u < DISPATCH_UNROLL; ++u)
+        for (int u = 0; u < kDispatchUnroll; ++u)
             if (i + u * 32 < n) v[u] = ld_nc_v4(src + i + u * 32);
 #pragma unroll
-        for (int u = 0; u < DISPATCH_UNROLL; ++u)
+        for (int u = 0; u < kDispatchUnroll; ++u)
             if (i + u * 32 < n) st_na_v4(dst + i + u * 32, v[u]);
     }
-#endif
 }
 
 // Where channel c's remote rows are, per source (starting after me, so ranks do not all read the
@@ -420,20 +357,17 @@ __device__ __forceinline__ void remote_rows_setup(const DispatchArgs& a, int c, 
 }
 
 // The rows of channel c that remote ranks sent here: staging slots -> recv_x, items from `work`.
-// The receiver calls it after its local half (the whole CTA, kSetup: it fills the table first) or
-// beside it (COMMLIB_DISPATCH_RECV_SPLIT: the table was filled before the split, !kSetup), and
-// (COMMLIB_SHARE) the sender once its own rounds are published. bp: this warp's bulk-copy pipe
-// (COMMLIB_DISPATCH_BULK), else nullptr.
-__shared__ int s_remote_src[COMMLIB_MAX_RANKS], s_remote_off[COMMLIB_MAX_RANKS + 1], s_remote_base[COMMLIB_MAX_RANKS];
-template <bool kSetup>
-__device__ void dispatch_recv_remote(const DispatchArgs& a, int c, u64 seq, BulkPipe* bp, WorkItems work) {
+// The receiver calls it after its local half (the whole CTA: it fills the table first), and
+// (CL_SHARE) the sender once its own rounds are published.
+__shared__ int s_remote_src[CL_MAX_RANKS], s_remote_off[CL_MAX_RANKS + 1], s_remote_base[CL_MAX_RANKS];
+__device__ void dispatch_recv_remote(const DispatchArgs& a, int c, u64 seq, WorkItems work) {
     int* s_src = s_remote_src;
     int* s_off = s_remote_off;
     int* s_base = s_remote_base;
     const int lane = lane_id();
     const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk, S = a.num_scales;
     const u64 own = a.peer_bases[me];
-    if (kSetup) remote_rows_setup(a, c, s_src, s_off, s_base);
+    remote_rows_setup(a, c, s_src, s_off, s_base);
     const int num_items = s_off[R - 1];
     const WaitSite site = {"dispatch", "dispatch tail (sender progress)", me, c, true};
     int j = 0;
@@ -445,11 +379,11 @@ __device__ void dispatch_recv_remote(const DispatchArgs& a, int c, u64 seq, Bulk
         const int s = s_src[j];
         const int i = item - s_off[j];
         if (__any_sync(FULL_MASK, (u32)i >= ready)) {
-            const u64 v = warp_wait_geq(flag_at(own, COMMLIB_OFF_DISPATCH_TAIL, s * COMMLIB_MAX_CHANNELS + c),
+            const u64 v = warp_wait_geq(flag_at(own, CL_OFF_DISPATCH_TAIL, s * CL_MAX_CHANNELS + c),
                                         tail_word(seq, (u32)(i + 1)), true, s, site, a.timeout_ns);
             if (ready == 0) {  // this warp's first rows of source s: same call, same slot geometry?
-                const u64 expected = call_signature(COMMLIB_SIG_DISPATCH, seq, a.hidden_int4, S, K, C);
-                const u64 seen = ld_volatile(signature_at(own, COMMLIB_OFF_DISPATCH_SIG, s, c));
+                const u64 expected = call_signature(CL_SIG_DISPATCH, seq, a.hidden_int4, S, K, C);
+                const u64 seen = ld_volatile(signature_at(own, CL_OFF_DISPATCH_SIG, s, c));
                 if (seen != expected)  // warp-uniform: lane 0 reports, the warp traps
                     signature_mismatch_trap("dispatch", me, c, s, expected, seen, lane == 0);
             }
@@ -470,14 +404,7 @@ __device__ void dispatch_recv_remote(const DispatchArgs& a, int c, u64 seq, Bulk
             id = __ldcg(meta + 1 + lane);
             wv = __ldcg(reinterpret_cast<const float*>(meta) + 1 + K + lane);
         }
-        if (COMMLIB_DISPATCH_PROBE_NO_REMOTE_COPY) {
-            // probe: the row stays where the sender wrote it
-        } else if (bp != nullptr) {  // the rows were acquired through the tail flag (generic proxy)
-            if (lane == 0) bulk_fence_after_acquire();
-            bulk_copy_row(a.recv_x + (i64)row * a.hidden_int4, reinterpret_cast<const int4*>(slot), a.hidden_int4, *bp);
-        } else {
-            copy_row(a.recv_x + (i64)row * a.hidden_int4, reinterpret_cast<const int4*>(slot), a.hidden_int4);
-        }
+        copy_row(a.recv_x + (i64)row * a.hidden_int4, reinterpret_cast<const int4*>(slot), a.hidden_int4);
         if (lane < S) a.recv_x_scales[(i64)row * S + lane] = sc0;
         if (lane + 32 < S) a.recv_x_scales[(i64)row * S + lane + 32] = sc1;
         for (int k = lane + 64; k < S; k += 32) a.recv_x_scales[(i64)row * S + k] = __ldcg(scales + k);
@@ -487,28 +414,19 @@ __device__ void dispatch_recv_remote(const DispatchArgs& a, int c, u64 seq, Bulk
             if (a.recv_topk_weights != nullptr) a.recv_topk_weights[(i64)row * K + lane] = wv;
         }
     }
-    if (bp != nullptr && lane == 0) bulk_wait_writes();  // the bulk stores of recv_x are done
 }
 
-// Receiver CTA of channel c: the local half (x -> recv_x, COMMLIB_LOCAL_IN_RECEIVER), the remote
+// Receiver CTA of channel c: the local half (x -> recv_x, CL_LOCAL_IN_RECEIVER), the remote
 // rows, then the slots go back to the senders and rows past the received count are padded.
-__device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, BulkPipe* bp, WorkItems work, u32* smids) {
+__device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, WorkItems work, u32* smids) {
     const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
     const int R = a.num_ranks, C = a.num_channels, me = a.rank;
     const int* rpm = a.rank_prefix_matrix;
-#if COMMLIB_DISPATCH_RECV_SPLIT > 0
-    remote_rows_setup(a, c, s_remote_src, s_remote_off, s_remote_base);  // before the split: remote warps start at once
-#endif
-#if COMMLIB_LOCAL_IN_RECEIVER
-    // The local half: tokens of this channel that stay here, x -> recv_x (no waiting). By default
-    // every warp copies it first; with COMMLIB_DISPATCH_RECV_SPLIT the last N warps copy it while the
-    // others take remote rows as they arrive, so those are read back while still in L2, and join
-    // the remote rows when done.
-    constexpr int kSplit = COMMLIB_DISPATCH_RECV_SPLIT;
-    const int num_local_warps = kSplit > 0 && kSplit < num_warps ? kSplit : num_warps;
-    const int local_warp = kSplit > 0 ? warp - (num_warps - num_local_warps) : warp;  // < 0: a remote warp
-    if (kSplit == 0 || local_warp >= 0) {
-        __shared__ u64 s_dst_all[32][COMMLIB_MAX_RANKS];
+#if CL_LOCAL_IN_RECEIVER
+    // The local half: tokens of this channel that stay here, x -> recv_x (no waiting), every warp
+    // before the remote rows.
+    {
+        __shared__ u64 s_dst_all[32][CL_MAX_RANKS];
         int start, end;
         channel_range(a.num_tokens, C, c, &start, &end);
         const int local_base = rows_before(rpm, R, me, me) + a.channel_prefix_matrix[me * C + c];
@@ -519,31 +437,31 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, BulkPipe* b
             const u32 m = __ballot_sync(FULL_MASK, in);
             const int slot = count + __popc(m & lanemask_lt());
             count += __popc(m);
-            u32 mine = __ballot_sync(FULL_MASK, in && slot % num_local_warps == local_warp);
+            u32 mine = __ballot_sync(FULL_MASK, in && slot % num_warps == warp);
             while (mine) {
                 const int l = __ffs(mine) - 1;
                 mine &= mine - 1;
                 dispatch_copy_token(a, c, sb + l, 1u << me, __shfl_sync(FULL_MASK, slot, l), local_base,
-                                    s_dst_all[warp], bp);
+                                    s_dst_all[warp]);
             }
         }
     }
 #endif
-    dispatch_recv_remote<COMMLIB_DISPATCH_RECV_SPLIT == 0>(a, c, seq, bp, work);
+    dispatch_recv_remote(a, c, seq, work);
     trace_point(smids, 1);
     __syncthreads();
-#if COMMLIB_SHARE
+#if CL_SHARE
     cluster_sync();  // the sender's items are done too
 #endif
     // all slots of this channel are read: hand them back to the senders
     if (warp == 0 && lane < R && lane != me)
-        st_release_sys(flag_at(a.peer_bases[lane], COMMLIB_OFF_DISPATCH_DONE, me * COMMLIB_MAX_CHANNELS + c), seq);
+        st_release_sys(flag_at(a.peer_bases[lane], CL_OFF_DISPATCH_DONE, me * CL_MAX_CHANNELS + c), seq);
 
     // num_worst_tokens: rows past the received count
     dispatch_pad(a, c, rpm[(R - 1) * R + me]);
 }
 
-extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPATCH_THREADS, COMMLIB_DISPATCH_MIN_BLOCKS) dispatch_kernel(
+extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(kDispatchThreads, kDispatchMinBlocks) dispatch_kernel(
     const int4* x, const float* x_scales, const i64* topk_idx, const float* topk_weights,
     const unsigned char* is_token_in_rank,
     const int* rank_prefix_matrix, const int* channel_prefix_matrix, const int* recv_channel_prefix_matrix,
@@ -564,14 +482,6 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
     if (smids != nullptr && threadIdx.x == 0) smids[blockIdx.x] = get_smid();
     const int role = blockIdx.x & 1;  // 0 = sender, 1 = receiver
     const int num_pairs = gridDim.x >> 1;
-    BulkPipe* bp = nullptr;  // the receiver's (COMMLIB_DISPATCH_BULK) or the sender's (COMMLIB_DISPATCH_BULK_SEND)
-#if COMMLIB_DISPATCH_BULK || COMMLIB_DISPATCH_BULK_SEND
-    BulkPipe pipe;
-    if (role == 1 ? COMMLIB_DISPATCH_BULK : COMMLIB_DISPATCH_BULK_SEND) {
-        pipe = bulk_pipe_init(dynamic_smem_base());  // COMMLIB_BULK_SMEM bytes
-        bp = &pipe;
-    }
-#endif
     // num_worst_tokens calls cannot raise on the host: if the count exchange found bad input on any
     // rank (every rank sees the same word), nothing moves, every row is padding, and the sequence
     // counters stay put, exactly as if the call had not happened (the rejecting rank never ran it).
@@ -582,22 +492,22 @@ extern "C" __global__ void COMMLIB_CLUSTER_DIMS __launch_bounds__(COMMLIB_DISPAT
     }
     trace_point(smids, 0);
     for (int c = blockIdx.x >> 1; c < num_channels; c += num_pairs) {
-        if (threadIdx.x == 0) s_seq = read_seq(seq_counters, COMMLIB_SEQ_DISPATCH, role, c);
+        if (threadIdx.x == 0) s_seq = read_seq(seq_counters, CL_SEQ_DISPATCH, role, c);
         const WorkItems work = channel_work_items(role);
         __syncthreads();
         const u64 seq = s_seq;
         if (role == 0) {
-            dispatch_send(a, c, seq, bp);
+            dispatch_send(a, c, seq);
             trace_point(smids, 1);
-#if COMMLIB_SHARE
-            dispatch_recv_remote<true>(a, c, seq, nullptr, work);
+#if CL_SHARE
+            dispatch_recv_remote(a, c, seq, work);
             cluster_sync();  // pairs with the receiver's, before it hands the slots back
 #endif
         } else {
-            dispatch_recv(a, c, seq, bp, work, smids);
+            dispatch_recv(a, c, seq, work, smids);
         }
         __syncthreads();
-        if (threadIdx.x == 0) seq_counters[COMMLIB_SEQ_INDEX(COMMLIB_SEQ_DISPATCH, role, c)] = seq;
+        if (threadIdx.x == 0) seq_counters[CL_SEQ_INDEX(CL_SEQ_DISPATCH, role, c)] = seq;
     }
     trace_point(smids, 2);
 }

@@ -10,7 +10,7 @@
 // ticket: every CTA finishes on its own. Call `seq` uses buffer half seq & 1; words carry seq, so
 // nothing is ever reset.
 //
-// Buffer regions (byte offsets from a rank's low-latency IPC buffer; commlib/backends/nvlink_ll.py
+// Buffer regions (byte offsets from a rank's low-latency IPC buffer; commlib/backends/low_latency/nvlink.py
 // computes them and passes them in):
 //   COUNT [half][local expert e][src s] u64 in rank d: (seq << 32) | rows, release-stored by src's
 //       CTA 0 at the start of the call (the rows follow from the routing); acquire-polled by d's
@@ -48,48 +48,41 @@
 // the sender returns at once, the hook launches the receiver; no SM waits in between).
 #include "common.cuh"
 
-#ifndef COMMLIB_LL_THREADS
-#define COMMLIB_LL_THREADS 512         // commlib/backends/nvlink_ll.py launches this many, 2 CTAs per SM
+// The variant's knobs (loader.DEFAULT_VARIANT, passed with -D).
+#if !defined(CL_LL_PARTS) || !defined(CL_LL_TRACE) || !defined(CL_LL_FENCE)
+#error "low_latency.cu compiles with the -D defines of commlib/cuda/loader.py options()"
 #endif
 #define LL_UNROLL 4
-#define LL_MAX_EXPERTS 2048            // nvlink_ll.MAX_EXPERTS
+#define LL_MAX_EXPERTS 2048            // low_latency/nvlink.py MAX_EXPERTS
 #define LL_SMEM_PAIRS 4096             // (token, slot) ids kept in shared memory for the slot scan
 #define LL_SMEM_WANT 1024              // dispatch receiver: segments whose arrival targets stay in shared memory
-#ifndef COMMLIB_LL_PARTS
-#define COMMLIB_LL_PARTS 1             // kernels.DEFAULT_VARIANT["LL_PARTS"]
-#endif
-#define LL_MAX_PARTS COMMLIB_LL_PARTS  // dispatch: CTAs sharing one token row when the grid has CTAs to spare
+constexpr int kLlThreads = 512;  // commlib/backends/low_latency/nvlink.py THREADS launches this many, 2 CTAs per SM
+constexpr int kLlMaxParts = CL_LL_PARTS;  // dispatch: CTAs sharing one token row when the grid has CTAs to spare
 #define LL_COMBINE_RECV_PARTS 2        // combine: CTAs sharing one token's sum when the grid has CTAs to spare
 #define LL_RECV_ROWS 512               // rows whose sources the dispatch receiver keeps in shared memory at once
 
 #define LL_SEND 1
 #define LL_RECV 2
 
-// COMMLIB_LL_TRACE=1 (kernels.set_variant({"LL_TRACE": 1})): CTA thread 0 stores %globaltimer at
+// CL_LL_TRACE=1 (loader.set_variant({"LL_TRACE": 1})): CTA thread 0 stores %globaltimer at
 // 8 points of each kernel into state[LL_TRACE_BASE + ((kernel * LL_TRACE_CTAS) + cta) * 8 + point]
 // (kernel 0 dispatch: start, send ready, first unit's rows stored, its slots scanned, send done
 // (after its fence and arrivals), arrivals seen, recv rows done, end; kernel 1 combine: start, send ready, records written, first
 // item's record seen, its partial stored, send done (flags released), first token's partials seen,
-// end: commlib/backends/nvlink_ll.py TRACE_POINTS). benchmarks/bench_low_latency.py --trace reads them.
-#ifndef COMMLIB_LL_TRACE
-#define COMMLIB_LL_TRACE 0
-#endif
+// end: commlib/backends/low_latency/nvlink.py TRACE_POINTS). benchmarks/bench_low_latency.py --trace reads them.
 #define LL_TRACE_BASE 64
 #define LL_TRACE_CTAS 256
-#if COMMLIB_LL_TRACE
+constexpr bool kLlTrace = CL_LL_TRACE;
 #define LL_MARK(state, kernel, point)                                                                   \
     do {                                                                                                \
-        if (threadIdx.x == 0 && blockIdx.x < LL_TRACE_CTAS) {                                           \
+        if (kLlTrace && threadIdx.x == 0 && blockIdx.x < LL_TRACE_CTAS) {                               \
             u64 t_;                                                                                     \
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                      \
             (state)[LL_TRACE_BASE + ((kernel) * LL_TRACE_CTAS + blockIdx.x) * 8 + (point)] = t_;        \
         }                                                                                               \
     } while (0)
-#else
-#define LL_MARK(state, kernel, point) do { } while (0)
-#endif
 // state[]: completed phases per (kind, phase), in shares (cta_share); the trace; then the arrival
-// totals [call seq & 3][local expert * R + source] u64 (nvlink_ll.CUM_BASE)
+// totals [call seq & 3][local expert * R + source] u64 (low_latency/nvlink.py CUM_BASE)
 #define LL_DISPATCH_SEND 0
 #define LL_DISPATCH_RECV 1
 #define LL_COMBINE_SEND 2
@@ -125,11 +118,10 @@ struct LLCombineArgs {
 // ------------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void st_na_u64(u64* p, u64 v) {
-#if COMMLIB_PLAIN
-    *p = v;
-#else
-    asm volatile("st.global.L1::no_allocate.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
-#endif
+    if constexpr (kPlain)
+        *p = v;
+    else
+        asm volatile("st.global.L1::no_allocate.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
 
 // exp2(ceil(log2(s))) for a positive normal float, exactly (the reference's round_scale).
@@ -164,17 +156,14 @@ __device__ __forceinline__ u64 ll_meta_tag(u64 seq) { return ((seq & 0x7fffffffu
 __device__ __forceinline__ u64 ll_record_tag(u64 seq) { return (seq & 0x7fffffffull) << 32; }
 
 // A release fence at system scope: with the relaxed reductions after it, the PTX pattern of a
-// release reduction. COMMLIB_LL_FENCE=1 (default) uses fence.acq_rel.sys; 0 the sequentially
+// release reduction. CL_LL_FENCE=1 (default) uses fence.acq_rel.sys; 0 the sequentially
 // consistent __threadfence_system (fence.sc.sys), the stronger and older choice.
-#ifndef COMMLIB_LL_FENCE
-#define COMMLIB_LL_FENCE 1
-#endif
+constexpr bool kLlAcqRelFence = CL_LL_FENCE;
 __device__ __forceinline__ void ll_release_fence() {
-#if COMMLIB_LL_FENCE
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
-#else
-    __threadfence_system();
-#endif
+    if constexpr (kLlAcqRelFence)
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+    else
+        __threadfence_system();
 }
 
 // Relaxed: callers issue one system fence before a batch of these (a release reduction each would
@@ -209,19 +198,11 @@ __device__ __forceinline__ void cta_phase_done(u64* state, int i) {
 // each rank's sender polls before reusing the half. What must come first is this CTA's loads of the
 // half (a peer's later write must not be what they read): the barrier orders every thread's loads
 // before thread 0's fence, which completes them before the reductions issue. A GPU-scope fence does
-// that; COMMLIB_LL_DONE_FENCE=1 takes the system-scope release fence instead (measured ~2 us slower
-// on the receive hook at the decode shape: each CTA's waits for its outstanding stores system-wide).
-#ifndef COMMLIB_LL_DONE_FENCE
-#define COMMLIB_LL_DONE_FENCE 0
-#endif
+// that (a system-scope one would also wait for the CTA's outstanding stores system-wide).
 __device__ void cta_release_done(const u64* peer_bases, u64 off_done, int rank, int R) {
     __syncthreads();
     if (threadIdx.x == 0) {
-#if COMMLIB_LL_DONE_FENCE
-        ll_release_fence();
-#else
         __threadfence();
-#endif
         const u64 share = cta_share();
         for (int d = 0; d < R; ++d) red_add_relaxed_sys(flag_at(peer_bases[d], off_done, rank), share);
     }
@@ -257,7 +238,7 @@ __device__ __forceinline__ void ll_run_phases(const Args& a, int phases, int ker
 // ------------------------------------------------------------------------------------------------
 
 __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
-    __shared__ u64 s_dst[COMMLIB_MAX_RANKS];   // this token's row slot in each destination rank (0: none)
+    __shared__ u64 s_dst[CL_MAX_RANKS];   // this token's row slot in each destination rank (0: none)
     __shared__ int s_pair_rank[32];            // destination rank of each top-k slot (-1: none)
     __shared__ int s_pair_le[32];              // its local expert there
     __shared__ int s_pair_e[32];               // expert of each top-k slot (-1: none)
@@ -277,7 +258,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     const int first = (int)gridDim.x > a.num_tokens ? 1 : 0;
     const int senders = (int)gridDim.x - first;
     const int n_blocks = a.hidden / 128;
-    const int parts = max(1, min(min(LL_MAX_PARTS, senders / max(a.num_tokens, 1)), max(n_blocks, 1)));
+    const int parts = max(1, min(min(kLlMaxParts, senders / max(a.num_tokens, 1)), max(n_blocks, 1)));
     // Every receiver must be done with this half (call seq - 2) before this CTA stores into it. The
     // last warp waits, without a barrier here: the other warps meanwhile load their first row and its
     // routing, and the barriers before CTA 0's count stores and before each unit's stores order the
@@ -511,7 +492,7 @@ __device__ void cta_exclusive_scan(int* s, int n) {
 
 __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     __shared__ int s_prefix[LL_MAX_EXPERTS + 1];  // rows before segment j = (local expert, source) = e * R + s
-    __shared__ int s_parts[COMMLIB_MAX_RANKS];    // units per pair of each source (its count words' bits 24-31)
+    __shared__ int s_parts[CL_MAX_RANKS];    // units per pair of each source (its count words' bits 24-31)
     __shared__ u64 s_want[LL_SMEM_WANT];          // arrival total segment j reaches in this call (j < LL_SMEM_WANT)
     __shared__ int s_tok[LL_RECV_ROWS];           // token of each row of the current chunk
     __shared__ int s_row[LL_RECV_ROWS];           // its row in recv_x
@@ -667,7 +648,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     cta_phase_done(a.state, LL_DISPATCH_RECV);
 }
 
-extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_dispatch_kernel(
+extern "C" __global__ void __launch_bounds__(kLlThreads, 2) ll_dispatch_kernel(
     const int4* x, const i64* topk_idx, int* pos,
     int4* recv_x, unsigned char* recv_scales, int* src_info, i64* layout_range, int* recv_count,
     int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens, int fp8_mode, int pad_zero,
@@ -808,7 +789,7 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
 // one of its slots, in rank order (P_d: d's bf16 partial). With CTAs to spare, `parts` CTAs share a
 // token (each a range of channels).
 __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
-    __shared__ int s_n[COMMLIB_MAX_RANKS];
+    __shared__ int s_n[CL_MAX_RANKS];
     const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, E = a.num_experts, L = E / R, M = a.max_tokens;
     const int half = (int)(seq & 1);
@@ -861,7 +842,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
     cta_phase_done(a.state, LL_COMBINE_RECV);
 }
 
-extern "C" __global__ void __launch_bounds__(COMMLIB_LL_THREADS, 2) ll_combine_kernel(
+extern "C" __global__ void __launch_bounds__(kLlThreads, 2) ll_combine_kernel(
     const int4* x, const i64* topk_idx, const float* topk_weights, const int* pos, const i64* layout_range,
     int4* out, int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens,
     int phases, const u64* peer_bases, int rank, int num_ranks,

@@ -19,14 +19,12 @@
 // vectors of 8 values in flight per slot.
 #include "common.cuh"
 
-#ifndef COMMLIB_ROW_UNROLL
-#define COMMLIB_ROW_UNROLL 4
-#endif
+constexpr int kRowUnroll = 4;  // rows' vectors in flight per lane
 
 extern "C" __global__ void __launch_bounds__(256) slot_sum_bf16(const int4* __restrict__ src, const int* __restrict__ pos,
                                                                 int4* __restrict__ dst, int num_rows, int num_slots,
                                                                 int row_int4) {
-    constexpr int U = COMMLIB_ROW_UNROLL;
+    constexpr int U = kRowUnroll;
     const int lane = lane_id();
     const int warps = blockDim.x >> 5;
     for (int n = blockIdx.x * warps + warp_id(); n < num_rows; n += gridDim.x * warps) {

@@ -47,14 +47,14 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
     // zero counts and the REJECTED word) so the peers raise instead of waiting. Null count pointers
     // read as 0.
     const int rejected = mode & NOTIFY_MODE_REJECTED;
-    const int my_sig[COMMLIB_NW_SIG_WORDS] = {hidden, elem_bytes, num_scales, num_topk, has_weights, num_experts,
+    const int my_sig[CL_NW_SIG_WORDS] = {hidden, elem_bytes, num_scales, num_topk, has_weights, num_experts,
                                               num_channels};
-    __shared__ int s_count[COMMLIB_MAX_RANKS][COMMLIB_MAX_CHANNELS];  // then: exclusive prefix
+    __shared__ int s_count[CL_MAX_RANKS][CL_MAX_CHANNELS];  // then: exclusive prefix
     __shared__ int s_bad;
     const int R = num_ranks, C = num_channels;
     const int L = num_experts / num_ranks;
     const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
-    const u64 seq = read_seq(seq_counters, COMMLIB_SEQ_NOTIFY, 0, 0);
+    const u64 seq = read_seq(seq_counters, CL_SEQ_NOTIFY, 0, 0);
     const int parity = (int)(seq & 1);
     const u64 own = peer_bases[rank];
     if (smids != nullptr && threadIdx.x == 0) smids[blockIdx.x] = get_smid();
@@ -63,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
 
     // 1. tokens per (destination, channel): every warp takes 32 consecutive tokens at a time; when
     //    they share a channel (almost always) one shared atomic per destination, else one per token
-    for (int i = threadIdx.x; i < R * COMMLIB_MAX_CHANNELS; i += blockDim.x) (&s_count[0][0])[i] = 0;
+    for (int i = threadIdx.x; i < R * CL_MAX_CHANNELS; i += blockDim.x) (&s_count[0][0])[i] = 0;
     __syncthreads();
     const int per = num_tokens > 0 ? (num_tokens + C - 1) / C : 1;
     for (int base = warp * 32; base < num_tokens; base += num_warps * 32) {
@@ -118,58 +118,58 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
     __syncthreads();
 
     // 3. my slot in every rank's buffer (mine included), then the flags
-    const int words = COMMLIB_NW_EXPERT + L;
+    const int words = CL_NW_EXPERT + L;
     for (int i = threadIdx.x; i < R * words; i += blockDim.x) {
         const int d = i / words, w = i % words;
         int v;
-        if (w < COMMLIB_NW_BAD) v = (w < R && num_tokens_per_rank != nullptr) ? num_tokens_per_rank[w] : 0;
-        else if (w == COMMLIB_NW_BAD) v = rejected ? REJECTED : s_bad;
-        else if (w < COMMLIB_NW_SIG + COMMLIB_NW_SIG_WORDS) v = rejected ? 0 : my_sig[w - COMMLIB_NW_SIG];
-        else if (w < COMMLIB_NW_CPM) v = 0;
-        else if (w < COMMLIB_NW_EXPERT) v = (w - COMMLIB_NW_CPM) < C ? s_count[d][w - COMMLIB_NW_CPM] : 0;
-        else v = num_tokens_per_expert != nullptr ? num_tokens_per_expert[d * L + (w - COMMLIB_NW_EXPERT)] : 0;
-        int* slot = reinterpret_cast<int*>(peer_bases[d] + COMMLIB_OFF_NOTIFY_DATA) +
+        if (w < CL_NW_BAD) v = (w < R && num_tokens_per_rank != nullptr) ? num_tokens_per_rank[w] : 0;
+        else if (w == CL_NW_BAD) v = rejected ? REJECTED : s_bad;
+        else if (w < CL_NW_SIG + CL_NW_SIG_WORDS) v = rejected ? 0 : my_sig[w - CL_NW_SIG];
+        else if (w < CL_NW_CPM) v = 0;
+        else if (w < CL_NW_EXPERT) v = (w - CL_NW_CPM) < C ? s_count[d][w - CL_NW_CPM] : 0;
+        else v = num_tokens_per_expert != nullptr ? num_tokens_per_expert[d * L + (w - CL_NW_EXPERT)] : 0;
+        int* slot = reinterpret_cast<int*>(peer_bases[d] + CL_OFF_NOTIFY_DATA) +
                     (i64)(parity * R + rank) * slot_words;
         st_volatile(slot + w, v);
     }
     __syncthreads();  // every word of the CTA is written before any flag (release is cumulative)
     if (threadIdx.x < R)
-        st_release_sys(flag_at(peer_bases[threadIdx.x], COMMLIB_OFF_NOTIFY_FLAG, parity * R + rank), seq);
+        st_release_sys(flag_at(peer_bases[threadIdx.x], CL_OFF_NOTIFY_FLAG, parity * R + rank), seq);
 
     // 4. wait for every rank's slot in my buffer
     if (warp == 0) {
         const WaitSite site = {"notify", "notify flag", rank, -1, false};
-        warp_wait_geq(flag_at(own, COMMLIB_OFF_NOTIFY_FLAG, parity * R + (lane < R ? lane : 0)), seq, lane < R,
-                      lane, site, timeout_ns, COMMLIB_WAIT_BACKOFF_NS);
+        warp_wait_geq(flag_at(own, CL_OFF_NOTIFY_FLAG, parity * R + (lane < R ? lane : 0)), seq, lane < R,
+                      lane, site, timeout_ns);
     }
     __syncthreads();
 
     // 5. read them
-    const int* slots = reinterpret_cast<const int*>(own + COMMLIB_OFF_NOTIFY_DATA) + (i64)parity * R * slot_words;
+    const int* slots = reinterpret_cast<const int*>(own + CL_OFF_NOTIFY_DATA) + (i64)parity * R * slot_words;
     for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
         const int row = i / R, col = i % R;
         int sum = 0;
-        for (int s = 0; s <= row; ++s) sum += ld_volatile(slots + (i64)s * slot_words + COMMLIB_NW_NTPR + col);
+        for (int s = 0; s <= row; ++s) sum += ld_volatile(slots + (i64)s * slot_words + CL_NW_NTPR + col);
         rank_prefix_matrix[i] = sum;
     }
     for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
         const int s = i / C, c = i % C;
-        recv_channel_prefix_matrix[i] = ld_volatile(slots + (i64)s * slot_words + COMMLIB_NW_CPM + c);
+        recv_channel_prefix_matrix[i] = ld_volatile(slots + (i64)s * slot_words + CL_NW_CPM + c);
     }
     for (int e = threadIdx.x; e < L; e += blockDim.x) {
         int sum = 0;
-        for (int s = 0; s < R; ++s) sum += ld_volatile(slots + (i64)s * slot_words + COMMLIB_NW_EXPERT + e);
+        for (int s = 0; s < R; ++s) sum += ld_volatile(slots + (i64)s * slot_words + CL_NW_EXPERT + e);
         host_counts[HC_EXPERT + e] = sum;
     }
     if (threadIdx.x == 0) {
         int total = 0, bad_rank = -1, bad_value = 0;
         for (int s = 0; s < R; ++s) {
             const int* slot = slots + (i64)s * slot_words;
-            const int from_s = ld_volatile(slot + COMMLIB_NW_NTPR + rank);
+            const int from_s = ld_volatile(slot + CL_NW_NTPR + rank);
             total += from_s;
             host_counts[HC_RECV + s] = from_s;
             host_counts[HC_SENT + s] = num_tokens_per_rank != nullptr ? num_tokens_per_rank[s] : 0;
-            const int bad = ld_volatile(slot + COMMLIB_NW_BAD);
+            const int bad = ld_volatile(slot + CL_NW_BAD);
             if (bad_rank < 0 && bad > 0) { bad_rank = s; bad_value = bad; }
         }
         host_counts[HC_TOTAL] = total;
@@ -180,27 +180,27 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
         int sig_rank = -1, sig_field = -1;
         for (int s = 0; s < R && sig_rank < 0 && !rejected; ++s) {
             const int* slot = slots + (i64)s * slot_words;
-            if (ld_volatile(slot + COMMLIB_NW_BAD) == REJECTED) continue;
-            for (int f = 0; f < COMMLIB_NW_SIG_WORDS; ++f)
-                if (ld_volatile(slot + COMMLIB_NW_SIG + f) != my_sig[f]) { sig_rank = s; sig_field = f; break; }
+            if (ld_volatile(slot + CL_NW_BAD) == REJECTED) continue;
+            for (int f = 0; f < CL_NW_SIG_WORDS; ++f)
+                if (ld_volatile(slot + CL_NW_SIG + f) != my_sig[f]) { sig_rank = s; sig_field = f; break; }
         }
         host_counts[HC_SIG_RANK] = sig_rank;
-        for (int f = 0; f < COMMLIB_NW_SIG_WORDS; ++f)
-            host_counts[HC_SIG + f] = sig_rank >= 0 ? ld_volatile(slots + (i64)sig_rank * slot_words + COMMLIB_NW_SIG + f)
+        for (int f = 0; f < CL_NW_SIG_WORDS; ++f)
+            host_counts[HC_SIG + f] = sig_rank >= 0 ? ld_volatile(slots + (i64)sig_rank * slot_words + CL_NW_SIG + f)
                                                     : 0;
         if (sig_rank >= 0 && (mode & NOTIFY_MODE_NO_HOST)) {
             // every rank sees a disagreement (some peer differs from it) and has already written its
             // slots, so every rank ends here: nobody waits for a trapped peer
-            const char* names[COMMLIB_NW_SIG_WORDS] = {"hidden", "x element bytes (dtype)", "FP8 scales per token",
+            const char* names[CL_NW_SIG_WORDS] = {"hidden", "x element bytes (dtype)", "FP8 scales per token",
                                                        "num_topk", "topk_weights given", "num_experts",
                                                        "num_channels (Config.num_sms / 2)"};
             printf("[commlib] rank %d notify: ranks disagree on %s: rank %d has %d, rank %d has %d (dispatch with "
                    "num_worst_tokens cannot raise on the host, so nothing is sent and the kernel traps)\n",
-                   rank, names[sig_field], sig_rank, ld_volatile(slots + (i64)sig_rank * slot_words + COMMLIB_NW_SIG + sig_field),
+                   rank, names[sig_field], sig_rank, ld_volatile(slots + (i64)sig_rank * slot_words + CL_NW_SIG + sig_field),
                    rank, my_sig[sig_field]);
             asm volatile("trap;");
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) seq_counters[COMMLIB_SEQ_INDEX(COMMLIB_SEQ_NOTIFY, 0, 0)] = seq;
+    if (threadIdx.x == 0) seq_counters[CL_SEQ_INDEX(CL_SEQ_NOTIFY, 0, 0)] = seq;
 }

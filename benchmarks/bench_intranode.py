@@ -3,7 +3,7 @@
     python -m benchmarks.bench_intranode                       # 2 ranks, 512..8192 tokens
     python -m benchmarks.bench_intranode --json --plot --plain --sms 8,12,16,20,24
 
-Workload (DESIGN.md "Performance method"): hidden 7168, top-8 of 256 experts, group-limited routing
+Workload (docs/launch.md, "The performance method"): hidden 7168, top-8 of 256 experts, group-limited routing
 (8 groups, top-4 groups), per rank 512..8192 tokens; BF16 dispatch, FP8 dispatch (E4M3 + one float
 scale per 128 channels), BF16 combine. Every figure is the slowest rank's median of --iters timed
 calls after --warmup calls, with a 256 MB L2 flush before each (commlib.utils.timing.bench_cuda).

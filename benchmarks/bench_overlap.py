@@ -24,7 +24,7 @@ expert intermediate size *calibrated* on the spot: before timing, the sequential
 is measured for expert_hidden in 64 .. 4096 and the size whose compute / comm is nearest 1 is
 kept (``--no-calibrate`` or an explicit ``--expert-hidden`` skips it; the trials are in the JSON).
 Where even the smallest size leaves compute above comm, the calibration stops at its first size
-(what compute remains is mostly routing and row gathers and scatters; docs/pipeline.md).
+(what compute remains is mostly routing and row gathers and scatters; docs/notes/2026-11-30_pipeline_log.md).
 
 Communication SMs (``--comm-sms N``): DeepSeek's design point turns the other knob. Every dispatch
 and combine of the benchmark (forward and backward, sequential and dual) is passed
@@ -49,7 +49,7 @@ any overlap could give ((comm + compute) / max), and verdicts against the issue'
 A network hop (``--preset network --ce-staging host``): DeepSeek's comm ~ compute comes from the
 inter-node link, ~50 GB/s per GPU, beside GEMM-bound compute. ``--ce-staging host`` moves every
 dispatch and combine through the copy engines with the staging in pinned host memory
-(COMMLIB_CE_BYTES / COMMLIB_CE_STAGING=host, docs/pipeline.md): the rows cross PCIe out of one
+(COMMLIB_CE_BYTES / COMMLIB_CE_STAGING=host, docs/environment.md): the rows cross PCIe out of one
 GPU and into the other, the path a NIC's DMA takes, with no SM on the wire. ``network`` keeps
 ``balanced``'s routing at 16384 tokens and makes the compute GEMM-bound (16 heads, expert
 intermediate 3072), which puts each phase's comm / compute inside the "about equal" band.

@@ -45,14 +45,15 @@ V3_TOKENS = 4096
 class SimulatedWorkload:
     """A synthetic, noisy cost model of one dispatch or combine call (per rank, microseconds).
 
-    With H200-like constants (DESIGN.md): launch + count exchange; rows over NVLink at bw(num_sms)
-    (saturating near 330 GB/s, losing a little past 24 CTAs to contention); a pipeline fill of one
-    send chunk per channel; a flag round trip per chunk, half hidden behind the copies; a fixed
-    cost per channel. Several nodes add the network hop with its own chunk, overlapped with the
-    NVLink part; combine adds the reduction of rows by the receiving CTAs. Capacities above what
-    a call needs cost 0.3% per doubling (buffer footprint), a ring the call wraps stalls the sender
-    when ring - send chunk rows cannot cover a head round trip, and a fixed +-0.75% ripple per config
-    keeps the landscape from being perfectly smooth. The optimum chunk shrinks as num_sms grows:
+    With H200-like constants (docs/launch.md, "The performance method"): launch + count exchange;
+    rows over NVLink at bw(num_sms) (saturating near 330 GB/s, losing a little past 24 CTAs to
+    contention); a pipeline fill of one send chunk per channel; a flag round trip per chunk, half
+    hidden behind the copies; a fixed cost per channel. Several nodes add the network hop with its
+    own chunk, overlapped with the NVLink part; combine adds the reduction of rows by the receiving
+    CTAs. Capacities above what a call needs cost 0.3% per doubling (buffer footprint), a ring the
+    call wraps stalls the sender when ring - send chunk rows cannot cover a head round trip, and a
+    fixed +-0.75% ripple per config keeps the landscape from being perfectly smooth. The optimum
+    chunk shrinks as num_sms grows:
     a diagonal valley, as on the real engine.
     Samples: lognormal noise (``noise``), a per-batch drift, 3% outliers of +5..30%.
     ``elapsed`` accumulates every simulated call, warm-ups included: the tuning time.
@@ -272,7 +273,7 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, default=1, help="--simulate: repeat over this many seeds")
     p.add_argument("--json", default=None, help="a .json file, or a folder for the standard name (default: "
                    "benchmarks/results/bench_tune_<gpu>x<n>_<yyyymmdd>_<commit>.json)")
-    p.add_argument("--check", action="store_true", help="exit 1 unless the 3% / 25% claims hold")
+    p.add_argument("--check", action="store_true", help="exit 1 unless the 3%% / 25%% claims hold")
     return p.parse_args(argv)
 
 

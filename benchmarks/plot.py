@@ -1,4 +1,4 @@
-"""Plot bandwidth vs tokens per rank from the JSON that alltoall_perf.py / ``commlib.bench.main`` write.
+"""Plot bandwidth vs tokens per rank from the JSON that ``benchmarks.alltoall_perf`` / ``python -m commlib.bench`` write.
 
     python -m benchmarks.plot benchmarks/results/alltoall_perf_*.json [--out benchmarks/results/plots]
 

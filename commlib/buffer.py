@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import math
 import os
+import socket
 from typing import Optional, Sequence, Union
 
 import torch
@@ -21,14 +22,15 @@ from commlib.utils import env
 from commlib.utils.dist import group_from_comm
 from commlib.backends import make_backend, make_low_latency
 from commlib.backends.base import Backend, BackendContext, CombineRequest, DispatchRequest, PendingCombine
-from commlib.backends.low_latency.reference import rdma_size_hint
 from commlib.config import Config, default_combine_config, default_dispatch_config, slot_bytes
 from commlib.handle import DispatchHandle
 from commlib.layout import Layout
-from commlib.utils.event import EventOverlap
+from commlib.utils.event import EventHandle, EventOverlap
 from commlib.topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology
 from commlib.tuning import cache as tuning_cache
-from commlib.validate import CommlibError, check_layout, check_num_experts, check_routing, check_tensor, expert_id_error, split_x
+from commlib.low_latency_mode import LowLatencyMode, Runtime
+from commlib.validate import (CommlibError, check_layout, check_num_experts, check_routing, check_tensor,
+                              expert_id_error, scales_carrier, scales_from_carrier, split_x)
 
 _buffer_ids = itertools.count(1)
 
@@ -43,26 +45,36 @@ def _cupy_available() -> bool:
         return False
 
 
-class Buffer:
+class Buffer(LowLatencyMode):
     """The communication buffer of one expert-parallel group (a drop-in for ``deep_ep.Buffer``).
+
+    Positional arguments are DeepEP v1's, in its order.
 
     Args:
         group: the torch.distributed group of the EP ranks (None: ``comm``, or the default group).
         num_nvl_bytes: bytes of the NVLink buffer; size it with
             ``Config.get_nvl_buffer_size_hint(hidden_bytes, ranks_per_node)``.
-        num_rdma_bytes: bytes of the network staging buffer (several nodes);
-            ``Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)``.
+        num_rdma_bytes: bytes of the network staging buffer (several nodes), or of the low-latency
+            buffer (``Buffer.get_low_latency_rdma_size_hint``).
         low_latency_mode: DeepEP's decode mode (low_latency_dispatch / low_latency_combine): GPU
-            kernels on the nvlink backend (commlib/backends/nvlink_ll.py), collectives on the
+            kernels on the nvlink backend (commlib/backends/low_latency/nvlink.py), collectives on the
             reference backend; hierarchical: NotImplementedError.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: accepted for API
-            compatibility; they tune InfiniBand queue pairs / MNNVL, which commlib does not use.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: accepted for API
+            compatibility; they tune InfiniBand queue pairs, NVSHMEM, MNNVL and fabric memory handles,
+            which commlib does not use.
         explicitly_destroy: if True the caller must call ``destroy()``; otherwise resources are
             released when the Buffer is garbage-collected.
+        enable_shrink: low-latency shrink mode: a per-rank mask (low_latency_update_mask_buffer /
+            low_latency_query_mask_buffer / low_latency_clean_mask_buffer); dispatch and combine skip
+            masked ranks, and a rank that does not answer within COMMLIB_TIMEOUT_S is masked.
         comm: an mpi4py communicator used when ``group`` is None.
-        backend: "auto" | "reference" | "nvlink" (keyword only; default from COMMLIB_BACKEND).
+        backend: "auto" | "reference" | "nvlink" | "hierarchical" (keyword only; default COMMLIB_BACKEND).
         ranks_per_node: override the launcher's ranks per node (emulated nodes).
         max_nodes_per_token: node-limited routing bound checked on several nodes (default 4).
+
+    Attributes (DeepEP's): rank, group_size, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
+    explicitly_destroy, enable_shrink, runtime (a small stand-in for DeepEP's C++ runtime object), and
+    the class attribute num_sms.
     """
 
     num_sms: int = env.num_sms()
@@ -72,8 +84,8 @@ class Buffer:
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, comm=None, *, backend: Optional[str] = None,
-                 ranks_per_node: Optional[int] = None,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm=None, *, backend: Optional[str] = None, ranks_per_node: Optional[int] = None,
                  max_nodes_per_token: int = DEFAULT_MAX_NODES_PER_TOKEN) -> None:
         if group is None:
             if comm is not None:
@@ -91,11 +103,17 @@ class Buffer:
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
-        self.topology = Topology.detect(self.rank, self.num_ranks, ranks_per_node)
+        self.group_size = self.num_ranks
+        hosts = [None] * self.num_ranks
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        self.topology = Topology.detect(self.rank, self.num_ranks, ranks_per_node, hostnames=hosts)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = bool(enable_shrink)
+        self.use_fabric = bool(use_fabric)
+        self.num_qps_per_rank = num_qps_per_rank
         self.max_nodes_per_token = max_nodes_per_token
         self.timeout_s = env.timeout_s()
         self.buffer_id = next(_buffer_ids) + (os.getpid() << 20)
@@ -108,13 +126,18 @@ class Buffer:
         self._destroyed = False
         self._stream_cache: dict = {}  # raw cudaStream_t -> torch.cuda.Stream (see _current_stream)
         self._tuned: dict = {}
+        self._local_buffers: dict = {}  # use_rdma_buffer -> uint8 tensor (get_local_buffer_tensor)
+        self._mask = torch.zeros(self.num_ranks, dtype=torch.int32)  # shrink mode: 1 = masked rank (host)
         self._check_world_agrees()
         self.backend_name = self._choose_backend(backend)
         self.backend: Backend = self._make_backend(self.backend_name)
+        self.runtime = Runtime(self)
         self._low_latency = None
         if low_latency_mode:
             try:
                 self._low_latency = make_low_latency(self.backend_name, self._ctx, self.backend)
+                if self.enable_shrink:
+                    self._low_latency.enable_shrink()
             except BaseException:
                 self.backend.destroy()
                 raise
@@ -122,14 +145,16 @@ class Buffer:
     # ------------------------------------------------------------------ set-up
     def _check_world_agrees(self) -> None:
         """Every rank must build the Buffer with the same sizes and topology."""
-        mine = (self.num_nvl_bytes, self.num_rdma_bytes, self.topology.ranks_per_node, self.num_ranks)
+        mine = (self.num_nvl_bytes, self.num_rdma_bytes, self.topology.ranks_per_node, self.num_ranks,
+                bool(self.low_latency_mode), self.enable_shrink)
         everyone = [None] * self.num_ranks
         dist.all_gather_object(everyone, mine, group=self.group)
         for r, theirs in enumerate(everyone):
             if theirs != mine:
                 raise ValueError(
                     f"[commlib rank {self.rank}] Buffer arguments differ between ranks: rank {r} has "
-                    f"(num_nvl_bytes, num_rdma_bytes, ranks_per_node, world) = {theirs}, this rank {mine}")
+                    f"(num_nvl_bytes, num_rdma_bytes, ranks_per_node, world, low_latency_mode, enable_shrink) = "
+                    f"{theirs}, this rank {mine}")
 
     def _choose_backend(self, requested: Optional[str]) -> str:
         name = (requested or env.backend()).lower()
@@ -209,13 +234,45 @@ class Buffer:
         """True when the GPU kernels can be built for sm_90 (they are compiled at first use)."""
         return _cupy_available()
 
-    def capture(self) -> EventOverlap:
-        """An EventOverlap marking the current point of the current stream (None event on CPU)."""
-        if self.device.type != "cuda":
-            return EventOverlap(None)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
-        return EventOverlap(event)
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An EventOverlap marking the current point of the current stream (None event without CUDA)."""
+        return EventOverlap(EventHandle())
+
+    def get_comm_stream(self):
+        """The communication stream (a torch.cuda.Stream; None on CPU ranks, which have no stream)."""
+        return self.comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A 1-D ``dtype`` view of this rank's ``num_nvl_bytes`` (or ``num_rdma_bytes``) scratch buffer,
+        from byte ``offset``; with ``size``, its first ``size.numel()`` elements viewed as ``size``.
+
+        DeepEP returns its registered communication memory here; commlib's transports own theirs,
+        so this is a separate local buffer of the same size, allocated on first use and kept for the
+        Buffer's life (what clients use it for: a scratch area the size of the buffer).
+        """
+        self._alive()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"[commlib rank {self.rank}] get_local_buffer_tensor: dtype must be a torch.dtype, "
+                            f"got {type(dtype).__name__}")
+        nbytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= nbytes:
+            raise ValueError(f"[commlib rank {self.rank}] get_local_buffer_tensor: offset must be an int in "
+                             f"[0, {nbytes}], got {offset!r}")
+        raw = self._local_buffers.get(bool(use_rdma_buffer))
+        if raw is None:
+            raw = self._local_buffers[bool(use_rdma_buffer)] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        item = torch.empty(0, dtype=dtype).element_size()
+        n = (nbytes - offset) // item
+        tensor = raw[offset:offset + n * item].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if size.numel() > tensor.numel():
+            raise ValueError(f"[commlib rank {self.rank}] get_local_buffer_tensor: size {tuple(size)} needs "
+                             f"{size.numel()} elements, the buffer holds {tensor.numel()} from offset {offset}")
+        return tensor[:size.numel()].view(size)
 
     @property
     def counters(self) -> dict:
@@ -330,20 +387,24 @@ class Buffer:
         """Send each token to the ranks holding its experts (once per rank).
 
         Args:
-            x: [T, H] bf16, or (FP8 E4M3 [T, H], float32 scales [T, H / 128]).
+            x: [T, H] bf16, or (FP8 E4M3 [T, H], scales [T, S]): scales float32 or int32 (packed
+                UE8M0), any strides (column-major included), 1 <= S <= H / 128 ([T, 1] per token,
+                [T, H / 128], [T, H / 512]); they are moved, not read.
             handle: a previous dispatch's handle: cached mode (same routing; no layout, no count
                 exchange; topk outputs are None).
             num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert:
-                what get_dispatch_layout returned (computed here if omitted, given topk_idx and
-                num_tokens_per_expert or ... see below).
-            topk_idx: [T, K] int64; topk_weights: [T, K] float32 or None.
+                what get_dispatch_layout returned (computed here from topk_idx if the first ones are
+                omitted; num_tokens_per_expert is always needed in non-cached mode).
+            topk_idx: [T, K] int64, or None (DeepEP's dispatch without top-k: the rows go where
+                is_token_in_rank says, recv_topk_idx / recv_topk_weights are None, and the per-expert
+                list sums the senders' num_tokens_per_expert); topk_weights: [T, K] float32 or None.
             expert_alignment: per-expert counts are rounded up to a multiple of this.
             num_worst_tokens: > 0 pads outputs to that many rows and avoids any host sync.
             prepacked: what prepack() returned for this x (and handle); the layout arguments may
                 then be omitted (a non-cached prepack computed them). None: nothing prepacked.
         Returns:
             (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)
-            recv_x: [N, H] bf16 or (fp8 [N, H], scales [N, H / 128]); rows grouped by source rank.
+            recv_x: [N, H] bf16 or (fp8 [N, H], scales [N, S] of x's scales dtype); rows grouped by source rank.
         """
         self._alive()
         try:
@@ -364,9 +425,49 @@ class Buffer:
         res, event = self._run(lambda: self.backend.dispatch(req), inputs, previous_event, async_finish,
                                allocate_on_comm_stream)
         res.handle.buffer_id = self.buffer_id
-        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
-        return (recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list,
-                res.handle, event)
+        per_expert = res.num_recv_tokens_per_expert_list
+        if handle is None and req.topk_idx is None:
+            # no top-k to count: the per-expert list comes from the senders' num_tokens_per_expert (as DeepEP)
+            per_expert = [] if num_worst_tokens else self._recv_per_expert(num_tokens_per_expert, expert_alignment)
+        if res.recv_x_scales is None:
+            recv_x = res.recv_x
+        else:
+            _, scales_in = split_x(x, self.rank, self.device)
+            recv_x = (res.recv_x, scales_from_carrier(res.recv_x_scales, scales_in.shape[1], scales_in.dtype))
+        return (recv_x, res.recv_topk_idx, res.recv_topk_weights, per_expert, res.handle, event)
+
+    def internode_dispatch(self, x: XType, handle: Optional[DispatchHandle] = None,
+                           num_tokens_per_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                           is_token_in_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_expert: Optional[torch.Tensor] = None,
+                           topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                           expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                           previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                           allocate_on_comm_stream: bool = False):
+        """DeepEP's internode entry point (its dispatch calls it on several nodes): the same as dispatch."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                             config, previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                          bias: Union[torch.Tensor, Sequence[torch.Tensor], None] = None,
+                          config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                          async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's internode entry point (its combine calls it on several nodes): the same as combine."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
+
+    def _recv_per_expert(self, num_tokens_per_expert: torch.Tensor, alignment: int) -> list:
+        """Rows this rank's local experts receive, from every rank's num_tokens_per_expert (collective)."""
+        R, me = self.num_ranks, self.rank
+        dev = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else self.device
+        mine = num_tokens_per_expert.to(dev, torch.int64).contiguous()
+        everyone = [torch.empty_like(mine) for _ in range(R)]
+        dist.all_gather(everyone, mine, group=self.group)
+        L = mine.numel() // R
+        counts = torch.stack(everyone)[:, me * L:(me + 1) * L].sum(0).tolist()
+        return [(int(c) + alignment - 1) // alignment * alignment for c in counts]
 
     def prepack(self, x: XType, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                 num_experts: Optional[int] = None, handle: Optional[DispatchHandle] = None):
@@ -389,6 +490,7 @@ class Buffer:
             return None
         data, scales = split_x(x, self.rank, self.device)
         T, H = data.shape
+        scales = scales_carrier(scales, H) if scales is not None else None
         if handle is not None:
             self._check_handle(handle, T, H)
             if topk_idx is not None or topk_weights is not None:
@@ -435,6 +537,7 @@ class Buffer:
                           config) -> DispatchRequest:
         data, scales = split_x(x, self.rank, self.device)
         T, H = data.shape
+        scales = scales_carrier(scales, H) if scales is not None else None
         if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment <= 0:
             raise ValueError(f"[commlib rank {self.rank}] expert_alignment must be a positive int, got {expert_alignment!r}")
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
@@ -453,8 +556,21 @@ class Buffer:
                                    num_worst_tokens, config)
         else:
             if topk_idx is None:
-                raise ValueError(f"[commlib rank {self.rank}] dispatch needs topk_idx (or a handle for cached mode)")
-            check_routing(topk_idx, topk_weights, T, self.rank, self.device)
+                # DeepEP's dispatch without top-k: the layout says where each token goes
+                if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+                    raise ValueError(f"[commlib rank {self.rank}] dispatch needs topk_idx, or (without top-k) "
+                                     "num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert, or a handle "
+                                     "for cached mode")
+                if topk_weights is not None:
+                    raise ValueError(f"[commlib rank {self.rank}] topk_weights given without topk_idx")
+                if num_worst_tokens:
+                    raise ValueError(f"[commlib rank {self.rank}] num_worst_tokens needs topk_idx (as in DeepEP)")
+                if self.backend_name == "hierarchical":
+                    raise NotImplementedError(f"[commlib rank {self.rank}] dispatch without topk_idx on the "
+                                              "hierarchical backend: its fan-out routes by expert id; use the "
+                                              "reference backend or pass topk_idx")
+            else:
+                check_routing(topk_idx, topk_weights, T, self.rank, self.device)
             if num_tokens_per_expert is None:
                 raise ValueError(f"[commlib rank {self.rank}] dispatch needs num_tokens_per_expert "
                                  "(from get_dispatch_layout) to know num_experts")
@@ -473,7 +589,8 @@ class Buffer:
                     check_layout("num_tokens_per_rdma_rank", rdma, (self.topology.num_nodes,), torch.int32,
                                  self.rank, self.device)
                 layout = Layout(num_tokens_per_rank, rdma, num_tokens_per_expert, is_token_in_rank)
-            self._check_expert_ids(topk_idx, num_experts)
+            if topk_idx is not None:
+                self._check_expert_ids(topk_idx, num_experts)
             req = DispatchRequest(data, scales, topk_idx, topk_weights, layout, None, num_experts,
                                   expert_alignment, num_worst_tokens, config)
         return req
@@ -546,52 +663,6 @@ class Buffer:
         rings = dataclasses.replace(config, num_sms=2 * handle.num_channels) if handle.num_channels else config
         self._check_capacity(T, H * 2, rings, 0, topk_weights.shape[1] if topk_weights is not None else 0)
         return CombineRequest(x, handle, topk_weights, biases, config)
-
-    # ------------------------------------------------------------------ low-latency mode (decode)
-    @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
-        """Bytes of ``num_rdma_bytes`` a low-latency Buffer needs."""
-        return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
-
-    def _ll(self):
-        self._alive()
-        if self._low_latency is None:
-            raise RuntimeError(f"[commlib rank {self.rank}] build the Buffer with low_latency_mode=True to use "
-                               "low-latency dispatch/combine")
-        return self._low_latency
-
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """DeepEP clears its signalling buffers here; commlib's never need it (sequence numbers)."""
-        self._ll()
-
-    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
-        """[local experts, R * M, H] bf16 that a ``zero_copy=True`` combine reads (two alternate)."""
-        return self._ll().next_combine_buffer(handle)
-
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, use_fp8: bool = True, round_scale: bool = False,
-                             use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
-        """Decode-mode dispatch (see commlib.backends.low_latency.reference): returns (recv_x, recv_count, handle, event, hook).
-
-        x: [T, H] bf16 (T <= num_max_dispatch_tokens_per_rank); topk_idx: [T, K] int64.
-        recv_x: [L, R * M, H] bf16, or (E4M3 [L, R * M, H], scales) with use_fp8; recv_count: [L] int32.
-        """
-        ll = self._ll()
-        (recv_x, recv_count, handle, hook), event = self._run(
-            lambda: ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
-                                use_ue8m0, return_recv_hook), [x, topk_idx], None, async_finish, False)
-        return recv_x, recv_count, handle, event, hook
-
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
-                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Optional[torch.Tensor] = None):
-        """Decode-mode combine: (combined_x [T, H] bf16, event, hook); the top-k weighted sum."""
-        ll = self._ll()
-        (combined, hook), event = self._run(
-            lambda: ll.combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out),
-            [x, topk_idx, topk_weights], None, async_finish, False)
-        return combined, event, hook
 
     # ------------------------------------------------------------------ helpers
     def _resolve_config(self, config: Optional[Config], kind: str, num_tokens: int, hidden: int,

@@ -1,8 +1,9 @@
 """The routing handle that dispatch returns and combine (or a cached dispatch) reuses.
 
 Legend: T = tokens on this rank, R = ranks, C = channels of the dispatch config, N = rows this
-rank received. Positional order follows DeepEP's intranode handle, so code that reads
-``handle[0]`` (the rank prefix matrix) keeps working; every field also has a name.
+rank received, M = nodes. Positional order follows DeepEP's handle: on one node its intranode
+6-tuple, so code that reads ``handle[0]`` (the rank prefix matrix) keeps working; on several nodes
+its internode 10-tuple (is_token_in_rank first). Every field also has a name.
 """
 from __future__ import annotations
 
@@ -37,15 +38,67 @@ class DispatchHandle:
 
     _POSITIONAL = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
                    "recv_src_idx", "is_token_in_rank", "send_head")
+    # DeepEP's internode handle order; fields commlib's transports do not keep are None
+    _POSITIONAL_INTERNODE = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                             "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum",
+                             "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum", "recv_src_meta",
+                             "send_rdma_head", "send_nvl_head")
+
+    def _names(self) -> tuple:
+        internode = self.topology is not None and self.topology.num_nodes > 1
+        return self._POSITIONAL_INTERNODE if internode else self._POSITIONAL
 
     def __getitem__(self, index: int) -> Any:
-        return tuple(getattr(self, name) for name in self._POSITIONAL)[index]
+        return tuple(getattr(self, name) for name in self._names())[index]
 
     def __len__(self) -> int:
-        return len(self._POSITIONAL)
+        return len(self._names())
 
     def __iter__(self):
-        return iter(getattr(self, name) for name in self._POSITIONAL)
+        return iter(getattr(self, name) for name in self._names())
+
+    # --- DeepEP's internode names, from what every transport keeps ---
+    @property
+    def gbl_channel_prefix_matrix(self) -> torch.Tensor:
+        """[R, C] int32: the channel prefix matrix over all ranks (= channel_prefix_matrix)."""
+        return self.channel_prefix_matrix
+
+    @property
+    def recv_gbl_channel_prefix_matrix(self) -> torch.Tensor:
+        """[R, C] int32 (= recv_channel_prefix_matrix)."""
+        return self.recv_channel_prefix_matrix
+
+    @property
+    def recv_gbl_rank_prefix_sum(self) -> torch.Tensor:
+        """[R] int32: rows received from sources 0..r (inclusive prefix sum; rank_prefix_matrix's column)."""
+        return self.rank_prefix_matrix[:, self.topology.rank].contiguous()
+
+    @property
+    def rdma_channel_prefix_matrix(self) -> torch.Tensor:
+        """[M, C] int32: tokens this rank sends to node m from channels before c (exclusive prefix)."""
+        t = self.topology
+        T, C = self.is_token_in_rank.shape[0], max(self.num_channels, 1)
+        in_node = self.is_token_in_rank.view(T, t.num_nodes, t.ranks_per_node).any(dim=2).to(torch.int32)
+        cum = torch.zeros(T + 1, t.num_nodes, dtype=torch.int32, device=in_node.device)
+        cum[1:] = torch.cumsum(in_node, dim=0)
+        per = (T + C - 1) // C if C else 0
+        starts = torch.tensor([min(c * per, T) for c in range(C)], dtype=torch.int64, device=cum.device)
+        return cum.index_select(0, starts).t().clone(memory_format=torch.contiguous_format)
+
+    @property
+    def recv_src_meta(self) -> torch.Tensor:
+        """[N, 2] int32: (source rank, token index on the source) of every received row (commlib's form of
+        DeepEP's per-row source metadata)."""
+        src = self.recv_src_rank
+        n = self.recv_src_idx.shape[0]
+        if src.shape[0] < n:  # num_worst_tokens: padding rows have no source
+            src = torch.cat([src, torch.full((n - src.shape[0],), -1, dtype=torch.int32, device=src.device)])
+        return torch.stack([src, self.recv_src_idx.to(torch.int32)], dim=1)
+
+    recv_rdma_channel_prefix_matrix = None
+    recv_rdma_rank_prefix_sum = None
+    send_rdma_head = None
+    send_nvl_head = None
 
     @property
     def recv_src_rank(self) -> torch.Tensor:

@@ -2,12 +2,15 @@
 
 Ranks are laid out node-major: rank = node * ranks_per_node + local_rank. ``ranks_per_node``
 comes from COMMLIB_RANKS_PER_NODE or the launcher (torchrun's LOCAL_WORLD_SIZE, Open MPI's
-OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's MPI_LOCALNRANKS); without any, all ranks form one node.
-8 CPU processes can thus be 2 emulated nodes x 4, and 2 GPUs 2 nodes x 1.
+OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's MPI_LOCALNRANKS); without any (vLLM and SGLang start their own
+workers), from the group itself: the hostname of every rank, which the Buffer gathers. Ranks that
+share a hostname share a node. 8 CPU processes can thus be 2 emulated nodes x 4, and 2 GPUs 2 nodes x 1.
 """
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from typing import Optional, Sequence
 
 from commlib.utils import env
 
@@ -63,10 +66,35 @@ class Topology:
         return [n * self.ranks_per_node + local_rank for n in range(self.num_nodes)]
 
     @classmethod
-    def detect(cls, rank: int, num_ranks: int, ranks_per_node: int | None = None) -> "Topology":
-        """Topology from an explicit value, else the environment, else a single node."""
+    def detect(cls, rank: int, num_ranks: int, ranks_per_node: int | None = None,
+               hostnames: Optional[Sequence[str]] = None) -> "Topology":
+        """Topology from an explicit value, else the environment, else the ranks' hostnames (one per
+        rank, in rank order), else a single node."""
         if ranks_per_node is None:
             ranks_per_node = env.ranks_per_node()
+        if ranks_per_node is None and hostnames is not None:
+            ranks_per_node = ranks_per_node_from_hosts(hostnames)
         if ranks_per_node is None or ranks_per_node > num_ranks:
             ranks_per_node = num_ranks
         return cls(rank=rank, num_ranks=num_ranks, ranks_per_node=ranks_per_node)
+
+
+def ranks_per_node_from_hosts(hostnames: Sequence[str]) -> Optional[int]:
+    """Ranks per node from every rank's hostname: the ranks of a host must be consecutive and every
+    host must hold as many (node-major); otherwise a warning and None (one node)."""
+    if not hostnames:
+        return None
+    runs: list = []  # (host, ranks) in rank order
+    for h in hostnames:
+        if runs and runs[-1][0] == h:
+            runs[-1][1] += 1
+        else:
+            runs.append([h, 1])
+    hosts = [h for h, _ in runs]
+    sizes = {n for _, n in runs}
+    if len(set(hosts)) == len(hosts) and len(sizes) == 1:
+        return sizes.pop()
+    warnings.warn(f"commlib: the group's ranks are not laid out node-major with equal ranks per host "
+                  f"(hosts in rank order: {[(h, n) for h, n in runs]}); treating the group as one node. "
+                  "Set COMMLIB_RANKS_PER_NODE, or order the ranks by host.", RuntimeWarning, stacklevel=3)
+    return None

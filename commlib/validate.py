@@ -45,22 +45,54 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def split_x(x, rank: int, device: torch.device):
-    """x (bf16 [T, H]) or (fp8 [T, H], float32 scales [T, H/128]) -> (data, scales or None)."""
+    """x (bf16 [T, H]) or (fp8 [T, H], scales [T, S]) -> (data, scales or None).
+
+    Scales are float32, or int32 (UE8M0 exponents packed four per word), of any strides (DeepGEMM's
+    column-major ``s.T.contiguous().T`` included) and any width 1 <= S <= H / 128: [T, 1] per token,
+    [T, H / 128] per 128-channel block, [T, H / 512] packed UE8M0. They are moved, never read.
+    """
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
-            raise ValueError(f"{_where(rank)} x as a tuple must be (fp8 [T, H], scales [T, H/128]), got {len(x)} items")
+            raise ValueError(f"{_where(rank)} x as a tuple must be (fp8 [T, H], scales [T, S]), got {len(x)} items")
         data, scales = x
         check_tensor("x[0] (FP8 data)", data, rank, dtype=torch.float8_e4m3fn, dim=2, device=device)
-        check_tensor("x[1] (FP8 scales)", scales, rank, dtype=torch.float32, dim=2, device=device)
+        if not isinstance(scales, torch.Tensor):
+            raise TypeError(f"{_where(rank)} x[1] (FP8 scales) must be a torch.Tensor, got {type(scales).__name__}")
+        if scales.dtype not in (torch.float32, torch.int32):
+            raise TypeError(f"{_where(rank)} x[1] (FP8 scales) must be torch.float32 or torch.int32 (packed UE8M0), "
+                            f"got {scales.dtype}")
+        if scales.dim() != 2:
+            raise ValueError(f"{_where(rank)} x[1] (FP8 scales) must be 2-D [T, S], got shape {tuple(scales.shape)}")
+        if not same_device(scales.device, device):
+            raise ValueError(f"{_where(rank)} x[1] (FP8 scales) is on {scales.device}, but this Buffer works on {device}")
         T, H = data.shape
         if H % BLOCK != 0:
             raise ValueError(f"{_where(rank)} FP8 x: hidden ({H}) must be a multiple of {BLOCK}")
-        if tuple(scales.shape) != (T, H // BLOCK):
-            raise ValueError(f"{_where(rank)} x[1] (FP8 scales) must have shape [{T}, {H // BLOCK}], "
-                             f"got {tuple(scales.shape)}")
+        if scales.shape[0] != T or not 1 <= scales.shape[1] <= H // BLOCK:
+            raise ValueError(f"{_where(rank)} x[1] (FP8 scales) must have shape [{T}, S] with 1 <= S <= "
+                             f"{H // BLOCK} (hidden / {BLOCK}), got {tuple(scales.shape)}")
         return data, scales
     check_tensor("x", x, rank, dtype=torch.bfloat16, dim=2, device=device)
     return x, None
+
+
+def scales_carrier(scales: torch.Tensor, hidden: int) -> torch.Tensor:
+    """FP8 scales of any width, dtype and strides -> the float32 [T, hidden / 128] contiguous rows the
+    transports move (the bits of ``scales`` in the first S columns, zeros after)."""
+    W = hidden // BLOCK
+    if scales.dtype == torch.float32 and scales.shape[1] == W and scales.is_contiguous():
+        return scales
+    carrier = torch.zeros(scales.shape[0], W, dtype=torch.float32, device=scales.device)
+    carrier.view(torch.int32)[:, :scales.shape[1]] = scales.view(torch.int32) if scales.dtype == torch.float32 \
+        else scales
+    return carrier
+
+
+def scales_from_carrier(recv: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The received carrier rows [N, hidden / 128] float32 -> [N, width] ``dtype`` scales (contiguous)."""
+    if recv.shape[1] == width and dtype == torch.float32:
+        return recv
+    return recv.view(torch.int32)[:, :width].contiguous().view(dtype)
 
 
 def check_routing(topk_idx, topk_weights, num_tokens: int, rank: int, device: torch.device) -> None:

@@ -1,6 +1,7 @@
-"""What slows commlib's dispatch + combine while compute runs beside them (docs/pipeline.md, the comm
-interference of the dual pipeline): a cached BF16 dispatch + combine at few comm SMs, timed alone and
-while every rank keeps the other SMs busy with one kind of load, launched first on a side stream:
+"""What slows commlib's dispatch + combine while compute runs beside them (the comm interference of
+the dual pipeline, docs/notes/2026-11-30_pipeline_log.md): a cached BF16 dispatch + combine at few
+comm SMs, timed alone and while every rank keeps the other SMs busy with one kind of load, launched
+first on a side stream:
 
   fma    1024-thread CTAs doing register FMAs only (SMs busy, no memory traffic)
   l2     CTAs re-reading a 24 MB buffer (L2 traffic, little HBM)

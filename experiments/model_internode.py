@@ -41,7 +41,7 @@ MACHINES = {
     "H800": {"nvlink_gbps": 160.0, "ib_gbps": 50.0},
     "H200": {"nvlink_gbps": 400.0, "ib_gbps": 50.0},
 }
-SM_PUSH_GBPS_H200 = 330.0  # measured: 20 SMs push ~330 GB/s per direction into the peer (DESIGN.md)
+SM_PUSH_GBPS_H200 = 330.0  # measured: 20 SMs push ~330 GB/s per direction into the peer (docs/launch.md)
 
 
 def nvlink_engine_gbps() -> tuple[float, str]:

@@ -2,7 +2,7 @@
 
 The dual pipeline's 2F->2B run on 2 x H200 sits at the 700 W cap at ~1700 MHz, while the same
 compute replayed without transfers sits at the cap at ~1880 MHz (bench_overlap's compute-dense
-reference, docs/pipeline.md). This probe asks which part of the host-staged transport takes the
+reference, docs/notes/2026-11-30_pipeline_log.md). This probe asks which part of the host-staged transport takes the
 power: a bf16 GEMM loop (16384 x 7168 x 3072, every SM) runs for ``--seconds`` alone and beside
 one side load at a time, launched first on a side stream and sized to last as long:
 
@@ -11,7 +11,7 @@ one side load at a time, launched first on a side stream and sized to last as lo
   spin_host  one warp polling a word of pinned host memory (system-scope loads), as the copy-engine
              path's flag kernels wait
   spin_dev   the same on a word of device memory
-  spin_sleep spin_host with a 256 ns __nanosleep between polls (kernel variant WAIT_BACKOFF_NS)
+  spin_sleep spin_host with a 256 ns __nanosleep between polls (as the removed WAIT_BACKOFF_NS variant did)
   hbm4       4 CTAs of 1024 threads copying between two 2 GB device buffers (the packing and the
              sum's kind of work, without pause, on 4 SMs)
   gaps       no side load; the GEMMs run in bursts of ~12 ms with the GPU idle ~7 ms between (the

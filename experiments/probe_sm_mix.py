@@ -1,6 +1,6 @@
 """Probe: can one SM push rows to the peer GPU and copy rows locally at the same time, each near
 its own full rate? (The question behind splitting sender / receiver roles inside each comm CTA,
-docs/pipeline.md.)
+docs/notes/2026-11-30_pipeline_log.md.)
 
 A 1024-thread CTA per SM, on both GPUs at once (each pushes into the other, as the dispatch does):
 warps [0, P) copy rows from local memory into the peer's memory over NVLink, warps [P, 32) copy

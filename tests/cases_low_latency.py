@@ -1,13 +1,15 @@
-"""Low-latency mode (reference transport) against an independent oracle, inside CPU worlds."""
+"""Low-latency mode (reference transport) against an independent oracle, inside CPU worlds.
+
+The FP8 cast, the power-of-two scales and the UE8M0 unpacking are the oracle's (oracle.py) or
+written here, not imported from commlib."""
 from __future__ import annotations
 
 import math
 
+import oracle as O
 import torch
 
 import commlib
-from commlib.fp8 import per_token_cast_to_fp8
-from commlib.backends.low_latency.reference import unpack_ue8m0
 
 E_PER_RANK, H, K, M = 4, 512, 4, 24
 
@@ -30,6 +32,14 @@ def _buffer(ctx):
                           low_latency_mode=True, backend="reference")
 
 
+def unpack_ue8m0(packed):
+    """[..., H / 512] int32, four biased 8-bit exponents per word (lowest byte first) -> [..., H / 128]
+    float32 scales 2^(e - 127)."""
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
+    exps = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xFF
+    return torch.pow(2.0, (exps - 127).double()).float().flatten(-2)
+
+
 def _round_pow2_scale(amax):
     s = max(amax, 1e-4) / 448.0
     return 2.0 ** math.ceil(math.log2(s))
@@ -40,13 +50,13 @@ def _as_received(xrow, fp8, round_scale):
     if not fp8:
         return xrow.float()
     if not round_scale:
-        q, s = per_token_cast_to_fp8(xrow.unsqueeze(0))
+        q, s = O.cast_fp8(xrow.unsqueeze(0))
         return (q.float().view(-1, 128) * s.view(-1, 1)).view(-1)
     blocks = xrow.float().view(-1, 128)
     out = []
     for b in blocks:
         sc = _round_pow2_scale(float(b.abs().max()))
-        out.append((b / sc).to(torch.float8_e4m3fn).float() * sc)
+        out.append(O.e4m3_round(b / sc).float() * sc)
     return torch.cat(out)
 
 

@@ -15,7 +15,7 @@ LAYERS = [
     (2, ("commlib.cuda",)),
     (3, ("commlib.tuning.search", "commlib.tuning.cache")),
     (4, ("commlib.backends",)),
-    (5, ("commlib.buffer",)),
+    (5, ("commlib.buffer", "commlib.low_latency_mode")),
     (6, ("commlib.tuning.autotune", "commlib.tuning.__main__", "commlib.tuning")),
     (7, ("commlib.training",)),
     (8, ("commlib.bench",)),

@@ -1,6 +1,7 @@
-"""Fault injection on CPU (gloo) ranks: every surviving rank raises within COMMLIB_TIMEOUT_S,
-never hangs; a Buffer that timed out refuses further calls. Plus long runs, property-based
-routing, and the "nothing lost" invariant."""
+"""Fault injection on CPU (gloo) ranks: each rank's outcome is checked (every surviving rank raises
+the expected error, naming itself and what differs, within COMMLIB_TIMEOUT_S; the rank that made
+the fault did what it was told); a Buffer that timed out refuses further calls. And the test worlds
+themselves: a case that fails on one rank only is reported with that rank's text within a minute."""
 import os
 import time
 
@@ -48,7 +49,7 @@ def _fault_worker(ctx, fault):
         rx, _, _, _, h, _ = _dispatch(buf, x, idx)
         if ctx.rank == 1:
             time.sleep(TIMEOUT_S + 3)  # never calls combine
-            return None
+            return "skipped combine"
         first = _outcome(lambda: buf.combine(rx, h))
         second = _outcome(lambda: _dispatch(buf, x, idx))
         return first, second
@@ -89,36 +90,78 @@ def _fault_worker(ctx, fault):
 
 
 def _run_fault(fault):
-    return parallel_launch(2, _fault_worker, fault, timeout_s=120, allow_exit=True)
+    """Every rank's outcome, in rank order (None for a rank that left on purpose)."""
+    return parallel_launch(2, _fault_worker, fault, timeout_s=120, allow_exit=True, return_all=True)
+
+
+def _raised(outcome, exc_name, *words, within=None):
+    name, msg, took = outcome
+    assert name == exc_name, f"expected {exc_name}, got {name}: {msg}"
+    for word in words:
+        assert word in msg, f"{word!r} not in: {msg}"
+    if within is not None:
+        assert took < within, f"raised after {took:.1f} s: {msg}"
 
 
 def test_rank_exits_before_dispatch():
-    name, msg, took = _run_fault("exit_before_dispatch")
-    assert name == "CommlibError" and "rank 0" in msg, msg
-    assert took < TIMEOUT_S + 5
+    rank0, rank1 = _run_fault("exit_before_dispatch")
+    _raised(rank0, "CommlibError", "rank 0", "dispatch", "a peer exited", within=TIMEOUT_S + 5)
+    assert rank1 is None  # it left before the call
 
 
 def test_rank_skips_combine_times_out_and_poisons_buffer():
-    (name, msg, took), (name2, msg2, _) = _run_fault("skip_combine")
-    assert name == "CommlibError" and "timed out" in msg and "combine" in msg and "COMMLIB_TIMEOUT_S" in msg, msg
-    assert TIMEOUT_S - 0.5 < took < TIMEOUT_S + 5
-    assert name2 == "CommlibError" and "unusable" in msg2, msg2
+    (first, second), rank1 = _run_fault("skip_combine")
+    _raised(first, "CommlibError", "timed out", "combine", "COMMLIB_TIMEOUT_S", within=TIMEOUT_S + 5)
+    assert first[2] > TIMEOUT_S - 0.5, first
+    _raised(second, "CommlibError", "unusable", within=1.0)
+    assert rank1 == "skipped combine"
 
 
 def test_rank_skips_combine_and_dispatches():
-    name, msg, took = _run_fault("skip_combine_then_dispatch")
-    assert name == "ValueError" and "disagree" in msg and "op" in msg, msg
-    assert took < TIMEOUT_S
+    rank0, rank1 = _run_fault("skip_combine_then_dispatch")
+    _raised(rank0, "ValueError", "rank 0", "disagree", "op: rank 1 has dispatch, rank 0 has combine", within=TIMEOUT_S)
+    _raised(rank1, "ValueError", "rank 1", "disagree", "op: rank 0 has combine, rank 1 has dispatch", within=TIMEOUT_S)
 
 
 def test_rank_dispatches_twice():
-    name, msg, _ = _run_fault("dispatch_twice")
-    assert name == "ValueError" and "combine" in msg and "dispatch" in msg, msg
+    rank0, rank1 = _run_fault("dispatch_twice")
+    _raised(rank0, "ValueError", "rank 0", "op: rank 1 has combine, rank 0 has dispatch", within=TIMEOUT_S)
+    _raised(rank1, "ValueError", "rank 1", "op: rank 0 has dispatch, rank 1 has combine", within=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("what,word", [("num_experts", "num_experts"), ("hidden", "hidden"), ("dtype", "fp8"),
-                                       ("config", "num_sms"), ("bad_input_on_one_rank", "rejected")])
+                                       ("config", "num_sms")])
 def test_ranks_disagree(what, word):
-    name, msg, took = _run_fault(f"disagree_{what}")
-    assert name == "ValueError" and word in msg, msg
-    assert took < TIMEOUT_S
+    """Every rank raises, naming the field and both ranks' values, before anything is sent."""
+    for rank, outcome in enumerate(_run_fault(f"disagree_{what}")):
+        _raised(outcome, "ValueError", f"[commlib rank {rank}] ranks disagree", f"{word}: rank {1 - rank} has",
+                f"rank {rank} has", within=TIMEOUT_S)
+
+
+def test_bad_input_on_one_rank():
+    """The rank with the bad input raises its own error by name; the other says which rank refused."""
+    rank0, rank1 = _run_fault("disagree_bad_input_on_one_rank")
+    _raised(rank0, "ValueError", "rank 0", "rank(s) [1] rejected", "nothing was sent", within=TIMEOUT_S)
+    _raised(rank1, "TypeError", "topk_idx", "int64", within=TIMEOUT_S)
+
+
+def test_world_reports_a_case_failing_on_one_rank_within_a_minute():
+    """Rank 1 fails a case while rank 0 waits in a collective rank 1 never enters: the world stops
+    and raises with rank 1's assertion text well before any collective or run timeout."""
+    from worlds import run_world
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        run_world(2, "cases_worlds", ["passes", "fails_on_rank_1_only", "passes"], timeout_s=600)
+    took = time.monotonic() - t0
+    msg = str(info.value)
+    assert "planted failure on rank 1 only" in msg and "rank 1" in msg and "fails_on_rank_1_only" in msg, msg
+    assert "ranks [0] did not finish" in msg, msg
+    assert took < 60, f"took {took:.0f} s"
+
+
+def test_world_collects_failures_of_every_rank_and_moves_on():
+    """A case that fails on every rank is reported with each rank's text; the next case still runs."""
+    from worlds import run_world
+    res = run_world(2, "cases_worlds", ["fails_on_every_rank", "passes"], timeout_s=120)
+    assert res["passes"] is None
+    assert all(f"planted failure on rank {r}" in res["fails_on_every_rank"] for r in range(2)), res

@@ -10,6 +10,8 @@ from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8, roundtrip_bo
 from commlib.layout import channel_prefix_matrix, channel_starts, dispatch_layout, rows_before, send_head
 from commlib.topology import Topology
 
+import oracle as O
+
 
 def test_config_validation_and_hints():
     c = Config(20, 32, 512)
@@ -131,6 +133,98 @@ def test_fp8_roundtrip_within_bound():
         per_token_cast_to_fp8(torch.zeros(2, 100))
 
 
+# (value, its E4M3 code's value) with the block's amax 448, so scale = 1 and x / scale = x
+FP8_HAND_SCALE_1 = [
+    (448.0, 448.0), (1.0, 1.0), (-5.0, -5.0), (0.0, 0.0),
+    (0.3, 0.3125),                  # step 2^-5 in [0.25, 0.5): 9.6 steps -> 10
+    (1.0625, 1.0), (1.1875, 1.25),  # ties go to the even mantissa
+    (17.0, 16.0), (19.0, 20.0),     # step 2 in [16, 32): ties 8.5 -> 8, 9.5 -> 10
+    (300.0, 288.0),                 # step 32 in [256, 448]: 9.375 -> 9
+    (2.0 ** -9, 2.0 ** -9),         # the smallest subnormal
+    (2.0 ** -10, 0.0), (3 * 2.0 ** -10, 2.0 ** -8), (5 * 2.0 ** -10, 2.0 ** -8),  # subnormal ties to even
+    (1.3 * 2.0 ** -7, 5 * 2.0 ** -9),  # subnormal: 5.2 steps of 2^-9 -> 5
+]
+# amax 7: scale = 7 / 448 = 2^-6 exactly; (x, x after the round trip)
+FP8_HAND_SCALE_2M6 = [
+    (7.0, 7.0), (7.0 / 1024, 7.0 / 1024), (7.0 / 2048, 7.0 / 2048),  # below amax / 1024: exact, not flushed
+    (0.001, 0.0625 / 64),           # 0.064 after scaling: step 2^-7 in [2^-4, 2^-3), 8.19 -> 8
+    (1e-4, 3 * 2.0 ** -15),         # 0.0064 after scaling: subnormal, 3.28 steps of 2^-9 -> 3
+]
+
+
+def _hand_block(pairs, amax):
+    x = torch.zeros(128)
+    x[0] = amax
+    for i, (v, _) in enumerate(pairs):
+        x[i + 1] = v
+    return x
+
+
+def test_fp8_cast_hand_computed():
+    """E4M3 with one float32 scale per 128 channels, on values whose rounding is worked out by hand:
+    ties to even, subnormals, values below amax / 1024 kept (not flushed), an all-zero block."""
+    x = torch.stack([torch.cat([_hand_block(FP8_HAND_SCALE_1, 448.0), _hand_block(FP8_HAND_SCALE_2M6, 7.0),
+                                torch.zeros(128)])])
+    for name, cast in (("commlib", per_token_cast_to_fp8), ("oracle", O.cast_fp8)):
+        q, s = cast(x)
+        assert s[0, 0] == 1.0 and s[0, 1] == 2.0 ** -6, (name, s)
+        assert s[0, 2] == torch.tensor(1e-4, dtype=torch.float32) / 448, (name, s)  # all-zero block
+        assert q[0, 0].float() == 448 and q[0, 128].float() == 448, name
+        for i, (v, want) in enumerate(FP8_HAND_SCALE_1):
+            assert float(q[0, i + 1].float()) == want, (name, v, float(q[0, i + 1].float()), want)
+        back = per_token_cast_back(q, s, torch.float32) if name == "commlib" else O.dequant(q, s, torch.float32)
+        for i, (v, want) in enumerate(FP8_HAND_SCALE_2M6):
+            assert float(back[0, 129 + i]) == want, (name, v, float(back[0, 129 + i]), want)
+        assert bool((q[0, 256:].float() == 0).all()) and bool((back[0, 256:] == 0).all()), name
+
+
+def test_fp8_cast_matches_oracle_and_tight_bound():
+    """The cast equals the independent oracle's bit for bit, and the round trip stays within the tight
+    bound: relative 2^-4 where x / scale is an E4M3 normal (|x| >= amax * 2^-6 / 448), absolute
+    scale * 2^-10 (half a subnormal step) below. Every block spans 7 decades, so most values sit far
+    below amax / 1024."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 512, generator=g) * 10 ** (-7 * torch.rand(48, 512, generator=g))
+    x[:, ::128] = 1.0  # a 1.0 in every block
+    x[5] = 0
+    x[6, 128:256] = 1e-9  # a block whose amax is below the 1e-4 floor
+    q, s = per_token_cast_to_fp8(x)
+    q_ref, s_ref = O.cast_fp8(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    back = per_token_cast_back(q, s, torch.float32)
+    err = (back - x).abs()
+    bound = O.fp8_roundtrip_bound(x)
+    assert bool((err <= bound).all()), float((err - bound).max())
+    amax = x.abs().view(48, 4, 128).amax(2, keepdim=True).expand(48, 4, 128).reshape(48, 512)
+    small = (x.abs() < amax / 1024) & (x.abs() >= amax * 2.0 ** -6 / 448)  # below amax / 1024, E4M3 normals
+    assert int(small.sum()) > 1000 and bool((err[small] <= x.abs()[small] * 2.0 ** -4 * (1 + 2.0 ** -20)).all())
+    assert bool((back[small] != 0).all())
+
+
+def test_group_limited_topk_ranks_groups_by_two_best_scores():
+    """Hand case: by the sum of their two best scores the groups rank 2, 1, 0, 3 and the token takes
+    experts 4 and 2; ranking by the best score alone would pick groups 0 and 2 (experts 0 and 4)."""
+    scores = torch.tensor([[0.9, 0.0, 0.6, 0.5, 0.7, 0.45, 0.1, 0.1]])
+    for gate in (routing.group_limited_topk, O.gate):
+        idx, w = gate(scores, num_groups=4, topk_groups=2, topk=2)
+        assert idx.tolist() == [[4, 2]], (gate, idx)
+        assert torch.allclose(w, torch.tensor([[0.7 / 1.3, 0.6 / 1.3]])), w
+    # one expert per group: the best score is the group's score
+    idx, _ = routing.group_limited_topk(torch.tensor([[0.1, 0.9, 0.5, 0.7]]), 4, 2, 2)
+    assert idx.tolist() == [[1, 3]]
+
+
+@pytest.mark.parametrize("E,G,TG,K", [(32, 4, 2, 4), (64, 8, 3, 6), (8, 8, 4, 3), (16, 2, 1, 8), (12, 3, 3, 5)])
+def test_group_limited_topk_matches_oracle(E, G, TG, K):
+    g = torch.Generator().manual_seed(E * G + K)
+    scores = routing.random_scores(300, E, g)
+    idx, w = routing.group_limited_topk(scores, num_groups=G, topk_groups=TG, topk=K)
+    idx_ref, w_ref = O.gate(scores, G, TG, K)
+    assert torch.equal(idx, idx_ref)
+    assert torch.allclose(w, w_ref, rtol=1e-6, atol=0)
+
+
 def test_group_limited_topk_limits_groups():
     g = torch.Generator().manual_seed(1)
     scores = routing.random_scores(256, 64, g)
@@ -142,6 +236,26 @@ def test_group_limited_topk_limits_groups():
     assert all(len(set(row)) == 6 for row in idx.tolist())
     with pytest.raises(ValueError, match="divide"):
         routing.group_limited_topk(scores, 7, 2, 4)
+
+
+@pytest.mark.parametrize("T,R,P,E,C", [(0, 4, 2, 16, 3), (1, 2, 1, 8, 4), (37, 4, 2, 16, 10), (40, 4, 2, 16, 8),
+                                       (64, 8, 4, 32, 10), (5, 8, 8, 64, 1), (100, 3, 3, 12, 7)])
+def test_layout_and_channel_prefix_match_oracle(T, R, P, E, C):
+    """Counts, is_token_in_rank and the channel prefix matrix against the oracle's loops."""
+    g = torch.Generator().manual_seed(T * 7 + R)
+    idx = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(T)]) if T else torch.empty(0, 4, dtype=torch.int64)
+    if T:
+        idx[torch.rand(T, 4, generator=g) < 0.25] = -1
+    lay = dispatch_layout(idx, E, Topology(0, R, P))
+    ntr, nrr, nte, tir = O.layout(idx, E, R, P)
+    assert torch.equal(lay.is_token_in_rank, tir) and torch.equal(lay.num_tokens_per_rank, ntr)
+    assert torch.equal(lay.num_tokens_per_expert, nte)
+    assert (lay.num_tokens_per_rdma_rank is None) == (nrr is None)
+    if nrr is not None:
+        assert torch.equal(lay.num_tokens_per_rdma_rank, nrr)
+    cp = channel_prefix_matrix(tir, C)
+    assert torch.equal(cp, O.channel_prefix(tir, C))
+    assert cp.shape == (R, C) and cp.stride() == (C, 1)  # standard strides, also for [R, 1]
 
 
 def test_handle_positional_access():
@@ -298,3 +412,33 @@ def test_clock_monitor_windows():
     assert clocks.clock_ratio(s, "forward") == pytest.approx((1550 / 1980 + 1900 / 1980) / 2)
     assert clocks.clock_ratio(s, "forward_backward") is None
     assert not clocks.ClockMonitor(command=["/nonexistent/nvidia-smi"]).start()
+
+
+@pytest.mark.parametrize("R,P,E", [(4, 4, 16), (4, 2, 16), (4, 1, 8), (2, 1, 8)])
+def test_vectorised_oracle_matches_loop_oracle(R, P, E):
+    """The long runs' vectorised oracle (dispatch and scaled combine) equals the loop oracle."""
+    g = torch.Generator().manual_seed(R * 10 + P)
+    H, K = 128, 3
+    xs = [torch.randn(T, H, generator=g).to(torch.bfloat16) for T in (5, 0, 9, 3)[:R]]
+    idxs = []
+    for x in xs:
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(x.shape[0])]) if x.shape[0] else \
+            torch.empty(0, K, dtype=torch.int64)
+        if x.shape[0]:
+            idx[torch.rand(idx.shape, generator=g) < 0.3] = -1
+        idxs.append(idx)
+    ws = [torch.rand(i.shape, generator=g) for i in idxs]
+    loops = [O.dispatch_oracle(xs, idxs, ws, E, R, me) for me in range(R)]
+    for me in range(R):
+        fast = O.dispatch_expected(xs, idxs, ws, E, R, me)
+        for key in ("recv_x", "recv_src_idx", "recv_src_rank", "recv_topk_idx", "recv_topk_weights", "per_expert",
+                    "rank_prefix_matrix"):
+            a, b = fast[key], loops[me][key]
+            assert (a == b if isinstance(a, list) else torch.equal(a, b)), (me, key)
+    factors = [1 + r / 8 for r in range(R)]
+    ys = [(o["recv_x"].float() * factors[r]).to(torch.bfloat16) for r, o in enumerate(loops)]
+    srcs = [list(zip(o["recv_src_rank"].tolist(), o["recv_src_idx"].tolist())) for o in loops]
+    for me in range(R):
+        tir = O.layout(idxs[me], E, R, P)[3]
+        want = O.combine_oracle(ys, srcs, xs[me].shape[0], H, me, P, R)
+        assert torch.equal(O.combine_scaled_expected(xs[me], tir, P, factors).view(torch.int16), want.view(torch.int16))

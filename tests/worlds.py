@@ -1,11 +1,20 @@
 """Run many test cases inside one spawned world (spawning ranks costs seconds each on 2 cores).
 
 ``run_world(world_size, module, names)`` spawns the ranks once; every rank runs each named case
-function ``module.case_<name>(ctx)``; a case's failure on any rank is collected (with the rank
-and traceback) and the world moves on to the next case. Returns {name: None | error text}.
+function ``module.case_<name>(ctx)``. After each case the ranks exchange their outcome (None or the
+traceback) through the group's store, not through a collective: a rank that failed must not enter
+a collective its peers are not in. A case's failure on any rank is collected (with the rank and
+traceback) and the world moves on to the next case. Returns {name: None | error text}.
+
+A case that fails on some ranks only can leave the others blocked in a collective the failed rank
+left. A rank that failed a case therefore waits at most ``failed_wait_s`` for its peers to finish
+it (a rank that passed, ``case_timeout_s``); the rank that gives up raises with the ranks still
+missing and its own traceback, and the launcher stops the world and raises with that text, instead
+of waiting for the run's timeout.
 """
 from __future__ import annotations
 
+import datetime
 import importlib
 import traceback
 
@@ -13,22 +22,43 @@ import torch.distributed as dist
 
 from commlib.utils.launch import parallel_launch
 
+# The most a rank waits for its peers to finish a case it has finished. Ranks run in step, so a
+# peer that is this late is blocked, most likely in a collective a failed rank never entered.
+FAILED_WAIT_S = 15.0      # this rank failed the case
+CASE_TIMEOUT_S = 120.0    # this rank passed it (a peer may still fail, or hang)
 
-def _worker(ctx, module_name: str, names: list[str]):
+
+class CaseStuck(RuntimeError):
+    """Some ranks did not finish a case within the case timeout after this rank did."""
+
+
+def _worker(ctx, module_name: str, names: list[str], case_timeout_s: float, failed_wait_s: float):
     module = importlib.import_module(module_name)
+    R, me = ctx.world_size, ctx.rank
     results = {}
-    for name in names:
+    for i, name in enumerate(names):
         try:
             getattr(module, f"case_{name}")(ctx)
             err = None
         except Exception:  # noqa: BLE001 - reported to the parent per case
-            err = f"rank {ctx.rank}:\n{traceback.format_exc()}"
-        gathered = [None] * ctx.world_size
-        dist.all_gather_object(gathered, err)
-        errs = [e for e in gathered if e]
+            err = f"rank {me}:\n{traceback.format_exc()}"
+        keys = [f"worlds/case{i}/rank{r}" for r in range(R)]
+        ctx.store.set(keys[me], err or "")
+        wait_s = failed_wait_s if err else case_timeout_s
+        try:
+            ctx.store.wait(keys, datetime.timedelta(seconds=wait_s))
+        except dist.DistError as e:  # the wait timed out: which ranks are missing is the report
+            missing = [r for r in range(R) if not ctx.store.check([keys[r]])]
+            if missing:  # (none: they arrived just after the timeout)
+                own = f"\nrank {me} failed the case:\n{err}" if err else f"\nrank {me} passed the case."
+                raise CaseStuck(f"case {name!r}: ranks {missing} did not finish it within {wait_s:g} s "
+                                f"after rank {me} did (blocked in a collective a failed rank left?){own}") from e
+        errs = [ctx.store.get(k).decode() for k in keys]
+        errs = [e for e in errs if e]
         results[name] = "\n".join(errs) if errs else None
     return results
 
 
-def run_world(world_size: int, module_name: str, names: list[str], **kwargs) -> dict:
-    return parallel_launch(world_size, _worker, module_name, names, **kwargs)
+def run_world(world_size: int, module_name: str, names: list[str], case_timeout_s: float = CASE_TIMEOUT_S,
+              failed_wait_s: float = FAILED_WAIT_S, **kwargs) -> dict:
+    return parallel_launch(world_size, _worker, module_name, names, case_timeout_s, failed_wait_s, **kwargs)

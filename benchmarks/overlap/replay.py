@@ -25,7 +25,7 @@ class ReplayComm:
     compute stream with nothing to wait for: the time the compute alone takes when it runs densely,
     at whatever clock the power cap then allows. The rows are copies of random normal values (one
     source tensor per dtype), not zeros: a GEMM on zeros toggles fewer bits and draws
-    less power, so under the cap it may run at a higher clock than on activations (docs/pipeline.md)."""
+    less power, so under the cap it may run at a higher clock than on activations (docs/training.md)."""
 
     def __init__(self, buffer) -> None:
         self._buffer = buffer

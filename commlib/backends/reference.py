@@ -232,6 +232,10 @@ class ReferenceBackend(Backend):
             if has_w:
                 cols.append(("topk_w", torch.float32, (K,)))
                 tensors.append(req.topk_weights)
+        elif not cached and topo.num_nodes > 1:
+            # no top-k to route by at the forwarder: the row carries its is_token_in_rank
+            cols.append(("tir", torch.uint8, (R,)))
+            tensors.append(is_tir.to(torch.uint8))
         packer = _Packer(cols)
         payload = packer.pack([self._to_comm(t) for t in tensors])
 
@@ -328,7 +332,9 @@ class ReferenceBackend(Backend):
         if cached_plan is not None:
             fwd_mask = cached_plan["fwd_mask"]
         else:
-            tir = L.token_in_rank(packer.unpack(recv1)["topk_idx"], num_experts, R)  # [J, R]
+            cols1 = packer.unpack(recv1)
+            tir = (L.token_in_rank(cols1["topk_idx"], num_experts, R) if "topk_idx" in cols1
+                   else cols1["tir"].bool())  # [J, R]
             fwd_mask = tir[:, node * P:(node + 1) * P].contiguous()
         fwd_order = [torch.nonzero(fwd_mask[:, p]).flatten() for p in range(P)]
         send2 = torch.cat([recv1[o] for o in fwd_order]) if J else recv1[:0]

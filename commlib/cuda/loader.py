@@ -50,7 +50,7 @@ TRACE_POINTS = 3                             # CL_TRACE_POINTS: u64 %globaltimer
 LAYOUT_THREADS = 256
 NOTIFY_THREADS = 512
 # Compile-time knobs of the kernels (each set is its own cached build), passed as -DCL_<KEY>. The
-# defaults are what benchmarks/bench_intranode.py --variants measured best (docs/nvlink_engine.md);
+# defaults are what python -m benchmarks.bench_intranode --variants measured best (docs/nvlink_engine.md);
 # set_variant() swaps them for A/B runs. Variants that lost their measurement left the kernels
 # (docs/notes/2026-12_kernel_variants.md).
 DEFAULT_VARIANT = {
@@ -297,7 +297,7 @@ def compile_all(plain: Optional[bool] = None) -> dict:
 # Launching. The hot path packs the arguments with one struct.pack_into into a buffer whose
 # per-argument addresses were computed once from the kernel's C signature, and calls the driver's
 # cuLaunchKernel through ctypes on torch's raw current stream: a few microseconds per launch,
-# where CuPy's generic argument conversion and stream context cost tens (benchmarks/profile_host.py).
+# where CuPy's generic argument conversion and stream context cost tens (python -m benchmarks.profile_host).
 # ---------------------------------------------------------------------------------------------
 
 # C parameter type -> struct code. Pointers are 'Q' (a device address as a Python int).
@@ -330,7 +330,7 @@ def kernel_signature(family: str, name: str) -> str:
         words = [w for w in p.replace("const", " ").replace("__restrict__", " ").split()][:-1]
         ctype = " ".join(words)
         if ctype not in _C_TYPES:
-            raise RuntimeError(f"csrc/{family}.cu {name}: parameter {p!r} has a type kernels.py cannot pass")
+            raise RuntimeError(f"csrc/{family}.cu {name}: parameter {p!r} has a type the loader cannot pass")
         codes.append(_C_TYPES[ctype])
     return "".join(codes)
 

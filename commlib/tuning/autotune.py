@@ -17,11 +17,12 @@ batches of both timed in turn.
 The cache lives in ``commlib.tuning.cache`` (below the Buffer); this module sits above it.
 
 Usage:
-    cfg = tune.cached_config("dispatch", num_ranks, ranks_per_node, hidden, torch.bfloat16, T, device)
-    result = tune.autotune(buffer, "dispatch", x.shape, x.dtype)      # collective over buffer.group
+    from commlib.tuning import autotune
+    cfg = autotune.cached_config("dispatch", num_ranks, ranks_per_node, hidden, torch.bfloat16, T, device)
+    result = autotune.autotune(buffer, "dispatch", x.shape, x.dtype)  # collective over buffer.group
     python -m commlib.tuning --hidden 7168 --tokens 4096                 # one rank per GPU
     python -m commlib.tuning --cpu --world 2 --hidden 256 --tokens 64    # gloo smoke test
-    python benchmarks/bench_tune.py --simulate                         # smart vs exhaustive, cost model
+    python -m benchmarks.bench_tune --simulate                           # smart vs exhaustive, cost model
 
 Legend: T tokens on this rank, H hidden, R ranks, P ranks per node, C channels (= num_sms / 2).
 """

@@ -29,6 +29,8 @@ Variables:
   COMMLIB_CE_STAGING       device | host: where the copy-engine path's staging lives (default device: CUDA IPC over
                            NVLink); host: pinned host memory shared by the ranks' processes, so rows cross PCIe
                            twice (the path of GPUs without peer access, and of a NIC's DMA)
+  COMMLIB_DEEP_EP_QUIET    1: ``import deep_ep`` (commlib's compatibility package) logs nothing (default: one
+                           INFO line on the ``deep_ep`` logger naming commlib and its version)
 """
 from __future__ import annotations
 
@@ -183,3 +185,7 @@ def ce_sms() -> int:
     if n < 0:
         raise ValueError(f"COMMLIB_CE_SMS={n}: must be >= 0 (0: the call's Config.num_sms, at least half the GPU's SMs)")
     return n
+
+
+def deep_ep_quiet() -> bool:
+    return _flag("COMMLIB_DEEP_EP_QUIET")

@@ -1,17 +1,21 @@
 """Start N local ranks (processes) with torch.distributed set up, for tests, the main job and benchmarks.
 
 ``parallel_launch(world_size, worker, *args)`` spawns ``world_size`` processes; each calls
-``worker(ctx, *args)`` with a ``RankContext``. The return value of rank 0 is handed back; an
-exception in any rank is re-raised in the parent with that rank's traceback. Ranks get a GPU each
+``worker(ctx, *args)`` with a ``RankContext``. The return value of rank 0 (or of every rank, with
+``return_all``) is handed back. When any rank raises or dies, the parent stops the whole world at
+once (ranks blocked in a collective with the failed rank would wait for their timeouts) and raises
+with that rank's traceback, plus those of ranks that failed in the same moment. Ranks get a GPU each
 (round-robin, several processes per GPU when world_size > GPUs) when ``use_gpu`` is set and CUDA
 is present; the process group is NCCL with one process per GPU, otherwise gloo.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import socket
 import sys
+import time
 import traceback
 from typing import Any, Callable, NoReturn, Optional
 
@@ -30,6 +34,7 @@ class RankContext:
     ranks_per_node: int
     device: torch.device
     group: Any  # the default process group
+    store: Any = None  # the group's key-value store (a TCPStore): side-channel exchanges with a timeout
 
 
 def free_port() -> int:
@@ -65,8 +70,13 @@ def exit_rank(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
+# How long the parent keeps collecting other ranks' errors after the first one, before it stops the world.
+ERROR_GRACE_S = 1.0
+
+
 def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: bool,
-           worker: Callable, args: tuple, queue, group_backend: Optional[str] = None) -> None:
+           worker: Callable, args: tuple, queue, group_backend: Optional[str] = None,
+           return_all: bool = False) -> None:
     os.environ.update(SAFE_ENV)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -84,10 +94,13 @@ def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: 
                 backend = "nccl"
         backend = group_backend or backend
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
-        ctx = RankContext(rank, world_size, ranks_per_node, device, dist.group.WORLD)
+        # the parent hosts the store, so it outlives every rank (a late rank can still read it)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+        ctx = RankContext(rank, world_size, ranks_per_node, device, dist.group.WORLD, store)
         result = worker(ctx, *args)
-        queue.put((rank, "ok", result if rank == 0 else None))
+        queue.put((rank, "ok", result if rank == 0 or return_all else None))
         code = 0
     except BaseException:  # noqa: BLE001 - forwarded to the parent with the traceback
         queue.put((rank, "error", traceback.format_exc()))
@@ -97,34 +110,44 @@ def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: 
 
 def parallel_launch(world_size: int, worker: Callable, *args: Any, ranks_per_node: Optional[int] = None,
                     use_gpu: bool = False, timeout_s: float = 600.0, allow_exit: bool = False,
-                    group_backend: Optional[str] = None) -> Any:
+                    group_backend: Optional[str] = None, return_all: bool = False) -> Any:
     """Run ``worker(ctx, *args)`` on ``world_size`` local ranks; return rank 0's result.
 
+    ``return_all``: return a list of every rank's result instead (None for a rank that left
+    without reporting, under ``allow_exit``).
     ``group_backend``: force the process group's backend ("gloo" / "nccl"); by default NCCL with one
     process per GPU, gloo otherwise.
     ``allow_exit``: ranks that end with exit code 0 without reporting (fault-injection tests that
     make a rank leave) count as finished instead of being waited for.
+    Raises RuntimeError with the failed ranks' tracebacks as soon as a rank raises or dies (the
+    other ranks are terminated), or when ``timeout_s`` passes.
     """
     ranks_per_node = ranks_per_node or world_size
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_entry, args=(r, world_size, ranks_per_node, port, use_gpu, worker, args, queue,
-                                                  group_backend),
+                                                  group_backend, return_all),
                          daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
-    import time
     deadline = time.monotonic() + timeout_s
     results: dict[int, tuple[str, Any]] = {}
-    errors = []
+    errors: list[str] = []
+    failed_at = None
     while len(results) < world_size:
+        if failed_at is not None and time.monotonic() > failed_at + ERROR_GRACE_S:
+            break
         if not queue.empty():
             rank, status, payload = queue.get()
             results[rank] = (status, payload)
             if status == "error":
                 errors.append(f"--- rank {rank} ---\n{payload}")
-                break
+                failed_at = failed_at or time.monotonic()
+            continue
+        if failed_at is not None:
+            time.sleep(0.01)
             continue
         if time.monotonic() > deadline:
             errors.append(f"timed out after {timeout_s:.0f} s; ranks that finished: {sorted(results)}")
@@ -141,12 +164,22 @@ def parallel_launch(world_size: int, worker: Callable, *args: Any, ranks_per_nod
                 break
         time.sleep(0.01)
     if errors:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
+        _stop(procs)
         raise RuntimeError("parallel_launch failed:\n" + "\n".join(errors))
     for p in procs:
         p.join(timeout=60)
+    if return_all:
+        return [results[r][1] for r in range(world_size)]
     return results[0][1]
+
+
+def _stop(procs) -> None:
+    """Terminate every live rank (SIGTERM, then SIGKILL for one that ignores it)."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)

@@ -1,4 +1,4 @@
-"""Timing helpers shared by the main job and the benchmarks (see DESIGN.md, "Performance method").
+"""Timing helpers shared by the main job and the benchmarks (docs/launch.md, "The performance method").
 
 ``bench_cuda(fn)``: one CUDA event pair per iteration around ``fn()``, an L2 flush before each
 timed run, median of ``iters`` samples. On a machine without CUDA (or with ``device="cpu"``) it

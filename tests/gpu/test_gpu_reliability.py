@@ -161,6 +161,8 @@ def test_fault_world(case):
         status, secs, msg = res[r]
         assert status == "RAISED", f"rank {r}: {status} {msg}\n{tail}"
         assert secs < limit, f"rank {r} took {secs:.1f} s (COMMLIB_TIMEOUT_S={FAULT_TIMEOUT_S})"
+    for r in sorted(set(range(2)) - set(survivors)):  # the rank that made the fault: it left on purpose
+        assert r in res and res[r][0] == "SKIPPED", f"rank {r}: {res.get(r)}\n{tail}"
     # after the failure the Buffer refuses further calls: every later call raises
     for r in survivors:
         for tag in ("after", "again"):

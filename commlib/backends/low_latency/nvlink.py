@@ -179,9 +179,28 @@ class NVLinkLowLatency(LowLatencyEngine):
         return hook
 
     # ------------------------------------------------------------------ dispatch
+    def enable_shrink(self) -> None:
+        """Shrink mode: accepted while no rank is masked (the kernels have no mask yet; see _unsupported)."""
+
+    def _unsupported(self, mask, wait_stats, use_logfmt: bool = False) -> None:
+        me = self.rank
+        if mask is not None and bool(mask.ne(0).any()):
+            raise NotImplementedError(f"[commlib rank {me}] shrink mode with masked ranks "
+                                      f"{mask.nonzero().flatten().tolist()} has no nvlink low-latency kernels yet; "
+                                      "use backend='reference'")
+        if wait_stats is not None:
+            raise NotImplementedError(f"[commlib rank {me}] dispatch_wait_recv_cost_stats / "
+                                      "combine_wait_recv_cost_stats are not measured by the nvlink low-latency "
+                                      "kernels yet; pass None, or use backend='reference'")
+        if use_logfmt:
+            raise NotImplementedError(f"[commlib rank {me}] use_logfmt=True has no nvlink low-latency combine "
+                                      "kernel yet; use backend='reference'")
+
     def dispatch(self, x, topk_idx, M: int, num_experts: int, use_fp8: bool, round_scale: bool,
-                 use_ue8m0: bool, return_recv_hook: bool):
+                 use_ue8m0: bool, return_recv_hook: bool, mask: Optional[torch.Tensor] = None,
+                 wait_stats: Optional[torch.Tensor] = None):
         self._alive()
+        self._unsupported(mask, wait_stats)
         b, R, me, dev = self.ctx, self.num_ranks, self.rank, self.device
         check_dispatch_args(b, x, topk_idx, M, num_experts, use_fp8, round_scale, use_ue8m0, check_ids=False)
         T, H = x.shape
@@ -230,9 +249,12 @@ class NVLinkLowLatency(LowLatencyEngine):
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, zero_copy: bool,
-                return_recv_hook: bool, out: Optional[torch.Tensor]):
+                return_recv_hook: bool, out: Optional[torch.Tensor], use_logfmt: bool = False,
+                mask: Optional[torch.Tensor] = None, wait_stats: Optional[torch.Tensor] = None):
         self._alive()
+        self._unsupported(mask, wait_stats, use_logfmt)
         b, R, me, dev = self.ctx, self.num_ranks, self.rank, self.device
+        x = self.zero_copy_input(x, zero_copy)
         check_combine_args(b, self._combine_buffers, x, topk_idx, topk_weights, handle, zero_copy, out)
         if handle.extra.get("engine") != "nvlink":
             raise ValueError(f"[commlib rank {me}] handle was not made by the nvlink low-latency engine")

@@ -24,9 +24,13 @@ the data has already arrived, so the hook only marks the handle received).
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import itertools
+import time
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from commlib.config import MAX_TOPK
 from commlib.fp8 import BLOCK, FP8_MAX
@@ -87,7 +91,9 @@ def cast_fp8(x: torch.Tensor, round_scale: bool, use_ue8m0: bool):
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """[..., H/512] int32 -> [..., H/128] float32 power-of-two scales."""
-    exps = packed.contiguous().view(torch.uint8).to(torch.int32) - 127
+    # an explicit contiguous_format clone: .contiguous() keeps a column-major [.., n, 1] view (size-1
+    # dims count as contiguous), whose last stride a dtype view refuses
+    exps = packed.clone(memory_format=torch.contiguous_format).view(torch.uint8).to(torch.int32) - 127
     return torch.exp2(exps.float())
 
 
@@ -131,8 +137,6 @@ def check_combine_args(b, combine_buffers, x, topk_idx, topk_weights, handle: Lo
         raise ValueError(f"[commlib rank {rank}] call the dispatch's receive hook before low_latency_combine")
     L = handle.num_experts // R
     M, H = handle.num_max_dispatch_tokens_per_rank, handle.hidden
-    if zero_copy and not any(x is buf for buf in combine_buffers if buf is not None):
-        raise ValueError(f"[commlib rank {rank}] zero_copy=True needs x from get_next_low_latency_combine_buffer")
     check_tensor("x", x, rank, dtype=torch.bfloat16, dim=3, device=b.device)
     if tuple(x.shape) != (L, R * M, H):
         raise ValueError(f"[commlib rank {rank}] x must have shape [{L}, {R * M}, {H}], got {list(x.shape)}")
@@ -147,12 +151,44 @@ def check_combine_args(b, combine_buffers, x, topk_idx, topk_weights, handle: Lo
             raise ValueError(f"[commlib rank {rank}] out must have shape [{T}, {H}], got {list(out.shape)}")
 
 
+def logfmt_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """bf16 [n, H] -> float32 [n, H]: the values after crossing as LogFMT-10 (``use_logfmt=True`` combine).
+
+    Per 128-channel block: if every |value| is below 1 and the block is not constant in magnitude,
+    each value travels as a sign and a 9-bit code on a log2 scale from log_amin to log_amax (511
+    levels, log_amin clipped to log_amax - 32; code 0 is zero), rounded to the nearer level in the
+    linear domain; otherwise the block travels as bf16, unchanged. 10 bits per value instead of 16.
+    """
+    n, H = x.shape
+    if H % BLOCK:
+        raise ValueError(f"LogFMT combine: hidden ({H}) must be a multiple of {BLOCK}")
+    v = x.float().view(n, H // BLOCK, BLOCK)
+    a = v.abs()
+    amax = a.amax(dim=2, keepdim=True)
+    amin = a.amin(dim=2, keepdim=True)
+    log_amax = torch.log2(amax)
+    log_amin = torch.maximum(torch.log2(amin), log_amax - 32)
+    cast = (log_amax < 0) & (log_amin < log_amax)
+    levels = 511
+    step = torch.where(cast, (log_amax - log_amin) / (levels - 1), torch.ones_like(log_amax))
+    # level j (0-based) holds 2^(log_amin + j * step); a value rounds up past the levels' linear midpoint
+    mid = torch.log2((1 + torch.exp2(step)) / 2)
+    pos = (torch.log2(a) - log_amin) / step
+    j = torch.floor(pos)
+    j = torch.where((pos - j) * step >= mid, j + 1, j)
+    code = torch.clamp(j + 1, min=0, max=levels)       # 0 = zero
+    code = torch.where(a > 0, code, torch.zeros_like(code))
+    dec = torch.where(code > 0, torch.exp2(log_amin + (code - 1) * step), torch.zeros_like(a))
+    dec = torch.where(v < 0, -dec, dec)
+    return torch.where(cast, dec, v).view(n, H)
+
+
 def rank_grouped_sum(vals: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, L: int,
-                     R: int) -> torch.Tensor:
+                     R: int, logfmt: bool = False) -> torch.Tensor:
     """combine's sum (module docstring): vals [T, K, H] float32 rows per slot -> bf16 [T, H].
 
     Per rank d, P_d = 0; P_d = P_d + w * v over the slots on d in top-k order (fp32), rounded to
-    bf16; then acc = 0; acc = acc + P_d over the ranks in order (every op rounded once). A rank with
+    bf16 (``logfmt``: then through LogFMT-10, logfmt_roundtrip); then acc = 0; acc = acc + P_d over the ranks in order (every op rounded once). A rank with
     no slot adds nothing (P_d = +0 would leave acc unchanged anyway: acc is never -0).
     """
     T, K, H = vals.shape
@@ -164,7 +200,8 @@ def rank_grouped_sum(vals: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
         on_d = dest == d
         for k in range(K):  # multiply then add (two roundings)
             part = torch.where(on_d[:, k:k + 1], part + topk_weights[:, k:k + 1] * vals[:, k], part)
-        acc = torch.where(on_d.any(1, keepdim=True), acc + part.to(torch.bfloat16).float(), acc)
+        part = logfmt_roundtrip(part.to(torch.bfloat16)) if logfmt else part.to(torch.bfloat16).float()
+        acc = torch.where(on_d.any(1, keepdim=True), acc + part, acc)
     return acc.to(torch.bfloat16)
 
 
@@ -187,7 +224,21 @@ class LowLatencyEngine:
         buf = self._combine_buffers[i]
         if buf is None or tuple(buf.shape) != shape:
             buf = self._combine_buffers[i] = torch.zeros(shape, dtype=torch.bfloat16, device=b.device)
+        self._staged = buf
         return buf
+
+    def zero_copy_input(self, x: torch.Tensor, zero_copy: bool) -> torch.Tensor:
+        """What a combine reads: with ``zero_copy`` (as DeepEP) the buffer the last
+        get_next_low_latency_combine_buffer call handed out, whatever ``x`` is; otherwise ``x``."""
+        if not zero_copy:
+            return x
+        staged = getattr(self, "_staged", None)
+        if staged is None:
+            raise ValueError(f"[commlib rank {self.ctx.rank}] zero_copy=True: write the expert outputs into "
+                             "get_next_low_latency_combine_buffer(handle) first (none was handed out since the "
+                             "last zero-copy combine)")
+        self._staged = None
+        return staged
 
     def destroy(self) -> None:
         """Release what the engine holds beyond the backend (nothing here)."""
@@ -201,7 +252,11 @@ class LowLatencyReference(LowLatencyEngine):
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx, M: int, num_experts: int, use_fp8: bool, round_scale: bool,
-                 use_ue8m0: bool, return_recv_hook: bool):
+                 use_ue8m0: bool, return_recv_hook: bool, mask: Optional[torch.Tensor] = None,
+                 wait_stats: Optional[torch.Tensor] = None):
+        """``mask`` ([R] int32, shrink mode): masked ranks get no rows and send none; a rank that does
+        not answer within the timeout is masked here. ``wait_stats`` ([R] int64): nanoseconds this
+        rank waited for each source's rows are added."""
         b, rank, R = self.ctx, self.ctx.rank, self.ctx.num_ranks
         check_dispatch_args(b, x, topk_idx, M, num_experts, use_fp8, round_scale, use_ue8m0)
         T, H = x.shape
@@ -212,6 +267,8 @@ class LowLatencyReference(LowLatencyEngine):
         experts = idx[tok, slot]
         dest = experts // L
         order = torch.argsort(dest * (T + 1) * 64 + tok * 64 + slot, stable=True)   # by destination rank
+        if mask is not None:
+            order = order[mask.to(dev)[dest[order]] == 0]
         tok, experts, dest = tok[order], experts[order], dest[order]
         rows = x.to(dev)[tok]
         cols = []
@@ -229,12 +286,21 @@ class LowLatencyReference(LowLatencyEngine):
         payload = torch.cat(cols, dim=1)
         send_counts = torch.bincount(dest, minlength=R).tolist()
         self.backend.calls += 1
-        counts = self.backend._agree(self.backend.signature(4, H, num_experts, use_fp8, topk_idx.shape[1],
-                                                            False, b.default_config("dispatch", R)),
-                                     send_counts + [0])
-        recv_counts = counts[:, rank].tolist()
-        self.backend._phase = "low_latency_dispatch (data exchange)"
-        recv = self.backend._a2a_rows(payload, send_counts, recv_counts)
+        waits = [0] * R
+        if mask is None:
+            counts = self.backend._agree(self.backend.signature(4, H, num_experts, use_fp8, topk_idx.shape[1],
+                                                                False, b.default_config("dispatch", R)),
+                                         send_counts + [0])
+            recv_counts = counts[:, rank].tolist()
+            self.backend._phase = "low_latency_dispatch (data exchange)"
+            t0 = time.perf_counter_ns()
+            recv = self.backend._a2a_rows(payload, send_counts, recv_counts)
+            waits = [time.perf_counter_ns() - t0] * R
+        else:
+            self.backend._phase = "low_latency_dispatch (shrink-mode exchange)"
+            recv, recv_counts = self._store_a2a(payload, send_counts, None, mask, waits)
+        if wait_stats is not None:
+            wait_stats += torch.tensor(waits, dtype=torch.int64, device=wait_stats.device)
         meta_r = recv[:, -8:].contiguous().view(torch.int32).view(-1, 2)
         src_rank = torch.repeat_interleave(torch.arange(R, device=dev), torch.tensor(recv_counts, device=dev))
         local = meta_r[:, 1].to(torch.int64)
@@ -272,6 +338,63 @@ class LowLatencyReference(LowLatencyEngine):
         hook = self._hook(handle) if return_recv_hook else None
         return recv_x, recv_count.to(out_dev), handle, hook
 
+    # ------------------------------------------------------------------ shrink mode
+    def enable_shrink(self) -> None:
+        """Shrink mode: rows travel through the process group's key-value store, one message per
+        (call, source, destination) under a name every rank agrees on now (collective). A gloo
+        point-to-point message cannot be waited for with a timeout without closing every connection
+        of its group; a store key can, so a rank that stopped calling costs the others one timeout."""
+        ids = [None] * self.ctx.num_ranks
+        dist.all_gather_object(ids, self.ctx.buffer_id, group=self.backend.group)
+        self._ns = f"commlib/shrink/{ids[0]}"
+        self._store = dist.distributed_c10d._get_default_store()
+        self._seq = 0
+
+    def _store_a2a(self, rows: torch.Tensor, send_counts: list, recv_counts: Optional[list], mask: torch.Tensor,
+                 waits: list):
+        """All-to-all of byte rows [n, width] among the unmasked ranks only (shrink mode), so a rank
+        that stopped calling cannot block the others: a peer whose rows do not arrive within the
+        timeout is masked (``mask[r] = 1``) and sends nothing more. ``recv_counts`` None: taken from
+        the messages; given: a masked peer's rows are zeros. Returns (rows received, grouped by source
+        rank; recv_counts)."""
+        R, me = self.ctx.num_ranks, self.ctx.rank
+        self._seq += 1
+        key = f"{self._ns}/{self._seq}/{{}}-{{}}".format
+        rows = rows.to("cpu").contiguous()
+        width = rows.shape[1]
+        live = [r for r in range(R) if r != me and not int(mask[r])]
+        s_start = [0] + list(itertools.accumulate(send_counts))
+        for r in live:
+            self._store.set(key(me, r), rows[s_start[r]:s_start[r + 1]].numpy().tobytes())
+        got = {me: rows[s_start[me]:s_start[me + 1]]}
+        for r in live:
+            t0 = time.perf_counter_ns()
+            try:
+                self._store.wait([key(r, me)], datetime.timedelta(seconds=self.ctx.timeout_s))
+                raw = self._store.get(key(r, me))
+                self._store.delete_key(key(r, me))
+                got[r] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, width) if raw else rows[:0]
+            except Exception:  # noqa: BLE001 - the store's timeout: shrink mode masks the peer
+                mask[r] = 1
+            waits[r] += time.perf_counter_ns() - t0
+        if recv_counts is None:
+            recv_counts = [int(got[r].shape[0]) if r in got else 0 for r in range(R)]
+        parts = []
+        for r in range(R):
+            part = got.get(r)
+            if part is None or part.shape[0] != recv_counts[r]:
+                part = torch.zeros(recv_counts[r], width, dtype=rows.dtype)
+            parts.append(part)
+        return torch.cat(parts).to(self.backend.comm_device), list(recv_counts)
+
+    def barrier(self, mask: torch.Tensor) -> None:
+        """Shrink mode's barrier (clean_low_latency_buffer): every unmasked rank hears from every other;
+        one that does not answer within the timeout is masked."""
+        self.backend.calls += 1
+        self.backend._phase = "clean_low_latency_buffer (shrink-mode barrier)"
+        self._store_a2a(torch.zeros(0, 1, dtype=torch.uint8), [0] * self.ctx.num_ranks, None, mask,
+                      [0] * self.ctx.num_ranks)
+
     @staticmethod
     def _hook(handle: LowLatencyHandle) -> Callable[[], None]:
         def hook() -> None:
@@ -280,8 +403,12 @@ class LowLatencyReference(LowLatencyEngine):
 
     # ------------------------------------------------------------------ combine
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, zero_copy: bool,
-                return_recv_hook: bool, out: Optional[torch.Tensor]):
+                return_recv_hook: bool, out: Optional[torch.Tensor], use_logfmt: bool = False,
+                mask: Optional[torch.Tensor] = None, wait_stats: Optional[torch.Tensor] = None):
+        """``use_logfmt``: each bf16 partial crosses as LogFMT-10 (logfmt_roundtrip). ``mask`` / ``wait_stats``
+        as in dispatch: slots whose expert lives on a masked rank are left out of the sum."""
         b, R = self.ctx, self.ctx.num_ranks
+        x = self.zero_copy_input(x, zero_copy)
         check_combine_args(b, self._combine_buffers, x, topk_idx, topk_weights, handle, zero_copy, out)
         H = handle.hidden
         T, K = handle.extra["T"], handle.extra["K"]
@@ -291,16 +418,30 @@ class LowLatencyReference(LowLatencyEngine):
         arrival = torch.empty_like(rows)
         arrival[ex["pos"].to(dev)] = rows
         self.backend.calls += 1
-        self.backend._agree(self.backend.signature(5, H, handle.num_experts, False, K, True,
-                                                   b.default_config("combine", R)), [0] * (R + 1))
-        self.backend._phase = "low_latency_combine (data exchange)"
-        back = self.backend._a2a_rows(arrival.contiguous().view(torch.uint8).view(-1, 2 * H),
-                                      ex["recv_counts"], ex["send_counts"]).view(torch.bfloat16)
+        rows_out = arrival.contiguous().view(torch.uint8).view(-1, 2 * H)
+        waits = [0] * R
+        if mask is None:
+            self.backend._agree(self.backend.signature(5, H, handle.num_experts, False, K, True,
+                                                       b.default_config("combine", R)), [0] * (R + 1))
+            self.backend._phase = "low_latency_combine (data exchange)"
+            t0 = time.perf_counter_ns()
+            back = self.backend._a2a_rows(rows_out, ex["recv_counts"], ex["send_counts"]).view(torch.bfloat16)
+            waits = [time.perf_counter_ns() - t0] * R
+        else:
+            self.backend._phase = "low_latency_combine (shrink-mode exchange)"
+            back, _ = self._store_a2a(rows_out, ex["recv_counts"], ex["send_counts"], mask, waits)
+            back = back.view(torch.bfloat16)
+        if wait_stats is not None:
+            wait_stats += torch.tensor(waits, dtype=torch.int64, device=wait_stats.device)
         # back[i] is the row of pair i in the send order: (tok[i], slot[i])
         vals = torch.zeros(T, K, H, dtype=torch.float32, device=dev)
         vals[ex["tok"].to(dev), ex["slot"].to(dev)] = back.float()
-        result = rank_grouped_sum(vals, topk_idx.to(dev), topk_weights.to(dev), handle.num_experts // R,
-                                  R).to(x.device)
+        idx = topk_idx.to(dev)
+        if mask is not None:  # experts on masked ranks are left out, as empty slots
+            owner = torch.where(idx >= 0, idx // (handle.num_experts // R), torch.zeros_like(idx))
+            idx = torch.where((idx >= 0) & (mask.to(dev)[owner] != 0), torch.full_like(idx, -1), idx)
+        result = rank_grouped_sum(vals, idx, topk_weights.to(dev), handle.num_experts // R, R,
+                                  logfmt=use_logfmt).to(x.device)
         if out is not None:
             out.copy_(result)
             result = out

@@ -146,8 +146,7 @@ class CopyEnginePath:
         """CTAs of the packing / summing kernels (one per SM: 1024 / 512 threads at 64 / 120 registers):
         COMMLIB_CE_SMS, else the call's num_sms but at least half the GPU's SMs. No SM touches NVLink on
         this path; the packing and the sum are short local passes bound by bytes in flight, so few CTAs
-        stretch them (2 x H200, `balanced` 16384 tokens: F.dispatch 1.7 ms of packing alone on 4 CTAs,
-        1.22-1.28 ms for the whole dispatch on 64-128; docs/pipeline.md)."""
+        stretch them (docs/notes/2026-11-30_pipeline_log.md)."""
         grid = 2 * self._ce_half_sms if every_sm else max(1, env.ce_sms() or max(num_sms, self._ce_half_sms))
         cluster = K.variant_value("COMM_CLUSTER")  # the kernels launch as clusters of this many CTAs
         return -(-grid // cluster) * cluster

@@ -4,9 +4,8 @@
 // the host: it knows every count after the count exchange); no SM touches NVLink. What is left for
 // the SMs is local: packing a rank's outgoing rows per destination (dispatch) and summing the rows
 // that came back (combine), plus three one-warp kernels that order the copies between the ranks.
-// Measured on 2 x H200 (benchmarks/bench_comm_interference.py, docs/pipeline.md): the copy engines
-// push 390 GB/s per direction and lose 0-3% beside memory-bound compute, where SM-driven copies at
-// 4-8 SMs lose 13-73%.
+// Why: the copy engines leave the SMs to compute (measurements: docs/notes/2026-11-30_pipeline_log.md,
+// python -m experiments.bench_comm_interference).
 //
 // CE staging (one per rank, every peer maps it over CUDA IPC):
 //   [0, 8 * MAX_RANKS)                   ready[src]: last call whose rows src has pushed here

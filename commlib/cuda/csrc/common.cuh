@@ -54,7 +54,7 @@ constexpr bool kPlain = CL_PLAIN;
 // sender and receiver), so a comm kernel takes SMs in pairs from one GPC. torch's persistent grouped
 // GEMM (CUTLASS, 2x1 clusters) sizes its grid for all SMs but the carveout; comm CTAs scattered one
 // per GPC leave odd free SMs behind, fewer cluster slots than that grid, and the GEMM's last clusters
-// wait for a whole first wave (benchmarks/bench_gemm_carveout.py --neighbour measures it).
+// wait for a whole first wave (python -m experiments.bench_gemm_carveout --neighbour measures it).
 #if CL_COMM_CLUSTER > 1
 #define CL_CLUSTER_DIMS __cluster_dims__(CL_COMM_CLUSTER, 1, 1)
 #else

@@ -1,6 +1,6 @@
 // low_latency.cu: decode-mode dispatch / combine (DeepEP v1's low-latency API) inside one node.
 //
-// Semantics: commlib/low_latency.py (LowLatencyReference); this file reproduces them bit for bit.
+// Semantics: commlib/backends/low_latency/reference.py (LowLatencyReference); this file reproduces them bit for bit.
 // Legend: T tokens of this rank, K top-k, E experts, R ranks, L = E / R local experts, H hidden,
 // M = num_max_dispatch_tokens_per_rank. Expert g lives on rank g / L as local expert g % L.
 //
@@ -69,7 +69,7 @@ constexpr int kLlMaxParts = CL_LL_PARTS;  // dispatch: CTAs sharing one token ro
 // (kernel 0 dispatch: start, send ready, first unit's rows stored, its slots scanned, send done
 // (after its fence and arrivals), arrivals seen, recv rows done, end; kernel 1 combine: start, send ready, records written, first
 // item's record seen, its partial stored, send done (flags released), first token's partials seen,
-// end: commlib/backends/low_latency/nvlink.py TRACE_POINTS). benchmarks/bench_low_latency.py --trace reads them.
+// end: commlib/backends/low_latency/nvlink.py TRACE_POINTS). python -m benchmarks.bench_low_latency --trace reads them.
 #define LL_TRACE_BASE 64
 #define LL_TRACE_CTAS 256
 constexpr bool kLlTrace = CL_LL_TRACE;

@@ -1,4 +1,4 @@
-// moe_rows.cu: the expert stage's per-row reduction (commlib.moe.routed_experts), one pass over HBM.
+// moe_rows.cu: the expert stage's per-row reduction (commlib.training.moe.experts.routed_experts), one pass over HBM.
 //
 //   dst[n, :] = bf16( sum over k < K with pos[n, k] >= 0 of float(src[pos[n, k], :]) )
 //

@@ -1,0 +1,34 @@
+"""DeepEP v1 compatibility on 2 GPUs: ``import deep_ep`` on the nvlink backend against the reference
+(tests/gpu/deep_ep_cases.py). Skipped without 2 GPUs and CuPy."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))          # deep_ep_cases, nvlink_cases (spawned ranks inherit sys.path)
+sys.path.insert(0, str(HERE.parent))   # tests/worlds.py
+
+pytestmark = pytest.mark.gpu
+
+from commlib.buffer import _cupy_available as _have_cupy
+
+needs_2_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
+                                  or not _have_cupy(), reason="needs 2 GPUs and CuPy")
+
+
+@needs_2_gpus
+def test_deep_ep_on_nvlink():
+    from worlds import run_world
+
+    os.environ.setdefault("COMMLIB_TIMEOUT_S", "60")
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    results = run_world(2, "deep_ep_cases", ["intranode", "low_latency", "teardown"], use_gpu=True, timeout_s=300)
+    failed = {k: v for k, v in results.items() if v}
+    assert not failed, "\n\n".join(f"--- {k} ---\n{v}" for k, v in failed.items())

@@ -50,8 +50,10 @@ class SimulatedWorkload:
     contention); a pipeline fill of one send chunk per channel; a flag round trip per chunk, half
     hidden behind the copies; a fixed cost per channel. Several nodes add the network hop with its
     own chunk, overlapped with the NVLink part; combine adds the reduction of rows by the receiving
-    CTAs. Capacities above what a call needs cost 0.3% per doubling (buffer footprint), and a fixed
-    +-0.75% ripple per config keeps the landscape from being perfectly smooth. The optimum chunk shrinks as num_sms grows:
+    CTAs. Capacities above what a call needs cost 0.3% per doubling (buffer footprint), a ring the
+    call wraps stalls the sender when ring - send chunk rows cannot cover a head round trip, and a
+    fixed +-0.75% ripple per config keeps the landscape from being perfectly smooth. The optimum
+    chunk shrinks as num_sms grows:
     a diagonal valley, as on the real engine.
     Samples: lognormal noise (``noise``), a per-batch drift, 3% outliers of +5..30%.
     ``elapsed`` accumulates every simulated call, warm-ups included: the tuning time.
@@ -89,7 +91,13 @@ class SimulatedWorkload:
         fan_nvl = self.p_rank * max(P - 1, 1)          # NVLink rows per token
         bw = self.NVL_PEAK * s / (s + 1.5) * (1.0 - 0.004 * max(0, s - 24))
         k = config.num_max_nvl_chunked_send_tokens
-        t = (T * fan_nvl * self.row_bytes / bw                   # the bytes
+        # ring: at most ring - k rows in flight per channel, slots freed a head round trip after a
+        # chunk landed; a ring the call wraps slows the bytes when that window cannot keep up
+        ring = config.num_max_nvl_chunked_recv_tokens
+        need_rate = bw / (c * max(fan_nvl, 1e-9) * self.row_bytes)             # rows / us per channel
+        cycle = 2 * self.SYNC_US + k * max(fan_nvl, 1e-9) * self.row_bytes * c / bw
+        stall = max(1.0, need_rate * cycle / max(ring - k, 1)) if per_channel > ring else 1.0
+        t = (stall * T * fan_nvl * self.row_bytes / bw           # the bytes
              + k * fan_nvl * self.row_bytes * c / bw             # pipeline fill: one chunk per channel
              + math.ceil(per_channel / k) * self.SYNC_US * 0.5   # a flag round trip per chunk
              + c * self.CHANNEL_US)

@@ -286,8 +286,8 @@ def case_bad_input(ctx):
     _expect(ValueError, ["is_token_in_rank", "shape"],
             lambda: buf.dispatch(x, topk_idx=idx, num_tokens_per_rank=ntr, is_token_in_rank=tir[:-1].contiguous(),
                                  num_tokens_per_expert=nte))
-    # x larger than the buffer: the message says which size hint to pass
-    big = Config(2, 8, 16)  # 1 channel of 16 slots
+    # rings larger than the buffer: the message says which size hint to pass
+    big = Config(2, 8, 8192)  # 1 channel, rings of 8192 slots
     _expect(ValueError, ["get_nvl_buffer_size_hint", "num_max_nvl_chunked_recv_tokens"],
             lambda: buf.dispatch(x, topk_idx=idx, config=big, **lay))
     small = commlib.Buffer(ctx.group, 1024, ranks_per_node=R, backend="reference")
@@ -317,8 +317,8 @@ def case_hierarchical_engine(ctx):
         for j, name in enumerate(("random", "group_limited", "some_empty", "zero_tokens", "silent_rank")):
             check_full(ctx, p, name, fp8=False, seed=500 + 10 * i + j, backend="hierarchical")
         check_full(ctx, p, "random", fp8=True, seed=560 + i, backend="hierarchical")
-        # small network chunks: several pipelined chunks per call (chunk 3 rows, capacity 1024)
-        chunked = Config(20, 32, 1024, 3, 1024)
+        # small network chunks: several pipelined chunks per call (chunk 3 rows); the default's NVLink ring
+        chunked = Config(20, 32, 256, 3, 1024)
         check_full(ctx, p, "group_limited", fp8=False, seed=570 + i, backend="hierarchical", config=chunked)
         check_full(ctx, p, "some_empty", fp8=True, seed=580 + i, backend="hierarchical", config=chunked)
 

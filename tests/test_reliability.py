@@ -76,7 +76,7 @@ def _fault_worker(ctx, fault):
             xin = commlib.per_token_cast_to_fp8(x.float()) if odd else x
             return _outcome(lambda: _dispatch(buf, xin, idx))
         if what == "config":
-            cfg = commlib.Config(10 if odd else 20, 32, 1024)
+            cfg = commlib.Config(10 if odd else 20, 32, 256)
             return _outcome(lambda: _dispatch(buf, x, idx, config=cfg))
         if what == "bad_input_on_one_rank":
             bad = idx.clone()

@@ -2,8 +2,8 @@
 
 What is tuned: for one call shape (ranks, ranks per node, hidden, dtype, token bucket), separately
 for dispatch and combine, the fields of ``commlib.config.Config``: num_sms (even) and the NVLink /
-network chunk sizes and capacities. Every candidate respects Config's validation and the call's
-needs (``max_tokens_per_call() >= tokens``; the buffer-size hint fits the Buffer when known).
+network chunk sizes and ring sizes. Every candidate respects Config's validation, and its rings
+fit the Buffer when its sizes are known (the size hints); rows stream through them, any token count.
 
 How: ``search(space, time_fn)`` where ``time_fn(config) -> [sample times]`` (one batch of
 repetitions). The "smart" strategy goes coarse-to-fine: every other value of num_sms x send
@@ -299,7 +299,8 @@ def buffer_sizes(spaces: dict, num_sms: Optional[int] = None) -> tuple[int, int]
         for c in space.configs() + ([default] if unbounded.is_valid(default) else []):
             nvl = max(nvl, c.get_nvl_buffer_size_hint(space.hidden_bytes, space.ranks_per_node))
             if space.num_ranks > space.ranks_per_node:
-                rdma = max(rdma, c.get_rdma_buffer_size_hint(space.hidden_bytes, space.num_ranks))
+                rdma = max(rdma, c.get_rdma_buffer_size_hint(space.hidden_bytes, space.num_ranks,
+                                                             ranks_per_node=space.ranks_per_node))
     return nvl, rdma
 
 

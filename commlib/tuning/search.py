@@ -20,12 +20,15 @@ KINDS = ("dispatch", "combine")
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Config))  # DeepEP's positional order
 
-# Default candidates. Capacities are filtered per shape (they must hold the token bucket).
+# Default candidates. Staging is a ring per (source, channel), so any token count runs with any ring:
+# the ring sizes trade buffer bytes for slack against the receiver's head updates, the send chunks
+# trade publish frequency against pipeline fill. Rings must fit the Buffer (the size hints).
 DEFAULT_SMS = tuple(range(8, 49, 4))
-DEFAULT_NVL_SEND = (4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
-DEFAULT_NVL_RECV = (256, 512, 1024, 2048, 4096)
-DEFAULT_RDMA_SEND = (8, 16, 32, 64, 128)
-DEFAULT_RDMA_RECV = (256, 512, 1024, 2048, 4096)
+DEFAULT_NVL_SEND = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48)
+DEFAULT_NVL_RECV = (64, 128, 256, 512, 1024)
+DEFAULT_RDMA_SEND = (4, 8, 16, 32, 64)
+DEFAULT_RDMA_RECV = (64, 128, 256, 512)
+SINGLE_NODE_RDMA = (6, 128)  # the network fields on one node: unused, DeepEP's defaults
 
 TimeFn = Callable[[Config], Sequence[float]]
 
@@ -72,16 +75,14 @@ def check_kind(kind: str) -> None:
 
 def fits(config: Config, num_tokens: int, num_ranks: int, ranks_per_node: int, hidden_bytes: int,
           num_nvl_bytes: Optional[int], num_rdma_bytes: Optional[int]) -> bool:
-    """Can a call of ``num_tokens`` rows of ``hidden_bytes`` run with ``config`` on this Buffer?"""
-    if config.max_tokens_per_call() < num_tokens:
-        return False
-    multi_node = num_ranks > ranks_per_node
-    if multi_node and config.num_channels * config.num_max_rdma_chunked_recv_tokens < num_tokens:
-        return False
+    """Can a call of rows of ``hidden_bytes`` run with ``config`` on this Buffer? Rows stream through
+    the rings, so ``num_tokens`` does not matter: the rings must fit the buffers."""
     if num_nvl_bytes is not None and config.get_nvl_buffer_size_hint(hidden_bytes, ranks_per_node) > num_nvl_bytes:
         return False
+    multi_node = num_ranks > ranks_per_node
     if (multi_node and num_rdma_bytes is not None
-            and config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) > num_rdma_bytes):
+            and config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node=ranks_per_node)
+            > num_rdma_bytes):
         return False
     return True
 
@@ -91,14 +92,14 @@ def fits(config: Config, num_tokens: int, num_ranks: int, ranks_per_node: int, h
 class SearchSpace:
     """Candidate values per Config field, and what every candidate must satisfy.
 
-    ``num_tokens``: the capacity every config must have (a token bucket's upper end).
+    ``num_tokens``: the token bucket tuned for (its upper end).
     ``hidden_bytes``: row bytes for the buffer-size checks against num_nvl_bytes / num_rdma_bytes.
     """
     num_sms: tuple = DEFAULT_SMS
     nvl_send: tuple = DEFAULT_NVL_SEND
     nvl_recv: tuple = DEFAULT_NVL_RECV
-    rdma_send: tuple = (64,)
-    rdma_recv: tuple = (1024,)
+    rdma_send: tuple = (SINGLE_NODE_RDMA[0],)
+    rdma_recv: tuple = (SINGLE_NODE_RDMA[1],)
     num_tokens: int = 1
     num_ranks: int = 1
     ranks_per_node: int = 1
@@ -116,7 +117,7 @@ class SearchSpace:
         for values in itertools.product(self.num_sms, self.nvl_send, self.nvl_recv, self.rdma_send, self.rdma_recv):
             try:
                 config = Config(*values)
-            except (TypeError, ValueError):  # odd num_sms, send chunk above capacity, ...
+            except (TypeError, ValueError):  # odd num_sms, send chunk not below the ring, ...
                 continue
             if self.is_valid(config):
                 out.append(config)
@@ -128,9 +129,9 @@ def default_space(kind: str, num_ranks: int, ranks_per_node: int, hidden: int, d
                   num_sms: Sequence[int] = DEFAULT_SMS, nvl_send: Sequence[int] = DEFAULT_NVL_SEND,
                   nvl_recv: Sequence[int] = DEFAULT_NVL_RECV, rdma_send: Sequence[int] = DEFAULT_RDMA_SEND,
                   rdma_recv: Sequence[int] = DEFAULT_RDMA_RECV, max_num_sms: Optional[int] = None) -> SearchSpace:
-    """The space tuned for a call shape; capacities must hold ``token_bucket(num_tokens)`` tokens.
+    """The space tuned for a call shape (``token_bucket(num_tokens)`` tokens); rings must fit the buffers.
 
-    On one node the network fields do not matter and stay at the default (64, 1024).
+    On one node the network fields do not matter and stay at SINGLE_NODE_RDMA.
     """
     check_kind(kind)
     if num_ranks <= 0 or ranks_per_node <= 0 or num_ranks % ranks_per_node:
@@ -139,7 +140,8 @@ def default_space(kind: str, num_ranks: int, ranks_per_node: int, hidden: int, d
     multi_node = num_ranks > ranks_per_node
     return SearchSpace(
         num_sms=sms, nvl_send=tuple(nvl_send), nvl_recv=tuple(nvl_recv),
-        rdma_send=tuple(rdma_send) if multi_node else (64,), rdma_recv=tuple(rdma_recv) if multi_node else (1024,),
+        rdma_send=tuple(rdma_send) if multi_node else (SINGLE_NODE_RDMA[0],),
+        rdma_recv=tuple(rdma_recv) if multi_node else (SINGLE_NODE_RDMA[1],),
         num_tokens=token_bucket(num_tokens), num_ranks=num_ranks, ranks_per_node=ranks_per_node,
         hidden_bytes=hidden * (2 if kind == "combine" else dtype_bytes(dtype)),
         num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes if multi_node else None)

@@ -227,6 +227,12 @@ class NVLinkBackend(CopyEnginePath, Backend):
     def _capacity(self, slot_bytes: int, num_channels: int) -> int:
         return self.region_bytes // (self.num_ranks * num_channels * slot_bytes)
 
+    def staging_capacity(self, num_channels: int, slot_bytes: int) -> int:
+        """Rows per (source, channel) a call may send: the kernels move a call whole (no ring yet), in
+        half of the buffer less the control words, so a buffer sized by the ring hint holds about half
+        a ring. Buffer._check_capacity refuses bigger calls on every rank before anything moves."""
+        return self._capacity(slot_bytes, num_channels)
+
     def _check_channels(self, num_channels: int, num_tokens: int, slot_bytes: int, what: str) -> int:
         if num_channels > K.MAX_CHANNELS:
             raise ValueError(f"[commlib rank {self.rank}] {what}: {num_channels} channels, the nvlink backend "

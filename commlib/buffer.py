@@ -23,6 +23,7 @@ from commlib.utils.dist import group_from_comm
 from commlib.backends import make_backend, make_low_latency
 from commlib.backends.base import Backend, BackendContext, CombineRequest, DispatchRequest, PendingCombine
 from commlib.config import Config, default_combine_config, default_dispatch_config, slot_bytes
+from commlib.fp8 import BLOCK
 from commlib.handle import DispatchHandle
 from commlib.layout import Layout
 from commlib.utils.event import EventHandle, EventOverlap
@@ -421,19 +422,26 @@ class Buffer(LowLatencyMode):
         except (TypeError, ValueError):
             self._rejected(2 if handle is not None else 1)
             raise
-        inputs = [req.x, req.x_scales, topk_idx, topk_weights, is_token_in_rank, handle]
-        res, event = self._run(lambda: self.backend.dispatch(req), inputs, previous_event, async_finish,
-                               allocate_on_comm_stream)
+        scales_in = req.x_scales
+        inputs = [req.x, scales_in, topk_idx, topk_weights, is_token_in_rank, handle]
+
+        def call():
+            # on the comm stream: the scales' carrier rows are made after the wait for previous_event,
+            # and the received ones are turned back before the event that the caller waits on
+            if scales_in is not None:
+                req.x_scales = scales_carrier(scales_in, req.x.shape[1])
+            res = self.backend.dispatch(req)
+            if res.recv_x_scales is not None:
+                res.recv_x_scales = scales_from_carrier(res.recv_x_scales, scales_in.shape[1], scales_in.dtype)
+            return res
+
+        res, event = self._run(call, inputs, previous_event, async_finish, allocate_on_comm_stream)
         res.handle.buffer_id = self.buffer_id
         per_expert = res.num_recv_tokens_per_expert_list
         if handle is None and req.topk_idx is None:
             # no top-k to count: the per-expert list comes from the senders' num_tokens_per_expert (as DeepEP)
             per_expert = [] if num_worst_tokens else self._recv_per_expert(num_tokens_per_expert, expert_alignment)
-        if res.recv_x_scales is None:
-            recv_x = res.recv_x
-        else:
-            _, scales_in = split_x(x, self.rank, self.device)
-            recv_x = (res.recv_x, scales_from_carrier(res.recv_x_scales, scales_in.shape[1], scales_in.dtype))
+        recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
         return (recv_x, res.recv_topk_idx, res.recv_topk_weights, per_expert, res.handle, event)
 
     def internode_dispatch(self, x: XType, handle: Optional[DispatchHandle] = None,
@@ -535,16 +543,17 @@ class Buffer(LowLatencyMode):
     def _prepare_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                           config) -> DispatchRequest:
+        # FP8 scales stay the caller's tensor here; dispatch() turns them into the carrier rows the
+        # transports move on the comm stream, after its wait for previous_event.
         data, scales = split_x(x, self.rank, self.device)
         T, H = data.shape
-        scales = scales_carrier(scales, H) if scales is not None else None
         if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment <= 0:
             raise ValueError(f"[commlib rank {self.rank}] expert_alignment must be a positive int, got {expert_alignment!r}")
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise ValueError(f"[commlib rank {self.rank}] num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
         config = self._resolve_config(config, "dispatch", T, H, "fp8" if scales is not None else "bf16")
         hidden_bytes = H * data.element_size()
-        self._check_capacity(T, hidden_bytes, config, scales.shape[1] if scales is not None else 0,
+        self._check_capacity(T, hidden_bytes, config, H // BLOCK if scales is not None else 0,
                              topk_idx.shape[1] if handle is None and isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2
                              else 0)
 

@@ -87,12 +87,12 @@ def repo_root() -> Optional[Path]:
 
 
 def git_commit() -> dict:
-    """{"commit", "dirty"} of the checkout; COMMLIB_GIT_COMMIT where there is no .git (the device
-    machine receives the working tree without it). Every benchmark records this."""
+    """{"commit", "dirty"} of the checkout, or COMMLIB_GIT_COMMIT when set (the device machine gets the
+    working tree without this checkout's .git). Every benchmark records this."""
     root = repo_root()
     info = {"commit": env.git_commit() or "unknown", "dirty": None}
-    if root is None or not (root / ".git").exists():
-        return info
+    if env.git_commit() or root is None or not (root / ".git").exists():
+        return info   # an explicit COMMLIB_GIT_COMMIT wins over a .git the machine may hold
     try:
         info["commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                                         text=True, timeout=10, check=True).stdout.strip() or "unknown"

@@ -36,7 +36,10 @@ CONTROL_LAYOUT = {
     # per-call signature words u64 [src][channel] (csrc/common.cuh call_signature), then the notify slots
     "CL_OFF_DISPATCH_SIG": 4 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
     "CL_OFF_COMBINE_SIG": 5 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
-    "CL_OFF_NOTIFY_DATA": 6 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
+    # ring heads u64 [dst][channel]: rows the receiver dst consumed (csrc/common.cuh Ring)
+    "CL_OFF_DISPATCH_HEAD": 6 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
+    "CL_OFF_COMBINE_HEAD": 7 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
+    "CL_OFF_NOTIFY_DATA": 8 * 8 * MAX_RANKS * MAX_CHANNELS + 4096,
 }
 NOTIFY_WORD_EXPERT = 16 + MAX_CHANNELS       # CL_NW_EXPERT
 HOST_COUNTS = {"total": 0, "bad_me": 1, "bad_rank": 2, "bad_value": 3, "sent": 4, "recv": 12,
@@ -81,7 +84,7 @@ MACRO_PREFIX = "CL_"  # kernel macros; environment variables keep COMMLIB_
 # (compile_all, launch) and the compile test (default_builds); it covers every csrc/*.cu.
 FAMILIES = {
     "layout": ("layout_kernel",),
-    "notify": ("notify_kernel",),
+    "notify": ("notify_kernel", "ring_drain_kernel"),
     "dispatch": ("dispatch_kernel",),
     "combine": ("combine_kernel",),
     "low_latency": ("ll_dispatch_kernel", "ll_combine_kernel"),
@@ -247,14 +250,19 @@ _variant_key: tuple = tuple(sorted(_variant.items()))
 _streaming_key: Optional[tuple] = _streaming_variant_key(_variant)  # both set by set_variant
 
 
-def dispatch_variant_key(num_sms: int) -> tuple:
+def dispatch_variant_key(num_sms: int, streaming_ok: bool = True) -> tuple:
     """The build a dispatch of ``num_sms`` SMs launches: the current variant, or, when
     DISPATCH_STREAM_MAX_SMS >= num_sms (and the variant's sender has round barriers),
     the same with DISPATCH_STREAM_SEND=1. Both builds speak the same protocol to the
     receivers (tails, done flags, sequence counters), so calls of either may follow each other;
-    every rank of a call has the same num_sms, hence the same build. Called per dispatch: both keys
-    are computed once, by set_variant."""
-    if _streaming_key is None or num_sms > _variant["DISPATCH_STREAM_MAX_SMS"]:
+    every rank of a call has the same num_sms, hence the same build. ``streaming_ok`` False (rings that
+    wrap and are too small for the streaming sender, engine.py): the round-barrier build. Called per
+    dispatch: both keys are computed once, by set_variant."""
+    if _streaming_key is None or num_sms > _variant["DISPATCH_STREAM_MAX_SMS"] or not streaming_ok:
+        if not streaming_ok and _variant["DISPATCH_STREAM_SEND"]:
+            raise ValueError("kernel variant DISPATCH_STREAM_SEND > 0 cannot stream this call through its rings "
+                             "(a ring smaller than a round and two 32-token blocks); use a larger "
+                             "num_max_nvl_chunked_recv_tokens or DISPATCH_STREAM_SEND=0")
         return _variant_key
     return _streaming_key
 

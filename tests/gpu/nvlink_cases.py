@@ -39,10 +39,16 @@ _SIZE_CFG = Config(20, 32, 256, 64, 1024)
 _SIZE_HIDDEN_BYTES = 7168 * 2
 
 
+# Ring cases: Buffers sized by the size hint of the largest config they run, nothing more.
+_RING_CFGS = {"rings": (Config(24, 6, 256, 6, 128), 256 * 2), "rings_v3": (Config(24, 6, 256, 6, 128), 7168 * 2),
+              "rings_tiny": (Config(20, 1, 8), 256 * 2)}
+
+
 def buffers(ctx, key: str = "main"):
     """(nvlink Buffer, reference Buffer), built once per world and key."""
     if key not in _BUFFERS:
-        nbytes = _SIZE_CFG.get_nvl_buffer_size_hint(_SIZE_HIDDEN_BYTES, ctx.world_size)
+        cfg, hidden_bytes = _RING_CFGS.get(key, (_SIZE_CFG, _SIZE_HIDDEN_BYTES))
+        nbytes = cfg.get_nvl_buffer_size_hint(hidden_bytes, ctx.world_size)
         nv = Buffer(ctx.group, nbytes, backend="nvlink", explicitly_destroy=True)
         ref = Buffer(ctx.group, nbytes, backend="reference", explicitly_destroy=True)
         assert nv.backend.name == "nvlink", nv.backend.name
@@ -552,3 +558,88 @@ def case_many_ranks(ctx):
         run_case(ctx, routing_name=name, cfg=cfg, T=24 + i, H=256, E=8 * R, K=4, seed=90 + i, num_bias=i % 3)
     run_case(ctx, cfg=cfg, T=30, H=256, E=8 * R, K=4, fp8=False, worst=40 * R, seed=96)
     run_case(ctx, cfg=cfg, T=30, H=512, E=8 * R, K=4, fp8=True, seed=97)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rings: token counts past the ring (issue #28), on Buffers sized by the hint alone
+# ------------------------------------------------------------------------------------------------
+
+def _ring_unit(cfg: Config) -> int:
+    return cfg.num_channels * cfg.num_max_nvl_chunked_recv_tokens
+
+
+def case_rings(ctx):
+    """DeepEP's test config Config(24, 6, 256) with 4,096 tokens (V3 rows too); tiny rings Config(20, 1, 8)
+    at 0, 1, ring boundaries (k rings per channel, +-1) and 8x the ring, bf16 and FP8, cached, padded."""
+    deep, tiny = _RING_CFGS["rings"][0], _RING_CFGS["rings_tiny"][0]
+    R = ctx.world_size
+    run_case(ctx, cfg=deep, T=4096, H=256, E=8 * R, K=4, seed=300, key="rings")
+    run_case(ctx, cfg=deep, T=4096, H=256, E=8 * R, K=4, fp8=False, worst=4096 * R, seed=301, key="rings")
+    if R <= 2:
+        run_case(ctx, routing_name="group_limited", cfg=deep, T=4096, H=7168, E=256, K=8, seed=302, key="rings_v3")
+        run_case(ctx, routing_name="group_limited", cfg=deep, T=4096, H=7168, E=256, K=8, fp8=True, seed=303,
+                 key="rings_v3")
+    unit = _ring_unit(tiny)
+    counts = [0, 1] + [n for k in (1, 2) for n in (k * unit - 1, k * unit, k * unit + 1)] + [8 * unit]
+    for i, T in enumerate(counts):
+        run_case(ctx, cfg=tiny, T=T, H=256, E=8 * R, K=4, fp8=i % 2 == 1, seed=310 + i, key="rings_tiny",
+                 routing_name="random" if i % 3 else "some_empty")
+    run_case(ctx, cfg=tiny, T=0, H=256, E=8 * R, K=4, seed=330, key="rings_tiny",
+             token_counts=[(0 if r == 0 else 8 * unit - r) for r in range(R)])
+    run_case(ctx, cfg=tiny, T=0, H=256, E=8 * R, K=4, worst=8 * unit * R, seed=331, key="rings_tiny",
+             token_counts=[8 * unit - 3 * r for r in range(R)])
+
+
+def case_rings_random(ctx):
+    """COMMLIB_TEST_RING_ROUNDS (default 1000) random rounds: a random tiny-ring config, token counts
+    from 0 to 8x its rings per rank, bf16 / FP8, every output compared with the reference backend."""
+    import random
+    rounds = int(os.environ.get("COMMLIB_TEST_RING_ROUNDS", "1000"))
+    rng = random.Random(400)  # the same draws on every rank
+    R = ctx.world_size
+    cfgs = [_RING_CFGS["rings_tiny"][0], Config(4, 1, 2), Config(6, 2, 3), Config(8, 3, 16), Config(2, 4, 5)]
+    for i in range(rounds):
+        cfg = rng.choice(cfgs)
+        counts = [rng.randint(0, 8 * _ring_unit(cfg)) for _ in range(R)]
+        run_case(ctx, cfg=cfg, combine_cfg=rng.choice([cfg, _RING_CFGS["rings_tiny"][0]]), T=0, H=256, E=8 * R, K=4,
+                 fp8=rng.random() < 0.3, worst=rng.choice([0, 0, 0, 8 * _ring_unit(cfg) * R]), seed=1000 + i,
+                 key="rings_tiny", token_counts=counts, cached=rng.random() < 0.5,
+                 routing_name=rng.choice(["random", "some_empty", "all_remote", "one_expert"]))
+
+
+def case_rings_graph(ctx):
+    """A CUDA graph of layout + dispatch (num_worst_tokens) + combine whose rows wrap tiny rings 8 times."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    cfg = _RING_CFGS["rings_tiny"][0]
+    nv, ref = buffers(ctx, "rings_tiny")
+    T, H, E, K = 8 * _ring_unit(cfg), 256, 8 * R, 4
+    W = T * R
+    x_s = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    idx_s = torch.zeros(T, K, dtype=torch.int64, device=dev)
+    w_s = torch.zeros(T, K, dtype=torch.float32, device=dev)
+
+    def step(buf):
+        ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx_s, E)
+        rx, ridx, rw, _, handle, _ = buf.dispatch(x_s, num_tokens_per_rank=ntpr, is_token_in_rank=tir,
+                                                  num_tokens_per_expert=ntpe, topk_idx=idx_s, topk_weights=w_s,
+                                                  num_worst_tokens=W, config=cfg)
+        cx, cw, _ = buf.combine(rx, handle, topk_weights=rw, config=cfg)
+        return rx, ridx, rw, handle.send_head, cx, cw
+
+    def fill(seed):
+        g = torch.Generator().manual_seed(seed * 100 + me)
+        idx, w = make_routing("some_empty", T, E, K, me, R, g)
+        x_s.copy_(torch.randn(T, H, generator=g).to(torch.bfloat16))
+        idx_s.copy_(idx)
+        w_s.copy_(w)
+
+    fill(0)
+    graph, static_out = capture_graph(lambda: step(nv), capture_error_mode="thread_local")
+    for it in range(4):
+        fill(it + 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step(ref)
+        names = ("recv_x", "recv_topk_idx", "recv_topk_weights", "send_head", "combined_x", "combined_w")
+        for nm, got, exp in zip(names, static_out, want):
+            check_same(got, exp, f"[ring graph replay {it}] {nm}")

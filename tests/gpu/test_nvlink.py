@@ -31,8 +31,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not _have_cupy(
                                 reason="needs CUDA GPUs and CuPy")
 
 CASES_2 = ["smoke", "routings_bf16", "routings_fp8", "odd_hidden", "v3_shape", "options", "bad_ids",
-           "rejected_input", "cuda_graph", "smid", "pressure"]
-CASES_MANY = ["smoke", "many_ranks", "bad_ids"]
+           "rejected_input", "cuda_graph", "smid", "pressure", "rings", "rings_graph", "rings_random"]
+CASES_MANY = ["smoke", "many_ranks", "bad_ids", "rings"]
 
 
 def _env_for_worlds() -> None:

@@ -9,12 +9,12 @@ cudaIpc handle with ``all_gather_object`` on the Buffer's group (NCCL or gloo: t
 carries these few bytes, never data). Works between processes sharing a GPU too.
 
 Buffer layout (every rank the same; csrc/common.cuh and commlib/cuda/loader.py hold the offsets):
-  [0, CONTROL_BYTES)          progress / done words, notify slots (see csrc/notify.cu)
-  [CONTROL, CONTROL + B)      dispatch staging: [source rank][channel][slot] (csrc/dispatch.cu)
-  [CONTROL + B, CONTROL + 2B) combine staging: [source rank][channel][slot] (csrc/combine.cu)
-with B = (num_nvl_bytes - CONTROL_BYTES) / 2. Slots per (source, channel) are whatever fits
-(at least the config's num_max_nvl_chunked_recv_tokens when the buffer was sized with
-Config.get_nvl_buffer_size_hint).
+  [0, CONTROL_BYTES)                      progress / head / done words, notify slots (csrc/notify.cu)
+  [CONTROL, CONTROL + num_nvl_bytes)      staging: [source rank][channel] rings, shared by dispatch and
+                                          combine (csrc/common.cuh Ring): num_nvl_bytes / R per source,
+                                          that / C per channel, slots of the call's row
+A ring has the config's num_max_nvl_chunked_recv_tokens slots; any token count streams through it
+(Config.get_nvl_buffer_size_hint sizes num_nvl_bytes for that).
 
 Calls never reset anything: kernels keep per-(kind, role, channel) sequence counters in device
 memory, so eager calls and CUDA-graph replays interleave freely as long as every rank makes the
@@ -89,8 +89,11 @@ class NVLinkBackend(CopyEnginePath, Backend):
         self.failed: Optional[str] = None
         self._base: Optional[int] = None
         self._peer_ptrs: dict[int, int] = {}
-        self.num_bytes = max(int(ctx.num_nvl_bytes), CONTROL_BYTES)
-        self.region_bytes = ((self.num_bytes - CONTROL_BYTES) // 2) // SLOT_ALIGN * SLOT_ALIGN
+        # control words first, then num_nvl_bytes of staging: one part per source rank, a ring per channel
+        # inside it (csrc/common.cuh Ring), shared by dispatch and combine
+        self.num_bytes = CONTROL_BYTES + int(ctx.num_nvl_bytes)
+        self.part_bytes = int(ctx.num_nvl_bytes) // self.num_ranks // SLOT_ALIGN * SLOT_ALIGN
+        self._ring_channels: Optional[int] = None  # channels of the last call (its rings' byte ranges)
         self._mem = PeerMemory(self.num_bytes, self.group, self.rank, self.num_ranks, self.device)
         self._base, self._peer_ptrs = self._mem.base, self._mem.peer_ptrs
         self.peer_bases = self._mem.peer_bases
@@ -224,27 +227,35 @@ class NVLinkBackend(CopyEnginePath, Backend):
         return Layout(ntpr, None, ntpe, tir)
 
     # ------------------------------------------------------------------ geometry
-    def _capacity(self, slot_bytes: int, num_channels: int) -> int:
-        return self.region_bytes // (self.num_ranks * num_channels * slot_bytes)
+    def _ring_bytes(self, num_channels: int) -> int:
+        return self.part_bytes // num_channels // SLOT_ALIGN * SLOT_ALIGN
 
-    def staging_capacity(self, num_channels: int, slot_bytes: int) -> int:
-        """Rows per (source, channel) a call may send: the kernels move a call whole (no ring yet), in
-        half of the buffer less the control words, so a buffer sized by the ring hint holds about half
-        a ring. Buffer._check_capacity refuses bigger calls on every rank before anything moves."""
-        return self._capacity(slot_bytes, num_channels)
-
-    def _check_channels(self, num_channels: int, num_tokens: int, slot_bytes: int, what: str) -> int:
+    def _ring(self, num_channels: int, slot_bytes: int, ring_tokens: int, what: str) -> tuple[int, int]:
+        """(ring bytes per (source, channel), slots per ring = the config's ring) for a call; rows of any
+        count stream through it. Buffer._check_capacity already refused rings that do not fit."""
         if num_channels > K.MAX_CHANNELS:
             raise ValueError(f"[commlib rank {self.rank}] {what}: {num_channels} channels, the nvlink backend "
                              f"supports at most {K.MAX_CHANNELS} (num_sms <= {2 * K.MAX_CHANNELS})")
-        cap = self._capacity(slot_bytes, num_channels)
-        per = math.ceil(num_tokens / num_channels) if num_tokens else 0
-        if per > cap:
-            raise ValueError(f"[commlib rank {self.rank}] {what}: {num_tokens} tokens need {per} slots per channel, "
-                             f"the NVLink buffer ({self.num_bytes} bytes) holds {cap} slots of {slot_bytes} bytes "
-                             f"per (rank, channel); build the Buffer with a larger num_nvl_bytes "
-                             f"(Config.get_nvl_buffer_size_hint)")
-        return cap
+        ring_bytes = self._ring_bytes(num_channels)
+        cap = min(int(ring_tokens), ring_bytes // slot_bytes)
+        if cap < 1:
+            raise ValueError(f"[commlib rank {self.rank}] {what}: a ring of {num_channels} channels gets "
+                             f"{ring_bytes} bytes of the {self.num_bytes - CONTROL_BYTES}-byte staging, less than "
+                             f"one {slot_bytes}-byte slot; build the Buffer with num_nvl_bytes >= "
+                             f"Config.get_nvl_buffer_size_hint")
+        return ring_bytes, cap
+
+    def _drain_if_moved(self, num_channels: int) -> None:
+        """A call with another channel count than the last one moves the rings' byte ranges: first wait
+        until every peer's receivers are done with this rank's rows (csrc/notify.cu ring_drain_kernel).
+        Every rank makes the same calls, so every rank drains at the same call. A call captured in a
+        CUDA graph always drains (its replays may follow any call), and the call after a capture too."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing or (self._ring_channels is not None and self._ring_channels != num_channels):
+            K.launch("notify", "ring_drain_kernel", 1, 32,
+                     (K.ptr(self.peer_bases), K.i32(self.rank), K.i32(self.num_ranks), K.ptr(self.seq_counters),
+                      K.u64(self.timeout_ns)))
+        self._ring_channels = -1 if capturing else num_channels
 
     @staticmethod
     def _round(send_chunk: int, family: str) -> int:
@@ -305,7 +316,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
         off_scales = align_up(hidden_bytes)
         off_meta = off_scales + align_up(S * 4)
         slot_bytes = align_up(off_meta + 4 * (1 + 2 * Kk), SLOT_ALIGN)
-        cap = self._check_channels(C, T, slot_bytes, "dispatch")
+        ring_bytes, cap = self._ring(C, slot_bytes, req.config.num_max_nvl_chunked_recv_tokens, "dispatch")
 
         host = None
         counts = None
@@ -372,6 +383,15 @@ class NVLinkBackend(CopyEnginePath, Backend):
                 send_head = layout_send_head(tir, rpm, me, before=ce_pos)  # copies' critical path
         else:
             flags = 0 if cached else 1
+            # rounds of at most a ring: the rows a head wait needs were published by an earlier round
+            round_tokens = min(self._round(req.config.num_max_nvl_chunked_send_tokens, "dispatch"), cap)
+            # the streaming sender publishes at 32-token blocks past round ends: safe with rings that
+            # wrap only when a ring holds a round and two blocks more
+            streaming_ok = math.ceil(T / C) <= cap or cap >= round_tokens + 64 if T else True
+            # heads go back every head_batch rows: a lag of head_batch - 1 rows plus a round (or a round
+            # and a 32-token block for the streaming sender) stays within a ring
+            head_batch = max(1, min(32, cap - round_tokens + 1 - (32 if cap >= round_tokens + 64 else 0)))
+            self._drain_if_moved(C)
             K.launch("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"),
                      (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir),
                       K.ptr(rpm), K.ptr(cpm), K.ptr(rcp),
@@ -379,12 +399,12 @@ class NVLinkBackend(CopyEnginePath, Backend):
                       K.ptr(send_head),
                       K.i32(T), K.i32(hidden_bytes // 16), K.i32(S), K.i32(Kk), K.i32(L), K.i32(N),
                       K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C),
-                      K.u64(CONTROL_BYTES), K.i32(cap), K.i32(slot_bytes), K.i32(off_scales), K.i32(off_meta),
-                      K.i32(self._round(req.config.num_max_nvl_chunked_send_tokens, "dispatch")), K.i32(flags),
+                      K.u64(CONTROL_BYTES), K.u64(self.part_bytes), K.u64(ring_bytes), K.i32(cap), K.i32(slot_bytes),
+                      K.i32(off_scales), K.i32(off_meta), K.i32(round_tokens), K.i32(flags), K.i32(head_batch),
                       # with num_worst_tokens the host never sees the counts: the kernel checks the error word
                       K.u64(counts.data_ptr() + 4 * K.HOST_COUNTS["bad_rank"]) if (counts is not None and worst) else K.u64(0),
                       K.ptr(self.seq_counters), self._smid_ptr("dispatch", num_sms), K.u64(self.timeout_ns)),
-                     variant_key=K.dispatch_variant_key(num_sms))  # DISPATCH_STREAM_MAX_SMS: per call
+                     variant_key=K.dispatch_variant_key(num_sms, streaming_ok))  # DISPATCH_STREAM_MAX_SMS: per call
 
         if cached:
             handle = req.handle
@@ -489,7 +509,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
         biases = [aligned_16(b) for b in req.bias] + [None, None]
         off_w = align_up(hidden_bytes)
         slot_bytes = align_up(off_w + 4 * Kk, SLOT_ALIGN)
-        cap = self._check_channels(C, T, slot_bytes, "combine")
+        ring_bytes, cap = self._ring(C, slot_bytes, req.config.num_max_nvl_chunked_recv_tokens, "combine")
         out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
         out_w = torch.empty((T, Kk), dtype=torch.float32, device=dev) if w is not None else None
         num_sms = req.config.num_sms
@@ -498,14 +518,16 @@ class NVLinkBackend(CopyEnginePath, Backend):
                                       later=req.finish_later and env.ce_defer_sum())
             self._count(h.extra.get("recv_counts"))
             return CombineResult(out, out_w, pending)
+        self._drain_if_moved(C)
         K.launch("combine", "combine_kernel", num_sms, K.threads("combine"),
                  (K.ptr(x), K.ptr(w), K.ptr(h.send_head),
                   K.ptr(h.rank_prefix_matrix), K.ptr(h.channel_prefix_matrix), K.ptr(h.recv_channel_prefix_matrix),
                   K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(out), K.ptr(out_w),
                   K.i32(T), K.i32(hidden_bytes // 16), K.i32(Kk),
                   K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C),
-                  K.u64(CONTROL_BYTES + self.region_bytes), K.i32(cap), K.i32(slot_bytes), K.i32(off_w),
-                  K.i32(self._round(req.config.num_max_nvl_chunked_send_tokens, "combine")),
+                  K.u64(CONTROL_BYTES), K.u64(self.part_bytes), K.u64(ring_bytes), K.i32(cap), K.i32(slot_bytes),
+                  K.i32(off_w), K.i32(min(self._round(req.config.num_max_nvl_chunked_send_tokens, "combine"), cap)),
+                  K.i32(max(1, min(32, (cap + 1) // 2))),  # tail / head batch: 2 x batch <= cap + 1
                   K.ptr(self.seq_counters), self._smid_ptr("combine", num_sms), K.u64(self.timeout_ns)))
         self._count(h.extra.get("recv_counts"))
         return CombineResult(out, out_w)

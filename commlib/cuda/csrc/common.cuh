@@ -31,11 +31,14 @@ typedef long long i64;
 //   CL_OFF_NOTIFY_FLAG     u64 [parity][src rank]
 //   CL_OFF_DISPATCH_SIG    u64 [src rank][channel]: src sender's call_signature, written by src
 //   CL_OFF_COMBINE_SIG     u64 [src rank][channel]
+//   CL_OFF_DISPATCH_HEAD   u64 [dst rank][channel]: ring rows consumed, written by dst (Ring below)
+//   CL_OFF_COMBINE_HEAD    u64 [dst rank][channel]
 //   CL_OFF_NOTIFY_DATA     int [parity][src rank][slot_words]
 //   CL_COMM_CLUSTER, CL_SHARE_WORK, CL_COMM_TRACE, CL_TRACE_OFFSET_WORDS, CL_TRACE_POINTS (below)
 #if !defined(CL_PLAIN) || !defined(CL_MAX_RANKS) || !defined(CL_MAX_CHANNELS) || !defined(CL_OFF_DISPATCH_TAIL) || \
     !defined(CL_OFF_DISPATCH_DONE) || !defined(CL_OFF_COMBINE_TAIL) || !defined(CL_OFF_COMBINE_DONE) ||             \
     !defined(CL_OFF_NOTIFY_FLAG) || !defined(CL_OFF_DISPATCH_SIG) || !defined(CL_OFF_COMBINE_SIG) ||                 \
+    !defined(CL_OFF_DISPATCH_HEAD) || !defined(CL_OFF_COMBINE_HEAD) ||                                                \
     !defined(CL_OFF_NOTIFY_DATA) || !defined(CL_COMM_CLUSTER) || !defined(CL_SHARE_WORK) ||                          \
     !defined(CL_COMM_TRACE) || !defined(CL_TRACE_OFFSET_WORDS) || !defined(CL_TRACE_POINTS)
 #error "commlib kernels compile with the -D defines of commlib/cuda/loader.py options()"
@@ -102,6 +105,14 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
     asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
+}
+
+// Load of a ring slot: written again by its sender later in this kernel once the receiver handed it
+// back (head), so it must never come from a line cached on a previous lap: L2 only in plain mode;
+// the hinted load never allocates in L1 and is ordered after the tail acquire that guards it.
+__device__ __forceinline__ int4 ld_ring_v4(const int4* p) {
+    if constexpr (kPlain) return __ldcg(p);
+    return ld_nc_v4(p);
 }
 
 // Store of a row nobody on this SM reads again: .L1::no_allocate skips L1. To a peer pointer this
@@ -455,6 +466,46 @@ __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, 
 
 __device__ __forceinline__ u64* flag_at(u64 base, u64 offset, int index) {
     return reinterpret_cast<u64*>(base + offset) + index;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Rings (dispatch and combine): staging is [source rank][channel][slot], a ring of `cap` slots per
+// (source, channel) in a fixed byte range: part_bytes per source (num_nvl_bytes / ranks), ring_bytes
+// per channel (part_bytes / channels), so the bytes of a (source, channel) ring depend on the
+// channel count only; dispatch and combine share them. Row i of a (source, channel) goes to slot
+// i % cap. The sender publishes its tail (rows written), the receiver its head (rows consumed,
+// DISPATCH_HEAD / COMBINE_HEAD [dst][channel] in the sender's buffer, (seq << 32) | count); a sender
+// writes row i only once head >= i - cap + 1. A ring "wraps" in a call when more than cap rows go
+// through it: both ends know the count, so both take the ring path for that channel.
+// ------------------------------------------------------------------------------------------------
+struct Ring {
+    u64 region_offset, part_bytes, ring_bytes;
+    int cap, slot_bytes;
+};
+__device__ __forceinline__ u64 ring_slot(const Ring& g, u64 base, int src, int c, int i) {
+    return base + g.region_offset + (u64)src * g.part_bytes + (u64)c * g.ring_bytes + (u64)(i % g.cap) * (u64)g.slot_bytes;
+}
+
+// Before a warp writes row i (lane r: row of destination r, `want` lanes only) into rank r's ring:
+// wait until r's receiver has consumed row i - cap. head_seen caches lane r's last head (count).
+__device__ __forceinline__ void ring_wait_room(const Ring& g, const u64* heads_lane, int row, bool want,
+                                               u64 seq, u32& head_seen, int peer, WaitSite site, u64 timeout_ns) {
+    const u32 need = row >= g.cap ? (u32)(row - g.cap + 1) : 0u;
+    const bool act = want && need > head_seen;
+    if (__any_sync(FULL_MASK, act)) {
+        const u64 v = warp_wait_geq(heads_lane, tail_word(seq, need), act, peer, site, timeout_ns);
+        if (act) head_seen = (u32)v;
+    }
+}
+
+// A sender's first write of a call into rank `lane`'s ring of channel c: that rank's receivers of
+// the previous call of the other kind on this channel must be done with those bytes too (the kinds
+// share the rings; the same kind's previous call is waited for by the caller). other_seq: this rank's
+// sender count of the other kind on channel c (what the peer's receiver releases when done).
+__device__ __forceinline__ void ring_wait_other_kind(u64 own, u64 other_done_offset, int c, u64 other_seq, bool active,
+                                                     int peer, WaitSite site, u64 timeout_ns) {
+    warp_wait_geq(flag_at(own, other_done_offset, (active ? peer : 0) * CL_MAX_CHANNELS + c), other_seq,
+                  active && other_seq > 0, peer, site, timeout_ns);
 }
 
 // The per-CTA sequence number of this call for (kind, role, channel): the counters live in local

@@ -5,16 +5,19 @@
 // channel_range(T, C, c) of every rank.
 //
 // Buffer regions (byte offsets from a rank's NVLink buffer base; common.cuh has the control ones):
-//   DISPATCH region [src][c][slot]   at region_offset in rank d's buffer, slot_bytes per slot:
-//       written by rank src's sender CTA c (slot i = the i-th token of channel c that goes to d),
-//       read by rank d's receiver CTA c. No ring: a call never reuses a slot, so senders never wait
-//       for receivers inside a call. Slot = [hidden bytes][FP8 scales][meta: src token, K local
+//   Ring [src][c] (common.cuh, Ring) in rank d's staging, slot_bytes per slot: row i = the i-th
+//       token of channel c that goes to d, in slot i % cap; written by rank src's sender CTA c,
+//       read by rank d's receiver CTA c. Slot = [hidden bytes][FP8 scales][meta: src token, K local
 //       expert ids (int32, -1 elsewhere), K weights (0 elsewhere)].
+//   DISPATCH_HEAD [d][c] u64 in rank src's buffer: (seq << 32) | rows consumed, release-stored by d's
+//       receiver (its head publisher warp) when its rows from src on c go through more than cap slots;
+//       src's copy warps wait for it before writing row i >= cap (head >= i - cap + 1).
 //   DISPATCH_TAIL [src][c] u64 in rank d's buffer: (seq << 32) | tokens written, release-stored by
 //       src's sender after each round of round_tokens tokens; acquire-polled by d's receiver.
 //   DISPATCH_DONE [d][c] u64 in rank src's buffer: = seq, release-stored by d's receiver CTA c once
-//       it has copied everything src sent it on channel c; src's sender waits for seq - 1 before its
-//       first write of the next call (the only cross-call dependency: no resets, no barriers).
+//       it has copied everything src sent it on channel c; src's sender waits for seq - 1 (and for
+//       the last combine's COMBINE_DONE on c: the kinds share the rings) before its first write of
+//       the next call. No resets; a change of channel count drains first (notify.cu ring_drain_kernel).
 // Local destination: the sender copies x straight into recv_x (no staging), in the same warp pass
 // that pushes the token to the peers, so x is read once.
 //
@@ -25,9 +28,15 @@
 // Receiver CTA: all warps copy rows from the staging slots into recv_x (row = rank_prefix of the
 // source + recv_channel_prefix + i), converting nothing: the sender already wrote local ids.
 // Rows past the received count (num_worst_tokens) are padded by the receiver CTAs.
+// Rings that wrap (more rows than cap on a channel from some source): the receiver's copy warps are
+// split into one group per source, each consuming its source's rows in order, and its last warp
+// publishes every source's head; no ring then waits on another (a blocked sender only waits for a
+// receiver group that depends on nothing but rows already published). The rounds of the sender
+// are at most cap tokens, so the rows a head wait needs were published by an earlier round.
 // Work sharing (CL_SHARE, common.cuh): the received rows are items of a counter in the
 // receiver's shared memory; the sender CTA takes items too once its last round is published, and
-// the receiver hands the slots back (DISPATCH_DONE) only after a cluster barrier with it.
+// the receiver hands the slots back (DISPATCH_DONE) only after a cluster barrier with it. Not on a
+// channel whose rings wrap (the receiver's groups own their rows there).
 #include "common.cuh"
 
 // The variant's knobs (loader.DEFAULT_VARIANT, passed with -D).
@@ -54,8 +63,9 @@ struct DispatchArgs {
     int* send_head;
     int num_tokens, hidden_int4, num_scales, num_topk, num_local_experts, num_out_rows;
     const u64* peer_bases; int rank, num_ranks, num_channels;
-    u64 region_offset; int slot_capacity, slot_bytes, slot_off_scales, slot_off_meta;
-    int round_tokens, flags;
+    Ring ring; int slot_off_scales, slot_off_meta;
+    int round_tokens, flags, head_batch;
+    const u64* seq_counters;
     u64 timeout_ns;
 };
 
@@ -77,8 +87,7 @@ __device__ void dispatch_pad(const DispatchArgs& a, int c, int first) {
 }
 
 __device__ __forceinline__ u64 dispatch_slot(const DispatchArgs& a, u64 base, int src, int c, int i) {
-    return base + a.region_offset +
-           ((u64)(src * a.num_channels + c) * (u64)a.slot_capacity + (u64)i) * (u64)a.slot_bytes;
+    return ring_slot(a.ring, base, src, c, i);
 }
 
 
@@ -87,11 +96,18 @@ __device__ __forceinline__ u64 dispatch_slot(const DispatchArgs& a, u64 base, in
 // ------------------------------------------------------------------------------------------------
 
 // One warp copies token `tok` to every rank in dmask. Lane r < R holds slot_r (its index among the
-// channel's tokens for rank r). s_dst: this warp's scratch (destination row of each rank).
+// channel's tokens for rank r). s_dst: this warp's scratch (destination row of each rank). A peer's
+// row i >= cap waits for that peer's head (lane r's last head in head_seen) before it is written.
 __device__ __forceinline__ void dispatch_copy_token(const DispatchArgs& a, int c, int tok, u32 dmask, int my_slot,
-                                                    int local_base, u64* s_dst) {
+                                                    int local_base, u64* s_dst, u64 seq, u32& head_seen) {
     const int lane = lane_id();
     const int R = a.num_ranks, K = a.num_topk, S = a.num_scales;
+    {
+        const bool remote = lane < R && lane != a.rank && ((dmask >> lane) & 1u);
+        const WaitSite site = {"dispatch", "dispatch head (receiver consumed)", a.rank, c, true};
+        ring_wait_room(a.ring, flag_at(a.peer_bases[a.rank], CL_OFF_DISPATCH_HEAD, (remote ? lane : 0) * CL_MAX_CHANNELS + c),
+                       my_slot, remote, seq, head_seen, lane, site, a.timeout_ns);
+    }
     // The small fields are loaded first: their latency overlaps the row's instead of adding to it.
     float sc0 = 0.f, sc1 = 0.f;
     if (lane < S) sc0 = __ldg(a.x_scales + (i64)tok * S + lane);
@@ -211,7 +227,7 @@ __device__ __forceinline__ void write_send_head(const DispatchArgs& a, bool vali
 // release-stores the warp's next item.
 __device__ __forceinline__ void copy_own_tokens(const DispatchArgs& a, int c, int sb, const TokenBlock& b, u32 serve,
                                                 int num_copy_warps, int local_base, u64* s_dst, int* s_progress,
-                                                int& unreleased) {
+                                                int& unreleased, u64 seq, u32& head_seen) {
     const int warp = warp_id(), lane = lane_id();
     u32 mine = __ballot_sync(FULL_MASK, (b.bits & serve) != 0 && b.item % num_copy_warps == warp);
     while (mine) {
@@ -224,7 +240,7 @@ __device__ __forceinline__ void copy_own_tokens(const DispatchArgs& a, int c, in
             const int v = __shfl_sync(FULL_MASK, b.slot[r], l);
             if (lane == r) my_slot = v;
         }
-        dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst);
+        dispatch_copy_token(a, c, sb + l, dmask, my_slot, local_base, s_dst, seq, head_seen);
         if (s_progress != nullptr && ++unreleased >= kStreamReleaseEvery) {
             unreleased = 0;
             const int item = __shfl_sync(FULL_MASK, b.item, l);
@@ -264,6 +280,9 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
         const bool active = lane < R && lane != me;
         warp_wait_geq(flag_at(own, CL_OFF_DISPATCH_DONE, (active ? lane : 0) * CL_MAX_CHANNELS + c),
                       seq - 1, active, lane, site, a.timeout_ns);
+        const WaitSite other = {"dispatch", "combine done (the last combine consumed the shared rings)", me, c, false};
+        ring_wait_other_kind(own, CL_OFF_COMBINE_DONE, c, a.seq_counters[CL_SEQ_INDEX(CL_SEQ_COMBINE, 0, c)], active,
+                             lane, other, a.timeout_ns);
         if (lane < R)  // row of this channel's first token in rank lane's recv_x
             s_head_base[lane] = rows_before(a.rank_prefix_matrix, R, me, lane) + a.channel_prefix_matrix[lane * C + c];
     }
@@ -280,6 +299,7 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
 #pragma unroll
     for (int r = 0; r < CL_MAX_RANKS; ++r) count[r] = 0;
     int items = 0;  // tokens the sender copies so far (with a destination it serves)
+    u32 head_seen = 0;  // lane r: rank r's last head this warp saw (rows it consumed)
     // destinations the sender copies to: all, or only the peers when the receiver does the local half
     const u32 serve = kLocalInReceiver ? ~(1u << me) : ~0u;
     const bool copier = warp < num_copy_warps;
@@ -308,7 +328,8 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
             if ((block_end - start) / a.round_tokens != (sb - start) / a.round_tokens || block_end == end)
                 publish_tails(a, c, seq, count);
         } else if (copier) {
-            copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, s_progress, unreleased);
+            copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, s_progress, unreleased, seq,
+                            head_seen);
         }
     }
     __syncwarp();  // every lane's stores of its last tokens before lane 0's release
@@ -322,7 +343,8 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, u64 seq) {
             if (warp == publisher)
                 write_send_head(a, sb + lane < round_end, sb + lane, b, s_head_base);
             else if (copier)
-                copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, nullptr, unreleased);
+                copy_own_tokens(a, c, sb, b, serve, num_copy_warps, local_base, s_dst, nullptr, unreleased, seq,
+                                head_seen);
         }
         __syncthreads();  // every copy of this round is issued; the release below covers them
         if (warp == publisher) publish_tails(a, c, seq, count);
@@ -339,7 +361,7 @@ __device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n) {
         int4 v[kDispatchUnroll];
 #pragma unroll
         for (int u = 0; u < kDispatchUnroll; ++u)
-            if (i + u * 32 < n) v[u] = ld_nc_v4(src + i + u * 32);
+            if (i + u * 32 < n) v[u] = ld_ring_v4(src + i + u * 32);
 #pragma unroll
         for (int u = 0; u < kDispatchUnroll; ++u)
             if (i + u * 32 < n) st_na_v4(dst + i + u * 32, v[u]);
@@ -356,18 +378,53 @@ __device__ __forceinline__ void remote_rows_setup(const DispatchArgs& a, int c, 
     __syncthreads();
 }
 
+// Row i of source s (channel c) -> recv_x row `row`: small fields first (L2 loads, after this
+// lane's acquire), so their latency hides under the row's.
+__device__ __forceinline__ void dispatch_copy_remote_row(const DispatchArgs& a, int s, int c, int i, int row) {
+    const int lane = lane_id();
+    const int K = a.num_topk, S = a.num_scales;
+    const u64 slot = dispatch_slot(a, a.peer_bases[a.rank], s, c, i);
+    const float* scales = reinterpret_cast<const float*>(slot + a.slot_off_scales);
+    const int* meta = reinterpret_cast<const int*>(slot + a.slot_off_meta);
+    float sc0 = 0.f, sc1 = 0.f, wv = 0.f;
+    int src = 0, id = -1;
+    if (lane < S) sc0 = __ldcg(scales + lane);
+    if (lane + 32 < S) sc1 = __ldcg(scales + lane + 32);
+    if (lane == 0) src = __ldcg(meta);
+    if (lane < K) {
+        id = __ldcg(meta + 1 + lane);
+        wv = __ldcg(reinterpret_cast<const float*>(meta) + 1 + K + lane);
+    }
+    copy_row(a.recv_x + (i64)row * a.hidden_int4, reinterpret_cast<const int4*>(slot), a.hidden_int4);
+    if (lane < S) a.recv_x_scales[(i64)row * S + lane] = sc0;
+    if (lane + 32 < S) a.recv_x_scales[(i64)row * S + lane + 32] = sc1;
+    for (int k = lane + 64; k < S; k += 32) a.recv_x_scales[(i64)row * S + k] = __ldcg(scales + k);
+    if (lane == 0 && (a.flags & DISPATCH_FLAG_WRITE_HANDLE)) a.recv_src_idx[row] = src;
+    if (a.recv_topk_idx != nullptr && lane < K) {
+        a.recv_topk_idx[(i64)row * K + lane] = (i64)id;
+        if (a.recv_topk_weights != nullptr) a.recv_topk_weights[(i64)row * K + lane] = wv;
+    }
+}
+
+// This warp's first rows of source s this call: same call, same slot geometry? (warp-uniform: lane
+// 0 reports, the warp traps)
+__device__ __forceinline__ void dispatch_check_signature(const DispatchArgs& a, int s, int c, u64 seq) {
+    const u64 expected = call_signature(CL_SIG_DISPATCH, seq, a.hidden_int4, a.num_scales, a.num_topk, a.num_channels);
+    const u64 seen = ld_volatile(signature_at(a.peer_bases[a.rank], CL_OFF_DISPATCH_SIG, s, c));
+    if (seen != expected) signature_mismatch_trap("dispatch", a.rank, c, s, expected, seen, lane_id() == 0);
+}
+
 // The rows of channel c that remote ranks sent here: staging slots -> recv_x, items from `work`.
-// The receiver calls it after its local half (the whole CTA: it fills the table first), and
-// (CL_SHARE) the sender once its own rounds are published.
+// The receiver calls it after its local half, and (CL_SHARE) the sender once its own rounds are
+// published, each after remote_rows_setup (the whole CTA). Only for a channel whose rings do not
+// wrap (items of one source after the other: a source's sender never waits for this receiver).
 __shared__ int s_remote_src[CL_MAX_RANKS], s_remote_off[CL_MAX_RANKS + 1], s_remote_base[CL_MAX_RANKS];
 __device__ void dispatch_recv_remote(const DispatchArgs& a, int c, u64 seq, WorkItems work) {
     int* s_src = s_remote_src;
     int* s_off = s_remote_off;
     int* s_base = s_remote_base;
-    const int lane = lane_id();
-    const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk, S = a.num_scales;
+    const int R = a.num_ranks, me = a.rank;
     const u64 own = a.peer_bases[me];
-    remote_rows_setup(a, c, s_src, s_off, s_base);
     const int num_items = s_off[R - 1];
     const WaitSite site = {"dispatch", "dispatch tail (sender progress)", me, c, true};
     int j = 0;
@@ -381,37 +438,70 @@ __device__ void dispatch_recv_remote(const DispatchArgs& a, int c, u64 seq, Work
         if (__any_sync(FULL_MASK, (u32)i >= ready)) {
             const u64 v = warp_wait_geq(flag_at(own, CL_OFF_DISPATCH_TAIL, s * CL_MAX_CHANNELS + c),
                                         tail_word(seq, (u32)(i + 1)), true, s, site, a.timeout_ns);
-            if (ready == 0) {  // this warp's first rows of source s: same call, same slot geometry?
-                const u64 expected = call_signature(CL_SIG_DISPATCH, seq, a.hidden_int4, S, K, C);
-                const u64 seen = ld_volatile(signature_at(own, CL_OFF_DISPATCH_SIG, s, c));
-                if (seen != expected)  // warp-uniform: lane 0 reports, the warp traps
-                    signature_mismatch_trap("dispatch", me, c, s, expected, seen, lane == 0);
-            }
+            if (ready == 0) dispatch_check_signature(a, s, c, seq);
             ready = (u32)v;
         }
         const int row = s_base[j] + i;
         if (row >= a.num_out_rows) continue;  // more rows than num_worst_tokens: dropped
-        const u64 slot = dispatch_slot(a, own, s, c, i);
-        // small fields first (L2 loads, after this lane's acquire), so their latency hides under the row
-        const float* scales = reinterpret_cast<const float*>(slot + a.slot_off_scales);
-        const int* meta = reinterpret_cast<const int*>(slot + a.slot_off_meta);
-        float sc0 = 0.f, sc1 = 0.f, wv = 0.f;
-        int src = 0, id = -1;
-        if (lane < S) sc0 = __ldcg(scales + lane);
-        if (lane + 32 < S) sc1 = __ldcg(scales + lane + 32);
-        if (lane == 0) src = __ldcg(meta);
-        if (lane < K) {
-            id = __ldcg(meta + 1 + lane);
-            wv = __ldcg(reinterpret_cast<const float*>(meta) + 1 + K + lane);
+        dispatch_copy_remote_row(a, s, c, i, row);
+    }
+}
+
+// Does a ring of channel c into this rank wrap this call (more rows from some source than cap)?
+// After remote_rows_setup; the source's sender sees the same count (channel_prefix_matrix).
+__device__ __forceinline__ bool dispatch_rings_wrap(const DispatchArgs& a) {
+    for (int j = 0; j + 1 < a.num_ranks; ++j)
+        if (s_remote_off[j + 1] - s_remote_off[j] > a.ring.cap) return true;
+    return false;
+}
+
+// The remote rows of a channel whose rings wrap (after remote_rows_setup, whole CTA): copy warp w
+// serves source j = w % (R - 1), rows w / (R - 1), + group size, ... in order, and after each row
+// release-stores its next row (s_next); the last warp's lane j publishes source j's head = the
+// smallest row any warp of group j has not finished, once it rose by head_batch rows (and at the
+// end). A head lags by head_batch - 1 rows at most, and the engine keeps round + lag <= cap: the
+// rows a sender's head wait needs are then always handed back.
+static_assert(kDispatchThreads / 32 - 1 >= CL_MAX_RANKS - 1, "ring receivers need a copy warp per source");
+__device__ void dispatch_recv_ring(const DispatchArgs& a, int c, u64 seq) {
+    __shared__ int s_next[32];
+    const int warp = warp_id(), lane = lane_id(), num_warps = blockDim.x >> 5;
+    const int R = a.num_ranks, me = a.rank, G = R - 1;
+    const int num_copy = num_warps - 1;
+    const int j = warp % G, gr = warp / G, gs = (num_copy - j + G - 1) / G;
+    if (warp < num_copy && lane == 0) s_next[warp] = gr;
+    __syncthreads();
+    if (warp < num_copy) {
+        const int s = s_remote_src[j], n = s_remote_off[j + 1] - s_remote_off[j], base = s_remote_base[j];
+        const u64* tail = flag_at(a.peer_bases[me], CL_OFF_DISPATCH_TAIL, s * CL_MAX_CHANNELS + c);
+        const WaitSite site = {"dispatch", "dispatch tail (sender progress)", me, c, true};
+        u32 ready = 0;
+        for (int i = gr; i < n; i += gs) {
+            if (__any_sync(FULL_MASK, (u32)i >= ready)) {  // lanes may have acquired different counts
+                const u64 v = warp_wait_geq(tail, tail_word(seq, (u32)(i + 1)), true, s, site, a.timeout_ns);
+                if (ready == 0) dispatch_check_signature(a, s, c, seq);
+                ready = (u32)v;
+            }
+            if (base + i < a.num_out_rows) dispatch_copy_remote_row(a, s, c, i, base + i);
+            __syncwarp();  // every lane's loads of the slot before lane 0 hands it back
+            if (lane == 0) st_release_cta_shared(s_next + warp, i + gs);
         }
-        copy_row(a.recv_x + (i64)row * a.hidden_int4, reinterpret_cast<const int4*>(slot), a.hidden_int4);
-        if (lane < S) a.recv_x_scales[(i64)row * S + lane] = sc0;
-        if (lane + 32 < S) a.recv_x_scales[(i64)row * S + lane + 32] = sc1;
-        for (int k = lane + 64; k < S; k += 32) a.recv_x_scales[(i64)row * S + k] = __ldcg(scales + k);
-        if (lane == 0 && (a.flags & DISPATCH_FLAG_WRITE_HANDLE)) a.recv_src_idx[row] = src;
-        if (a.recv_topk_idx != nullptr && lane < K) {
-            a.recv_topk_idx[(i64)row * K + lane] = (i64)id;
-            if (a.recv_topk_weights != nullptr) a.recv_topk_weights[(i64)row * K + lane] = wv;
+        if (lane == 0) st_release_cta_shared(s_next + warp, 0x7fffffff);
+    } else {
+        const int n = lane < G ? s_remote_off[lane + 1] - s_remote_off[lane] : 0;
+        u64* head = flag_at(a.peer_bases[lane < G ? s_remote_src[lane] : me], CL_OFF_DISPATCH_HEAD,
+                            me * CL_MAX_CHANNELS + c);
+        int published = 0;
+        bool done = lane >= G || n == 0;
+        while (!__all_sync(FULL_MASK, done)) {
+            if (!done) {
+                int m = n;
+                for (int w = lane; w < num_copy; w += G) m = min(m, ld_acquire_cta_shared(s_next + w));
+                if (m - published >= a.head_batch || (m == n && m > published)) {
+                    st_release_sys(head, tail_word(seq, (u32)m));
+                    published = m;
+                }
+                done = published >= n;
+            }
         }
     }
 }
@@ -431,6 +521,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, WorkItems w
         channel_range(a.num_tokens, C, c, &start, &end);
         const int local_base = rows_before(rpm, R, me, me) + a.channel_prefix_matrix[me * C + c];
         int count = 0;
+        u32 no_head = 0;  // the local half waits for nobody
         for (int sb = start; sb < end; sb += 32) {
             const int t = sb + lane;
             const bool in = t < end && a.is_token_in_rank[(i64)t * R + me] != 0;
@@ -442,12 +533,16 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, WorkItems w
                 const int l = __ffs(mine) - 1;
                 mine &= mine - 1;
                 dispatch_copy_token(a, c, sb + l, 1u << me, __shfl_sync(FULL_MASK, slot, l), local_base,
-                                    s_dst_all[warp]);
+                                    s_dst_all[warp], seq, no_head);
             }
         }
     }
 #endif
-    dispatch_recv_remote(a, c, seq, work);
+    remote_rows_setup(a, c, s_remote_src, s_remote_off, s_remote_base);
+    if (dispatch_rings_wrap(a))
+        dispatch_recv_ring(a, c, seq);
+    else
+        dispatch_recv_remote(a, c, seq, work);
     trace_point(smids, 1);
     __syncthreads();
 #if CL_SHARE
@@ -469,15 +564,17 @@ extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(kDispatchThreads, k
     int* send_head,
     int num_tokens, int hidden_int4, int num_scales, int num_topk, int num_local_experts, int num_out_rows,
     const u64* peer_bases, int rank, int num_ranks, int num_channels,
-    u64 region_offset, int slot_capacity, int slot_bytes, int slot_off_scales, int slot_off_meta,
-    int round_tokens, int flags, const int* abort_word, u64* seq_counters, u32* smids, u64 timeout_ns) {
+    u64 region_offset, u64 part_bytes, u64 ring_bytes, int ring_cap, int slot_bytes, int slot_off_scales,
+    int slot_off_meta, int round_tokens, int flags, int head_batch, const int* abort_word, u64* seq_counters,
+    u32* smids, u64 timeout_ns) {
+    const Ring ring = {region_offset, part_bytes, ring_bytes, ring_cap, slot_bytes};
     const DispatchArgs a = {x, x_scales, topk_idx, topk_weights, is_token_in_rank,
                             rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                             recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights, send_head,
                             num_tokens, hidden_int4, num_scales, num_topk, num_local_experts, num_out_rows,
                             peer_bases, rank, num_ranks, num_channels,
-                            region_offset, slot_capacity, slot_bytes, slot_off_scales, slot_off_meta,
-                            round_tokens, flags, timeout_ns};
+                            ring, slot_off_scales, slot_off_meta,
+                            round_tokens, flags, head_batch, seq_counters, timeout_ns};
     __shared__ u64 s_seq;
     if (smids != nullptr && threadIdx.x == 0) smids[blockIdx.x] = get_smid();
     const int role = blockIdx.x & 1;  // 0 = sender, 1 = receiver
@@ -500,7 +597,8 @@ extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(kDispatchThreads, k
             dispatch_send(a, c, seq);
             trace_point(smids, 1);
 #if CL_SHARE
-            dispatch_recv_remote(a, c, seq, work);
+            remote_rows_setup(a, c, s_remote_src, s_remote_off, s_remote_base);
+            if (!dispatch_rings_wrap(a)) dispatch_recv_remote(a, c, seq, work);  // wrapping: the receiver's groups
             cluster_sync();  // pairs with the receiver's, before it hands the slots back
 #endif
         } else {

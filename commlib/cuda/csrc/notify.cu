@@ -204,3 +204,25 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
     __syncthreads();
     if (threadIdx.x == 0) seq_counters[CL_SEQ_INDEX(CL_SEQ_NOTIFY, 0, 0)] = seq;
 }
+
+// Before a call whose channel count differs from the last call's (the rings' byte ranges move):
+// wait until every peer's receivers of every earlier call (both kinds, every channel) are done with
+// this rank's rows, so no sender overwrites bytes a receiver still reads. One warp; lane r < R waits
+// for peer r's DONE words up to this rank's own sender counts (every rank made the same calls).
+extern "C" __global__ void __launch_bounds__(32) ring_drain_kernel(const u64* peer_bases, int rank, int num_ranks,
+                                                                   const u64* seq_counters, u64 timeout_ns) {
+    const int lane = threadIdx.x & 31;
+    const bool peer = lane < num_ranks && lane != rank;
+    const u64 own = peer_bases[rank];
+    for (int kind = 0; kind < 2; ++kind) {
+        const u64 done_offset = kind == CL_SEQ_DISPATCH ? CL_OFF_DISPATCH_DONE : CL_OFF_COMBINE_DONE;
+        for (int c = 0; c < CL_MAX_CHANNELS; ++c) {
+            const u64 expected = seq_counters[CL_SEQ_INDEX(kind, 0, c)];
+            if (expected == 0) continue;  // channel never used as a sender (same on every lane)
+            const WaitSite site = {"ring drain", kind == CL_SEQ_DISPATCH ? "dispatch done" : "combine done", rank, c,
+                                   false};
+            warp_wait_geq(flag_at(own, done_offset, (peer ? lane : 0) * CL_MAX_CHANNELS + c), expected, peer, lane,
+                          site, timeout_ns);
+        }
+    }
+}

@@ -20,6 +20,10 @@ Cases (COMMLIB_TIMEOUT_S from the environment):
   dispatch_twice        both dispatch; rank 0 dispatches again, rank 1 combines: rank 0's count
                         exchange and rank 1's combine both time out.
   exit_before_dispatch  rank 1 exits right after creating the Buffer: rank 0's dispatch times out.
+  ring_stall            both dispatch through rings of 2 rows (Config(8, 1, 2)); rank 0 dispatches again
+                        (cached), rank 1 never does: rank 0's ring waits (head of a full ring, or
+                        the peer's tail) time out naming rank, channel and counter. Only rank 0
+                        traps, so this world also runs with both ranks on one GPU.
   ll_bad_expert_id      low-latency mode: rank 0's topk_idx holds an expert id >= num_experts; its
                         dispatch kernel names it and traps, rank 1's receiver times out.
 """
@@ -77,7 +81,7 @@ def worker(ctx, case: str):
     timeout = float(os.environ.get("COMMLIB_TIMEOUT_S", "4"))
     if case == "ll_bad_expert_id":
         _ll_bad_expert_id(ctx)
-    cfg = Config(8, 16, 64, 64, 1024)
+    cfg = Config(8, 1, 2) if case == "ring_stall" else Config(8, 16, 64, 64, 1024)
     buf = Buffer(ctx.group, cfg.get_nvl_buffer_size_hint(H * 2, ctx.world_size), backend="nvlink",
                  explicitly_destroy=True)
     assert buf.backend.name == "nvlink", buf.backend.name
@@ -121,6 +125,12 @@ def worker(ctx, case: str):
                 print("[fault] rank 1: SKIPPED after 0.0 s: skipped the combine", flush=True)
                 _flush_and_exit()
             fault = sync_after(lambda: buf.combine(rx, h, topk_weights=rw, config=cfg))
+        elif case == "ring_stall":
+            if me == 1:
+                time.sleep(timeout + 4)  # never dispatches again; the peer must not hang meanwhile
+                print("[fault] rank 1: SKIPPED after 0.0 s: skipped the cached dispatch", flush=True)
+                _flush_and_exit()
+            fault = sync_after(lambda: buf.dispatch(x, handle=h, config=cfg))
         elif case == "dispatch_twice":
             if me == 0:
                 fault = sync_after(dispatch)

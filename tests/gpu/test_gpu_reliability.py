@@ -18,6 +18,7 @@
 """
 import ctypes
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -129,6 +130,25 @@ def _outcomes(out: str) -> dict:
             secs, _, msg = rest.partition(" s: ")
             res[rank] = (status, float(secs or 0), msg)
     return res
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _have_cupy(), reason="needs a GPU and CuPy")
+def test_ring_stall_names_rank_channel_counter():
+    """A full ring whose receiver never comes: the waiting rank traps with a message naming its rank, the
+    channel, the ring counter (head or tail) and the peer, and its Buffer refuses later calls. Only one
+    rank traps, so both ranks may share one GPU."""
+    rc, out, took = _run_trap_world("ring_stall")
+    print(f"--- ring_stall: rc {rc}, {took:.1f} s ---\n{out[-3000:]}")
+    tail = out[-4000:]
+    assert re.search(r"\[commlib\] rank 0 timeout in dispatch channel \d+ waiting for dispatch "
+                     r"(head \(receiver consumed\)|tail \(sender progress\)) from rank 1: expected seq \d+ "
+                     r"count >= \d+, seen seq \d+ count \d+", out), tail
+    res = _outcomes(out)
+    assert res.get(0, ("",))[0] == "RAISED" and res[0][1] < FAULT_TIMEOUT_S + 6, f"rank 0: {res.get(0)}\n{tail}"
+    assert res.get(1, ("",))[0] == "SKIPPED", f"rank 1: {res.get(1)}\n{tail}"
+    for tag in ("after", "again"):
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"[fault] rank 0 {tag}: ")), "")
+        assert line and "no error" not in line, f"rank 0 {tag}: {line!r}\n{tail}"
 
 
 @needs_2_gpus

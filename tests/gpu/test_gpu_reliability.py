@@ -215,6 +215,7 @@ def _fake_backend(rank=0, R=2):
     be.rank, be.num_ranks, be.device = rank, R, torch.device("cpu")
     be.failed, be._base = None, 1
     be.num_bytes, be.region_bytes = 1 << 26, 1 << 25
+    be.part_bytes, be._ring_channels = (1 << 26) // R, None   # the rings' staging per source rank
     be.peer_bases = torch.zeros(R, dtype=torch.int64)
     be.seq_counters = torch.zeros(3 * 2 * 128, dtype=torch.int64)
     be.timeout_ns = 10**9

@@ -250,7 +250,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
         until every peer's receivers are done with this rank's rows (csrc/notify.cu ring_drain_kernel).
         Every rank makes the same calls, so every rank drains at the same call. A call captured in a
         CUDA graph always drains (its replays may follow any call), and the call after a capture too."""
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing or (self._ring_channels is not None and self._ring_channels != num_channels):
             K.launch("notify", "ring_drain_kernel", 1, 32,
                      (K.ptr(self.peer_bases), K.i32(self.rank), K.i32(self.num_ranks), K.ptr(self.seq_counters),

@@ -444,28 +444,6 @@ class Buffer(LowLatencyMode):
         recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)
         return (recv_x, res.recv_topk_idx, res.recv_topk_weights, per_expert, res.handle, event)
 
-    def internode_dispatch(self, x: XType, handle: Optional[DispatchHandle] = None,
-                           num_tokens_per_rank: Optional[torch.Tensor] = None,
-                           num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-                           is_token_in_rank: Optional[torch.Tensor] = None,
-                           num_tokens_per_expert: Optional[torch.Tensor] = None,
-                           topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                           expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
-                           previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                           allocate_on_comm_stream: bool = False):
-        """DeepEP's internode entry point (its dispatch calls it on several nodes): the same as dispatch."""
-        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                             config, previous_event, async_finish, allocate_on_comm_stream)
-
-    def internode_combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
-                          bias: Union[torch.Tensor, Sequence[torch.Tensor], None] = None,
-                          config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
-                          async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """DeepEP's internode entry point (its combine calls it on several nodes): the same as combine."""
-        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                            allocate_on_comm_stream)
-
     def _recv_per_expert(self, num_tokens_per_expert: torch.Tensor, alignment: int) -> list:
         """Rows this rank's local experts receive, from every rank's num_tokens_per_expert (collective)."""
         R, me = self.num_ranks, self.rank
@@ -672,6 +650,11 @@ class Buffer(LowLatencyMode):
         rings = dataclasses.replace(config, num_sms=2 * handle.num_channels) if handle.num_channels else config
         self._check_capacity(T, H * 2, rings, 0, topk_weights.shape[1] if topk_weights is not None else 0)
         return CombineRequest(x, handle, topk_weights, biases, config)
+
+    # DeepEP's internode entry points (its dispatch / combine call them on several nodes): the same
+    # signatures and meaning as dispatch / combine here, where the backend decides the path.
+    internode_dispatch = dispatch
+    internode_combine = combine
 
     # ------------------------------------------------------------------ helpers
     def _resolve_config(self, config: Optional[Config], kind: str, num_tokens: int, hidden: int,

@@ -1,10 +1,9 @@
 """The reference backend against the independent oracle, on spawned CPU (gloo) worlds of 1, 2, 4
 and 8 ranks, with every topology the world allows (nodes x ranks per node: 1x8, 2x4, 4x2, 8x1, ...).
 One world per size; all cases run inside it."""
-import pytest
 
 import cases_reference as C
-from worlds import run_world
+from worlds import case_tests
 
 ROUTING_CASES = [f"routing_{name}" for name in C.ROUTINGS]
 CASES = {
@@ -15,15 +14,4 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def world(request):
-    size = request.param
-    return size, run_world(size, "cases_reference", CASES[size], timeout_s=600)
-
-
-@pytest.mark.parametrize("case", sorted({c for cs in CASES.values() for c in cs}))
-def test_case(world, case):
-    size, results = world
-    if case not in results:
-        pytest.skip(f"not run at world size {size}")
-    assert results[case] is None, results[case]
+world, test_case = case_tests("cases_reference", CASES, timeout_s=600)

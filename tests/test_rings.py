@@ -9,7 +9,7 @@ import commlib
 from commlib.config import Config, default_combine_config, default_dispatch_config
 
 import cases_rings
-from worlds import run_world
+from worlds import case_tests
 
 GIB = 1 << 30
 
@@ -114,18 +114,7 @@ WORLD_CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(WORLD_CASES))
-def world(request):
-    size = request.param
-    return size, run_world(size, "cases_rings", WORLD_CASES[size], timeout_s=900)
-
-
-@pytest.mark.parametrize("case", sorted({c for cs in WORLD_CASES.values() for c in cs}))
-def test_world_case(world, case):
-    size, results = world
-    if case not in results:
-        pytest.skip(f"not run at world size {size}")
-    assert results[case] is None, results[case]
+world, test_world_case = case_tests("cases_rings", WORLD_CASES, timeout_s=900)
 
 
 def test_cases_module_has_every_case():

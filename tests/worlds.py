@@ -62,3 +62,25 @@ def _worker(ctx, module_name: str, names: list[str], case_timeout_s: float, fail
 def run_world(world_size: int, module_name: str, names: list[str], case_timeout_s: float = CASE_TIMEOUT_S,
               failed_wait_s: float = FAILED_WAIT_S, **kwargs) -> dict:
     return parallel_launch(world_size, _worker, module_name, names, case_timeout_s, failed_wait_s, **kwargs)
+
+
+def case_tests(module_name: str, cases: dict, timeout_s: float = 600):
+    """A module-scoped ``world`` fixture (one spawned world per size in ``cases``: {size: [names]}) and
+    ``test_case`` (one test per case name), for a test module to bind at module level:
+    ``world, test_case = case_tests("cases_x", CASES)``."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=sorted(cases))
+    def world(request):
+        size = request.param
+        return size, run_world(size, module_name, cases[size], timeout_s=timeout_s)
+
+    @pytest.mark.parametrize("case", sorted({c for cs in cases.values() for c in cs}))
+    def test_case(world, case):
+        size, results = world
+        if case not in results:
+            pytest.skip(f"not run at world size {size}")
+        assert results[case] is None, results[case]
+
+    return world, test_case
+

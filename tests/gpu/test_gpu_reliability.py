@@ -337,7 +337,7 @@ def test_host_signature_mismatch_message(monkeypatch):
     from commlib.validate import CommlibError
 
     be = _fake_backend()
-    theirs = [256, 1, 2, 2, 1, 16, 2]  # rank 1: fp8 (1 byte, 2 scales), 16 experts
+    theirs = [256, 1, 2, 2, 1 + 2 * 64, 16, 2]  # rank 1: fp8 (1 byte, 2 scales), 16 experts; weights, ring 64
     calls = _mock_launch(monkeypatch, on_notify=lambda a: _fill_counts(a, {"sig_rank": 1, "sig": theirs}))
     with pytest.raises(RankDisagreement) as ei:
         be.dispatch(_dispatch_req())
@@ -349,8 +349,23 @@ def test_host_signature_mismatch_message(monkeypatch):
     assert "hidden" not in msg.split("disagree")[1].split(";")[0], msg  # hidden agrees: not listed
     assert [c[0] for c in calls] == ["notify_kernel"], "the dispatch kernel must not run after a mismatch"
     notify_args = calls[0][1]
-    assert notify_args[16:21] == [0, 256, 2, 0, 1], notify_args  # mode, hidden, element bytes, scales, weights
+    # mode, hidden, element bytes, scales, weights given + 2 x the ring's rows (64)
+    assert notify_args[16:21] == [0, 256, 2, 0, 1 + 2 * 64], notify_args
+    assert "topk_weights" not in msg, msg  # weights and ring agree: not listed
     assert be.failed is None  # every rank raised before data moved: still usable
+
+
+def test_host_ring_size_mismatch_is_named(monkeypatch):
+    """Ranks whose Configs differ only in the ring size do not pair up: the signature names the ring."""
+    pytest.importorskip("numpy")
+    from commlib.backends.nvlink.engine import RankDisagreement
+
+    be = _fake_backend()
+    theirs = [256, 2, 0, 2, 1 + 2 * 8, 8, 2]  # rank 1: the same call through rings of 8 rows
+    _mock_launch(monkeypatch, on_notify=lambda a: _fill_counts(a, {"sig_rank": 1, "sig": theirs}))
+    with pytest.raises(RankDisagreement, match="a ring of 8 rows per channel, rank 0 has topk_weights given, "
+                                               "a ring of 64 rows per channel"):
+        be.dispatch(_dispatch_req())
 
 
 def test_host_config_mismatch_names_num_sms(monkeypatch):

@@ -47,7 +47,7 @@ _MAX_LAYOUT_SHARED = 48 * 1024
 # Count exchange (csrc/notify.cu): the mode word and the call signature every rank compares.
 NOTIFY_MODE_REJECTED = 1   # this rank's Buffer refused its input: take part, with zero counts
 NOTIFY_MODE_NO_HOST = 2    # num_worst_tokens: the host never reads the counts, so a mismatch traps
-NOTIFY_SIG_FIELDS = ("hidden", "x dtype", "FP8 scales per token", "num_topk", "topk_weights",
+NOTIFY_SIG_FIELDS = ("hidden", "x dtype", "FP8 scales per token", "num_topk", "topk_weights",  # + 2 x ring rows
                      "num_experts", "num_channels")  # K.NOTIFY_SIG_WORDS words, notify.cu's order
 
 
@@ -60,7 +60,7 @@ def _sig_value(field: str, v: int) -> str:
     if field == "x dtype":
         return {1: "fp8 (1 byte per element)", 2: "bf16 (2 bytes per element)"}.get(v, f"{v} bytes per element")
     if field == "topk_weights":
-        return "given" if v else "None"
+        return f"topk_weights {'given' if v & 1 else 'None'}, a ring of {v >> 1} rows per channel"
     if field == "num_channels":
         return f"{v} (Config.num_sms {2 * v})"
     return str(v)
@@ -331,7 +331,8 @@ class NVLinkBackend(CopyEnginePath, Backend):
             counts = torch.empty(K.HOST_COUNTS_EXPERT + L, dtype=torch.int32, device=dev)
             layout = req.layout
             # what every rank must agree on (NOTIFY_SIG_FIELDS); notify.cu compares the ranks'
-            sig = [H, x.element_size(), S, Kk, int(weights is not None), E, C]
+            # (the ring's rows ride in the topk_weights word: ranks with other ring sizes must not pair up)
+            sig = [H, x.element_size(), S, Kk, int(weights is not None) + 2 * cap, E, C]
             K.launch("notify", "notify_kernel", 1, K.NOTIFY_THREADS,
                      (K.ptr(tir), K.i32(T), K.ptr(layout.num_tokens_per_rank.contiguous()),
                       K.ptr(layout.num_tokens_per_expert.contiguous()), K.ptr(topk), K.i32(Kk), K.i32(E),

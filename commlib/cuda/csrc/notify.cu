@@ -192,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
             // every rank sees a disagreement (some peer differs from it) and has already written its
             // slots, so every rank ends here: nobody waits for a trapped peer
             const char* names[CL_NW_SIG_WORDS] = {"hidden", "x element bytes (dtype)", "FP8 scales per token",
-                                                       "num_topk", "topk_weights given", "num_experts",
+                                                       "num_topk", "topk_weights given + 2 x ring rows", "num_experts",
                                                        "num_channels (Config.num_sms / 2)"};
             printf("[commlib] rank %d notify: ranks disagree on %s: rank %d has %d, rank %d has %d (dispatch with "
                    "num_worst_tokens cannot raise on the host, so nothing is sent and the kernel traps)\n",

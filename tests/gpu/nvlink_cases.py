@@ -327,12 +327,10 @@ def case_rejected_input(ctx):
     run_case(ctx, cfg=cfg, T=30, H=256, seed=71)
 
 
-def case_cuda_graph(ctx):
-    """layout + dispatch (num_worst_tokens) + combine captured once, replayed with fresh inputs."""
-    R, me, dev = ctx.world_size, ctx.rank, ctx.device
-    cfg = default_cfg()
-    nv, ref = buffers(ctx)
-    T, H, E, K, W = 64, 256, 32, 4, 64 * R
+def _check_graph_replays(ctx, nv, ref, cfg, T, H, E, K, W, what: str) -> None:
+    """layout + dispatch (num_worst_tokens W) + combine on ``nv`` captured once, replayed 4 times with
+    fresh inputs, each replay's outputs equal to ``ref``'s eager call."""
+    me, R, dev = ctx.rank, ctx.world_size, ctx.device
     x_s = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
     idx_s = torch.zeros(T, K, dtype=torch.int64, device=dev)
     w_s = torch.zeros(T, K, dtype=torch.float32, device=dev)
@@ -361,7 +359,16 @@ def case_cuda_graph(ctx):
         want = step(ref)
         names = ("recv_x", "recv_topk_idx", "recv_topk_weights", "send_head", "combined_x", "combined_w")
         for nm, got, exp in zip(names, static_out, want):
-            check_same(got, exp, f"[graph replay {it}] {nm}")
+            check_same(got, exp, f"[{what} {it}] {nm}")
+
+
+def case_cuda_graph(ctx):
+    """layout + dispatch (num_worst_tokens) + combine captured once, replayed with fresh inputs."""
+    R = ctx.world_size
+    cfg = default_cfg()
+    nv, ref = buffers(ctx)
+    T, H, E, K, W = 64, 256, 32, 4, 64 * R
+    _check_graph_replays(ctx, nv, ref, cfg, T, H, E, K, W, "graph replay")
 
 
 def case_copy_engines(ctx):
@@ -609,37 +616,9 @@ def case_rings_random(ctx):
 
 def case_rings_graph(ctx):
     """A CUDA graph of layout + dispatch (num_worst_tokens) + combine whose rows wrap tiny rings 8 times."""
-    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    R = ctx.world_size
     cfg = _RING_CFGS["rings_tiny"][0]
     nv, ref = buffers(ctx, "rings_tiny")
     T, H, E, K = 8 * _ring_unit(cfg), 256, 8 * R, 4
     W = T * R
-    x_s = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
-    idx_s = torch.zeros(T, K, dtype=torch.int64, device=dev)
-    w_s = torch.zeros(T, K, dtype=torch.float32, device=dev)
-
-    def step(buf):
-        ntpr, _, ntpe, tir, _ = buf.get_dispatch_layout(idx_s, E)
-        rx, ridx, rw, _, handle, _ = buf.dispatch(x_s, num_tokens_per_rank=ntpr, is_token_in_rank=tir,
-                                                  num_tokens_per_expert=ntpe, topk_idx=idx_s, topk_weights=w_s,
-                                                  num_worst_tokens=W, config=cfg)
-        cx, cw, _ = buf.combine(rx, handle, topk_weights=rw, config=cfg)
-        return rx, ridx, rw, handle.send_head, cx, cw
-
-    def fill(seed):
-        g = torch.Generator().manual_seed(seed * 100 + me)
-        idx, w = make_routing("some_empty", T, E, K, me, R, g)
-        x_s.copy_(torch.randn(T, H, generator=g).to(torch.bfloat16))
-        idx_s.copy_(idx)
-        w_s.copy_(w)
-
-    fill(0)
-    graph, static_out = capture_graph(lambda: step(nv), capture_error_mode="thread_local")
-    for it in range(4):
-        fill(it + 1)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = step(ref)
-        names = ("recv_x", "recv_topk_idx", "recv_topk_weights", "send_head", "combined_x", "combined_w")
-        for nm, got, exp in zip(names, static_out, want):
-            check_same(got, exp, f"[ring graph replay {it}] {nm}")
+    _check_graph_replays(ctx, nv, ref, cfg, T, H, E, K, W, "ring graph replay")

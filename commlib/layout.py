@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from commlib.topology import Topology
+from commlib.utils.math import align_up
 
 topk_idx_t = torch.int64
 
@@ -112,5 +113,4 @@ def tokens_per_expert_list(recv_topk_idx_NK: torch.Tensor, num_local_experts: in
     """Received tokens per local expert, each rounded up to a multiple of expert_alignment."""
     valid = recv_topk_idx_NK[recv_topk_idx_NK >= 0]
     counts = torch.bincount(valid.cpu(), minlength=num_local_experts).tolist()
-    a = expert_alignment
-    return [(c + a - 1) // a * a for c in counts]
+    return [align_up(c, expert_alignment) for c in counts]

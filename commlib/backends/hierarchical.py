@@ -32,14 +32,10 @@ import torch
 import torch.distributed as dist
 
 from commlib import layout as L
-from commlib.utils.math import SORT_KEY_BIG
+from commlib.utils.math import SORT_KEY_BIG, align_up
 from commlib.backends.base import CombineRequest, DispatchRequest
 from commlib.backends.reference import ReferenceBackend, sum_rows
 from commlib.config import row_slot_bytes
-
-
-def _pad16(n: int) -> int:
-    return (n + 15) // 16 * 16
 
 
 # Pipeline depth of the network hop. Each chunk is one collective on the rail group plus one
@@ -217,7 +213,7 @@ class HierarchicalBackend(ReferenceBackend):
         topo = self.topology
         M, node = topo.num_nodes, topo.node
         J, row_bytes = recv1.shape
-        width = _pad16(row_bytes + 4)
+        width = align_up(row_bytes + 4)
         rows = torch.zeros(J, width, dtype=torch.uint8, device=recv1.device)
         rows[:, :row_bytes] = recv1
         rows[:, row_bytes:row_bytes + 4] = src_rank1.view(torch.uint8).view(-1, 4)

@@ -419,8 +419,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
             if ce_pos is not None:
                 extra["ce_pos"] = ce_pos
             self._count(sent)
-            a = req.expert_alignment
-            per_expert = [(c + a - 1) // a * a for c in host[K.HOST_COUNTS_EXPERT:K.HOST_COUNTS_EXPERT + L]]
+            per_expert = [align_up(c, req.expert_alignment) for c in host[K.HOST_COUNTS_EXPERT:K.HOST_COUNTS_EXPERT + L]]
             if topk is None:
                 per_expert = [0] * L
         handle = DispatchHandle(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import os
 import socket
 from typing import Optional, Sequence, Union
@@ -531,7 +530,7 @@ class Buffer(LowLatencyMode):
             raise ValueError(f"[commlib rank {self.rank}] num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
         config = self._resolve_config(config, "dispatch", T, H, "fp8" if scales is not None else "bf16")
         hidden_bytes = H * data.element_size()
-        self._check_capacity(T, hidden_bytes, config, H // BLOCK if scales is not None else 0,
+        self._check_capacity(hidden_bytes, config, H // BLOCK if scales is not None else 0,
                              topk_idx.shape[1] if handle is None and isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2
                              else 0)
 
@@ -648,7 +647,7 @@ class Buffer(LowLatencyMode):
         config = self._resolve_config(config, "combine", T, H)
         # combine's rows travel on the dispatch's channels (the handle's), whatever num_sms it runs with
         rings = dataclasses.replace(config, num_sms=2 * handle.num_channels) if handle.num_channels else config
-        self._check_capacity(T, H * 2, rings, 0, topk_weights.shape[1] if topk_weights is not None else 0)
+        self._check_capacity(H * 2, rings, 0, topk_weights.shape[1] if topk_weights is not None else 0)
         return CombineRequest(x, handle, topk_weights, biases, config)
 
     # DeepEP's internode entry points (its dispatch / combine call them on several nodes): the same
@@ -683,12 +682,11 @@ class Buffer(LowLatencyMode):
             return self._tuned[key]
         return (Buffer.get_dispatch_config if kind == "dispatch" else Buffer.get_combine_config)(self.num_ranks)
 
-    def _check_capacity(self, num_tokens: int, hidden_bytes: int, config: Config, num_scales: int = 0,
+    def _check_capacity(self, hidden_bytes: int, config: Config, num_scales: int = 0,
                         num_topk: int = 0) -> None:
         """The call must fit what it uses: the NVLink rings of this node's ranks and the config's channels,
         with slots for this call's rows (``hidden_bytes``, FP8 scales, top-k). Any token count streams
-        through them. A backend that still needs a whole call in its staging says how many slots per
-        (source, channel) it has (``staging_capacity``); no backend uses network staging yet."""
+        through them; no backend uses network staging yet."""
         P = self.topology.ranks_per_node
         C, ring = config.num_channels, config.num_max_nvl_chunked_recv_tokens
         row = slot_bytes(hidden_bytes, num_scales, num_topk)
@@ -699,15 +697,6 @@ class Buffer(LowLatencyMode):
                 f"{P} ranks x {C} channels x num_max_nvl_chunked_recv_tokens {ring} slots x {row} bytes = {need}; "
                 f"build the Buffer with num_nvl_bytes >= config.get_nvl_buffer_size_hint({hidden_bytes}, "
                 f"{self.num_ranks}) or pass a Config with a smaller ring")
-        capacity = getattr(self.backend, "staging_capacity", None)
-        slots = capacity(C, row) if capacity is not None else None
-        per_channel = math.ceil(num_tokens / C) if num_tokens else 0
-        if slots is not None and per_channel > slots:
-            raise ValueError(
-                f"[commlib rank {self.rank}] x has {num_tokens} tokens, {per_channel} per channel; the "
-                f"{self.backend_name} backend moves a call whole and its staging holds {slots} rows of {row} bytes "
-                f"per (rank, channel): {slots * C} tokens with {C} channels. Build the Buffer with a larger "
-                f"num_nvl_bytes or split the call")
 
     def _check_handle(self, handle: DispatchHandle, num_tokens: Optional[int], hidden: Optional[int]) -> None:
         if not isinstance(handle, DispatchHandle):

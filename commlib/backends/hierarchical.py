@@ -35,7 +35,6 @@ from commlib import layout as L
 from commlib.utils.math import SORT_KEY_BIG, align_up
 from commlib.backends.base import CombineRequest, DispatchRequest
 from commlib.backends.reference import ReferenceBackend, sum_rows
-from commlib.config import row_slot_bytes
 
 
 # Pipeline depth of the network hop. Each chunk is one collective on the rail group plus one
@@ -138,7 +137,7 @@ class HierarchicalBackend(ReferenceBackend):
             src_rank1 = torch.repeat_interleave(torch.tensor(rail, dtype=torch.int32), torch.tensor(recv_counts))
             got, got_src, fplan = self._fanout(recv1, src_rank1.to(recv1.device), packer, num_experts,
                                                {"node_handle": cached_plan["node_handles"][k]} if cached else None,
-                                               req, M * chunk)
+                                               req)
             arrived.append(got)
             arrived_src.append(got_src)
             node_handles.append(fplan["node_handle"])
@@ -189,27 +188,19 @@ class HierarchicalBackend(ReferenceBackend):
         return sum_rows(packer.unpack(rows), plan["order1"], T, H, K)
 
     # ------------------------------------------------------------------ fan-out
-    def _node(self, row_bytes: int, config, max_rows: int):
-        """The intranode Buffer, (re)made when a call needs more buffer than it has (collective: every
-        rank sees the same sizes and ``max_rows``, the most rows any rank fans out in one call).
-        Its size is the config's size hint (rings: any row count streams through); an engine that
-        still moves a call whole says how many rows per channel it holds, and the buffer grows to that."""
+    def _node(self, row_bytes: int, config):
+        """The intranode Buffer, (re)made when a call needs more buffer than it has (collective). Its
+        size is the config's size hint: any row count streams through its rings."""
         P = self.topology.ranks_per_node
         need = max(self.ctx.num_nvl_bytes, config.get_nvl_buffer_size_hint(row_bytes, P))
-        per_channel = math.ceil(max_rows / config.num_channels)
-        while True:
-            if self._node_buffer is None or need > self._node_buffer_bytes:
-                if self._node_buffer is not None:
-                    self._node_buffer.destroy()
-                self._node_buffer = self.ctx.make_node_buffer(self.node_group, need, P, self.intranode_backend)
-                self._node_buffer_bytes = need
-            capacity = getattr(self._node_buffer.backend, "staging_capacity", None)
-            slots = capacity(config.num_channels, row_slot_bytes(row_bytes)) if capacity is not None else None
-            if slots is None or slots >= per_channel:
-                return self._node_buffer.backend
-            need = max(2 * self._node_buffer_bytes, need)
+        if self._node_buffer is None or need > self._node_buffer_bytes:
+            if self._node_buffer is not None:
+                self._node_buffer.destroy()
+            self._node_buffer = self.ctx.make_node_buffer(self.node_group, need, P, self.intranode_backend)
+            self._node_buffer_bytes = need
+        return self._node_buffer.backend
 
-    def _fanout(self, recv1, src_rank1, packer, num_experts, cached_plan, req, max_rows: int):
+    def _fanout(self, recv1, src_rank1, packer, num_experts, cached_plan, req):
         topo = self.topology
         M, node = topo.num_nodes, topo.node
         J, row_bytes = recv1.shape
@@ -219,7 +210,7 @@ class HierarchicalBackend(ReferenceBackend):
         rows[:, row_bytes:row_bytes + 4] = src_rank1.view(torch.uint8).view(-1, 4)
         x = rows.view(torch.bfloat16).to(self.ctx.device)
         config = self._fanout_config(req.config)
-        node_backend = self._node(width, config, max_rows)
+        node_backend = self._node(width, config)
         if cached_plan is not None:
             sub = DispatchRequest(x, None, None, None, None, cached_plan["node_handle"], 0, 1, 0, config)
         else:

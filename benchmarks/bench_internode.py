@@ -1,11 +1,20 @@
-"""Internode benchmark: the hierarchical engine on emulated nodes, network and NVLink GB/s.
+"""Internode benchmark: the internode engine on emulated nodes against the flat all-to-all, a K sweep.
 
-    python -m benchmarks.bench_internode [--ranks 2 --ranks-per-node 1] [--tokens 4096] [--json [PATH]]
+    python -m benchmarks.bench_internode [--ranks 2 --ranks-per-node 1] [--tokens 4096] [--chunks 1,2,4,8]
+                                         [--emulate-hosts] [--json [PATH]]
 
 Runs commlib.bench.main's checked workload (V3 on GPUs, scaled down on CPUs) with
-``backend="hierarchical"`` and, from the Buffer's row counters, reports per op and rank:
+``backend="internode"`` once per network chunk cap (``--chunks``: COMMLIB_NETWORK_CHUNKS), beside
+the flat all_to_all_single of the same rows and the reference backend, all in one run, and reports
+per op and rank:
+  time          median of the timed calls (CUDA events on GPUs);
+  host us       host time of one call: its wall time less the time spent blocked in its one host
+                read (non-cached dispatch), each call issued on an idle device;
+  K             network chunks the call used (every rank runs the same number);
   network GB/s  rows that crossed between (emulated) nodes x row bytes / time;
   NVLink GB/s   rows moved between two ranks of one node x row bytes / time.
+``--emulate-hosts`` gives every rank its own NCCL_HOSTID (NCCL's socket transport between them,
+and processes may share a GPU: host times are then meaningful, device times are not).
 On one machine the "network" is not InfiniBand: 2 GPUs as 2 nodes x 1 send the network hop over
 NVLink (NCCL), and CPU ranks over loopback (gloo). The figures show the engine's data path and
 its once-per-node traffic, not IB performance; experiments/model_internode.py predicts that.
@@ -15,8 +24,11 @@ against commlib.bench.oracle, #wrong summed over the ranks; exit status 1 when a
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,18 +44,58 @@ def _row_bytes(op: str, hidden: int) -> int:
     return hidden + hidden // 128 * 4 if op == "dispatch_fp8" else hidden * 2
 
 
-def _worker(ctx, w, iters: int, warmup: int):
+def _host_us(buf, fn, reps: int) -> float:
+    """Median host time of ``fn()`` in us: wall time less time blocked in the engine's host read,
+    each call started on an idle device."""
+    times = []
+    for _ in range(reps):
+        if buf.device.type == "cuda":
+            torch.cuda.synchronize(buf.device)
+        blocked = buf.backend.host_read_s
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        times.append((t1 - t0 - (buf.backend.host_read_s - blocked)) * 1e6)
+    if buf.device.type == "cuda":
+        torch.cuda.synchronize(buf.device)
+    return float(statistics.median(times))
+
+
+def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
     from commlib.buffer import Buffer
     from commlib.fp8 import per_token_cast_to_fp8
 
     R = ctx.world_size
-    nvl, rdma = B.buffer_bytes(w.hidden, R, ctx.ranks_per_node, R // ctx.ranks_per_node)
-    buf = Buffer(ctx.group, nvl, rdma, backend="hierarchical", ranks_per_node=ctx.ranks_per_node)
-    ref = Buffer(ctx.group, nvl, rdma, backend="reference", ranks_per_node=ctx.ranks_per_node)
-    rows = B.measure(buf, ref, ctx.group, w, OPS + BASELINE_OPS, iters, warmup)
-    # the reference backend (same algorithm, torch collectives for both hops) timed in the same run,
+    nvl, rdma = B.buffer_bytes(w.hidden, R, rpn, R // rpn)
+    ref = Buffer(ctx.group, nvl, rdma, backend="reference", ranks_per_node=rpn)
+    table = []
+    for cap in chunk_caps:
+        os.environ["COMMLIB_NETWORK_CHUNKS"] = str(cap)
+        buf = Buffer(ctx.group, nvl, rdma, backend="internode", ranks_per_node=rpn)
+        rows = B.measure(buf, ref if cap == chunk_caps[0] else None, ctx.group, w,
+                         OPS + (BASELINE_OPS if cap == chunk_caps[0] else []), iters, warmup)
+        _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters)
+        part = B.gather(rows, ctx.group)
+        if part is not None:
+            table += part
+        info = {"backend": buf.backend_name, "buffer_device": str(buf.device),
+                "process_group": dist.get_backend(ctx.group), "num_nodes": buf.topology.num_nodes,
+                "ranks_per_node": buf.topology.ranks_per_node}
+        buf.destroy()
+    # the reference backend (the specification, torch collectives for both hops) in the same run,
     # its outputs checked against the oracle like every other row
     ref_table = B.gather(B.measure(ref, None, ctx.group, w, OPS, iters, warmup), ctx.group)
+    if table is not None and ref_table is not None:
+        for r in ref_table:
+            r.update(op="reference_" + r["op"], net_rows=0.0, nvl_rows=0.0, chunk_cap=0, chunks=0, host_us=0.0)
+        table += ref_table
+    ref.destroy()
+    return {"rows": table, "info": info}
+
+
+def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters):
+    """Per op: rows moved (counters), chunks used, host time per call."""
+    R = ctx.world_size
     # rows per call that crossed nodes / moved inside a node: counter deltas over one call of each op
     inp = B.make_inputs(w, ctx.rank, buf.device)
     x, idx, wts = inp["x"], inp["topk_idx"], inp["topk_weights"]
@@ -54,13 +106,17 @@ def _worker(ctx, w, iters: int, warmup: int):
                             topk_idx=idx, topk_weights=wts)
     recv_x, _, recv_w, _, handle, _ = dispatch(x)
     y = B.expert_output(recv_x, ctx.rank)
+    x_fp8 = per_token_cast_to_fp8(x)
     calls = {"dispatch_bf16": lambda: dispatch(x), "dispatch_bf16_cached": lambda: buf.dispatch(x, handle=handle),
-             "dispatch_fp8": lambda: dispatch(per_token_cast_to_fp8(x)),
+             "dispatch_fp8": lambda: dispatch(x_fp8),
              "combine": lambda: buf.combine(y, handle, topk_weights=recv_w)}
     for r in rows:
+        r["chunk_cap"] = cap
+        r["chunks"] = handle.extra["plan"]["num_chunks"] if r["op"] in calls else 0
         if r["op"] not in calls:
-            r["net_rows"] = r["nvl_rows"] = 0.0  # not counted: the flat baseline has no node hops
+            r["net_rows"] = r["nvl_rows"] = r["host_us"] = 0.0  # the flat baseline has no node hops
             continue
+        r["host_us"] = _host_us(buf, calls[r["op"]], max(5, iters))
         before = buf.counters
         calls[r["op"]]()
         after = buf.counters
@@ -70,16 +126,6 @@ def _worker(ctx, w, iters: int, warmup: int):
         dist.all_gather_object(everyone, moved.tolist(), group=ctx.group)
         r["net_rows"] = sum(e[0] for e in everyone) / R  # mean rows per rank
         r["nvl_rows"] = sum(e[1] for e in everyone) / R
-    table = B.gather(rows, ctx.group)
-    if table is not None:
-        for r in ref_table:
-            r.update(op="reference_" + r["op"], net_rows=0.0, nvl_rows=0.0)
-        table += ref_table
-    info = {"backend": buf.backend_name, "buffer_device": str(buf.device), "process_group": dist.get_backend(ctx.group),
-            "num_nodes": buf.topology.num_nodes, "ranks_per_node": buf.topology.ranks_per_node}
-    buf.destroy()
-    ref.destroy()
-    return {"rows": table, "info": info}
 
 
 def main(argv=None) -> int:
@@ -96,6 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20 if gpus else 3)
     p.add_argument("--warmup", type=int, default=5 if gpus else 1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunks", default="4", help="network chunk caps to sweep (COMMLIB_NETWORK_CHUNKS), e.g. 1,2,4,8")
+    p.add_argument("--emulate-hosts", action="store_true",
+                   help="one NCCL_HOSTID per rank: NCCL between processes (sharing a GPU, or over its socket transport)")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
                    help="a .json file, or a folder for the standard name (default: benchmarks/results/)")
     a = p.parse_args(argv)
@@ -105,22 +154,36 @@ def main(argv=None) -> int:
         raise SystemExit("--ranks must be a multiple of --ranks-per-node with at least 2 nodes")
     w = B.Workload(a.tokens, a.hidden, a.experts, a.topk, a.groups, a.topk_groups, a.seed)
     w.validate(a.ranks)
-    res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, ranks_per_node=a.ranks_per_node,
-                          use_gpu=bool(gpus))
+    caps = [int(c) for c in a.chunks.split(",")]
+    if a.emulate_hosts:  # every rank its own host for NCCL; the Buffer still sees --ranks-per-node
+        res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, ranks_per_node=1,
+                              use_gpu=bool(gpus), group_backend="nccl" if gpus else None, emulate_hosts=True)
+    else:
+        res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node,
+                              ranks_per_node=a.ranks_per_node, use_gpu=bool(gpus))
     rows, info = res["rows"], res["info"]
     nodes = a.ranks // a.ranks_per_node
-    link = "NVLink via NCCL" if gpus else "loopback via gloo"
+    link = ("NCCL's socket transport (emulated hosts; processes may share a GPU: device times are not "
+            "meaningful, host times are)" if a.emulate_hosts else "NVLink via NCCL" if gpus else "loopback via gloo")
     print(f"# bench_internode: {nodes} emulated nodes x {a.ranks_per_node}, backend {info['backend']} on "
           f"{info['buffer_device']}; the 'network' here is {link}, not InfiniBand")
-    print(f"# {'op':>30} {'tokens':>7} {'time(us)':>10} {'algbw':>8} {'net rows':>9} {'net GB/s':>9} "
-          f"{'nvl rows':>9} {'nvl GB/s':>9} {'#wrong':>7}")
+    print(f"# {'op':>30} {'cap':>4} {'K':>3} {'tokens':>7} {'time(us)':>10} {'host us':>8} {'algbw':>8} "
+          f"{'net rows':>9} {'net GB/s':>9} {'nvl rows':>9} {'nvl GB/s':>9} {'#wrong':>7}")
     for r in rows:
         rb = _row_bytes(r["op"], a.hidden)
         t = r["time_us"]
         r["net_gbps"] = r["net_rows"] * rb / t / 1e3 if t else 0.0
         r["nvl_gbps"] = r["nvl_rows"] * rb / t / 1e3 if t else 0.0
-        print(f"  {r['op']:>30} {r['tokens']:>7} {t:>10.1f} {r['algbw_gbps']:>8.2f} {r['net_rows']:>9.0f} "
+        print(f"  {r['op']:>30} {r.get('chunk_cap', 0):>4} {r.get('chunks', 0):>3} {r['tokens']:>7} {t:>10.1f} "
+              f"{r.get('host_us', 0.0):>8.1f} {r['algbw_gbps']:>8.2f} {r['net_rows']:>9.0f} "
               f"{r['net_gbps']:>9.2f} {r['nvl_rows']:>9.0f} {r['nvl_gbps']:>9.2f} {results.wrong_cell(r):>7}")
+    flat = {r["op"]: r["time_us"] for r in rows if r["op"] in BASELINE_OPS}
+    for r in rows:
+        base = flat.get("a2a_combine" if r["op"] == "combine" else "a2a_dispatch_bf16")
+        if r["op"] in OPS and base:
+            r["vs_flat_a2a"] = r["time_us"] / base
+    print("# engine time / flat all-to-all time: " + ", ".join(
+        f"{r['op']}@cap{r['chunk_cap']}={r['vs_flat_a2a']:.2f}x" for r in rows if "vs_flat_a2a" in r))
     print(results.check_footer(rows))
     if a.json is not None:
         cmd = "python -m benchmarks.bench_internode " + " ".join(shlex.quote(v) for v in (argv or sys.argv[1:]))

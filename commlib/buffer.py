@@ -58,7 +58,7 @@ class Buffer(LowLatencyMode):
             buffer (``Buffer.get_low_latency_rdma_size_hint``).
         low_latency_mode: DeepEP's decode mode (low_latency_dispatch / low_latency_combine): GPU
             kernels on the nvlink backend (commlib/backends/low_latency/nvlink.py), collectives on the
-            reference backend; hierarchical: NotImplementedError.
+            reference backend; internode: NotImplementedError.
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: accepted for API
             compatibility; they tune InfiniBand queue pairs, NVSHMEM, MNNVL and fabric memory handles,
             which commlib does not use.
@@ -68,7 +68,7 @@ class Buffer(LowLatencyMode):
             low_latency_query_mask_buffer / low_latency_clean_mask_buffer); dispatch and combine skip
             masked ranks, and a rank that does not answer within COMMLIB_TIMEOUT_S is masked.
         comm: an mpi4py communicator used when ``group`` is None.
-        backend: "auto" | "reference" | "nvlink" | "hierarchical" (keyword only; default COMMLIB_BACKEND).
+        backend: "auto" | "reference" | "nvlink" | "internode" (keyword only; default COMMLIB_BACKEND).
         ranks_per_node: override the launcher's ranks per node (emulated nodes).
         max_nodes_per_token: node-limited routing bound checked on several nodes (default 4).
 
@@ -158,8 +158,10 @@ class Buffer(LowLatencyMode):
 
     def _choose_backend(self, requested: Optional[str]) -> str:
         name = (requested or env.backend()).lower()
-        if name not in ("auto", "reference", "nvlink", "hierarchical"):
-            raise ValueError(f"Buffer: backend must be auto, reference, nvlink or hierarchical, got {name!r}")
+        if name == "hierarchical":
+            name = "internode"  # the engine's earlier name
+        if name not in ("auto", "reference", "nvlink", "internode"):
+            raise ValueError(f"Buffer: backend must be auto, reference, nvlink or internode, got {name!r}")
         if name == "auto":
             # Several nodes stay on the reference backend: on 2 x H200 as 2 emulated nodes the
             # hierarchical engine measured 15.6 ms per 4096-token dispatch vs the reference's 12.0
@@ -171,9 +173,9 @@ class Buffer(LowLatencyMode):
             raise ValueError(f"Buffer: backend {name!r} needs CUDA GPUs; this rank has none")
         if name == "nvlink" and self.topology.num_nodes != 1:
             raise ValueError(f"Buffer: the nvlink backend serves one node; the topology has "
-                             f"{self.topology.num_nodes} nodes (use hierarchical, auto or reference)")
-        if name == "hierarchical" and self.topology.num_nodes < 2:
-            raise ValueError("Buffer: the hierarchical backend needs several nodes (set ranks_per_node / "
+                             f"{self.topology.num_nodes} nodes (use internode, auto or reference)")
+        if name == "internode" and self.topology.num_nodes < 2:
+            raise ValueError("Buffer: the internode backend needs several nodes (set ranks_per_node / "
                              "COMMLIB_RANKS_PER_NODE), or use nvlink / reference on one node")
         return name
 
@@ -185,7 +187,7 @@ class Buffer(LowLatencyMode):
             max_nodes_per_token=self.max_nodes_per_token, num_sms=lambda: Buffer.num_sms,
             default_config=lambda kind, r: (Buffer.get_dispatch_config if kind == "dispatch"
                                             else Buffer.get_combine_config)(r),
-            run=self._run, make_node_buffer=_node_buffer)
+            run=self._run)
         return make_backend(name, self._ctx)
 
     def destroy(self) -> None:
@@ -419,7 +421,9 @@ class Buffer(LowLatencyMode):
                                          num_worst_tokens, config)
             req.prepacked = prepacked
         except (TypeError, ValueError):
-            self._rejected(2 if handle is not None else 1)
+            self._rejected(2 if handle is not None else 1,
+                           num_tokens_per_expert.shape[0] if isinstance(num_tokens_per_expert, torch.Tensor)
+                           and num_tokens_per_expert.dim() == 1 else 0)
             raise
         scales_in = req.x_scales
         inputs = [req.x, scales_in, topk_idx, topk_weights, is_token_in_rank, handle]
@@ -511,11 +515,12 @@ class Buffer(LowLatencyMode):
             raise ValueError(f"[commlib rank {me}] prepacked rows need a copy-engine dispatch; num_worst_tokens "
                              "takes the SM kernels")
 
-    def _rejected(self, op: int) -> None:
-        """Input refused on this rank: backends that agree per call let the peers know."""
+    def _rejected(self, op: int, num_experts: int = 0) -> None:
+        """Input refused on this rank: backends that agree per call let the peers know (``num_experts``:
+        the call's, where its num_tokens_per_expert says; the internode engine's exchange is sized by it)."""
         notify = getattr(self.backend, "on_rejected", None)
         if notify is not None:
-            notify(op)
+            notify(op, num_experts)
 
     def _prepare_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
@@ -551,10 +556,6 @@ class Buffer(LowLatencyMode):
                     raise ValueError(f"[commlib rank {self.rank}] topk_weights given without topk_idx")
                 if num_worst_tokens:
                     raise ValueError(f"[commlib rank {self.rank}] num_worst_tokens needs topk_idx (as in DeepEP)")
-                if self.backend_name == "hierarchical":
-                    raise NotImplementedError(f"[commlib rank {self.rank}] dispatch without topk_idx on the "
-                                              "hierarchical backend: its fan-out routes by expert id; use the "
-                                              "reference backend or pass topk_idx")
             else:
                 check_routing(topk_idx, topk_weights, T, self.rank, self.device)
             if num_tokens_per_expert is None:
@@ -710,11 +711,6 @@ class Buffer(LowLatencyMode):
         if hidden is not None and handle.hidden and handle.hidden != hidden:
             raise ValueError(f"[commlib rank {self.rank}] cached dispatch: x has hidden {hidden}, the handle "
                              f"was made for {handle.hidden}")
-
-
-def _node_buffer(group, num_nvl_bytes: int, ranks_per_node: int, backend: str) -> Buffer:
-    """An intranode Buffer on ``group`` (the hierarchical backend's fan-out; collective)."""
-    return Buffer(group, num_nvl_bytes, ranks_per_node=ranks_per_node, backend=backend)
 
 
 def _tensors_of(obj, skip=()):

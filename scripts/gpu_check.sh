@@ -6,7 +6,9 @@
 # Stages (each under a hard `timeout`, clamped to what is left of GPU_CHECK_BUDGET_S, so a hang can
 # never eat the device lease): env (nvidia-smi topo, versions), compile (every kernel family, both
 # load/store modes), smoke (2 ranks, one case), tests2 (2-rank world, every case), bench
-# (python -m benchmarks.bench_intranode --json), shared (4 and 8 ranks on 2 GPUs), timeout (device-timeout test),
+# (python -m benchmarks.bench_intranode --json), shared (4 and 8 ranks on 2 GPUs), hier (the internode engine
+# against the reference over NCCL, ranks as emulated hosts sharing the GPUs), inhost (its host time per call
+# and K sweep on one GPU), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
 # overlapab (benchmarks.bench_overlap with --sm-carveout off / auto for each argument set in OVERLAP_AB),
@@ -59,6 +61,8 @@ case "$ONLY" in
   # the one-GPU kind after a change of layout: every GPU test world (ranks share the GPU where there is
   # one), the kernels from a non-editable wheel install, the main job
   onegpu) STAGES="env,compile,wheel,tests2,rings,deepep,llgpu,moegpu,timeout,faults,cpu,shared" ;;
+  # the internode engine on one GPU (ranks as emulated hosts over NCCL): its GPU tests, host time per call
+  internode1) STAGES="env,hier,inhost" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -141,7 +145,7 @@ for v in ${GPU_CHECK_TEST_VARIANTS-COMM_CLUSTER=1 SHARE_WORK=0 COMM_TRACE=1}; do
   SUMMARY[-1]="${SUMMARY[-1]} [variant $v]"
 done
 stage shared 150 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "shared_gpus" -p no:cacheprovider
-stage hier 150 $PY -m pytest tests/gpu/test_hierarchical_gpu.py -x -q -p no:cacheprovider
+stage hier 420 $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider
 stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout" -p no:cacheprovider
 # fault injection: disagreeing ranks (one world), traps / timeouts (one short world each; logs in OUTDIR/faults)
 stage faults 150 env COMMLIB_FAULT_LOG_DIR="$OUTDIR/faults" $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k "not long_run" -p no:cacheprovider
@@ -194,6 +198,10 @@ stage neighbour 90 $PY -m experiments.bench_gemm_carveout --neighbour 4,12 --jso
 stage interference 150 $PY -m experiments.bench_comm_interference --json "$RES/comm_interference.json"
 stage tune 200 $PY -m benchmarks.bench_tune ${TUNE_ARGS:-} --json "$RES"
 stage internode 150 $PY -m benchmarks.bench_internode --json "$RES"
+# one GPU: 2 processes as 2 emulated hosts over NCCL's socket transport; host time per call and K (device times
+# are time-sliced, not meaningful); V3 rows at 4096 tokens, chunk caps 1..8
+stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1,2,4,8 \
+  --iters 10 --warmup 3 --json "$OUTDIR"
 stage llbench 120 $PY -m benchmarks.bench_low_latency --json "$RES"
 if ls "$RES"/* >/dev/null 2>&1; then tar -czf "$OUTDIR/results.tar.gz" -C "$RES" . && log "[gpu_check] packed $(ls "$RES" | wc -l) result files"; fi
 

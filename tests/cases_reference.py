@@ -310,26 +310,13 @@ def case_bad_input(ctx):
     normal.destroy()
 
 
-def case_hierarchical_engine(ctx):
-    """The hierarchical engine (rail-group network hop + intranode Buffer fan-out) gives exactly
-    the reference's outputs, handles and once-per-node row counts, on every multi-node topology."""
-    for i, p in enumerate(t for t in topologies(ctx.world_size) if ctx.world_size // t > 1):
-        for j, name in enumerate(("random", "group_limited", "some_empty", "zero_tokens", "silent_rank")):
-            check_full(ctx, p, name, fp8=False, seed=500 + 10 * i + j, backend="hierarchical")
-        check_full(ctx, p, "random", fp8=True, seed=560 + i, backend="hierarchical")
-        # small network chunks: several pipelined chunks per call (chunk 3 rows); the default's NVLink ring
-        chunked = Config(20, 32, 256, 3, 1024)
-        check_full(ctx, p, "group_limited", fp8=False, seed=570 + i, backend="hierarchical", config=chunked)
-        check_full(ctx, p, "some_empty", fp8=True, seed=580 + i, backend="hierarchical", config=chunked)
-
-
 def case_one_channel(ctx):
     """num_sms=2 is one channel: the [R, 1] channel prefix matrices (and a zero-token rank's) must
-    work through dispatch, cached dispatch and combine, flat, multi-node and hierarchical."""
+    work through dispatch, cached dispatch and combine, flat, multi-node and on the internode engine."""
     one = Config(2, 8, 64)  # 1 channel of 64 slots: room for every rank's tokens
     for i, p in enumerate(topologies(ctx.world_size)):
         check_full(ctx, p, "random", fp8=False, seed=600 + i, config=one)
         check_full(ctx, p, "some_empty", fp8=True, seed=610 + i, config=one)
         check_full(ctx, p, "zero_tokens", fp8=False, seed=620 + i, config=one)
         if ctx.world_size // p > 1:
-            check_full(ctx, p, "random", fp8=False, seed=630 + i, backend="hierarchical", config=one)
+            check_full(ctx, p, "random", fp8=False, seed=630 + i, backend="internode", config=one)

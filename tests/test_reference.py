@@ -8,9 +8,9 @@ from worlds import case_tests
 ROUTING_CASES = [f"routing_{name}" for name in C.ROUTINGS]
 CASES = {
     1: ROUTING_CASES + ["options", "bad_input"],
-    2: ROUTING_CASES + ["options", "bad_input", "hierarchical_engine", "one_channel"],
-    4: ROUTING_CASES + ["options", "hierarchical_engine"],
-    8: ROUTING_CASES + ["options", "node_limit", "hierarchical_engine"],
+    2: ROUTING_CASES + ["options", "bad_input", "one_channel"],
+    4: ROUTING_CASES + ["options"],
+    8: ROUTING_CASES + ["options", "node_limit"],
 }
 
 

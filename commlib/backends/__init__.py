@@ -6,18 +6,20 @@ backend)`` the decode engine beside it. Both take a ``BackendContext``, never th
 from __future__ import annotations
 
 from commlib.backends.base import Backend, BackendContext
-from commlib.backends.hierarchical import HierarchicalBackend
+from commlib.backends.internode import InternodeBackend
 from commlib.backends.low_latency.nvlink import NVLinkLowLatency
 from commlib.backends.low_latency.reference import LowLatencyReference
 from commlib.backends.nvlink.engine import NVLinkBackend
 from commlib.backends.reference import ReferenceBackend
 
-BACKENDS = {"reference": ReferenceBackend, "nvlink": NVLinkBackend, "hierarchical": HierarchicalBackend}
+# "hierarchical" is the internode engine's earlier name, kept so existing code and settings work.
+BACKENDS = {"reference": ReferenceBackend, "nvlink": NVLinkBackend, "internode": InternodeBackend,
+            "hierarchical": InternodeBackend}
 LOW_LATENCY = {"reference": LowLatencyReference, "nvlink": NVLinkLowLatency}
 
 
 def make_backend(name: str, ctx: BackendContext) -> Backend:
-    """The engine called ``name`` (reference, nvlink, hierarchical) for the Buffer described by ``ctx``."""
+    """The engine called ``name`` (reference, nvlink, internode) for the Buffer described by ``ctx``."""
     try:
         cls = BACKENDS[name]
     except KeyError:

@@ -110,9 +110,6 @@ class BackendContext:
     # run(fn, inputs, previous_event, async_finish, allocate_on_comm_stream): fn on the comm stream
     # with DeepEP's event semantics; returns (fn's result, EventOverlap or None).
     run: Callable[..., Any]
-    # make_node_buffer(group, num_nvl_bytes, ranks_per_node, backend) -> an intranode Buffer
-    # (collective over ``group``); the hierarchical backend fans out through it.
-    make_node_buffer: Optional[Callable[..., Any]] = None
 
 
 class Backend:

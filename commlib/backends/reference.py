@@ -73,6 +73,7 @@ class _Packer:
 
 class ReferenceBackend(Backend):
     name = "reference"
+    sig_fields = SIG_FIELDS   # names of signature()'s words, for the disagreement message
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -102,11 +103,11 @@ class ReferenceBackend(Backend):
         return [op, self.calls, hidden, num_experts, int(fp8), topk, int(weights), config.num_sms,
                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens]
 
-    def on_rejected(self, op: int) -> None:
+    def on_rejected(self, op: int, num_experts: int = 0) -> None:
         """This rank's input was refused: tell the peers (they are waiting in the agreement)."""
         self.calls += 1
         self._phase = f"{_OPS[op]} (reporting this rank's input error)"
-        sig = [op, self.calls] + [0] * (len(SIG_FIELDS) - 2)
+        sig = [op, self.calls] + [0] * (len(self.sig_fields) - 2)
         try:
             self._all_gather_rows(torch.tensor([1, *sig] + [0] * self._extra_len, dtype=torch.int64))
         except CommlibError:
@@ -128,7 +129,7 @@ class ReferenceBackend(Backend):
         for r in range(R):
             theirs = g[r, 1:1 + n].tolist()
             if theirs != sig:
-                diffs = [f"{SIG_FIELDS[i]}: rank {r} has {_OPS.get(theirs[i], theirs[i]) if i == 0 else theirs[i]}, "
+                diffs = [f"{self.sig_fields[i]}: rank {r} has {_OPS.get(theirs[i], theirs[i]) if i == 0 else theirs[i]}, "
                          f"rank {me} has {_OPS.get(sig[i], sig[i]) if i == 0 else sig[i]}"
                          for i in range(n) if theirs[i] != sig[i]]
                 raise ValueError(f"[commlib rank {me}] ranks disagree on the op: " + "; ".join(diffs)

@@ -1,7 +1,7 @@
 """Every ``COMMLIB_*`` environment variable is read here, and only here.
 
 Variables:
-  COMMLIB_BACKEND          auto | reference | nvlink | hierarchical   (default auto)
+  COMMLIB_BACKEND          auto | reference | nvlink | internode (hierarchical: the same)   (default auto)
   COMMLIB_RANKS_PER_NODE   ranks per (emulated) node; overrides the launcher's local size
   COMMLIB_TIMEOUT_S        seconds any host or device wait may take before raising (default 100)
   COMMLIB_NUM_SMS          default SM budget for Buffer.set_num_sms (default 20)
@@ -29,6 +29,9 @@ Variables:
   COMMLIB_CE_STAGING       device | host: where the copy-engine path's staging lives (default device: CUDA IPC over
                            NVLink); host: pinned host memory shared by the ranks' processes, so rows cross PCIe
                            twice (the path of GPUs without peer access, and of a NIC's DMA)
+  COMMLIB_NETWORK_CHUNKS   internode engine: most network chunks a dispatch / combine streams in (default 4)
+  COMMLIB_DEBUG_NETWORK_STALL_MS  internode engine: N > 0 sleeps a random 0..N ms before each network chunk is
+                           posted and landed (tests of the chunk protocol; default 0)
   COMMLIB_DEEP_EP_QUIET    1: ``import deep_ep`` (commlib's compatibility package) logs nothing (default: one
                            INFO line on the ``deep_ep`` logger naming commlib and its version)
 """
@@ -72,8 +75,8 @@ def _flag_on(name: str) -> bool:
 
 def backend() -> str:
     value = (_get("COMMLIB_BACKEND", "auto") or "auto").lower()
-    if value not in ("auto", "reference", "nvlink", "hierarchical"):
-        raise ValueError(f"COMMLIB_BACKEND={value!r}: expected auto, reference, nvlink or hierarchical")
+    if value not in ("auto", "reference", "nvlink", "internode", "hierarchical"):
+        raise ValueError(f"COMMLIB_BACKEND={value!r}: expected auto, reference, nvlink or internode")
     return value
 
 
@@ -189,3 +192,17 @@ def ce_sms() -> int:
 
 def deep_ep_quiet() -> bool:
     return _flag("COMMLIB_DEEP_EP_QUIET")
+
+
+def network_chunks() -> int:
+    n = _int("COMMLIB_NETWORK_CHUNKS", 4)
+    if not 1 <= n <= 64:
+        raise ValueError(f"COMMLIB_NETWORK_CHUNKS={n} must be in 1 .. 64")
+    return n
+
+
+def debug_network_stall_ms() -> float:
+    v = _float("COMMLIB_DEBUG_NETWORK_STALL_MS", 0.0)
+    if v < 0:
+        raise ValueError(f"COMMLIB_DEBUG_NETWORK_STALL_MS={v} must be >= 0")
+    return v

@@ -76,8 +76,10 @@ ERROR_GRACE_S = 1.0
 
 def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: bool,
            worker: Callable, args: tuple, queue, group_backend: Optional[str] = None,
-           return_all: bool = False) -> None:
+           return_all: bool = False, emulate_hosts: bool = False) -> None:
     os.environ.update(SAFE_ENV)
+    if emulate_hosts:  # NCCL sees each emulated node as its own host (its socket transport between them)
+        os.environ["NCCL_HOSTID"] = f"commlib-emulated-node-{rank // ranks_per_node}"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["COMMLIB_RANKS_PER_NODE"] = str(ranks_per_node)
@@ -110,13 +112,16 @@ def _entry(rank: int, world_size: int, ranks_per_node: int, port: int, use_gpu: 
 
 def parallel_launch(world_size: int, worker: Callable, *args: Any, ranks_per_node: Optional[int] = None,
                     use_gpu: bool = False, timeout_s: float = 600.0, allow_exit: bool = False,
-                    group_backend: Optional[str] = None, return_all: bool = False) -> Any:
+                    group_backend: Optional[str] = None, return_all: bool = False,
+                    emulate_hosts: bool = False) -> Any:
     """Run ``worker(ctx, *args)`` on ``world_size`` local ranks; return rank 0's result.
 
     ``return_all``: return a list of every rank's result instead (None for a rank that left
     without reporting, under ``allow_exit``).
     ``group_backend``: force the process group's backend ("gloo" / "nccl"); by default NCCL with one
     process per GPU, gloo otherwise.
+    ``emulate_hosts``: each emulated node gets its own NCCL_HOSTID, so NCCL runs between processes
+    sharing one GPU (as separate hosts, over its socket transport: correctness only, never timing).
     ``allow_exit``: ranks that end with exit code 0 without reporting (fault-injection tests that
     make a rank leave) count as finished instead of being waited for.
     Raises RuntimeError with the failed ranks' tracebacks as soon as a rank raises or dies (the
@@ -128,7 +133,7 @@ def parallel_launch(world_size: int, worker: Callable, *args: Any, ranks_per_nod
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     port = store.port
     procs = [ctx.Process(target=_entry, args=(r, world_size, ranks_per_node, port, use_gpu, worker, args, queue,
-                                                  group_backend, return_all),
+                                                  group_backend, return_all, emulate_hosts),
                          daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -453,7 +453,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
                                    + " (every rank must make the same sequence of calls with the same "
                                      "shapes/config); nothing was sent")
 
-    def on_rejected(self, op: int) -> None:
+    def on_rejected(self, op: int, num_experts: int = 0) -> None:
         """The Buffer refused this rank's input (op 1 = dispatch, 2 = cached dispatch, 3 = combine).
 
         For a dispatch the peers are (or will be) in the count exchange: take part in it with the

@@ -1,0 +1,575 @@
+"""Internode engine: each token crosses the network once per node, in chunks, then fans out in the node.
+
+Legend: T tokens here, H hidden, K top-k, R ranks, M nodes, P ranks per node, me = (node n, local
+rank l), rail = the M ranks of local rank l (one per node), J rows of one landed network chunk,
+Kc = the most network chunks a call may use (``COMMLIB_NETWORK_CHUNKS``), N rows received.
+
+Dispatch (non-cached):
+  1. metadata on the device, no host sync: per-rank, per-node, per-expert counts, each row's final
+     position on every rank of its destination node (DeepEP's send_head), and, per destination node,
+     per chunk and per local rank there, how many rows the forwarder will pass on;
+  2. three small collectives on device tensors: the world agreement row (signature, counts,
+     errors), the per-chunk fan-out counts over the rail, their sums over the node; then ONE host
+     read of both results (every row count the data steps need);
+  3. the network leg: rows packed once per (token, destination node) in chunk-major order, each
+     chunk one grouped send/recv to every rail peer (``RailTransport``, the seam where a
+     GPU-initiated transport can replace NCCL's host-issued one);
+  4. the fan-out: while chunk k+1 is on the wire, the rows of chunk k go to the ranks of this node
+     that need them (one all-to-all on the node group, sizes known from step 2) and land straight
+     at their final row (the position they carry), so no sort is needed.
+Cached dispatch and combine issue the same data steps from the handle's plan: no metadata, no host
+read, CUDA-graph capturable on NCCL.
+
+Combine mirrors it: rows go back to their forwarder chunk by chunk, which sums them in local-rank
+order (float32, cast to bf16: the reference's node partial), the partial crosses the network back,
+and the home rank sums the <= max_nodes_per_token node partials in node order. Outputs and handles
+are the reference backend's bit for bit (backends/base.py states the contract).
+
+On a gloo group (CPU ranks) the same steps run on CPU tensors; every call there also runs the
+reference's agreement (host-side and free), so mismatched calls raise on every rank.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from commlib import layout as L
+from commlib.utils import env
+from commlib.utils.math import align_up
+from commlib.handle import DispatchHandle
+from commlib.validate import CommlibError
+from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
+from commlib.backends.reference import _OPS, SIG_FIELDS, ReferenceBackend, _Packer
+
+# The reference's signature plus the network ring (it sets the chunk geometry every rank must share).
+INTERNODE_SIG_FIELDS = SIG_FIELDS + ("rdma_recv_tokens",)
+
+
+def chunk_rows(count: int, ring_rows: int, max_chunks: int) -> int:
+    """Rows per network chunk of a stream of ``count`` rows: the config's ring half, raised so that
+    at most ``max_chunks`` chunks carry it."""
+    return max(1, ring_rows, -(-count // max_chunks))
+
+
+def clip(count: int, k: int, rows: int) -> int:
+    """Rows of chunk k of a stream of ``count`` rows cut into chunks of ``rows``."""
+    return max(0, min(rows, count - k * rows))
+
+
+def compact(mask: torch.Tensor, total: int) -> torch.Tensor:
+    """Flat indices g * n + i of the True entries of ``mask`` [n, G], group by group, row order
+    within a group. ``total`` (the number of True entries) comes from the host, so nothing syncs."""
+    n, G = mask.shape
+    if total == 0 or n == 0:
+        return torch.empty(0, dtype=torch.int64, device=mask.device)
+    keys = torch.arange(n * G, dtype=torch.int64, device=mask.device).view(G, n)
+    keys = torch.where(mask.t(), keys, torch.full_like(keys, n * G))
+    return keys.flatten().sort().values[:total]
+
+
+def _ring_rows(config) -> int:
+    """Rows of one network chunk slot: half of a (node, channel) ring of the Config, over its channels
+    (the size hint's ring: Config.rdma_ring_bytes)."""
+    return max(1, config.num_channels * config.num_max_rdma_chunked_recv_tokens // 2)
+
+
+class RailTransport:
+    """The network step of a chunk: rows to and from every rail peer (one per node).
+
+    ``exchange`` posts it and returns a token; ``land`` makes the current stream wait for it (NCCL:
+    no host wait) or waits on the host with a deadline (gloo). The only seam between the engine and
+    the network: a GPU-initiated transport (NCCL's device API) can replace this class.
+    """
+
+    def __init__(self, group, backend: ReferenceBackend) -> None:
+        self.group = group
+        self.backend = backend
+        self.stall_ms = env.debug_network_stall_ms()
+        self._rng = random.Random(1000 + backend.topology.rank)
+
+    def _stall(self) -> None:
+        if self.stall_ms:
+            time.sleep(self._rng.uniform(0, self.stall_ms) / 1000)
+
+    def exchange(self, send: torch.Tensor, send_splits: list, recv_splits: list):
+        self._stall()
+        out = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group, async_op=True)
+        return out, work
+
+    def land(self, posted, what: str) -> torch.Tensor:
+        out, work = posted
+        self._stall()
+        self.backend._phase = what
+        self.backend._wait(work)
+        return out
+
+
+class InternodeBackend(ReferenceBackend):
+    name = "internode"
+    sig_fields = INTERNODE_SIG_FIELDS
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        topo = self.topology
+        if topo.num_nodes < 2:
+            raise ValueError(f"[commlib rank {topo.rank}] the internode engine needs several nodes, the "
+                             "topology has one (use nvlink or reference)")
+        self.nccl = dist.get_backend(self.group) == "nccl"
+        self.max_chunks = env.network_chunks()
+        theirs = [None] * topo.num_ranks
+        dist.all_gather_object(theirs, self.max_chunks, group=self.group)
+        if any(t != self.max_chunks for t in theirs):
+            raise ValueError(f"[commlib rank {topo.rank}] COMMLIB_NETWORK_CHUNKS differs between ranks: {theirs}")
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        world_ranks = dist.get_process_group_ranks(self.group)
+        self.rail_group = self.node_group = None
+        for loc in range(topo.ranks_per_node):
+            g = dist.new_group([world_ranks[r] for r in topo.rail_ranks(loc)])
+            if loc == topo.local_rank:
+                self.rail_group = g
+        for n in range(topo.num_nodes):
+            g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)])
+            if n == topo.node:
+                self.node_group = g
+        self.network = RailTransport(self.rail_group, self)
+        self.host_reads = 0      # device -> host reads of counts (tests: one per non-cached dispatch)
+        self.host_read_s = 0.0   # seconds blocked in them (benchmarks: host time = wall time less this)
+        # E of the last dispatch: a rank whose dispatch input is refused on NCCL sends an agreement row
+        # of that length (the peers' rows have their E; the first dispatch refused: see on_rejected)
+        self._last_num_experts = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _h2d(self, values: list, dtype=torch.int64) -> torch.Tensor:
+        """A small host list on the comm device without a stream sync (pinned, non-blocking)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.comm_device.type == "cuda":
+            return t.pin_memory().to(self.comm_device, non_blocking=True)
+        return t
+
+    def _gather(self, row: torch.Tensor, group, size: int) -> torch.Tensor:
+        out = torch.empty(size * row.numel(), dtype=row.dtype, device=row.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._wait(gather(out, row.contiguous(), group=group, async_op=True))
+        return out.view(size, row.numel())
+
+    def _node_a2a(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
+        if self.topology.ranks_per_node == 1:
+            return send
+        out = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype, device=send.device)
+        self._wait(dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.node_group,
+                                          async_op=True))
+        return out
+
+    def _read(self, t: torch.Tensor) -> torch.Tensor:
+        """The one device -> host read of a non-cached dispatch."""
+        self.host_reads += 1
+        t0 = time.perf_counter()
+        out = t.cpu()
+        self.host_read_s += time.perf_counter() - t0
+        return out
+
+    def on_rejected(self, op: int, num_experts: int = 0) -> None:
+        """This rank's input was refused: take part in what the peers run before they can raise.
+
+        gloo: the reference's agreement (every op starts with it there). NCCL: a dispatch's three count
+        collectives with the error word set; the agreement row is sized by the call's num_experts (or
+        the previous dispatch's, where the refused call did not say: a wrong guess leaves the peers to
+        NCCL's timeout). Cached dispatch and combine have no exchange on NCCL (as on the nvlink engine).
+        """
+        if not self.nccl:
+            return super().on_rejected(op, num_experts)
+        if op != 1:
+            return  # cached dispatch / combine have no agreement on NCCL: the peers' NCCL timeout names it
+        self.calls += 1
+        topo = self.topology
+        row = self._h2d([1] + [0] * (self._row_len(num_experts or self._last_num_experts) - 1))
+        self._gather(row, self.group, topo.num_ranks)
+        P, Kc, M = topo.ranks_per_node, self.max_chunks, topo.num_nodes
+        blocks = torch.zeros(M * Kc * P, dtype=torch.int64, device=self.comm_device)
+        got = torch.empty_like(blocks)
+        self._wait(dist.all_to_all_single(got, blocks, group=self.rail_group, async_op=True))
+        if P > 1:
+            self._gather(torch.zeros(Kc * P, dtype=torch.int64, device=self.comm_device), self.node_group, P)
+
+    def _row_len(self, num_experts: int) -> int:
+        """Length of the world agreement row: [error, signature, counts per rank, tokens over the node
+        limit, expert ids out of range, rows per destination node, tokens per expert]."""
+        topo = self.topology
+        return 1 + len(INTERNODE_SIG_FIELDS) + topo.num_ranks + 2 + topo.num_nodes + num_experts
+
+    def signature(self, op, hidden, num_experts, fp8, topk, weights, config) -> list:
+        return super().signature(op, hidden, num_experts, fp8, topk, weights, config) + \
+            [config.num_max_rdma_chunked_recv_tokens]
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        """The reference's layout, with ids outside [-1, E) read as -1 (no host check, no device fault):
+        dispatch counts them in its agreement and raises on every rank."""
+        ok = (topk_idx >= -1) & (topk_idx < num_experts)
+        return super().get_dispatch_layout(torch.where(ok, topk_idx, torch.full_like(topk_idx, -1)), num_experts)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        if req.handle is not None:
+            return self._dispatch_cached(req)
+        topo = self.topology
+        me, R, M, P = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node
+        Kc = self.max_chunks
+        dev = self.comm_device
+        x, scales = req.x, req.x_scales
+        T, H = x.shape
+        out_device = x.device
+        E = req.num_experts
+        Lx = E // R
+        K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+        has_w = req.topk_weights is not None
+        self.calls += 1
+        self._last_num_experts = E
+        sig = self.signature(1, H, E, scales is not None, K, has_w, req.config)
+        ring = _ring_rows(req.config)
+        if not self.nccl:  # gloo: the reference's fixed-size agreement first (free on CPU ranks)
+            self._agree(sig, [])
+
+        # ---- 1. metadata on the device ----
+        is_tir = req.layout.is_token_in_rank.to(dev)
+        in_node = is_tir.view(T, M, P).any(dim=2)                                   # [T, M]
+        per_rank = is_tir.sum(dim=0)                                                 # [R]
+        send1 = in_node.sum(dim=0)                                                   # [M]
+        excess = (in_node.sum(dim=1) > self.ctx.max_nodes_per_token).sum().view(1)
+        bad_ids = ((req.topk_idx < -1) | (req.topk_idx >= E)).sum().view(1).to(dev) if K else excess * 0
+        if K:
+            topk = req.topk_idx.to(dev)
+            ids = torch.where((topk >= 0) & (topk < E), topk, torch.full_like(topk, E)).flatten()
+            per_expert = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+            per_expert.scatter_add_(0, ids, torch.ones_like(ids))
+            per_expert = per_expert[:E]
+        else:
+            per_expert = req.layout.num_tokens_per_expert.to(dev, torch.int64)
+        head = self._h2d([0] + sig)
+        row = torch.cat([head, per_rank, excess, bad_ids, send1, per_expert])
+        # per destination node m, chunk k, local rank p: rows the forwarder (m, l) passes to p
+        spos = torch.cumsum(in_node.to(torch.int64), dim=0) - 1                     # [T, M]
+        crows = torch.clamp((send1 + Kc - 1) // Kc, min=ring)                        # [M] rows per chunk
+        chunk = torch.where(in_node, spos // crows, torch.zeros_like(spos))         # [T, M]
+        slot = ((torch.arange(M, device=dev).view(1, M) * Kc + chunk) * P).unsqueeze(2) + \
+            torch.arange(P, device=dev).view(1, 1, P)                               # [T, M, P]
+        blocks = torch.zeros(M * Kc * P, dtype=torch.int64, device=dev)
+        blocks.scatter_add_(0, slot.flatten(), is_tir.to(torch.int64).flatten())
+
+        # ---- 2. three small collectives, one host read ----
+        self._phase = "dispatch (agreement + count exchange)"
+        g = self._gather(row, self.group, R)                                         # [R, row]
+        got = torch.empty_like(blocks)
+        self._wait(dist.all_to_all_single(got, blocks, group=self.rail_group, async_op=True))
+        fwd = got.view(M, Kc * P).sum(dim=0)                                         # [Kc * P] mine
+        fwd_node = self._gather(fwd, self.node_group, P) if P > 1 else fwd.view(1, -1)
+        n_sig = 1 + len(sig)
+        width = n_sig + R + 2 + M   # the row up to the per-expert counts
+        host = self._read(torch.cat([g[:, :width].flatten(), fwd_node.flatten(),
+                                     g[:, width:][:, me * Lx:(me + 1) * Lx].sum(dim=0)]))
+        gh = host[:R * width].view(R, width)
+        fwd_host = host[R * width:R * width + P * Kc * P].view(P, Kc, P)            # [forwarder q, k, p]
+        expert_counts = host[R * width + P * Kc * P:].tolist()
+        self._check_agreement(gh, sig, n_sig)
+        counts_all = gh[:, n_sig:n_sig + R]
+        wrong_ids = [(r, int(gh[r, n_sig + R + 1])) for r in range(R) if gh[r, n_sig + R + 1] > 0]
+        if wrong_ids:
+            raise ValueError(f"[commlib rank {me}] dispatch aborted: topk_idx holds expert ids outside [-1, {E}) "
+                             f"(rank, ids out of range): {wrong_ids}; nothing was sent")
+        bad = [(r, int(gh[r, n_sig + R])) for r in range(R) if gh[r, n_sig + R] > 0]
+        if bad:
+            raise ValueError(
+                f"[commlib rank {me}] routing sends tokens to more than max_nodes_per_token="
+                f"{self.ctx.max_nodes_per_token} nodes (rank, tokens over the limit): {bad}; use a "
+                "node-limited gate (commlib.routing.group_limited_topk) or raise the Buffer's max_nodes_per_token")
+        worst = req.num_worst_tokens
+        if worst:
+            totals = counts_all.sum(dim=0)
+            over = [(r, int(totals[r])) for r in range(R) if totals[r] > worst]
+            if over:
+                raise ValueError(f"[commlib rank {me}] num_worst_tokens={worst} is smaller than the rows some "
+                                 f"ranks receive (rank, rows): {over}")
+        send1_all = gh[:, n_sig + R + 2:].tolist()                                  # [R][M]
+        num_recv = int(counts_all[:, me].sum())
+
+        # ---- the handle's matrices (device, from the gathered counts: no host -> device copy) ----
+        C = req.config.num_channels
+        counts_dev = g[:, n_sig:n_sig + R]
+        rank_prefix = torch.cumsum(counts_dev, dim=0).to(torch.int32)
+        chan_prefix = _channel_prefix(is_tir, C)
+        recv_chan_prefix = torch.empty_like(chan_prefix)
+        self._wait(dist.all_to_all_single(recv_chan_prefix, chan_prefix, group=self.group, async_op=True))
+        send_head = L.send_head(is_tir, rank_prefix, me)                             # [T, R] final rows
+
+        # ---- 3. the plan: chunk geometry (host) and row order (device) ----
+        plan = self._plan(send1_all, fwd_host, ring, in_node, spos, crows, T)
+        packer = self._packer(x, scales, K, has_w)
+        tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
+            [torch.arange(T, dtype=torch.int32, device=dev)]
+        if K:
+            tensors.append(topk)
+            if has_w:
+                tensors.append(req.topk_weights.to(dev))
+        recv = self._move(packer, tensors, send_head, plan, max(num_recv, worst))
+        cols = packer.unpack(recv)
+
+        # ---- outputs, as the reference makes them ----
+        rows = max(num_recv, worst)
+        recv_x = cols["x"].to(out_device)
+        recv_scales = cols["scales"].to(out_device) if scales is not None else None
+        recv_src_idx = cols["src_idx"].to(out_device)
+        recv_topk_idx = recv_topk_w = None
+        if K:
+            local_idx = L.local_expert_ids(cols["topk_idx"], me, Lx)
+            local_idx[num_recv:] = -1
+            recv_topk_idx = local_idx.to(out_device)
+            if has_w:
+                w = torch.where(local_idx >= 0, cols["topk_w"], torch.zeros_like(cols["topk_w"]))
+                recv_topk_w = w.to(out_device)
+        per_expert_list = [] if worst else [align_up(int(c), req.expert_alignment) if K else int(c)
+                                            for c in expert_counts]
+        plan["num_recv"] = num_recv
+        handle = DispatchHandle(
+            rank_prefix_matrix=rank_prefix.to(out_device), channel_prefix_matrix=chan_prefix.to(out_device),
+            recv_channel_prefix_matrix=recv_chan_prefix.to(out_device), recv_src_idx=recv_src_idx,
+            is_token_in_rank=is_tir.to(out_device), send_head=send_head.to(out_device),
+            topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
+            num_recv_tokens=None if worst else num_recv, num_worst_tokens=worst, backend=self.name,
+            extra={"plan": plan, "num_recv": num_recv, "counts_all": counts_all})
+        assert rows == recv_x.shape[0]
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle)
+
+    def _check_agreement(self, gh: torch.Tensor, sig: list, n_sig: int) -> None:
+        """Raise on every rank when a rank refused its input or the ranks disagree on the op."""
+        me, R = self.topology.rank, self.topology.num_ranks
+        refused = [r for r in range(R) if gh[r, 0]]
+        if refused:
+            raise ValueError(f"[commlib rank {me}] dispatch aborted: rank(s) {refused} rejected their "
+                             "input (see the error on those ranks); nothing was sent")
+        for r in range(R):
+            theirs = gh[r, 1:n_sig].tolist()
+            if theirs != sig:
+                diffs = [f"{self.sig_fields[i]}: rank {r} has {_OPS.get(theirs[i], theirs[i]) if i == 0 else theirs[i]}, "
+                         f"rank {me} has {_OPS.get(sig[i], sig[i]) if i == 0 else sig[i]}"
+                         for i in range(len(sig)) if theirs[i] != sig[i]]
+                raise ValueError(f"[commlib rank {me}] ranks disagree on the op: " + "; ".join(diffs)
+                                 + " (every rank must make the same sequence of calls with the same shapes/config)")
+
+    @staticmethod
+    def _packer(x, scales, K: int, has_w: bool, P: int = 0) -> _Packer:
+        H = x.shape[1]
+        cols = [("x", x.dtype, (H,))]
+        if scales is not None:
+            cols.append(("scales", torch.float32, (scales.shape[1],)))
+        cols.append(("src_idx", torch.int32, ()))
+        if K:
+            cols.append(("topk_idx", torch.int64, (K,)))
+            if has_w:
+                cols.append(("topk_w", torch.float32, (K,)))
+        return _Packer(cols)
+
+    def _plan(self, send1_all, fwd_host, ring, in_node, spos, crows, T) -> dict:
+        """Chunk geometry (host ints, every rank computes the same from the gathered counts) and the
+        order of this rank's send rows (device): chunk-major, then node, then token."""
+        topo = self.topology
+        me, M, P, node, loc = topo.rank, topo.num_nodes, topo.ranks_per_node, topo.node, topo.local_rank
+        Kc = self.max_chunks
+        rows_of = [[chunk_rows(c, ring, Kc) for c in per_node] for per_node in send1_all]   # [R][M]
+        num_chunks = max(-(-c // r) for per_node, rr in zip(send1_all, rows_of) for c, r in zip(per_node, rr))
+        rail = topo.rail_ranks()
+        mine = send1_all[me]
+        send_splits = [[clip(mine[m], k, rows_of[me][m]) for m in range(M)] for k in range(num_chunks)]
+        recv_splits = [[clip(send1_all[s][node], k, rows_of[s][node]) for s in rail] for k in range(num_chunks)]
+        fan_send = [[int(fwd_host[loc, k, p]) for p in range(P)] for k in range(num_chunks)]
+        fan_recv = [[int(fwd_host[q, k, loc]) for q in range(P)] for k in range(num_chunks)]
+        S = sum(mine)
+        dev = in_node.device
+        # send rows, chunk-major: key = (chunk * M + m) * T + t over the (token, node) pairs
+        chunk = torch.where(in_node, spos // crows, torch.zeros_like(spos))
+        keys = (chunk * M + torch.arange(M, device=dev).view(1, M)) * T + torch.arange(T, device=dev).view(T, 1)
+        keys = torch.where(in_node, keys, torch.full_like(keys, num_chunks * M * T + 1)).flatten()
+        order = keys.sort().values[:S] if S else keys[:0]
+        send_tok = order % T
+        send_node = (order // T) % M
+        # the same rows, node-major (the home sum adds node partials in node order)
+        home = compact(torch.nn.functional.one_hot(send_node, M).bool(), S) % max(S, 1) if S else order
+        return {"num_chunks": num_chunks, "send_splits": send_splits, "recv_splits": recv_splits,
+                "fan_send": fan_send, "fan_recv": fan_recv, "send_tok": send_tok, "send_node": send_node,
+                "home": home, "home_lens": list(mine), "fan_rows": [], "land_pos": []}
+
+    def _move(self, packer: _Packer, tensors: list, send_head: torch.Tensor, plan: dict, rows: int,
+              cached: bool = False) -> torch.Tensor:
+        """The data steps of a dispatch: pack, network chunks, fan-out, land at the final rows.
+        Returns [rows, packer.row_bytes] uint8 (rows past the received count: zeros, -1 ids)."""
+        topo = self.topology
+        M, P, loc = topo.num_nodes, topo.ranks_per_node, topo.local_rank
+        dev = self.comm_device
+        T = send_head.shape[0]
+        tok, nod = plan["send_tok"], plan["send_node"]
+        # each send row carries its final row on every rank of its destination node
+        pos = send_head.view(T, M, P)[tok, nod] if tok.numel() else send_head.new_empty(0, P)
+        base = packer.pack([t.index_select(0, tok) if t.shape[0] == T else t for t in tensors]) if tok.numel() \
+            else torch.empty(0, packer.row_bytes, dtype=torch.uint8, device=dev)
+        send = torch.cat([base, pos.contiguous().view(torch.uint8).view(-1, 4 * P)], dim=1) if tok.numel() \
+            else torch.empty(0, packer.row_bytes + 4 * P, dtype=torch.uint8, device=dev)
+        W = packer.row_bytes
+        out = torch.zeros(rows + 1, W, dtype=torch.uint8, device=dev)   # + a row nothing valid lands on
+        _fill_ids(out, packer, rows)
+        self._count_rows_internode(plan)
+        starts = [0]
+        for k in range(plan["num_chunks"]):
+            starts.append(starts[-1] + sum(plan["send_splits"][k]))
+        post = lambda k: self.network.exchange(send[starts[k]:starts[k + 1]], plan["send_splits"][k],
+                                               plan["recv_splits"][k])
+        in_flight = post(0) if plan["num_chunks"] else None
+        for k in range(plan["num_chunks"]):
+            landed = self.network.land(in_flight, f"dispatch (network chunk {k} of {plan['num_chunks']})")
+            if k + 1 < plan["num_chunks"]:
+                in_flight = post(k + 1)   # on the wire while chunk k fans out
+            J = landed.shape[0]
+            if cached:
+                fan_rows = plan["fan_rows"][k]
+            else:
+                fan_rows = None  # one rank per node: every landed row is this rank's
+                if P > 1:
+                    lpos = landed[:, W:].contiguous().view(torch.int32).view(J, P)
+                    fan_rows = compact(lpos >= 0, sum(plan["fan_send"][k])) % max(J, 1)
+                plan["fan_rows"].append(fan_rows)
+            self._phase = f"dispatch (fan-out of chunk {k})"
+            got = self._node_a2a(landed.index_select(0, fan_rows) if fan_rows is not None else landed,
+                                 plan["fan_send"][k], plan["fan_recv"][k])
+            if cached:
+                at = plan["land_pos"][k]
+            else:
+                at = got[:, W + 4 * loc:W + 4 * loc + 4].contiguous().view(torch.int32).flatten().to(torch.int64)
+                plan["land_pos"].append(at)
+            out.index_copy_(0, at, got[:, :W])
+        return out[:rows]
+
+    def _count_rows_internode(self, plan: dict) -> None:
+        topo = self.topology
+        for m, n in enumerate(plan["home_lens"]):
+            key = "local_rows" if m == topo.node else "internode_rows"
+            self.counters[key] += n
+        for k in range(plan["num_chunks"]):
+            for p, n in enumerate(plan["fan_send"][k]):
+                self.counters["local_rows" if p == topo.local_rank else "intranode_rows"] += n
+
+    def _dispatch_cached(self, req: DispatchRequest) -> DispatchResult:
+        h = req.handle
+        if h.backend != self.name or "plan" not in h.extra:
+            raise CommlibError(f"[commlib rank {self.topology.rank}] handle was made by backend {h.backend!r}, "
+                               f"not {self.name!r}")
+        self.calls += 1
+        x, scales = req.x, req.x_scales
+        T, H = x.shape
+        if not self.nccl:
+            self._agree(self.signature(2, H, h.num_experts, scales is not None, 0, False, req.config), [])
+        dev = self.comm_device
+        packer = self._packer(x, scales, 0, False)
+        tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
+            [torch.arange(T, dtype=torch.int32, device=dev)]
+        plan = h.extra["plan"]
+        rows = max(plan["num_recv"], h.num_worst_tokens)
+        cols = packer.unpack(self._move(packer, tensors, h.send_head.to(dev), plan, rows, cached=True))
+        return DispatchResult(cols["x"].to(x.device), cols["scales"].to(x.device) if scales is not None else None,
+                              None, None, None, h)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, req: CombineRequest) -> CombineResult:
+        h = req.handle
+        topo = self.topology
+        if h.backend != self.name or "plan" not in h.extra:
+            raise CommlibError(f"[commlib rank {topo.rank}] handle was made by backend {h.backend!r}, "
+                               f"not {self.name!r}")
+        plan = h.extra["plan"]
+        T, H = h.num_tokens, req.x.shape[1]
+        dev = self.comm_device
+        out_device = req.x.device
+        n = plan["num_recv"]
+        w = req.topk_weights[:n].to(dev) if req.topk_weights is not None else None
+        K = w.shape[1] if w is not None else 0
+        self.calls += 1
+        if not self.nccl:
+            self._agree(self.signature(3, H, h.num_experts, False, K, w is not None, req.config), [])
+        self._phase = "combine"
+        packer = _Packer([("y", torch.bfloat16, (H,))] + ([("w", torch.float32, (K,))] if K else []))
+        rows = packer.pack([req.x[:n].to(dev)] + ([w] if K else []))          # [n, W] at the final rows
+        S = sum(plan["home_lens"])
+        back = torch.empty(S, packer.row_bytes, dtype=torch.uint8, device=dev)
+        start, posted = 0, None
+        for k in range(plan["num_chunks"]):
+            # rows of chunk k back to their forwarders (this rank received them in land_pos order)
+            got = self._node_a2a(rows.index_select(0, plan["land_pos"][k]), plan["fan_recv"][k], plan["fan_send"][k])
+            J = sum(plan["recv_splits"][k])
+            partial = self._reduce(got, packer, plan["fan_rows"][k], plan["fan_send"][k], J, H, K)
+            if posted is not None:
+                self._land_back(posted, back, k - 1)
+            posted = (self.network.exchange(partial, plan["recv_splits"][k], plan["send_splits"][k]), start)
+            start += sum(plan["send_splits"][k])
+        if posted is not None:
+            self._land_back(posted, back, plan["num_chunks"] - 1)
+        self._count_rows_internode(plan)
+        # home: node partials in node order
+        cols = packer.unpack(back.index_select(0, plan["home"]))
+        acc_y = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        acc_w = torch.zeros(T, K, dtype=torch.float32, device=dev) if K else None
+        tok = plan["send_tok"].index_select(0, plan["home"])
+        s = 0
+        for cnt in plan["home_lens"]:
+            if cnt:
+                acc_y.index_add_(0, tok[s:s + cnt], cols["y"][s:s + cnt].float())
+                if K:
+                    acc_w.index_add_(0, tok[s:s + cnt], cols["w"][s:s + cnt])
+            s += cnt
+        for b in req.bias:
+            acc_y += b.to(dev).float()
+        return CombineResult(acc_y.to(torch.bfloat16).to(out_device), acc_w.to(out_device) if K else None)
+
+    def _land_back(self, posted, back: torch.Tensor, k: int) -> None:
+        (pair, start) = posted
+        got = self.network.land(pair, f"combine (network chunk {k})")
+        back[start:start + got.shape[0]] = got
+
+    @staticmethod
+    def _reduce(got: torch.Tensor, packer: _Packer, fan_rows, fan_send: list, J: int, H: int, K: int):
+        """One chunk's node reduction at the forwarder: rows from local rank 0, 1, ... added in that
+        order (float32) to the landed row they came from; the bf16 partial (weights stay float32)."""
+        if fan_rows is None:   # one rank per node: the partial is the row itself (bf16 -> f32 -> bf16)
+            return got
+        cols = packer.unpack(got)
+        acc_y = torch.zeros(J, H, dtype=torch.float32, device=got.device)
+        acc_w = torch.zeros(J, K, dtype=torch.float32, device=got.device) if K else None
+        s = 0
+        for cnt in fan_send:
+            if cnt:
+                acc_y.index_add_(0, fan_rows[s:s + cnt], cols["y"][s:s + cnt].float())
+                if K:
+                    acc_w.index_add_(0, fan_rows[s:s + cnt], cols["w"][s:s + cnt])
+            s += cnt
+        return packer.pack([acc_y.to(torch.bfloat16)] + ([acc_w] if K else []))
+
+
+def _channel_prefix(is_tir: torch.Tensor, C: int) -> torch.Tensor:
+    """layout.channel_prefix_matrix without a host -> device copy (channel starts made on the device)."""
+    T, R = is_tir.shape
+    cum = torch.zeros(T + 1, R, dtype=torch.int32, device=is_tir.device)
+    cum[1:] = torch.cumsum(is_tir.to(torch.int32), dim=0)
+    per = (T + C - 1) // C if C > 0 else 0
+    starts = torch.clamp(torch.arange(C, device=is_tir.device) * per, max=T)
+    return cum.index_select(0, starts).t().clone(memory_format=torch.contiguous_format)
+
+
+def _fill_ids(out: torch.Tensor, packer: _Packer, rows: int) -> None:
+    """Rows nothing lands on read as the reference's padding: -1 source index and expert ids."""
+    offset = 0
+    for (name, _, _), w in zip(packer.columns, packer.widths):
+        if name in ("src_idx", "topk_idx"):
+            out[:, offset:offset + w] = 0xFF
+        offset += w
+
+
+__all__ = ["InternodeBackend", "RailTransport", "chunk_rows", "clip", "compact"]

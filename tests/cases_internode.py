@@ -1,0 +1,308 @@
+"""The internode engine against the reference backend, bit for bit: outputs, handles, cached
+dispatch, combine (weights, biases), on every multi-node topology of the world; chunk boundaries,
+zero rows, random stalls in the chunk protocol, many random routings, host reads, timeouts.
+
+Runs on CPU ranks (gloo, tests/test_internode.py) and on the device (NCCL, tests/gpu/
+test_internode_gpu.py: processes sharing one GPU as emulated hosts). Each case builds a reference
+Buffer and internode Buffers beside it and compares every call.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import torch
+
+import commlib
+from commlib import Config
+from commlib.fp8 import per_token_cast_to_fp8
+from commlib.validate import CommlibError
+
+E_PER_RANK, H, K = 8, 256, 4
+NVL = 1 << 26   # the engines under test do not use it; the Buffer checks the NVLink rings fit
+HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                 "is_token_in_rank", "send_head")
+# a ring of 1 row per chunk slot: chunk rows = ceil(rows / COMMLIB_NETWORK_CHUNKS), so chunks fall
+# anywhere inside a stream (the default Config's ring holds these calls in one chunk)
+TINY = Config(2, 4, 8, 1, 2)
+
+
+def topologies(R: int) -> list[int]:
+    """Ranks per node of every multi-node layout of R ranks (one GPU: NCCL needs one rank per host)."""
+    return [p for p in (1, 2, 4, 8) if R % p == 0 and R // p > 1]
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t
+
+
+def same(a, b, what: str) -> None:
+    if isinstance(a, (tuple, list)) and not isinstance(a, torch.Tensor):
+        assert isinstance(b, (tuple, list)) and len(a) == len(b), f"{what}: {a} != {b}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{what}[{i}]")
+        return
+    if a is None or b is None or not isinstance(a, torch.Tensor):
+        assert a == b if not isinstance(a, torch.Tensor) else False, f"{what}: {a} != {b}"
+        return
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape} {a.dtype} != {b.shape} {b.dtype}"
+    assert torch.equal(_bytes(a), _bytes(b)), f"{what} differs"
+
+
+def make_inputs(seed: int, rank: int, R: int, nodes: int, T: int, routing: str, device):
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    E = E_PER_RANK * R
+    x = (torch.randn(T, H, generator=g) * (1 + rank)).to(torch.bfloat16)
+    scores = torch.rand(T, E, generator=g)
+    if routing == "group_limited":
+        idx, w = commlib.routing.group_limited_topk(scores, nodes, min(2, nodes), K)
+    else:
+        w, idx = scores.topk(K, dim=1)
+        if routing == "holes":       # -1 slots
+            idx = torch.where(torch.rand(T, K, generator=g) < 0.3, torch.full_like(idx, -1), idx)
+        elif routing == "one_node":  # every token to node 0 only
+            idx = idx % (E // nodes)
+            idx = torch.stack([torch.randperm(E // nodes, generator=g)[:K] for _ in range(T)]) if T else idx
+        elif routing == "own_node":  # rows never leave the node
+            per = E // nodes
+            node = rank // (R // nodes)
+            idx = torch.stack([torch.randperm(per, generator=g)[:K] + node * per for _ in range(T)]) if T else idx
+        w = torch.rand(T, K, generator=g)
+    return x.to(device), idx.to(torch.int64).to(device), w.to(torch.float32).to(device)
+
+
+def compare_round(ctx, ref, eng, seed: int, T: int, routing: str, fp8: bool, config, nodes: int,
+                  check_reads: bool = True) -> None:
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    E = E_PER_RANK * R
+    tag = f"[seed {seed} T {T} {routing} fp8={fp8} nodes={nodes}]"
+    x, idx, w = make_inputs(seed, me, R, nodes, T, routing, dev)
+    xin = per_token_cast_to_fp8(x) if fp8 else x
+    outs = {}
+    reads = []
+    for name, buf in (("ref", ref), ("eng", eng)):
+        ntr, nrr, nte, tir, _ = buf.get_dispatch_layout(idx, E)
+        r0 = getattr(buf.backend, "host_reads", 0)
+        rx, ri, rw, lst, h, _ = buf.dispatch(xin, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr,
+                                             is_token_in_rank=tir, num_tokens_per_expert=nte, topk_idx=idx,
+                                             topk_weights=w, config=config)
+        r1 = getattr(buf.backend, "host_reads", 0)
+        cached = buf.dispatch(xin, handle=h, config=config)[0]
+        y = ((rx[0].float() if fp8 else rx.float()) * (1.5 + me)).to(torch.bfloat16)
+        gb = torch.Generator().manual_seed(seed + 31 * me)
+        bias = (torch.randn(T, H, generator=gb).to(torch.bfloat16).to(dev),
+                torch.randn(T, H, generator=gb).to(torch.bfloat16).to(dev))
+        cx, cw, _ = buf.combine(y, h, rw, bias=bias, config=config)
+        cx0, cw0, _ = buf.combine(y, h, config=config)
+        r2 = getattr(buf.backend, "host_reads", 0)
+        reads.append((r1 - r0, r2 - r1))
+        outs[name] = {"recv_x": rx, "recv_topk_idx": ri, "recv_topk_weights": rw, "per_expert": lst,
+                      "cached": cached, "combined_x": cx, "combined_w": cw, "combined_x_no_w": cx0,
+                      "combined_w_none": cw0, "num_recv": h.num_recv_tokens,
+                      **{f: getattr(h, f) for f in HANDLE_FIELDS}}
+    for key, val in outs["ref"].items():
+        same(outs["eng"][key], val, f"{tag} {key}")
+    if check_reads:
+        assert reads[1] == (1, 0), f"{tag} host reads (dispatch, cached + combines) = {reads[1]}, expected (1, 0)"
+
+
+def _buffers(ctx, rpn: int, chunks: int):
+    os.environ["COMMLIB_NETWORK_CHUNKS"] = str(chunks)
+    try:
+        ref = commlib.Buffer(ctx.group, NVL, 0, ranks_per_node=rpn, backend="reference")
+        eng = commlib.Buffer(ctx.group, NVL, 0, ranks_per_node=rpn, backend="internode")
+    finally:
+        del os.environ["COMMLIB_NETWORK_CHUNKS"]
+    assert eng.backend.name == "internode" and eng.backend.max_chunks == chunks
+    return ref, eng
+
+
+ROUTINGS = ("random", "group_limited", "holes", "one_node", "own_node")
+
+
+def case_matches_reference(ctx):
+    """Every topology, routing, BF16 / FP8, one chunk and many (chunk rows 1, 2, 3, ...), zero rows."""
+    R = ctx.world_size
+    for i, rpn in enumerate(topologies(R)):
+        nodes = R // rpn
+        for chunks, config in ((4, None), (1, TINY), (3, TINY), (64, TINY)):
+            ref, eng = _buffers(ctx, rpn, chunks)
+            for j, routing in enumerate(ROUTINGS):
+                for T in (0, 1, 7, 24):
+                    compare_round(ctx, ref, eng, 100 * i + 10 * j + T, T, routing, j % 2 == 1, config, nodes)
+            # a silent rank: rank 1 sends nothing, the others do
+            compare_round(ctx, ref, eng, 900 + i, 0 if ctx.rank == 1 else 9, "random", False, config, nodes)
+            ref.destroy()
+            eng.destroy()
+
+
+def case_chunk_boundaries(ctx):
+    """Streams of k * chunk - 1, k * chunk and k * chunk + 1 rows (chunk rows = 3, ring of 1 row)."""
+    R = ctx.world_size
+    rpn = topologies(R)[0]
+    ref, eng = _buffers(ctx, rpn, 64)
+    cfg = Config(2, 4, 8, 1, 6)  # ring rows 3: chunk rows 3 while a stream has <= 192 rows
+    for k, T in enumerate((2, 3, 4, 5, 6, 7, 8, 9, 10)):
+        compare_round(ctx, ref, eng, 500 + k, T, "one_node", False, cfg, R // rpn)
+        compare_round(ctx, ref, eng, 600 + k, T, "random", True, cfg, R // rpn)
+    ref.destroy()
+    eng.destroy()
+
+
+def case_random_stalls(ctx):
+    """Random 0-3 ms stalls before every chunk is posted and landed, different on every rank."""
+    R = ctx.world_size
+    for i, rpn in enumerate(topologies(R)):
+        ref, eng = _buffers(ctx, rpn, 8)
+        eng.backend.network.stall_ms = 3.0
+        for k in range(4):
+            compare_round(ctx, ref, eng, 700 + 10 * i + k, 13 + k, ROUTINGS[k % len(ROUTINGS)], k % 2 == 0,
+                          TINY, R // rpn)
+        ref.destroy()
+        eng.destroy()
+
+
+def case_random_routings(ctx, rounds: int = 0):
+    """Many random routings (token count, routing, dtype, chunking, topology) in a row: no hang, equal."""
+    R = ctx.world_size
+    rounds = rounds or int(os.environ.get("INTERNODE_TEST_ROUNDS", "60"))
+    rng = random.Random(4242)  # the same draws on every rank
+    bufs = {rpn: _buffers(ctx, rpn, 5) for rpn in topologies(R)}
+    for r in range(rounds):
+        rpn = rng.choice(sorted(bufs))
+        T = rng.choice((0, 1, 2, 5, 16, 33, 64))
+        compare_round(ctx, *bufs[rpn], 10_000 + r, T, rng.choice(ROUTINGS), rng.random() < 0.3,
+                      rng.choice((None, TINY, Config(4, 4, 8, 2, 6))), R // rpn)
+    for ref, eng in bufs.values():
+        ref.destroy()
+        eng.destroy()
+
+
+def case_network_timeout(ctx):
+    """A rank that stalls past COMMLIB_TIMEOUT_S before its first network chunk: the peers raise, naming
+    their rank, the op and the chunk they waited for. Last in its world (the group is left broken)."""
+    R = ctx.world_size
+    rpn = topologies(R)[0]
+    os.environ["COMMLIB_TIMEOUT_S"] = "3"
+    try:
+        eng = commlib.Buffer(ctx.group, NVL, 0, ranks_per_node=rpn, backend="internode")
+    finally:
+        del os.environ["COMMLIB_TIMEOUT_S"]
+    x, idx, w = make_inputs(1, ctx.rank, R, R // rpn, 8, "random", ctx.device)
+    lay = eng.get_dispatch_layout(idx, E_PER_RANK * R)
+    if ctx.rank == 1:
+        eng.backend.network._stall = lambda: time.sleep(8)
+    try:
+        eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
+                     num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w)
+    except CommlibError as e:
+        text = str(e)
+        if ctx.rank != 1:
+            assert f"[commlib rank {ctx.rank}]" in text and "network chunk 0 of" in text and "timed out" in text, text
+        return
+    assert ctx.rank == 1, f"rank {ctx.rank}: no timeout raised"  # the staller may find its peers' rows sent
+
+
+def case_bad_expert_ids(ctx):
+    """An expert id out of range on one rank: every rank raises, naming that rank; the Buffer still works."""
+    R = ctx.world_size
+    rpn = topologies(R)[0]
+    ref, eng = _buffers(ctx, rpn, 4)
+    E = E_PER_RANK * R
+    x, idx, w = make_inputs(3, ctx.rank, R, R // rpn, 6, "random", ctx.device)
+    bad = idx.clone()
+    if ctx.rank == R - 1:
+        bad[2, 1] = E + 3
+    lay = eng.get_dispatch_layout(idx, E)
+    try:
+        eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
+                     num_tokens_per_expert=lay[2], topk_idx=bad, topk_weights=w)
+    except ValueError as e:
+        # CPU: the Buffer's host check refuses it on that rank, the agreement tells the others;
+        # CUDA: the engine counts the ids on the device and every rank raises after its count read
+        text = str(e)
+        assert f"rank {R - 1}" in text or f"[{R - 1}]" in text, text
+        assert "outside" in text or "rejected" in text, text
+    else:
+        raise AssertionError("no error for an expert id out of range")
+    compare_round(ctx, ref, eng, 77, 11, "random", False, None, R // rpn)
+    ref.destroy()
+    eng.destroy()
+
+
+def case_no_host_sync(ctx):
+    """CUDA only: a non-cached dispatch synchronises with the host once (its count read); cached
+    dispatch and combine (weights, biases) never (torch.cuda.set_sync_debug_mode)."""
+    if ctx.device.type != "cuda":
+        return
+    import warnings
+    R = ctx.world_size
+    rpn = topologies(R)[0]
+    ref, eng = _buffers(ctx, rpn, 4)
+    E = E_PER_RANK * R
+    x, idx, w = make_inputs(5, ctx.rank, R, R // rpn, 48, "group_limited", ctx.device)
+    lay = eng.get_dispatch_layout(idx, E)
+    args = dict(num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
+                num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w)
+    eng.dispatch(x, **args)  # warm: first-call allocations, NCCL communicators
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            rx, ri, rw, lst, h, _ = eng.dispatch(x, **args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(s.message) for s in seen if "synchroniz" in str(s.message).lower()]
+    assert len(syncs) == 1, f"non-cached dispatch synchronised {len(syncs)} times: {syncs}"
+    y = (rx.float() * 2).to(torch.bfloat16)
+    bias = torch.ones(48, H, dtype=torch.bfloat16, device=ctx.device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eng.dispatch(x, handle=h)
+        eng.dispatch(per_token_cast_to_fp8(x), handle=h)
+        eng.combine(y, h, rw, bias=bias)
+        eng.combine(y, h)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    ref.destroy()
+    eng.destroy()
+
+
+def case_graph_capture(ctx):
+    """CUDA only: cached dispatch and combine captured in one CUDA graph replay to the eager results."""
+    if ctx.device.type != "cuda":
+        return
+    R = ctx.world_size
+    rpn = topologies(R)[0]
+    ref, eng = _buffers(ctx, rpn, 3)
+    E = E_PER_RANK * R
+    x, idx, w = make_inputs(9, ctx.rank, R, R // rpn, 40, "random", ctx.device)
+    lay = eng.get_dispatch_layout(idx, E)
+    rx, ri, rw, lst, h, _ = eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1],
+                                         is_token_in_rank=lay[3], num_tokens_per_expert=lay[2], topk_idx=idx,
+                                         topk_weights=w, config=TINY)
+    y = (rx.float() * 3).to(torch.bfloat16)
+    want_x = eng.dispatch(x, handle=h, config=TINY)[0]
+    want_c = eng.combine(y, h, rw, config=TINY)[0]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            got_x = eng.dispatch(x, handle=h, config=TINY)[0]
+            got_c = eng.combine(y, h, rw, config=TINY)[0]
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        got_x.zero_()
+        got_c.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        same(got_x, want_x, "graph replay: cached dispatch")
+        same(got_c, want_c, "graph replay: combine")
+    ref.destroy()
+    eng.destroy()

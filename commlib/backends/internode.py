@@ -143,6 +143,15 @@ class InternodeBackend(ReferenceBackend):
         self._last_num_experts = 0
 
     # ------------------------------------------------------------------ helpers
+    def _wait(self, work) -> None:
+        """NCCL: the current stream waits for the collective, the host does not (a wait with a deadline
+        would block the host until the transfer ends; NCCL's watchdog bounds it with the process
+        group's timeout). gloo: the reference's host wait with COMMLIB_TIMEOUT_S."""
+        if self.nccl:
+            work.wait()
+        else:
+            super()._wait(work)
+
     def _h2d(self, values: list, dtype=torch.int64) -> torch.Tensor:
         """A small host list on the comm device without a stream sync (pinned, non-blocking)."""
         t = torch.tensor(values, dtype=dtype)

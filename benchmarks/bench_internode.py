@@ -61,7 +61,7 @@ def _host_us(buf, fn, reps: int) -> float:
     return float(statistics.median(times))
 
 
-def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
+def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile: bool = False):
     from commlib.buffer import Buffer
     from commlib.fp8 import per_token_cast_to_fp8
 
@@ -74,7 +74,7 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
         buf = Buffer(ctx.group, nvl, rdma, backend="internode", ranks_per_node=rpn)
         rows = B.measure(buf, ref if cap == chunk_caps[0] else None, ctx.group, w,
                          OPS + (BASELINE_OPS if cap == chunk_caps[0] else []), iters, warmup)
-        _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters)
+        _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile and cap == chunk_caps[0])
         part = B.gather(rows, ctx.group)
         if part is not None:
             table += part
@@ -93,7 +93,24 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
     return {"rows": table, "info": info}
 
 
-def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters):
+def _profile(buf, op: str, fn, show: bool) -> None:
+    """Where one rank's host time goes: cProfile over 5 calls, each on an idle device (--profile)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    for _ in range(5):
+        if buf.device.type == "cuda":
+            torch.cuda.synchronize(buf.device)
+        prof.enable()
+        fn()
+        prof.disable()
+    if not show:
+        return
+    print(f"# --profile {op}: 5 calls, by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=False):
     """Per op: rows moved (counters), chunks used, host time per call."""
     R = ctx.world_size
     # rows per call that crossed nodes / moved inside a node: counter deltas over one call of each op
@@ -117,6 +134,8 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters):
             r["net_rows"] = r["nvl_rows"] = r["host_us"] = 0.0  # the flat baseline has no node hops
             continue
         r["host_us"] = _host_us(buf, calls[r["op"]], max(5, iters))
+        if profile:  # every rank makes the calls (collective), rank 0 prints
+            _profile(buf, r["op"], calls[r["op"]], ctx.rank == 0)
         before = buf.counters
         calls[r["op"]]()
         after = buf.counters
@@ -143,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5 if gpus else 1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunks", default="4", help="network chunk caps to sweep (COMMLIB_NETWORK_CHUNKS), e.g. 1,2,4,8")
+    p.add_argument("--profile", action="store_true", help="rank 0 prints a cProfile of each op's host time")
     p.add_argument("--emulate-hosts", action="store_true",
                    help="one NCCL_HOSTID per rank: NCCL between processes (sharing a GPU, or over its socket transport)")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
@@ -156,10 +176,10 @@ def main(argv=None) -> int:
     w.validate(a.ranks)
     caps = [int(c) for c in a.chunks.split(",")]
     if a.emulate_hosts:  # every rank its own host for NCCL; the Buffer still sees --ranks-per-node
-        res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, ranks_per_node=1,
+        res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.profile, ranks_per_node=1,
                               use_gpu=bool(gpus), group_backend="nccl" if gpus else None, emulate_hosts=True)
     else:
-        res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node,
+        res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.profile,
                               ranks_per_node=a.ranks_per_node, use_gpu=bool(gpus))
     rows, info = res["rows"], res["info"]
     nodes = a.ranks // a.ranks_per_node

@@ -254,7 +254,7 @@ def case_no_host_sync(ctx):
             rx, ri, rw, lst, h, _ = eng.dispatch(x, **args)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(s.message) for s in seen if "synchroniz" in str(s.message).lower()]
+    syncs = [str(s.message) for s in seen if "called a synchronizing" in str(s.message)]
     assert len(syncs) == 1, f"non-cached dispatch synchronised {len(syncs)} times: {syncs}"
     y = (rx.float() * 2).to(torch.bfloat16)
     bias = torch.ones(48, H, dtype=torch.bfloat16, device=ctx.device)

@@ -661,7 +661,7 @@ class Buffer(LowLatencyMode):
         if config is not None:
             if not isinstance(config, Config):
                 raise TypeError(f"[commlib rank {self.rank}] config must be a commlib.Config, got {type(config).__name__}")
-            return config
+            return config.check_runnable(self.rank)
         # A tuned config (commlib.tuning.autotune) for this shape, looked up once per (kind, hidden, dtype, token
         # bucket) and remembered. The lookup is local (no collective on the hot path): ranks must call
         # with token counts in the same power-of-two bucket, as with any per-shape config. With

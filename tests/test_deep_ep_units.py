@@ -14,7 +14,8 @@ import deep_ep
 from commlib.backends.low_latency.reference import logfmt_roundtrip
 from commlib.config import row_slot_bytes as commlib_row_slot_bytes
 from commlib.handle import DispatchHandle
-from commlib.topology import Topology, ranks_per_node_from_hosts
+from commlib import topology as topo
+from commlib.topology import RankFacts, Topology, local_facts, node_groups, ranks_per_node_from_facts, ranks_per_node_from_hosts
 from commlib.utils.event import EventHandle, EventOverlap
 from commlib.validate import scales_carrier, scales_from_carrier, split_x
 
@@ -90,6 +91,82 @@ def test_topology_without_launcher_variables(monkeypatch):
     assert Topology.detect(0, 8).num_nodes == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # a launcher's word wins over the hostnames
     assert Topology.detect(5, 8, hostnames=["n0"] * 4 + ["n1"] * 4).num_nodes == 1
+
+
+# ------------------------------------------------------------------ topology from the ranks' facts
+def _gpu_host(host, gpus, pairs=None, boot="b0", ranks=None):
+    """RankFacts of ranks on one host, rank i on GPU ranks[i] (default: one rank per GPU). ``pairs``:
+    groups of GPUs with peer access among themselves (default: all of them)."""
+    visible = tuple(f"{host}-g{i}" for i in range(gpus))
+    pairs = pairs or [list(range(gpus))]
+    reach = {g: tuple(visible[j] for p in pairs if g in p for j in p) for g in range(gpus)}
+    return [RankFacts(host, boot, visible[g], visible, reach[g]) for g in (ranks if ranks is not None else range(gpus))]
+
+
+def test_ranks_per_node_from_gpu_facts():
+    cpu = [RankFacts("n0", "b0")] * 4 + [RankFacts("n1", "b1")] * 4
+    assert ranks_per_node_from_facts(cpu) == 4
+    # the same hostname on two machines (e.g. containers named alike): the boot ids tell them apart
+    assert ranks_per_node_from_facts([RankFacts("pod", "b0")] * 2 + [RankFacts("pod", "b1")] * 2) == 2
+    # 8 GPUs of one host with full peer access; two such hosts
+    assert ranks_per_node_from_facts(_gpu_host("a", 8)) == 8
+    assert ranks_per_node_from_facts(_gpu_host("a", 8) + _gpu_host("b", 8, boot="b1")) == 8
+    # NVLink pairs (A100 PCIe): peer access only inside each pair -> nodes of 2 on one host
+    pairs = _gpu_host("a", 4, pairs=[[0, 1], [2, 3]])
+    assert node_groups(pairs) == [[0, 1], [2, 3]] and ranks_per_node_from_facts(pairs) == 2
+    # no peer access at all: every GPU its own node
+    assert ranks_per_node_from_facts(_gpu_host("a", 3, pairs=[[0], [1], [2]])) == 1
+    # ranks sharing a GPU are one node; a process that does not see a peer's GPU (CUDA_VISIBLE_DEVICES
+    # per process) has no evidence against it: the host decides
+    assert ranks_per_node_from_facts(_gpu_host("a", 2, ranks=[0, 0, 1, 1])) == 4
+    hidden = [RankFacts("a", "b0", f"a-g{i}", (f"a-g{i}",), (f"a-g{i}",)) for i in range(4)]
+    assert ranks_per_node_from_facts(hidden) == 4
+    # Topology.detect uses the facts when no launcher variable says more
+    t = Topology.detect(3, 4, facts=pairs)
+    assert (t.num_nodes, t.node, t.local_rank) == (2, 1, 1)
+
+
+def test_inconsistent_gpu_layouts_are_refused():
+    # a host's ranks not consecutive: GPU ranks raise (one node would pair ranks of two hosts), naming the layout
+    interleaved = [_gpu_host("a", 2)[0], _gpu_host("b", 2, boot="b1")[0], _gpu_host("a", 2)[1],
+                   _gpu_host("b", 2, boot="b1")[1]]
+    with pytest.raises(ValueError, match=r"node-major.*\('a', \[0, 2\]\)"):
+        ranks_per_node_from_facts(interleaved)
+    with pytest.raises(ValueError, match="node-major"):  # NVLink pairs interleaved in rank order
+        ranks_per_node_from_facts(_gpu_host("a", 4, pairs=[[0, 2], [1, 3]]))
+    with pytest.raises(ValueError, match="node-major"):  # unequal nodes
+        ranks_per_node_from_facts(_gpu_host("a", 3) + _gpu_host("b", 1, boot="b1"))
+    # peer access that does not partition the host: 0-1 and 1-2 reach each other, 0-2 do not
+    chain = _gpu_host("a", 3)
+    chain = [RankFacts("a", "b0", f.gpu, f.visible, p) for f, p in
+             zip(chain, [("a-g0", "a-g1"), ("a-g0", "a-g1", "a-g2"), ("a-g1", "a-g2")])]
+    with pytest.raises(ValueError, match="ranks 0 and 2"):
+        node_groups(chain)
+    # CPU ranks keep the documented fallback: a warning and one node
+    with pytest.warns(RuntimeWarning, match="node-major"):
+        assert ranks_per_node_from_facts([RankFacts("a"), RankFacts("b"), RankFacts("a"), RankFacts("b")]) is None
+
+
+def test_local_facts(monkeypatch, tmp_path):
+    import socket
+    import types
+    cpu = local_facts(torch.device("cpu"))
+    assert cpu.hostname == socket.gethostname() and cpu.gpu == "" and cpu.visible == () and cpu.peers == ()
+    if topo.os.path.exists("/proc/sys/kernel/random/boot_id"):
+        assert len(cpu.boot_id) == 36
+    # a CUDA rank on GPU 1 of 3, with peer access to GPU 2 only (mocked: no GPU here)
+    uuids = ["aaa", "bbb", "ccc"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=uuids[i]))
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: {a, b} == {1, 2})
+    f = local_facts()
+    assert f.gpu == "GPU-bbb" and f.visible == ("GPU-aaa", "GPU-bbb", "GPU-ccc") and f.peers == ("GPU-bbb", "GPU-ccc")
+    # without a UUID (older torch): the PCI address
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1b + i, pci_device_id=0))
+    assert local_facts(torch.device("cuda", 0)).gpu == "0000:1b:00"
 
 
 def test_fp8_scales_of_any_layout_round_trip():

@@ -7,6 +7,7 @@ from nvlink_cases import check_same
 
 import deep_ep
 from deep_ep.utils import EventHandle, EventOverlap
+from commlib.topology import local_facts, ranks_per_node_from_facts
 
 E, H, K = 16, 512, 4
 M_LL, E_PER_RANK = 16, 4
@@ -140,3 +141,16 @@ def case_teardown(ctx):
         for b in pair:
             b.destroy()
     _BUF.clear()
+
+
+def case_topology_facts(ctx):
+    """The facts a Buffer gathers when no launcher variable says how many ranks share a node: this
+    rank's GPU among the visible ones and in its own peer set, and every rank of this one host in one
+    node (GPUs shared, or reaching each other with peer access on an NVLink machine)."""
+    f = local_facts()
+    assert f.gpu and f.gpu in f.visible and f.gpu in f.peers, f
+    assert f.gpu == f.visible[torch.cuda.current_device()]
+    facts = [None] * ctx.world_size
+    torch.distributed.all_gather_object(facts, f, group=ctx.group)
+    assert len({(x.hostname, x.boot_id) for x in facts}) == 1, facts
+    assert ranks_per_node_from_facts(facts) == ctx.world_size, facts

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import socket
 from typing import Optional, Sequence, Union
 
 import torch
@@ -26,7 +25,7 @@ from commlib.fp8 import BLOCK
 from commlib.handle import DispatchHandle
 from commlib.layout import Layout
 from commlib.utils.event import EventHandle, EventOverlap
-from commlib.topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology
+from commlib.topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology, local_facts
 from commlib.tuning import cache as tuning_cache
 from commlib.low_latency_mode import LowLatencyMode, Runtime
 from commlib.validate import (CommlibError, check_layout, check_num_experts, check_routing, check_tensor,
@@ -104,9 +103,9 @@ class Buffer(LowLatencyMode):
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.group_size = self.num_ranks
-        hosts = [None] * self.num_ranks
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        self.topology = Topology.detect(self.rank, self.num_ranks, ranks_per_node, hostnames=hosts)
+        facts = [None] * self.num_ranks  # where every rank runs: host, boot id, GPU and its peer access
+        dist.all_gather_object(facts, local_facts(), group=group)
+        self.topology = Topology.detect(self.rank, self.num_ranks, ranks_per_node, facts=facts)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -662,7 +661,7 @@ class Buffer(LowLatencyMode):
         if config is not None:
             if not isinstance(config, Config):
                 raise TypeError(f"[commlib rank {self.rank}] config must be a commlib.Config, got {type(config).__name__}")
-            return config
+            return config.check_runnable(self.rank)
         # A tuned config (commlib.tuning.autotune) for this shape, looked up once per (kind, hidden, dtype, token
         # bucket) and remembered. The lookup is local (no collective on the hot path): ranks must call
         # with token counts in the same power-of-two bucket, as with any per-shape config. With

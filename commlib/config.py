@@ -5,8 +5,10 @@ Field order follows DeepEP's ``Config`` so positional construction is compatible
 num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)``.
 
 What the fields mean (as in DeepEP):
-  num_sms                            CTAs a communication kernel launches (even); channels = num_sms / 2.
-                                     Each channel owns a contiguous range of every rank's tokens.
+  num_sms                            CTAs a communication kernel launches; channels = num_sms / 2. A call
+                                     needs it positive and even (a Config may hold 0 or an odd count, as
+                                     DeepEP's may; check_runnable). Each channel owns a contiguous range
+                                     of every rank's tokens.
   num_max_nvl_chunked_send_tokens    tokens a sender moves before it publishes progress (its tail).
   num_max_nvl_chunked_recv_tokens    slots of the NVLink ring per (source rank, channel): rows stream
                                      through it, the receiver hands slots back (its head), so a call may
@@ -15,13 +17,15 @@ What the fields mean (as in DeepEP):
   num_max_rdma_chunked_recv_tokens   slots of the network ring per (source node, channel); rounded up to a
                                      multiple of the send chunk, which must be at most half of it.
 
-Staging is a ring per (source, channel): its size depends on the Config and the row, never on
+Defaults and validation are DeepEP v1's (``Config()`` is ``Config(20, 6, 256, 6, 256)``); the
+deliberate differences are listed in docs/deep_ep.md. Staging is a ring per (source, channel): its size depends on the Config and the row, never on
 the call's token count. The size hints are at most DeepEP's for the same Config, hidden and ranks.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 from commlib.utils.math import align_up, ceil_div
 
@@ -49,14 +53,31 @@ def row_slot_bytes(hidden_bytes: int) -> int:
     return slot_bytes(hidden_bytes, math.ceil(hidden_bytes / 128), MAX_TOPK)
 
 
-def _check_hint_args(hidden_bytes: int, num_ranks: int, ranks_per_node: int | None) -> int:
+INT32_MAX = 2 ** 31 - 1
+
+
+def as_int(name: str, value) -> int:
+    """``value`` as a plain int, converted the way DeepEP's C++ ``Config`` takes its ``int`` arguments
+    (pybind11): anything with ``__index__`` (int, bool, numpy and 0-d torch integers) within int32;
+    floats, strings and None are a TypeError."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if not -INT32_MAX - 1 <= v <= INT32_MAX:
+        raise TypeError(f"{name} must fit a 32-bit int (as DeepEP's Config), got {v}")
+    return int(v)
+
+
+def _check_hint_args(hidden_bytes: int, num_ranks: int, ranks_per_node: int | None) -> tuple:
+    hidden_bytes, num_ranks = as_int("hidden_bytes", hidden_bytes), as_int("num_ranks", num_ranks)
     for name, v in (("hidden_bytes", hidden_bytes), ("num_ranks", num_ranks)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        if v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    P = NUM_MAX_NVL_PEERS if ranks_per_node is None else ranks_per_node
-    if isinstance(P, bool) or not isinstance(P, int) or P <= 0:
+    P = NUM_MAX_NVL_PEERS if ranks_per_node is None else as_int("ranks_per_node", ranks_per_node)
+    if P <= 0:
         raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
-    return P
+    return hidden_bytes, num_ranks, P
 
 
 @dataclasses.dataclass
@@ -65,17 +86,19 @@ class Config:
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
-    num_max_rdma_chunked_recv_tokens: int = 128
+    num_max_rdma_chunked_recv_tokens: int = 256
 
     def __post_init__(self) -> None:
+        # What DeepEP's Config accepts, commlib's accepts, and it refuses what DeepEP's refuses (with
+        # a ValueError naming the field instead of an assertion). num_sms may be 0 or odd here, as
+        # in DeepEP: a dispatch or combine refuses such a Config (check_runnable), a size hint does not.
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"Config.{f.name} must be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise ValueError(f"Config.{f.name} must be positive, got {value}")
-        if self.num_sms % 2 != 0:
-            raise ValueError(f"Config.num_sms must be even (two CTAs per channel), got {self.num_sms}")
+            setattr(self, f.name, as_int(f"Config.{f.name}", getattr(self, f.name)))
+        if self.num_sms < 0:
+            raise ValueError(f"Config.num_sms must be >= 0, got {self.num_sms}")
+        for f in dataclasses.fields(self)[1:]:
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"Config.{f.name} must be positive, got {getattr(self, f.name)}")
         if self.num_max_nvl_chunked_send_tokens >= self.num_max_nvl_chunked_recv_tokens:
             raise ValueError(
                 "Config.num_max_nvl_chunked_send_tokens "
@@ -83,12 +106,24 @@ class Config:
                 f"num_max_nvl_chunked_recv_tokens ({self.num_max_nvl_chunked_recv_tokens}), the ring it streams through")
         # As DeepEP: the network ring holds whole send chunks, and a sender always finds half of it free.
         send = self.num_max_rdma_chunked_send_tokens
-        self.num_max_rdma_chunked_recv_tokens = align_up(self.num_max_rdma_chunked_recv_tokens, send)
-        if send > self.num_max_rdma_chunked_recv_tokens // 2:
+        recv = align_up(self.num_max_rdma_chunked_recv_tokens, send)
+        if recv > INT32_MAX:
+            raise ValueError(f"Config.num_max_rdma_chunked_recv_tokens rounded up to a multiple of the send chunk "
+                             f"({recv}) does not fit a 32-bit int")
+        self.num_max_rdma_chunked_recv_tokens = recv
+        if send > recv // 2:
             raise ValueError(
                 f"Config.num_max_rdma_chunked_send_tokens ({send}) must be at most half of "
-                f"num_max_rdma_chunked_recv_tokens ({self.num_max_rdma_chunked_recv_tokens}, rounded up to a "
-                "multiple of the send chunk)")
+                f"num_max_rdma_chunked_recv_tokens ({recv}, rounded up to a multiple of the send chunk)")
+
+    def check_runnable(self, rank: int | None = None) -> Config:
+        """This Config, if a dispatch or combine can run with it: num_sms positive and even (two CTAs
+        per channel; DeepEP asserts the same when it launches). Else a ValueError."""
+        if self.num_sms <= 0 or self.num_sms % 2:
+            who = f"[commlib rank {rank}] " if rank is not None else ""
+            raise ValueError(f"{who}Config.num_sms must be a positive even number to run a dispatch or combine "
+                             f"(two CTAs per channel), got {self.num_sms}")
+        return self
 
     @property
     def num_channels(self) -> int:
@@ -113,7 +148,7 @@ class Config:
         moved (BF16: 2 * hidden). ``num_ranks``: ranks of the group; the node holds
         min(num_ranks, ranks_per_node) of them (ranks_per_node defaults to 8, as in DeepEP).
         """
-        P = _check_hint_args(hidden_bytes, num_ranks, ranks_per_node)
+        hidden_bytes, num_ranks, P = _check_hint_args(hidden_bytes, num_ranks, ranks_per_node)
         return align_up(self.nvl_ring_bytes(min(num_ranks, P), row_slot_bytes(hidden_bytes)), HINT_ALIGN)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, *,
@@ -124,23 +159,28 @@ class Config:
         in DeepEP). Several nodes: a send and a receive ring per (node, channel) of
         ``num_max_rdma_chunked_recv_tokens`` slots.
         """
-        P = _check_hint_args(hidden_bytes, num_ranks, ranks_per_node)
+        hidden_bytes, num_ranks, P = _check_hint_args(hidden_bytes, num_ranks, ranks_per_node)
         return align_up(self.rdma_ring_bytes(ceil_div(num_ranks, P), row_slot_bytes(hidden_bytes)), HINT_ALIGN)
 
 
-# Defaults per EP size (num_sms is filled in from Buffer.num_sms): DeepEP's per-rank-count table
-# as the starting point; the tuner (commlib.tuning.autotune) may override them per machine and shape.
+# Defaults per EP size (num_sms is filled in from Buffer.num_sms): the values of DeepEP v1's
+# get_dispatch_config / get_combine_config (its last v1 code, before EPv2), plus 1 rank (DeepEP has no
+# entry; the 2-rank one). DeepEP asserts num_ranks is in its table; commlib takes the entry of the
+# nearest size at or above num_ranks (the largest past the table). The tuner (commlib.tuning.autotune)
+# may override them per machine and shape.
 # num_ranks: (nvl send chunk, nvl ring, rdma send chunk, rdma ring)
 _DISPATCH_DEFAULTS = {
     1: (24, 256, 6, 128),
     2: (24, 256, 6, 128),
     4: (6, 256, 6, 128),
     8: (6, 256, 6, 128),
-    16: (16, 288, 20, 128),
-    24: (8, 288, 32, 128),
-    32: (8, 288, 32, 128),
-    64: (20, 288, 28, 128),
-    128: (20, 560, 32, 128),
+    16: (36, 288, 20, 128),
+    24: (32, 288, 8, 128),
+    32: (32, 288, 8, 128),
+    48: (32, 288, 8, 128),
+    64: (32, 288, 8, 128),
+    96: (20, 480, 12, 128),
+    128: (20, 560, 12, 128),
     144: (32, 720, 12, 128),
     160: (28, 720, 12, 128),
 }
@@ -149,18 +189,21 @@ _COMBINE_DEFAULTS = {
     2: (10, 256, 6, 128),
     4: (9, 256, 6, 128),
     8: (4, 256, 6, 128),
-    16: (2, 288, 28, 128),
-    24: (1, 288, 20, 128),
-    32: (1, 288, 20, 128),
-    64: (1, 288, 20, 128),
-    128: (1, 560, 12, 128),
+    16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128),
+    32: (1, 288, 8, 128),
+    48: (1, 288, 8, 128),
+    64: (1, 288, 8, 128),
+    96: (1, 480, 8, 128),
+    128: (1, 560, 8, 128),
     144: (2, 720, 8, 128),
     160: (2, 720, 8, 128),
 }
 
 
 def _default(table: dict, num_ranks: int, num_sms: int) -> Config:
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks <= 0:
+    num_ranks = as_int("num_ranks", num_ranks)
+    if num_ranks <= 0:
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
     # the entry of the nearest EP size at or above num_ranks (the largest past the table)
     fields = table[min((r for r in table if r >= num_ranks), default=max(table))]

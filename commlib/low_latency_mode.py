@@ -80,6 +80,10 @@ class LowLatencyMode:
         check_tensor(name, t, self.rank, dtype=dtype, dim=1, device=self.device)
         if t.numel() != n:
             raise ValueError(f"[commlib rank {self.rank}] {name} must have shape [{n}], got {list(t.shape)}")
+        if name.endswith("wait_recv_cost_stats") and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # checked before any stream work, so the capture ends cleanly
+            raise ValueError(f"[commlib rank {self.rank}] {name}: wait times are read on the host (a sync), "
+                             "which a CUDA graph capture cannot hold; pass None while capturing")
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -92,7 +96,8 @@ class LowLatencyMode:
             x: [T, H] bf16 (T <= num_max_dispatch_tokens_per_rank = M); topk_idx: [T, K] int64 (-1: empty).
             cumulative_local_expert_recv_stats: [L] int32 or None: this call's recv_count is added to it.
             dispatch_wait_recv_cost_stats: [R] int64 or None: time spent waiting for each source rank's
-                rows is added (reference backend: nanoseconds; nvlink: NotImplementedError).
+                rows is added, in nanoseconds (reference: host time of its exchange; nvlink: CUDA-event time
+                of the receiving launch, one host sync), the same amount to every source's entry.
         Returns:
             recv_x: [L, R * M, H] bf16, or (E4M3 [L, R * M, H], scales [L, R * M, S]) with use_fp8, the scales
                 column-major in their last two dims (strides (S * R * M, 1, R * M), as DeepEP's, for TMA):
@@ -144,7 +149,8 @@ class LowLatencyMode:
         Args:
             x: [L, R * M, H] bf16 expert outputs (ignored with ``zero_copy``: the buffer from
                 get_next_low_latency_combine_buffer is read instead).
-            use_logfmt: the partial sums cross as LogFMT-10 (reference backend; nvlink: NotImplementedError).
+            use_logfmt: the partial sums cross as LogFMT-10 (nvlink: min(R, K) launches around the kernel
+                and the reference's codec, the reference's result bit for bit).
             combine_wait_recv_cost_stats: [R] int64 or None, as dispatch_wait_recv_cost_stats.
         """
         ll = self._ll()

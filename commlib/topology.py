@@ -3,14 +3,20 @@
 Ranks are laid out node-major: rank = node * ranks_per_node + local_rank. ``ranks_per_node``
 comes from COMMLIB_RANKS_PER_NODE or the launcher (torchrun's LOCAL_WORLD_SIZE, Open MPI's
 OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's MPI_LOCALNRANKS); without any (vLLM and SGLang start their own
-workers), from the group itself: the hostname of every rank, which the Buffer gathers. Ranks that
-share a hostname share a node. 8 CPU processes can thus be 2 emulated nodes x 4, and 2 GPUs 2 nodes x 1.
+workers), from the group itself: every rank's RankFacts (local_facts), which the Buffer gathers.
+A node is the ranks of one host (same hostname and kernel boot id) whose GPUs reach each other with
+peer access (ranks_per_node_from_facts). 8 CPU processes can thus be 2 emulated nodes x 4, and 2
+GPUs 2 nodes x 1.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import warnings
 from typing import Optional, Sequence
+
+import torch
 
 from commlib.utils import env
 
@@ -67,12 +73,15 @@ class Topology:
 
     @classmethod
     def detect(cls, rank: int, num_ranks: int, ranks_per_node: int | None = None,
-               hostnames: Optional[Sequence[str]] = None) -> "Topology":
-        """Topology from an explicit value, else the environment, else the ranks' hostnames (one per
-        rank, in rank order), else a single node."""
+               hostnames: Optional[Sequence[str]] = None,
+               facts: Sequence[RankFacts] | None = None) -> Topology:
+        """Topology from an explicit value, else the environment, else the ranks' facts (RankFacts,
+        one per rank in rank order: ranks_per_node_from_facts) or hostnames, else a single node."""
         if ranks_per_node is None:
             ranks_per_node = env.ranks_per_node()
-        if ranks_per_node is None and hostnames is not None:
+        if ranks_per_node is None and facts is not None:
+            ranks_per_node = ranks_per_node_from_facts(facts)
+        elif ranks_per_node is None and hostnames is not None:
             ranks_per_node = ranks_per_node_from_hosts(hostnames)
         if ranks_per_node is None or ranks_per_node > num_ranks:
             ranks_per_node = num_ranks
@@ -97,4 +106,130 @@ def ranks_per_node_from_hosts(hostnames: Sequence[str]) -> Optional[int]:
     warnings.warn(f"commlib: the group's ranks are not laid out node-major with equal ranks per host "
                   f"(hosts in rank order: {[(h, n) for h, n in runs]}); treating the group as one node. "
                   "Set COMMLIB_RANKS_PER_NODE, or order the ranks by host.", RuntimeWarning, stacklevel=3)
+    return None
+
+
+# ------------------------------------------------------------------ evidence from the ranks themselves
+@dataclasses.dataclass(frozen=True)
+class RankFacts:
+    """Where one rank runs, as the other ranks need to know it to group ranks into nodes.
+
+    hostname  socket.gethostname()
+    boot_id   /proc/sys/kernel/random/boot_id: one per running kernel, so two machines (or VMs) with
+              the same hostname differ; "" where the file does not exist
+    gpu       this rank's GPU (gpu_id: its UUID, else its PCI address); "" on a CPU rank
+    visible   the GPUs this process sees (gpu_id each)
+    peers     of those, the ones this rank's GPU can reach with peer access (its own GPU included)
+    """
+    hostname: str
+    boot_id: str = ""
+    gpu: str = ""
+    visible: tuple = ()
+    peers: tuple = ()
+
+
+def gpu_id(index: int) -> str:
+    """A GPU's identity, the same in every process of its host: its UUID, else its PCI address."""
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return f"GPU-{uuid}"
+    if hasattr(props, "pci_bus_id"):
+        return f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}"
+    return f"{socket.gethostname()}/cuda:{index}"
+
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def _boot_id() -> str:
+    if not os.path.exists(BOOT_ID):
+        return ""
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def local_facts(device: torch.device | None = None) -> RankFacts:
+    """This rank's RankFacts. ``device``: its GPU (default: the current CUDA device when CUDA is
+    available, else none: a CPU rank)."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device is None or device.type != "cuda":
+        return RankFacts(socket.gethostname(), _boot_id())
+    me = device.index if device.index is not None else torch.cuda.current_device()
+    visible = tuple(gpu_id(i) for i in range(torch.cuda.device_count()))
+    peers = tuple(visible[i] for i in range(len(visible)) if i == me or torch.cuda.can_device_access_peer(me, i))
+    return RankFacts(socket.gethostname(), _boot_id(), visible[me], visible, peers)
+
+
+def _reaches(a: RankFacts, b: RankFacts) -> bool:
+    """Can a's GPU reach b's (same host)? Yes for one GPU, CPU ranks, and GPUs a's process does not
+    see (no evidence but the host); otherwise a's peer access decides."""
+    if not a.gpu or not b.gpu or a.gpu == b.gpu or b.gpu not in a.visible:
+        return True
+    return b.gpu in a.peers
+
+
+def node_groups(facts: Sequence[RankFacts]) -> list:
+    """The ranks (lists, in rank order) of each node the facts show, nodes ordered by their first rank.
+
+    A node is the ranks of one host (hostname and boot id) whose GPUs reach each other (_reaches, both
+    ways). Raises ValueError where peer access inside a host does not split it into such groups
+    (A and B reach each other, B and C too, A and C do not)."""
+    n = len(facts)
+    parent = list(range(n))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    def linked(i: int, j: int) -> bool:
+        a, b = facts[i], facts[j]
+        return (a.hostname, a.boot_id) == (b.hostname, b.boot_id) and _reaches(a, b) and _reaches(b, a)
+
+    for i in range(n):
+        for j in range(i + 1, n):
+            if linked(i, j):
+                parent[root(j)] = root(i)
+    groups: dict = {}
+    for r in range(n):
+        groups.setdefault(root(r), []).append(r)
+    out = sorted(groups.values())
+    for g in out:
+        for x, i in enumerate(g):
+            for j in g[x + 1:]:
+                if not linked(i, j):
+                    raise ValueError(
+                        f"commlib: GPU peer access on host {facts[i].hostname} does not split its ranks into groups "
+                        f"that all reach each other (ranks {i} and {j} are linked through others, not directly); set "
+                        "COMMLIB_RANKS_PER_NODE or pass Buffer(ranks_per_node=...)")
+    return out
+
+
+def ranks_per_node_from_facts(facts: Sequence[RankFacts]) -> int | None:
+    """Ranks per node from every rank's RankFacts (one per rank, in rank order): node_groups must be
+    runs of consecutive ranks of equal size (node-major), which gives ranks_per_node.
+
+    Otherwise, on CPU ranks: a RuntimeWarning and None (one node: the reference backend is right on any
+    layout). On GPU ranks a ValueError naming the layout: one node there would put ranks that cannot
+    reach each other's memory into one NVLink engine."""
+    if not facts:
+        return None
+    groups = node_groups(facts)
+    sizes = {len(g) for g in groups}
+    if len(sizes) == 1 and all(g == list(range(g[0], g[0] + len(g))) for g in groups):
+        return sizes.pop()
+    where = [(facts[g[0]].hostname, g) for g in groups]
+    if any(f.gpu for f in facts):
+        raise ValueError(f"commlib: the group's ranks are not laid out node-major with equal ranks per node "
+                         f"(nodes: (host, ranks) {where}); start the ranks host by host, or set "
+                         "COMMLIB_RANKS_PER_NODE / Buffer(ranks_per_node=...) (COMMLIB_RANKS_PER_NODE=<world "
+                         "size> with backend='reference' runs any layout)")
+    warnings.warn(f"commlib: the group's ranks are not laid out node-major with equal ranks per node "
+                  f"(nodes: (host, ranks) {where}); treating the group as one node. Set COMMLIB_RANKS_PER_NODE, "
+                  "or order the ranks by host.", RuntimeWarning, stacklevel=3)
     return None

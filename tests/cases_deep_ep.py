@@ -115,6 +115,17 @@ def case_surface(ctx):
     assert c.num_max_nvl_chunked_recv_tokens == 256
     as_json = {"num_sms": 20, "num_max_nvl_chunked_send_tokens": 6, "num_max_nvl_chunked_recv_tokens": 256}
     assert deep_ep.Config(**as_json).num_sms == 20
+    # a Config DeepEP builds but cannot launch (0 or an odd num_sms): built here too, refused by the call
+    x, idx, w = _inputs(5, me, R)
+    ntr, nte, tir = _layout(idx, R)
+    lay = {"num_tokens_per_rank": ntr, "is_token_in_rank": tir, "num_tokens_per_expert": nte, "topk_idx": idx,
+           "topk_weights": w}
+    for sms in (0, 3):
+        odd = deep_ep.Config(sms, 6, 256, 6, 128)
+        _expect(ValueError, ["num_sms", "even", str(sms)], lambda c=odd: buf.dispatch(x, config=c, **lay))
+    rx, _, rw, _, h, _ = buf.dispatch(x, config=deep_ep.Config(2, 6, 256, 6, 128), **lay)
+    _expect(ValueError, ["num_sms", "even"], lambda: buf.combine(rx, h, rw, config=deep_ep.Config(1, 6, 256)))
+    buf.combine(rx, h, rw, config=deep_ep.Config(2, 6, 256))
     buf.destroy()
 
 

@@ -12,8 +12,10 @@ import torch
 
 import deep_ep
 from commlib.backends.low_latency.reference import logfmt_roundtrip
+from commlib.config import row_slot_bytes as commlib_row_slot_bytes
 from commlib.handle import DispatchHandle
-from commlib.topology import Topology, ranks_per_node_from_hosts
+from commlib import topology as topo
+from commlib.topology import RankFacts, Topology, local_facts, node_groups, ranks_per_node_from_facts, ranks_per_node_from_hosts
 from commlib.utils.event import EventHandle, EventOverlap
 from commlib.validate import scales_carrier, scales_from_carrier, split_x
 
@@ -89,6 +91,82 @@ def test_topology_without_launcher_variables(monkeypatch):
     assert Topology.detect(0, 8).num_nodes == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # a launcher's word wins over the hostnames
     assert Topology.detect(5, 8, hostnames=["n0"] * 4 + ["n1"] * 4).num_nodes == 1
+
+
+# ------------------------------------------------------------------ topology from the ranks' facts
+def _gpu_host(host, gpus, pairs=None, boot="b0", ranks=None):
+    """RankFacts of ranks on one host, rank i on GPU ranks[i] (default: one rank per GPU). ``pairs``:
+    groups of GPUs with peer access among themselves (default: all of them)."""
+    visible = tuple(f"{host}-g{i}" for i in range(gpus))
+    pairs = pairs or [list(range(gpus))]
+    reach = {g: tuple(visible[j] for p in pairs if g in p for j in p) for g in range(gpus)}
+    return [RankFacts(host, boot, visible[g], visible, reach[g]) for g in (ranks if ranks is not None else range(gpus))]
+
+
+def test_ranks_per_node_from_gpu_facts():
+    cpu = [RankFacts("n0", "b0")] * 4 + [RankFacts("n1", "b1")] * 4
+    assert ranks_per_node_from_facts(cpu) == 4
+    # the same hostname on two machines (e.g. containers named alike): the boot ids tell them apart
+    assert ranks_per_node_from_facts([RankFacts("pod", "b0")] * 2 + [RankFacts("pod", "b1")] * 2) == 2
+    # 8 GPUs of one host with full peer access; two such hosts
+    assert ranks_per_node_from_facts(_gpu_host("a", 8)) == 8
+    assert ranks_per_node_from_facts(_gpu_host("a", 8) + _gpu_host("b", 8, boot="b1")) == 8
+    # NVLink pairs (A100 PCIe): peer access only inside each pair -> nodes of 2 on one host
+    pairs = _gpu_host("a", 4, pairs=[[0, 1], [2, 3]])
+    assert node_groups(pairs) == [[0, 1], [2, 3]] and ranks_per_node_from_facts(pairs) == 2
+    # no peer access at all: every GPU its own node
+    assert ranks_per_node_from_facts(_gpu_host("a", 3, pairs=[[0], [1], [2]])) == 1
+    # ranks sharing a GPU are one node; a process that does not see a peer's GPU (CUDA_VISIBLE_DEVICES
+    # per process) has no evidence against it: the host decides
+    assert ranks_per_node_from_facts(_gpu_host("a", 2, ranks=[0, 0, 1, 1])) == 4
+    hidden = [RankFacts("a", "b0", f"a-g{i}", (f"a-g{i}",), (f"a-g{i}",)) for i in range(4)]
+    assert ranks_per_node_from_facts(hidden) == 4
+    # Topology.detect uses the facts when no launcher variable says more
+    t = Topology.detect(3, 4, facts=pairs)
+    assert (t.num_nodes, t.node, t.local_rank) == (2, 1, 1)
+
+
+def test_inconsistent_gpu_layouts_are_refused():
+    # a host's ranks not consecutive: GPU ranks raise (one node would pair ranks of two hosts), naming the layout
+    interleaved = [_gpu_host("a", 2)[0], _gpu_host("b", 2, boot="b1")[0], _gpu_host("a", 2)[1],
+                   _gpu_host("b", 2, boot="b1")[1]]
+    with pytest.raises(ValueError, match=r"node-major.*\('a', \[0, 2\]\)"):
+        ranks_per_node_from_facts(interleaved)
+    with pytest.raises(ValueError, match="node-major"):  # NVLink pairs interleaved in rank order
+        ranks_per_node_from_facts(_gpu_host("a", 4, pairs=[[0, 2], [1, 3]]))
+    with pytest.raises(ValueError, match="node-major"):  # unequal nodes
+        ranks_per_node_from_facts(_gpu_host("a", 3) + _gpu_host("b", 1, boot="b1"))
+    # peer access that does not partition the host: 0-1 and 1-2 reach each other, 0-2 do not
+    chain = _gpu_host("a", 3)
+    chain = [RankFacts("a", "b0", f.gpu, f.visible, p) for f, p in
+             zip(chain, [("a-g0", "a-g1"), ("a-g0", "a-g1", "a-g2"), ("a-g1", "a-g2")])]
+    with pytest.raises(ValueError, match="ranks 0 and 2"):
+        node_groups(chain)
+    # CPU ranks keep the documented fallback: a warning and one node
+    with pytest.warns(RuntimeWarning, match="node-major"):
+        assert ranks_per_node_from_facts([RankFacts("a"), RankFacts("b"), RankFacts("a"), RankFacts("b")]) is None
+
+
+def test_local_facts(monkeypatch, tmp_path):
+    import socket
+    import types
+    cpu = local_facts(torch.device("cpu"))
+    assert cpu.hostname == socket.gethostname() and cpu.gpu == "" and cpu.visible == () and cpu.peers == ()
+    if topo.os.path.exists("/proc/sys/kernel/random/boot_id"):
+        assert len(cpu.boot_id) == 36
+    # a CUDA rank on GPU 1 of 3, with peer access to GPU 2 only (mocked: no GPU here)
+    uuids = ["aaa", "bbb", "ccc"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=uuids[i]))
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: {a, b} == {1, 2})
+    f = local_facts()
+    assert f.gpu == "GPU-bbb" and f.visible == ("GPU-aaa", "GPU-bbb", "GPU-ccc") and f.peers == ("GPU-bbb", "GPU-ccc")
+    # without a UUID (older torch): the PCI address
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1b + i, pci_device_id=0))
+    assert local_facts(torch.device("cuda", 0)).gpu == "0000:1b:00"
 
 
 def test_fp8_scales_of_any_layout_round_trip():
@@ -174,3 +252,92 @@ def test_quiet_import_logs_nothing(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="deep_ep"):
         importlib.reload(deep_ep)
     assert not [r for r in caplog.records if r.name == "deep_ep"]
+
+
+# ------------------------------------------------------------------ Config as DeepEP's
+def _deepep_config(sms, nvl_send, nvl_recv, rdma_send, rdma_recv):
+    """What DeepEP v1's C++ Config constructor does with five ints (csrc/config.hpp, read and restated):
+    None where one of its assertions fails, else the fields it keeps (the network ring rounded up to
+    whole send chunks)."""
+    if sms < 0 or nvl_send <= 0 or nvl_recv <= 0 or nvl_send >= nvl_recv or rdma_send <= 0 or rdma_recv <= 0:
+        return None
+    rdma_recv = -(-rdma_recv // rdma_send) * rdma_send
+    if not rdma_send < rdma_recv or rdma_send > rdma_recv // 2:
+        return None
+    return (sms, nvl_send, nvl_recv, rdma_send, rdma_recv)
+
+
+def _commlib_config(*fields):
+    try:
+        c = deep_ep.Config(*fields)
+    except ValueError:
+        return None
+    return (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+            c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens)
+
+
+def test_config_accepts_and_refuses_what_deepep_does():
+    import itertools
+    sms = (-2, -1, 0, 1, 2, 3, 20, 24)
+    small = (-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13)
+    n = 0
+    for fields in itertools.product(sms, small, small, small, small):
+        assert _commlib_config(*fields) == _deepep_config(*fields), fields
+        n += _deepep_config(*fields) is not None
+    assert n > 1000  # both answers occur often
+    # DeepEP's recommended configs (its table's values) and the defaults are accepted
+    for f in [(24, 256, 6, 128), (36, 288, 20, 128), (32, 288, 8, 128), (20, 480, 12, 128), (28, 720, 12, 128),
+              (1, 288, 8, 128), (2, 720, 8, 128), (6, 256, 6, 256)]:
+        assert _commlib_config(20, *f) == _deepep_config(20, *f) is not None
+
+
+def test_config_defaults_and_argument_types_as_deepep():
+    import numpy as np
+    c = deep_ep.Config()
+    assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+            c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (20, 6, 256, 6, 258)
+    assert _deepep_config(20, 6, 256, 6, 256) == (20, 6, 256, 6, 258)  # DeepEP's default ring, rounded up too
+    assert deep_ep.Config(num_max_rdma_chunked_recv_tokens=128).num_max_rdma_chunked_recv_tokens == 132
+    # pybind11's int conversion: integers of any kind (bool, numpy, 0-d torch) are ints; floats, strings are not
+    c = deep_ep.Config(np.int64(24), np.int32(6), torch.tensor(256), True + 5, 128)
+    assert c == deep_ep.Config(24, 6, 256, 6, 128) and type(c.num_sms) is int and type(c.num_max_nvl_chunked_recv_tokens) is int
+    assert deep_ep.Config(True, 6, 256).num_sms == 1
+    for bad in (20.0, "20", None, np.float32(20)):
+        with pytest.raises(TypeError, match="num_sms"):
+            deep_ep.Config(bad)
+    with pytest.raises(TypeError, match="32-bit"):
+        deep_ep.Config(20, 6, 2 ** 31)
+    with pytest.raises(ValueError, match="32-bit"):
+        deep_ep.Config(20, 6, 256, 2 ** 31 - 3, 2 ** 31 - 2)  # rounded up past int32
+    # 0 and odd num_sms: built (as DeepEP) and sized, refused by a call (check_runnable; tests/cases_deep_ep.py)
+    for sms in (0, 1, 3):
+        odd = deep_ep.Config(sms, 6, 256)
+        assert odd.get_nvl_buffer_size_hint(7168 * 2, 8) == (sms // 2) * 8 * 256 * commlib_row_slot_bytes(7168 * 2)
+        with pytest.raises(ValueError, match="positive even"):
+            odd.check_runnable(3)
+    assert deep_ep.Config(2, 6, 256).check_runnable() is not None
+    # the hints take numpy integers too
+    assert deep_ep.Config().get_nvl_buffer_size_hint(np.int64(7168 * 2), np.int32(8)) == \
+        deep_ep.Config().get_nvl_buffer_size_hint(7168 * 2, 8)
+
+
+# DeepEP v1's get_dispatch_config / get_combine_config values (its last v1 code): EP size -> fields 1..4
+DEEPEP_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+                   24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
+                   96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
+DEEPEP_COMBINE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+                  24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
+                  96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
+
+
+def test_default_configs_are_deepeps(monkeypatch):
+    monkeypatch.setattr(deep_ep.Buffer, "num_sms", 24)
+    for table, get in ((DEEPEP_DISPATCH, deep_ep.Buffer.get_dispatch_config),
+                       (DEEPEP_COMBINE, deep_ep.Buffer.get_combine_config)):
+        for R, fields in table.items():
+            assert get(R) == deep_ep.Config(24, *fields), (get, R)
+        # beyond DeepEP (which asserts the size is in its table): the next size up, the largest past the end
+        assert get(1) == get(2) and get(3) == get(4) and get(12) == get(16) and get(100) == get(128)
+        assert get(1024) == get(160)
+        with pytest.raises(ValueError, match="num_ranks"):
+            get(0)

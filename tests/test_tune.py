@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from commlib.tuning import autotune as tune
 from commlib.config import Config, default_combine_config, default_dispatch_config
 from commlib.topology import Topology
+from commlib.tuning.search import SINGLE_NODE_RDMA
 from worlds import run_world
 
 REPO = Path(__file__).resolve().parent.parent
@@ -270,7 +271,7 @@ def test_search_only_times_the_space():
         seen.append(fields_of(config))
         return model(config)
 
-    res = tune.search(space, time_fn, default=Config(20, 32, 1024))
+    res = tune.search(space, time_fn, default=Config(20, 32, 1024, *SINGLE_NODE_RDMA))
     assert set(seen) <= legal
     assert res.num_batches == len(seen)
 
@@ -404,7 +405,8 @@ def test_cli_main_prints_table_and_json(tmp_path, monkeypatch, capsys):
         assert worker is tune._cli_worker and world == 2 and kwargs["ranks_per_node"] == 2
         out = []
         for (kind, T), space in tune._cli_spaces(args, world, 2).items():
-            res = tune.search(space, bench.SimulatedWorkload(kind, T, args.hidden), default=Config(),
+            res = tune.search(space, bench.SimulatedWorkload(kind, T, args.hidden),
+                              default=Config(20, 6, 256, *SINGLE_NODE_RDMA),
                               batches=args.batches)
             out.append({"kind": kind, "num_tokens": T, "dtype": "bf16", **res.to_json()})
         return out

@@ -216,7 +216,7 @@ def lookup(kind: str, key: TuneKey, path: Optional[str] = None) -> Optional[Conf
     if entry is None:
         return None
     try:
-        return Config(**{name: entry["config"][name] for name in FIELDS})
+        return Config(**{name: entry["config"][name] for name in FIELDS}).check_runnable()
     except (KeyError, TypeError, ValueError) as e:
         warnings.warn(f"[tuning] cache {path}: entry {_entry_name(kind, key)!r} is invalid ({e}); ignoring it",
                       TuningCacheWarning, stacklevel=2)

@@ -116,7 +116,7 @@ class SearchSpace:
         out = []
         for values in itertools.product(self.num_sms, self.nvl_send, self.nvl_recv, self.rdma_send, self.rdma_recv):
             try:
-                config = Config(*values)
+                config = Config(*values).check_runnable()
             except (TypeError, ValueError):  # odd num_sms, send chunk not below the ring, ...
                 continue
             if self.is_valid(config):

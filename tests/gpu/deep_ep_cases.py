@@ -7,6 +7,7 @@ from nvlink_cases import check_same
 
 import deep_ep
 from deep_ep.utils import EventHandle, EventOverlap
+from commlib.topology import local_facts, ranks_per_node_from_facts
 
 E, H, K = 16, 512, 4
 M_LL, E_PER_RANK = 16, 4
@@ -117,16 +118,25 @@ def case_low_latency(ctx):
     got, _, _ = nv.low_latency_combine(torch.empty_like(a[0]), idx, w, a[2], zero_copy=True)
     want, _, _ = ref.low_latency_combine(b[0], idx, w, b[2])
     check_same(got, want, "zero-copy combine")
-    for fn, word in ((lambda: nv.low_latency_combine(a[0], idx, w, a[2], use_logfmt=True), "use_logfmt"),
-                     (lambda: nv.low_latency_dispatch(x, idx, M_LL, Ell, None,
-                                                      torch.zeros(R, dtype=torch.int64, device=ctx.device)),
-                      "wait_recv_cost_stats")):
-        try:
-            fn()
-        except NotImplementedError as e:
-            assert word in str(e), e
-        else:
-            raise AssertionError(word)
+    # LogFMT and wait-time stats through DeepEP's API: the reference's result bit for bit, stats added
+    # to every source's entry; a masked rank is refused on nvlink (NotImplementedError, on every rank)
+    y = (b[0].float() / 64).to(torch.bfloat16)   # mostly below 1: LogFMT encodes most blocks
+    waits = [torch.zeros(R, dtype=torch.int64, device=ctx.device) for _ in range(2)]
+    a = nv.low_latency_dispatch(x, idx, M_LL, Ell, None, waits[0], use_fp8=False)
+    got, _, _ = nv.low_latency_combine(y, idx, w, a[2], use_logfmt=True, combine_wait_recv_cost_stats=waits[1])
+    want, _, _ = ref.low_latency_combine(y, idx, w, b[2], use_logfmt=True)
+    check_same(got, want, "LogFMT combine")
+    for t in waits:
+        v = t.cpu()
+        assert bool((v > 0).all()) and bool((v == v[0]).all()), v
+    nv.low_latency_update_mask_buffer(R - 1, True)
+    try:
+        nv.low_latency_dispatch(x, idx, M_LL, Ell, use_fp8=False)
+    except NotImplementedError as e:
+        assert "masked ranks" in str(e), e
+    else:
+        raise AssertionError("masked rank on nvlink: expected NotImplementedError")
+    nv.low_latency_clean_mask_buffer()
     status = torch.zeros(R, dtype=torch.int32, device=ctx.device)
     nv.low_latency_query_mask_buffer(status)
     assert int(status.sum()) == 0
@@ -140,3 +150,16 @@ def case_teardown(ctx):
         for b in pair:
             b.destroy()
     _BUF.clear()
+
+
+def case_topology_facts(ctx):
+    """The facts a Buffer gathers when no launcher variable says how many ranks share a node: this
+    rank's GPU among the visible ones and in its own peer set, and every rank of this one host in one
+    node (GPUs shared, or reaching each other with peer access on an NVLink machine)."""
+    f = local_facts()
+    assert f.gpu and f.gpu in f.visible and f.gpu in f.peers, f
+    assert f.gpu == f.visible[torch.cuda.current_device()]
+    facts = [None] * ctx.world_size
+    torch.distributed.all_gather_object(facts, f, group=ctx.group)
+    assert len({(x.hostname, x.boot_id) for x in facts}) == 1, facts
+    assert ranks_per_node_from_facts(facts) == ctx.world_size, facts

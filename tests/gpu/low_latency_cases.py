@@ -93,8 +93,11 @@ def compare_dispatch(nv_res, ref_res, tag: str, pad: bool) -> None:
 
 
 def run_pair(ctx, seed: int, *, fp8=False, round_scale=False, ue8m0=False, hook=False, zero_copy=False,
-             pad=False, shape=None, T=None):
-    """One dispatch + combine through both Buffers; compare everything."""
+             pad=False, shape=None, T=None, logfmt=False, y_scale=1.0, stats=False):
+    """One dispatch + combine through both Buffers; compare everything. ``logfmt``: the combine's
+    partials cross as LogFMT-10; ``y_scale`` scales the expert outputs (below 1: LogFMT encodes most
+    blocks). ``stats``: wait-time stats tensors are passed and checked (both engines add the same
+    count of nanoseconds to every source's entry; the values differ)."""
     nv, ref = buffers(ctx)
     R, me = ctx.world_size, ctx.rank
     s = shape or dict(M=SMALL["M"], H=SMALL["H"], E=SMALL["E_PER_RANK"] * R, K=SMALL["K"])
@@ -102,17 +105,23 @@ def run_pair(ctx, seed: int, *, fp8=False, round_scale=False, ue8m0=False, hook=
     L = E // R
     x, idx, w = make_inputs(ctx, seed, M, H, E, K, T)
     tag = f"[seed {seed} T={x.shape[0]} H={H} E={E} fp8={fp8} round={round_scale} ue8m0={ue8m0} hook={hook}]"
+    tag += f"[logfmt={logfmt} stats={stats}]"
     nv._low_latency.pad_zeros = pad
+    waits = {}
     try:
         results = {}
         for name, buf in (("nvlink", nv), ("reference", ref)):
+            waits[name] = [torch.zeros(R, dtype=torch.int64, device=ctx.device) if stats else None for _ in range(2)]
             rx, count, handle, _, recv_hook = buf.low_latency_dispatch(
-                x, idx, M, E, use_fp8=fp8, round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=hook)
+                x, idx, M, E, dispatch_wait_recv_cost_stats=waits[name][0], use_fp8=fp8, round_scale=round_scale,
+                use_ue8m0=ue8m0, return_recv_hook=hook)
             if hook:
                 recv_hook()
             results[name] = (rx, count, handle)
         compare_dispatch(results["nvlink"], results["reference"], tag, pad)
         y = expert_fn(results["reference"][0], me, L, H)
+        if y_scale != 1.0:
+            y = (y.float() * y_scale).to(torch.bfloat16)
         combined = {}
         for name, buf in (("nvlink", nv), ("reference", ref)):
             handle = results[name][2]
@@ -121,13 +130,19 @@ def run_pair(ctx, seed: int, *, fp8=False, round_scale=False, ue8m0=False, hook=
                 inp = buf.get_next_low_latency_combine_buffer(handle)
                 inp.copy_(y)
             out = torch.empty(x.shape[0], H, dtype=torch.bfloat16, device=ctx.device)
-            cx, _, chook = buf.low_latency_combine(inp, idx, w, handle, zero_copy=zero_copy, return_recv_hook=hook,
-                                                   out=out)
+            cx, _, chook = buf.low_latency_combine(inp, idx, w, handle, use_logfmt=logfmt, zero_copy=zero_copy,
+                                                   return_recv_hook=hook, out=out,
+                                                   combine_wait_recv_cost_stats=waits[name][1])
             if hook:
                 chook()
             assert cx is out
             combined[name] = cx
         check_same(combined["nvlink"], combined["reference"], f"{tag} combined")
+        if stats:
+            for name, (d, c) in waits.items():
+                for kind, t in (("dispatch", d), ("combine", c)):
+                    v = t.cpu()
+                    assert bool((v > 0).all()) and bool((v == v[0]).all()), f"{tag} {name} {kind} wait stats {v}"
     finally:
         nv._low_latency.pad_zeros = False
     torch.cuda.synchronize()
@@ -254,6 +269,73 @@ def case_many_experts(ctx):
     run_pair(ctx, 33, fp8=True, shape=shape, T=shape["M"])
     run_pair(ctx, 34, shape=shape)
     run_pair(ctx, 35, fp8=True, hook=True, shape=shape, T=shape["M"])
+
+
+def case_logfmt(ctx):
+    """use_logfmt=True: nvlink (min(R, K) launches around the kernel, the reference's codec) against the
+    reference, bit for bit: encoded blocks (outputs scaled below 1), bf16 blocks, hooks, zero copy, FP8."""
+    run_pair(ctx, 40, logfmt=True, y_scale=1 / 64)
+    run_pair(ctx, 41, logfmt=True)                                  # mostly blocks with |v| >= 1: bf16
+    run_pair(ctx, 42, logfmt=True, y_scale=1 / 256, hook=True, zero_copy=True)
+    run_pair(ctx, 43, logfmt=True, y_scale=1 / 32, fp8=True, round_scale=True, T=SMALL["M"])
+    run_pair(ctx, 44, logfmt=True, T=0)
+    run_pair(ctx, 45)                                               # a plain combine after: still in step
+    if ctx.world_size == 2:
+        run_pair(ctx, 46, logfmt=True, y_scale=1 / 64, fp8=True, shape=dict(DECODE), T=DECODE["M"])
+
+
+def case_wait_stats(ctx):
+    """dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats on nvlink: nanoseconds added to
+    every source's entry, plain and with hooks (checked in run_pair); refused inside a graph capture."""
+    run_pair(ctx, 50, stats=True)
+    run_pair(ctx, 51, stats=True, hook=True, fp8=True)
+    run_pair(ctx, 52, stats=True, logfmt=True, y_scale=1 / 64)
+    nv, _ = buffers(ctx)
+    R, M, H, K, E = ctx.world_size, SMALL["M"], SMALL["H"], SMALL["K"], SMALL["E_PER_RANK"] * ctx.world_size
+    x, idx, _w = make_inputs(ctx, 53, M, H, E, K)
+    stats = torch.zeros(R, dtype=torch.int64, device=ctx.device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            nv.low_latency_dispatch(x, idx, M, E, dispatch_wait_recv_cost_stats=stats)
+    except ValueError as e:
+        assert "capturing" in str(e), e
+    else:
+        raise AssertionError("wait-time stats inside a graph capture: expected ValueError")
+    del graph
+    run_pair(ctx, 54)                                               # still in step
+
+
+def case_masked_ranks(ctx):
+    """Shrink mode on nvlink: with no rank masked the calls run (and match the reference); a masked
+    rank is refused on every rank with NotImplementedError, before any byte moves."""
+    R, M, H, K = ctx.world_size, SMALL["M"], SMALL["H"], SMALL["K"]
+    E = SMALL["E_PER_RANK"] * R
+    nbytes = Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
+    nv = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="nvlink", enable_shrink=True,
+                explicitly_destroy=True)
+    ref = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="reference", enable_shrink=True,
+                 explicitly_destroy=True)
+    try:
+        x, idx, w = make_inputs(ctx, 60, M, H, E, K)
+        got = [b.low_latency_dispatch(x, idx, M, E, use_fp8=False)[:3] for b in (nv, ref)]
+        compare_dispatch(got[0], got[1], "[shrink, nothing masked]", pad=False)
+        y = expert_fn(got[1][0], ctx.rank, E // R, H)
+        out = [b.low_latency_combine(y, idx, w, g[2])[0] for b, g in zip((nv, ref), got)]
+        check_same(out[0], out[1], "[shrink, nothing masked] combined")
+        nv.low_latency_update_mask_buffer(R - 1, True)
+        try:
+            nv.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        except NotImplementedError as e:
+            assert "masked ranks" in str(e) and str(R - 1) in str(e), e
+        else:
+            raise AssertionError("masked rank on nvlink: expected NotImplementedError")
+        nv.low_latency_clean_mask_buffer()
+        got = [b.low_latency_dispatch(x, idx, M, E, use_fp8=False)[:3] for b in (nv, ref)]
+        compare_dispatch(got[0], got[1], "[shrink, mask cleaned]", pad=False)
+    finally:
+        nv.destroy()
+        ref.destroy()
 
 
 def case_teardown(ctx):

@@ -29,6 +29,6 @@ def test_deep_ep_on_nvlink():
     from worlds import run_world
 
     os.environ.setdefault("COMMLIB_TIMEOUT_S", "60")
-    results = run_world(2, "deep_ep_cases", ["intranode", "low_latency", "teardown"], use_gpu=True, timeout_s=300)
+    results = run_world(2, "deep_ep_cases", ["topology_facts", "intranode", "low_latency", "teardown"], use_gpu=True, timeout_s=300)
     failed = {k: v for k, v in results.items() if v}
     assert not failed, "\n\n".join(f"--- {k} ---\n{v}" for k, v in failed.items())

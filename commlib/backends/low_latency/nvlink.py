@@ -18,6 +18,17 @@ CUDA graph and replayed. Differences, all documented in the issue's terms:
   - at most two calls of each kind may be in flight (return_recv_hook); the hooks must be called
     in call order. Both are checked on the host; on the device a third send waits for the first
     receive and times out with a '[commlib] rank ... timeout' line instead of corrupting it.
+  - ``use_logfmt=True`` (combine_logfmt): the kernel sums each expert rank's partial and sends it as
+    bf16, so LogFMT is applied around it: min(R, K) combine launches, launch j carrying every token's
+    slots on its j-th expert rank (in rank order) only, so it returns that rank's bf16 partial; the
+    partials go through the reference's codec (logfmt_roundtrip) and are summed in rank order in
+    fp32, which is the reference's result bit for bit. It is min(R, K) exchanges, not a saving of
+    bytes; the receive completes in the call (a hook is returned and does nothing).
+  - wait-time stats ([R] int64): the nanoseconds of each launch that receives (CUDA events, read with
+    a host sync, so not inside a CUDA graph capture) are added to every source's entry: the kernels
+    do not time each source apart (DeepEP adds GPU clock cycles per source; the reference adds
+    nanoseconds of its exchange to every source, as here).
+  - shrink mode with a masked rank: NotImplementedError (see _unsupported).
 
 Memory: one IPC buffer per rank (commlib.backends.nvlink.peer_memory) of CONTROL_BYTES +
 ``num_rdma_bytes`` + SLACK bytes, separate from the NVLink engine's buffer:
@@ -34,13 +45,14 @@ import itertools
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from commlib.cuda import loader as K
 from commlib.utils.math import align_up, aligned_16
 from commlib.fp8 import BLOCK
 from commlib.config import MAX_TOPK
 from commlib.backends.low_latency.reference import (LowLatencyEngine, LowLatencyHandle, check_combine_args, check_dispatch_args,
-                           combine_half_bytes)
+                           combine_half_bytes, logfmt_roundtrip)
 from commlib.backends.nvlink.peer_memory import PeerMemory
 
 THREADS = 512               # kLlThreads in csrc/low_latency.cu
@@ -182,25 +194,43 @@ class NVLinkLowLatency(LowLatencyEngine):
     def enable_shrink(self) -> None:
         """Shrink mode: accepted while no rank is masked (the kernels have no mask yet; see _unsupported)."""
 
-    def _unsupported(self, mask, wait_stats, use_logfmt: bool = False) -> None:
+    def _unsupported(self, mask) -> None:
+        """A masked rank (shrink mode) cannot be served by these kernels without new device code: every
+        receiver polls the count words and every expert rank the top-k records of each of the R ranks
+        (csrc/low_latency.cu), which a masked (failed) rank never writes, and the sequence-numbered
+        done and arrival words are indexed by rank, so a smaller world of the live ranks would start
+        from a dead rank's counters."""
         me = self.rank
         if mask is not None and bool(mask.ne(0).any()):
             raise NotImplementedError(f"[commlib rank {me}] shrink mode with masked ranks "
-                                      f"{mask.nonzero().flatten().tolist()} has no nvlink low-latency kernels yet; "
-                                      "use backend='reference'")
-        if wait_stats is not None:
-            raise NotImplementedError(f"[commlib rank {me}] dispatch_wait_recv_cost_stats / "
-                                      "combine_wait_recv_cost_stats are not measured by the nvlink low-latency "
-                                      "kernels yet; pass None, or use backend='reference'")
-        if use_logfmt:
-            raise NotImplementedError(f"[commlib rank {me}] use_logfmt=True has no nvlink low-latency combine "
-                                      "kernel yet; use backend='reference'")
+                                      f"{mask.nonzero().flatten().tolist()} has no nvlink low-latency kernels: "
+                                      "they wait for every rank's words; use backend='reference'")
+
+    def _check_stats(self, wait_stats) -> None:
+        if wait_stats is not None and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"[commlib rank {self.rank}] wait-time stats on the nvlink low-latency engine are read "
+                             "with a host sync (CUDA events): pass None while capturing a CUDA graph")
+
+    def _timed(self, wait_stats, fn) -> None:
+        """fn(); with ``wait_stats`` ([R] int64) the nanoseconds it took on the stream (CUDA events,
+        one host sync) are added to every entry."""
+        if wait_stats is None:
+            fn()
+            return
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        wait_stats.add_(round(start.elapsed_time(end) * 1e6))
 
     def dispatch(self, x, topk_idx, M: int, num_experts: int, use_fp8: bool, round_scale: bool,
                  use_ue8m0: bool, return_recv_hook: bool, mask: Optional[torch.Tensor] = None,
                  wait_stats: Optional[torch.Tensor] = None):
         self._alive()
-        self._unsupported(mask, wait_stats)
+        self._unsupported(mask)
+        self._check_stats(wait_stats)
         b, R, me, dev = self.ctx, self.num_ranks, self.rank, self.device
         check_dispatch_args(b, x, topk_idx, M, num_experts, use_fp8, round_scale, use_ue8m0, check_ids=False)
         T, H = x.shape
@@ -238,7 +268,9 @@ class NVLinkLowLatency(LowLatencyEngine):
 
         def launch(phases: int) -> None:
             assert keep
-            K.launch("low_latency", "ll_dispatch_kernel", grid, THREADS, head + (K.i32(phases),) + tail)
+            self._timed(wait_stats if phases & RECV else None,
+                        lambda: K.launch("low_latency", "ll_dispatch_kernel", grid, THREADS,
+                                         head + (K.i32(phases),) + tail))
 
         launch(SEND if return_recv_hook else SEND | RECV)
         handle = LowLatencyHandle(src_info, layout_range, M, H, E, buffer_id=b.buffer_id,
@@ -252,7 +284,8 @@ class NVLinkLowLatency(LowLatencyEngine):
                 return_recv_hook: bool, out: Optional[torch.Tensor], use_logfmt: bool = False,
                 mask: Optional[torch.Tensor] = None, wait_stats: Optional[torch.Tensor] = None):
         self._alive()
-        self._unsupported(mask, wait_stats, use_logfmt)
+        self._unsupported(mask)
+        self._check_stats(wait_stats)
         b, R, me, dev = self.ctx, self.num_ranks, self.rank, self.device
         x = self.zero_copy_input(x, zero_copy)
         check_combine_args(b, self._combine_buffers, x, topk_idx, topk_weights, handle, zero_copy, out)
@@ -263,29 +296,81 @@ class NVLinkLowLatency(LowLatencyEngine):
         geo = self._geometry(M, H, E, False, False)
         if H % 8:
             raise ValueError(f"[commlib rank {me}] nvlink low-latency combine: hidden ({H}) must be a multiple of 8")
-        call = self._issue("combine", return_recv_hook)
+        call = self._issue("combine", return_recv_hook and not use_logfmt)
         x = aligned_16(x)
         idx = topk_idx.contiguous()
         w = topk_weights.contiguous()
-        direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
+        direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0 and not use_logfmt
         result = out if direct else torch.empty((T, H), dtype=torch.bfloat16, device=dev)
-        args_head = (K.ptr(x), K.ptr(idx), K.ptr(w), K.ptr(handle.extra["pos"]), K.ptr(handle.layout_range),
-                     K.ptr(result), K.i32(T), K.i32(H), K.i32(Kk), K.i32(E), K.i32(M))
         args_tail = (K.ptr(self.mem.peer_bases), K.i32(me), K.i32(R),
                      K.u64(OFF_COMBINE_DONE), K.u64(geo["off_combine"]), K.u64(geo["half_combine"]),
                      K.ptr(self.state), K.u64(self.timeout_ns))
         grid = self.combine_grid(M)
+
+        def run_kernel(phases: int, slots: torch.Tensor, into: torch.Tensor) -> None:
+            head = (K.ptr(x), K.ptr(slots), K.ptr(w), K.ptr(handle.extra["pos"]), K.ptr(handle.layout_range),
+                    K.ptr(into), K.i32(T), K.i32(H), K.i32(Kk), K.i32(E), K.i32(M))
+            self._timed(wait_stats if phases & RECV else None,
+                        lambda: K.launch("low_latency", "ll_combine_kernel", grid, THREADS,
+                                         head + (K.i32(phases),) + args_tail))
+
+        if use_logfmt:
+            self.combine_logfmt(run_kernel, idx, E // R, result)
+            if out is not None:
+                out.copy_(result)
+            hook = (lambda: None) if return_recv_hook else None
+            return (out if out is not None else result), hook
+
         keep = (x, idx, w, handle)  # the receive half (a hook) reads idx, w and the handle's pos
 
         def launch(phases: int) -> None:
             assert keep
-            K.launch("low_latency", "ll_combine_kernel", grid, THREADS, args_head + (K.i32(phases),) + args_tail)
+            run_kernel(phases, idx, result)
             if phases & RECV and out is not None and not direct:
                 out.copy_(result)
 
         launch(SEND if return_recv_hook else SEND | RECV)
         hook = self._make_hook("combine", call, lambda: launch(RECV), None) if return_recv_hook else None
         return (out if out is not None else result), hook
+
+    def codec_device(self) -> torch.device:
+        """Where the LogFMT codec runs: where the reference backend of this group runs it (its comm
+        device: the CPU on a gloo group, this GPU otherwise), so the results are the reference's bit
+        for bit (torch's log2 / exp2 may round differently on the CPU and the GPU)."""
+        return torch.device("cpu") if dist.get_backend(self.ctx.group) == "gloo" else self.device
+
+    def combine_logfmt(self, run_kernel, idx: torch.Tensor, L: int, result: torch.Tensor) -> None:
+        """use_logfmt=True (module docstring): result = bf16(sum over t's expert ranks d, in rank order,
+        of logfmt_roundtrip(P_d)), P_d the bf16 partial the kernel forms on rank d."""
+        R, T = self.num_ranks, idx.shape[0]
+        slot_lists = logfmt_launch_slots(idx, L, R)
+        cdev = self.codec_device()
+        acc = torch.zeros(T, result.shape[1], dtype=torch.float32, device=cdev)
+        for slots, has in slot_lists:
+            run_kernel(SEND | RECV, slots, result)
+            part = logfmt_roundtrip(result.to(cdev))
+            acc = torch.where(has.to(cdev).unsqueeze(1), acc + part, acc)
+        result.copy_(acc.to(torch.bfloat16))
+
+
+def logfmt_launch_slots(idx: torch.Tensor, L: int, R: int) -> list:
+    """The launches of a LogFMT combine: min(R, K) pairs (slots_j [T, K] int64, has_j [T] bool): slots_j
+    keeps each token's top-k slots on its j-th expert rank (ranks in ascending order) and -1 elsewhere;
+    has_j tells the tokens with at least j + 1 expert ranks. Every rank makes the same launches."""
+    T, Kk = idx.shape
+    E = L * R
+    valid = (idx >= 0) & (idx < E)
+    dest = torch.where(valid, torch.div(idx, L, rounding_mode="floor"), torch.full_like(idx, R))
+    on = torch.zeros(T, R + 1, dtype=torch.int32, device=idx.device)
+    on.scatter_(1, dest, 1)
+    on = on[:, :R]                                       # [T, R]: rank d holds one of t's slots
+    nth = torch.cumsum(on, 1) - 1                        # d's place among t's ranks
+    slot_nth = nth.gather(1, dest.clamp(max=R - 1))      # [T, K]: the place of each slot's rank
+    count = on.sum(1)
+    out = []
+    for j in range(min(R, Kk)):
+        out.append((torch.where(valid & (slot_nth == j), idx, torch.full_like(idx, -1)), count > j))
+    return out
 
 
 TRACE_POINTS = (("start", "send_ready", "rows_stored", "slots_scanned", "send_done", "arrivals_seen",

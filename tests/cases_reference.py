@@ -299,8 +299,10 @@ def case_bad_input(ctx):
     _expect(TypeError, ["handle"], lambda: buf.combine(rx, tuple(h)))
     _expect(ValueError, ["another Buffer"], lambda: small.combine(rx, h))
     _expect(TypeError, ["Config"], lambda: buf.dispatch(x, topk_idx=idx, config=object(), **lay))
-    for args in ((3, 8, 16), (4, 32, 16), (0, 1, 1)):
+    for args in ((4, 32, 16), (0, 1, 1)):
         _expect(ValueError, ["Config"], lambda: Config(*args))
+    # DeepEP's Config takes an odd num_sms; a call refuses it (two CTAs per channel)
+    _expect(ValueError, ["num_sms"], lambda: buf.dispatch(x, topk_idx=idx, config=Config(3, 8, 16), **lay))
     _expect(ValueError, ["even"], lambda: commlib.Buffer.set_num_sms(7))
     small.destroy()
     buf.destroy()

@@ -162,12 +162,14 @@ class Buffer(LowLatencyMode):
         if name not in ("auto", "reference", "nvlink", "internode"):
             raise ValueError(f"Buffer: backend must be auto, reference, nvlink or internode, got {name!r}")
         if name == "auto":
-            # Several nodes stay on the reference backend: on 2 x H200 as 2 emulated nodes the
-            # hierarchical engine measured 15.6 ms per 4096-token dispatch vs the reference's 12.0
-            # (benchmarks/results/bench_internode_*); it is opt-in until its host path is cut.
-            if self.device.type == "cuda" and self.topology.num_nodes == 1 and _cupy_available():
-                return "nvlink"
-            return "reference"
+            if self.topology.num_nodes == 1:
+                return "nvlink" if self.device.type == "cuda" and _cupy_available() else "reference"
+            # Several nodes: the internode engine, faster than the reference in every op measured
+            # (docs/internode.md). It builds rail and node subgroups, which torch.distributed lets
+            # only the whole world create, and it has no low-latency mode: otherwise the reference.
+            if self.low_latency_mode or self.num_ranks != dist.get_world_size():
+                return "reference"
+            return "internode"
         if name == "nvlink" and self.device.type != "cuda":
             raise ValueError(f"Buffer: backend {name!r} needs CUDA GPUs; this rank has none")
         if name == "nvlink" and self.topology.num_nodes != 1:

@@ -111,18 +111,36 @@ def traffic(num_ranks: int, ranks_per_node: int, tokens: int, sample: int, exper
     }
 
 
+def chunk_cost_from_bench(path: str) -> float:
+    """Per-chunk cost (us) measured by benchmarks.bench_internode's K sweep: the least-squares slope of a
+    cached dispatch's host time over the chunks K it used (the engine's per-chunk overhead on the host)."""
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r.get("op") == "dispatch_bf16_cached" and r.get("chunks")]
+    pts = sorted({(r["chunks"], r["host_us"]) for r in rows})
+    if len({k for k, _ in pts}) < 2:
+        raise SystemExit(f"{path}: needs cached-dispatch rows at two chunk counts or more (bench_internode --chunks)")
+    n = len(pts)
+    mk, mh = sum(k for k, _ in pts) / n, sum(h for _, h in pts) / n
+    return sum((k - mk) * (h - mh) for k, h in pts) / sum((k - mk) ** 2 for k, _ in pts)
+
+
 def predict(t: dict, machine: dict, row_bytes: float, nvl_engine_gbps: float, net_eff: float,
-            latency_us: float) -> dict:
-    """NVLink leg at min(95% of the link, what commlib's NVLink engine measured); network leg at
-    the link rate x the assumed efficiency."""
+            latency_us: float, chunk_cost_us: float = 0.0, max_chunks: int = 1) -> dict:
+    """NVLink leg (the forwarder) at min(95% of the link, ``nvl_engine_gbps``); network leg at the link
+    rate x the assumed efficiency. In K chunks the legs overlap but for one chunk of the shorter
+    one, and each chunk costs ``chunk_cost_us``: the best K <= max_chunks is reported."""
     net_bw = machine["ib_gbps"] * net_eff
     nvl_bw = min(machine["nvlink_gbps"] * 0.95, nvl_engine_gbps)
     net_us = t["hier_net_rows"] * row_bytes / net_bw / 1e3
     nvl_us = t["hier_nvl_rows"] * row_bytes / nvl_bw / 1e3
-    time_us = max(net_us, nvl_us) + latency_us
+
+    def total(k: int) -> float:
+        return max(net_us, nvl_us) + min(net_us, nvl_us) / k + k * chunk_cost_us + latency_us
+    best_k = min(range(1, max_chunks + 1), key=total)
+    time_us = total(best_k)
     flat_us = t["flat_net_rows"] * row_bytes / net_bw / 1e3 + latency_us
     return {"time_us": time_us, "net_us": net_us, "nvl_us": nvl_us, "bound": "network" if net_us >= nvl_us else "nvlink",
-            "rdma_gbps": t["hier_net_rows"] * row_bytes / time_us / 1e3, "flat_time_us": flat_us,
+            "chunks": best_k, "rdma_gbps": t["hier_net_rows"] * row_bytes / time_us / 1e3, "flat_time_us": flat_us,
             "speedup_vs_flat": flat_us / time_us}
 
 
@@ -139,30 +157,45 @@ def main(argv=None) -> int:
     p.add_argument("--net-efficiency", type=float, default=0.85, help="assumed: achieved / line rate of IB")
     p.add_argument("--latency-us", type=float, default=25.0, help="assumed fixed cost of a call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-cost-us", type=float, default=None,
+                   help="fixed cost of one network chunk (default: --from-bench's measured slope, else 0)")
+    p.add_argument("--from-bench", default=None, metavar="JSON",
+                   help="a bench_internode K sweep: its per-chunk host cost becomes --chunk-cost-us")
+    p.add_argument("--forwarder-gbps", type=float, default=None,
+                   help="the fan-out's rate (default: commlib's NVLink engine, measured)")
+    p.add_argument("--max-chunks", type=int, default=8, help="the most chunks a call may use (the best K is shown)")
     p.add_argument("--json", nargs="?", const="auto", default=None)
     a = p.parse_args(argv)
     nvl_gbps, nvl_src = nvlink_engine_gbps()
+    if a.forwarder_gbps is not None:
+        nvl_gbps, nvl_src = a.forwarder_gbps, "(--forwarder-gbps)"
+    chunk_cost = a.chunk_cost_us
+    if chunk_cost is None:
+        chunk_cost = chunk_cost_from_bench(a.from_bench) if a.from_bench else 0.0
+    print(f"# per-chunk cost {chunk_cost:.1f} us" + (f" (measured: {a.from_bench})" if a.from_bench and
+                                                      a.chunk_cost_us is None else " (given)"))
     bf16_row = a.hidden * 2
     fp8_row = a.hidden + a.hidden // 128 * 4
     print(f"# model_internode: V3 routing ({a.experts} experts, top-{a.topk}, <= {a.max_nodes} nodes/token), "
           f"{a.tokens} tokens/rank, {a.ranks_per_node} GPUs/node")
     print(f"# NVLink leg: min(95% of the link, {nvl_gbps:.0f} GB/s, commlib's NVLink engine {nvl_src}); "
           f"network: {a.net_efficiency:.2f} of line rate (assumed); latency {a.latency_us:.0f} us (assumed)")
-    print("#   EP nodes  net rows  net rows  saving |  machine  op        time   net    nvl  bound    RDMA   vs flat  DeepEP")
-    print("#              (flat)    (hier)         |                   (us)   (us)   (us)          (GB/s)   (x)    (GB/s)")
+    print("#   EP nodes  net rows  net rows  saving |  machine  op        time   net    nvl  bound   K     RDMA   vs flat  DeepEP")
+    print("#              (flat)    (hier)         |                   (us)   (us)   (us)                (GB/s)   (x)    (GB/s)")
     rows = []
     for ep in [int(v) for v in a.ep.split(",")]:
         t = traffic(ep, a.ranks_per_node, a.tokens, a.sample, a.experts, a.topk, a.max_nodes, a.seed + ep)
         saving = t["flat_net_rows"] / max(t["hier_net_rows"], 1e-9)
         for mname, machine in MACHINES.items():
             for op, row_bytes in (("dispatch", fp8_row), ("combine", bf16_row)):
-                pr = predict(t, machine, row_bytes, nvl_gbps, a.net_efficiency, a.latency_us)
+                pr = predict(t, machine, row_bytes, nvl_gbps, a.net_efficiency, a.latency_us, chunk_cost,
+                             a.max_chunks)
                 deepep = DEEPEP_H800.get(ep, (None, None))[0 if op == "dispatch" else 1] if mname == "H800" else None
                 rows.append({"ep": ep, "machine": mname, "op": op, "row_bytes": row_bytes, **t, "net_saving": saving,
                              **pr, "deepep_h800_rdma_gbps": deepep})
                 print(f"  {ep:>4} {t['nodes']:>5} {t['flat_net_rows']:>9.0f} {t['hier_net_rows']:>9.0f} {saving:>6.2f}x |"
                       f"  {mname:>6}  {op:<8} {pr['time_us']:>6.0f} {pr['net_us']:>6.0f} {pr['nvl_us']:>6.0f}"
-                      f"  {pr['bound']:<7} {pr['rdma_gbps']:>6.1f}  {pr['speedup_vs_flat']:>5.2f}"
+                      f"  {pr['bound']:<7} K={pr['chunks']:<2} {pr['rdma_gbps']:>6.1f}  {pr['speedup_vs_flat']:>5.2f}"
                       f"  {deepep if deepep is not None else '-':>6}")
     print("# net rows: rows the busiest GPU sends over the network per call; saving = flat / hierarchical")
     print("# DeepEP's published RDMA GB/s (H800) exceed 0.85 x 50 GB/s at EP32/64: their figure counts bytes the")
@@ -174,6 +207,7 @@ def main(argv=None) -> int:
         doc = {"tool": "experiments.model_internode", "command": " ".join(["python"] + sys.argv),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "assumptions": {"net_efficiency": a.net_efficiency, "latency_us": a.latency_us,
+                               "chunk_cost_us": chunk_cost, "max_chunks": a.max_chunks,
                                "nvlink_engine_gbps": nvl_gbps, "nvlink_engine_source": nvl_src,
                                "machines": MACHINES},
                "rows": rows}

@@ -121,6 +121,15 @@ def _buffers(ctx, rpn: int, chunks: int):
 ROUTINGS = ("random", "group_limited", "holes", "one_node", "own_node")
 
 
+def _one_call_setup(ctx, chunks: int, seed: int, T: int, routing: str):
+    """Buffers on the first multi-node topology, this rank's inputs and their layout."""
+    R = ctx.world_size
+    rpn = topologies(R)[0]
+    ref, eng = _buffers(ctx, rpn, chunks)
+    x, idx, w = make_inputs(seed, ctx.rank, R, R // rpn, T, routing, ctx.device)
+    return ref, eng, x, idx, w, eng.get_dispatch_layout(idx, E_PER_RANK * R)
+
+
 def case_matches_reference(ctx):
     """Every topology, routing, BF16 / FP8, one chunk and many (chunk rows 1, 2, 3, ...), zero rows."""
     R = ctx.world_size
@@ -237,12 +246,7 @@ def case_no_host_sync(ctx):
     if ctx.device.type != "cuda":
         return
     import warnings
-    R = ctx.world_size
-    rpn = topologies(R)[0]
-    ref, eng = _buffers(ctx, rpn, 4)
-    E = E_PER_RANK * R
-    x, idx, w = make_inputs(5, ctx.rank, R, R // rpn, 48, "group_limited", ctx.device)
-    lay = eng.get_dispatch_layout(idx, E)
+    ref, eng, x, idx, w, lay = _one_call_setup(ctx, 4, 5, 48, "group_limited")
     args = dict(num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
                 num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w)
     eng.dispatch(x, **args)  # warm: first-call allocations, NCCL communicators
@@ -276,12 +280,7 @@ def case_graph_capture(ctx):
     """CUDA only: cached dispatch and combine captured in one CUDA graph replay to the eager results."""
     if ctx.device.type != "cuda":
         return
-    R = ctx.world_size
-    rpn = topologies(R)[0]
-    ref, eng = _buffers(ctx, rpn, 3)
-    E = E_PER_RANK * R
-    x, idx, w = make_inputs(9, ctx.rank, R, R // rpn, 40, "random", ctx.device)
-    lay = eng.get_dispatch_layout(idx, E)
+    ref, eng, x, idx, w, lay = _one_call_setup(ctx, 3, 9, 40, "random")
     rx, ri, rw, lst, h, _ = eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1],
                                          is_token_in_rank=lay[3], num_tokens_per_expert=lay[2], topk_idx=idx,
                                          topk_weights=w, config=TINY)

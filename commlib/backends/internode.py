@@ -42,7 +42,7 @@ from commlib.utils.math import align_up
 from commlib.handle import DispatchHandle
 from commlib.validate import CommlibError
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
-from commlib.backends.reference import _OPS, SIG_FIELDS, ReferenceBackend, _Packer
+from commlib.backends.reference import _OPS, SIG_FIELDS, ReferenceBackend, _Packer, check_counts
 
 # The reference's signature plus the network ring (it sets the chunk geometry every rank must share).
 INTERNODE_SIG_FIELDS = SIG_FIELDS + ("rdma_recv_tokens",)
@@ -288,19 +288,8 @@ class InternodeBackend(ReferenceBackend):
         if wrong_ids:
             raise ValueError(f"[commlib rank {me}] dispatch aborted: topk_idx holds expert ids outside [-1, {E}) "
                              f"(rank, ids out of range): {wrong_ids}; nothing was sent")
-        bad = [(r, int(gh[r, n_sig + R])) for r in range(R) if gh[r, n_sig + R] > 0]
-        if bad:
-            raise ValueError(
-                f"[commlib rank {me}] routing sends tokens to more than max_nodes_per_token="
-                f"{self.ctx.max_nodes_per_token} nodes (rank, tokens over the limit): {bad}; use a "
-                "node-limited gate (commlib.routing.group_limited_topk) or raise the Buffer's max_nodes_per_token")
         worst = req.num_worst_tokens
-        if worst:
-            totals = counts_all.sum(dim=0)
-            over = [(r, int(totals[r])) for r in range(R) if totals[r] > worst]
-            if over:
-                raise ValueError(f"[commlib rank {me}] num_worst_tokens={worst} is smaller than the rows some "
-                                 f"ranks receive (rank, rows): {over}")
+        check_counts(me, self.ctx.max_nodes_per_token, gh[:, n_sig + R], counts_all, worst)
         send1_all = gh[:, n_sig + R + 2:].tolist()                                  # [R][M]
         num_recv = int(counts_all[:, me].sum())
 

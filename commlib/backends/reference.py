@@ -197,12 +197,7 @@ class ReferenceBackend(Backend):
                 node_excess = int((nodes_per_token > limit).sum())
             gathered = self._agree(sig, send_counts.cpu().tolist() + [node_excess])
             counts_all = gathered[:, :R]
-            bad = [(r, int(gathered[r, R])) for r in range(R) if gathered[r, R] > 0]
-            if bad:
-                raise ValueError(
-                    f"[commlib rank {me}] routing sends tokens to more than max_nodes_per_token="
-                    f"{self.ctx.max_nodes_per_token} nodes (rank, tokens over the limit): {bad}; use a "
-                    "node-limited gate (commlib.routing.group_limited_topk) or raise the Buffer's max_nodes_per_token")
+            check_counts(me, self.ctx.max_nodes_per_token, gathered[:, R], None, 0)
             rank_prefix = torch.cumsum(counts_all, dim=0).to(torch.int32)
             chan_prefix = L.channel_prefix_matrix(is_tir, C)
             recv_chan_prefix = self._a2a_rows(chan_prefix.contiguous().view(torch.uint8).view(R, -1).cpu(),
@@ -210,12 +205,7 @@ class ReferenceBackend(Backend):
         recv_counts = counts_all[:, me].tolist()
         num_recv = int(sum(recv_counts))
         worst = req.num_worst_tokens
-        if worst:
-            totals = counts_all.sum(dim=0)
-            over = [(r, int(totals[r])) for r in range(R) if totals[r] > worst]
-            if over:
-                raise ValueError(f"[commlib rank {me}] num_worst_tokens={worst} is smaller than the rows some "
-                                 f"ranks receive (rank, rows): {over}")
+        check_counts(me, self.ctx.max_nodes_per_token, None, counts_all, worst)
 
         # ---- the payload: one byte row per token ----
         self._phase = "dispatch (data exchange)"
@@ -419,6 +409,25 @@ class ReferenceBackend(Backend):
         J = int(sum(plan["recv1_counts"]))
         part_y, part_w = sum_rows(packer.unpack(back2), plan["fwd_order"], J, H, K)  # local-rank order
         return part_y.to(torch.bfloat16), part_w
+
+
+def check_counts(me: int, limit: int, node_excess, counts_all, worst: int) -> None:
+    """Raise (on every rank: all of them read the same gathered counts) when some rank's tokens reach
+    more than ``limit`` nodes (``node_excess`` [R]: tokens over it per rank, or None), or when
+    ``num_worst_tokens`` is below the rows some rank receives (``counts_all`` [R, R], or None)."""
+    if node_excess is not None:
+        bad = [(r, int(n)) for r, n in enumerate(node_excess.tolist()) if n > 0]
+        if bad:
+            raise ValueError(
+                f"[commlib rank {me}] routing sends tokens to more than max_nodes_per_token={limit} nodes "
+                f"(rank, tokens over the limit): {bad}; use a node-limited gate "
+                "(commlib.routing.group_limited_topk) or raise the Buffer's max_nodes_per_token")
+    if worst and counts_all is not None:
+        totals = counts_all.sum(dim=0)
+        over = [(r, int(totals[r])) for r in range(len(totals)) if totals[r] > worst]
+        if over:
+            raise ValueError(f"[commlib rank {me}] num_worst_tokens={worst} is smaller than the rows some "
+                             f"ranks receive (rank, rows): {over}")
 
 
 def sum_rows(cols: dict, orders, num_targets: int, hidden: int, topk: int):

@@ -80,7 +80,8 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
             table += part
         info = {"backend": buf.backend_name, "buffer_device": str(buf.device),
                 "process_group": dist.get_backend(ctx.group), "num_nodes": buf.topology.num_nodes,
-                "ranks_per_node": buf.topology.ranks_per_node}
+                "ranks_per_node": buf.topology.ranks_per_node,
+                "bare_a2a_host_us": _bare_a2a_host_us(buf, ctx.group, w, max(5, iters))}
         buf.destroy()
     # the reference backend (the specification, torch collectives for both hops) in the same run,
     # its outputs checked against the oracle like every other row
@@ -91,6 +92,30 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
         table += ref_table
     ref.destroy()
     return {"rows": table, "info": info}
+
+
+def _bare_a2a_host_us(buf, group, w, reps: int) -> float:
+    """Host time of one bare all_to_all_single of a rank's tokens (equal splits) issued and waited for
+    as the engine does: the floor a call that moves its rows in one collective cannot go under."""
+    R = dist.get_world_size(group)
+    rows = max(R, w.num_tokens // R * R)
+    send = torch.zeros(rows, w.hidden, dtype=torch.bfloat16, device=buf.device)
+    recv = torch.empty_like(send)
+    comm = buf.comm_stream
+    times = []
+    for _ in range(reps + 2):
+        if buf.device.type == "cuda":
+            torch.cuda.synchronize(buf.device)
+        t0 = time.perf_counter()
+        if comm is not None:
+            with torch.cuda.stream(comm):
+                dist.all_to_all_single(recv, send, group=group, async_op=True).wait()
+        else:
+            dist.all_to_all_single(recv, send, group=group, async_op=True).wait()
+        times.append((time.perf_counter() - t0) * 1e6)
+    if buf.device.type == "cuda":
+        torch.cuda.synchronize(buf.device)
+    return float(statistics.median(times[2:]))
 
 
 def _profile(buf, op: str, fn, show: bool) -> None:
@@ -204,6 +229,8 @@ def main(argv=None) -> int:
             r["vs_flat_a2a"] = r["time_us"] / base
     print("# engine time / flat all-to-all time: " + ", ".join(
         f"{r['op']}@cap{r['chunk_cap']}={r['vs_flat_a2a']:.2f}x" for r in rows if "vs_flat_a2a" in r))
+    print(f"# host time of one bare all_to_all_single of a rank's tokens, issued and waited for as the engine "
+          f"does: {info.get('bare_a2a_host_us', 0.0):.1f} us (the floor of a one-collective call here)")
     print(results.check_footer(rows))
     if a.json is not None:
         cmd = "python -m benchmarks.bench_internode " + " ".join(shlex.quote(v) for v in (argv or sys.argv[1:]))

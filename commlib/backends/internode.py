@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -124,15 +125,21 @@ class InternodeBackend(ReferenceBackend):
         dist.all_gather_object(theirs, self.max_chunks, group=self.group)
         if any(t != self.max_chunks for t in theirs):
             raise ValueError(f"[commlib rank {topo.rank}] COMMLIB_NETWORK_CHUNKS differs between ranks: {theirs}")
+        # One SM budget: the network leg (rail) and the fan-out (node) run at once, so NCCL's CTAs for
+        # each are capped at half of the Buffer's SM budget when the groups are made.
+        self.nccl_ctas = max(1, ctx.num_sms() // 2) if self.nccl else 0
+        rail_options = node_options = None
+        if self.nccl:
+            rail_options, node_options = _capped_nccl_options(self.nccl_ctas), _capped_nccl_options(self.nccl_ctas)
         # Every rank creates every group, in the same order (torch.distributed's rule).
         world_ranks = dist.get_process_group_ranks(self.group)
         self.rail_group = self.node_group = None
         for loc in range(topo.ranks_per_node):
-            g = dist.new_group([world_ranks[r] for r in topo.rail_ranks(loc)])
+            g = dist.new_group([world_ranks[r] for r in topo.rail_ranks(loc)], pg_options=rail_options)
             if loc == topo.local_rank:
                 self.rail_group = g
         for n in range(topo.num_nodes):
-            g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)])
+            g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)], pg_options=node_options)
             if n == topo.node:
                 self.node_group = g
         self.network = RailTransport(self.rail_group, self)
@@ -549,6 +556,20 @@ class InternodeBackend(ReferenceBackend):
                     acc_w.index_add_(0, fan_rows[s:s + cnt], cols["w"][s:s + cnt])
             s += cnt
         return packer.pack([acc_y.to(torch.bfloat16)] + ([acc_w] if K else []))
+
+
+def _capped_nccl_options(max_ctas: int):
+    """NCCL communicator options with at most ``max_ctas`` CTAs; None (and a warning, once) where this
+    torch / NCCL build has no such knob."""
+    try:
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.min_ctas = 1
+        options.config.max_ctas = max_ctas
+        return options
+    except AttributeError:
+        warnings.warn("commlib: this torch/NCCL cannot cap NCCL's CTAs; the internode engine's collectives are "
+                      "not held to the SM budget")
+        return None
 
 
 def _channel_prefix(is_tir: torch.Tensor, C: int) -> torch.Tensor:

@@ -442,7 +442,7 @@ class Buffer(LowLatencyMode):
         res, event = self._run(call, inputs, previous_event, async_finish, allocate_on_comm_stream)
         res.handle.buffer_id = self.buffer_id
         per_expert = res.num_recv_tokens_per_expert_list
-        if handle is None and req.topk_idx is None:
+        if handle is None and req.topk_idx is None and not getattr(self.backend, "counts_experts_without_topk", False):
             # no top-k to count: the per-expert list comes from the senders' num_tokens_per_expert (as DeepEP)
             per_expert = [] if num_worst_tokens else self._recv_per_expert(num_tokens_per_expert, expert_alignment)
         recv_x = res.recv_x if res.recv_x_scales is None else (res.recv_x, res.recv_x_scales)

@@ -213,6 +213,28 @@ def case_network_timeout(ctx):
     assert ctx.rank == 1, f"rank {ctx.rank}: no timeout raised"  # the staller may find its peers' rows sent
 
 
+def case_without_topk(ctx):
+    """DeepEP's dispatch without top-k (is_token_in_rank and the counts only): rows, handles, the
+    per-expert list (the senders' num_tokens_per_expert, aligned) and combine equal the reference's."""
+    R, me = ctx.world_size, ctx.rank
+    E = E_PER_RANK * R
+    for rpn in topologies(R):
+        ref, eng = _buffers(ctx, rpn, 3)
+        for seed, T in ((1, 0), (2, 5), (3, 19)):
+            x, idx, _ = make_inputs(seed, me, R, R // rpn, T, "group_limited", ctx.device)
+            outs = []
+            for buf in (ref, eng):
+                ntr, nrr, nte, tir, _ = buf.get_dispatch_layout(idx, E)
+                rx, ri, rw, lst, h, _ = buf.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr,
+                                                     is_token_in_rank=tir, num_tokens_per_expert=nte,
+                                                     expert_alignment=4, config=TINY)
+                cx = buf.combine((rx.float() * 2).to(torch.bfloat16), h, config=TINY)[0]
+                outs.append((rx, ri, rw, lst, cx) + tuple(getattr(h, f) for f in HANDLE_FIELDS))
+            same(outs[1], outs[0], f"[without top-k rpn={rpn} T={T}]")
+        ref.destroy()
+        eng.destroy()
+
+
 def case_bad_expert_ids(ctx):
     """An expert id out of range on one rank: every rank raises, naming that rank; the Buffer still works."""
     R = ctx.world_size

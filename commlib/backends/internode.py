@@ -112,6 +112,9 @@ class RailTransport:
 class InternodeBackend(ReferenceBackend):
     name = "internode"
     sig_fields = INTERNODE_SIG_FIELDS
+    # without top-k the per-expert list comes from the senders' num_tokens_per_expert, summed in the
+    # count exchange: the Buffer needs no collective of its own for it
+    counts_experts_without_topk = True
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -334,8 +337,7 @@ class InternodeBackend(ReferenceBackend):
             if has_w:
                 w = torch.where(local_idx >= 0, cols["topk_w"], torch.zeros_like(cols["topk_w"]))
                 recv_topk_w = w.to(out_device)
-        per_expert_list = [] if worst else [align_up(int(c), req.expert_alignment) if K else int(c)
-                                            for c in expert_counts]
+        per_expert_list = [] if worst else [align_up(int(c), req.expert_alignment) for c in expert_counts]
         plan["num_recv"] = num_recv
         handle = DispatchHandle(
             rank_prefix_matrix=rank_prefix.to(out_device), channel_prefix_matrix=chan_prefix.to(out_device),

@@ -43,7 +43,7 @@ from commlib.utils.math import align_up
 from commlib.handle import DispatchHandle
 from commlib.validate import CommlibError
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
-from commlib.backends.reference import _OPS, SIG_FIELDS, ReferenceBackend, _Packer, check_counts
+from commlib.backends.reference import _OPS, SIG_FIELDS, ReferenceBackend, _Packer, check_counts, int32_columns
 
 # The reference's signature plus the network ring (it sets the chunk geometry every rank must share).
 INTERNODE_SIG_FIELDS = SIG_FIELDS + ("rdma_recv_tokens",)
@@ -442,7 +442,7 @@ class InternodeBackend(ReferenceBackend):
             else:
                 fan_rows = None  # one rank per node: every landed row is this rank's
                 if P > 1:
-                    lpos = landed[:, W:].contiguous().view(torch.int32).view(J, P)
+                    lpos = int32_columns(landed, W, W + 4 * P)
                     fan_rows = compact(lpos >= 0, sum(plan["fan_send"][k])) % max(J, 1)
                 plan["fan_rows"].append(fan_rows)
             self._phase = f"dispatch (fan-out of chunk {k})"
@@ -451,7 +451,7 @@ class InternodeBackend(ReferenceBackend):
             if cached:
                 at = plan["land_pos"][k]
             else:
-                at = got[:, W + 4 * loc:W + 4 * loc + 4].contiguous().view(torch.int32).flatten().to(torch.int64)
+                at = int32_columns(got, W + 4 * loc, W + 4 * loc + 4).flatten().to(torch.int64)
                 plan["land_pos"].append(at)
             out.index_copy_(0, at, got[:, :W])
         return out[:rows]

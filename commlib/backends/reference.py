@@ -338,7 +338,7 @@ class ReferenceBackend(Backend):
         src_col = send2_src.view(torch.uint8).view(-1, 4)
         recv2 = self._a2a_rows(torch.cat([send2, src_col], dim=1), send2_counts, recv2_counts)
         self._count_rows(send2_counts, intranode=True)
-        arrived_src = recv2[:, -4:].contiguous().view(torch.int32).flatten()
+        arrived_src = int32_columns(recv2, recv2.shape[1] - 4, recv2.shape[1]).flatten()
         plan = {"fwd_mask": fwd_mask, "fwd_order": fwd_order, "send2_counts": send2_counts,
                 "recv2_counts": recv2_counts}
         return recv2[:, :-4], arrived_src, plan
@@ -409,6 +409,12 @@ class ReferenceBackend(Backend):
         J = int(sum(plan["recv1_counts"]))
         part_y, part_w = sum_rows(packer.unpack(back2), plan["fwd_order"], J, H, K)  # local-rank order
         return part_y.to(torch.bfloat16), part_w
+
+
+def int32_columns(rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Byte columns [start, stop) of uint8 ``rows`` read as int32 [n, (stop - start) / 4]. A copy: a
+    one-row slice counts as contiguous but keeps its byte offset, which an int32 view refuses."""
+    return rows[:, start:stop].clone(memory_format=torch.contiguous_format).view(torch.int32)
 
 
 def check_counts(me: int, limit: int, node_excess, counts_all, worst: int) -> None:

@@ -108,7 +108,39 @@ def test_nvlink_wait_stats_and_masks_on_the_host(monkeypatch):
     with pytest.raises(ValueError, match="capturing"):
         NVLinkLowLatency._check_stats(fake, stats)
     NVLinkLowLatency._check_stats(fake, None)
-    NVLinkLowLatency._unsupported(fake, None)
-    NVLinkLowLatency._unsupported(fake, torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match=r"masked ranks \[2\]"):
-        NVLinkLowLatency._unsupported(fake, torch.tensor([0, 0, 1, 0], dtype=torch.int32))
+
+
+def test_nvlink_device_mask_on_the_host(monkeypatch):
+    """Shrink mode's mask for the kernels: None without shrink mode; a masked caller masks every rank;
+    a rank masked earlier cannot be unmasked before the resync (barrier); the mask is not copied while
+    hooks are pending or inside a capture."""
+    def engine(rank):
+        return types.SimpleNamespace(rank=rank, num_ranks=4, _mask_dev=torch.zeros(4, dtype=torch.int32),
+                                     _mask_host=torch.zeros(4, dtype=torch.int32), _masked_seen=set(),
+                                     _pending={"dispatch": [], "combine": []})
+
+    def dm(e, bits):
+        m = NVLinkLowLatency._device_mask(e, None if bits is None else torch.tensor(bits, dtype=torch.int32))
+        return None if m is None else m.tolist()
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    e = engine(1)
+    assert dm(e, None) is None
+    assert dm(e, [0, 0, 0, 0]) == [0, 0, 0, 0]
+    assert dm(e, [0, 0, 0, 1]) == [0, 0, 0, 1]
+    assert dm(e, [0, 0, 1, 1]) == [0, 0, 1, 1]                   # more ranks masked: fine
+    with pytest.raises(ValueError, match=r"rank\(s\) \[2, 3\] were masked"):
+        dm(e, [0, 0, 0, 0])
+    e._masked_seen = set()                                       # what barrier() does after the resync
+    assert dm(e, [0, 0, 0, 0]) == [0, 0, 0, 0]
+    assert dm(engine(3), [0, 0, 0, 1]) == [1, 1, 1, 1]           # the masked rank itself: moves nothing
+    e = engine(0)
+    e._pending["dispatch"].append(7)
+    assert dm(e, [0, 0, 0, 0]) == [0, 0, 0, 0]                   # unchanged: no copy, pending hooks or not
+    with pytest.raises(ValueError, match="hooks are pending"):
+        dm(e, [0, 1, 0, 0])
+    e._pending["dispatch"].clear()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert dm(e, [0, 0, 0, 0]) == [0, 0, 0, 0]                   # unchanged: fine inside a capture
+    with pytest.raises(ValueError, match="capture"):
+        dm(e, [0, 1, 0, 0])

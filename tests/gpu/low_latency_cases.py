@@ -306,34 +306,90 @@ def case_wait_stats(ctx):
     run_pair(ctx, 54)                                               # still in step
 
 
+def _masked_round(ctx, nv, ref, seed: int, masked: set, **kw) -> None:
+    """One dispatch + combine with ``masked`` ranks masked on every rank: the live ranks call both
+    Buffers and compare bit for bit; the masked ranks make no call (the reference's semantics)."""
+    R, me = ctx.world_size, ctx.rank
+    M, H, K, E = SMALL["M"], SMALL["H"], SMALL["K"], SMALL["E_PER_RANK"] * R
+    if me in masked:
+        return
+    x, idx, w = make_inputs(ctx, seed, M, H, E, K)
+    tag = f"[shrink, ranks {sorted(masked)} masked, seed {seed}, {kw}]"
+    hook = kw.pop("return_recv_hook", False)
+    got = []
+    for b in (nv, ref):
+        rx, count, handle, _, recv_hook = b.low_latency_dispatch(x, idx, M, E, return_recv_hook=hook, **kw)
+        if hook:
+            recv_hook()
+        got.append((rx, count, handle))
+    compare_dispatch(got[0], got[1], tag, pad=False)
+    y = expert_fn(got[1][0], me, E // R, H)
+    out = []
+    for b, g in zip((nv, ref), got):
+        cx, _, chook = b.low_latency_combine(y, idx, w, g[2], return_recv_hook=hook)
+        if hook:
+            chook()
+        out.append(cx)
+    check_same(out[0], out[1], f"{tag} combined")
+
+
 def case_masked_ranks(ctx):
-    """Shrink mode on nvlink: with no rank masked the calls run (and match the reference); a masked
-    rank is refused on every rank with NotImplementedError, before any byte moves."""
+    """Shrink mode on nvlink against the reference, bit for bit on the live ranks: nothing masked; rank
+    R - 1 masked on every rank (it makes no call: the reference's semantics; rows to and from it and
+    its experts' share of the sums are left out), over both buffer halves, with hooks and FP8; the
+    masked rank calling anyway (itself masked: its call moves nothing); the mask cleaned, the resync
+    (clean_low_latency_buffer on every rank), and every rank compared again."""
     R, M, H, K = ctx.world_size, SMALL["M"], SMALL["H"], SMALL["K"]
-    E = SMALL["E_PER_RANK"] * R
+    me, E = ctx.rank, SMALL["E_PER_RANK"] * R
+    gone = R - 1
     nbytes = Buffer.get_low_latency_rdma_size_hint(M, H, R, E)
     nv = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="nvlink", enable_shrink=True,
                 explicitly_destroy=True)
     ref = Buffer(ctx.group, 0, nbytes, low_latency_mode=True, backend="reference", enable_shrink=True,
                  explicitly_destroy=True)
     try:
-        x, idx, w = make_inputs(ctx, 60, M, H, E, K)
-        got = [b.low_latency_dispatch(x, idx, M, E, use_fp8=False)[:3] for b in (nv, ref)]
-        compare_dispatch(got[0], got[1], "[shrink, nothing masked]", pad=False)
-        y = expert_fn(got[1][0], ctx.rank, E // R, H)
-        out = [b.low_latency_combine(y, idx, w, g[2])[0] for b, g in zip((nv, ref), got)]
-        check_same(out[0], out[1], "[shrink, nothing masked] combined")
-        nv.low_latency_update_mask_buffer(R - 1, True)
-        try:
-            nv.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-        except NotImplementedError as e:
-            assert "masked ranks" in str(e) and str(R - 1) in str(e), e
-        else:
-            raise AssertionError("masked rank on nvlink: expected NotImplementedError")
-        nv.low_latency_clean_mask_buffer()
-        got = [b.low_latency_dispatch(x, idx, M, E, use_fp8=False)[:3] for b in (nv, ref)]
-        compare_dispatch(got[0], got[1], "[shrink, mask cleaned]", pad=False)
+        _masked_round(ctx, nv, ref, 60, set())
+        for b in (nv, ref):
+            b.low_latency_update_mask_buffer(gone, True)
+        status = torch.zeros(R, dtype=torch.int32, device=ctx.device)
+        nv.low_latency_query_mask_buffer(status)
+        assert status.cpu().tolist() == [0] * (R - 1) + [1], status
+        _masked_round(ctx, nv, ref, 61, {gone})
+        _masked_round(ctx, nv, ref, 62, {gone}, use_fp8=True, round_scale=True)   # the other half
+        _masked_round(ctx, nv, ref, 63, {gone}, use_fp8=False, return_recv_hook=True)
+        # DeepEP's test style: the masked rank calls too (its own mask bit set): nothing moves there,
+        # and the live ranks neither wait for it nor see its rows
+        x, idx, w = make_inputs(ctx, 64, M, H, E, K)
+        rx, count, handle, _, _ = nv.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        if me == gone:
+            assert int(count.abs().sum()) == 0, count
+            assert bool((handle.src_info == -1).all())
+        cx, _, _ = nv.low_latency_combine(expert_fn(rx, me, E // R, H), idx, w, handle)
+        if me == gone:
+            assert int(cx.float().abs().sum()) == 0
+        else:  # against the reference's live ranks (same inputs, R - 1 makes no reference call)
+            want = ref.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+            compare_dispatch((rx, count, handle), want[:3], "[shrink, masked rank calls too]", pad=False)
+            got_ref = ref.low_latency_combine(expert_fn(want[0], me, E // R, H), idx, w, want[2])[0]
+            check_same(cx, got_ref, "[shrink, masked rank calls too] combined")
+        for b in (nv, ref):
+            b.low_latency_clean_mask_buffer()
+        if me != gone:  # the ranks that called while it was masked refuse to unmask it before the resync
+            try:
+                nv.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+            except ValueError as e:
+                assert "clean_low_latency_buffer" in str(e), e
+            else:
+                raise AssertionError("unmasking without the resync: expected ValueError")
+        nv.clean_low_latency_buffer(M, H, E)       # every rank together: the resync
+        # the shrink-mode reference's message numbers are out of step on rank R - 1 (it made fewer
+        # calls): compare with the shared reference Buffer, which every rank calls
+        shared_ref = buffers(ctx)[1]
+        _masked_round(ctx, nv, shared_ref, 65, set())
+        _masked_round(ctx, nv, shared_ref, 66, set(), use_fp8=True, return_recv_hook=True)
+        _masked_round(ctx, nv, shared_ref, 67, set())
     finally:
+        torch.cuda.synchronize()
         nv.destroy()
         ref.destroy()
 

@@ -28,7 +28,19 @@ CUDA graph and replayed. Differences, all documented in the issue's terms:
     a host sync, so not inside a CUDA graph capture) are added to every source's entry: the kernels
     do not time each source apart (DeepEP adds GPU clock cycles per source; the reference adds
     nanoseconds of its exchange to every source, as here).
-  - shrink mode with a masked rank: NotImplementedError (see _unsupported).
+  - shrink mode (``enable_shrink``): the kernels take the mask as a device int32 [R] (_device_mask):
+    senders skip masked destinations, receivers treat a masked source as sending nothing and never
+    wait on its words, combine leaves the experts of masked ranks out of the sum (the reference's
+    results on the live ranks, bit for bit). A masked rank takes no part (as in the reference); if
+    it calls anyway, with itself masked, its call moves nothing (zero rows, zero output) and only
+    advances its own sequence numbers. Unlike the reference, a rank that stops answering is a device
+    timeout (CommlibError), not masked. Unmasking a rank needs a resync first: after
+    ``low_latency_clean_mask_buffer`` every rank (the returning one too) calls
+    ``clean_low_latency_buffer`` together with no call in flight (``barrier``), which puts every
+    rank's sequence numbers and counters in step again; a call that unmasks a rank without it is
+    refused (ValueError) on the ranks that made a call while it was masked. A mask change reaches the
+    device on the next call that is not being captured: a CUDA graph replays with the device mask the
+    last eager call left.
 
 Memory: one IPC buffer per rank (commlib.backends.nvlink.peer_memory) of CONTROL_BYTES +
 ``num_rdma_bytes`` + SLACK bytes, separate from the NVLink engine's buffer:
@@ -118,6 +130,10 @@ class NVLinkLowLatency(LowLatencyEngine):
         # (call & 3, local expert, source) (csrc/low_latency.cu, LL_CUM_BASE)
         self.state = torch.zeros(CUM_BASE + 4 * MAX_EXPERTS, dtype=torch.int64, device=self.device)
         self._pending = {"dispatch": collections.deque(), "combine": collections.deque()}
+        # shrink mode (_device_mask): the kernels' mask, allocated here (not inside a graph capture)
+        self._mask_dev = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
+        self._mask_host = torch.zeros(self.num_ranks, dtype=torch.int32)
+        self._masked_seen: set = set()
         K.compile_all()
         self.mem.all_opened(ctx.group, self.rank, self.num_ranks)
 
@@ -192,19 +208,69 @@ class NVLinkLowLatency(LowLatencyEngine):
 
     # ------------------------------------------------------------------ dispatch
     def enable_shrink(self) -> None:
-        """Shrink mode: accepted while no rank is masked (the kernels have no mask yet; see _unsupported)."""
+        """Shrink mode: the kernels get the mask (_device_mask); nothing to set up."""
 
-    def _unsupported(self, mask) -> None:
-        """A masked rank (shrink mode) cannot be served by these kernels without new device code: every
-        receiver polls the count words and every expert rank the top-k records of each of the R ranks
-        (csrc/low_latency.cu), which a masked (failed) rank never writes, and the sequence-numbered
-        done and arrival words are indexed by rank, so a smaller world of the live ranks would start
-        from a dead rank's counters."""
+    def _device_mask(self, mask) -> Optional[torch.Tensor]:
+        """The kernels' mask (shrink mode; None otherwise: a null pointer, the unmasked path): a device
+        int32 [R], 1 = no word goes to or is awaited from that rank. A masked caller masks every rank
+        (its call moves nothing). Refuses a call that unmasks a rank this engine saw masked since the
+        last resync (``barrier``): that rank's counters and this one's are out of step until then."""
+        if mask is None:
+            return None
         me = self.rank
+        eff = mask.detach().to("cpu", torch.int32).ne(0).to(torch.int32)
+        if int(eff[me]):
+            eff.fill_(1)
+        masked = set(eff.nonzero().flatten().tolist())
+        back = self._masked_seen - masked
+        if back:
+            raise ValueError(f"[commlib rank {me}] shrink mode: rank(s) {sorted(back)} were masked in an earlier "
+                             "nvlink low-latency call; call clean_low_latency_buffer on every rank (with no rank "
+                             "masked) before calling with them unmasked")
+        if not torch.equal(eff, self._mask_host):
+            if any(self._pending.values()):  # their receive launches would read the new mask
+                raise ValueError(f"[commlib rank {me}] shrink mode: the mask changed while receive hooks are "
+                                 "pending; call them first")
+            if torch.cuda.is_current_stream_capturing():
+                raise ValueError(f"[commlib rank {me}] shrink mode: the mask changed since the last call; make "
+                                 "one call outside the CUDA graph capture first (it copies the mask to the device)")
+            self._mask_dev.copy_(eff)
+            self._mask_host = eff
+        self._masked_seen |= masked
+        return self._mask_dev
+
+    def barrier(self, mask) -> None:
+        """clean_low_latency_buffer in shrink mode. With a rank masked: nothing (the kernels never wait
+        for it). With none masked: the resync, collective over every rank of the group, with no call
+        in flight: the ranks agree on the largest number of calls any of them made (a rank that took no
+        part while masked made fewer), then each sets its four phase counters to that base + 2, its
+        done words to the same (every receive up to there counts as done), and its arrival words and
+        totals to zero, and a second all-gather keeps every rank from sending before all have. Words
+        tagged with older calls (count, meta, record, flag words) stay stale: every later call number
+        is above them."""
+        self._alive()
         if mask is not None and bool(mask.ne(0).any()):
-            raise NotImplementedError(f"[commlib rank {me}] shrink mode with masked ranks "
-                                      f"{mask.nonzero().flatten().tolist()} has no nvlink low-latency kernels: "
-                                      "they wait for every rank's words; use backend='reference'")
+            return
+        me, R = self.rank, self.num_ranks
+        if any(self._pending.values()):
+            raise ValueError(f"[commlib rank {me}] clean_low_latency_buffer: call the pending receive hooks first")
+        torch.cuda.synchronize(self.device)
+        done = int((self.state[:4] >> 32).max())
+        everyone: list = [None] * R
+        dist.all_gather_object(everyone, done, group=self.ctx.group)
+        base = max(everyone) + 2
+        self.state[:4] = base << 32
+        self.state[CUM_BASE:] = 0
+        words = torch.full((2 * K.MAX_RANKS,), base << 32, dtype=torch.int64, device=self.device)
+        cp = K.cupy()
+        with cp.cuda.Device(self.device.index):
+            # dispatch then combine done words (adjacent), then the arrival words of both halves
+            cp.cuda.runtime.memcpy(self.mem.base + OFF_DISPATCH_DONE, words.data_ptr(), words.numel() * 8, 4)
+            cp.cuda.runtime.memset(self.mem.base + OFF_ARRIVAL, 0, 2 * MAX_EXPERTS * 8)
+            cp.cuda.runtime.deviceSynchronize()
+        torch.cuda.synchronize(self.device)
+        dist.all_gather_object([None] * R, me, group=self.ctx.group)
+        self._masked_seen = set()
 
     def _check_stats(self, wait_stats) -> None:
         if wait_stats is not None and torch.cuda.is_current_stream_capturing():
@@ -229,7 +295,6 @@ class NVLinkLowLatency(LowLatencyEngine):
                  use_ue8m0: bool, return_recv_hook: bool, mask: Optional[torch.Tensor] = None,
                  wait_stats: Optional[torch.Tensor] = None):
         self._alive()
-        self._unsupported(mask)
         self._check_stats(wait_stats)
         b, R, me, dev = self.ctx, self.num_ranks, self.rank, self.device
         check_dispatch_args(b, x, topk_idx, M, num_experts, use_fp8, round_scale, use_ue8m0, check_ids=False)
@@ -240,6 +305,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         geo = self._geometry(M, H, E, use_fp8, use_ue8m0)
         mode = FP8_MODES["bf16" if not use_fp8 else "fp8_ue8m0" if use_ue8m0 else "fp8_pow2" if round_scale
                          else "fp8"]
+        dmask = self._device_mask(mask)
         call = self._issue("dispatch", return_recv_hook)
         x = aligned_16(x)
         idx = topk_idx.contiguous()
@@ -259,12 +325,12 @@ class NVLinkLowLatency(LowLatencyEngine):
                 K.u64(OFF_COUNT), K.u64(OFF_DISPATCH_DONE), K.u64(OFF_ARRIVAL), K.u64(geo["off_dispatch"]),
                 K.u64(geo["half_dispatch"]),
                 K.i32(MAX_EXPERTS), K.i32(geo["slot_bytes"]), K.i32(geo["slot_off_scales"]),
-                K.ptr(self.state), K.u64(self.timeout_ns))
+                K.ptr(self.state), K.u64(self.timeout_ns), K.ptr(dmask))
         head = (K.ptr(x), K.ptr(idx), K.ptr(pos), K.ptr(recv_data), K.ptr(recv_scales), K.ptr(src_info),
                 K.ptr(layout_range), K.ptr(recv_count),
                 K.i32(T), K.i32(H), K.i32(Kk), K.i32(E), K.i32(M), K.i32(mode), K.i32(int(self.pad_zeros)))
         grid = self.dispatch_grid(T, L)
-        keep = (x, idx)  # a hook's launch passes the same pointers: keep them allocated until then
+        keep = (x, idx, dmask)  # a hook's launch passes the same pointers: keep them allocated until then
 
         def launch(phases: int) -> None:
             assert keep
@@ -284,7 +350,6 @@ class NVLinkLowLatency(LowLatencyEngine):
                 return_recv_hook: bool, out: Optional[torch.Tensor], use_logfmt: bool = False,
                 mask: Optional[torch.Tensor] = None, wait_stats: Optional[torch.Tensor] = None):
         self._alive()
-        self._unsupported(mask)
         self._check_stats(wait_stats)
         b, R, me, dev = self.ctx, self.num_ranks, self.rank, self.device
         x = self.zero_copy_input(x, zero_copy)
@@ -296,6 +361,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         geo = self._geometry(M, H, E, False, False)
         if H % 8:
             raise ValueError(f"[commlib rank {me}] nvlink low-latency combine: hidden ({H}) must be a multiple of 8")
+        dmask = self._device_mask(mask)
         call = self._issue("combine", return_recv_hook and not use_logfmt)
         x = aligned_16(x)
         idx = topk_idx.contiguous()
@@ -304,7 +370,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         result = out if direct else torch.empty((T, H), dtype=torch.bfloat16, device=dev)
         args_tail = (K.ptr(self.mem.peer_bases), K.i32(me), K.i32(R),
                      K.u64(OFF_COMBINE_DONE), K.u64(geo["off_combine"]), K.u64(geo["half_combine"]),
-                     K.ptr(self.state), K.u64(self.timeout_ns))
+                     K.ptr(self.state), K.u64(self.timeout_ns), K.ptr(dmask))
         grid = self.combine_grid(M)
 
         def run_kernel(phases: int, slots: torch.Tensor, into: torch.Tensor) -> None:
@@ -315,13 +381,16 @@ class NVLinkLowLatency(LowLatencyEngine):
                                          head + (K.i32(phases),) + args_tail))
 
         if use_logfmt:
+            if dmask is not None:  # slots on masked ranks leave the launches' split too (the reference's idx)
+                owner = torch.div(idx.clamp(min=0), E // R, rounding_mode="floor").clamp(max=R - 1)
+                idx = torch.where((idx >= 0) & (dmask[owner] != 0), torch.full_like(idx, -1), idx)
             self.combine_logfmt(run_kernel, idx, E // R, result)
             if out is not None:
                 out.copy_(result)
             hook = (lambda: None) if return_recv_hook else None
             return (out if out is not None else result), hook
 
-        keep = (x, idx, w, handle)  # the receive half (a hook) reads idx, w and the handle's pos
+        keep = (x, idx, w, handle, dmask)  # the receive half (a hook) reads idx, w and the handle's pos
 
         def launch(phases: int) -> None:
             assert keep

@@ -102,6 +102,7 @@ struct LLDispatchArgs {
     u64 off_count, off_done, off_arrival, off_data, half_bytes;
     int words_per_half, slot_bytes, slot_off_scales;
     u64* state; u64 timeout_ns;
+    const int* mask;   // shrink mode: [R] int32, nonzero = masked rank (nullptr: none)
 };
 
 struct LLCombineArgs {
@@ -111,6 +112,7 @@ struct LLCombineArgs {
     const u64* peer_bases; int rank, num_ranks;
     u64 off_done, off_data, half_bytes;
     u64* state; u64 timeout_ns;
+    const int* mask;   // as LLDispatchArgs::mask
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -172,11 +174,16 @@ __device__ __forceinline__ void red_add_relaxed_sys(u64* p, u64 v) {
     asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
 
-// Each lane of warp 0 with lane < R waits until word[lane] >= expected (no-op when !enabled).
+// Shrink mode (commlib/backends/low_latency/nvlink.py _device_mask): rank r is masked. No word of
+// this file goes to or is awaited from a masked rank: its pairs with this rank carry nothing.
+__device__ __forceinline__ bool ll_masked(const int* mask, int r) { return mask != nullptr && mask[r] != 0; }
+
+// Each lane of warp 0 with lane < R waits until word[lane] >= expected (no-op when !enabled; masked
+// ranks' words are not awaited).
 __device__ __forceinline__ void wait_ranks(u64 base, u64 off, int R, u64 expected, bool enabled, WaitSite site,
-                                           u64 timeout_ns) {
+                                           u64 timeout_ns, const int* mask) {
     const int lane = lane_id();
-    const bool active = enabled && lane < R;
+    const bool active = enabled && lane < R && !ll_masked(mask, lane);
     warp_wait_geq(flag_at(base, off, active ? lane : 0), expected, active, lane, site, timeout_ns);
 }
 
@@ -199,12 +206,15 @@ __device__ __forceinline__ void cta_phase_done(u64* state, int i) {
 // half (a peer's later write must not be what they read): the barrier orders every thread's loads
 // before thread 0's fence, which completes them before the reductions issue. A GPU-scope fence does
 // that (a system-scope one would also wait for the CTA's outstanding stores system-wide).
-__device__ void cta_release_done(const u64* peer_bases, u64 off_done, int rank, int R) {
+// (Masked ranks get no share: their done words fall behind, which is why a rank unmasked again needs
+// the resync of nvlink.py NVLinkLowLatency.barrier first.)
+__device__ void cta_release_done(const u64* peer_bases, u64 off_done, int rank, int R, const int* mask) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         const u64 share = cta_share();
-        for (int d = 0; d < R; ++d) red_add_relaxed_sys(flag_at(peer_bases[d], off_done, rank), share);
+        for (int d = 0; d < R; ++d)
+            if (!ll_masked(mask, d)) red_add_relaxed_sys(flag_at(peer_bases[d], off_done, rank), share);
     }
 }
 
@@ -266,7 +276,7 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
     const bool has_units = blockIdx.x == 0 || (int)blockIdx.x - first < a.num_tokens * parts;
     if (has_units && warp == (int)(blockDim.x >> 5) - 1) {
         const WaitSite site = {"low_latency_dispatch", "ll dispatch done (call seq - 2 consumed)", a.rank, -1, false};
-        wait_ranks(own, a.off_done, R, (seq - 2) << 32, seq > 2, site, a.timeout_ns);
+        wait_ranks(own, a.off_done, R, (seq - 2) << 32, seq > 2, site, a.timeout_ns, a.mask);
     }
     // The routing goes to shared memory (ids outside [0, E) as -1) before the slot scan: it reads up
     // to T * K ids per pair, which from global memory is a chain of dependent L2 round trips.
@@ -287,8 +297,9 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         __syncthreads();
         for (int g = threadIdx.x; g < E; g += blockDim.x) {
             const int d = g / L, le = g % L;
-            st_release_sys(flag_at(a.peer_bases[d], a.off_count, half * a.words_per_half + le * R + a.rank),
-                           tail_word(seq, ((u32)parts << 24) | (u32)min(s_hist[g], M)));
+            if (!ll_masked(a.mask, d))
+                st_release_sys(flag_at(a.peer_bases[d], a.off_count, half * a.words_per_half + le * R + a.rank),
+                               tail_word(seq, ((u32)parts << 24) | (u32)min(s_hist[g], M)));
         }
     }
     LL_MARK(a.state, 0, 1);
@@ -318,7 +329,8 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
         }
         if (threadIdx.x == 0) s_need = 0u;
         __syncthreads();
-        if (threadIdx.x < (unsigned)K && s_pair_e[threadIdx.x] >= 0) atomicOr(&s_need, 1u << (s_pair_e[threadIdx.x] / L));
+        if (threadIdx.x < (unsigned)K && s_pair_e[threadIdx.x] >= 0 && !ll_masked(a.mask, s_pair_e[threadIdx.x] / L))
+            atomicOr(&s_need, 1u << (s_pair_e[threadIdx.x] / L));
         __syncthreads();
         if (threadIdx.x < (unsigned)R) {
             const int d = (int)threadIdx.x;
@@ -406,7 +418,8 @@ __device__ void ll_dispatch_send(const LLDispatchArgs& a, u64 seq) {
             const int k = (int)threadIdx.x, e = s_pair_e[k];
             int count = s_pair_cnt[k];
             for (int k2 = 0; k2 < k; ++k2) count += s_pair_e[k2] == e;
-            const int p = (e >= 0 && count < M) ? count : -1;  // beyond M (repeated ids): dropped
+            // beyond M (repeated ids) or on a masked rank: dropped (pos -1, so the combine skips it too)
+            const int p = (e >= 0 && count < M && !ll_masked(a.mask, e / L)) ? count : -1;
             if (q == 0) a.pos[(i64)t * K + k] = p;
             int d = -1;
             if (p >= 0) {  // the pair's meta word (part 0): which token of this source is slot p of (e, rank)
@@ -519,13 +532,16 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
                                active ? j / R : -1, true};
         // the previous total is loaded before the poll, so its latency hides behind it
         const u64 before = active && j < LL_SMEM_WANT ? arrived_before[j] : 0;
-        const u64 v = warp_wait_geq(counts + (active ? j : 0), tail_word(seq, 0), active, active ? j % R : -1, site,
+        // a masked source sends nothing: no rows, its arrival total stays (never awaited)
+        const bool live = active && !ll_masked(a.mask, j % R);
+        const u64 v = warp_wait_geq(counts + (live ? j : 0), tail_word(seq, 0), live, active ? j % R : -1, site,
                                     a.timeout_ns);
         if (active) {
-            const int rows = (int)min((u32)(v & 0xffffffull), (u32)M);
+            const int rows = live ? (int)min((u32)(v & 0xffffffull), (u32)M) : 0;
+            const u64 parts = live ? ((v >> 24) & 0xffull) : 0;
             s_prefix[j] = rows;
-            if (j < R) s_parts[j] = (int)((v >> 24) & 0xffull);
-            if (j < LL_SMEM_WANT) s_want[j] = before + (u64)rows * ((v >> 24) & 0xffull);
+            if (j < R) s_parts[j] = (int)parts;
+            if (j < LL_SMEM_WANT) s_want[j] = before + (u64)rows * parts;
         }
     }
     __syncthreads();
@@ -644,7 +660,7 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     // every word, not only this call's E: a later call with more experts starts from them too
     for (int j = (int)(blockIdx.x + threadIdx.x * gridDim.x); j < LL_MAX_EXPERTS; j += (int)(gridDim.x * blockDim.x))
         arrived_after[j] = j < E ? want(j) : arrived_before[j];
-    cta_release_done(a.peer_bases, a.off_done, a.rank, R);
+    cta_release_done(a.peer_bases, a.off_done, a.rank, R, a.mask);
     cta_phase_done(a.state, LL_DISPATCH_RECV);
 }
 
@@ -655,11 +671,11 @@ extern "C" __global__ void __launch_bounds__(kLlThreads, 2) ll_dispatch_kernel(
     int phases, const u64* peer_bases, int rank, int num_ranks,
     u64 off_count, u64 off_done, u64 off_arrival, u64 off_data, u64 half_bytes,
     int words_per_half, int slot_bytes, int slot_off_scales,
-    u64* state, u64 timeout_ns) {
+    u64* state, u64 timeout_ns, const int* mask) {
     const LLDispatchArgs a = {x, topk_idx, pos, recv_x, recv_scales, src_info, layout_range, recv_count,
                               num_tokens, hidden, num_topk, num_experts, max_tokens, fp8_mode, pad_zero,
                               peer_bases, rank, num_ranks, off_count, off_done, off_arrival, off_data, half_bytes,
-                              words_per_half, slot_bytes, slot_off_scales, state, timeout_ns};
+                              words_per_half, slot_bytes, slot_off_scales, state, timeout_ns, mask};
     ll_run_phases<LLDispatchArgs, ll_dispatch_send, ll_dispatch_recv>(a, phases, 0, LL_DISPATCH_SEND);
 }
 
@@ -708,7 +724,7 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
     const int n_vec = a.hidden / 8;
     if (warp == 0) {  // every source has read this half (call seq - 2), its records and slots alike
         const WaitSite site = {"low_latency_combine", "ll combine done (call seq - 2 consumed)", a.rank, -1, false};
-        wait_ranks(own, a.off_done, R, (seq - 2) << 32, seq > 2, site, a.timeout_ns);
+        wait_ranks(own, a.off_done, R, (seq - 2) << 32, seq > 2, site, a.timeout_ns, a.mask);
     }
     __syncthreads();
     LL_MARK(a.state, 1, 1);
@@ -727,6 +743,7 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
             }
         }
         for (int d = warp; d < R; d += num_warps) {
+            if (ll_masked(a.mask, d)) continue;
             u64* rec = flag_at(a.peer_bases[d], rec_off, (a.rank * M + t) * 2 * K);
             if (lane < K) {
                 st_volatile(rec + 2 * lane, ll_record_tag(seq) | (dk == d ? loc : LL_NO_SLOT));
@@ -737,6 +754,7 @@ __device__ void ll_combine_send(const LLCombineArgs& a, u64 seq) {
     LL_MARK(a.state, 1, 2);
     for (int i = blockIdx.x; i < RM; i += gridDim.x) {
         const int s = (a.rank + 1 + i / M) % R, t = i % M;   // the peers' tokens first, this rank's last
+        if (ll_masked(a.mask, s)) continue;                   // no records from it, no partials for it
         if (warp == 0) {
             const u64* rec = flag_at(own, rec_off, (s * M + t) * 2 * K);
             const WaitSite site = {"low_latency_combine", "ll combine record (channel = token)", a.rank, t, false};
@@ -812,6 +830,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
             int n = 0;
             for (int k = 0; k < K; ++k) n += __shfl_sync(FULL_MASK, dk, k) == lane;  // lane d: t's slots on rank d
             const WaitSite site = {"low_latency_combine", "ll combine partial (channel = token)", a.rank, t, false};
+            if (lane < R && ll_masked(a.mask, lane)) n = 0;   // its experts are left out of the sum
             const bool active = lane < R && n > 0;
             warp_wait_tag(flag_at(own, data, (active ? lane : 0) * M + t), seq, ~0ull, active, lane, site, a.timeout_ns);
             if (lane < R) s_n[lane] = n;
@@ -838,7 +857,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
         }
         __syncthreads();  // s_n is rewritten for the next unit
     }
-    cta_release_done(a.peer_bases, a.off_done, a.rank, R);  // the expert ranks may reuse this half (call seq + 2)
+    cta_release_done(a.peer_bases, a.off_done, a.rank, R, a.mask);  // the expert ranks may reuse this half (call seq + 2)
     cta_phase_done(a.state, LL_COMBINE_RECV);
 }
 
@@ -847,9 +866,9 @@ extern "C" __global__ void __launch_bounds__(kLlThreads, 2) ll_combine_kernel(
     int4* out, int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens,
     int phases, const u64* peer_bases, int rank, int num_ranks,
     u64 off_done, u64 off_data, u64 half_bytes,
-    u64* state, u64 timeout_ns) {
+    u64* state, u64 timeout_ns, const int* mask) {
     const LLCombineArgs a = {x, topk_idx, topk_weights, pos, layout_range, out,
                              num_tokens, hidden, num_topk, num_experts, max_tokens,
-                             peer_bases, rank, num_ranks, off_done, off_data, half_bytes, state, timeout_ns};
+                             peer_bases, rank, num_ranks, off_done, off_data, half_bytes, state, timeout_ns, mask};
     ll_run_phases<LLCombineArgs, ll_combine_send, ll_combine_recv>(a, phases, 1, LL_COMBINE_SEND);
 }

@@ -119,7 +119,7 @@ def case_low_latency(ctx):
     want, _, _ = ref.low_latency_combine(b[0], idx, w, b[2])
     check_same(got, want, "zero-copy combine")
     # LogFMT and wait-time stats through DeepEP's API: the reference's result bit for bit, stats added
-    # to every source's entry; a masked rank is refused on nvlink (NotImplementedError, on every rank)
+    # to every source's entry
     y = (b[0].float() / 64).to(torch.bfloat16)   # mostly below 1: LogFMT encodes most blocks
     waits = [torch.zeros(R, dtype=torch.int64, device=ctx.device) for _ in range(2)]
     a = nv.low_latency_dispatch(x, idx, M_LL, Ell, None, waits[0], use_fp8=False)
@@ -129,13 +129,9 @@ def case_low_latency(ctx):
     for t in waits:
         v = t.cpu()
         assert bool((v > 0).all()) and bool((v == v[0]).all()), v
+    # shrink mode: every rank masks R-1 (R-1 too, which then sends and waits for nothing)
     nv.low_latency_update_mask_buffer(R - 1, True)
-    try:
-        nv.low_latency_dispatch(x, idx, M_LL, Ell, use_fp8=False)
-    except NotImplementedError as e:
-        assert "masked ranks" in str(e), e
-    else:
-        raise AssertionError("masked rank on nvlink: expected NotImplementedError")
+    nv.low_latency_dispatch(x, idx, M_LL, Ell, use_fp8=False)
     nv.low_latency_clean_mask_buffer()
     status = torch.zeros(R, dtype=torch.int32, device=ctx.device)
     nv.low_latency_query_mask_buffer(status)

@@ -8,9 +8,9 @@ Dispatch (non-cached):
   1. metadata on the device, no host sync: per-rank, per-node, per-expert counts, each row's final
      position on every rank of its destination node (DeepEP's send_head), and, per destination node,
      per chunk and per local rank there, how many rows the forwarder will pass on;
-  2. three small collectives on device tensors: the world agreement row (signature, counts,
-     errors), the per-chunk fan-out counts over the rail, their sums over the node; then ONE host
-     read of both results (every row count the data steps need);
+  2. one all-gather of a row per rank on device tensors (signature, counts, errors, the per-chunk
+     forwarding counts), then ONE host read of what this rank needs of it (every row count the data
+     steps need);
   3. the network leg: rows packed once per (token, destination node) in chunk-major order, each
      chunk one grouped send/recv to every rail peer (``RailTransport``, the seam where a
      GPU-initiated transport can replace NCCL's host-issued one);
@@ -194,8 +194,8 @@ class InternodeBackend(ReferenceBackend):
     def on_rejected(self, op: int, num_experts: int = 0) -> None:
         """This rank's input was refused: take part in what the peers run before they can raise.
 
-        gloo: the reference's agreement (every op starts with it there). NCCL: a dispatch's three count
-        collectives with the error word set; the agreement row is sized by the call's num_experts (or
+        gloo: the reference's agreement (every op starts with it there). NCCL: a dispatch's count
+        exchange with the error word set; the row is sized by the call's num_experts (or
         the previous dispatch's, where the refused call did not say: a wrong guess leaves the peers to
         NCCL's timeout). Cached dispatch and combine have no exchange on NCCL (as on the nvlink engine).
         """
@@ -207,18 +207,14 @@ class InternodeBackend(ReferenceBackend):
         topo = self.topology
         row = self._h2d([1] + [0] * (self._row_len(num_experts or self._last_num_experts) - 1))
         self._gather(row, self.group, topo.num_ranks)
-        P, Kc, M = topo.ranks_per_node, self.max_chunks, topo.num_nodes
-        blocks = torch.zeros(M * Kc * P, dtype=torch.int64, device=self.comm_device)
-        got = torch.empty_like(blocks)
-        self._wait(dist.all_to_all_single(got, blocks, group=self.rail_group, async_op=True))
-        if P > 1:
-            self._gather(torch.zeros(Kc * P, dtype=torch.int64, device=self.comm_device), self.node_group, P)
 
     def _row_len(self, num_experts: int) -> int:
-        """Length of the world agreement row: [error, signature, counts per rank, tokens over the node
-        limit, expert ids out of range, rows per destination node, tokens per expert]."""
+        """Length of the count exchange's row: [error, signature, counts per rank, tokens over the node
+        limit, expert ids out of range, rows per destination node, rows per (destination node, chunk,
+        local rank there), tokens per expert]."""
         topo = self.topology
-        return 1 + len(INTERNODE_SIG_FIELDS) + topo.num_ranks + 2 + topo.num_nodes + num_experts
+        M, P = topo.num_nodes, topo.ranks_per_node
+        return 1 + len(INTERNODE_SIG_FIELDS) + topo.num_ranks + 2 + M + M * self.max_chunks * P + num_experts
 
     def signature(self, op, hidden, num_experts, fp8, topk, weights, config) -> list:
         return super().signature(op, hidden, num_experts, fp8, topk, weights, config) + \
@@ -268,7 +264,6 @@ class InternodeBackend(ReferenceBackend):
         else:
             per_expert = req.layout.num_tokens_per_expert.to(dev, torch.int64)
         head = self._h2d([0] + sig)
-        row = torch.cat([head, per_rank, excess, bad_ids, send1, per_expert])
         # per destination node m, chunk k, local rank p: rows the forwarder (m, l) passes to p
         spos = torch.cumsum(in_node.to(torch.int64), dim=0) - 1                     # [T, M]
         crows = torch.clamp((send1 + Kc - 1) // Kc, min=ring)                        # [M] rows per chunk
@@ -277,18 +272,19 @@ class InternodeBackend(ReferenceBackend):
             torch.arange(P, device=dev).view(1, 1, P)                               # [T, M, P]
         blocks = torch.zeros(M * Kc * P, dtype=torch.int64, device=dev)
         blocks.scatter_add_(0, slot.flatten(), is_tir.to(torch.int64).flatten())
+        row = torch.cat([head, per_rank, excess, bad_ids, send1, blocks, per_expert])
 
-        # ---- 2. three small collectives, one host read ----
+        # ---- 2. one collective, one host read ----
         self._phase = "dispatch (agreement + count exchange)"
         g = self._gather(row, self.group, R)                                         # [R, row]
-        got = torch.empty_like(blocks)
-        self._wait(dist.all_to_all_single(got, blocks, group=self.rail_group, async_op=True))
-        fwd = got.view(M, Kc * P).sum(dim=0)                                         # [Kc * P] mine
-        fwd_node = self._gather(fwd, self.node_group, P) if P > 1 else fwd.view(1, -1)
         n_sig = 1 + len(sig)
-        width = n_sig + R + 2 + M   # the row up to the per-expert counts
+        width = n_sig + R + 2 + M   # the row up to the chunk blocks
+        # what the forwarders of this node pass on, [forwarder q, chunk, local rank p]: the blocks of
+        # every rank for this node, summed over the rail of q (rank = node * P + q)
+        fwd_node = g[:, width:width + M * Kc * P].view(M, P, M, Kc, P)[:, :, topo.node].sum(dim=0)
+        experts = g[:, width + M * Kc * P:]
         host = self._read(torch.cat([g[:, :width].flatten(), fwd_node.flatten(),
-                                     g[:, width:][:, me * Lx:(me + 1) * Lx].sum(dim=0)]))
+                                     experts[:, me * Lx:(me + 1) * Lx].sum(dim=0)]))
         gh = host[:R * width].view(R, width)
         fwd_host = host[R * width:R * width + P * Kc * P].view(P, Kc, P)            # [forwarder q, k, p]
         expert_counts = host[R * width + P * Kc * P:].tolist()

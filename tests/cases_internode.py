@@ -238,14 +238,11 @@ def case_without_topk(ctx):
 def case_bad_expert_ids(ctx):
     """An expert id out of range on one rank: every rank raises, naming that rank; the Buffer still works."""
     R = ctx.world_size
-    rpn = topologies(R)[0]
-    ref, eng = _buffers(ctx, rpn, 4)
+    ref, eng, x, idx, w, lay = _one_call_setup(ctx, 4, 3, 6, "random")
     E = E_PER_RANK * R
-    x, idx, w = make_inputs(3, ctx.rank, R, R // rpn, 6, "random", ctx.device)
     bad = idx.clone()
     if ctx.rank == R - 1:
         bad[2, 1] = E + 3
-    lay = eng.get_dispatch_layout(idx, E)
     try:
         eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
                      num_tokens_per_expert=lay[2], topk_idx=bad, topk_weights=w)
@@ -257,7 +254,7 @@ def case_bad_expert_ids(ctx):
         assert "outside" in text or "rejected" in text, text
     else:
         raise AssertionError("no error for an expert id out of range")
-    compare_round(ctx, ref, eng, 77, 11, "random", False, None, R // rpn)
+    compare_round(ctx, ref, eng, 77, 11, "random", False, None, R // topologies(R)[0])
     ref.destroy()
     eng.destroy()
 

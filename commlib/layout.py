@@ -71,7 +71,9 @@ def channel_prefix_matrix(is_token_in_rank_TR: torch.Tensor, num_channels: int) 
     T, R = is_token_in_rank_TR.shape
     cum = torch.zeros(T + 1, R, dtype=torch.int32, device=is_token_in_rank_TR.device)
     cum[1:] = torch.cumsum(is_token_in_rank_TR.to(torch.int32), dim=0)
-    starts = torch.tensor(channel_starts(T, num_channels)[:-1], dtype=torch.int64, device=cum.device)
+    # channel_starts(T, C)[:-1], made on the device (no host -> device copy, so no stream sync)
+    per = (T + num_channels - 1) // num_channels if num_channels > 0 else 0
+    starts = torch.clamp(torch.arange(num_channels, dtype=torch.int64, device=cum.device) * per, max=T)
     # Not .contiguous(): with one channel the transpose is [R, 1] with strides (1, R), which PyTorch
     # already calls contiguous (size-1 dims are ignored), so it would stay as is and a dtype view
     # (stride(-1) must be 1) fails. An explicit contiguous_format clone always gets strides (C, 1).

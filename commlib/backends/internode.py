@@ -303,7 +303,7 @@ class InternodeBackend(ReferenceBackend):
         C = req.config.num_channels
         counts_dev = g[:, n_sig:n_sig + R]
         rank_prefix = torch.cumsum(counts_dev, dim=0).to(torch.int32)
-        chan_prefix = _channel_prefix(is_tir, C)
+        chan_prefix = L.channel_prefix_matrix(is_tir, C)
         recv_chan_prefix = torch.empty_like(chan_prefix)
         self._wait(dist.all_to_all_single(recv_chan_prefix, chan_prefix, group=self.group, async_op=True))
         send_head = L.send_head(is_tir, rank_prefix, me)                             # [T, R] final rows
@@ -566,16 +566,6 @@ def _capped_nccl_options(max_ctas: int):
         warnings.warn("commlib: this torch/NCCL cannot cap NCCL's CTAs; the internode engine's collectives are "
                       "not held to the SM budget")
         return None
-
-
-def _channel_prefix(is_tir: torch.Tensor, C: int) -> torch.Tensor:
-    """layout.channel_prefix_matrix without a host -> device copy (channel starts made on the device)."""
-    T, R = is_tir.shape
-    cum = torch.zeros(T + 1, R, dtype=torch.int32, device=is_tir.device)
-    cum[1:] = torch.cumsum(is_tir.to(torch.int32), dim=0)
-    per = (T + C - 1) // C if C > 0 else 0
-    starts = torch.clamp(torch.arange(C, device=is_tir.device) * per, max=T)
-    return cum.index_select(0, starts).t().clone(memory_format=torch.contiguous_format)
 
 
 def _fill_ids(out: torch.Tensor, packer: _Packer, rows: int) -> None:

@@ -169,19 +169,11 @@ class InternodeBackend(ReferenceBackend):
             return t.pin_memory().to(self.comm_device, non_blocking=True)
         return t
 
-    def _gather(self, row: torch.Tensor, group, size: int) -> torch.Tensor:
-        out = torch.empty(size * row.numel(), dtype=row.dtype, device=row.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._wait(gather(out, row.contiguous(), group=group, async_op=True))
-        return out.view(size, row.numel())
-
     def _node_a2a(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
+        """The fan-out step on the node group (one rank per node: the rows stay here)."""
         if self.topology.ranks_per_node == 1:
             return send
-        out = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype, device=send.device)
-        self._wait(dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.node_group,
-                                          async_op=True))
-        return out
+        return self._a2a_rows(send, send_splits, recv_splits, self.node_group)
 
     def _read(self, t: torch.Tensor) -> torch.Tensor:
         """The one device -> host read of a non-cached dispatch."""
@@ -204,9 +196,8 @@ class InternodeBackend(ReferenceBackend):
         if op != 1:
             return  # cached dispatch / combine have no agreement on NCCL: the peers' NCCL timeout names it
         self.calls += 1
-        topo = self.topology
         row = self._h2d([1] + [0] * (self._row_len(num_experts or self._last_num_experts) - 1))
-        self._gather(row, self.group, topo.num_ranks)
+        self._gather(row)
 
     def _row_len(self, num_experts: int) -> int:
         """Length of the count exchange's row: [error, signature, counts per rank, tokens over the node
@@ -276,7 +267,7 @@ class InternodeBackend(ReferenceBackend):
 
         # ---- 2. one collective, one host read ----
         self._phase = "dispatch (agreement + count exchange)"
-        g = self._gather(row, self.group, R)                                         # [R, row]
+        g = self._gather(row)                                                        # [R, row]
         n_sig = 1 + len(sig)
         width = n_sig + R + 2 + M   # the row up to the chunk blocks
         # what the forwarders of this node pass on, [forwarder q, chunk, local rank p]: the blocks of
@@ -304,12 +295,11 @@ class InternodeBackend(ReferenceBackend):
         counts_dev = g[:, n_sig:n_sig + R]
         rank_prefix = torch.cumsum(counts_dev, dim=0).to(torch.int32)
         chan_prefix = L.channel_prefix_matrix(is_tir, C)
-        recv_chan_prefix = torch.empty_like(chan_prefix)
-        self._wait(dist.all_to_all_single(recv_chan_prefix, chan_prefix, group=self.group, async_op=True))
+        recv_chan_prefix = self._a2a_rows(chan_prefix, [1] * R, [1] * R)
         send_head = L.send_head(is_tir, rank_prefix, me)                             # [T, R] final rows
 
         # ---- 3. the plan: chunk geometry (host) and row order (device) ----
-        plan = self._plan(send1_all, fwd_host, ring, in_node, spos, crows, T)
+        plan = self._plan(send1_all, fwd_host, ring, in_node, chunk, T)
         packer = self._packer(x, scales, K, has_w)
         tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
             [torch.arange(T, dtype=torch.int32, device=dev)]
@@ -360,7 +350,7 @@ class InternodeBackend(ReferenceBackend):
                                  + " (every rank must make the same sequence of calls with the same shapes/config)")
 
     @staticmethod
-    def _packer(x, scales, K: int, has_w: bool, P: int = 0) -> _Packer:
+    def _packer(x, scales, K: int, has_w: bool) -> _Packer:
         H = x.shape[1]
         cols = [("x", x.dtype, (H,))]
         if scales is not None:
@@ -372,7 +362,7 @@ class InternodeBackend(ReferenceBackend):
                 cols.append(("topk_w", torch.float32, (K,)))
         return _Packer(cols)
 
-    def _plan(self, send1_all, fwd_host, ring, in_node, spos, crows, T) -> dict:
+    def _plan(self, send1_all, fwd_host, ring, in_node, chunk, T) -> dict:
         """Chunk geometry (host ints, every rank computes the same from the gathered counts) and the
         order of this rank's send rows (device): chunk-major, then node, then token."""
         topo = self.topology
@@ -389,7 +379,6 @@ class InternodeBackend(ReferenceBackend):
         S = sum(mine)
         dev = in_node.device
         # send rows, chunk-major: key = (chunk * M + m) * T + t over the (token, node) pairs
-        chunk = torch.where(in_node, spos // crows, torch.zeros_like(spos))
         keys = (chunk * M + torch.arange(M, device=dev).view(1, M)) * T + torch.arange(T, device=dev).view(T, 1)
         keys = torch.where(in_node, keys, torch.full_like(keys, num_chunks * M * T + 1)).flatten()
         order = keys.sort().values[:S] if S else keys[:0]

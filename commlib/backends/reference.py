@@ -144,19 +144,28 @@ class ReferenceBackend(Backend):
     def _to_comm(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if t is None else t.to(self.comm_device)
 
-    def _a2a_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    def _a2a_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                  group=None) -> torch.Tensor:
+        """Rows to every rank of ``group`` (the Buffer's by default), ``send_counts`` rows each."""
         rows = rows.to(self.comm_device).contiguous()
-        out = torch.empty(sum(recv_counts), rows.shape[1], dtype=rows.dtype, device=self.comm_device)
-        self._wait(dist.all_to_all_single(out, rows, recv_counts, send_counts, group=self.group, async_op=True))
+        out = torch.empty(sum(recv_counts), *rows.shape[1:], dtype=rows.dtype, device=self.comm_device)
+        self._wait(dist.all_to_all_single(out, rows, recv_counts, send_counts, group=group or self.group,
+                                          async_op=True))
         return out
 
-    def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """[n] int64 -> [R, n] int64 (row r from rank r)."""
-        row = row.to(self.comm_device, torch.int64).contiguous()
-        out = torch.empty(self.topology.num_ranks * row.numel(), dtype=torch.int64, device=self.comm_device)
+    def _gather(self, row: torch.Tensor, group=None) -> torch.Tensor:
+        """[n] -> [ranks of ``group``, n] on the comm device (row r from rank r); no host read."""
+        group = group or self.group
+        size = dist.get_world_size(group)
+        row = row.to(self.comm_device).contiguous()
+        out = torch.empty(size * row.numel(), dtype=row.dtype, device=self.comm_device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._wait(gather(out, row, group=self.group, async_op=True))
-        return out.view(self.topology.num_ranks, row.numel()).cpu()
+        self._wait(gather(out, row, group=group, async_op=True))
+        return out.view(size, row.numel())
+
+    def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """[n] int64 -> [R, n] int64 on the host (row r from rank r)."""
+        return self._gather(row.to(torch.int64)).cpu()
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx, num_experts):

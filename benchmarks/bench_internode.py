@@ -102,20 +102,16 @@ def _bare_a2a_host_us(buf, group, w, reps: int) -> float:
     send = torch.zeros(rows, w.hidden, dtype=torch.bfloat16, device=buf.device)
     recv = torch.empty_like(send)
     comm = buf.comm_stream
-    times = []
-    for _ in range(reps + 2):
-        if buf.device.type == "cuda":
-            torch.cuda.synchronize(buf.device)
-        t0 = time.perf_counter()
+
+    def call():
         if comm is not None:
             with torch.cuda.stream(comm):
                 dist.all_to_all_single(recv, send, group=group, async_op=True).wait()
         else:
             dist.all_to_all_single(recv, send, group=group, async_op=True).wait()
-        times.append((time.perf_counter() - t0) * 1e6)
-    if buf.device.type == "cuda":
-        torch.cuda.synchronize(buf.device)
-    return float(statistics.median(times[2:]))
+    for _ in range(2):  # warm-up
+        call()
+    return _host_us(buf, call, reps)
 
 
 def _profile(buf, op: str, fn, show: bool) -> None:

@@ -17,6 +17,7 @@ import deep_ep.buffer as deep_ep_buffer
 from commlib.backends.low_latency.reference import logfmt_roundtrip, unpack_ue8m0
 from commlib.fp8 import per_token_cast_to_fp8
 from deep_ep.utils import EventHandle, EventOverlap
+from worlds import expect_raises as _expect
 
 E, H, K = 16, 512, 4
 LL_E_PER_RANK, LL_M = 4, 16
@@ -50,16 +51,6 @@ def _buffer(ctx, **kw):
     cfg = deep_ep.Buffer.get_dispatch_config(R)
     nvl = cfg.get_nvl_buffer_size_hint(H * 2, R)
     return deep_ep.Buffer(ctx.group, nvl, 0, explicitly_destroy=True, backend="reference", **kw)
-
-
-def _expect(exc, words, fn):
-    try:
-        fn()
-    except exc as e:
-        for w in words:
-            assert w in str(e), f"{w!r} not in {e}"
-        return
-    raise AssertionError(f"expected {exc.__name__} mentioning {words}")
 
 
 # ------------------------------------------------------------------ API surface

@@ -11,6 +11,7 @@ import zlib
 
 import oracle as O
 import torch
+from worlds import expect_raises as _expect
 
 import commlib
 from commlib import Config
@@ -245,16 +246,6 @@ def case_node_limit(ctx):
     rx, *_ = buf.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
                           num_tokens_per_expert=nte, topk_idx=idx)
     buf.destroy()
-
-
-def _expect(exc_type, words, fn):
-    try:
-        fn()
-    except exc_type as e:
-        for word in words:
-            assert word in str(e), f"error {e!r} does not mention {word!r}"
-        return
-    raise AssertionError(f"expected {exc_type.__name__} mentioning {words}")
 
 
 def case_bad_input(ctx):

@@ -59,6 +59,17 @@ def _worker(ctx, module_name: str, names: list[str], case_timeout_s: float, fail
     return results
 
 
+def expect_raises(exc_type, words, fn) -> None:
+    """``fn()`` must raise ``exc_type`` whose message mentions every one of ``words``."""
+    try:
+        fn()
+    except exc_type as e:
+        for word in words:
+            assert word in str(e), f"error {e!r} does not mention {word!r}"
+        return
+    raise AssertionError(f"expected {exc_type.__name__} mentioning {words}")
+
+
 def run_world(world_size: int, module_name: str, names: list[str], case_timeout_s: float = CASE_TIMEOUT_S,
               failed_wait_s: float = FAILED_WAIT_S, **kwargs) -> dict:
     return parallel_launch(world_size, _worker, module_name, names, case_timeout_s, failed_wait_s, **kwargs)

@@ -172,16 +172,24 @@ class Chain:
         if overlap:
             self.pending, self.ready = event, event
 
-    def forward_steps(self, overlap: bool, timeline: Optional[Timeline] = None) -> list[Step]:
+    def _stage_steps(self, order, backward: bool, overlap: bool, timeline: Optional[Timeline]) -> list[Step]:
+        """One Step per stage, in ``order``: the forward's or the backward's compute / comm of each."""
+        compute, comm = ((self._backward_compute, self._backward_comm) if backward
+                         else (self._forward_compute, self._forward_comm))
         steps = []
-        for i, stage in enumerate(self.stages):
-            label = f"{self.tag}F.{stage.name}"
+        for i in order:
+            stage = self.stages[i]
+            label = f"{self.tag}{'B' if backward else 'F'}.{stage.name}"
             if stage.kind == "compute":
-                steps.append(Step("compute", label, lambda i=i: self._forward_compute(i, timeline),
+                steps.append(Step("compute", label, lambda i=i: compute(i, timeline),
                                   light=getattr(stage, "light", False)))
             else:
-                steps.append(Step("comm", label, lambda i=i: self._forward_comm(i, overlap, timeline),
-                                  blocks_host=stage.blocks_host(backward=False), stream=stage.comm_stream()))
+                steps.append(Step("comm", label, lambda i=i: comm(i, overlap, timeline),
+                                  blocks_host=stage.blocks_host(backward=backward), stream=stage.comm_stream()))
+        return steps
+
+    def forward_steps(self, overlap: bool, timeline: Optional[Timeline] = None) -> list[Step]:
+        steps = self._stage_steps(range(len(self.stages)), False, overlap, timeline)
         steps.append(Step("none", f"{self.tag}F.end", lambda: self._settle(backward=False)))
         return steps
 
@@ -244,16 +252,7 @@ class Chain:
         them (a schedule that builds the list before the forward has run)."""
         if begin:
             self.begin_backward()
-        steps = []
-        for i in reversed(range(len(self.stages))):
-            stage = self.stages[i]
-            label = f"{self.tag}B.{stage.name}"
-            if stage.kind == "compute":
-                steps.append(Step("compute", label, lambda i=i: self._backward_compute(i, timeline),
-                                  light=getattr(stage, "light", False)))
-            else:
-                steps.append(Step("comm", label, lambda i=i: self._backward_comm(i, overlap, timeline),
-                                  blocks_host=stage.blocks_host(backward=True), stream=stage.comm_stream()))
+        steps = self._stage_steps(reversed(range(len(self.stages))), True, overlap, timeline)
         steps.append(Step("none", f"{self.tag}B.end", self._backward_end))
         return steps
 

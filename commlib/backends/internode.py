@@ -41,9 +41,9 @@ from commlib import layout as L
 from commlib.utils import env
 from commlib.utils.math import align_up
 from commlib.handle import DispatchHandle
-from commlib.validate import CommlibError
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
-from commlib.backends.reference import _OPS, SIG_FIELDS, ReferenceBackend, _Packer, check_counts, int32_columns
+from commlib.backends.reference import (_OPS, SIG_FIELDS, ReferenceBackend, _Packer, check_counts, int32_columns,
+                                        plan_of, sum_rows)
 
 # The reference's signature plus the network ring (it sets the chunk geometry every rank must share).
 INTERNODE_SIG_FIELDS = SIG_FIELDS + ("rdma_recv_tokens",)
@@ -450,9 +450,7 @@ class InternodeBackend(ReferenceBackend):
 
     def _dispatch_cached(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle
-        if h.backend != self.name or "plan" not in h.extra:
-            raise CommlibError(f"[commlib rank {self.topology.rank}] handle was made by backend {h.backend!r}, "
-                               f"not {self.name!r}")
+        plan = plan_of(self, h)
         self.calls += 1
         x, scales = req.x, req.x_scales
         T, H = x.shape
@@ -462,7 +460,6 @@ class InternodeBackend(ReferenceBackend):
         packer = self._packer(x, scales, 0, False)
         tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
             [torch.arange(T, dtype=torch.int32, device=dev)]
-        plan = h.extra["plan"]
         rows = max(plan["num_recv"], h.num_worst_tokens)
         cols = packer.unpack(self._move(packer, tensors, h.send_head.to(dev), plan, rows, cached=True))
         return DispatchResult(cols["x"].to(x.device), cols["scales"].to(x.device) if scales is not None else None,
@@ -471,11 +468,7 @@ class InternodeBackend(ReferenceBackend):
     # ------------------------------------------------------------------ combine
     def combine(self, req: CombineRequest) -> CombineResult:
         h = req.handle
-        topo = self.topology
-        if h.backend != self.name or "plan" not in h.extra:
-            raise CommlibError(f"[commlib rank {topo.rank}] handle was made by backend {h.backend!r}, "
-                               f"not {self.name!r}")
-        plan = h.extra["plan"]
+        plan = plan_of(self, h)
         T, H = h.num_tokens, req.x.shape[1]
         dev = self.comm_device
         out_device = req.x.device
@@ -504,17 +497,9 @@ class InternodeBackend(ReferenceBackend):
             self._land_back(posted, back, plan["num_chunks"] - 1)
         self._count_rows_internode(plan)
         # home: node partials in node order
-        cols = packer.unpack(back.index_select(0, plan["home"]))
-        acc_y = torch.zeros(T, H, dtype=torch.float32, device=dev)
-        acc_w = torch.zeros(T, K, dtype=torch.float32, device=dev) if K else None
         tok = plan["send_tok"].index_select(0, plan["home"])
-        s = 0
-        for cnt in plan["home_lens"]:
-            if cnt:
-                acc_y.index_add_(0, tok[s:s + cnt], cols["y"][s:s + cnt].float())
-                if K:
-                    acc_w.index_add_(0, tok[s:s + cnt], cols["w"][s:s + cnt])
-            s += cnt
+        acc_y, acc_w = sum_rows(packer.unpack(back.index_select(0, plan["home"])), tok.split(plan["home_lens"]),
+                                T, H, K)
         for b in req.bias:
             acc_y += b.to(dev).float()
         return CombineResult(acc_y.to(torch.bfloat16).to(out_device), acc_w.to(out_device) if K else None)
@@ -530,16 +515,7 @@ class InternodeBackend(ReferenceBackend):
         order (float32) to the landed row they came from; the bf16 partial (weights stay float32)."""
         if fan_rows is None:   # one rank per node: the partial is the row itself (bf16 -> f32 -> bf16)
             return got
-        cols = packer.unpack(got)
-        acc_y = torch.zeros(J, H, dtype=torch.float32, device=got.device)
-        acc_w = torch.zeros(J, K, dtype=torch.float32, device=got.device) if K else None
-        s = 0
-        for cnt in fan_send:
-            if cnt:
-                acc_y.index_add_(0, fan_rows[s:s + cnt], cols["y"][s:s + cnt].float())
-                if K:
-                    acc_w.index_add_(0, fan_rows[s:s + cnt], cols["w"][s:s + cnt])
-            s += cnt
+        acc_y, acc_w = sum_rows(packer.unpack(got), fan_rows.split(fan_send), J, H, K)
         return packer.pack([acc_y.to(torch.bfloat16)] + ([acc_w] if K else []))
 
 

@@ -368,9 +368,7 @@ class ReferenceBackend(Backend):
         topo = self.topology
         T, H = h.num_tokens, req.x.shape[1]
         out_device = req.x.device
-        if h.backend != self.name or "plan" not in h.extra:
-            raise CommlibError(f"[commlib rank {topo.rank}] handle was made by backend {h.backend!r}, "
-                               f"not {self.name!r}")
+        plan_of(self, h)
         n = h.extra["num_recv"]
         y = req.x[:n]
         w = req.topk_weights[:n] if req.topk_weights is not None else None
@@ -447,19 +445,28 @@ def check_counts(me: int, limit: int, node_excess, counts_all, worst: int) -> No
 
 def sum_rows(cols: dict, orders, num_targets: int, hidden: int, topk: int):
     """The summation every backend reproduces: rows ``cols["y"]`` (and weights ``cols["w"]``) come
-    grouped as ``orders`` lists their targets, group after group; each is added in float32, starting
-    from 0, to its target row in that group order. Returns (float32 [n, H], float32 [n, K] or None)."""
+    grouped as ``orders`` lists their targets (a target at most once per group), group after group;
+    each is added in float32, starting from 0, to its target row in that group order. Returns
+    (float32 [n, H], float32 [n, K] or None)."""
     device = cols["y"].device
     acc_y = torch.zeros(num_targets, hidden, dtype=torch.float32, device=device)
     acc_w = torch.zeros(num_targets, topk, dtype=torch.float32, device=device) if topk else None
     start = 0
     for idx in orders:
         cnt = int(idx.numel())
-        acc_y[idx] += cols["y"][start:start + cnt].float()
+        acc_y.index_add_(0, idx, cols["y"][start:start + cnt].float())
         if topk:
-            acc_w[idx] += cols["w"][start:start + cnt]
+            acc_w.index_add_(0, idx, cols["w"][start:start + cnt])
         start += cnt
     return acc_y, acc_w
+
+
+def plan_of(backend, h) -> dict:
+    """The backend-private plan a handle carries; a clear error for another backend's handle."""
+    if h.backend != backend.name or "plan" not in h.extra:
+        raise CommlibError(f"[commlib rank {backend.topology.rank}] handle was made by backend {h.backend!r}, "
+                           f"not {backend.name!r}")
+    return h.extra["plan"]
 
 
 def _pad(t: torch.Tensor, rows: int, value) -> torch.Tensor:

@@ -62,8 +62,13 @@ def channel_starts(num_tokens: int, num_channels: int) -> list[int]:
 
     Tokens are split into contiguous ranges of ceil(T / C) tokens (the last ranges may be empty).
     """
-    per = (num_tokens + num_channels - 1) // num_channels if num_channels > 0 else 0
+    per = channel_size(num_tokens, num_channels)
     return [min(c * per, num_tokens) for c in range(num_channels)] + [num_tokens]
+
+
+def channel_size(num_tokens: int, num_channels: int) -> int:
+    """Tokens per channel range: ceil(T / C), 0 without channels."""
+    return (num_tokens + num_channels - 1) // num_channels if num_channels > 0 else 0
 
 
 def channel_prefix_matrix(is_token_in_rank_TR: torch.Tensor, num_channels: int) -> torch.Tensor:
@@ -72,7 +77,7 @@ def channel_prefix_matrix(is_token_in_rank_TR: torch.Tensor, num_channels: int) 
     cum = torch.zeros(T + 1, R, dtype=torch.int32, device=is_token_in_rank_TR.device)
     cum[1:] = torch.cumsum(is_token_in_rank_TR.to(torch.int32), dim=0)
     # channel_starts(T, C)[:-1], made on the device (no host -> device copy, so no stream sync)
-    per = (T + num_channels - 1) // num_channels if num_channels > 0 else 0
+    per = channel_size(T, num_channels)
     starts = torch.clamp(torch.arange(num_channels, dtype=torch.int64, device=cum.device) * per, max=T)
     # Not .contiguous(): with one channel the transpose is [R, 1] with strides (1, R), which PyTorch
     # already calls contiguous (size-1 dims are ignored), so it would stay as is and a dtype view

@@ -50,8 +50,8 @@ MUTANTS = {
         (UNITS, "layout")),
     # channels of floor(T / C) + 1 tokens instead of ceil(T / C): differs when C divides T
     "channel_split": (
-        "layout.py", "per = (num_tokens + num_channels - 1) // num_channels if",
-        "per = num_tokens // num_channels + 1 if",
+        "layout.py", "return (num_tokens + num_channels - 1) // num_channels if",
+        "return num_tokens // num_channels + 1 if",
         (UNITS, "channel_prefix")),
     # the gate ranks groups by their best score alone
     "gate_best_score_alone": (
@@ -79,8 +79,8 @@ MUTANTS = {
         (PROBE, "world_routing")),
     # combine drops the top-k weights of the first source group
     "combine_drops_weights": (
-        "backends/reference.py", "        if topk:\n            acc_w[idx] +=",
-        "        if topk and start > 0:\n            acc_w[idx] +=",
+        "backends/reference.py", "        if topk:\n            acc_w.index_add_(",
+        "        if topk and start > 0:\n            acc_w.index_add_(",
         (PROBE, "world_routing")),
 }
 

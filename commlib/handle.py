@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 
+from commlib.layout import channel_prefix_matrix
 from commlib.topology import Topology
 
 
@@ -78,12 +79,8 @@ class DispatchHandle:
         """[M, C] int32: tokens this rank sends to node m from channels before c (exclusive prefix)."""
         t = self.topology
         T, C = self.is_token_in_rank.shape[0], max(self.num_channels, 1)
-        in_node = self.is_token_in_rank.view(T, t.num_nodes, t.ranks_per_node).any(dim=2).to(torch.int32)
-        cum = torch.zeros(T + 1, t.num_nodes, dtype=torch.int32, device=in_node.device)
-        cum[1:] = torch.cumsum(in_node, dim=0)
-        per = (T + C - 1) // C if C else 0
-        starts = torch.tensor([min(c * per, T) for c in range(C)], dtype=torch.int64, device=cum.device)
-        return cum.index_select(0, starts).t().clone(memory_format=torch.contiguous_format)
+        # the channel prefix matrix of the token-in-node mask
+        return channel_prefix_matrix(self.is_token_in_rank.view(T, t.num_nodes, t.ranks_per_node).any(dim=2), C)
 
     @property
     def recv_src_meta(self) -> torch.Tensor:

@@ -444,3 +444,17 @@ def test_vectorised_oracle_matches_loop_oracle(R, P, E):
         tir = O.layout(idxs[me], E, R, P)[3]
         want = O.combine_oracle(ys, srcs, xs[me].shape[0], H, me, P, R)
         assert torch.equal(O.combine_scaled_expected(xs[me], tir, P, factors).view(torch.int16), want.view(torch.int16))
+
+
+def test_rdma_channel_prefix_matrix():
+    """DeepEP's internode name: tokens sent to node m from channels before c, counted by hand."""
+    from commlib.handle import DispatchHandle
+    g = torch.Generator().manual_seed(3)
+    for T, C in ((0, 3), (1, 1), (10, 4), (37, 5)):
+        tir = torch.rand(T, 8, generator=g) < 0.3
+        h = DispatchHandle(None, None, None, None, tir, None, topology=Topology(0, 8, 4), num_channels=C)
+        per = -(-T // C)
+        want = [[sum(1 for t in range(min(c * per, T)) if bool(tir[t, 4 * m:4 * m + 4].any())) for c in range(C)]
+                for m in range(2)]
+        got = h.rdma_channel_prefix_matrix
+        assert got.dtype == torch.int32 and got.tolist() == want, (T, C, got.tolist(), want)

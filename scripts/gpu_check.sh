@@ -63,6 +63,8 @@ case "$ONLY" in
   onegpu) STAGES="env,compile,wheel,tests2,rings,deepep,llgpu,moegpu,timeout,faults,cpu,shared" ;;
   # the internode engine on one GPU (ranks as emulated hosts over NCCL): its GPU tests, host time per call
   internode1) STAGES="env,hier,inhost" ;;
+  # the same plus what the engine's host time is made of (host time of each torch / NCCL primitive)
+  host1) STAGES="env,hostcost,hier,inhost" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -202,6 +204,8 @@ stage internode 150 $PY -m benchmarks.bench_internode --json "$RES"
 # are time-sliced, not meaningful); V3 rows at 4096 tokens, chunk caps 1..8
 stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1,2,4,8 \
   --iters 10 --warmup 3 --json "$OUTDIR"
+# one GPU or more: host time of each primitive the internode engine is made of (experiments/host_cost_nccl.py)
+stage hostcost 120 $PY -m experiments.host_cost_nccl --ranks 2 --json "$OUTDIR"
 stage llbench 120 $PY -m benchmarks.bench_low_latency --json "$RES"
 if ls "$RES"/* >/dev/null 2>&1; then tar -czf "$OUTDIR/results.tar.gz" -C "$RES" . && log "[gpu_check] packed $(ls "$RES" | wc -l) result files"; fi
 

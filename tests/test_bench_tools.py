@@ -320,7 +320,9 @@ def test_result_names():
     day = datetime.date(2026, 12, 1)
     assert results.result_name("alltoall_perf", h200, 2, "1e9003c5ab", day) == "alltoall_perf_H200x2_20261201_1e9003c.json"
     assert results.result_name("bench_main", {"kind": "cpu", "name": "x86_64"}, 4, "abc", day) == \
-        "bench_main_cpux4_20261201_abc.json"
+        "bench_main_CPUx4_20261201_abc.json"
+    # ranks sharing one GPU: the file names the GPUs used
+    assert results.result_name("t", dict(h200, count=1), 4, "abc", day) == "t_H200x1_20261201_abc.json"
     assert results.gpu_short_name("NVIDIA H100 80GB HBM3") == "H100"
     assert results.gpu_short_name("Tesla V100-SXM2-16GB") == "V100"
     assert results.result_path("out/x.json", "t", 2) == Path("out/x.json")

@@ -124,8 +124,12 @@ def gpu_short_name(name: str) -> str:
 
 
 def result_name(tool: str, device: dict, world_size: int, commit: str, when: Optional[datetime.date] = None) -> str:
-    """``<tool>_<gpu>x<n>_<yyyymmdd>_<commit>.json``; n = ranks of the run, gpu = 'cpu' on CPU ranks."""
-    dev = gpu_short_name(device.get("name", "")) if device.get("kind") == "cuda" else "cpu"
+    """``<tool>_<GPU>x<n>_<yyyymmdd>_<commit>.json``: n = the GPUs the run used (ranks sharing a GPU count
+    it once; at most the device's ``count``), or the ranks on CPU, named ``CPU``."""
+    cuda = device.get("kind") == "cuda"
+    dev = gpu_short_name(device.get("name", "")) if cuda else "CPU"
+    if cuda and device.get("count"):
+        world_size = min(int(world_size), int(device["count"]))
     when = when or datetime.date.today()
     short = re.sub(r"[^0-9A-Za-z]", "", commit or "unknown")[:7] or "unknown"
     return f"{tool}_{dev}x{int(world_size)}_{when:%Y%m%d}_{short}.json"

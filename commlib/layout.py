@@ -85,6 +85,31 @@ def channel_prefix_matrix(is_token_in_rank_TR: torch.Tensor, num_channels: int) 
     return cum.index_select(0, starts).t().clone(memory_format=torch.contiguous_format)
 
 
+def recv_channel_prefix(recv_src_idx: torch.Tensor, rank_prefix_col: torch.Tensor, num_tokens_of: torch.Tensor,
+                        num_channels: int) -> torch.Tensor:
+    """[R, C] int32: what ``channel_prefix_matrix`` gives source s for this rank (row s: rows from s out
+    of its channels before c), worked out where the rows landed instead of sent along.
+
+    ``recv_src_idx`` [N]: the received rows, grouped by source and in token order within one (rows
+    past the received count: any value); ``rank_prefix_col`` [R]: rows received from sources <= s
+    (the rank prefix matrix's column of this rank); ``num_tokens_of`` [R]: every source's token count.
+    A row from s counts for channel c when its token is below s's channel start c: ceil(T_s / C) * c.
+    """
+    R, dev = rank_prefix_col.shape[0], recv_src_idx.device
+    N = recv_src_idx.shape[0]
+    ends = rank_prefix_col.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    src = torch.searchsorted(ends, torch.arange(N, dtype=torch.int64, device=dev), right=True)   # R past the rows
+    T = num_tokens_of.to(torch.int64)
+    span = T.max().clamp(min=0) + 2 if R else T.new_ones(())
+    keys = src * span + recv_src_idx.to(torch.int64).clamp(min=-1) + 1          # sorted: (source, token)
+    per = (T + num_channels - 1) // num_channels                                # channel_size per source
+    c = torch.arange(num_channels, dtype=torch.int64, device=dev)
+    bounds = torch.minimum(per.view(R, 1) * c.view(1, num_channels), T.view(R, 1))
+    queries = torch.arange(R, dtype=torch.int64, device=dev).view(R, 1) * span + bounds + 1
+    return (torch.searchsorted(keys, queries.flatten()).view(R, num_channels) - starts.view(R, 1)).to(torch.int32)
+
+
 def rows_before(is_token_in_rank_TR: torch.Tensor) -> torch.Tensor:
     """[T, R] int32: tokens before t that also go to rank r (t's row among this rank's rows for r).
 

@@ -7,7 +7,8 @@ from commlib import routing
 from commlib.utils import env
 from commlib.config import Config, row_slot_bytes
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8, roundtrip_bound
-from commlib.layout import channel_prefix_matrix, channel_starts, dispatch_layout, rows_before, send_head
+from commlib.layout import (channel_prefix_matrix, channel_starts, dispatch_layout, recv_channel_prefix, rows_before,
+                            send_head)
 from commlib.topology import Topology
 
 import oracle as O
@@ -258,6 +259,25 @@ def test_layout_and_channel_prefix_match_oracle(T, R, P, E, C):
     cp = channel_prefix_matrix(tir, C)
     assert torch.equal(cp, O.channel_prefix(tir, C))
     assert cp.shape == (R, C) and cp.stride() == (C, 1)  # standard strides, also for [R, 1]
+
+
+@pytest.mark.parametrize("R,C,pad", [(1, 1, 0), (2, 4, 3), (4, 10, 0), (5, 3, 7), (8, 20, 2)])
+def test_recv_channel_prefix_from_landed_rows(R, C, pad):
+    """The receiver's channel prefixes worked out from its rows equal every source's own
+    channel_prefix_matrix row for it (the oracle's loop), with token counts 0..40 per source,
+    silent sources and padding rows past the received count."""
+    g = torch.Generator().manual_seed(R * 31 + C)
+    me = R // 2
+    tokens = [0 if s == 1 else int(torch.randint(0, 41, (1,), generator=g)) for s in range(R)]
+    rows, want = [], []
+    for s, T in enumerate(tokens):
+        tir = torch.rand(T, R, generator=g) < 0.4
+        rows.append(torch.nonzero(tir[:, me]).flatten().to(torch.int32))
+        want.append(O.channel_prefix(tir, C)[me])
+    src_idx = torch.cat(rows + [torch.full((pad,), -1, dtype=torch.int32)])
+    prefix_col = torch.cumsum(torch.tensor([r.numel() for r in rows]), 0)
+    got = recv_channel_prefix(src_idx, prefix_col, torch.tensor(tokens), C)
+    assert got.dtype == torch.int32 and torch.equal(got, torch.stack(want))
 
 
 def test_handle_positional_access():

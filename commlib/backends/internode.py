@@ -202,10 +202,10 @@ class InternodeBackend(ReferenceBackend):
     def _row_len(self, num_experts: int) -> int:
         """Length of the count exchange's row: [error, signature, counts per rank, tokens over the node
         limit, expert ids out of range, rows per destination node, rows per (destination node, chunk,
-        local rank there), tokens per expert]."""
+        local rank there), tokens per expert, tokens]."""
         topo = self.topology
         M, P = topo.num_nodes, topo.ranks_per_node
-        return 1 + len(INTERNODE_SIG_FIELDS) + topo.num_ranks + 2 + M + M * self.max_chunks * P + num_experts
+        return 1 + len(INTERNODE_SIG_FIELDS) + topo.num_ranks + 2 + M + M * self.max_chunks * P + num_experts + 1
 
     def signature(self, op, hidden, num_experts, fp8, topk, weights, config) -> list:
         return super().signature(op, hidden, num_experts, fp8, topk, weights, config) + \
@@ -263,7 +263,7 @@ class InternodeBackend(ReferenceBackend):
             torch.arange(P, device=dev).view(1, 1, P)                               # [T, M, P]
         blocks = torch.zeros(M * Kc * P, dtype=torch.int64, device=dev)
         blocks.scatter_add_(0, slot.flatten(), is_tir.to(torch.int64).flatten())
-        row = torch.cat([head, per_rank, excess, bad_ids, send1, blocks, per_expert])
+        row = torch.cat([head, per_rank, excess, bad_ids, send1, blocks, per_expert, per_rank.new_full((1,), T)])
 
         # ---- 2. one collective, one host read ----
         self._phase = "dispatch (agreement + count exchange)"
@@ -273,7 +273,8 @@ class InternodeBackend(ReferenceBackend):
         # what the forwarders of this node pass on, [forwarder q, chunk, local rank p]: the blocks of
         # every rank for this node, summed over the rail of q (rank = node * P + q)
         fwd_node = g[:, width:width + M * Kc * P].view(M, P, M, Kc, P)[:, :, topo.node].sum(dim=0)
-        experts = g[:, width + M * Kc * P:]
+        experts = g[:, width + M * Kc * P:-1]
+        tokens_of = g[:, -1]                                                         # [R] T of every rank
         host = self._read(torch.cat([g[:, :width].flatten(), fwd_node.flatten(),
                                      experts[:, me * Lx:(me + 1) * Lx].sum(dim=0)]))
         gh = host[:R * width].view(R, width)
@@ -295,7 +296,6 @@ class InternodeBackend(ReferenceBackend):
         counts_dev = g[:, n_sig:n_sig + R]
         rank_prefix = torch.cumsum(counts_dev, dim=0).to(torch.int32)
         chan_prefix = L.channel_prefix_matrix(is_tir, C)
-        recv_chan_prefix = self._a2a_rows(chan_prefix, [1] * R, [1] * R)
         send_head = L.send_head(is_tir, rank_prefix, me)                             # [T, R] final rows
 
         # ---- 3. the plan: chunk geometry (host) and row order (device) ----
@@ -314,6 +314,8 @@ class InternodeBackend(ReferenceBackend):
         recv_x = cols["x"].to(out_device)
         recv_scales = cols["scales"].to(out_device) if scales is not None else None
         recv_src_idx = cols["src_idx"].to(out_device)
+        # each source's channel prefixes towards this rank, from the rows that landed (no collective)
+        recv_chan_prefix = L.recv_channel_prefix(cols["src_idx"], rank_prefix[:, me], tokens_of, C)
         recv_topk_idx = recv_topk_w = None
         if K:
             local_idx = L.local_expert_ids(cols["topk_idx"], me, Lx)

@@ -544,8 +544,10 @@ class Buffer(LowLatencyMode):
             self._check_handle(handle, T, H)
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError(f"[commlib rank {self.rank}] cached dispatch (handle given) takes no topk_idx / topk_weights")
+            # as DeepEP: a cached dispatch returns as many rows as the handle's recv_src_idx, so a handle
+            # from a num_worst_tokens dispatch keeps its padding (and its freedom from host reads)
             return DispatchRequest(data, scales, None, None, None, handle, handle.num_experts, expert_alignment,
-                                   num_worst_tokens, config)
+                                   num_worst_tokens or handle.num_worst_tokens, config)
         else:
             if topk_idx is None:
                 # DeepEP's dispatch without top-k: the layout says where each token goes

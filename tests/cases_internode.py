@@ -73,10 +73,10 @@ def make_inputs(seed: int, rank: int, R: int, nodes: int, T: int, routing: str, 
 
 
 def compare_round(ctx, ref, eng, seed: int, T: int, routing: str, fp8: bool, config, nodes: int,
-                  check_reads: bool = True) -> None:
+                  check_reads: bool = True, worst: int = 0) -> None:
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     E = E_PER_RANK * R
-    tag = f"[seed {seed} T {T} {routing} fp8={fp8} nodes={nodes}]"
+    tag = f"[seed {seed} T {T} {routing} fp8={fp8} nodes={nodes} worst={worst}]"
     x, idx, w = make_inputs(seed, me, R, nodes, T, routing, dev)
     xin = per_token_cast_to_fp8(x) if fp8 else x
     outs = {}
@@ -86,7 +86,7 @@ def compare_round(ctx, ref, eng, seed: int, T: int, routing: str, fp8: bool, con
         r0 = getattr(buf.backend, "host_reads", 0)
         rx, ri, rw, lst, h, _ = buf.dispatch(xin, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr,
                                              is_token_in_rank=tir, num_tokens_per_expert=nte, topk_idx=idx,
-                                             topk_weights=w, config=config)
+                                             topk_weights=w, config=config, num_worst_tokens=worst)
         r1 = getattr(buf.backend, "host_reads", 0)
         cached = buf.dispatch(xin, handle=h, config=config)[0]
         y = ((rx[0].float() if fp8 else rx.float()) * (1.5 + me)).to(torch.bfloat16)
@@ -104,7 +104,8 @@ def compare_round(ctx, ref, eng, seed: int, T: int, routing: str, fp8: bool, con
     for key, val in outs["ref"].items():
         same(outs["eng"][key], val, f"{tag} {key}")
     if check_reads:
-        assert reads[1] == (1, 0), f"{tag} host reads (dispatch, cached + combines) = {reads[1]}, expected (1, 0)"
+        want = (0 if worst else 1, 0)
+        assert reads[1] == want, f"{tag} host reads (dispatch, cached + combines) = {reads[1]}, expected {want}"
 
 
 def _buffers(ctx, rpn: int, chunks: int):
@@ -144,6 +145,48 @@ def case_matches_reference(ctx):
             compare_round(ctx, ref, eng, 900 + i, 0 if ctx.rank == 1 else 9, "random", False, config, nodes)
             ref.destroy()
             eng.destroy()
+
+
+def case_worst_no_read(ctx):
+    """num_worst_tokens: no host read, outputs / handles / cached dispatch / combine equal the
+    reference's with the same num_worst_tokens; cap = num_worst_tokens // R tokens per rank, met
+    exactly, with room to spare, with zero tokens, in one chunk and in many (chunk rows 1, 3)."""
+    R = ctx.world_size
+    for i, rpn in enumerate(topologies(R)):
+        nodes = R // rpn
+        for chunks, config in ((4, None), (3, TINY), (64, Config(2, 4, 8, 1, 6))):
+            ref, eng = _buffers(ctx, rpn, chunks)
+            for j, (T, cap) in enumerate(((7, 7), (5, 9), (0, 4), (13, 13))):
+                T = 0 if (ctx.rank == 1 and j == 1) else T            # a silent rank
+                compare_round(ctx, ref, eng, 3000 + 100 * i + 10 * j + chunks, T, ROUTINGS[j % len(ROUTINGS)],
+                              j % 2 == 1, config, nodes, worst=cap * R)
+            ref.destroy()
+            eng.destroy()
+
+
+def case_worst_over_cap(ctx):
+    """num_worst_tokens with more than num_worst_tokens // R tokens on one rank: that rank raises
+    naming the cap, the others (CPU: they read the exchange) that it refused; the Buffer still works.
+    CPU only: on a GPU the peers have no host read and stop on a device-side assert."""
+    if ctx.device.type != "cpu":
+        return
+    R = ctx.world_size
+    ref, eng, x, idx, w, lay = _one_call_setup(ctx, 4, 3, 6, "random")
+    try:
+        eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
+                     num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w,
+                     num_worst_tokens=(5 if ctx.rank == R - 1 else 6) * R)
+    except ValueError as e:
+        text = str(e)
+        if ctx.rank == R - 1:
+            assert "num_worst_tokens" in text and "at most" in text and "has 6" in text, text
+        else:
+            assert f"rank(s) [{R - 1}] rejected" in text, text
+    else:
+        raise AssertionError("no error for more tokens than num_worst_tokens // R")
+    compare_round(ctx, ref, eng, 78, 6, "random", False, None, R // topologies(R)[0], worst=6 * R)
+    ref.destroy()
+    eng.destroy()
 
 
 def case_chunk_boundaries(ctx):
@@ -261,7 +304,8 @@ def case_bad_expert_ids(ctx):
 
 def case_no_host_sync(ctx):
     """CUDA only: a non-cached dispatch synchronises with the host once (its count read); cached
-    dispatch and combine (weights, biases) never (torch.cuda.set_sync_debug_mode)."""
+    dispatch and combine (weights, biases), and every call with num_worst_tokens, never
+    (torch.cuda.set_sync_debug_mode)."""
     if ctx.device.type != "cuda":
         return
     import warnings
@@ -290,6 +334,18 @@ def case_no_host_sync(ctx):
         eng.combine(y, h)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    # num_worst_tokens: the dispatch itself never synchronises either (padded streams)
+    worst = 48 * ctx.world_size
+    eng.dispatch(x, **args, num_worst_tokens=worst)   # warm: its buffers
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rx, ri, rw, lst, h, _ = eng.dispatch(x, **args, num_worst_tokens=worst)
+        eng.dispatch(x, handle=h)
+        eng.combine((rx.float() * 2).to(torch.bfloat16), h, rw, bias=bias)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert rx.shape[0] == worst and lst == []
     torch.cuda.synchronize()
     ref.destroy()
     eng.destroy()

@@ -5,10 +5,10 @@
 from worlds import case_tests
 
 CASES = {
-    2: ["matches_reference", "chunk_boundaries", "without_topk"],
+    2: ["matches_reference", "chunk_boundaries", "without_topk", "worst_no_read"],
     4: ["matches_reference", "chunk_boundaries", "random_stalls", "random_routings", "bad_expert_ids",
-        "network_timeout"],
-    8: ["matches_reference", "random_stalls", "without_topk", "network_timeout"],
+        "worst_no_read", "worst_over_cap", "network_timeout"],
+    8: ["matches_reference", "random_stalls", "without_topk", "worst_no_read", "network_timeout"],
 }
 
 world, test_case = case_tests("cases_internode", CASES, timeout_s=900)

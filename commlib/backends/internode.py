@@ -254,7 +254,10 @@ class InternodeBackend(ReferenceBackend):
             per_expert = per_expert[:E]
         else:
             per_expert = req.layout.num_tokens_per_expert.to(dev, torch.int64)
-        head = self._h2d([0] + sig)
+        worst = req.num_worst_tokens
+        # num_worst_tokens: no host read, every stream padded to cap = num_worst_tokens // R tokens
+        over_cap = bool(worst) and T > worst // R
+        head = self._h2d([int(over_cap)] + sig)
         # per destination node m, chunk k, local rank p: rows the forwarder (m, l) passes to p
         spos = torch.cumsum(in_node.to(torch.int64), dim=0) - 1                     # [T, M]
         crows = torch.clamp((send1 + Kc - 1) // Kc, min=ring)                        # [M] rows per chunk
@@ -269,6 +272,13 @@ class InternodeBackend(ReferenceBackend):
         self._phase = "dispatch (agreement + count exchange)"
         g = self._gather(row)                                                        # [R, row]
         n_sig = 1 + len(sig)
+        if over_cap:
+            raise ValueError(f"[commlib rank {me}] dispatch with num_worst_tokens={worst} sends at most "
+                             f"num_worst_tokens // num_ranks = {worst // R} tokens per rank (the padded streams "
+                             f"that need no host read); this rank has {T}")
+        if worst:
+            return self._dispatch_padded(req, g, head, n_sig, is_tir, in_node, spos, topk if K else None,
+                                         per_expert, ring)
         width = n_sig + R + 2 + M   # the row up to the chunk blocks
         # what the forwarders of this node pass on, [forwarder q, chunk, local rank p]: the blocks of
         # every rank for this node, summed over the rail of q (rank = node * P + q)
@@ -286,7 +296,6 @@ class InternodeBackend(ReferenceBackend):
         if wrong_ids:
             raise ValueError(f"[commlib rank {me}] dispatch aborted: topk_idx holds expert ids outside [-1, {E}) "
                              f"(rank, ids out of range): {wrong_ids}; nothing was sent")
-        worst = req.num_worst_tokens
         check_counts(me, self.ctx.max_nodes_per_token, gh[:, n_sig + R], counts_all, worst)
         send1_all = gh[:, n_sig + R + 2:].tolist()                                  # [R][M]
         num_recv = int(counts_all[:, me].sum())
@@ -334,6 +343,175 @@ class InternodeBackend(ReferenceBackend):
             num_recv_tokens=None if worst else num_recv, num_worst_tokens=worst, backend=self.name,
             extra={"plan": plan, "num_recv": num_recv, "counts_all": counts_all})
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle)
+
+    # ------------------------------------------------------------------ num_worst_tokens: no host read
+    def _dispatch_padded(self, req: DispatchRequest, g: torch.Tensor, head: torch.Tensor, n_sig: int,
+                         is_tir: torch.Tensor, in_node: torch.Tensor, spos: torch.Tensor, topk, per_expert,
+                         ring: int) -> DispatchResult:
+        """A dispatch with ``num_worst_tokens`` (W rows out): nothing is read to the host. Every rank
+        may send cap = W // R tokens, so every (rank, node) stream is padded to cap rows and every size
+        the collectives need is known on the host: chunks of ``chunk_rows(cap)`` rows, each chunk a
+        fixed slot per (token, node) pair; the fan-out gathers each landed chunk to every rank of the
+        node, which keeps the rows whose position for it is set.
+
+        Cost against the counted path: the network carries cap rows per (rank, node) instead of the
+        rows that go there (1 / P(a token reaches a given node) as many: ~1.0x for V3 on 2 nodes,
+        ~2x at 8 nodes with 4 per token), and the node step P x the landed rows. Errors (ranks
+        disagreeing, expert ids out of range, too many nodes per token) are found on the device:
+        on CPU ranks every rank raises as usual; on a GPU a device-side assert stops the process
+        (there is no host read to raise from)."""
+        topo = self.topology
+        me, R = topo.rank, topo.num_ranks
+        x, scales = req.x, req.x_scales
+        T, H = x.shape
+        E = req.num_experts
+        K = topk.shape[1] if topk is not None else 0
+        has_w = req.topk_weights is not None
+        worst, dev, out_device = req.num_worst_tokens, self.comm_device, x.device
+        if dev.type == "cpu":   # the host has the counts for free: the counted path's checks and messages
+            gh = g
+            self._check_agreement(gh, head[1:].tolist(), n_sig)
+            wrong_ids = [(r, int(gh[r, n_sig + R + 1])) for r in range(R) if gh[r, n_sig + R + 1] > 0]
+            if wrong_ids:
+                raise ValueError(f"[commlib rank {me}] dispatch aborted: topk_idx holds expert ids outside [-1, {E}) "
+                                 f"(rank, ids out of range): {wrong_ids}; nothing was sent")
+            check_counts(me, self.ctx.max_nodes_per_token, gh[:, n_sig + R], None, worst)
+        else:
+            problems = ((g[:, 0] != 0).any() | (g[:, 1:n_sig] != head[1:].view(1, -1)).any()
+                        | (g[:, n_sig + R] > 0).any() | (g[:, n_sig + R + 1] > 0).any())
+            torch._assert_async(~problems, "commlib internode dispatch (num_worst_tokens): ranks disagree on the "
+                                "op, an expert id is out of range, or a token reaches too many nodes")
+        counts_dev = g[:, n_sig:n_sig + R]
+        rank_prefix = torch.cumsum(counts_dev, dim=0).to(torch.int32)
+        C = req.config.num_channels
+        chan_prefix = L.channel_prefix_matrix(is_tir, C)
+        send_head = L.send_head(is_tir, rank_prefix, me)
+        plan = self._padded_plan(in_node, spos, worst, ring)
+        packer = self._packer(x, scales, K, has_w)
+        tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
+            [torch.arange(T, dtype=torch.int32, device=dev)]
+        if K:
+            tensors.append(topk)
+            if has_w:
+                tensors.append(req.topk_weights.to(dev))
+        cols = packer.unpack(self._move_padded(packer, tensors, send_head, plan))
+        recv_topk_idx = recv_topk_w = None
+        if K:
+            local_idx = L.local_expert_ids(cols["topk_idx"], me, E // R)
+            recv_topk_idx = local_idx.to(out_device)
+            if has_w:
+                recv_topk_w = torch.where(local_idx >= 0, cols["topk_w"], torch.zeros_like(cols["topk_w"])).to(out_device)
+        recv_chan_prefix = L.recv_channel_prefix(cols["src_idx"], rank_prefix[:, me], g[:, -1], C)
+        handle = DispatchHandle(
+            rank_prefix_matrix=rank_prefix.to(out_device), channel_prefix_matrix=chan_prefix.to(out_device),
+            recv_channel_prefix_matrix=recv_chan_prefix.to(out_device), recv_src_idx=cols["src_idx"].to(out_device),
+            is_token_in_rank=is_tir.to(out_device), send_head=send_head.to(out_device),
+            topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
+            num_recv_tokens=None, num_worst_tokens=worst, backend=self.name,
+            extra={"plan": plan, "num_recv": worst, "counts_all": None})
+        return DispatchResult(cols["x"].to(out_device), cols["scales"].to(out_device) if scales is not None else None,
+                              recv_topk_idx, recv_topk_w, [], handle)
+
+    def _padded_plan(self, in_node: torch.Tensor, spos: torch.Tensor, worst: int, ring: int) -> dict:
+        """Host geometry of a num_worst_tokens call (the same on every rank: cap, the ring and the
+        chunk cap are agreed) and each (token, node) pair's slot in the send rows: chunk-major, then
+        node, then the pair's row among its node's (pairs not sent: the dump slot past the end)."""
+        M = self.topology.num_nodes
+        cap = worst // self.topology.num_ranks
+        crows = chunk_rows(cap, ring, self.max_chunks)
+        nch = -(-cap // crows)
+        slots = nch * M * crows
+        nodes = torch.arange(M, device=in_node.device).view(1, M)
+        slot = ((spos // crows) * M + nodes) * crows + spos % crows
+        slot = torch.where(in_node, slot, torch.full_like(slot, slots))            # [T, M]
+        return {"padded": True, "num_chunks": nch, "crows": crows, "slots": slots, "slot": slot,
+                "num_recv": worst, "fan_pos": []}
+
+    def _move_padded(self, packer: _Packer, tensors: list, send_head: torch.Tensor, plan: dict) -> torch.Tensor:
+        """The data steps of a num_worst_tokens dispatch (fresh or cached): [W rows, packer.row_bytes]."""
+        topo = self.topology
+        M, P, loc = topo.num_nodes, topo.ranks_per_node, topo.local_rank
+        dev, W, T = self.comm_device, packer.row_bytes, send_head.shape[0]
+        nch, crows, slots, rows = plan["num_chunks"], plan["crows"], plan["slots"], plan["num_recv"]
+        send = torch.zeros(slots + 1, W + 4 * P, dtype=torch.uint8, device=dev)
+        send[:, W:] = 0xFF                                                          # no position: -1
+        if T:
+            row = torch.empty(T, W + 4 * P, dtype=torch.uint8, device=dev)
+            row[:, :W] = packer.pack(tensors)
+            heads = send_head.view(T, M, P)
+            for m in range(M):   # a token's row once per destination node, with its positions there
+                row[:, W:] = heads[:, m].contiguous().view(torch.uint8).view(T, 4 * P)
+                send.index_copy_(0, plan["slot"][:, m], row)
+        out = torch.zeros(rows + 1, W, dtype=torch.uint8, device=dev)              # + the dump row
+        _fill_ids(out, packer, rows)
+        per = M * crows
+        cached = bool(plan["fan_pos"])
+        post = lambda k: self.network.exchange(send[k * per:(k + 1) * per], [crows] * M, [crows] * M)
+        in_flight = post(0) if nch else None
+        for k in range(nch):
+            landed = self.network.land(in_flight, f"dispatch (network chunk {k} of {nch})")
+            if k + 1 < nch:
+                in_flight = post(k + 1)
+            self._phase = f"dispatch (fan-out of chunk {k})"
+            got = landed if P == 1 else self._gather(landed.flatten(), self.node_group).view(P * per, -1)
+            if not cached:
+                plan["fan_pos"].append(int32_columns(got, W, W + 4 * P))          # [P * per, P] (combine's map)
+            at = plan["fan_pos"][k][:, loc].to(torch.int64)
+            out.index_copy_(0, torch.where(at >= 0, at, torch.full_like(at, rows)), got[:, :W])
+        self._count_padded(plan)
+        return out[:rows]
+
+    def _count_padded(self, plan: dict) -> None:
+        """Rows moved by a padded call, padding included (what crossed the links)."""
+        topo = self.topology
+        sent = plan["num_chunks"] * plan["crows"]
+        self.counters["local_rows"] += sent
+        self.counters["internode_rows"] += sent * (topo.num_nodes - 1)
+        self.counters["intranode_rows"] += sent * topo.num_nodes * (topo.ranks_per_node - 1)
+
+    def _combine_padded(self, req: CombineRequest, plan: dict, packer: _Packer, w, T: int, H: int, K: int):
+        """Combine of a num_worst_tokens handle: the dispatch's steps backwards with the same fixed
+        sizes. Each rank of a node sends every forwarder its rows for that forwarder's landed rows
+        (zeros where it has none), the forwarder sums them in local-rank order, the partial goes back
+        over the network to its slot, and the home rank sums its node partials in node order.
+        Adding a zero row changes no float32 sum here (a sum of rows never becomes -0.0), so this
+        equals the counted path's sums of only the rows that exist."""
+        topo = self.topology
+        M, P, loc = topo.num_nodes, topo.ranks_per_node, topo.local_rank
+        dev = self.comm_device
+        nch, crows, rows = plan["num_chunks"], plan["crows"], plan["num_recv"]
+        per = M * crows
+        mine = packer.pack([req.x[:rows].to(dev)] + ([w] if K else []))
+        mine = torch.cat([mine, torch.zeros(1, packer.row_bytes, dtype=torch.uint8, device=dev)])  # + a zero row
+        back, posted = [], None
+        for k in range(nch):
+            at = plan["fan_pos"][k][:, loc].to(torch.int64)
+            rows_k = mine.index_select(0, torch.where(at >= 0, at, torch.full_like(at, rows)))   # [P * per, Wc]
+            if P > 1:   # to each forwarder its rows, then the forwarder's sum in local-rank order
+                got = packer.unpack(self._node_a2a(rows_k, [per] * P, [per] * P))
+                acc_y = torch.zeros(per, H, dtype=torch.float32, device=dev)
+                acc_w = torch.zeros(per, K, dtype=torch.float32, device=dev)
+                for p in range(P):
+                    acc_y += got["y"][p * per:(p + 1) * per].float()
+                    if K:
+                        acc_w += got["w"][p * per:(p + 1) * per]
+                rows_k = packer.pack([acc_y.to(torch.bfloat16)] + ([acc_w] if K else []))
+            if posted is not None:
+                back.append(self.network.land(posted, f"combine (network chunk {k - 1})"))
+            posted = self.network.exchange(rows_k, [crows] * M, [crows] * M)
+        if posted is not None:
+            back.append(self.network.land(posted, f"combine (network chunk {nch - 1})"))
+        back.append(torch.zeros(1, packer.row_bytes, dtype=torch.uint8, device=dev))   # the dump slot
+        parts = packer.unpack(torch.cat(back))
+        acc_y = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        acc_w = torch.zeros(T, K, dtype=torch.float32, device=dev)
+        for m in range(M):   # node partials in node order; pairs not sent read the zero dump slot
+            slot = plan["slot"][:, m]
+            acc_y += parts["y"].index_select(0, slot).float()
+            if K:
+                acc_w += parts["w"].index_select(0, slot)
+        self._count_padded(plan)
+        return acc_y, acc_w
 
     def _check_agreement(self, gh: torch.Tensor, sig: list, n_sig: int) -> None:
         """Raise on every rank when a rank refused its input or the ranks disagree on the op."""
@@ -462,8 +640,12 @@ class InternodeBackend(ReferenceBackend):
         packer = self._packer(x, scales, 0, False)
         tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
             [torch.arange(T, dtype=torch.int32, device=dev)]
-        rows = max(plan["num_recv"], h.num_worst_tokens)
-        cols = packer.unpack(self._move(packer, tensors, h.send_head.to(dev), plan, rows, cached=True))
+        if plan.get("padded"):
+            recv = self._move_padded(packer, tensors, h.send_head.to(dev), plan)
+        else:
+            rows = max(plan["num_recv"], h.num_worst_tokens)
+            recv = self._move(packer, tensors, h.send_head.to(dev), plan, rows, cached=True)
+        cols = packer.unpack(recv)
         return DispatchResult(cols["x"].to(x.device), cols["scales"].to(x.device) if scales is not None else None,
                               None, None, None, h)
 
@@ -473,7 +655,6 @@ class InternodeBackend(ReferenceBackend):
         plan = plan_of(self, h)
         T, H = h.num_tokens, req.x.shape[1]
         dev = self.comm_device
-        out_device = req.x.device
         n = plan["num_recv"]
         w = req.topk_weights[:n].to(dev) if req.topk_weights is not None else None
         K = w.shape[1] if w is not None else 0
@@ -482,6 +663,9 @@ class InternodeBackend(ReferenceBackend):
             self._agree(self.signature(3, H, h.num_experts, False, K, w is not None, req.config), [])
         self._phase = "combine"
         packer = _Packer([("y", torch.bfloat16, (H,))] + ([("w", torch.float32, (K,))] if K else []))
+        if plan.get("padded"):
+            acc_y, acc_w = self._combine_padded(req, plan, packer, w, T, H, K)
+            return self._combined(req, acc_y, acc_w, K)
         rows = packer.pack([req.x[:n].to(dev)] + ([w] if K else []))          # [n, W] at the final rows
         S = sum(plan["home_lens"])
         back = torch.empty(S, packer.row_bytes, dtype=torch.uint8, device=dev)
@@ -502,8 +686,13 @@ class InternodeBackend(ReferenceBackend):
         tok = plan["send_tok"].index_select(0, plan["home"])
         acc_y, acc_w = sum_rows(packer.unpack(back.index_select(0, plan["home"])), tok.split(plan["home_lens"]),
                                 T, H, K)
+        return self._combined(req, acc_y, acc_w, K)
+
+    def _combined(self, req: CombineRequest, acc_y: torch.Tensor, acc_w: torch.Tensor, K: int) -> CombineResult:
+        """The home sum plus the biases, in bf16 (weights float32) on the caller's device."""
         for b in req.bias:
-            acc_y += b.to(dev).float()
+            acc_y += b.to(self.comm_device).float()
+        out_device = req.x.device
         return CombineResult(acc_y.to(torch.bfloat16).to(out_device), acc_w.to(out_device) if K else None)
 
     def _land_back(self, posted, back: torch.Tensor, k: int) -> None:

@@ -109,8 +109,7 @@ def reduce_values(g: torch.Generator, N: int, H: int, K: int):
 
 def packed(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """uint8 [N, 2 H + 4 K]: y's bytes then w's."""
-    N = y.shape[0]
-    return torch.cat([y.contiguous().view(torch.uint8).view(N, -1), w.contiguous().view(torch.uint8).view(N, -1)], 1)
+    return torch.cat([y.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)], 1)
 
 
 def reduce_oracle(ys: list, ws: list, pos: torch.Tensor) -> torch.Tensor:
@@ -164,8 +163,9 @@ def run_forward_round(ctx, fan: NodeFanout, seed: int, W: int, pad, row_bytes) -
     mine = [landed_chunk(payloads[me][k], pos[me][k], _stride(W, P, pad), dev) for k in range(len(sizes[me]))]
     fan.reserve(max(N), rb)
     own = fan.rows(N[me], rb)
-    own.fill_(SENTINEL)
-    fan.barrier()
+    fan.barrier()               # peers are done reading my rows (a reduce before this round)
+    own.fill_(SENTINEL)         # (the engine writes nothing here; the test's sentinel is a write)
+    fan.barrier()               # my rows are filled before any peer forwards into them
     for chunk in mine:
         fan.forward(chunk, W, row_bytes)
     fan.barrier()

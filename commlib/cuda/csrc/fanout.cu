@@ -116,6 +116,9 @@ extern "C" __global__ void __launch_bounds__(1024) fanout_forward_kernel(const u
         forward_rows<int4>(landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride);
     else
         forward_rows<u32>(landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride);
+    // This thread's stores into the peers are performed system-wide before it exits (the barrier
+    // kernel after it fences again before its release: belt and braces, one fence per thread).
+    __threadfence_system();
 }
 
 // ------------------------------------------------------------------------------------------------

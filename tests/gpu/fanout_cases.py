@@ -128,9 +128,17 @@ def reduce_oracle(ys: list, ws: list, pos: torch.Tensor) -> torch.Tensor:
     return packed(acc_y.to(torch.bfloat16), acc_w)
 
 
-def describe_diff(got: torch.Tensor, want: torch.Tensor) -> str:
-    bad = (got != want).nonzero()
-    return f"{bad.shape[0]} bytes differ, first (row, byte): {bad[:5].tolist()}"
+def expect_equal(errors: list, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Record a mismatch instead of raising: every rank keeps making the same barrier calls until the
+    case's end (a rank that left early would leave its peers waiting, or writing into freed memory)."""
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero()
+        errors.append(f"{what}: {bad.shape[0]} bytes differ, first (row, byte): {bad[:5].tolist()}")
+
+
+def raise_errors(ctx, errors: list) -> None:
+    if errors:
+        raise AssertionError(f"rank {ctx.rank}: " + "\n".join(errors))
 
 
 def finish(fan: NodeFanout) -> None:
@@ -153,7 +161,7 @@ def _stride(W: int, P: int, pad) -> int:
     return W + 4 * P + pad
 
 
-def run_forward_round(ctx, fan: NodeFanout, seed: int, W: int, pad, row_bytes) -> None:
+def run_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int, pad, row_bytes) -> None:
     P, me, dev = ctx.world_size, ctx.rank, ctx.device
     rb = W if row_bytes is None else row_bytes
     g = torch.Generator().manual_seed(seed)
@@ -171,24 +179,25 @@ def run_forward_round(ctx, fan: NodeFanout, seed: int, W: int, pad, row_bytes) -
     fan.barrier()
     got = own.cpu()
     want = forward_oracle(payloads, pos, me, N[me], W, rb)
-    assert torch.equal(got, want), f"forward round seed {seed} W {W} pad {pad} row_bytes {row_bytes}: " + \
-        describe_diff(got, want)
+    expect_equal(errors, got, want, f"forward round seed {seed} W {W} pad {pad} row_bytes {row_bytes}")
 
 
 def case_forward(ctx):
+    errors: list = []
     fan = NodeFanout(ctx.group, ctx.device, num_ctas=3, timeout_s=TIMEOUT_S)
     try:
         caps = []
         for i, (W, pad, row_bytes) in enumerate(FORWARD_ROUNDS):
-            run_forward_round(ctx, fan, 100 + i, W, pad, row_bytes)
+            run_forward_round(ctx, fan, errors, 100 + i, W, pad, row_bytes)
             caps.append(fan.capacity)
         assert caps == sorted(caps) and caps[0] < caps[-1], f"the data area should have grown: {caps}"
         # several rounds on one buffer size (the epochs keep counting)
         for i in range(3):
-            run_forward_round(ctx, fan, 200 + i, 1024, "align16", None)
+            run_forward_round(ctx, fan, errors, 200 + i, 1024, "align16", None)
         assert fan.capacity == caps[-1]
     finally:
         finish(fan)
+    raise_errors(ctx, errors)
 
 
 # ------------------------------------------------------------------ reduce
@@ -198,7 +207,7 @@ REDUCE_ROUNDS = [(7168, 9, None, None), (7168, 9, 14384, 14384), (37, 3, None, N
                  (7168, 1, None, None)]
 
 
-def run_reduce_round(ctx, fan: NodeFanout, seed: int, H: int, K: int, row_bytes, out_stride) -> None:
+def run_reduce_round(ctx, fan: NodeFanout, errors: list, seed: int, H: int, K: int, row_bytes, out_stride) -> None:
     P, me, dev = ctx.world_size, ctx.rank, ctx.device
     W = 2 * H + 4 * K
     rb = W if row_bytes is None else row_bytes
@@ -222,28 +231,31 @@ def run_reduce_round(ctx, fan: NodeFanout, seed: int, H: int, K: int, row_bytes,
         got = out.cpu()
         want = torch.full_like(got, SENTINEL)
         want[:, :W] = reduce_oracle(ys, ws, pos[me][k])
-        assert torch.equal(got, want), f"reduce round seed {seed} H {H} K {K} row_bytes {row_bytes} chunk {k}: " + \
-            describe_diff(got, want)
+        expect_equal(errors, got, want, f"reduce round seed {seed} H {H} K {K} row_bytes {row_bytes} chunk {k}")
 
 
 def case_reduce(ctx):
+    errors: list = []
     fan = NodeFanout(ctx.group, ctx.device, num_ctas=5, timeout_s=TIMEOUT_S)
     try:
         for i, (H, K, row_bytes, out_stride) in enumerate(REDUCE_ROUNDS):
-            run_reduce_round(ctx, fan, 300 + i, H, K, row_bytes, out_stride)
+            run_reduce_round(ctx, fan, errors, 300 + i, H, K, row_bytes, out_stride)
     finally:
         finish(fan)
+    raise_errors(ctx, errors)
 
 
 def case_dispatch_then_combine(ctx):
     """Forward rounds and reduce rounds interleaved on one NodeFanout (the engine's call pattern)."""
+    errors: list = []
     fan = NodeFanout(ctx.group, ctx.device, num_ctas=2, timeout_s=TIMEOUT_S)
     try:
         for i in range(3):
-            run_forward_round(ctx, fan, 400 + i, 2 * 512 + 36, 0, None)
-            run_reduce_round(ctx, fan, 500 + i, 512, 5, None, None)
+            run_forward_round(ctx, fan, errors, 400 + i, 2 * 512 + 36, 0, None)
+            run_reduce_round(ctx, fan, errors, 500 + i, 512, 5, None, None)
     finally:
         finish(fan)
+    raise_errors(ctx, errors)
 
 
 # ------------------------------------------------------------------ CUDA graphs
@@ -252,6 +264,7 @@ def case_graph_forward(ctx):
     (positions included) in the same tensors, then the same steps eagerly."""
     P, me, dev = ctx.world_size, ctx.rank, ctx.device
     W = 1040
+    errors: list = []
     fan = NodeFanout(ctx.group, ctx.device, num_ctas=4, timeout_s=TIMEOUT_S)
     try:
         g0 = torch.Generator().manual_seed(600)
@@ -282,10 +295,11 @@ def case_graph_forward(ctx):
                 steps()                                   # eager after the replays: epochs still in step
             got = own.cpu()
             want = forward_oracle(payloads, pos, me, n_fixed, W, W)
-            assert torch.equal(got, want), f"graph forward iteration {it}: " + describe_diff(got, want)
+            expect_equal(errors, got, want, f"graph forward iteration {it}")
         del graph
     finally:
         finish(fan)
+    raise_errors(ctx, errors)
 
 
 def case_graph_combine(ctx):
@@ -294,6 +308,7 @@ def case_graph_combine(ctx):
     P, me, dev = ctx.world_size, ctx.rank, ctx.device
     H, K = 7168, 3
     W = 2 * H + 4 * K
+    errors: list = []
     fan = NodeFanout(ctx.group, ctx.device, num_ctas=4, timeout_s=TIMEOUT_S)
     try:
         g0 = torch.Generator().manual_seed(700)
@@ -325,10 +340,11 @@ def case_graph_combine(ctx):
             for k, out in enumerate(outs):
                 got = out.cpu()
                 want = reduce_oracle(ys, ws, pos[me][k])
-                assert torch.equal(got, want), f"graph combine iteration {it} chunk {k}: " + describe_diff(got, want)
+                expect_equal(errors, got, want, f"graph combine iteration {it} chunk {k}")
         del graph
     finally:
         finish(fan)
+    raise_errors(ctx, errors)
 
 
 def case_refusals(ctx):

@@ -90,6 +90,8 @@ class NodeFanout:
         if num_ctas < 1:
             raise ValueError(f"NodeFanout: num_ctas must be >= 1, got {num_ctas}")
         self.device = torch.device(device)
+        if self.device.index is None:  # "cuda": the current device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_ctas = int(num_ctas)
         self.timeout_ns = int(float(env.timeout_s() if timeout_s is None else timeout_s) * 1e9)
         self.capacity = 0  # bytes of the data area

@@ -90,6 +90,7 @@ FAMILIES = {
     "low_latency": ("ll_dispatch_kernel", "ll_combine_kernel"),
     "moe_rows": ("slot_sum_bf16",),   # commlib.training.moe.layer's expert stage (no peer memory)
     "ce": ("ce_sync_kernel", "ce_pack_kernel", "ce_reduce_kernel"),  # the copy-engine data path
+    "fanout": ("fanout_barrier_kernel", "fanout_forward_kernel", "fanout_reduce_kernel"),  # internode fan-out (IPC)
 }
 
 _lock = threading.Lock()

@@ -1,0 +1,220 @@
+"""The internode engine's fan-out inside a node over CUDA IPC: csrc/fanout.cu behind ``NodeFanout``.
+
+Legend: P local ranks of the node (the node group, local rank p = rank p of that group), J rows of one
+landed network chunk, W payload bytes of a row.
+
+Every local rank owns one peer-memory buffer (``commlib.backends.nvlink.peer_memory.PeerMemory``)
+that every process of the node maps:
+  [0, SIGNAL_BYTES)           signal area: arrival u64 [MAX_RANKS] (barriers local rank q entered,
+                              added by q), then this rank's epoch u64 (barriers it entered)
+  [DATA_OFFSET, + capacity)   data area: this rank's landing rows (``rows``), DATA_OFFSET a multiple
+                              of SLOT_ALIGN
+The kernels:
+  barrier   one CTA: epoch += 1; arrival[me] += 1 at every local rank (release, system scope); wait
+            until every own arrival[q] >= epoch (acquire). Device-side only (no host sync), so it can
+            be captured in a CUDA graph and replayed; a peer that never comes traps after the
+            timeout with "[commlib] rank L fanout barrier: waited for local rank q (epoch e, seen s)".
+  forward   a landed chunk (uint8 [J, >= W + 4 P]: W payload bytes, then P int32 = the row's final row
+            on local rank p, -1 where p does not get it): the payload of row j is stored straight into
+            local rank p's data area at row pos[j, p] (row stride ``row_bytes``, default W).
+  reduce    combine mirror: out row j = bf16(sum in ascending p over the p with pos[j, p] >= 0 of
+            float(peer p's row pos[j, p]).y), then the float32 sum of the .w parts, from +0.0 with
+            IEEE adds: ``reference.sum_rows`` (index_add_ per local rank, in rank order, into zeros)
+            followed by ``.to(torch.bfloat16)``, bit for bit. A row of the data areas is H bf16 then K
+            float32, packed (``_Packer([("y", bf16, (H,)), ("w", f32, (K,))])``).
+
+Protocol (every local rank makes the same calls in the same order, on one stream each):
+  dispatch   barrier            every peer is past its reads of the previous call's rows (here: its
+                                own rows, read after the last barrier of that call)
+             forward per chunk  plain stores into the peers' data areas
+             barrier            every peer's stores into my area are done and visible
+             read own rows      ``rows(n, row_bytes)``
+  combine    barrier            every peer is past its previous reads of my area (the previous
+                                reduce) and of its own
+             write own rows     into ``rows(n, row_bytes)``
+             barrier            every peer's rows are written
+             reduce per chunk   loads from the peers' data areas
+The next call's first barrier keeps a peer from overwriting rows still being read. Nothing here
+checks that a position is below the rows reserved (that would need a host sync): the caller's
+plan does (positions are final output rows, < the rows it reserved).
+
+Memory: ``reserve(rows, row_bytes)`` before a call, collective on the node group with the same values
+on every rank; it grows the buffers when they are too small (device sync, group barrier, new
+buffers, handles exchanged: never inside a CUDA graph capture), and is free otherwise. Growth zeroes
+the signal areas (every rank's at once, so the epochs stay in step) and invalidates earlier ``rows``
+views; captured graphs stay valid (the kernels read the peers' addresses from a device tensor this
+object keeps and refills).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commlib.backends.nvlink.peer_memory import SLOT_ALIGN, PeerMemory
+from commlib.cuda import loader
+from commlib.utils import env
+from commlib.utils.math import align_up
+
+FAMILY = "fanout"
+SIGNAL_OFFSET = 0
+SIGNAL_BYTES = 4096          # arrival [MAX_RANKS] u64 + epoch u64 (csrc/fanout.cu), padded to a page
+DATA_OFFSET = align_up(SIGNAL_BYTES, SLOT_ALIGN)
+BARRIER_THREADS = 32         # one warp (csrc/fanout.cu: lane q speaks for local rank q)
+THREADS = 512                # forward / reduce: a warp per row
+GROWTH_ALIGN = 2 << 20       # data areas grow in 2 MiB steps, by at least half their size
+assert SIGNAL_BYTES >= 8 * (loader.MAX_RANKS + 1)
+
+
+class _DeviceRows:
+    """A raw device range seen by torch.as_tensor as uint8 [n, row_bytes] (__cuda_array_interface__)."""
+
+    def __init__(self, addr: int, n: int, row_bytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n, row_bytes), "typestr": "|u1", "data": (addr, False),
+                                         "strides": None, "version": 2}
+
+
+class NodeFanout:
+    """The fan-out of landed rows to the local ranks of a node, and its combine mirror (module docstring).
+
+    ``group``: the node group (local rank = rank in it); ``device``: this rank's GPU; ``num_ctas``:
+    grid of forward / reduce; ``timeout_s``: how long the barrier waits for a peer before it traps
+    (default COMMLIB_TIMEOUT_S). Collective on ``group`` at creation.
+    """
+
+    def __init__(self, group, device: torch.device, num_ctas: int = 16, timeout_s: float | None = None) -> None:
+        self.group = group
+        self.local_rank = dist.get_rank(group)
+        self.num_local = dist.get_world_size(group)
+        if self.num_local > loader.MAX_RANKS:
+            raise ValueError(f"NodeFanout: {self.num_local} local ranks, at most {loader.MAX_RANKS}")
+        if num_ctas < 1:
+            raise ValueError(f"NodeFanout: num_ctas must be >= 1, got {num_ctas}")
+        self.device = torch.device(device)
+        if self.device.index is None:  # "cuda": the current device
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_ctas = int(num_ctas)
+        self.timeout_ns = int(float(env.timeout_s() if timeout_s is None else timeout_s) * 1e9)
+        self.capacity = 0  # bytes of the data area
+        with torch.cuda.device(self.device):
+            for name in loader.FAMILIES[FAMILY]:  # compile / load now, never inside a graph capture
+                loader._launcher(FAMILY, name, self.device.index)
+        self.mem: PeerMemory | None = None
+        self.peer_bases = torch.zeros(self.num_local, dtype=torch.int64, device=self.device)
+        self._open(0)
+
+    # ------------------------------------------------------------------ memory
+    def _open(self, capacity: int) -> None:
+        """Collective: new buffers of ``capacity`` data bytes on every rank (zeroed), mapped everywhere."""
+        self.mem = PeerMemory(DATA_OFFSET + capacity, self.group, self.local_rank, self.num_local, self.device)
+        self.peer_bases.copy_(self.mem.peer_bases)
+        self.capacity = capacity
+        self.mem.all_opened(self.group, self.local_rank, self.num_local)  # (syncs the device first)
+
+    def reserve(self, rows: int, row_bytes: int) -> None:
+        """Make room for ``rows`` rows of ``row_bytes`` in every data area. Collective on the node group
+        (every local rank calls it with the same values); free when they fit already."""
+        self._alive()
+        need = int(rows) * int(row_bytes)
+        if rows < 0 or row_bytes < 0:
+            raise ValueError(f"NodeFanout.reserve: rows ({rows}) and row_bytes ({row_bytes}) must be >= 0")
+        if need <= self.capacity:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"[commlib local rank {self.local_rank}] NodeFanout.reserve({rows}, {row_bytes}) must "
+                               f"grow the buffers ({self.capacity} bytes) inside a CUDA graph capture; reserve "
+                               "before capturing")
+        capacity = align_up(max(need, self.capacity + self.capacity // 2), GROWTH_ALIGN)
+        # every rank's work on the old buffers (its own and its peers') is done before any is freed
+        torch.cuda.synchronize(self.device)
+        dist.all_gather_object([None] * self.num_local, self.local_rank, group=self.group)
+        self.mem.close()
+        self.mem = None
+        self._open(capacity)
+
+    def rows(self, n: int, row_bytes: int) -> torch.Tensor:
+        """uint8 [n, row_bytes] view of this rank's data area (row r at DATA_OFFSET + r * row_bytes).
+        Valid until the next ``reserve`` that grows or ``close``."""
+        self._alive()
+        if n < 0 or row_bytes < 0 or n * row_bytes > self.capacity:
+            raise ValueError(f"NodeFanout.rows({n}, {row_bytes}): {n * row_bytes} bytes, the data area holds "
+                             f"{self.capacity} (reserve first)")
+        if n == 0 or row_bytes == 0:
+            return torch.empty(n, row_bytes, dtype=torch.uint8, device=self.device)
+        view = torch.as_tensor(_DeviceRows(self.mem.base + DATA_OFFSET, n, row_bytes), device=self.device)
+        assert view.data_ptr() == self.mem.base + DATA_OFFSET and view.dtype == torch.uint8
+        return view
+
+    # ------------------------------------------------------------------ kernels
+    def barrier(self) -> None:
+        """All local ranks meet (device side, on the current stream; CUDA-graph capturable)."""
+        self._alive()
+        loader.launch(FAMILY, "fanout_barrier_kernel", 1, BARRIER_THREADS,
+                 (loader.ptr(self.peer_bases), loader.i32(self.local_rank), loader.i32(self.num_local), loader.u64(SIGNAL_OFFSET),
+                  loader.u64(self.timeout_ns)))
+
+    def _grid(self, J: int) -> int:
+        return max(1, min(self.num_ctas, -(-J // (THREADS // 32))))
+
+    def forward(self, landed: torch.Tensor, W: int, row_bytes: int | None = None) -> None:
+        """Store the W payload bytes of every landed row at its final row on each local rank that gets
+        it (``landed``: uint8 [J, >= W + 4 P], see the module docstring). ``row_bytes``: the row stride
+        of the data areas (default W). W, the strides and landed's address: multiples of 4."""
+        self._alive()
+        P = self.num_local
+        dst_stride = int(W if row_bytes is None else row_bytes)
+        if landed.dtype != torch.uint8 or landed.dim() != 2 or landed.device != self.device:
+            raise ValueError(f"NodeFanout.forward: landed must be a 2-D uint8 tensor on {self.device}, got "
+                             f"{tuple(landed.shape)} {landed.dtype} on {landed.device}")
+        J = landed.shape[0]
+        if J == 0:
+            return
+        if landed.shape[1] < W + 4 * P or (landed.shape[1] > 1 and landed.stride(1) != 1):
+            raise ValueError(f"NodeFanout.forward: landed rows must hold W + 4 P = {W + 4 * P} contiguous bytes, got "
+                             f"shape {tuple(landed.shape)} strides {landed.stride()}")
+        row_stride = landed.stride(0)
+        if W % 4 or row_stride % 4 or dst_stride % 4 or landed.data_ptr() % 4 or W <= 0:
+            raise ValueError(f"NodeFanout.forward: W ({W}), the landed row stride ({row_stride}), row_bytes "
+                             f"({dst_stride}) and landed's address must be positive multiples of 4")
+        if dst_stride < W:
+            raise ValueError(f"NodeFanout.forward: row_bytes ({dst_stride}) < W ({W})")
+        loader.launch(FAMILY, "fanout_forward_kernel", self._grid(J), THREADS,
+                 (loader.ptr(landed), loader.i32(J), loader.i32(row_stride), loader.i32(W), loader.i32(P), loader.ptr(self.peer_bases),
+                  loader.u64(DATA_OFFSET), loader.i32(dst_stride)))
+
+    def reduce(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, row_bytes: int | None = None) -> None:
+        """out[j] = the local ranks' rows pos[j, p] summed in ascending p (module docstring): bf16 [H]
+        then float32 [K] packed into the uint8 row out[j] (``out``: uint8 [J, >= 2 H + 4 K], row
+        stride even). ``pos``: int32 [J, P]; ``row_bytes``: the data areas' row stride (default 2 H + 4 K)."""
+        self._alive()
+        P = self.num_local
+        W = 2 * H + 4 * K
+        src_stride = int(W if row_bytes is None else row_bytes)
+        if pos.dim() != 2 or pos.shape[1] != P or pos.dtype != torch.int32 or pos.device != self.device:
+            raise ValueError(f"NodeFanout.reduce: pos must be int32 [J, {P}] on {self.device}, got "
+                             f"{tuple(pos.shape)} {pos.dtype} on {pos.device}")
+        J = pos.shape[0]
+        if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != J or out.shape[1] < W \
+                or out.device != self.device or (out.shape[1] > 1 and out.stride(1) != 1):
+            raise ValueError(f"NodeFanout.reduce: out must be uint8 [{J}, >= {W}] (rows contiguous) on {self.device}, "
+                             f"got {tuple(out.shape)} {out.dtype} strides {out.stride()} on {out.device}")
+        if H < 0 or K < 0 or src_stride < W or src_stride % 2 or out.stride(0) % 2 or out.data_ptr() % 2:
+            raise ValueError(f"NodeFanout.reduce: H ({H}), K ({K}), row_bytes ({src_stride} >= {W}), out's row "
+                             "stride and address must be even")
+        if J == 0:
+            return
+        pos = pos.contiguous()
+        loader.launch(FAMILY, "fanout_reduce_kernel", self._grid(J), THREADS,
+                 (loader.ptr(pos), loader.i32(J), loader.i32(P), loader.ptr(self.peer_bases), loader.u64(DATA_OFFSET), loader.i32(src_stride),
+                  loader.i32(H), loader.i32(K), loader.ptr(out), loader.i32(out.stride(0))))
+
+    # ------------------------------------------------------------------ lifetime
+    def _alive(self) -> None:
+        if self.mem is None:
+            raise RuntimeError(f"[commlib local rank {self.local_rank}] NodeFanout is closed")
+
+    def close(self) -> None:
+        """Free this rank's buffer and close its peer mappings (waits for this device; collective-free).
+        Peers must be done with this rank's buffer: call it after a barrier every rank has passed."""
+        if self.mem is not None:
+            self.mem.close()
+            self.mem = None

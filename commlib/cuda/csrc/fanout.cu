@@ -1,0 +1,221 @@
+// fanout.cu: the internode engine's fan-out inside a node over CUDA IPC (commlib/backends/fanout.py).
+//
+// Every local rank p of the node owns one peer-memory buffer that every process of the node maps
+// (commlib/backends/nvlink/peer_memory.py); peer_bases[p] is its address in this process. Layout:
+//   [signal_offset, + 8 * CL_MAX_RANKS)            arrival[q]: barriers local rank q has entered
+//   [signal_offset + 8 * CL_MAX_RANKS, + 8)        epoch: barriers this rank has entered (own word)
+//   [data_offset, ...)                             rows (the landing buffer of this rank)
+//
+//   fanout_barrier_kernel   all P local ranks meet (device side, CUDA-graph replayable)
+//   fanout_forward_kernel   dispatch: each landed row -> its final row on every local rank that gets it
+//   fanout_reduce_kernel    combine: per landed row, the sum (ascending p) of the local ranks' rows
+//
+// The protocol that makes plain stores and loads safe is in the Python module's docstring.
+#include "common.cuh"
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+
+#define FANOUT_EPOCH_WORD CL_MAX_RANKS  // u64 index of the epoch word after the arrival array
+
+// Vectors of a row each lane keeps in flight.
+constexpr int kForwardUnroll = 4;
+constexpr int kReduceUnroll = 2;
+
+__device__ __forceinline__ void red_add_release_sys(u64* p, u64 v) {
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Barrier: one CTA (one warp works; lane q speaks for local rank q).
+//   epoch = ++own epoch word; arrival[local_rank] += 1 at every local rank (own included, release,
+//   system scope); wait until own arrival[q] >= epoch for every q (acquire, system scope).
+// A rank can be at most one barrier ahead of another (it needs everyone's arrival to leave one), so
+// ">=" never confuses two epochs. Nothing host-side changes between calls: graph replays advance
+// the epoch like eager calls.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(32) fanout_barrier_kernel(const u64* peer_bases, int local_rank, int P,
+                                                                      u64 signal_offset, u64 timeout_ns) {
+    if (threadIdx.x >= 32 || blockIdx.x != 0) return;  // whole warps / CTAs leave
+    const int lane = lane_id();
+    u64* own = reinterpret_cast<u64*>(peer_bases[local_rank] + signal_offset);
+    u64 epoch = 0;
+    if (lane == 0) {
+        epoch = ld_volatile(own + FANOUT_EPOCH_WORD) + 1;  // only this rank's stream writes it
+        st_volatile(own + FANOUT_EPOCH_WORD, epoch);
+    }
+    epoch = __shfl_sync(FULL_MASK, epoch, 0);
+    // The kernels before this one on the stream (forward's stores into peers, or this rank's writes
+    // of its own rows, or its reads of peers' rows) are complete; order them before the arrivals.
+    asm volatile("fence.sc.sys;" ::: "memory");
+    if (lane < P) red_add_release_sys(reinterpret_cast<u64*>(peer_bases[lane] + signal_offset) + local_rank, 1ull);
+    if (lane < P) {
+        const u64* word = own + lane;
+        u64 seen = ld_acquire_sys(word);
+        if (seen < epoch) {
+            const u64 start = global_timer_ns();
+            while ((seen = ld_acquire_sys(word)) < epoch) {
+                if (global_timer_ns() - start > timeout_ns) {
+                    printf("[commlib] rank %d fanout barrier: waited for local rank %d (epoch %llu, seen %llu)\n",
+                           local_rank, lane, epoch, seen);
+                    asm volatile("trap;");
+                }
+            }
+        }
+    }
+    __syncwarp();
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Forward: a warp per landed row j (grid-stride). Row j = W payload bytes, then P int32 positions
+// (its final row on local rank p, -1: p does not get it). The payload is loaded once and stored to
+// every destination p at peer_bases[p] + data_offset + pos * dst_stride. V: int4 when every size,
+// stride and base is 16-byte aligned, else u32 (the host checks multiples of 4).
+// ------------------------------------------------------------------------------------------------
+template <typename V>
+__device__ __forceinline__ void forward_rows(const u8* landed, int J, int row_stride, int W, int P,
+                                             const u64* peer_bases, u64 data_offset, int dst_stride) {
+    constexpr int U = kForwardUnroll;
+    const int lane = lane_id();
+    const int warps = blockDim.x >> 5;
+    const int n = W / (int)sizeof(V);
+    const u64 base_lane = lane < P ? peer_bases[lane] + data_offset : 0;
+    for (int j = blockIdx.x * warps + warp_id(); j < J; j += gridDim.x * warps) {
+        const u8* row = landed + (i64)j * row_stride;
+        const int pos_lane = lane < P ? reinterpret_cast<const int*>(row + W)[lane] : -1;
+        V* dst[CL_MAX_RANKS];
+#pragma unroll
+        for (int p = 0; p < CL_MAX_RANKS; ++p) {
+            const int q = __shfl_sync(FULL_MASK, pos_lane, p);
+            const u64 b = __shfl_sync(FULL_MASK, base_lane, p);
+            dst[p] = (p < P && q >= 0) ? reinterpret_cast<V*>(b + (u64)q * (u64)dst_stride) : nullptr;
+        }
+        const V* src = reinterpret_cast<const V*>(row);
+        for (int i0 = lane; i0 < n; i0 += 32 * U) {
+            V v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (i0 + 32 * u < n) v[u] = src[i0 + 32 * u];
+#pragma unroll
+            for (int p = 0; p < CL_MAX_RANKS; ++p)
+                if (dst[p] != nullptr)
+#pragma unroll
+                    for (int u = 0; u < U; ++u)
+                        if (i0 + 32 * u < n) dst[p][i0 + 32 * u] = v[u];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) fanout_forward_kernel(const u8* landed, int J, int row_stride, int W,
+                                                                        int P, const u64* peer_bases, u64 data_offset,
+                                                                        int dst_stride) {
+    u64 bits = (u64)W | (u64)row_stride | (u64)dst_stride | reinterpret_cast<u64>(landed) | data_offset;
+    for (int p = 0; p < P; ++p) bits |= peer_bases[p];
+    if ((bits & 15) == 0)
+        forward_rows<int4>(landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride);
+    else
+        forward_rows<u32>(landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride);
+    // This thread's stores into the peers are performed system-wide before it exits (the barrier
+    // kernel after it fences again before its release: belt and braces, one fence per thread).
+    __threadfence_system();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Reduce (combine mirror): out row j = bf16(sum over p ascending with pos[j, p] >= 0 of peer p's row
+// pos[j, p], y part) then the float32 sum of the w part, both from +0.0f with IEEE adds (add_rn: no
+// flush, no FMA), i.e. commlib.backends.reference.sum_rows (index_add_ per local rank, in rank
+// order, into zeros) and .to(torch.bfloat16). A row: H bf16 then K float32, packed (w at byte 2H).
+// The y part goes by vectors V of sizeof(V) / 2 bf16: int4 (8) when H % 8 == 0 and every stride and
+// base is 16-byte aligned, u32 (2) when H is even and they are 4-byte aligned, else u16 (1). The
+// K weights go as two u16 halves each (at byte 2H, 4-byte aligned only when H is even).
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void acc_vec(float* acc, int4 v) { acc_bf16x8(acc, v); }
+__device__ __forceinline__ void acc_vec(float* acc, u32 v) {
+    acc[0] = add_rn(acc[0], bf16_lo(v));
+    acc[1] = add_rn(acc[1], bf16_hi(v));
+}
+__device__ __forceinline__ void acc_vec(float* acc, u16 v) { acc[0] = add_rn(acc[0], __uint_as_float((u32)v << 16)); }
+
+template <typename V> __device__ __forceinline__ V pack_vec(const float* acc);
+template <> __device__ __forceinline__ int4 pack_vec<int4>(const float* acc) { return pack_bf16x8(acc); }
+template <> __device__ __forceinline__ u32 pack_vec<u32>(const float* acc) { return pack_bf16x2(acc[0], acc[1]); }
+template <> __device__ __forceinline__ u16 pack_vec<u16>(const float* acc) {
+    return (u16)(pack_bf16x2(acc[0], 0.f) & 0xffffu);
+}
+
+__device__ __forceinline__ float load_f32_halves(u64 addr) {
+    const u16* h = reinterpret_cast<const u16*>(addr);
+    return __uint_as_float((u32)__ldcg(h) | ((u32)__ldcg(h + 1) << 16));
+}
+__device__ __forceinline__ void store_f32_halves(u8* addr, float v) {
+    const u32 b = __float_as_uint(v);
+    u16* h = reinterpret_cast<u16*>(addr);
+    h[0] = (u16)(b & 0xffffu);
+    h[1] = (u16)(b >> 16);
+}
+
+template <typename V>
+__device__ __forceinline__ void reduce_rows(const int* pos, int J, int P, const u64* peer_bases, u64 data_offset,
+                                            int src_stride, int H, int K, u8* out, int out_stride) {
+    constexpr int U = kReduceUnroll;
+    constexpr int E = (int)sizeof(V) / 2;  // bf16 per vector
+    const int lane = lane_id();
+    const int warps = blockDim.x >> 5;
+    const int n = H / E;
+    const u64 base_lane = lane < P ? peer_bases[lane] + data_offset : 0;
+    for (int j = blockIdx.x * warps + warp_id(); j < J; j += gridDim.x * warps) {
+        const int pos_lane = lane < P ? pos[(i64)j * P + lane] : -1;
+        u64 src[CL_MAX_RANKS];  // peer p's row, 0: p holds none of row j
+#pragma unroll
+        for (int p = 0; p < CL_MAX_RANKS; ++p) {
+            const int q = __shfl_sync(FULL_MASK, pos_lane, p);
+            const u64 b = __shfl_sync(FULL_MASK, base_lane, p);
+            src[p] = (p < P && q >= 0) ? b + (u64)q * (u64)src_stride : 0;
+        }
+        u8* orow = out + (i64)j * out_stride;
+        for (int i0 = lane; i0 < n; i0 += 32 * U) {
+            float acc[U][E];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
+#pragma unroll
+            for (int p = 0; p < CL_MAX_RANKS; ++p) {  // ascending p: the reference's order
+                if (src[p] == 0) continue;
+                const V* row = reinterpret_cast<const V*>(src[p]);
+                V v[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                    if (i0 + 32 * u < n) v[u] = __ldcg(row + i0 + 32 * u);
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                    if (i0 + 32 * u < n) acc_vec(acc[u], v[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (i0 + 32 * u < n) reinterpret_cast<V*>(orow)[i0 + 32 * u] = pack_vec<V>(acc[u]);
+        }
+        for (int k = lane; k < K; k += 32) {
+            float acc = 0.f;
+#pragma unroll
+            for (int p = 0; p < CL_MAX_RANKS; ++p)
+                if (src[p] != 0) acc = add_rn(acc, load_f32_halves(src[p] + 2 * (u64)H + 4 * (u64)k));
+            store_f32_halves(orow + 2 * (i64)H + 4 * (i64)k, acc);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) fanout_reduce_kernel(const int* pos, int J, int P,
+                                                                       const u64* peer_bases, u64 data_offset,
+                                                                       int src_stride, int H, int K, u8* out,
+                                                                       int out_stride) {
+    u64 bits = (u64)src_stride | (u64)out_stride | reinterpret_cast<u64>(out) | data_offset;
+    for (int p = 0; p < P; ++p) bits |= peer_bases[p];
+    if (H % 8 == 0 && (bits & 15) == 0)
+        reduce_rows<int4>(pos, J, P, peer_bases, data_offset, src_stride, H, K, out, out_stride);
+    else if (H % 2 == 0 && (bits & 3) == 0)
+        reduce_rows<u32>(pos, J, P, peer_bases, data_offset, src_stride, H, K, out, out_stride);
+    else
+        reduce_rows<u16>(pos, J, P, peer_bases, data_offset, src_stride, H, K, out, out_stride);
+}

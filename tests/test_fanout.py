@@ -1,0 +1,109 @@
+"""commlib.backends.fanout.NodeFanout's host side without a GPU: the arguments each launch passes
+match its kernel's C signature in csrc/fanout.cu (count, order, packable types), and bad shapes,
+strides and sizes are refused before any launch. The kernels themselves: tests/gpu/test_fanout_gpu.py.
+"""
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from commlib.backends import fanout as F
+from commlib.cuda import loader
+
+
+@pytest.fixture
+def fan(monkeypatch):
+    """A NodeFanout of local rank 1 of 4 on the CPU with a fake buffer; launches are recorded."""
+    launches = []
+    monkeypatch.setattr(loader, "launch", lambda family, name, grid, block, args: launches.append(
+        (family, name, grid, block, tuple(args))))
+    f = object.__new__(F.NodeFanout)
+    f.group, f.local_rank, f.num_local = None, 1, 4
+    f.device, f.num_ctas, f.timeout_ns = torch.device("cpu"), 3, 7_000_000_000
+    f.capacity = 1 << 20
+    f.mem = SimpleNamespace(base=1 << 40)
+    f.peer_bases = torch.zeros(4, dtype=torch.int64)
+    f.launches = launches
+    return f
+
+
+def _packs(family: str, name: str, args: tuple) -> None:
+    codes = loader.kernel_signature(family, name)
+    assert len(codes) == len(args), (name, codes, args)
+    struct.pack("@" + codes, *args)  # every value fits its C type
+
+
+def test_launch_arguments_match_the_kernels(fan):
+    fan.barrier()
+    W, P = 1036, 4
+    landed = torch.zeros(40, W + 4 * P + 12, dtype=torch.uint8)[:, :W + 4 * P]
+    fan.forward(landed, W)
+    fan.forward(landed, W, row_bytes=1040)
+    pos = torch.full((5, P), -1, dtype=torch.int32)
+    out = torch.zeros(5, 2 * 7168 + 4 * 9 + 4, dtype=torch.uint8)
+    fan.reduce(pos, 7168, 9, out)
+    fan.reduce(pos, 7168, 9, out, row_bytes=14384)
+    names = [launch[1] for launch in fan.launches]
+    assert names == ["fanout_barrier_kernel", "fanout_forward_kernel", "fanout_forward_kernel",
+                     "fanout_reduce_kernel", "fanout_reduce_kernel"]
+    for family, name, grid, block, args in fan.launches:
+        assert family == F.FAMILY
+        _packs(family, name, args)
+    b, f1, f2, r1, r2 = fan.launches
+    assert b[2:4] == (1, F.BARRIER_THREADS)
+    assert b[4] == (fan.peer_bases.data_ptr(), 1, 4, F.SIGNAL_OFFSET, 7_000_000_000)
+    # (landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride); 40 rows, 16 warps per CTA: 3 CTAs
+    assert f1[2:] == (3, F.THREADS, (landed.data_ptr(), 40, W + 4 * P + 12, W, P, fan.peer_bases.data_ptr(),
+                                     F.DATA_OFFSET, W))
+    assert f2[4][-1] == 1040
+    # (pos, J, P, peer_bases, data_offset, src_stride, H, K, out, out_stride); 5 rows: 1 CTA
+    assert r1[2:] == (1, F.THREADS, (pos.data_ptr(), 5, P, fan.peer_bases.data_ptr(), F.DATA_OFFSET,
+                                     2 * 7168 + 36, 7168, 9, out.data_ptr(), out.stride(0)))
+    assert r2[4][5] == 14384
+    assert F.DATA_OFFSET % 128 == 0 and F.DATA_OFFSET >= 8 * (loader.MAX_RANKS + 1)
+
+
+def test_empty_chunks_launch_nothing(fan):
+    fan.forward(torch.zeros(0, 64 + 16, dtype=torch.uint8), 64)
+    fan.reduce(torch.zeros(0, 4, dtype=torch.int32), 8, 1, torch.zeros(0, 20, dtype=torch.uint8))
+    assert fan.launches == []
+
+
+@pytest.mark.parametrize("call", [
+    lambda f: f.forward(torch.zeros(2, 6 + 16, dtype=torch.uint8), 6),                 # W not a multiple of 4
+    lambda f: f.forward(torch.zeros(2, 64, dtype=torch.uint8), 64),                    # no room for P positions
+    lambda f: f.forward(torch.zeros(2, 64 + 16, dtype=torch.uint8), 64, row_bytes=60),  # data rows shorter than W
+    lambda f: f.forward(torch.zeros(2, 64 + 18, dtype=torch.uint8)[:, :80], 64),       # row stride 82
+    lambda f: f.forward(torch.zeros(164, dtype=torch.uint8)[1:161].view(2, 80), 64),   # address off by one
+    lambda f: f.forward(torch.zeros(2, 80, dtype=torch.int32), 64),                    # not uint8
+    lambda f: f.reduce(torch.zeros(2, 5, dtype=torch.int32), 8, 1, torch.zeros(2, 20, dtype=torch.uint8)),
+    lambda f: f.reduce(torch.zeros(2, 4, dtype=torch.int64), 8, 1, torch.zeros(2, 20, dtype=torch.uint8)),
+    lambda f: f.reduce(torch.zeros(2, 4, dtype=torch.int32), 8, 1, torch.zeros(2, 19, dtype=torch.uint8)),
+    lambda f: f.reduce(torch.zeros(2, 4, dtype=torch.int32), 8, 1, torch.zeros(3, 20, dtype=torch.uint8)),
+    lambda f: f.reduce(torch.zeros(2, 4, dtype=torch.int32), 8, 1, torch.zeros(2, 20, dtype=torch.uint8), 19),
+    lambda f: f.rows(1 << 20, 2),
+])
+def test_bad_arguments_are_refused(fan, call):
+    with pytest.raises(ValueError):
+        call(fan)
+    assert fan.launches == []
+
+
+def test_reserve_within_capacity_is_free(fan, monkeypatch):
+    """No collective, no sync, no new buffer when the rows fit (the engine calls it every time)."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("reserve synced"))
+    fan.reserve(1024, 1024)
+    fan.reserve(0, 14372)
+    assert fan.capacity == 1 << 20
+    with pytest.raises(ValueError):
+        fan.reserve(-1, 8)
+
+
+def test_closed_refuses(fan):
+    fan.mem = None
+    fan.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="closed"):
+        fan.barrier()

@@ -27,6 +27,7 @@ from commlib.layout import Layout
 from commlib.utils.event import EventHandle, EventOverlap
 from commlib.topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology, local_facts
 from commlib.tuning import cache as tuning_cache
+from commlib.cuda.loader import cupy_available as _cupy_available
 from commlib.low_latency_mode import LowLatencyMode, Runtime
 from commlib.validate import (CommlibError, check_layout, check_num_experts, check_routing, check_tensor,
                               expert_id_error, scales_carrier, scales_from_carrier, split_x)
@@ -34,14 +35,6 @@ from commlib.validate import (CommlibError, check_layout, check_num_experts, che
 _buffer_ids = itertools.count(1)
 
 XType = Union[torch.Tensor, tuple]
-
-
-def _cupy_available() -> bool:
-    try:
-        import cupy  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001 - any import failure means no GPU kernels
-        return False
 
 
 class Buffer(LowLatencyMode):

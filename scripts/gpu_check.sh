@@ -7,7 +7,8 @@
 # never eat the device lease): env (nvidia-smi topo, versions), compile (every kernel family, both
 # load/store modes), smoke (2 ranks, one case), tests2 (2-rank world, every case), bench
 # (python -m benchmarks.bench_intranode --json), shared (4 and 8 ranks on 2 GPUs), hier (the internode engine
-# against the reference over NCCL, ranks as emulated hosts sharing the GPUs), inhost (its host time per call
+# against the reference over NCCL, ranks as emulated hosts sharing the GPUs), fanout (the forwarder kernel over
+# CUDA IPC, 2 and 4 processes on one GPU), inhost (its host time per call
 # and K sweep on one GPU), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
@@ -65,6 +66,8 @@ case "$ONLY" in
   internode1) STAGES="env,hier,inhost" ;;
   # the same plus what the engine's host time is made of (host time of each torch / NCCL primitive)
   host1) STAGES="env,hostcost,hier,inhost" ;;
+  # the forwarder kernel (csrc/fanout.cu) alone, then the internode engine with it (2 x 2 on one GPU)
+  fan1) STAGES="env,fanout,hier,inhost,inhost4" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -147,6 +150,7 @@ for v in ${GPU_CHECK_TEST_VARIANTS-COMM_CLUSTER=1 SHARE_WORK=0 COMM_TRACE=1}; do
   SUMMARY[-1]="${SUMMARY[-1]} [variant $v]"
 done
 stage shared 150 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "shared_gpus" -p no:cacheprovider
+stage fanout 240 $PY -m pytest tests/gpu/test_fanout_gpu.py -x -q -p no:cacheprovider
 stage hier 420 $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider
 stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout" -p no:cacheprovider
 # fault injection: disagreeing ranks (one world), traps / timeouts (one short world each; logs in OUTDIR/faults)
@@ -206,6 +210,9 @@ stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 
   --iters 10 --warmup 3 --json "$OUTDIR"
 # one GPU or more: host time of each primitive the internode engine is made of (experiments/host_cost_nccl.py)
 stage hostcost 120 $PY -m experiments.host_cost_nccl --ranks 2 --json "$OUTDIR"
+# the same as 2 nodes x 2 (4 processes on one GPU): the forwarder kernel's path, host time per call
+stage inhost4 200 $PY -m benchmarks.bench_internode --ranks 4 --ranks-per-node 2 --emulate-hosts --chunks 1,4 \
+  --iters 5 --warmup 2 --json "$OUTDIR"
 stage llbench 120 $PY -m benchmarks.bench_low_latency --json "$RES"
 if ls "$RES"/* >/dev/null 2>&1; then tar -czf "$OUTDIR/results.tar.gz" -C "$RES" . && log "[gpu_check] packed $(ls "$RES" | wc -l) result files"; fi
 

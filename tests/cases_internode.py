@@ -123,9 +123,10 @@ ROUTINGS = ("random", "group_limited", "holes", "one_node", "own_node")
 
 
 def _one_call_setup(ctx, chunks: int, seed: int, T: int, routing: str):
-    """Buffers on the first multi-node topology, this rank's inputs and their layout."""
+    """Buffers on the multi-node topology with the most ranks per node (on the device, the forwarder
+    kernel's path where a node has several), this rank's inputs and their layout."""
     R = ctx.world_size
-    rpn = topologies(R)[0]
+    rpn = topologies(R)[-1]
     ref, eng = _buffers(ctx, rpn, chunks)
     x, idx, w = make_inputs(seed, ctx.rank, R, R // rpn, T, routing, ctx.device)
     return ref, eng, x, idx, w, eng.get_dispatch_layout(idx, E_PER_RANK * R)
@@ -184,7 +185,7 @@ def case_worst_over_cap(ctx):
             assert f"rank(s) [{R - 1}] rejected" in text, text
     else:
         raise AssertionError("no error for more tokens than num_worst_tokens // R")
-    compare_round(ctx, ref, eng, 78, 6, "random", False, None, R // topologies(R)[0], worst=6 * R)
+    compare_round(ctx, ref, eng, 78, 6, "random", False, None, R // topologies(R)[-1], worst=6 * R)
     ref.destroy()
     eng.destroy()
 
@@ -297,7 +298,7 @@ def case_bad_expert_ids(ctx):
         assert "outside" in text or "rejected" in text, text
     else:
         raise AssertionError("no error for an expert id out of range")
-    compare_round(ctx, ref, eng, 77, 11, "random", False, None, R // topologies(R)[0])
+    compare_round(ctx, ref, eng, 77, 11, "random", False, None, R // topologies(R)[-1])
     ref.destroy()
     eng.destroy()
 

@@ -41,6 +41,7 @@ from commlib import layout as L
 from commlib.utils import env
 from commlib.utils.math import align_up
 from commlib.handle import DispatchHandle
+from commlib.cuda.loader import cupy_available as _cupy_available
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from commlib.backends.reference import (_OPS, SIG_FIELDS, ReferenceBackend, _Packer, check_counts, int32_columns,
                                         plan_of, sum_rows)
@@ -146,11 +147,32 @@ class InternodeBackend(ReferenceBackend):
             if n == topo.node:
                 self.node_group = g
         self.network = RailTransport(self.rail_group, self)
+        # The fan-out inside a node on GPUs: the forwarder kernel over CUDA IPC (backends/fanout.py) on
+        # the other half of the SM budget; CPU ranks (and COMMLIB_NODE_FANOUT=nccl) use the node group.
+        self.fanout = None
+        if self.nccl and self.comm_device.type == "cuda" and topo.ranks_per_node > 1:
+            mode = env.node_fanout()
+            theirs = [None] * topo.num_ranks
+            dist.all_gather_object(theirs, mode, group=self.group)
+            if any(t != mode for t in theirs):
+                raise ValueError(f"[commlib rank {topo.rank}] COMMLIB_NODE_FANOUT differs between ranks: {theirs}")
+            if mode == "kernel" and _cupy_available():   # the kernels load through CuPy
+                from commlib.backends.fanout import NodeFanout
+                with torch.cuda.device(self.comm_device):
+                    self.fanout = NodeFanout(self.node_group, self.comm_device, num_ctas=self.nccl_ctas,
+                                             timeout_s=self.ctx.timeout_s)
         self.host_reads = 0      # device -> host reads of counts (tests: one per non-cached dispatch)
         self.host_read_s = 0.0   # seconds blocked in them (benchmarks: host time = wall time less this)
         # E of the last dispatch: a rank whose dispatch input is refused on NCCL sends an agreement row
         # of that length (the peers' rows have their E; the first dispatch refused: see on_rejected)
         self._last_num_experts = 0
+
+    def destroy(self) -> None:
+        """Free the fan-out's IPC area (collective-free, as the nvlink engine: safe from __del__)."""
+        if self.fanout is not None:
+            self.fanout.close()
+            self.fanout = None
+        super().destroy()
 
     # ------------------------------------------------------------------ helpers
     def _wait(self, work) -> None:
@@ -309,6 +331,8 @@ class InternodeBackend(ReferenceBackend):
 
         # ---- 3. the plan: chunk geometry (host) and row order (device) ----
         plan = self._plan(send1_all, fwd_host, ring, in_node, chunk, T)
+        totals = counts_all.sum(dim=0)                                               # rows each rank receives
+        plan["node_rows"] = int(totals[topo.node_ranks(topo.node)].max())
         packer = self._packer(x, scales, K, has_w)
         tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
             [torch.arange(T, dtype=torch.int32, device=dev)]
@@ -387,6 +411,7 @@ class InternodeBackend(ReferenceBackend):
         chan_prefix = L.channel_prefix_matrix(is_tir, C)
         send_head = L.send_head(is_tir, rank_prefix, me)
         plan = self._padded_plan(in_node, spos, worst, ring)
+        plan["num_recv_dev"] = rank_prefix[-1, me].to(torch.int64)
         packer = self._packer(x, scales, K, has_w)
         tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
             [torch.arange(T, dtype=torch.int32, device=dev)]
@@ -446,6 +471,11 @@ class InternodeBackend(ReferenceBackend):
         _fill_ids(out, packer, rows)
         per = M * crows
         cached = bool(plan["fan_pos"])
+        fan = self.fanout
+        if fan is not None:
+            Wd = align_up(W, 16)
+            fan.reserve(rows, Wd)
+            fan.barrier()
         post = lambda k: self.network.exchange(send[k * per:(k + 1) * per], [crows] * M, [crows] * M)
         in_flight = post(0) if nch else None
         for k in range(nch):
@@ -453,12 +483,22 @@ class InternodeBackend(ReferenceBackend):
             if k + 1 < nch:
                 in_flight = post(k + 1)
             self._phase = f"dispatch (fan-out of chunk {k})"
+            if fan is not None:   # [per, P]: this forwarder's landed rows (combine's map)
+                if not cached:
+                    plan["fan_pos"].append(int32_columns(landed, W, W + 4 * P))
+                fan.forward(landed, W, Wd)
+                continue
             got = landed if P == 1 else self._gather(landed.flatten(), self.node_group).view(P * per, -1)
             if not cached:
                 plan["fan_pos"].append(int32_columns(got, W, W + 4 * P))          # [P * per, P] (combine's map)
             at = plan["fan_pos"][k][:, loc].to(torch.int64)
             out.index_copy_(0, torch.where(at >= 0, at, torch.full_like(at, rows)), got[:, :W])
         self._count_padded(plan)
+        if fan is not None:
+            fan.barrier()
+            # rows past the received count hold older bytes there: the padding row instead
+            landed_rows = torch.arange(rows, device=dev) < plan["num_recv_dev"]
+            return torch.where(landed_rows.view(rows, 1), fan.rows(rows, Wd)[:, :W], out[rows:rows + 1])
         return out[:rows]
 
     def _count_padded(self, plan: dict) -> None:
@@ -467,7 +507,8 @@ class InternodeBackend(ReferenceBackend):
         sent = plan["num_chunks"] * plan["crows"]
         self.counters["local_rows"] += sent
         self.counters["internode_rows"] += sent * (topo.num_nodes - 1)
-        self.counters["intranode_rows"] += sent * topo.num_nodes * (topo.ranks_per_node - 1)
+        if self.fanout is None:   # the node all-gather; the kernel's rows are known on the device only
+            self.counters["intranode_rows"] += sent * topo.num_nodes * (topo.ranks_per_node - 1)
 
     def _combine_padded(self, req: CombineRequest, plan: dict, packer: _Packer, w, T: int, H: int, K: int):
         """Combine of a num_worst_tokens handle: the dispatch's steps backwards with the same fixed
@@ -482,12 +523,19 @@ class InternodeBackend(ReferenceBackend):
         nch, crows, rows = plan["num_chunks"], plan["crows"], plan["num_recv"]
         per = M * crows
         mine = packer.pack([req.x[:rows].to(dev)] + ([w] if K else []))
+        fan = self.fanout
+        if fan is not None:
+            Wd = self._publish(fan, mine, rows, packer.row_bytes)
         mine = torch.cat([mine, torch.zeros(1, packer.row_bytes, dtype=torch.uint8, device=dev)])  # + a zero row
         back, posted = [], None
         for k in range(nch):
-            at = plan["fan_pos"][k][:, loc].to(torch.int64)
-            rows_k = mine.index_select(0, torch.where(at >= 0, at, torch.full_like(at, rows)))   # [P * per, Wc]
-            if P > 1:   # to each forwarder its rows, then the forwarder's sum in local-rank order
+            if fan is not None:   # the forwarder sums its landed rows' copies from the node's areas
+                rows_k = torch.empty(per, packer.row_bytes, dtype=torch.uint8, device=dev)
+                fan.reduce(plan["fan_pos"][k], H, K, rows_k, Wd)
+            else:
+                at = plan["fan_pos"][k][:, loc].to(torch.int64)
+                rows_k = mine.index_select(0, torch.where(at >= 0, at, torch.full_like(at, rows)))  # [P * per, Wc]
+            if P > 1 and fan is None:   # to each forwarder its rows, then the forwarder's sum in local-rank order
                 got = packer.unpack(self._node_a2a(rows_k, [per] * P, [per] * P))
                 acc_y = torch.zeros(per, H, dtype=torch.float32, device=dev)
                 acc_w = torch.zeros(per, K, dtype=torch.float32, device=dev)
@@ -568,7 +616,7 @@ class InternodeBackend(ReferenceBackend):
         home = compact(torch.nn.functional.one_hot(send_node, M).bool(), S) % max(S, 1) if S else order
         return {"num_chunks": num_chunks, "send_splits": send_splits, "recv_splits": recv_splits,
                 "fan_send": fan_send, "fan_recv": fan_recv, "send_tok": send_tok, "send_node": send_node,
-                "home": home, "home_lens": list(mine), "fan_rows": [], "land_pos": []}
+                "home": home, "home_lens": list(mine), "fan_rows": [], "land_pos": [], "landed_pos": []}
 
     def _move(self, packer: _Packer, tensors: list, send_head: torch.Tensor, plan: dict, rows: int,
               cached: bool = False) -> torch.Tensor:
@@ -594,11 +642,22 @@ class InternodeBackend(ReferenceBackend):
             starts.append(starts[-1] + sum(plan["send_splits"][k]))
         post = lambda k: self.network.exchange(send[starts[k]:starts[k + 1]], plan["send_splits"][k],
                                                plan["recv_splits"][k])
+        fan = self.fanout
+        if fan is not None:   # rows land in the node's IPC areas at their final row
+            Wd = align_up(W, 16)
+            fan.reserve(plan["node_rows"], Wd)
+            fan.barrier()
         in_flight = post(0) if plan["num_chunks"] else None
         for k in range(plan["num_chunks"]):
             landed = self.network.land(in_flight, f"dispatch (network chunk {k} of {plan['num_chunks']})")
             if k + 1 < plan["num_chunks"]:
                 in_flight = post(k + 1)   # on the wire while chunk k fans out
+            if fan is not None:
+                if not cached:
+                    plan["landed_pos"].append(int32_columns(landed, W, W + 4 * P))   # combine's sources
+                self._phase = f"dispatch (fan-out of chunk {k})"
+                fan.forward(landed, W, Wd)
+                continue
             J = landed.shape[0]
             if cached:
                 fan_rows = plan["fan_rows"][k]
@@ -617,6 +676,9 @@ class InternodeBackend(ReferenceBackend):
                 at = int32_columns(got, W + 4 * loc, W + 4 * loc + 4).flatten().to(torch.int64)
                 plan["land_pos"].append(at)
             out.index_copy_(0, at, got[:, :W])
+        if fan is not None:
+            fan.barrier()
+            return fan.rows(rows, Wd)[:, :W]   # every row below num_recv landed; unpack copies it out
         return out[:rows]
 
     def _count_rows_internode(self, plan: dict) -> None:
@@ -670,11 +732,19 @@ class InternodeBackend(ReferenceBackend):
         S = sum(plan["home_lens"])
         back = torch.empty(S, packer.row_bytes, dtype=torch.uint8, device=dev)
         start, posted = 0, None
+        fan = self.fanout
+        if fan is not None:
+            Wd = self._publish(fan, rows, plan["node_rows"], packer.row_bytes)
         for k in range(plan["num_chunks"]):
-            # rows of chunk k back to their forwarders (this rank received them in land_pos order)
-            got = self._node_a2a(rows.index_select(0, plan["land_pos"][k]), plan["fan_recv"][k], plan["fan_send"][k])
             J = sum(plan["recv_splits"][k])
-            partial = self._reduce(got, packer, plan["fan_rows"][k], plan["fan_send"][k], J, H, K)
+            if fan is not None:   # the forwarder sums its landed rows' copies straight from the node's areas
+                partial = torch.empty(J, packer.row_bytes, dtype=torch.uint8, device=dev)
+                fan.reduce(plan["landed_pos"][k], H, K, partial, Wd)
+            else:
+                # rows of chunk k back to their forwarders (this rank received them in land_pos order)
+                got = self._node_a2a(rows.index_select(0, plan["land_pos"][k]), plan["fan_recv"][k],
+                                     plan["fan_send"][k])
+                partial = self._reduce(got, packer, plan["fan_rows"][k], plan["fan_send"][k], J, H, K)
             if posted is not None:
                 self._land_back(posted, back, k - 1)
             posted = (self.network.exchange(partial, plan["recv_splits"][k], plan["send_splits"][k]), start)
@@ -694,6 +764,19 @@ class InternodeBackend(ReferenceBackend):
             acc_y += b.to(self.comm_device).float()
         out_device = req.x.device
         return CombineResult(acc_y.to(torch.bfloat16).to(out_device), acc_w.to(out_device) if K else None)
+
+    @staticmethod
+    def _publish(fan, rows: torch.Tensor, capacity: int, row_bytes: int) -> int:
+        """Combine on the forwarder kernel's path: this rank's rows into its IPC area, between barriers
+        (peers are past their reads of it before, every rank's rows are there after). Returns the
+        areas' row stride."""
+        Wd = align_up(row_bytes, 16)
+        fan.reserve(capacity, Wd)
+        fan.barrier()
+        if rows.shape[0]:
+            fan.rows(rows.shape[0], Wd)[:, :row_bytes].copy_(rows)
+        fan.barrier()
+        return Wd
 
     def _land_back(self, posted, back: torch.Tensor, k: int) -> None:
         (pair, start) = posted

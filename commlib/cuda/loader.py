@@ -102,6 +102,15 @@ _sleep_cycles = 0
 _variant: dict = dict(DEFAULT_VARIANT)
 
 
+def cupy_available() -> bool:
+    """Whether CuPy imports here (without it: no GPU kernels, the torch paths)."""
+    try:
+        import cupy  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - any import failure means no GPU kernels
+        return False
+
+
 def cupy():
     """The cupy module, imported on first use (raises ImportError with a hint when missing)."""
     try:

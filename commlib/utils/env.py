@@ -194,6 +194,13 @@ def deep_ep_quiet() -> bool:
     return _flag("COMMLIB_DEEP_EP_QUIET")
 
 
+def node_fanout() -> str:
+    v = os.environ.get("COMMLIB_NODE_FANOUT", "kernel").strip().lower() or "kernel"
+    if v not in ("kernel", "nccl"):
+        raise ValueError(f"COMMLIB_NODE_FANOUT={v!r}: expected kernel or nccl")
+    return v
+
+
 def network_chunks() -> int:
     n = _int("COMMLIB_NETWORK_CHUNKS", 4)
     if not 1 <= n <= 64:

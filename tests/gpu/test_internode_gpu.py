@@ -2,7 +2,8 @@
 
 Every rank is its own emulated host (its own NCCL_HOSTID), so processes sharing one GPU run NCCL
 between them over its socket transport: correctness only, never timing (the GPU is time-sliced).
-2 ranks: 2 nodes x 1; 4 ranks: 2 x 2 and 4 x 1 as commlib sees them.
+2 ranks: 2 nodes x 1; 4 ranks: 2 x 2 and 4 x 1 as commlib sees them (2 x 2: the forwarder kernel
+passes rows between the two local ranks over CUDA IPC, both processes on the one GPU).
 """
 import os
 import sys
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CASES = {
     2: ["matches_reference", "chunk_boundaries", "without_topk", "worst_no_read", "random_stalls", "bad_expert_ids",
         "no_host_sync", "graph_capture", "random_routings"],
-    4: ["matches_reference", "worst_no_read", "random_stalls", "no_host_sync", "random_routings"],
+    4: ["matches_reference", "worst_no_read", "random_stalls", "no_host_sync", "graph_capture", "random_routings"],
 }
 
 

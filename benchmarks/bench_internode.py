@@ -45,28 +45,81 @@ def _row_bytes(op: str, hidden: int) -> int:
 
 
 BUSY_CYCLES = 60_000_000   # ~30 ms of a spinning kernel at H200 clocks: longer than any call's issue
+COLLECTIVES = ("all_to_all_single", "all_gather_single", "all_gather_into_tensor", "all_gather")
 
 
-def _host_us(buf, fn, reps: int, busy: bool = False) -> float:
+class _CollectiveClock:
+    """Host time spent inside torch.distributed's collectives (issue) and their works' ``wait()``:
+    the share of a call's host time that is NCCL's (or gloo's), not the engine's. Installed by
+    wrapping the module functions the engine calls (``dist.<name>``) for the duration of a measure."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._saved = {}
+
+    def __enter__(self):
+        clock = self
+
+        class _Work:
+            def __init__(self, work):
+                self._work = work
+
+            def wait(self, *a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return self._work.wait(*a, **k)
+                finally:
+                    clock.seconds += time.perf_counter() - t0
+
+            def __getattr__(self, name):
+                return getattr(self._work, name)
+
+        def timed(fn):
+            def call(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    out = fn(*a, **k)
+                finally:
+                    clock.seconds += time.perf_counter() - t0
+                return _Work(out) if out is not None and hasattr(out, "wait") else out
+            return call
+        for name in COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._saved[name] = fn
+                setattr(dist, name, timed(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+
+
+def _host_us(buf, fn, reps: int, busy: bool = False, split: bool = False):
     """Median host time of ``fn()`` in us: wall time less time blocked in the engine's host read.
     Each call starts on an idle device; ``busy``: behind a ~30 ms spinning kernel on the current
     stream instead, as in a training step where the GPU is still working when the host issues the
     call (the issue cost without the first-launch-after-idle penalty; a host read then waits for the
-    spin, and that wait is not counted)."""
-    times = []
-    for _ in range(reps):
-        if buf.device.type == "cuda":
-            torch.cuda.synchronize(buf.device)
-            if busy:
-                torch.cuda._sleep(BUSY_CYCLES)
-        blocked = buf.backend.host_read_s
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        times.append((t1 - t0 - (buf.backend.host_read_s - blocked)) * 1e6)
+    spin, and that wait is not counted). ``split``: also the median of the part spent inside
+    torch.distributed's collective calls and waits (returns (total, collectives))."""
+    times, inside = [], []
+    with _CollectiveClock() as clock:
+        for _ in range(reps):
+            if buf.device.type == "cuda":
+                torch.cuda.synchronize(buf.device)
+                if busy:
+                    torch.cuda._sleep(BUSY_CYCLES)
+            blocked, c0 = buf.backend.host_read_s, clock.seconds
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            times.append((t1 - t0 - (buf.backend.host_read_s - blocked)) * 1e6)
+            inside.append((clock.seconds - c0) * 1e6)
     if buf.device.type == "cuda":
         torch.cuda.synchronize(buf.device)
-    return float(statistics.median(times))
+    total = float(statistics.median(times))
+    return (total, float(statistics.median(inside))) if split else total
 
 
 def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile: bool = False):
@@ -98,7 +151,8 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
     if table is not None and ref_table is not None:
         for r in ref_table:
             r.update(op="reference_" + r["op"], net_rows=0.0, nvl_rows=0.0, chunk_cap=0, chunks=0, host_us=0.0,
-                     host_busy_us=0.0)
+                     host_busy_us=0.0, host_busy_collective_us=0.0, host_busy_engine_us=0.0,
+                     host_collective_us=0.0, host_engine_us=0.0)
         table += ref_table
     ref.destroy()
     return {"rows": table, "info": info}
@@ -165,9 +219,14 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=Fals
         r["chunks"] = handle.extra["plan"]["num_chunks"] if r["op"] in calls else 0
         if r["op"] not in calls:
             r["net_rows"] = r["nvl_rows"] = r["host_us"] = r["host_busy_us"] = 0.0  # the flat baseline has no node hops
+            r["host_busy_collective_us"] = r["host_busy_engine_us"] = r["host_collective_us"] = r["host_engine_us"] = 0.0
             continue
-        r["host_us"] = _host_us(buf, calls[r["op"]], max(5, iters))
-        r["host_busy_us"] = _host_us(buf, calls[r["op"]], max(5, iters), busy=True) if buf.device.type == "cuda" else 0.0
+        r["host_us"], r["host_collective_us"] = _host_us(buf, calls[r["op"]], max(5, iters), split=True)
+        r["host_engine_us"] = r["host_us"] - r["host_collective_us"]
+        r["host_busy_us"], r["host_busy_collective_us"] = \
+            _host_us(buf, calls[r["op"]], max(5, iters), busy=True, split=True) if buf.device.type == "cuda" else (0.0, 0.0)
+        # the engine's own share: host time less what torch.distributed's calls and waits took
+        r["host_busy_engine_us"] = r["host_busy_us"] - r["host_busy_collective_us"]
         if profile:  # every rank makes the calls (collective), rank 0 prints
             _profile(buf, r["op"], calls[r["op"]], ctx.rank == 0)
         before = buf.counters
@@ -221,7 +280,7 @@ def main(argv=None) -> int:
             "meaningful, host times are)" if a.emulate_hosts else "NVLink via NCCL" if gpus else "loopback via gloo")
     print(f"# bench_internode: {nodes} emulated nodes x {a.ranks_per_node}, backend {info['backend']} on "
           f"{info['buffer_device']}; the 'network' here is {link}, not InfiniBand")
-    print(f"# {'op':>30} {'cap':>4} {'K':>3} {'tokens':>7} {'time(us)':>10} {'host us':>8} {'busy us':>8} {'algbw':>8} "
+    print(f"# {'op':>30} {'cap':>4} {'K':>3} {'tokens':>7} {'time(us)':>10} {'host us':>8} {'engine':>8} {'busy us':>8} {'engine':>8} {'algbw':>8} "
           f"{'net rows':>9} {'net GB/s':>9} {'nvl rows':>9} {'nvl GB/s':>9} {'#wrong':>7}")
     for r in rows:
         rb = _row_bytes(r["op"], a.hidden)
@@ -229,7 +288,7 @@ def main(argv=None) -> int:
         r["net_gbps"] = r["net_rows"] * rb / t / 1e3 if t else 0.0
         r["nvl_gbps"] = r["nvl_rows"] * rb / t / 1e3 if t else 0.0
         print(f"  {r['op']:>30} {r.get('chunk_cap', 0):>4} {r.get('chunks', 0):>3} {r['tokens']:>7} {t:>10.1f} "
-              f"{r.get('host_us', 0.0):>8.1f} {r.get('host_busy_us', 0.0):>8.1f} {r['algbw_gbps']:>8.2f} {r['net_rows']:>9.0f} "
+              f"{r.get('host_us', 0.0):>8.1f} {r.get('host_engine_us', 0.0):>8.1f} {r.get('host_busy_us', 0.0):>8.1f} {r.get('host_busy_engine_us', 0.0):>8.1f} {r['algbw_gbps']:>8.2f} {r['net_rows']:>9.0f} "
               f"{r['net_gbps']:>9.2f} {r['nvl_rows']:>9.0f} {r['nvl_gbps']:>9.2f} {results.wrong_cell(r):>7}")
     flat = {r["op"]: r["time_us"] for r in rows if r["op"] in BASELINE_OPS}
     for r in rows:
@@ -241,7 +300,8 @@ def main(argv=None) -> int:
     print(f"# host time of one bare all_to_all_single of a rank's tokens, issued and waited for as the engine "
           f"does: {info.get('bare_a2a_host_us', 0.0):.1f} us on an idle device, "
           f"{info.get('bare_a2a_host_busy_us', 0.0):.1f} us behind running work ('busy us': each call issued "
-          f"behind a ~30 ms kernel, as in a training step) (the floor of a one-collective call here)")
+          f"behind a ~30 ms kernel, as in a training step) (the floor of a one-collective call here); "
+          f"'engine': the host time before it less the time inside torch.distributed's collective calls and waits")
     print(results.check_footer(rows))
     if a.json is not None:
         cmd = "python -m benchmarks.bench_internode " + " ".join(shlex.quote(v) for v in (argv or sys.argv[1:]))

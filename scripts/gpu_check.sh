@@ -8,7 +8,8 @@
 # load/store modes), smoke (2 ranks, one case), tests2 (2-rank world, every case), bench
 # (python -m benchmarks.bench_intranode --json), shared (4 and 8 ranks on 2 GPUs), hier (the internode engine
 # against the reference over NCCL, ranks as emulated hosts sharing the GPUs), fanout (the forwarder kernel over
-# CUDA IPC, 2 and 4 processes on one GPU), inhost (its host time per call
+# CUDA IPC, 2 and 4 processes on one GPU), hierworst (num_worst_tokens with a bad expert id: every rank stops on the
+# device-side assert), inhost (its host time per call
 # and K sweep on one GPU), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
@@ -68,9 +69,13 @@ case "$ONLY" in
   host1) STAGES="env,hostcost,hier,inhost" ;;
   # the forwarder kernel (csrc/fanout.cu) alone, then the internode engine with it (2 x 2 on one GPU)
   fan1) STAGES="env,fanout,hier,inhost,inhost4" ;;
+  # the internode engine's closing run on one GPU: kernel, benches first, then the worlds (1,000 routings)
+  final1) STAGES="env,fanout,inhost,inhost4,hierworst,hier" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
+# H200x1: the GPU model and how many there are (result file names: docs/results.md)
+gpu_tag() { $PY -c "import torch; from commlib.bench.results import gpu_short_name as g; print(f'{g(torch.cuda.get_device_name(0))}x{torch.cuda.device_count()}')"; }
 
 log() { echo "$@" | tee -a "$LOG"; }
 
@@ -151,7 +156,8 @@ for v in ${GPU_CHECK_TEST_VARIANTS-COMM_CLUSTER=1 SHARE_WORK=0 COMM_TRACE=1}; do
 done
 stage shared 150 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "shared_gpus" -p no:cacheprovider
 stage fanout 240 $PY -m pytest tests/gpu/test_fanout_gpu.py -x -q -p no:cacheprovider
-stage hier 420 $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider
+stage hierworst 120 $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k worst_mode
+stage hier 420 $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k "not worst_mode"
 stage timeout 90 $PY -m pytest tests/gpu/test_nvlink.py -x -q -k "device_timeout" -p no:cacheprovider
 # fault injection: disagreeing ranks (one world), traps / timeouts (one short world each; logs in OUTDIR/faults)
 stage faults 150 env COMMLIB_FAULT_LOG_DIR="$OUTDIR/faults" $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -k "not long_run" -p no:cacheprovider
@@ -212,7 +218,7 @@ stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 
 stage hostcost 120 $PY -m experiments.host_cost_nccl --ranks 2 --json "$OUTDIR"
 # the same as 2 nodes x 2 (4 processes on one GPU): the forwarder kernel's path, host time per call
 stage inhost4 200 $PY -m benchmarks.bench_internode --ranks 4 --ranks-per-node 2 --emulate-hosts --chunks 1,4 \
-  --iters 5 --warmup 2 --json "$OUTDIR"
+  --iters 5 --warmup 2 --json "$OUTDIR/bench_internode_2x2_$(gpu_tag)_$(date +%Y%m%d)_${COMMLIB_GIT_COMMIT:-unknown}.json"
 stage llbench 120 $PY -m benchmarks.bench_low_latency --json "$RES"
 if ls "$RES"/* >/dev/null 2>&1; then tar -czf "$OUTDIR/results.tar.gz" -C "$RES" . && log "[gpu_check] packed $(ls "$RES" | wc -l) result files"; fi
 

@@ -190,6 +190,34 @@ def case_worst_over_cap(ctx):
     eng.destroy()
 
 
+def case_worst_device_assert(ctx):
+    """CUDA only, last in its world (the CUDA context is lost): num_worst_tokens with an expert id out
+    of range on one rank. No host read means nothing to raise from; every rank must stop on the
+    device-side assert instead of returning rows silently wrong. The process exits right after
+    (os._exit: a lost context cannot tear NCCL down cleanly)."""
+    if ctx.device.type != "cuda":
+        return
+    R = ctx.world_size
+    eng = commlib.Buffer(ctx.group, NVL, 0, ranks_per_node=topologies(R)[-1], backend="internode")
+    x, idx, w = make_inputs(4, ctx.rank, R, 2, 8, "random", ctx.device)
+    lay = eng.get_dispatch_layout(idx, E_PER_RANK * R)
+    if ctx.rank == R - 1:
+        idx = idx.clone()
+        idx[3, 0] = E_PER_RANK * R + 5
+    try:
+        eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
+                     num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w, num_worst_tokens=8 * R)
+        torch.cuda.synchronize()
+    except (RuntimeError, ValueError) as e:   # the Buffer's host check may refuse the id on its rank first
+        text = str(e)
+        ok = "device-side assert" in text or "outside" in text or "CUDA error" in text
+        ctx.store.set(f"worst_assert/{ctx.rank}", "ok" if ok else text[:500])
+        ctx.store.wait([f"worst_assert/{r}" for r in range(R)])
+        seen = [ctx.store.get(f"worst_assert/{r}").decode() for r in range(R)]
+        os._exit(0 if all(v == "ok" for v in seen) else 3)
+    raise AssertionError("a bad expert id under num_worst_tokens returned without an error")
+
+
 def case_chunk_boundaries(ctx):
     """Streams of k * chunk - 1, k * chunk and k * chunk + 1 rows (chunk rows = 3, ring of 1 row)."""
     R = ctx.world_size

@@ -57,3 +57,25 @@ def test_comm_trace_role_split():
     trace = [(1_000, 3_000, 9_000), (1_000, 8_000, 9_000), (2_000, 5_000, 11_000), (1_500, 10_000, 11_000)]
     t = B.role_times(trace)
     assert t == {"sender_own_us": 3.0, "sender_end_us": 9.0, "receiver_own_us": 8.0, "receiver_end_us": 9.0}
+
+
+def test_collective_clock_times_calls_and_waits(monkeypatch):
+    """bench_internode's split of host time: time inside a torch.distributed collective and inside its
+    work's wait() counts, the function is restored afterwards."""
+    import time
+
+    import torch.distributed as dist
+
+    class Work:
+        def wait(self):
+            time.sleep(0.02)
+
+    def fake(*args, **kwargs):
+        time.sleep(0.03)
+        return Work()
+    monkeypatch.setattr(dist, "all_to_all_single", fake)
+    with bench_internode._CollectiveClock() as clock:
+        dist.all_to_all_single(None, None).wait()
+        time.sleep(0.05)   # outside any collective: not counted
+    assert 0.045 <= clock.seconds < 0.09, clock.seconds
+    assert dist.all_to_all_single is fake

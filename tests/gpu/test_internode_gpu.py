@@ -27,8 +27,19 @@ CASES = {
 def test_internode_matches_reference(world_size):
     from worlds import run_world
     os.environ.setdefault("COMMLIB_TIMEOUT_S", "120")
-    os.environ.setdefault("INTERNODE_TEST_ROUNDS", "1000" if world_size == 2 else "200")
+    os.environ["INTERNODE_TEST_ROUNDS"] = os.environ.get(f"INTERNODE_TEST_ROUNDS_{world_size}",
+                                                      "1000" if world_size == 2 else "100")
     results = run_world(world_size, "cases_internode", CASES[world_size], use_gpu=True, group_backend="nccl",
                         emulate_hosts=True, ranks_per_node=1, timeout_s=900, case_timeout_s=600)
     failed = {k: v for k, v in results.items() if v is not None}
     assert not failed, "\n".join(f"{k}:\n{v}" for k, v in failed.items())
+
+
+def test_internode_worst_mode_stops_on_bad_ids():
+    """num_worst_tokens (no host read) with an expert id out of range: every rank stops (device-side
+    assert, or the Buffer's own check on the rank that holds it) and exits; nothing hangs."""
+    from commlib.utils.launch import parallel_launch
+    from worlds import _worker
+    os.environ.setdefault("COMMLIB_TIMEOUT_S", "60")
+    parallel_launch(2, _worker, "cases_internode", ["worst_device_assert"], 60.0, 15.0, use_gpu=True,
+                    group_backend="nccl", emulate_hosts=True, ranks_per_node=1, timeout_s=180, allow_exit=True)

@@ -195,6 +195,8 @@ def _profile(buf, op: str, fn, show: bool) -> None:
         return
     print(f"# --profile {op}: 5 calls, by own time")
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    print(f"# --profile {op}: 5 calls, by cumulative time")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=False):

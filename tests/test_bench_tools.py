@@ -244,7 +244,7 @@ def test_bench_intranode_table_marks_unchecked_rows(capsys, tmp_path):
     assert [line[-1] for line in lines] == ["0", "2", "N/A"], lines
     assert results.exit_status(res["rows"]) == 1
     path = BI.write_json(res, str(tmp_path), ["--sms", "8"])
-    assert re.fullmatch(r"bench_intranode_cpux2_\d{8}_[0-9a-z]+\.json", path.name), path.name
+    assert re.fullmatch(r"bench_intranode_CPUx2_\d{8}_[0-9a-z]+\.json", path.name), path.name
     doc = json.loads(path.read_text())
     assert [r["checked"] for r in doc["rows"]] == [True, True, False] and "wrong" not in doc["rows"][2]
     assert doc["command"] == "python -m benchmarks.bench_intranode --sms 8" and doc["world_size"] == 2
@@ -590,7 +590,7 @@ def test_bench_main_job_smoke(tmp_path):
     assert "# Out of bounds values : 0 OK" in out and "# Avg bus bandwidth" in out
     assert "[bench] all results verified" in out
     (out_json,) = tmp_path.iterdir()                                # <tool>_<gpu>x<n>_<yyyymmdd>_<commit>.json
-    assert re.fullmatch(r"bench_main_cpux4_\d{8}_[0-9a-z]+\.json", out_json.name), out_json.name
+    assert re.fullmatch(r"bench_main_CPUx4_\d{8}_[0-9a-z]+\.json", out_json.name), out_json.name
     doc = json.loads(out_json.read_text())
     assert all(r["checked"] and r["wrong"] == 0 for r in doc["rows"])
     for key in ("device", "git", "command", "rows", "ratios", "workload", "backend"):

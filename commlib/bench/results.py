@@ -6,7 +6,7 @@ count, and its ``#wrong`` cell reads ``N/A``. A benchmark exits non-zero when an
 wrong (``exit_status``).
 
 Files. ``benchmarks/results/<tool>_<gpu>x<n>_<yyyymmdd>_<commit>.json`` (e.g.
-``alltoall_perf_H200x2_20261201_1e9003c.json``; CPU runs ``..._cpux4_...``), holding the device, the
+``alltoall_perf_H200x2_20261201_1e9003c.json``; CPU runs ``..._CPUx4_...``), holding the device, the
 git commit, the command line, the figures (rows) and the ratios (``result_document``).
 """
 from __future__ import annotations

@@ -35,11 +35,16 @@ def test_internode_matches_reference(world_size):
     assert not failed, "\n".join(f"{k}:\n{v}" for k, v in failed.items())
 
 
-def test_internode_worst_mode_stops_on_bad_ids():
-    """num_worst_tokens (no host read) with an expert id out of range: every rank stops (device-side
-    assert, or the Buffer's own check on the rank that holds it) and exits; nothing hangs."""
+def test_internode_worst_mode_stops_on_bad_ids(capfd):
+    """num_worst_tokens (no host read) with an expert id out of range on one rank: every rank stops on
+    the engine's device-side assert (the NCCL watchdog then ends the process), nothing hangs and no
+    rank returns rows."""
     from commlib.utils.launch import parallel_launch
     from worlds import _worker
     os.environ.setdefault("COMMLIB_TIMEOUT_S", "60")
-    parallel_launch(2, _worker, "cases_internode", ["worst_device_assert"], 60.0, 15.0, use_gpu=True,
-                    group_backend="nccl", emulate_hosts=True, ranks_per_node=1, timeout_s=180, allow_exit=True)
+    with pytest.raises(RuntimeError) as failed:
+        parallel_launch(2, _worker, "cases_internode", ["worst_device_assert"], 60.0, 15.0, use_gpu=True,
+                        group_backend="nccl", emulate_hosts=True, ranks_per_node=1, timeout_s=180)
+    assert "timed out" not in str(failed.value), str(failed.value)[-2000:]
+    err = capfd.readouterr().err
+    assert err.count("Assertion `commlib internode dispatch (num_worst_tokens)") >= 2, err[-3000:]

@@ -333,13 +333,7 @@ class InternodeBackend(ReferenceBackend):
         plan = self._plan(send1_all, fwd_host, ring, in_node, chunk, T)
         totals = counts_all.sum(dim=0)                                               # rows each rank receives
         plan["node_rows"] = int(totals[topo.node_ranks(topo.node)].max())
-        packer = self._packer(x, scales, K, has_w)
-        tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
-            [torch.arange(T, dtype=torch.int32, device=dev)]
-        if K:
-            tensors.append(topk)
-            if has_w:
-                tensors.append(req.topk_weights.to(dev))
+        packer, tensors = self._payload(req, topk if K else None)
         recv = self._move(packer, tensors, send_head, plan, max(num_recv, worst))
         cols = packer.unpack(recv)
 
@@ -412,13 +406,7 @@ class InternodeBackend(ReferenceBackend):
         send_head = L.send_head(is_tir, rank_prefix, me)
         plan = self._padded_plan(in_node, spos, worst, ring)
         plan["num_recv_dev"] = rank_prefix[-1, me].to(torch.int64)
-        packer = self._packer(x, scales, K, has_w)
-        tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
-            [torch.arange(T, dtype=torch.int32, device=dev)]
-        if K:
-            tensors.append(topk)
-            if has_w:
-                tensors.append(req.topk_weights.to(dev))
+        packer, tensors = self._payload(req, topk)
         cols = packer.unpack(self._move_padded(packer, tensors, send_head, plan))
         recv_topk_idx = recv_topk_w = None
         if K:
@@ -577,6 +565,21 @@ class InternodeBackend(ReferenceBackend):
                 raise ValueError(f"[commlib rank {me}] ranks disagree on the op: " + "; ".join(diffs)
                                  + " (every rank must make the same sequence of calls with the same shapes/config)")
 
+    def _payload(self, req: DispatchRequest, topk) -> tuple:
+        """The rows a dispatch moves, as (packer, per-column tensors on the comm device): x, its
+        scales, the source token index and, with ``topk`` (the ids on the comm device), the ids and
+        weights. Cached dispatch passes None: its rows carry no routing."""
+        x, scales, dev = req.x, req.x_scales, self.comm_device
+        K = topk.shape[1] if topk is not None else 0
+        has_w = K > 0 and req.topk_weights is not None
+        tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
+            [torch.arange(x.shape[0], dtype=torch.int32, device=dev)]
+        if K:
+            tensors.append(topk)
+            if has_w:
+                tensors.append(req.topk_weights.to(dev))
+        return self._packer(x, scales, K, has_w), tensors
+
     @staticmethod
     def _packer(x, scales, K: int, has_w: bool) -> _Packer:
         H = x.shape[1]
@@ -699,9 +702,7 @@ class InternodeBackend(ReferenceBackend):
         if not self.nccl:
             self._agree(self.signature(2, H, h.num_experts, scales is not None, 0, False, req.config), [])
         dev = self.comm_device
-        packer = self._packer(x, scales, 0, False)
-        tensors = [x.to(dev)] + ([scales.to(dev)] if scales is not None else []) + \
-            [torch.arange(T, dtype=torch.int32, device=dev)]
+        packer, tensors = self._payload(req, None)
         if plan.get("padded"):
             recv = self._move_padded(packer, tensors, h.send_head.to(dev), plan)
         else:

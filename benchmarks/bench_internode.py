@@ -40,6 +40,42 @@ OPS = ["dispatch_bf16", "dispatch_bf16_cached", "dispatch_fp8", "combine"]
 BASELINE_OPS = ["a2a_dispatch_bf16", "a2a_combine"]  # flat all_to_all_single over every rank, same run
 
 
+# The two-GPU targets (issue: the internode engine): engine time / flat all-to-all time over NCCL's
+# NVLink transport, and over its socket transport the network leg's GB/s against the flat
+# all-to-all's bus bandwidth.
+NVLINK_TARGETS = {"dispatch_bf16": 1.25, "dispatch_bf16_cached": 1.1, "combine": 1.3}
+SOCKET_NET_SHARE = 0.85
+
+
+def target_verdicts(rows: list, socket: bool, shared_gpu: bool) -> list:
+    """The targets this run speaks to, each with its value, limit, the chunk cap that did best and
+    whether it is met. ``socket``: NCCL ran over its socket transport (--emulate-hosts); ``shared_gpu``:
+    ranks shared a GPU, so the verdicts are printed but mean nothing (time-sliced)."""
+    best = {}
+    for r in rows:
+        if "vs_flat_a2a" in r and (r["op"] not in best or r["vs_flat_a2a"] < best[r["op"]]["vs_flat_a2a"]):
+            best[r["op"]] = r
+    out = []
+    if not socket:
+        for op, limit in NVLINK_TARGETS.items():
+            if op in best:
+                v = best[op]["vs_flat_a2a"]
+                out.append({"target": f"{op}: engine time / flat all-to-all time (NCCL over NVLink)", "value": round(v, 3),
+                            "limit": f"<= {limit}", "chunk_cap": best[op]["chunk_cap"], "met": v <= limit})
+    else:
+        flat = next((r for r in rows if r["op"] == "a2a_dispatch_bf16"), None)
+        eng = [r for r in rows if r["op"] == "dispatch_bf16"]
+        if flat is not None and eng and flat.get("busbw_gbps"):
+            top = max(eng, key=lambda r: r["net_gbps"])
+            share = top["net_gbps"] / flat["busbw_gbps"]
+            out.append({"target": "dispatch network leg GB/s / flat all-to-all busbw (NCCL socket transport)",
+                        "value": round(share, 3), "limit": f">= {SOCKET_NET_SHARE}", "chunk_cap": top["chunk_cap"],
+                        "met": share >= SOCKET_NET_SHARE})
+    for t in out:
+        t["meaningful"] = not shared_gpu
+    return out
+
+
 def _row_bytes(op: str, hidden: int) -> int:
     return hidden + hidden // 128 * 4 if op == "dispatch_fp8" else hidden * 2
 
@@ -304,11 +340,16 @@ def main(argv=None) -> int:
           f"{info.get('bare_a2a_host_busy_us', 0.0):.1f} us behind running work ('busy us': each call issued "
           f"behind a ~30 ms kernel, as in a training step) (the floor of a one-collective call here); "
           f"'engine': the host time before it less the time inside torch.distributed's collective calls and waits")
+    shared = bool(gpus) and gpus < a.ranks
+    targets = target_verdicts(rows, socket=a.emulate_hosts, shared_gpu=shared) if gpus else []
+    for t in targets:
+        print(f"# target {t['target']}: {t['value']:.3f} (needs {t['limit']}, best at chunk cap {t['chunk_cap']}): "
+              + ("met" if t["met"] else "NOT met") + ("" if t["meaningful"] else " -- ranks share a GPU: not a measurement"))
     print(results.check_footer(rows))
     if a.json is not None:
         cmd = "python -m benchmarks.bench_internode " + " ".join(shlex.quote(v) for v in (argv or sys.argv[1:]))
         doc = B.result_document("bench_internode", cmd.strip(), rows, world_size=a.ranks,
-                                network_is=link, **info)
+                                network_is=link, targets=targets, **info)
         print(f"# wrote {results.write_result(doc, a.json)}")
     wrong = results.total_wrong(rows)
     unchecked = [r["op"] for r in rows if not r.get("checked")]

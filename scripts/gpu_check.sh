@@ -71,6 +71,10 @@ case "$ONLY" in
   fan1) STAGES="env,fanout,hier,inhost,inhost4" ;;
   # the internode engine's closing run on one GPU: kernel, benches first, then the worlds (1,000 routings)
   final1) STAGES="env,fanout,inhost,inhost4,hierworst,hier" ;;
+  # the two-GPU kind (nvidia-h200-x2), 2 nodes x 1: the internode targets over NCCL's NVLink and socket
+  # transports against the flat all-to-all (bench_internode prints each target met / NOT met), then the
+  # device worlds with the ranks on their own GPUs
+  x2internode) STAGES="env,internode,internodesock,fanout,hier" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -209,7 +213,10 @@ stage overlapfb 200 $FB --iters 10 --expert-hidden 2816 --tag "NVIDIA_H200_netwo
 stage neighbour 90 $PY -m experiments.bench_gemm_carveout --neighbour 4,12 --json "$RES/gemm_neighbour.json"
 stage interference 150 $PY -m experiments.bench_comm_interference --json "$RES/comm_interference.json"
 stage tune 200 $PY -m benchmarks.bench_tune ${TUNE_ARGS:-} --json "$RES"
-stage internode 150 $PY -m benchmarks.bench_internode --json "$RES"
+stage internode 150 $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --json "$RES"
+# the same over NCCL's socket transport (each rank its own NCCL_HOSTID; on 2 GPUs each rank keeps its GPU)
+stage internodesock 150 $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --emulate-hosts \
+  --json "$RES/bench_internode_socket_$(gpu_tag)_$(date +%Y%m%d)_${COMMLIB_GIT_COMMIT:-unknown}.json"
 # one GPU: 2 processes as 2 emulated hosts over NCCL's socket transport; host time per call and K (device times
 # are time-sliced, not meaningful); V3 rows at 4096 tokens, chunk caps 1..8
 stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1,2,4,8 \

@@ -79,3 +79,18 @@ def test_collective_clock_times_calls_and_waits(monkeypatch):
         time.sleep(0.05)   # outside any collective: not counted
     assert 0.045 <= clock.seconds < 0.09, clock.seconds
     assert dist.all_to_all_single is fake
+
+
+def test_target_verdicts():
+    """The two-GPU targets: the best chunk cap per op against the flat all-to-all (NVLink), and the
+    network leg's share of the flat all-to-all's busbw (socket)."""
+    rows = [{"op": "dispatch_bf16", "chunk_cap": 1, "vs_flat_a2a": 1.4, "net_gbps": 100.0},
+            {"op": "dispatch_bf16", "chunk_cap": 4, "vs_flat_a2a": 1.2, "net_gbps": 150.0},
+            {"op": "dispatch_bf16_cached", "chunk_cap": 4, "vs_flat_a2a": 1.15, "net_gbps": 0.0},
+            {"op": "combine", "chunk_cap": 4, "vs_flat_a2a": 1.3, "net_gbps": 0.0},
+            {"op": "a2a_dispatch_bf16", "chunk_cap": 1, "busbw_gbps": 160.0}]
+    nv = {t["target"].split(":")[0]: t for t in bench_internode.target_verdicts(rows, socket=False, shared_gpu=False)}
+    assert nv["dispatch_bf16"]["met"] and nv["dispatch_bf16"]["chunk_cap"] == 4 and nv["dispatch_bf16"]["value"] == 1.2
+    assert not nv["dispatch_bf16_cached"]["met"] and nv["combine"]["met"]
+    (sock,) = bench_internode.target_verdicts(rows, socket=True, shared_gpu=True)
+    assert sock["value"] == round(150 / 160, 3) and sock["met"] and not sock["meaningful"]

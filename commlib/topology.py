@@ -173,6 +173,13 @@ def _reaches(a: RankFacts, b: RankFacts) -> bool:
     return b.gpu in a.peers
 
 
+def share_memory(facts: Sequence[RankFacts]) -> bool:
+    """Can every one of these ranks map every other's GPU memory (CUDA IPC: one running kernel, i.e.
+    the same host and boot, and peer access between their GPUs, or one GPU)?"""
+    host = {(f.hostname, f.boot_id) for f in facts}
+    return len(host) <= 1 and all(_reaches(a, b) for a in facts for b in facts)
+
+
 def node_groups(facts: Sequence[RankFacts]) -> list:
     """The ranks (lists, in rank order) of each node the facts show, nodes ordered by their first rank.
 

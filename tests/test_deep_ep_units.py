@@ -341,3 +341,15 @@ def test_default_configs_are_deepeps(monkeypatch):
         assert get(1024) == get(160)
         with pytest.raises(ValueError, match="num_ranks"):
             get(0)
+
+
+def test_share_memory_decides_the_forwarder_kernel():
+    """The internode engine's forwarder kernel needs the node's ranks to map each other's memory:
+    one host and boot, and peer access (or one GPU shared)."""
+    from commlib.topology import share_memory
+    assert share_memory(_gpu_host("a", 4))
+    assert share_memory(_gpu_host("a", 1, ranks=[0, 0]))                    # processes sharing one GPU
+    assert not share_memory(_gpu_host("a", 4, pairs=[[0, 1], [2, 3]]))      # 0 cannot reach 2
+    assert share_memory(_gpu_host("a", 4, pairs=[[0, 1], [2, 3]], ranks=[0, 1]))
+    assert not share_memory(_gpu_host("a", 2, ranks=[0]) + _gpu_host("b", 2, ranks=[0]))   # two hosts
+    assert not share_memory(_gpu_host("a", 2, ranks=[0], boot="b0") + _gpu_host("a", 2, ranks=[1], boot="b1"))

@@ -41,6 +41,7 @@ from commlib import layout as L
 from commlib.utils import env
 from commlib.utils.math import align_up
 from commlib.handle import DispatchHandle
+from commlib.topology import local_facts, share_memory
 from commlib.cuda.loader import cupy_available as _cupy_available
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from commlib.backends.reference import (_OPS, SIG_FIELDS, ReferenceBackend, _Packer, check_counts, int32_columns,
@@ -157,10 +158,18 @@ class InternodeBackend(ReferenceBackend):
             if any(t != mode for t in theirs):
                 raise ValueError(f"[commlib rank {topo.rank}] COMMLIB_NODE_FANOUT differs between ranks: {theirs}")
             if mode == "kernel" and _cupy_available():   # the kernels load through CuPy
-                from commlib.backends.fanout import NodeFanout
-                with torch.cuda.device(self.comm_device):
-                    self.fanout = NodeFanout(self.node_group, self.comm_device, num_ctas=self.nccl_ctas,
-                                             timeout_s=self.ctx.timeout_s)
+                # the node's ranks must map each other's memory (one host, peer access); where not
+                # (e.g. nodes emulated across hosts, GPUs without peer access), the node all-to-all
+                facts = [None] * topo.ranks_per_node
+                dist.all_gather_object(facts, local_facts(self.comm_device), group=self.node_group)
+                if share_memory(facts):
+                    from commlib.backends.fanout import NodeFanout
+                    with torch.cuda.device(self.comm_device):
+                        self.fanout = NodeFanout(self.node_group, self.comm_device, num_ctas=self.nccl_ctas,
+                                                 timeout_s=self.ctx.timeout_s)
+                else:
+                    warnings.warn(f"commlib rank {topo.rank}: the ranks of node {topo.node} cannot map each other's "
+                                  "GPU memory (other hosts, or no peer access); the fan-out inside it uses NCCL")
         self.host_reads = 0      # device -> host reads of counts (tests: one per non-cached dispatch)
         self.host_read_s = 0.0   # seconds blocked in them (benchmarks: host time = wall time less this)
         # E of the last dispatch: a rank whose dispatch input is refused on NCCL sends an agreement row

@@ -43,6 +43,7 @@ from commlib.utils.math import align_up
 from commlib.handle import DispatchHandle
 from commlib.topology import local_facts, share_memory
 from commlib.cuda.loader import cupy_available as _cupy_available
+from commlib.backends.fanout import NodeFanout
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from commlib.backends.reference import (_OPS, SIG_FIELDS, ReferenceBackend, _Packer, check_counts, int32_columns,
                                         plan_of, sum_rows)
@@ -163,7 +164,6 @@ class InternodeBackend(ReferenceBackend):
                 facts = [None] * topo.ranks_per_node
                 dist.all_gather_object(facts, local_facts(self.comm_device), group=self.node_group)
                 if share_memory(facts):
-                    from commlib.backends.fanout import NodeFanout
                     with torch.cuda.device(self.comm_device):
                         self.fanout = NodeFanout(self.node_group, self.comm_device, num_ctas=self.nccl_ctas,
                                                  timeout_s=self.ctx.timeout_s)

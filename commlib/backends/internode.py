@@ -343,6 +343,7 @@ class InternodeBackend(ReferenceBackend):
         totals = counts_all.sum(dim=0)                                               # rows each rank receives
         plan["node_rows"] = int(totals[topo.node_ranks(topo.node)].max())
         packer, tensors = self._payload(req, topk if K else None)
+        plan["area_row"] = _area_row(packer, H, K)
         recv = self._move(packer, tensors, send_head, plan, max(num_recv, worst))
         cols = packer.unpack(recv)
 
@@ -416,6 +417,7 @@ class InternodeBackend(ReferenceBackend):
         plan = self._padded_plan(in_node, spos, worst, ring)
         plan["num_recv_dev"] = rank_prefix[-1, me].to(torch.int64)
         packer, tensors = self._payload(req, topk)
+        plan["area_row"] = _area_row(packer, H, K)
         cols = packer.unpack(self._move_padded(packer, tensors, send_head, plan))
         recv_topk_idx = recv_topk_w = None
         if K:
@@ -471,7 +473,7 @@ class InternodeBackend(ReferenceBackend):
         fan = self.fanout
         if fan is not None:
             Wd = align_up(W, 16)
-            fan.reserve(rows, Wd)
+            fan.reserve(rows, plan["area_row"])
             fan.barrier()
         post = lambda k: self.network.exchange(send[k * per:(k + 1) * per], [crows] * M, [crows] * M)
         in_flight = post(0) if nch else None
@@ -522,7 +524,7 @@ class InternodeBackend(ReferenceBackend):
         mine = packer.pack([req.x[:rows].to(dev)] + ([w] if K else []))
         fan = self.fanout
         if fan is not None:
-            Wd = self._publish(fan, mine, rows, packer.row_bytes)
+            Wd = self._publish(fan, mine, rows, plan["area_row"], packer.row_bytes)
         mine = torch.cat([mine, torch.zeros(1, packer.row_bytes, dtype=torch.uint8, device=dev)])  # + a zero row
         back, posted = [], None
         for k in range(nch):
@@ -657,7 +659,7 @@ class InternodeBackend(ReferenceBackend):
         fan = self.fanout
         if fan is not None:   # rows land in the node's IPC areas at their final row
             Wd = align_up(W, 16)
-            fan.reserve(plan["node_rows"], Wd)
+            fan.reserve(plan["node_rows"], plan["area_row"])
             fan.barrier()
         in_flight = post(0) if plan["num_chunks"] else None
         for k in range(plan["num_chunks"]):
@@ -744,7 +746,7 @@ class InternodeBackend(ReferenceBackend):
         start, posted = 0, None
         fan = self.fanout
         if fan is not None:
-            Wd = self._publish(fan, rows, plan["node_rows"], packer.row_bytes)
+            Wd = self._publish(fan, rows, plan["node_rows"], plan["area_row"], packer.row_bytes)
         for k in range(plan["num_chunks"]):
             J = sum(plan["recv_splits"][k])
             if fan is not None:   # the forwarder sums its landed rows' copies straight from the node's areas
@@ -776,12 +778,12 @@ class InternodeBackend(ReferenceBackend):
         return CombineResult(acc_y.to(torch.bfloat16).to(out_device), acc_w.to(out_device) if K else None)
 
     @staticmethod
-    def _publish(fan, rows: torch.Tensor, capacity: int, row_bytes: int) -> int:
+    def _publish(fan, rows: torch.Tensor, capacity: int, area_row: int, row_bytes: int) -> int:
         """Combine on the forwarder kernel's path: this rank's rows into its IPC area, between barriers
         (peers are past their reads of it before, every rank's rows are there after). Returns the
         areas' row stride."""
         Wd = align_up(row_bytes, 16)
-        fan.reserve(capacity, Wd)
+        fan.reserve(capacity, area_row)   # free: the dispatch reserved room for its combine's rows
         fan.barrier()
         if rows.shape[0]:
             fan.rows(rows.shape[0], Wd)[:, :row_bytes].copy_(rows)
@@ -801,6 +803,14 @@ class InternodeBackend(ReferenceBackend):
             return got
         acc_y, acc_w = sum_rows(packer.unpack(got), fan_rows.split(fan_send), J, H, K)
         return packer.pack([acc_y.to(torch.bfloat16)] + ([acc_w] if K else []))
+
+
+def _area_row(packer: _Packer, H: int, K: int) -> int:
+    """Bytes per row of the forwarder's landing areas for a dispatch (``packer``: its rows) and its
+    cached dispatch and combine (bf16 [H] + float32 [K]): the widest, 16-byte aligned, so no later
+    call of the handle grows the areas (growing is collective and syncs the host). The same on every
+    rank of a node (the ranks agree on the call)."""
+    return max(align_up(packer.row_bytes, 16), align_up(2 * H + 4 * K, 16))
 
 
 def _capped_nccl_options(max_ctas: int):

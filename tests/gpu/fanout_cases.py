@@ -293,9 +293,7 @@ def case_graph_forward(ctx):
                 graph.replay()
             else:
                 steps()                                   # eager after the replays: epochs still in step
-            got = own.cpu()
-            want = forward_oracle(payloads, pos, me, n_fixed, W, W)
-            expect_equal(errors, got, want, f"graph forward iteration {it}")
+            expect_equal(errors, own.cpu(), forward_oracle(payloads, pos, me, n_fixed, W, W), f"graph forward iteration {it}")
         del graph
     finally:
         finish(fan)

@@ -308,8 +308,7 @@ class InternodeBackend(ReferenceBackend):
                              f"num_worst_tokens // num_ranks = {worst // R} tokens per rank (the padded streams "
                              f"that need no host read); this rank has {T}")
         if worst:
-            return self._dispatch_padded(req, g, head, n_sig, is_tir, in_node, spos, topk if K else None,
-                                         per_expert, ring)
+            return self._dispatch_padded(req, g, sig, n_sig, is_tir, in_node, spos, topk if K else None, ring)
         width = n_sig + R + 2 + M   # the row up to the chunk blocks
         # what the forwarders of this node pass on, [forwarder q, chunk, local rank p]: the blocks of
         # every rank for this node, summed over the rail of q (rank = node * P + q)
@@ -321,13 +320,8 @@ class InternodeBackend(ReferenceBackend):
         gh = host[:R * width].view(R, width)
         fwd_host = host[R * width:R * width + P * Kc * P].view(P, Kc, P)            # [forwarder q, k, p]
         expert_counts = host[R * width + P * Kc * P:].tolist()
-        self._check_agreement(gh, sig, n_sig)
         counts_all = gh[:, n_sig:n_sig + R]
-        wrong_ids = [(r, int(gh[r, n_sig + R + 1])) for r in range(R) if gh[r, n_sig + R + 1] > 0]
-        if wrong_ids:
-            raise ValueError(f"[commlib rank {me}] dispatch aborted: topk_idx holds expert ids outside [-1, {E}) "
-                             f"(rank, ids out of range): {wrong_ids}; nothing was sent")
-        check_counts(me, self.ctx.max_nodes_per_token, gh[:, n_sig + R], counts_all, worst)
+        self._check_exchange(gh, sig, n_sig, E)
         send1_all = gh[:, n_sig + R + 2:].tolist()                                  # [R][M]
         num_recv = int(counts_all[:, me].sum())
 
@@ -344,7 +338,8 @@ class InternodeBackend(ReferenceBackend):
         plan["node_rows"] = int(totals[topo.node_ranks(topo.node)].max())
         packer, tensors = self._payload(req, topk if K else None)
         plan["area_row"] = _area_row(packer, H, K)
-        recv = self._move(packer, tensors, send_head, plan, max(num_recv, worst))
+        plan["num_recv"] = num_recv
+        recv = self._move(packer, tensors, send_head, plan)
         cols = packer.unpack(recv)
 
         # ---- outputs, as the reference makes them ----
@@ -356,25 +351,23 @@ class InternodeBackend(ReferenceBackend):
         recv_topk_idx = recv_topk_w = None
         if K:
             local_idx = L.local_expert_ids(cols["topk_idx"], me, Lx)
-            local_idx[num_recv:] = -1
             recv_topk_idx = local_idx.to(out_device)
             if has_w:
                 w = torch.where(local_idx >= 0, cols["topk_w"], torch.zeros_like(cols["topk_w"]))
                 recv_topk_w = w.to(out_device)
-        per_expert_list = [] if worst else [align_up(int(c), req.expert_alignment) for c in expert_counts]
-        plan["num_recv"] = num_recv
+        per_expert_list = [align_up(int(c), req.expert_alignment) for c in expert_counts]
         handle = DispatchHandle(
             rank_prefix_matrix=rank_prefix.to(out_device), channel_prefix_matrix=chan_prefix.to(out_device),
             recv_channel_prefix_matrix=recv_chan_prefix.to(out_device), recv_src_idx=recv_src_idx,
             is_token_in_rank=is_tir.to(out_device), send_head=send_head.to(out_device),
             topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
-            num_recv_tokens=None if worst else num_recv, num_worst_tokens=worst, backend=self.name,
+            num_recv_tokens=num_recv, num_worst_tokens=0, backend=self.name,
             extra={"plan": plan, "num_recv": num_recv, "counts_all": counts_all})
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle)
 
     # ------------------------------------------------------------------ num_worst_tokens: no host read
-    def _dispatch_padded(self, req: DispatchRequest, g: torch.Tensor, head: torch.Tensor, n_sig: int,
-                         is_tir: torch.Tensor, in_node: torch.Tensor, spos: torch.Tensor, topk, per_expert,
+    def _dispatch_padded(self, req: DispatchRequest, g: torch.Tensor, sig: list, n_sig: int,
+                         is_tir: torch.Tensor, in_node: torch.Tensor, spos: torch.Tensor, topk,
                          ring: int) -> DispatchResult:
         """A dispatch with ``num_worst_tokens`` (W rows out): nothing is read to the host. Every rank
         may send cap = W // R tokens, so every (rank, node) stream is padded to cap rows and every size
@@ -397,15 +390,9 @@ class InternodeBackend(ReferenceBackend):
         has_w = req.topk_weights is not None
         worst, dev, out_device = req.num_worst_tokens, self.comm_device, x.device
         if dev.type == "cpu":   # the host has the counts for free: the counted path's checks and messages
-            gh = g
-            self._check_agreement(gh, head[1:].tolist(), n_sig)
-            wrong_ids = [(r, int(gh[r, n_sig + R + 1])) for r in range(R) if gh[r, n_sig + R + 1] > 0]
-            if wrong_ids:
-                raise ValueError(f"[commlib rank {me}] dispatch aborted: topk_idx holds expert ids outside [-1, {E}) "
-                                 f"(rank, ids out of range): {wrong_ids}; nothing was sent")
-            check_counts(me, self.ctx.max_nodes_per_token, gh[:, n_sig + R], None, worst)
-        else:
-            problems = ((g[:, 0] != 0).any() | (g[:, 1:n_sig] != head[1:].view(1, -1)).any()
+            self._check_exchange(g, sig, n_sig, E)
+        else:   # every rank's signature against this rank's own row
+            problems = ((g[:, 0] != 0).any() | (g[:, 1:n_sig] != g[me, 1:n_sig].view(1, -1)).any()
                         | (g[:, n_sig + R] > 0).any() | (g[:, n_sig + R + 1] > 0).any())
             torch._assert_async(~problems, "commlib internode dispatch (num_worst_tokens): ranks disagree on the "
                                 "op, an expert id is out of range, or a token reaches too many nodes")
@@ -466,11 +453,12 @@ class InternodeBackend(ReferenceBackend):
             for m in range(M):   # a token's row once per destination node, with its positions there
                 row[:, W:] = heads[:, m].contiguous().view(torch.uint8).view(T, 4 * P)
                 send.index_copy_(0, plan["slot"][:, m], row)
-        out = torch.zeros(rows + 1, W, dtype=torch.uint8, device=dev)              # + the dump row
-        _fill_ids(out, packer, rows)
+        fan = self.fanout
+        # rows nothing lands on read as padding (zeros, -1 ids); without the forwarder, + the dump row
+        out = torch.zeros(1 if fan is not None else rows + 1, W, dtype=torch.uint8, device=dev)
+        _fill_ids(out, packer)
         per = M * crows
         cached = bool(plan["fan_pos"])
-        fan = self.fanout
         if fan is not None:
             Wd = align_up(W, 16)
             fan.reserve(rows, plan["area_row"])
@@ -497,7 +485,7 @@ class InternodeBackend(ReferenceBackend):
             fan.barrier()
             # rows past the received count hold older bytes there: the padding row instead
             landed_rows = torch.arange(rows, device=dev) < plan["num_recv_dev"]
-            return torch.where(landed_rows.view(rows, 1), fan.rows(rows, Wd)[:, :W], out[rows:rows + 1])
+            return torch.where(landed_rows.view(rows, 1), fan.rows(rows, Wd)[:, :W], out)
         return out[:rows]
 
     def _count_padded(self, plan: dict) -> None:
@@ -559,6 +547,18 @@ class InternodeBackend(ReferenceBackend):
                 acc_w += parts["w"].index_select(0, slot)
         self._count_padded(plan)
         return acc_y, acc_w
+
+    def _check_exchange(self, gh: torch.Tensor, sig: list, n_sig: int, E: int) -> None:
+        """The count exchange's errors, raised alike on every rank (they all read the same rows ``gh``):
+        a refused input or disagreeing ranks, expert ids out of range, tokens over the node limit.
+        (num_worst_tokens is checked before the exchange: each rank against its cap.)"""
+        me, R = self.topology.rank, self.topology.num_ranks
+        self._check_agreement(gh, sig, n_sig)
+        wrong_ids = [(r, int(gh[r, n_sig + R + 1])) for r in range(R) if gh[r, n_sig + R + 1] > 0]
+        if wrong_ids:
+            raise ValueError(f"[commlib rank {me}] dispatch aborted: topk_idx holds expert ids outside [-1, {E}) "
+                             f"(rank, ids out of range): {wrong_ids}; nothing was sent")
+        check_counts(me, self.ctx.max_nodes_per_token, gh[:, n_sig + R], None, 0)
 
     def _check_agreement(self, gh: torch.Tensor, sig: list, n_sig: int) -> None:
         """Raise on every rank when a rank refused its input or the ranks disagree on the op."""
@@ -632,10 +632,10 @@ class InternodeBackend(ReferenceBackend):
                 "fan_send": fan_send, "fan_recv": fan_recv, "send_tok": send_tok, "send_node": send_node,
                 "home": home, "home_lens": list(mine), "fan_rows": [], "land_pos": [], "landed_pos": []}
 
-    def _move(self, packer: _Packer, tensors: list, send_head: torch.Tensor, plan: dict, rows: int,
+    def _move(self, packer: _Packer, tensors: list, send_head: torch.Tensor, plan: dict,
               cached: bool = False) -> torch.Tensor:
         """The data steps of a dispatch: pack, network chunks, fan-out, land at the final rows.
-        Returns [rows, packer.row_bytes] uint8 (rows past the received count: zeros, -1 ids)."""
+        Returns [num_recv, packer.row_bytes] uint8: every row is written once (by its forwarder)."""
         topo = self.topology
         M, P, loc = topo.num_nodes, topo.ranks_per_node, topo.local_rank
         dev = self.comm_device
@@ -648,15 +648,15 @@ class InternodeBackend(ReferenceBackend):
         send = torch.cat([base, pos.contiguous().view(torch.uint8).view(-1, 4 * P)], dim=1) if tok.numel() \
             else torch.empty(0, packer.row_bytes + 4 * P, dtype=torch.uint8, device=dev)
         W = packer.row_bytes
-        out = torch.zeros(rows + 1, W, dtype=torch.uint8, device=dev)   # + a row nothing valid lands on
-        _fill_ids(out, packer, rows)
+        rows = plan["num_recv"]
+        fan = self.fanout
+        out = torch.empty(rows, W, dtype=torch.uint8, device=dev) if fan is None else None
         self._count_rows_internode(plan)
         starts = [0]
         for k in range(plan["num_chunks"]):
             starts.append(starts[-1] + sum(plan["send_splits"][k]))
         post = lambda k: self.network.exchange(send[starts[k]:starts[k + 1]], plan["send_splits"][k],
                                                plan["recv_splits"][k])
-        fan = self.fanout
         if fan is not None:   # rows land in the node's IPC areas at their final row
             Wd = align_up(W, 16)
             fan.reserve(plan["node_rows"], plan["area_row"])
@@ -693,7 +693,7 @@ class InternodeBackend(ReferenceBackend):
         if fan is not None:
             fan.barrier()
             return fan.rows(rows, Wd)[:, :W]   # every row below num_recv landed; unpack copies it out
-        return out[:rows]
+        return out
 
     def _count_rows_internode(self, plan: dict) -> None:
         topo = self.topology
@@ -717,8 +717,7 @@ class InternodeBackend(ReferenceBackend):
         if plan.get("padded"):
             recv = self._move_padded(packer, tensors, h.send_head.to(dev), plan)
         else:
-            rows = max(plan["num_recv"], h.num_worst_tokens)
-            recv = self._move(packer, tensors, h.send_head.to(dev), plan, rows, cached=True)
+            recv = self._move(packer, tensors, h.send_head.to(dev), plan, cached=True)
         cols = packer.unpack(recv)
         return DispatchResult(cols["x"].to(x.device), cols["scales"].to(x.device) if scales is not None else None,
                               None, None, None, h)
@@ -827,7 +826,7 @@ def _capped_nccl_options(max_ctas: int):
         return None
 
 
-def _fill_ids(out: torch.Tensor, packer: _Packer, rows: int) -> None:
+def _fill_ids(out: torch.Tensor, packer: _Packer) -> None:
     """Rows nothing lands on read as the reference's padding: -1 source index and expert ids."""
     offset = 0
     for (name, _, _), w in zip(packer.columns, packer.widths):

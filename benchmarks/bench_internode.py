@@ -9,7 +9,9 @@ the flat all_to_all_single of the same rows and the reference backend, all in on
 per op and rank:
   time          median of the timed calls (CUDA events on GPUs);
   host us       host time of one call: its wall time less the time spent blocked in its one host
-                read (non-cached dispatch), each call issued on an idle device;
+                read (non-cached dispatch), each call issued on an idle device; busy us: the same
+                behind a ~30 ms kernel (GPU only); engine: either less the time inside
+                torch.distributed's calls and waits;
   K             network chunks the call used (every rank runs the same number);
   network GB/s  rows that crossed between (emulated) nodes x row bytes / time;
   NVLink GB/s   rows moved between two ranks of one node x row bytes / time.
@@ -132,13 +134,13 @@ class _CollectiveClock:
         self._saved.clear()
 
 
-def _host_us(buf, fn, reps: int, busy: bool = False, split: bool = False):
+def _host_us(buf, fn, reps: int, busy: bool = False) -> tuple:
     """Median host time of ``fn()`` in us: wall time less time blocked in the engine's host read.
     Each call starts on an idle device; ``busy``: behind a ~30 ms spinning kernel on the current
     stream instead, as in a training step where the GPU is still working when the host issues the
     call (the issue cost without the first-launch-after-idle penalty; a host read then waits for the
-    spin, and that wait is not counted). ``split``: also the median of the part spent inside
-    torch.distributed's collective calls and waits (returns (total, collectives))."""
+    spin, and that wait is not counted). Returns (that, the median of the part spent inside
+    torch.distributed's collective calls and waits)."""
     times, inside = [], []
     with _CollectiveClock() as clock:
         for _ in range(reps):
@@ -154,8 +156,7 @@ def _host_us(buf, fn, reps: int, busy: bool = False, split: bool = False):
             inside.append((clock.seconds - c0) * 1e6)
     if buf.device.type == "cuda":
         torch.cuda.synchronize(buf.device)
-    total = float(statistics.median(times))
-    return (total, float(statistics.median(inside))) if split else total
+    return float(statistics.median(times)), float(statistics.median(inside))
 
 
 def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile: bool = False):
@@ -213,7 +214,7 @@ def _bare_a2a_host_us(buf, group, w, reps: int, busy: bool = False) -> float:
         call()
     if busy and buf.device.type != "cuda":
         return 0.0
-    return _host_us(buf, call, reps, busy=busy)
+    return _host_us(buf, call, reps, busy=busy)[0]
 
 
 def _profile(buf, op: str, fn, show: bool) -> None:
@@ -259,10 +260,10 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=Fals
             r["net_rows"] = r["nvl_rows"] = r["host_us"] = r["host_busy_us"] = 0.0  # the flat baseline has no node hops
             r["host_busy_collective_us"] = r["host_busy_engine_us"] = r["host_collective_us"] = r["host_engine_us"] = 0.0
             continue
-        r["host_us"], r["host_collective_us"] = _host_us(buf, calls[r["op"]], max(5, iters), split=True)
+        r["host_us"], r["host_collective_us"] = _host_us(buf, calls[r["op"]], max(5, iters))
         r["host_engine_us"] = r["host_us"] - r["host_collective_us"]
         r["host_busy_us"], r["host_busy_collective_us"] = \
-            _host_us(buf, calls[r["op"]], max(5, iters), busy=True, split=True) if buf.device.type == "cuda" else (0.0, 0.0)
+            _host_us(buf, calls[r["op"]], max(5, iters), busy=True) if buf.device.type == "cuda" else (0.0, 0.0)
         # the engine's own share: host time less what torch.distributed's calls and waits took
         r["host_busy_engine_us"] = r["host_busy_us"] - r["host_busy_collective_us"]
         if profile:  # every rank makes the calls (collective), rank 0 prints

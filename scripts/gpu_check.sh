@@ -75,6 +75,9 @@ case "$ONLY" in
   # transports against the flat all-to-all (bench_internode prints each target met / NOT met), then the
   # device worlds with the ranks on their own GPUs
   x2internode) STAGES="env,internode,internodesock,fanout,hier" ;;
+  # the internode engine's per-token kernels (csrc/internode.cu) on one GPU: the device worlds against the
+  # reference, host time per call with the kernels and with the torch steps, planted bugs caught, 2 x 2
+  kern1) STAGES="env,compile,hier,inhost,inplant,inhost4" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -219,13 +222,15 @@ stage internodesock 150 $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --emu
   --json "$RES/bench_internode_socket_$(gpu_tag)_$(date +%Y%m%d)_${COMMLIB_GIT_COMMIT:-unknown}.json"
 # one GPU: 2 processes as 2 emulated hosts over NCCL's socket transport; host time per call and K (device times
 # are time-sliced, not meaningful); V3 rows at 4096 tokens, chunk caps 1..8
-stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1,2,4,8 \
-  --iters 10 --warmup 3 --json "$OUTDIR"
+stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks ${INHOST_CHUNKS:-1,2,4,8} \
+  --iters 10 --warmup 3 --torch-steps --json "$OUTDIR"
+# planted bugs in csrc/internode.cu, each must fail the device test that exists for it
+stage inplant 200 bash scripts/plant_internode_kernels.sh
 # one GPU or more: host time of each primitive the internode engine is made of (experiments/host_cost_nccl.py)
 stage hostcost 120 $PY -m experiments.host_cost_nccl --ranks 2 --json "$OUTDIR"
 # the same as 2 nodes x 2 (4 processes on one GPU): the forwarder kernel's path, host time per call
 stage inhost4 200 $PY -m benchmarks.bench_internode --ranks 4 --ranks-per-node 2 --emulate-hosts --chunks 1,4 \
-  --iters 5 --warmup 2 --json "$OUTDIR/bench_internode_2x2_$(gpu_tag)_$(date +%Y%m%d)_${COMMLIB_GIT_COMMIT:-unknown}.json"
+  --iters 5 --warmup 2 --torch-steps --json "$OUTDIR/bench_internode_2x2_$(gpu_tag)_$(date +%Y%m%d)_${COMMLIB_GIT_COMMIT:-unknown}.json"
 stage llbench 120 $PY -m benchmarks.bench_low_latency --json "$RES"
 if ls "$RES"/* >/dev/null 2>&1; then tar -czf "$OUTDIR/results.tar.gz" -C "$RES" . && log "[gpu_check] packed $(ls "$RES" | wc -l) result files"; fi
 

@@ -144,6 +144,12 @@ class NodeFanout:
         assert view.data_ptr() == self.mem.base + DATA_OFFSET and view.dtype == torch.uint8
         return view
 
+    def data_address(self) -> int:
+        """Device address of this rank's data area (row r at + r * row stride), for kernels that read
+        or write its rows without a tensor view; valid as ``rows``' views are."""
+        self._alive()
+        return self.mem.base + DATA_OFFSET
+
     # ------------------------------------------------------------------ kernels
     def barrier(self) -> None:
         """All local ranks meet (device side, on the current stream; CUDA-graph capturable)."""

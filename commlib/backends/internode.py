@@ -44,6 +44,7 @@ from commlib.handle import DispatchHandle
 from commlib.topology import local_facts, share_memory
 from commlib.cuda.loader import cupy_available as _cupy_available
 from commlib.backends.fanout import NodeFanout
+from commlib.backends import internode_kernels as IK
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from commlib.backends.reference import (_OPS, SIG_FIELDS, ReferenceBackend, _Packer, check_counts, int32_columns,
                                         plan_of, sum_rows)
@@ -98,9 +99,11 @@ class RailTransport:
         if self.stall_ms:
             time.sleep(self._rng.uniform(0, self.stall_ms) / 1000)
 
-    def exchange(self, send: torch.Tensor, send_splits: list, recv_splits: list):
+    def exchange(self, send: torch.Tensor, send_splits: list, recv_splits: list, out=None):
+        """Post one chunk; ``out``: where the rows land (contiguous, sum(recv_splits) rows), else a new tensor."""
         self._stall()
-        out = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype, device=send.device)
+        if out is None:
+            out = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group, async_op=True)
         return out, work
 
@@ -170,6 +173,11 @@ class InternodeBackend(ReferenceBackend):
                 else:
                     warnings.warn(f"commlib rank {topo.rank}: the ranks of node {topo.node} cannot map each other's "
                                   "GPU memory (other hosts, or no peer access); the fan-out inside it uses NCCL")
+        # The per-token steps as kernels (csrc/internode.cu) where the rows go straight to their rows:
+        # one rank per node, or the forwarder kernel. Their wire format is the torch steps', so ranks
+        # need not agree on it (COMMLIB_INTERNODE_KERNELS=0: the torch steps, for comparison).
+        self.device_steps = (self.nccl and self.comm_device.type == "cuda" and _cupy_available()
+                             and (topo.ranks_per_node == 1 or self.fanout is not None) and env.internode_kernels())
         self.host_reads = 0      # device -> host reads of counts (tests: one per non-cached dispatch)
         self.host_read_s = 0.0   # seconds blocked in them (benchmarks: host time = wall time less this)
         # E of the last dispatch: a rank whose dispatch input is refused on NCCL sends an agreement row
@@ -267,6 +275,8 @@ class InternodeBackend(ReferenceBackend):
         self._last_num_experts = E
         sig = self.signature(1, H, E, scales is not None, K, has_w, req.config)
         ring = _ring_rows(req.config)
+        if self.device_steps and not req.num_worst_tokens:
+            return self._dispatch_device(req, sig, ring)
         if not self.nccl:  # gloo: the reference's fixed-size agreement first (free on CPU ranks)
             self._agree(sig, [])
 
@@ -364,6 +374,124 @@ class InternodeBackend(ReferenceBackend):
             num_recv_tokens=num_recv, num_worst_tokens=0, backend=self.name,
             extra={"plan": plan, "num_recv": num_recv, "counts_all": counts_all})
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle)
+
+    # ------------------------------------------------------------------ dispatch on the device kernels
+    def _dispatch_device(self, req: DispatchRequest, sig: list, ring: int) -> DispatchResult:
+        """A non-cached dispatch with the per-token steps as kernels (``internode_kernels``): meta (the
+        exchange row, scans), the one exchange and read, pack (send rows, the handle's matrices), the
+        network chunks (and the forwarder), land (the outputs' columns), recv_chan. The torch steps of
+        ``dispatch`` are their specification; the device tests hold the two to the reference."""
+        topo = self.topology
+        me, R, M, P, node = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node, topo.node
+        Kc, dev = self.max_chunks, self.comm_device
+        x, scales = req.x.to(dev).contiguous(), req.x_scales
+        T, H = x.shape
+        E = req.num_experts
+        Lx = E // R
+        K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+        C = req.config.num_channels
+        tir = req.layout.is_token_in_rank.to(dev).contiguous()
+        topk = req.topk_idx.to(dev).contiguous() if K else None
+        w = req.topk_weights.to(dev).contiguous() if K and req.topk_weights is not None else None
+        scales = scales.to(dev).contiguous() if scales is not None else None
+        experts_in = None if K else req.layout.num_tokens_per_expert.to(dev, torch.int32).contiguous()
+
+        # ---- 1. metadata: one launch ----
+        head = self._h2d([0] + sig)
+        n_sig = 1 + len(sig)
+        row = torch.empty(self._row_len(E), dtype=torch.int64, device=dev)
+        before = torch.empty(T, R, dtype=torch.int32, device=dev)
+        spos = torch.empty(T, M, dtype=torch.int32, device=dev)
+        IK.meta(tir, topk, experts_in, head, row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=ring,
+                max_nodes=self.ctx.max_nodes_per_token)
+
+        # ---- 2. one collective, one host read (the whole gathered rows: a few KiB) ----
+        self._phase = "dispatch (agreement + count exchange)"
+        g = self._gather(row)
+        gh = self._read(g)
+        self._check_exchange(gh, sig, n_sig, E)
+        width = n_sig + R + 2 + M
+        fwd_host = gh[:, width:width + M * Kc * P].view(M, P, M, Kc, P)[:, :, node].sum(dim=0)
+        counts_all = gh[:, n_sig:n_sig + R]
+        num_recv = int(counts_all[:, me].sum())
+        plan = self._geometry(gh[:, width - M:width].tolist(), fwd_host, ring)
+        expert_counts = gh[:, width + M * Kc * P + me * Lx:width + M * Kc * P + (me + 1) * Lx].sum(dim=0).tolist()
+
+        # ---- 3. pack: the send rows and the handle's matrices ----
+        packer = self._packer(x, scales, K, w is not None)
+        W = packer.row_bytes
+        send = torch.empty(plan["send_starts"][-1], W + 4 * P, dtype=torch.uint8, device=dev)
+        slot = torch.empty(T, M, dtype=torch.int32, device=dev)
+        send_head = torch.empty(T, R, dtype=torch.int32, device=dev)
+        rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev)
+        chan_prefix = torch.empty(R, C, dtype=torch.int32, device=dev)
+        IK.pack(g, send, slot, send_head, x, scales, topk, w, me=me, M=M, P=P, Kc=Kc, ring=ring, n_sig=n_sig,
+                tir=tir, before=before, spos=spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix)
+        plan.update(device=True, slot=slot, num_recv=num_recv, area_row=_area_row(packer, H, K),
+                    node_rows=int(counts_all.sum(dim=0)[topo.node_ranks(node)].max()))
+
+        # ---- 4. network chunks (and the forwarder), 5. land ----
+        addr, stride, pos_off, n_rows = self._move_device(send, W, plan, cached=False)
+        recv_x = torch.empty(num_recv, H, dtype=x.dtype, device=dev)
+        recv_scales = torch.empty(num_recv, scales.shape[1], dtype=torch.float32, device=dev) \
+            if scales is not None else None
+        recv_src_idx = torch.empty(num_recv, dtype=torch.int32, device=dev)
+        recv_topk_idx = torch.empty(num_recv, K, dtype=torch.int64, device=dev) if K else None
+        recv_topk_w = torch.empty(num_recv, K, dtype=torch.float32, device=dev) if w is not None else None
+        if self.fanout is None:   # combine gathers its rows by where each landed row went
+            plan["land_pos"] = torch.empty(n_rows, dtype=torch.int32, device=dev)
+        IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, packer.widths[1] if scales is not None else 0,
+                recv_src_idx, recv_topk_idx, recv_topk_w, K=K, expert_lo=me * Lx, num_local=Lx,
+                pos_out=plan["land_pos"] if self.fanout is None else None)
+        recv_chan_prefix = torch.empty(R, C, dtype=torch.int32, device=dev)
+        IK.recv_chan(recv_src_idx, g, recv_chan_prefix, n_sig=n_sig, me=me)
+
+        out = req.x.device
+        moved = (lambda t: t) if out == dev else (lambda t: None if t is None else t.to(out))
+        handle = DispatchHandle(
+            rank_prefix_matrix=moved(rank_prefix), channel_prefix_matrix=moved(chan_prefix),
+            recv_channel_prefix_matrix=moved(recv_chan_prefix), recv_src_idx=moved(recv_src_idx),
+            is_token_in_rank=moved(tir), send_head=moved(send_head),
+            topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
+            num_recv_tokens=num_recv, num_worst_tokens=0, backend=self.name,
+            extra={"plan": plan, "num_recv": num_recv, "counts_all": counts_all})
+        per_expert_list = [align_up(int(c), req.expert_alignment) for c in expert_counts]
+        return DispatchResult(moved(recv_x), moved(recv_scales), moved(recv_topk_idx), moved(recv_topk_w),
+                              per_expert_list, handle)
+
+    def _move_device(self, send: torch.Tensor, W: int, plan: dict, cached: bool) -> tuple:
+        """The network chunks of the device steps. One rank per node: every chunk lands in one buffer
+        (rows carry their final row at byte W); with the forwarder, chunk k fans out while k + 1 is on
+        the wire and the rows sit at their final rows of this rank's area. Returns (address, row
+        stride, position byte or -1, rows) of what ``IK.land`` reads."""
+        P, dev = self.topology.ranks_per_node, self.comm_device
+        nch, ss, rs = plan["num_chunks"], plan["send_starts"], plan["recv_starts"]
+        post = lambda k, out=None: self.network.exchange(send[ss[k]:ss[k + 1]], plan["send_splits"][k],
+                                                         plan["recv_splits"][k], out=out)
+        self._count_rows_internode(plan)
+        fan = self.fanout
+        if fan is None:   # P == 1: NCCL runs a group's collectives in order, so the last wait covers all
+            recv = torch.empty(rs[-1], W + 4 * P, dtype=torch.uint8, device=dev)
+            last = None
+            for k in range(nch):
+                last = post(k, recv[rs[k]:rs[k + 1]])
+            if last is not None:
+                self.network.land(last, f"dispatch (network chunks 0-{nch - 1})")
+            return recv.data_ptr(), W + 4 * P, W, rs[-1]
+        Wd = align_up(W, 16)
+        fan.reserve(plan["node_rows"], plan["area_row"])
+        fan.barrier()
+        in_flight = post(0) if nch else None
+        for k in range(nch):
+            landed = self.network.land(in_flight, f"dispatch (network chunk {k} of {nch})")
+            if k + 1 < nch:
+                in_flight = post(k + 1)   # on the wire while chunk k fans out
+            if not cached:
+                plan["landed_pos"].append(int32_columns(landed, W, W + 4 * P))   # combine's sources
+            self._phase = f"dispatch (fan-out of chunk {k})"
+            fan.forward(landed, W, Wd)
+        fan.barrier()
+        return fan.data_address(), Wd, -1, plan["num_recv"]
 
     # ------------------------------------------------------------------ num_worst_tokens: no host read
     def _dispatch_padded(self, req: DispatchRequest, g: torch.Tensor, sig: list, n_sig: int,
@@ -604,9 +732,10 @@ class InternodeBackend(ReferenceBackend):
                 cols.append(("topk_w", torch.float32, (K,)))
         return _Packer(cols)
 
-    def _plan(self, send1_all, fwd_host, ring, in_node, chunk, T) -> dict:
-        """Chunk geometry (host ints, every rank computes the same from the gathered counts) and the
-        order of this rank's send rows (device): chunk-major, then node, then token."""
+    def _geometry(self, send1_all, fwd_host, ring) -> dict:
+        """Chunk geometry: host ints every rank computes alike from the gathered counts (rows per chunk
+        to and from every rail peer and, in the node, to and from every forwarder), with each chunk's
+        first row in the send rows and in the landed rows."""
         topo = self.topology
         me, M, P, node, loc = topo.rank, topo.num_nodes, topo.ranks_per_node, topo.node, topo.local_rank
         Kc = self.max_chunks
@@ -618,7 +747,21 @@ class InternodeBackend(ReferenceBackend):
         recv_splits = [[clip(send1_all[s][node], k, rows_of[s][node]) for s in rail] for k in range(num_chunks)]
         fan_send = [[int(fwd_host[loc, k, p]) for p in range(P)] for k in range(num_chunks)]
         fan_recv = [[int(fwd_host[q, k, loc]) for q in range(P)] for k in range(num_chunks)]
-        S = sum(mine)
+        send_starts, recv_starts = [0], [0]
+        for k in range(num_chunks):
+            send_starts.append(send_starts[-1] + sum(send_splits[k]))
+            recv_starts.append(recv_starts[-1] + sum(recv_splits[k]))
+        return {"num_chunks": num_chunks, "send_splits": send_splits, "recv_splits": recv_splits,
+                "fan_send": fan_send, "fan_recv": fan_recv, "home_lens": list(mine), "send_starts": send_starts,
+                "recv_starts": recv_starts, "fan_rows": [], "land_pos": [], "landed_pos": []}
+
+    def _plan(self, send1_all, fwd_host, ring, in_node, chunk, T) -> dict:
+        """The chunk geometry (``_geometry``) and the order of this rank's send rows (device):
+        chunk-major, then node, then token."""
+        M = self.topology.num_nodes
+        plan = self._geometry(send1_all, fwd_host, ring)
+        num_chunks = plan["num_chunks"]
+        S = sum(plan["home_lens"])
         dev = in_node.device
         # send rows, chunk-major: key = (chunk * M + m) * T + t over the (token, node) pairs
         keys = (chunk * M + torch.arange(M, device=dev).view(1, M)) * T + torch.arange(T, device=dev).view(T, 1)
@@ -628,9 +771,8 @@ class InternodeBackend(ReferenceBackend):
         send_node = (order // T) % M
         # the same rows, node-major (the home sum adds node partials in node order)
         home = compact(torch.nn.functional.one_hot(send_node, M).bool(), S) % max(S, 1) if S else order
-        return {"num_chunks": num_chunks, "send_splits": send_splits, "recv_splits": recv_splits,
-                "fan_send": fan_send, "fan_recv": fan_recv, "send_tok": send_tok, "send_node": send_node,
-                "home": home, "home_lens": list(mine), "fan_rows": [], "land_pos": [], "landed_pos": []}
+        plan.update(send_tok=send_tok, send_node=send_node, home=home)
+        return plan
 
     def _move(self, packer: _Packer, tensors: list, send_head: torch.Tensor, plan: dict,
               cached: bool = False) -> torch.Tensor:
@@ -652,9 +794,7 @@ class InternodeBackend(ReferenceBackend):
         fan = self.fanout
         out = torch.empty(rows, W, dtype=torch.uint8, device=dev) if fan is None else None
         self._count_rows_internode(plan)
-        starts = [0]
-        for k in range(plan["num_chunks"]):
-            starts.append(starts[-1] + sum(plan["send_splits"][k]))
+        starts = plan["send_starts"]
         post = lambda k: self.network.exchange(send[starts[k]:starts[k + 1]], plan["send_splits"][k],
                                                plan["recv_splits"][k])
         if fan is not None:   # rows land in the node's IPC areas at their final row
@@ -713,6 +853,8 @@ class InternodeBackend(ReferenceBackend):
         if not self.nccl:
             self._agree(self.signature(2, H, h.num_experts, scales is not None, 0, False, req.config), [])
         dev = self.comm_device
+        if plan.get("device"):
+            return self._dispatch_cached_device(req, plan)
         packer, tensors = self._payload(req, None)
         if plan.get("padded"):
             recv = self._move_padded(packer, tensors, h.send_head.to(dev), plan)
@@ -721,6 +863,62 @@ class InternodeBackend(ReferenceBackend):
         cols = packer.unpack(recv)
         return DispatchResult(cols["x"].to(x.device), cols["scales"].to(x.device) if scales is not None else None,
                               None, None, None, h)
+
+    def _dispatch_cached_device(self, req: DispatchRequest, plan: dict) -> DispatchResult:
+        """Cached dispatch on the device kernels: pack by the plan's slots and the handle's send_head,
+        the network chunks, land (no routing columns)."""
+        topo, dev, h = self.topology, self.comm_device, req.handle
+        x = req.x.to(dev).contiguous()
+        scales = req.x_scales.to(dev).contiguous() if req.x_scales is not None else None
+        packer = self._packer(x, scales, 0, False)
+        W = packer.row_bytes
+        send = torch.empty(plan["send_starts"][-1], W + 4 * topo.ranks_per_node, dtype=torch.uint8, device=dev)
+        IK.pack(None, send, plan["slot"], h.send_head.to(dev).contiguous(), x, scales, None, None, me=topo.rank,
+                M=topo.num_nodes, P=topo.ranks_per_node, Kc=self.max_chunks, ring=1)
+        addr, stride, pos_off, n_rows = self._move_device(send, W, plan, cached=True)
+        n = plan["num_recv"]
+        recv_x = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
+        recv_scales = torch.empty(n, scales.shape[1], dtype=torch.float32, device=dev) if scales is not None else None
+        IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, packer.widths[1] if scales is not None else 0)
+        out = req.x.device
+        return DispatchResult(recv_x.to(out), recv_scales.to(out) if scales is not None else None, None, None, None, h)
+
+    def _combine_device(self, req: CombineRequest, plan: dict) -> CombineResult:
+        """Combine on the device kernels: this rank's rows gathered per landed row (one rank per node)
+        or published into its area and summed by the forwarder per chunk, the partials back over the
+        network chunk by chunk, the home sum (node order, then the biases) in one launch."""
+        h, dev, fan = req.handle, self.comm_device, self.fanout
+        n, T = plan["num_recv"], h.num_tokens
+        y = req.x[:n].to(dev).contiguous()
+        H = y.shape[1]
+        w = req.topk_weights[:n].to(dev).contiguous() if req.topk_weights is not None else None
+        K = w.shape[1] if w is not None else 0
+        Wc = 2 * H + 4 * K
+        nch, ss, rs = plan["num_chunks"], plan["send_starts"], plan["recv_starts"]
+        partial = torch.empty(rs[-1], Wc, dtype=torch.uint8, device=dev)
+        if fan is None:
+            IK.rows(plan["land_pos"], rs[-1], y, w, partial.data_ptr(), Wc)
+        else:   # this rank's rows into its area, between barriers (the protocol of backends/fanout.py)
+            Wd = align_up(Wc, 16)
+            fan.reserve(plan["node_rows"], plan["area_row"])
+            fan.barrier()
+            IK.rows(None, n, y, w, fan.data_address(), Wd)
+            fan.barrier()
+        back = torch.empty(ss[-1], Wc, dtype=torch.uint8, device=dev)
+        last = None
+        for k in range(nch):
+            if fan is not None:
+                fan.reduce(plan["landed_pos"][k], H, K, partial[rs[k]:rs[k + 1]], Wd)
+            last = self.network.exchange(partial[rs[k]:rs[k + 1]], plan["recv_splits"][k], plan["send_splits"][k],
+                                         out=back[ss[k]:ss[k + 1]])
+        if last is not None:   # NCCL runs a group's collectives in order: the last wait covers all
+            self.network.land(last, f"combine (network chunks 0-{nch - 1})")
+        self._count_rows_internode(plan)
+        out_y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+        out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if K else None
+        IK.home(back, plan["slot"], [b.to(dev).contiguous() for b in req.bias], out_y, out_w, H=H, K=K)
+        out = req.x.device
+        return CombineResult(out_y.to(out), out_w.to(out) if K else None)
 
     # ------------------------------------------------------------------ combine
     def combine(self, req: CombineRequest) -> CombineResult:
@@ -735,6 +933,8 @@ class InternodeBackend(ReferenceBackend):
         if not self.nccl:
             self._agree(self.signature(3, H, h.num_experts, False, K, w is not None, req.config), [])
         self._phase = "combine"
+        if plan.get("device"):
+            return self._combine_device(req, plan)
         packer = _Packer([("y", torch.bfloat16, (H,))] + ([("w", torch.float32, (K,))] if K else []))
         if plan.get("padded"):
             acc_y, acc_w = self._combine_padded(req, plan, packer, w, T, H, K)

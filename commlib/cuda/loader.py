@@ -91,6 +91,8 @@ FAMILIES = {
     "moe_rows": ("slot_sum_bf16",),   # commlib.training.moe.layer's expert stage (no peer memory)
     "ce": ("ce_sync_kernel", "ce_pack_kernel", "ce_reduce_kernel"),  # the copy-engine data path
     "fanout": ("fanout_barrier_kernel", "fanout_forward_kernel", "fanout_reduce_kernel"),  # internode fan-out (IPC)
+    "internode": ("inter_meta_kernel", "inter_pack_kernel", "inter_land_kernel", "inter_recv_chan_kernel",
+                  "inter_rows_kernel", "inter_home_kernel"),   # the internode engine's per-token steps
 }
 
 _lock = threading.Lock()

@@ -201,6 +201,11 @@ def node_fanout() -> str:
     return v
 
 
+def internode_kernels() -> bool:
+    """COMMLIB_INTERNODE_KERNELS (default on): the internode engine's per-token steps as kernels."""
+    return _flag_on("COMMLIB_INTERNODE_KERNELS")
+
+
 def network_chunks() -> int:
     n = _int("COMMLIB_NETWORK_CHUNKS", 4)
     if not 1 <= n <= 64:

@@ -1,0 +1,170 @@
+"""Launches of csrc/internode.cu: the internode engine's per-token steps on the GPU (one launch each
+instead of tens of torch ops; backends/internode.py says when they are used).
+
+Each function takes tensors and host ints, checks what the kernel relies on (dtype, contiguity,
+4-byte row geometry) and launches on torch's current stream. Nothing here reads the device.
+The kernels' contracts are in the .cu file's comments; the torch code of backends/internode.py is
+their specification, and the device tests compare the engine's outputs and handles with the
+reference backend's, bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+
+from commlib.cuda import loader
+
+FAMILY = "internode"
+META_THREADS = 1024
+THREADS = 512
+RECV_CHAN_THREADS = 256
+MAX_CTAS = 264   # two waves of 132 SMs: these kernels copy rows at HBM speed, not the network's
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(f"commlib internode kernels: {what}")
+
+
+def _grid(n: int) -> int:
+    return max(1, min(MAX_CTAS, -(-n // (THREADS // 32))))
+
+
+def _ptr_or_zero(t) -> int:
+    return 0 if t is None else loader.ptr(t)
+
+
+def meta(tir: torch.Tensor, topk, experts_in, head: torch.Tensor, row: torch.Tensor, before: torch.Tensor,
+         spos: torch.Tensor, *, M: int, P: int, E: int, Kc: int, ring: int, max_nodes: int) -> None:
+    """The count exchange's row (``row``: int64, ``head`` copied to its start) and the scans ``before``
+    [T, R] and ``spos`` [T, M] (int32) from is_token_in_rank ``tir`` [T, R] (bool) and ``topk`` [T, K]
+    int64 (or, without top-k, ``experts_in``: int32 [E] tokens per expert)."""
+    T, R = tir.shape
+    K = topk.shape[1] if topk is not None else 0
+    _need(tir.dtype == torch.bool and tir.is_contiguous(), "is_token_in_rank must be contiguous bool")
+    _need(R == M * P, f"is_token_in_rank has {R} columns, the topology {M} x {P} ranks")
+    _need(topk is None or (topk.dtype == torch.int64 and topk.is_contiguous()), "topk_idx must be contiguous int64")
+    _need(topk is not None or (experts_in is not None and experts_in.dtype == torch.int32
+                               and experts_in.numel() == E), "without topk_idx, int32 tokens per expert [E]")
+    _need(row.dtype == torch.int64 and head.dtype == torch.int64, "the exchange row and its head are int64")
+    _need(before.dtype == torch.int32 and spos.dtype == torch.int32, "before / spos are int32")
+    shared = 4 * max(E, Kc * P, 1)
+    loader.launch(FAMILY, "inter_meta_kernel", R + M + 1, META_THREADS,
+                  (loader.ptr(tir), _ptr_or_zero(topk), _ptr_or_zero(experts_in), loader.ptr(head),
+                   loader.i32(head.numel()), loader.i32(T), loader.i32(R), loader.i32(M), loader.i32(P),
+                   loader.i32(E), loader.i32(K), loader.i32(Kc), loader.i32(ring), loader.i32(max_nodes),
+                   loader.ptr(row), loader.ptr(before), loader.ptr(spos)), shared_mem=shared)
+
+
+def _row_parts(x: torch.Tensor, scales, topk, w) -> tuple:
+    """(x bytes, scales bytes) of one row, after the checks every row-moving kernel shares."""
+    _need(x.is_contiguous() and x.dim() == 2, "x must be a contiguous [T, H] tensor")
+    x_bytes = x.shape[1] * x.element_size()
+    s_bytes = 0
+    if scales is not None:
+        _need(scales.dtype == torch.float32 and scales.is_contiguous(), "scales must be contiguous float32")
+        s_bytes = scales.shape[1] * 4
+    _need(x_bytes % 4 == 0, f"a row of x must be a multiple of 4 bytes, is {x_bytes}")
+    _need(topk is None or (topk.dtype == torch.int64 and topk.is_contiguous()), "topk_idx must be contiguous int64")
+    _need(w is None or (w.dtype == torch.float32 and w.is_contiguous()), "topk_weights must be contiguous float32")
+    return x_bytes, s_bytes
+
+
+def pack(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor, x: torch.Tensor, scales, topk, w, *,
+         me: int, M: int, P: int, Kc: int, ring: int, n_sig: int = 0, tir=None, before=None, spos=None,
+         rank_prefix=None, chan_prefix=None) -> None:
+    """Every (token, node) row into ``send`` (uint8 [S, W + 4 P]) at its slot. Fresh (``g``: the
+    gathered exchange [R, row_len] int64): also writes ``slot`` [T, M], ``send_head`` [T, R],
+    ``rank_prefix`` [R, R] and ``chan_prefix`` [R, C] (int32). Cached (``g`` None): reads slot and
+    send_head."""
+    T = x.shape[0]
+    R = send_head.shape[1]
+    K = topk.shape[1] if topk is not None else 0
+    x_bytes, s_bytes = _row_parts(x, scales, topk, w)
+    W = x_bytes + s_bytes + 4 + (8 * K + (4 * K if w is not None else 0))
+    _need(send.dtype == torch.uint8 and send.dim() == 2 and send.is_contiguous() and send.shape[1] == W + 4 * P,
+          f"send rows must be contiguous uint8 [S, {W + 4 * P}]")
+    _need(slot.dtype == torch.int32 and send_head.dtype == torch.int32 and slot.is_contiguous()
+          and send_head.is_contiguous(), "slot and send_head are contiguous int32")
+    C = 1
+    if g is not None:
+        _need(g.dtype == torch.int64 and g.is_contiguous() and g.shape[0] == R, "g is the gathered exchange [R, row_len]")
+        _need(tir is not None and before is not None and spos is not None and rank_prefix is not None
+              and chan_prefix is not None, "a fresh pack needs tir, before, spos and the matrices")
+        C = chan_prefix.shape[1]
+    if T == 0 and g is None:   # a fresh pack still writes the matrices
+        return
+    shared = 4 * (R + Kc * M + M)
+    loader.launch(FAMILY, "inter_pack_kernel", _grid(T), THREADS,
+                  (_ptr_or_zero(g), loader.i32(g.shape[1] if g is not None else 0), loader.i32(n_sig), loader.i32(me),
+                   loader.i32(T), loader.i32(R), loader.i32(M), loader.i32(P), loader.i32(Kc), loader.i32(ring),
+                   loader.i32(C), _ptr_or_zero(tir), _ptr_or_zero(before), _ptr_or_zero(spos), loader.ptr(slot),
+                   loader.ptr(send_head), _ptr_or_zero(rank_prefix), _ptr_or_zero(chan_prefix), loader.ptr(x),
+                   loader.i32(x_bytes), _ptr_or_zero(scales), loader.i32(s_bytes), _ptr_or_zero(topk), _ptr_or_zero(w),
+                   loader.i32(K), loader.ptr(send), loader.i32(send.shape[1])), shared_mem=shared)
+
+
+def land(rows_addr: int, n: int, row_stride: int, pos_off: int, x_out: torch.Tensor, s_out, s_bytes: int,
+         src_out=None, topk_out=None, w_out=None, *, K: int = 0, expert_lo: int = 0, num_local: int = 0,
+         pos_out=None) -> None:
+    """``n`` rows from device address ``rows_addr`` (stride ``row_stride`` bytes: a landing buffer or
+    the forwarder's area) into the outputs at row = the
+    int32 at byte ``pos_off`` of the row (-1: the row's index); expert ids made local
+    ([expert_lo, expert_lo + num_local) -> 0.., else -1), weights of other ranks' experts 0.
+    ``pos_out`` (int32 [n]) gets each row's output row. The row layout is the dispatch packer's."""
+    _need(x_out.is_contiguous() and x_out.dim() == 2, "x_out must be contiguous [N, H]")
+    x_bytes = x_out.shape[1] * x_out.element_size()
+    _need(x_bytes % 4 == 0 and s_bytes % 4 == 0 and row_stride % 4 == 0 and rows_addr % 4 == 0,
+          "row geometry must be 4-byte aligned")
+    _need(s_out is None or (s_out.dtype == torch.float32 and s_out.is_contiguous()), "scales out: contiguous float32")
+    _need(topk_out is None or (topk_out.dtype == torch.int64 and topk_out.is_contiguous()), "ids out: int64")
+    _need(w_out is None or (w_out.dtype == torch.float32 and w_out.is_contiguous()), "weights out: float32")
+    if n == 0:
+        return
+    loader.launch(FAMILY, "inter_land_kernel", _grid(n), THREADS,
+                  (int(rows_addr), loader.i32(n), loader.i32(row_stride), loader.i32(pos_off),
+                   loader.i32(x_out.shape[0]), loader.ptr(x_out), loader.i32(x_bytes), _ptr_or_zero(s_out),
+                   loader.i32(s_bytes), _ptr_or_zero(src_out), _ptr_or_zero(topk_out), _ptr_or_zero(w_out),
+                   loader.i32(K), loader.i32(int(w_out is not None)), loader.i32(expert_lo), loader.i32(num_local),
+                   _ptr_or_zero(pos_out)))
+
+
+def recv_chan(src_idx: torch.Tensor, g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int) -> None:
+    """The handle's recv_channel_prefix_matrix ``out`` [R, C] int32 from the landed source indices."""
+    R, C = out.shape
+    _need(src_idx.dtype == torch.int32 and out.dtype == torch.int32 and out.is_contiguous(), "int32 in and out")
+    loader.launch(FAMILY, "inter_recv_chan_kernel", 1, RECV_CHAN_THREADS,
+                  (loader.ptr(src_idx), loader.ptr(g), loader.i32(g.shape[1]), loader.i32(n_sig), loader.i32(me),
+                   loader.i32(R), loader.i32(C), loader.ptr(out)))
+
+
+def rows(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int) -> None:
+    """Combine rows at device address ``out_addr`` (stride ``out_stride``): row j = y row pos[j] | w row
+    pos[j] (``pos`` None: row j)."""
+    _need(y.dtype == torch.bfloat16 and y.is_contiguous(), "combine x must be contiguous bf16")
+    K = w.shape[1] if w is not None else 0
+    _need(w is None or (w.dtype == torch.float32 and w.is_contiguous()), "combine weights: contiguous float32")
+    _need(out_stride % 4 == 0 and out_addr % 4 == 0 and (2 * y.shape[1]) % 4 == 0 and out_stride >= 2 * y.shape[1] + 4 * K,
+          "4-byte aligned rows wide enough for y and w")
+    _need(pos is None or (pos.dtype == torch.int32 and pos.is_contiguous()), "pos must be contiguous int32")
+    if n == 0:
+        return
+    loader.launch(FAMILY, "inter_rows_kernel", _grid(n), THREADS,
+                  (_ptr_or_zero(pos), loader.i32(n), loader.ptr(y), loader.i32(2 * y.shape[1]), _ptr_or_zero(w),
+                   loader.i32(K), int(out_addr), loader.i32(out_stride)))
+
+
+def home(back: torch.Tensor, slot: torch.Tensor, biases: list, out_y: torch.Tensor, out_w, *, H: int, K: int) -> None:
+    """Combine at home: per token the node partials (``back`` rows at ``slot`` [T, M]) summed in node
+    order, then the (bf16, [T, H]) biases, into bf16 ``out_y`` [T, H] and float32 ``out_w`` [T, K]."""
+    T, M = slot.shape
+    _need(H % 2 == 0 and out_y.dtype == torch.bfloat16 and out_y.is_contiguous(), "out_y: contiguous bf16, H even")
+    _need(len(biases) <= 2 and all(b.dtype == torch.bfloat16 and b.is_contiguous() and tuple(b.shape) == (T, H)
+                                   for b in biases), "at most two contiguous bf16 [T, H] biases")
+    _need(back.stride(0) % 4 == 0 and back.data_ptr() % 4 == 0, "4-byte aligned back rows")
+    if T == 0:
+        return
+    b = list(biases) + [None, None]
+    loader.launch(FAMILY, "inter_home_kernel", _grid(T), THREADS,
+                  (loader.ptr(back), loader.i32(back.stride(0)), loader.ptr(slot), loader.i32(T), loader.i32(M),
+                   loader.i32(H), loader.i32(K), _ptr_or_zero(b[0]), _ptr_or_zero(b[1]), loader.ptr(out_y),
+                   _ptr_or_zero(out_w)))

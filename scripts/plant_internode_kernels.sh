@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Plants a bug in csrc/internode.cu at a time and runs the device test that exists for it (2 processes
+# on the GPU as 2 emulated hosts, case matches_reference against the reference backend): every plant
+# must make it fail. The file is restored after each plant. GPU machine only (scripts/gpu_check.sh inplant).
+set -u
+cd "$(dirname "$0")/.."
+SRC=commlib/cuda/csrc/internode.cu
+PY=${PY:-python3}
+cp "$SRC" /tmp/internode.cu.orig
+trap 'cp /tmp/internode.cu.orig "$SRC"' EXIT
+# name | text in the kernel | its planted replacement
+PLANTS=(
+  "land: local expert ids off by one|topk_out[(i64)d * K + k] = keep ? local : -1;|topk_out[(i64)d * K + k] = keep ? local + 1 : -1;"
+  "home: second bias dropped|if (b1) { const u32 v|if (false) { const u32 v"
+  "pack: channel prefix at the wrong token|chan_prefix[i] = start < T ? before[(i64)start * R + r] : (int)mine[r];|chan_prefix[i] = start < T ? before[(i64)start * R + r] + (start > 0) : (int)mine[r];"
+  "meta: rank 0's row count one too many|if (threadIdx.x == 0) per_rank[col] = carry;|if (threadIdx.x == 0) per_rank[col] = carry + (col == 0);"
+)
+missed=0
+for p in "${PLANTS[@]}"; do
+  IFS='|' read -r name from to <<<"$p"
+  cp /tmp/internode.cu.orig "$SRC"
+  FROM="$from" TO="$to" $PY - "$SRC" <<'PYEOF'
+import os, sys
+p = sys.argv[1]; s = open(p).read()
+assert s.count(os.environ["FROM"]) == 1, f"plant text not found once: {os.environ['FROM']!r}"
+open(p, "w").write(s.replace(os.environ["FROM"], os.environ["TO"]))
+PYEOF
+  out=$($PY - <<'PYEOF' 2>&1
+import sys
+sys.path.insert(0, "tests")
+from worlds import run_world
+res = run_world(2, "cases_internode", ["matches_reference"], use_gpu=True, group_backend="nccl", emulate_hosts=True,
+                ranks_per_node=1, timeout_s=240, case_timeout_s=120)
+print("RESULT", "passed" if res["matches_reference"] is None else "failed: " + res["matches_reference"].splitlines()[-1])
+PYEOF
+)
+  line=$(echo "$out" | grep "^RESULT" | tail -1)
+  if [[ "$line" == "RESULT failed"* ]]; then echo "[plant] $name: caught (${line#RESULT })"
+  else echo "[plant] $name: NOT caught (${line:-no result: $(echo "$out" | tail -3)})"; missed=$((missed + 1)); fi
+done
+exit $missed

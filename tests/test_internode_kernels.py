@@ -1,0 +1,108 @@
+"""commlib.backends.internode_kernels without a GPU: every launch passes what its kernel's C signature
+in csrc/internode.cu takes (count, order, packable types), with the grid and shared memory the
+kernel's comments ask for, and bad dtypes / layouts are refused before any launch. What the kernels
+compute: tests/gpu/test_internode_gpu.py (the engine against the reference backend, bit for bit)."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from commlib.backends import internode_kernels as IK
+from commlib.cuda import loader
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    seen = []
+    monkeypatch.setattr(loader, "launch", lambda family, name, grid, block, args, shared_mem=0: seen.append(
+        (family, name, grid, block, tuple(args), shared_mem)))
+    return seen
+
+
+def _packs(name: str, args: tuple) -> None:
+    codes = loader.kernel_signature(IK.FAMILY, name)
+    assert len(codes) == len(args), (name, codes, args)
+    struct.pack("@" + codes, *args)
+
+
+T, M, P, E, K, Kc, H, C = 40, 2, 4, 64, 6, 4, 256, 3
+R = M * P
+
+
+def _inputs():
+    tir = torch.rand(T, R) < 0.3
+    topk = torch.randint(-1, E, (T, K))
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    scales = torch.zeros(T, H // 128)
+    w = torch.rand(T, K)
+    return tir, topk, x, scales, w
+
+
+def test_every_launch_matches_its_kernel(launches):
+    tir, topk, x, scales, w = _inputs()
+    head = torch.zeros(12, dtype=torch.int64)
+    row = torch.zeros(12 + R + 2 + M + M * Kc * P + E + 1, dtype=torch.int64)
+    before, spos = torch.zeros(T, R, dtype=torch.int32), torch.zeros(T, M, dtype=torch.int32)
+    IK.meta(tir, topk, None, head, row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=3, max_nodes=2)
+    IK.meta(tir, None, torch.zeros(E, dtype=torch.int32), head, row, before, spos, M=M, P=P, E=E, Kc=Kc,
+            ring=3, max_nodes=2)
+    g = torch.zeros(R, row.numel(), dtype=torch.int64)
+    W = 2 * H + 4 * (H // 128) + 4 + 12 * K
+    send = torch.zeros(50, W + 4 * P, dtype=torch.uint8)
+    slot, send_head = torch.zeros(T, M, dtype=torch.int32), torch.zeros(T, R, dtype=torch.int32)
+    rp, cp = torch.zeros(R, R, dtype=torch.int32), torch.zeros(R, C, dtype=torch.int32)
+    IK.pack(g, send, slot, send_head, x, scales, topk, w, me=5, M=M, P=P, Kc=Kc, ring=3, n_sig=12, tir=tir,
+            before=before, spos=spos, rank_prefix=rp, chan_prefix=cp)
+    cached = torch.zeros(50, 2 * H + 4 * (H // 128) + 4 + 4 * P, dtype=torch.uint8)
+    IK.pack(None, cached, slot, send_head, x, scales, None, None, me=5, M=M, P=P, Kc=Kc, ring=1)
+    rx, rs = torch.zeros(30, H, dtype=torch.bfloat16), torch.zeros(30, H // 128)
+    src, ids, ws, pos = (torch.zeros(30, dtype=torch.int32), torch.zeros(30, K, dtype=torch.int64),
+                         torch.zeros(30, K), torch.zeros(30, dtype=torch.int32))
+    IK.land(send.data_ptr(), 30, W + 4 * P, W, rx, rs, 4 * (H // 128), src, ids, ws, K=K, expert_lo=40,
+            num_local=8, pos_out=pos)
+    IK.recv_chan(src, g, torch.zeros(R, C, dtype=torch.int32), n_sig=12, me=5)
+    y = torch.zeros(30, H, dtype=torch.bfloat16)
+    part = torch.zeros(30, 2 * H + 4 * K, dtype=torch.uint8)
+    IK.rows(pos, 30, y, ws, part.data_ptr(), 2 * H + 4 * K)
+    IK.rows(None, 30, y, ws, part.data_ptr(), 2 * H + 4 * K + 16)
+    IK.home(part, slot, [torch.zeros(T, H, dtype=torch.bfloat16)] * 2, torch.zeros(T, H, dtype=torch.bfloat16),
+            torch.zeros(T, K), H=H, K=K)
+    names = [entry[1] for entry in launches]
+    assert names == ["inter_meta_kernel", "inter_meta_kernel", "inter_pack_kernel", "inter_pack_kernel",
+                     "inter_land_kernel", "inter_recv_chan_kernel", "inter_rows_kernel", "inter_rows_kernel",
+                     "inter_home_kernel"]
+    for family, name, grid, block, args, shared in launches:
+        assert family == IK.FAMILY
+        _packs(name, args)
+    meta = launches[0]
+    assert meta[2:4] == (R + M + 1, IK.META_THREADS) and meta[5] == 4 * max(E, Kc * P)
+    assert launches[1][4][2] != 0 and launches[1][4][1] == 0   # no top-k: experts_in instead
+    fresh, cached_pack = launches[2], launches[3]
+    assert fresh[5] == 4 * (R + Kc * M + M) and fresh[4][0] == g.data_ptr() and fresh[4][10] == C
+    assert cached_pack[4][0] == 0 and cached_pack[4][22] == 0   # cached: no exchange, no top-k
+    assert launches[4][4][3] == W and launches[4][4][4] == 30   # position byte, rows out
+
+
+def test_bad_inputs_are_refused_before_a_launch(launches):
+    tir, topk, x, scales, w = _inputs()
+    head = torch.zeros(12, dtype=torch.int64)
+    row = torch.zeros(200, dtype=torch.int64)
+    before, spos = torch.zeros(T, R, dtype=torch.int32), torch.zeros(T, M, dtype=torch.int32)
+    with pytest.raises(ValueError, match="contiguous bool"):
+        IK.meta(tir.int(), topk, None, head, row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=1, max_nodes=2)
+    with pytest.raises(ValueError, match="columns"):
+        IK.meta(tir, topk, None, head, row, before, spos, M=M, P=P + 1, E=E, Kc=Kc, ring=1, max_nodes=2)
+    with pytest.raises(ValueError, match="int32 tokens per expert"):
+        IK.meta(tir, None, None, head, row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=1, max_nodes=2)
+    slot, send_head = torch.zeros(T, M, dtype=torch.int32), torch.zeros(T, R, dtype=torch.int32)
+    with pytest.raises(ValueError, match="send rows"):
+        IK.pack(None, torch.zeros(5, 7, dtype=torch.uint8), slot, send_head, x, None, None, None, me=0, M=M, P=P,
+                Kc=Kc, ring=1)
+    with pytest.raises(ValueError, match="float32"):
+        IK.rows(None, 3, torch.zeros(3, H, dtype=torch.bfloat16), torch.zeros(3, K, dtype=torch.float64), 0, 2 * H + 4 * K)
+    with pytest.raises(ValueError, match="biases"):
+        IK.home(torch.zeros(3, 2 * H, dtype=torch.uint8), slot, [torch.zeros(T, H)], torch.zeros(T, H, dtype=torch.bfloat16),
+                None, H=H, K=0)
+    assert launches == []

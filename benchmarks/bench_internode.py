@@ -190,10 +190,10 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
         _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile and i == 0)
         for r in rows:
             r["device_steps"] = bool(getattr(buf.backend, "device_steps", False))
-            if not kernels:
-                r["op"] += "_torch_steps"
         part = B.gather(rows, ctx.group)
         if part is not None:
+            for r in part if not kernels else []:
+                r["op"] += "_torch_steps"   # after the gather: it looks ops up by name
             table += part
         info = {"backend": buf.backend_name, "buffer_device": str(buf.device),
                 "process_group": dist.get_backend(ctx.group), "num_nodes": buf.topology.num_nodes,

@@ -431,7 +431,7 @@ class InternodeBackend(ReferenceBackend):
                     node_rows=int(counts_all.sum(dim=0)[topo.node_ranks(node)].max()))
 
         # ---- 4. network chunks (and the forwarder), 5. land ----
-        addr, stride, pos_off, n_rows = self._move_device(send, W, plan, cached=False)
+        landed, addr, stride, pos_off, n_rows = self._move_device(send, W, plan, cached=False)
         recv_x = torch.empty(num_recv, H, dtype=x.dtype, device=dev)
         recv_scales = torch.empty(num_recv, scales.shape[1], dtype=torch.float32, device=dev) \
             if scales is not None else None
@@ -443,6 +443,7 @@ class InternodeBackend(ReferenceBackend):
         IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, packer.widths[1] if scales is not None else 0,
                 recv_src_idx, recv_topk_idx, recv_topk_w, K=K, expert_lo=me * Lx, num_local=Lx,
                 pos_out=plan["land_pos"] if self.fanout is None else None)
+        del landed   # its memory may be reused now: the launches above read it first (stream order)
         recv_chan_prefix = torch.empty(R, C, dtype=torch.int32, device=dev)
         IK.recv_chan(recv_src_idx, g, recv_chan_prefix, n_sig=n_sig, me=me)
 
@@ -462,8 +463,10 @@ class InternodeBackend(ReferenceBackend):
     def _move_device(self, send: torch.Tensor, W: int, plan: dict, cached: bool) -> tuple:
         """The network chunks of the device steps. One rank per node: every chunk lands in one buffer
         (rows carry their final row at byte W); with the forwarder, chunk k fans out while k + 1 is on
-        the wire and the rows sit at their final rows of this rank's area. Returns (address, row
-        stride, position byte or -1, rows) of what ``IK.land`` reads."""
+        the wire and the rows sit at their final rows of this rank's area. Returns (the landing buffer or
+        None, address, row stride, position byte or -1, rows) of what ``IK.land`` reads: the caller
+        holds the buffer until the land kernel is launched, or the allocator could hand its memory to
+        the outputs allocated in between."""
         P, dev = self.topology.ranks_per_node, self.comm_device
         nch, ss, rs = plan["num_chunks"], plan["send_starts"], plan["recv_starts"]
         post = lambda k, out=None: self.network.exchange(send[ss[k]:ss[k + 1]], plan["send_splits"][k],
@@ -477,7 +480,7 @@ class InternodeBackend(ReferenceBackend):
                 last = post(k, recv[rs[k]:rs[k + 1]])
             if last is not None:
                 self.network.land(last, f"dispatch (network chunks 0-{nch - 1})")
-            return recv.data_ptr(), W + 4 * P, W, rs[-1]
+            return recv, recv.data_ptr(), W + 4 * P, W, rs[-1]
         Wd = align_up(W, 16)
         fan.reserve(plan["node_rows"], plan["area_row"])
         fan.barrier()
@@ -491,7 +494,7 @@ class InternodeBackend(ReferenceBackend):
             self._phase = f"dispatch (fan-out of chunk {k})"
             fan.forward(landed, W, Wd)
         fan.barrier()
-        return fan.data_address(), Wd, -1, plan["num_recv"]
+        return None, fan.data_address(), Wd, -1, plan["num_recv"]
 
     # ------------------------------------------------------------------ num_worst_tokens: no host read
     def _dispatch_padded(self, req: DispatchRequest, g: torch.Tensor, sig: list, n_sig: int,
@@ -875,11 +878,12 @@ class InternodeBackend(ReferenceBackend):
         send = torch.empty(plan["send_starts"][-1], W + 4 * topo.ranks_per_node, dtype=torch.uint8, device=dev)
         IK.pack(None, send, plan["slot"], h.send_head.to(dev).contiguous(), x, scales, None, None, me=topo.rank,
                 M=topo.num_nodes, P=topo.ranks_per_node, Kc=self.max_chunks, ring=1)
-        addr, stride, pos_off, n_rows = self._move_device(send, W, plan, cached=True)
+        landed, addr, stride, pos_off, n_rows = self._move_device(send, W, plan, cached=True)
         n = plan["num_recv"]
         recv_x = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
         recv_scales = torch.empty(n, scales.shape[1], dtype=torch.float32, device=dev) if scales is not None else None
         IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, packer.widths[1] if scales is not None else 0)
+        del landed   # held until the land kernel read it
         out = req.x.device
         return DispatchResult(recv_x.to(out), recv_scales.to(out) if scales is not None else None, None, None, None, h)
 

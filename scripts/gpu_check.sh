@@ -78,6 +78,8 @@ case "$ONLY" in
   # the internode engine's per-token kernels (csrc/internode.cu) on one GPU: the device worlds against the
   # reference, host time per call with the kernels and with the torch steps, planted bugs caught, 2 x 2
   kern1) STAGES="env,compile,hier,inhost,inplant,inhost4" ;;
+  # the same kernels: planted bugs, then where a call's host time goes (cProfile of each op, rank 0)
+  kern2) STAGES="env,compile,inplant,inprofile" ;;
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -224,6 +226,8 @@ stage internodesock 150 $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --emu
 # are time-sliced, not meaningful); V3 rows at 4096 tokens, chunk caps 1..8
 stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks ${INHOST_CHUNKS:-1,2,4,8} \
   --iters 10 --warmup 3 --torch-steps --json "$OUTDIR"
+stage inprofile 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 \
+  --iters 10 --warmup 3 --profile
 # planted bugs in csrc/internode.cu, each must fail the device test that exists for it
 stage inplant 200 bash scripts/plant_internode_kernels.sh
 # one GPU or more: host time of each primitive the internode engine is made of (experiments/host_cost_nccl.py)

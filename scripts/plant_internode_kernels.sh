@@ -15,6 +15,19 @@ PLANTS=(
   "pack: channel prefix at the wrong token|chan_prefix[i] = start < T ? before[(i64)start * R + r] : (int)mine[r];|chan_prefix[i] = start < T ? before[(i64)start * R + r] + (start > 0) : (int)mine[r];"
   "meta: rank 0's row count one too many|if (threadIdx.x == 0) per_rank[col] = carry;|if (threadIdx.x == 0) per_rank[col] = carry + (col == 0);"
 )
+cat >/tmp/plant_run.py <<PYEOF
+import sys
+sys.path.insert(0, "$PWD/tests")
+from worlds import run_world
+if __name__ == "__main__":
+    res = run_world(2, "cases_internode", ["matches_reference"], use_gpu=True, group_backend="nccl",
+                    emulate_hosts=True, ranks_per_node=1, timeout_s=240, case_timeout_s=120)
+    err = res["matches_reference"]
+    print("RESULT", "passed" if err is None else "failed: " + err.strip().splitlines()[-1])
+PYEOF
+base=$($PY /tmp/plant_run.py 2>&1 | grep "^RESULT" | tail -1)
+echo "[plant] no plant: ${base#RESULT }"
+[[ "$base" == "RESULT passed" ]] || { echo "[plant] the unplanted kernels must pass first"; exit 99; }
 missed=0
 for p in "${PLANTS[@]}"; do
   IFS='|' read -r name from to <<<"$p"
@@ -25,15 +38,7 @@ p = sys.argv[1]; s = open(p).read()
 assert s.count(os.environ["FROM"]) == 1, f"plant text not found once: {os.environ['FROM']!r}"
 open(p, "w").write(s.replace(os.environ["FROM"], os.environ["TO"]))
 PYEOF
-  out=$($PY - <<'PYEOF' 2>&1
-import sys
-sys.path.insert(0, "tests")
-from worlds import run_world
-res = run_world(2, "cases_internode", ["matches_reference"], use_gpu=True, group_backend="nccl", emulate_hosts=True,
-                ranks_per_node=1, timeout_s=240, case_timeout_s=120)
-print("RESULT", "passed" if res["matches_reference"] is None else "failed: " + res["matches_reference"].splitlines()[-1])
-PYEOF
-)
+  out=$($PY /tmp/plant_run.py 2>&1)
   line=$(echo "$out" | grep "^RESULT" | tail -1)
   if [[ "$line" == "RESULT failed"* ]]; then echo "[plant] $name: caught (${line#RESULT })"
   else echo "[plant] $name: NOT caught (${line:-no result: $(echo "$out" | tail -3)})"; missed=$((missed + 1)); fi

@@ -409,13 +409,19 @@ class InternodeBackend(ReferenceBackend):
         self._phase = "dispatch (agreement + count exchange)"
         g = self._gather(row)
         gh = self._read(g)
-        self._check_exchange(gh, sig, n_sig, E)
+        rows = gh.tolist()   # the host work below on plain lists (R rows of a few hundred ints)
+        self._check_exchange(rows, sig, n_sig, E)
         width = n_sig + R + 2 + M
-        fwd_host = gh[:, width:width + M * Kc * P].view(M, P, M, Kc, P)[:, :, node].sum(dim=0)
+        # forwarder q of this node, chunk k, local rank p: rows from the senders of q's rail
+        blk = width + node * Kc * P
+        fwd = [[[sum(rows[n * P + q][blk + k * P + p] for n in range(M)) for p in range(P)] for k in range(Kc)]
+               for q in range(P)]
         counts_all = gh[:, n_sig:n_sig + R]
-        num_recv = int(counts_all[:, me].sum())
-        plan = self._geometry(gh[:, width - M:width].tolist(), fwd_host, ring)
-        expert_counts = gh[:, width + M * Kc * P + me * Lx:width + M * Kc * P + (me + 1) * Lx].sum(dim=0).tolist()
+        num_recv = sum(row[n_sig + me] for row in rows)
+        plan = self._geometry([row[width - M:width] for row in rows], fwd, ring)
+        ex = width + M * Kc * P + me * Lx
+        expert_counts = [sum(row[ex + e] for row in rows) for e in range(Lx)]
+        node_rows = max(sum(row[n_sig + r] for row in rows) for r in topo.node_ranks(node))
 
         # ---- 3. pack: the send rows and the handle's matrices ----
         packer = self._packer(x, scales, K, w is not None)
@@ -427,8 +433,7 @@ class InternodeBackend(ReferenceBackend):
         chan_prefix = torch.empty(R, C, dtype=torch.int32, device=dev)
         IK.pack(g, send, slot, send_head, x, scales, topk, w, me=me, M=M, P=P, Kc=Kc, ring=ring, n_sig=n_sig,
                 tir=tir, before=before, spos=spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix)
-        plan.update(device=True, slot=slot, num_recv=num_recv, area_row=_area_row(packer, H, K),
-                    node_rows=int(counts_all.sum(dim=0)[topo.node_ranks(node)].max()))
+        plan.update(device=True, slot=slot, num_recv=num_recv, area_row=_area_row(packer, H, K), node_rows=node_rows)
 
         # ---- 4. network chunks (and the forwarder), 5. land ----
         landed, addr, stride, pos_off, n_rows = self._move_device(send, W, plan, cached=False)
@@ -679,27 +684,31 @@ class InternodeBackend(ReferenceBackend):
         self._count_padded(plan)
         return acc_y, acc_w
 
-    def _check_exchange(self, gh: torch.Tensor, sig: list, n_sig: int, E: int) -> None:
-        """The count exchange's errors, raised alike on every rank (they all read the same rows ``gh``):
-        a refused input or disagreeing ranks, expert ids out of range, tokens over the node limit.
-        (num_worst_tokens is checked before the exchange: each rank against its cap.)"""
+    def _check_exchange(self, gh, sig: list, n_sig: int, E: int) -> None:
+        """The count exchange's errors, raised alike on every rank (they all read the same rows ``gh``:
+        the gathered rows on the host, a tensor or lists): a refused input or disagreeing ranks, expert
+        ids out of range, tokens over the node limit. (num_worst_tokens is checked before the exchange:
+        each rank against its cap.) Plain list reads: a few us, not one torch op per element."""
         me, R = self.topology.rank, self.topology.num_ranks
-        self._check_agreement(gh, sig, n_sig)
-        wrong_ids = [(r, int(gh[r, n_sig + R + 1])) for r in range(R) if gh[r, n_sig + R + 1] > 0]
+        rows = gh.tolist() if isinstance(gh, torch.Tensor) else gh
+        self._check_agreement(rows, sig, n_sig)
+        wrong_ids = [(r, row[n_sig + R + 1]) for r, row in enumerate(rows) if row[n_sig + R + 1] > 0]
         if wrong_ids:
             raise ValueError(f"[commlib rank {me}] dispatch aborted: topk_idx holds expert ids outside [-1, {E}) "
                              f"(rank, ids out of range): {wrong_ids}; nothing was sent")
-        check_counts(me, self.ctx.max_nodes_per_token, gh[:, n_sig + R], None, 0)
+        if any(row[n_sig + R] > 0 for row in rows):
+            check_counts(me, self.ctx.max_nodes_per_token, torch.tensor([row[n_sig + R] for row in rows]), None, 0)
 
-    def _check_agreement(self, gh: torch.Tensor, sig: list, n_sig: int) -> None:
-        """Raise on every rank when a rank refused its input or the ranks disagree on the op."""
-        me, R = self.topology.rank, self.topology.num_ranks
-        refused = [r for r in range(R) if gh[r, 0]]
+    def _check_agreement(self, rows: list, sig: list, n_sig: int) -> None:
+        """Raise on every rank when a rank refused its input or the ranks disagree on the op (``rows``:
+        the gathered rows as lists)."""
+        me = self.topology.rank
+        refused = [r for r, row in enumerate(rows) if row[0]]
         if refused:
             raise ValueError(f"[commlib rank {me}] dispatch aborted: rank(s) {refused} rejected their "
                              "input (see the error on those ranks); nothing was sent")
-        for r in range(R):
-            theirs = gh[r, 1:n_sig].tolist()
+        for r, row in enumerate(rows):
+            theirs = row[1:n_sig]
             if theirs != sig:
                 diffs = [f"{self.sig_fields[i]}: rank {r} has {_OPS.get(theirs[i], theirs[i]) if i == 0 else theirs[i]}, "
                          f"rank {me} has {_OPS.get(sig[i], sig[i]) if i == 0 else sig[i]}"
@@ -748,8 +757,9 @@ class InternodeBackend(ReferenceBackend):
         mine = send1_all[me]
         send_splits = [[clip(mine[m], k, rows_of[me][m]) for m in range(M)] for k in range(num_chunks)]
         recv_splits = [[clip(send1_all[s][node], k, rows_of[s][node]) for s in rail] for k in range(num_chunks)]
-        fan_send = [[int(fwd_host[loc, k, p]) for p in range(P)] for k in range(num_chunks)]
-        fan_recv = [[int(fwd_host[q, k, loc]) for q in range(P)] for k in range(num_chunks)]
+        fwd = fwd_host.tolist() if isinstance(fwd_host, torch.Tensor) else fwd_host   # [forwarder q][k][p]
+        fan_send = [[fwd[loc][k][p] for p in range(P)] for k in range(num_chunks)]
+        fan_recv = [[fwd[q][k][loc] for q in range(P)] for k in range(num_chunks)]
         send_starts, recv_starts = [0], [0]
         for k in range(num_chunks):
             send_starts.append(send_starts[-1] + sum(send_splits[k]))

@@ -709,15 +709,27 @@ class Buffer(LowLatencyMode):
                              f"was made for {handle.hidden}")
 
 
-def _tensors_of(obj, skip=()):
-    """Tensors inside a result (dataclasses, tuples), not descending into objects listed in ``skip``."""
-    if any(obj is s for s in skip):
-        return
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, DispatchHandle) or hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _tensors_of(getattr(obj, name), skip)
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors_of(item, skip)
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _tensors_of(obj, skip=()) -> list:
+    """Tensors inside a result (dataclasses, tuples, lists), not descending into objects listed in
+    ``skip``. Lists of plain values (a dispatch's per-expert counts) are passed over element by
+    element with one type check, not one walk each: this runs on every call."""
+    skip_ids = {id(s) for s in skip}
+    found = []
+
+    def walk(o) -> None:
+        if id(o) in skip_ids:
+            return
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif hasattr(o, "__dataclass_fields__"):
+            for name in o.__dataclass_fields__:
+                walk(getattr(o, name))
+        elif isinstance(o, (tuple, list)):
+            for item in o:
+                if not isinstance(item, _PLAIN):
+                    walk(item)
+    walk(obj)
+    return found

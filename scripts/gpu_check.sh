@@ -80,6 +80,7 @@ case "$ONLY" in
   kern1) STAGES="env,compile,hier,inhost,inplant,inhost4" ;;
   # the same kernels: planted bugs, then where a call's host time goes (cProfile of each op, rank 0)
   kern2) STAGES="env,compile,inplant,inprofile" ;;
+  kern3) STAGES="env,compile,hier,inhost,inprofile,inplant,inhost4" ;;   # kern1 + kern2
   *) STAGES="$ONLY" ;;
 esac
 want() { [[ ",$STAGES," == *",$1,"* ]]; }

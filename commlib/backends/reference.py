@@ -45,7 +45,7 @@ class _Packer:
             n = 1
             for s in shape:
                 n *= s
-            self.widths.append(n * torch.empty(0, dtype=dtype).element_size())
+            self.widths.append(n * dtype.itemsize)   # no tensor made: this runs on every call
         self.row_bytes = sum(self.widths)
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

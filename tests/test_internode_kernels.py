@@ -106,3 +106,19 @@ def test_bad_inputs_are_refused_before_a_launch(launches):
         IK.home(torch.zeros(3, 2 * H, dtype=torch.uint8), slot, [torch.zeros(T, H)], torch.zeros(T, H, dtype=torch.bfloat16),
                 None, H=H, K=0)
     assert launches == []
+
+
+def test_dispatches_the_kernels_cannot_move_take_the_torch_steps():
+    """A hidden size whose rows are not whole 4-byte words in FP8 (H % 4 != 0), and num_worst_tokens
+    (the padded path), go to the torch steps even where the kernels are on."""
+    from types import SimpleNamespace
+
+    from commlib.backends.internode import InternodeBackend
+    eng = object.__new__(InternodeBackend)
+    req = lambda H, worst=0: SimpleNamespace(x=torch.zeros(3, H, dtype=torch.bfloat16), num_worst_tokens=worst)
+    eng.device_steps = True
+    assert eng._kernels_fit(req(7168)) and eng._kernels_fit(req(256))
+    assert not eng._kernels_fit(req(37)) and not eng._kernels_fit(req(258))
+    assert not eng._kernels_fit(req(7168, worst=64))
+    eng.device_steps = False
+    assert not eng._kernels_fit(req(7168))

@@ -238,6 +238,12 @@ class InternodeBackend(ReferenceBackend):
         row = self._h2d([1] + [0] * (self._row_len(num_experts or self._last_num_experts) - 1))
         self._gather(row)
 
+    def _kernels_fit(self, req: DispatchRequest) -> bool:
+        """Whether a non-cached dispatch takes the per-token kernels: where ``device_steps`` holds, without
+        num_worst_tokens (the padded path stays torch), and with a hidden size whose rows the kernels move
+        in 4-byte words in every dtype of its handle's later calls (FP8 x: H bytes; BF16: 2 H): H % 4 == 0."""
+        return self.device_steps and not req.num_worst_tokens and req.x.shape[1] % 4 == 0
+
     def _row_len(self, num_experts: int) -> int:
         """Length of the count exchange's row: [error, signature, counts per rank, tokens over the node
         limit, expert ids out of range, rows per destination node, rows per (destination node, chunk,
@@ -275,7 +281,7 @@ class InternodeBackend(ReferenceBackend):
         self._last_num_experts = E
         sig = self.signature(1, H, E, scales is not None, K, has_w, req.config)
         ring = _ring_rows(req.config)
-        if self.device_steps and not req.num_worst_tokens:
+        if self._kernels_fit(req):
             return self._dispatch_device(req, sig, ring)
         if not self.nccl:  # gloo: the reference's fixed-size agreement first (free on CPU ranks)
             self._agree(sig, [])

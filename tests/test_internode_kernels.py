@@ -60,7 +60,7 @@ def test_every_launch_matches_its_kernel(launches):
     rx, rs = torch.zeros(30, H, dtype=torch.bfloat16), torch.zeros(30, H // 128)
     src, ids, ws, pos = (torch.zeros(30, dtype=torch.int32), torch.zeros(30, K, dtype=torch.int64),
                          torch.zeros(30, K), torch.zeros(30, dtype=torch.int32))
-    IK.land(send.data_ptr(), 30, W + 4 * P, W, rx, rs, 4 * (H // 128), src, ids, ws, K=K, expert_lo=40,
+    IK.land(send.data_ptr(), 30, W + 4 * P, W, rx, rs, src, ids, ws, K=K, expert_lo=40,
             num_local=8, pos_out=pos)
     IK.recv_chan(src, g, torch.zeros(R, C, dtype=torch.int32), n_sig=12, me=5)
     y = torch.zeros(30, H, dtype=torch.bfloat16)

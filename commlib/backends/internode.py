@@ -325,21 +325,8 @@ class InternodeBackend(ReferenceBackend):
                              f"that need no host read); this rank has {T}")
         if worst:
             return self._dispatch_padded(req, g, sig, n_sig, is_tir, in_node, spos, topk if K else None, ring)
-        width = n_sig + R + 2 + M   # the row up to the chunk blocks
-        # what the forwarders of this node pass on, [forwarder q, chunk, local rank p]: the blocks of
-        # every rank for this node, summed over the rail of q (rank = node * P + q)
-        fwd_node = g[:, width:width + M * Kc * P].view(M, P, M, Kc, P)[:, :, topo.node].sum(dim=0)
-        experts = g[:, width + M * Kc * P:-1]
         tokens_of = g[:, -1]                                                         # [R] T of every rank
-        host = self._read(torch.cat([g[:, :width].flatten(), fwd_node.flatten(),
-                                     experts[:, me * Lx:(me + 1) * Lx].sum(dim=0)]))
-        gh = host[:R * width].view(R, width)
-        fwd_host = host[R * width:R * width + P * Kc * P].view(P, Kc, P)            # [forwarder q, k, p]
-        expert_counts = host[R * width + P * Kc * P:].tolist()
-        counts_all = gh[:, n_sig:n_sig + R]
-        self._check_exchange(gh, sig, n_sig, E)
-        send1_all = gh[:, n_sig + R + 2:].tolist()                                  # [R][M]
-        num_recv = int(counts_all[:, me].sum())
+        counts_all, send1_all, fwd, num_recv, expert_counts, node_rows = self._read_counts(g, sig, n_sig, E)
 
         # ---- the handle's matrices (device, from the gathered counts: no host -> device copy) ----
         C = req.config.num_channels
@@ -349,9 +336,8 @@ class InternodeBackend(ReferenceBackend):
         send_head = L.send_head(is_tir, rank_prefix, me)                             # [T, R] final rows
 
         # ---- 3. the plan: chunk geometry (host) and row order (device) ----
-        plan = self._plan(send1_all, fwd_host, ring, in_node, chunk, T)
-        totals = counts_all.sum(dim=0)                                               # rows each rank receives
-        plan["node_rows"] = int(totals[topo.node_ranks(topo.node)].max())
+        plan = self._plan(send1_all, fwd, ring, in_node, chunk, T)
+        plan["node_rows"] = node_rows
         packer, tensors = self._payload(req, topk if K else None)
         plan["area_row"] = _area_row(packer, H, K)
         plan["num_recv"] = num_recv
@@ -388,9 +374,10 @@ class InternodeBackend(ReferenceBackend):
         network chunks (and the forwarder), land (the outputs' columns), recv_chan. The torch steps of
         ``dispatch`` are their specification; the device tests hold the two to the reference."""
         topo = self.topology
-        me, R, M, P, node = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node, topo.node
+        me, R, M, P = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node
         Kc, dev = self.max_chunks, self.comm_device
-        x, scales = req.x.to(dev).contiguous(), req.x_scales
+        x = req.x.to(dev).contiguous()
+        scales = req.x_scales.to(dev).contiguous() if req.x_scales is not None else None
         T, H = x.shape
         E = req.num_experts
         Lx = E // R
@@ -399,7 +386,6 @@ class InternodeBackend(ReferenceBackend):
         tir = req.layout.is_token_in_rank.to(dev).contiguous()
         topk = req.topk_idx.to(dev).contiguous() if K else None
         w = req.topk_weights.to(dev).contiguous() if K and req.topk_weights is not None else None
-        scales = scales.to(dev).contiguous() if scales is not None else None
         experts_in = None if K else req.layout.num_tokens_per_expert.to(dev, torch.int32).contiguous()
 
         # ---- 1. metadata: one launch ----
@@ -414,20 +400,8 @@ class InternodeBackend(ReferenceBackend):
         # ---- 2. one collective, one host read (the whole gathered rows: a few KiB) ----
         self._phase = "dispatch (agreement + count exchange)"
         g = self._gather(row)
-        gh = self._read(g)
-        rows = gh.tolist()   # the host work below on plain lists (R rows of a few hundred ints)
-        self._check_exchange(rows, sig, n_sig, E)
-        width = n_sig + R + 2 + M
-        # forwarder q of this node, chunk k, local rank p: rows from the senders of q's rail
-        blk = width + node * Kc * P
-        fwd = [[[sum(rows[n * P + q][blk + k * P + p] for n in range(M)) for p in range(P)] for k in range(Kc)]
-               for q in range(P)]
-        counts_all = gh[:, n_sig:n_sig + R]
-        num_recv = sum(row[n_sig + me] for row in rows)
-        plan = self._geometry([row[width - M:width] for row in rows], fwd, ring)
-        ex = width + M * Kc * P + me * Lx
-        expert_counts = [sum(row[ex + e] for row in rows) for e in range(Lx)]
-        node_rows = max(sum(row[n_sig + r] for row in rows) for r in topo.node_ranks(node))
+        counts_all, send1_all, fwd, num_recv, expert_counts, node_rows = self._read_counts(g, sig, n_sig, E)
+        plan = self._geometry(send1_all, fwd, ring)
 
         # ---- 3. pack: the send rows and the handle's matrices ----
         packer = self._packer(x, scales, K, w is not None)
@@ -451,8 +425,7 @@ class InternodeBackend(ReferenceBackend):
         recv_topk_w = torch.empty(num_recv, K, dtype=torch.float32, device=dev) if w is not None else None
         if self.fanout is None:   # combine gathers its rows by where each landed row went
             plan["land_pos"] = torch.empty(n_rows, dtype=torch.int32, device=dev)
-        IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, packer.widths[1] if scales is not None else 0,
-                recv_src_idx, recv_topk_idx, recv_topk_w, K=K, expert_lo=me * Lx, num_local=Lx,
+        IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w, K=K, expert_lo=me * Lx, num_local=Lx,
                 pos_out=plan["land_pos"] if self.fanout is None else None)
         del landed   # its memory may be reused now: the launches above read it first (stream order)
         recv_chan_prefix = torch.empty(R, C, dtype=torch.int32, device=dev)
@@ -690,6 +663,28 @@ class InternodeBackend(ReferenceBackend):
         self._count_padded(plan)
         return acc_y, acc_w
 
+    def _read_counts(self, g: torch.Tensor, sig: list, n_sig: int, E: int) -> tuple:
+        """The one host read of a non-cached dispatch (the gathered rows ``g``: a few KiB), its checks,
+        and what the host needs of it, on plain lists: (counts [R, R] as a host tensor, rows each rank
+        sends to each node [R][M], what the forwarders of this node pass on [forwarder q][chunk k][local
+        rank p], rows received here, this rank's experts' totals, the most rows a rank of this node
+        receives)."""
+        topo = self.topology
+        me, R, M, P, Kc = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node, self.max_chunks
+        Lx = E // R
+        gh = self._read(g)
+        rows = gh.tolist()
+        self._check_exchange(rows, sig, n_sig, E)
+        width = n_sig + R + 2 + M   # the row up to the chunk blocks
+        # forwarder q's rail is the ranks n * P + q; their blocks for this node
+        blk = width + topo.node * Kc * P
+        fwd = [[[sum(rows[n * P + q][blk + k * P + p] for n in range(M)) for p in range(P)] for k in range(Kc)]
+               for q in range(P)]
+        ex = width + M * Kc * P + me * Lx
+        return (gh[:, n_sig:n_sig + R], [row[width - M:width] for row in rows], fwd,
+                sum(row[n_sig + me] for row in rows), [sum(row[ex + e] for row in rows) for e in range(Lx)],
+                max(sum(row[n_sig + r] for row in rows) for r in topo.node_ranks()))
+
     def _check_exchange(self, gh, sig: list, n_sig: int, E: int) -> None:
         """The count exchange's errors, raised alike on every rank (they all read the same rows ``gh``:
         the gathered rows on the host, a tensor or lists): a refused input or disagreeing ranks, expert
@@ -750,10 +745,11 @@ class InternodeBackend(ReferenceBackend):
                 cols.append(("topk_w", torch.float32, (K,)))
         return _Packer(cols)
 
-    def _geometry(self, send1_all, fwd_host, ring) -> dict:
+    def _geometry(self, send1_all: list, fwd: list, ring: int) -> dict:
         """Chunk geometry: host ints every rank computes alike from the gathered counts (rows per chunk
         to and from every rail peer and, in the node, to and from every forwarder), with each chunk's
-        first row in the send rows and in the landed rows."""
+        first row in the send rows and in the landed rows. ``fwd``: [forwarder q][chunk k][local rank p],
+        what the forwarders of this node pass on (``_read_counts``)."""
         topo = self.topology
         me, M, P, node, loc = topo.rank, topo.num_nodes, topo.ranks_per_node, topo.node, topo.local_rank
         Kc = self.max_chunks
@@ -763,7 +759,6 @@ class InternodeBackend(ReferenceBackend):
         mine = send1_all[me]
         send_splits = [[clip(mine[m], k, rows_of[me][m]) for m in range(M)] for k in range(num_chunks)]
         recv_splits = [[clip(send1_all[s][node], k, rows_of[s][node]) for s in rail] for k in range(num_chunks)]
-        fwd = fwd_host.tolist() if isinstance(fwd_host, torch.Tensor) else fwd_host   # [forwarder q][k][p]
         fan_send = [[fwd[loc][k][p] for p in range(P)] for k in range(num_chunks)]
         fan_recv = [[fwd[q][k][loc] for q in range(P)] for k in range(num_chunks)]
         send_starts, recv_starts = [0], [0]
@@ -774,11 +769,11 @@ class InternodeBackend(ReferenceBackend):
                 "fan_send": fan_send, "fan_recv": fan_recv, "home_lens": list(mine), "send_starts": send_starts,
                 "recv_starts": recv_starts, "fan_rows": [], "land_pos": [], "landed_pos": []}
 
-    def _plan(self, send1_all, fwd_host, ring, in_node, chunk, T) -> dict:
+    def _plan(self, send1_all, fwd, ring, in_node, chunk, T) -> dict:
         """The chunk geometry (``_geometry``) and the order of this rank's send rows (device):
         chunk-major, then node, then token."""
         M = self.topology.num_nodes
-        plan = self._geometry(send1_all, fwd_host, ring)
+        plan = self._geometry(send1_all, fwd, ring)
         num_chunks = plan["num_chunks"]
         S = sum(plan["home_lens"])
         dev = in_node.device
@@ -898,7 +893,7 @@ class InternodeBackend(ReferenceBackend):
         n = plan["num_recv"]
         recv_x = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
         recv_scales = torch.empty(n, scales.shape[1], dtype=torch.float32, device=dev) if scales is not None else None
-        IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, packer.widths[1] if scales is not None else 0)
+        IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales)
         del landed   # held until the land kernel read it
         out = req.x.device
         return DispatchResult(recv_x.to(out), recv_scales.to(out) if scales is not None else None, None, None, None, h)
@@ -918,12 +913,9 @@ class InternodeBackend(ReferenceBackend):
         partial = torch.empty(rs[-1], Wc, dtype=torch.uint8, device=dev)
         if fan is None:
             IK.rows(plan["land_pos"], rs[-1], y, w, partial.data_ptr(), Wc)
-        else:   # this rank's rows into its area, between barriers (the protocol of backends/fanout.py)
-            Wd = align_up(Wc, 16)
-            fan.reserve(plan["node_rows"], plan["area_row"])
-            fan.barrier()
-            IK.rows(None, n, y, w, fan.data_address(), Wd)
-            fan.barrier()
+        else:   # this rank's rows written by a kernel straight into its area
+            Wd = self._publish(fan, lambda stride: IK.rows(None, n, y, w, fan.data_address(), stride),
+                               plan["node_rows"], plan["area_row"], Wc)
         back = torch.empty(ss[-1], Wc, dtype=torch.uint8, device=dev)
         last = None
         for k in range(nch):
@@ -997,14 +989,17 @@ class InternodeBackend(ReferenceBackend):
         return CombineResult(acc_y.to(torch.bfloat16).to(out_device), acc_w.to(out_device) if K else None)
 
     @staticmethod
-    def _publish(fan, rows: torch.Tensor, capacity: int, area_row: int, row_bytes: int) -> int:
+    def _publish(fan, rows, capacity: int, area_row: int, row_bytes: int) -> int:
         """Combine on the forwarder kernel's path: this rank's rows into its IPC area, between barriers
-        (peers are past their reads of it before, every rank's rows are there after). Returns the
-        areas' row stride."""
+        (peers are past their reads of it before, every rank's rows are there after). ``rows``: uint8
+        [n, row_bytes], or a callable that writes them given the areas' row stride (a kernel). Returns
+        the areas' row stride."""
         Wd = align_up(row_bytes, 16)
         fan.reserve(capacity, area_row)   # free: the dispatch reserved room for its combine's rows
         fan.barrier()
-        if rows.shape[0]:
+        if callable(rows):
+            rows(Wd)
+        elif rows.shape[0]:
             fan.rows(rows.shape[0], Wd)[:, :row_bytes].copy_(rows)
         fan.barrier()
         return Wd

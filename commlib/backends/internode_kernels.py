@@ -103,16 +103,17 @@ def pack(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor, x: 
                    loader.i32(K), loader.ptr(send), loader.i32(send.shape[1])), shared_mem=shared)
 
 
-def land(rows_addr: int, n: int, row_stride: int, pos_off: int, x_out: torch.Tensor, s_out, s_bytes: int,
+def land(rows_addr: int, n: int, row_stride: int, pos_off: int, x_out: torch.Tensor, s_out=None,
          src_out=None, topk_out=None, w_out=None, *, K: int = 0, expert_lo: int = 0, num_local: int = 0,
          pos_out=None) -> None:
     """``n`` rows from device address ``rows_addr`` (stride ``row_stride`` bytes: a landing buffer or
-    the forwarder's area) into the outputs at row = the
-    int32 at byte ``pos_off`` of the row (-1: the row's index); expert ids made local
+    the forwarder's area) into the outputs at row = the int32 at byte ``pos_off`` of the row (-1: the
+    row's index). The rows carry scales exactly when ``s_out`` is given; expert ids are made local
     ([expert_lo, expert_lo + num_local) -> 0.., else -1), weights of other ranks' experts 0.
     ``pos_out`` (int32 [n]) gets each row's output row. The row layout is the dispatch packer's."""
     _need(x_out.is_contiguous() and x_out.dim() == 2, "x_out must be contiguous [N, H]")
     x_bytes = x_out.shape[1] * x_out.element_size()
+    s_bytes = s_out.shape[1] * 4 if s_out is not None else 0   # rows carry scales exactly when x_out has them
     _need(x_bytes % 4 == 0 and s_bytes % 4 == 0 and row_stride % 4 == 0 and rows_addr % 4 == 0,
           "row geometry must be 4-byte aligned")
     _need(s_out is None or (s_out.dtype == torch.float32 and s_out.is_contiguous()), "scales out: contiguous float32")

@@ -236,23 +236,43 @@ def _bare_a2a_host_us(buf, group, w, reps: int, busy: bool = False) -> float:
     return _host_us(buf, call, reps, busy=busy)[0]
 
 
-def _profile(buf, op: str, fn, show: bool) -> None:
-    """Where one rank's host time goes: cProfile over 5 calls, each on an idle device (--profile)."""
-    import cProfile
-    import pstats
-    prof = cProfile.Profile()
-    for _ in range(5):
+def _profile(buf, op: str, fn, show: bool, reps: int = 10) -> None:
+    """Where one rank's host time goes (--profile): the engine's step marks (``backend.trace``) over
+    ``reps`` calls on an idle device and ``reps`` behind running work; per step the median us it took,
+    less time blocked in the host read. Every rank makes the calls (collective); ``show``: print them."""
+    be = buf.backend
+    if not hasattr(be, "trace"):
+        return
+    table = {}
+    for busy in (False, True):
+        calls = []
+        for _ in range(reps):
+            if buf.device.type == "cuda":
+                torch.cuda.synchronize(buf.device)
+                if busy:
+                    torch.cuda._sleep(BUSY_CYCLES)
+            be.trace = [("call", time.perf_counter(), be.host_read_s)]
+            fn()
+            be.trace.append(("return", time.perf_counter(), be.host_read_s))
+            calls.append(be.trace)
+            be.trace = None
         if buf.device.type == "cuda":
             torch.cuda.synchronize(buf.device)
-        prof.enable()
-        fn()
-        prof.disable()
+        for marks in calls:
+            spent = {}
+            for (_, t0, r0), (step, t1, r1) in zip(marks, marks[1:]):
+                spent[step] = spent.get(step, 0.0) + ((t1 - t0) - (r1 - r0)) * 1e6
+            spent["total"] = sum(spent.values())
+            spent["(blocked in the read)"] = (marks[-1][2] - marks[0][2]) * 1e6
+            for step, us in spent.items():
+                table.setdefault(step, ([], []))[busy].append(us)
     if not show:
         return
-    print(f"# --profile {op}: 5 calls, by own time")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-    print(f"# --profile {op}: 5 calls, by cumulative time")
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    print(f"# --profile {op}: host us per step (median of {reps} calls; a step ends at its mark, 'return': "
+          "after the last mark until the Buffer returns)")
+    print(f"# {'step':>24} {'idle':>9} {'busy':>9}")
+    for step, (idle, busy) in table.items():
+        print(f"# {step:>24} {statistics.median(idle):>9.1f} {statistics.median(busy):>9.1f}")
 
 
 def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=False):
@@ -313,7 +333,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5 if gpus else 1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunks", default="4", help="network chunk caps to sweep (COMMLIB_NETWORK_CHUNKS), e.g. 1,2,4,8")
-    p.add_argument("--profile", action="store_true", help="rank 0 prints a cProfile of each op's host time")
+    p.add_argument("--profile", action="store_true", help="rank 0 prints where each op's host time goes, step by step")
     p.add_argument("--torch-steps", action="store_true",
                    help="also run the first chunk cap with the per-token steps as torch ops (COMMLIB_INTERNODE_KERNELS=0)")
     p.add_argument("--emulate-hosts", action="store_true",

@@ -78,7 +78,7 @@ case "$ONLY" in
   # the internode engine's per-token kernels (csrc/internode.cu) on one GPU: the device worlds against the
   # reference, host time per call with the kernels and with the torch steps, planted bugs caught, 2 x 2
   kern1) STAGES="env,compile,hier,inhost,inplant,inhost4" ;;
-  # the same kernels: planted bugs, then where a call's host time goes (cProfile of each op, rank 0)
+  # the same kernels: planted bugs, then where a call's host time goes (step by step, rank 0)
   kern2) STAGES="env,compile,inplant,inprofile" ;;
   kern3) STAGES="env,compile,hier,inhost,inprofile,inplant,inhost4" ;;   # kern1 + kern2
   *) STAGES="$ONLY" ;;

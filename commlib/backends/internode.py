@@ -180,6 +180,9 @@ class InternodeBackend(ReferenceBackend):
                              and (topo.ranks_per_node == 1 or self.fanout is not None) and env.internode_kernels())
         self.host_reads = 0      # device -> host reads of counts (tests: one per non-cached dispatch)
         self.host_read_s = 0.0   # seconds blocked in them (benchmarks: host time = wall time less this)
+        # where a call's host time goes (benchmarks --profile): a list of (step, perf_counter, host_read_s)
+        # marks while not None; one attribute test per step otherwise
+        self.trace = None
         # E of the last dispatch: a rank whose dispatch input is refused on NCCL sends an agreement row
         # of that length (the peers' rows have their E; the first dispatch refused: see on_rejected)
         self._last_num_experts = 0
@@ -200,6 +203,11 @@ class InternodeBackend(ReferenceBackend):
             work.wait()
         else:
             super()._wait(work)
+
+    def _mark(self, step: str) -> None:
+        """End of ``step`` of the current call, for the host-time trace (``self.trace``)."""
+        if self.trace is not None:
+            self.trace.append((step, time.perf_counter(), self.host_read_s))
 
     def _h2d(self, values: list, dtype=torch.int64) -> torch.Tensor:
         """A small host list on the comm device without a stream sync (pinned, non-blocking)."""
@@ -373,6 +381,7 @@ class InternodeBackend(ReferenceBackend):
         exchange row, scans), the one exchange and read, pack (send rows, the handle's matrices), the
         network chunks (and the forwarder), land (the outputs' columns), recv_chan. The torch steps of
         ``dispatch`` are their specification; the device tests hold the two to the reference."""
+        self._mark("buffer")   # the Buffer's checks and the backend's entry
         topo = self.topology
         me, R, M, P = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node
         Kc, dev = self.max_chunks, self.comm_device
@@ -387,6 +396,7 @@ class InternodeBackend(ReferenceBackend):
         topk = req.topk_idx.to(dev).contiguous() if K else None
         w = req.topk_weights.to(dev).contiguous() if K and req.topk_weights is not None else None
         experts_in = None if K else req.layout.num_tokens_per_expert.to(dev, torch.int32).contiguous()
+        self._mark("inputs")
 
         # ---- 1. metadata: one launch ----
         head = self._h2d([0] + sig)
@@ -396,12 +406,16 @@ class InternodeBackend(ReferenceBackend):
         spos = torch.empty(T, M, dtype=torch.int32, device=dev)
         IK.meta(tir, topk, experts_in, head, row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=ring,
                 max_nodes=self.ctx.max_nodes_per_token)
+        self._mark("meta")
 
         # ---- 2. one collective, one host read (the whole gathered rows: a few KiB) ----
         self._phase = "dispatch (agreement + count exchange)"
         g = self._gather(row)
+        self._mark("exchange")
         counts_all, send1_all, fwd, num_recv, expert_counts, node_rows = self._read_counts(g, sig, n_sig, E)
+        self._mark("read")
         plan = self._geometry(send1_all, fwd, ring)
+        self._mark("geometry")
 
         # ---- 3. pack: the send rows and the handle's matrices ----
         packer = self._packer(x, scales, K, w is not None)
@@ -414,9 +428,11 @@ class InternodeBackend(ReferenceBackend):
         IK.pack(g, send, slot, send_head, x, scales, topk, w, me=me, M=M, P=P, Kc=Kc, ring=ring, n_sig=n_sig,
                 tir=tir, before=before, spos=spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix)
         plan.update(device=True, slot=slot, num_recv=num_recv, area_row=_area_row(packer, H, K), node_rows=node_rows)
+        self._mark("pack")
 
         # ---- 4. network chunks (and the forwarder), 5. land ----
         landed, addr, stride, pos_off, n_rows = self._move_device(send, W, plan, cached=False)
+        self._mark("network")
         recv_x = torch.empty(num_recv, H, dtype=x.dtype, device=dev)
         recv_scales = torch.empty(num_recv, scales.shape[1], dtype=torch.float32, device=dev) \
             if scales is not None else None
@@ -425,11 +441,14 @@ class InternodeBackend(ReferenceBackend):
         recv_topk_w = torch.empty(num_recv, K, dtype=torch.float32, device=dev) if w is not None else None
         if self.fanout is None:   # combine gathers its rows by where each landed row went
             plan["land_pos"] = torch.empty(n_rows, dtype=torch.int32, device=dev)
+        self._mark("outputs")
         IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w, K=K, expert_lo=me * Lx, num_local=Lx,
                 pos_out=plan["land_pos"] if self.fanout is None else None)
         del landed   # its memory may be reused now: the launches above read it first (stream order)
+        self._mark("land")
         recv_chan_prefix = torch.empty(R, C, dtype=torch.int32, device=dev)
         IK.recv_chan(recv_src_idx, g, recv_chan_prefix, n_sig=n_sig, me=me)
+        self._mark("recv_chan")
 
         out = req.x.device
         moved = (lambda t: t) if out == dev else (lambda t: None if t is None else t.to(out))
@@ -462,6 +481,7 @@ class InternodeBackend(ReferenceBackend):
             last = None
             for k in range(nch):
                 last = post(k, recv[rs[k]:rs[k + 1]])
+            self._mark("network post")
             if last is not None:
                 self.network.land(last, f"dispatch (network chunks 0-{nch - 1})")
             return recv, recv.data_ptr(), W + 4 * P, W, rs[-1]
@@ -881,6 +901,7 @@ class InternodeBackend(ReferenceBackend):
     def _dispatch_cached_device(self, req: DispatchRequest, plan: dict) -> DispatchResult:
         """Cached dispatch on the device kernels: pack by the plan's slots and the handle's send_head,
         the network chunks, land (no routing columns)."""
+        self._mark("buffer")
         topo, dev, h = self.topology, self.comm_device, req.handle
         x = req.x.to(dev).contiguous()
         scales = req.x_scales.to(dev).contiguous() if req.x_scales is not None else None
@@ -889,12 +910,15 @@ class InternodeBackend(ReferenceBackend):
         send = torch.empty(plan["send_starts"][-1], W + 4 * topo.ranks_per_node, dtype=torch.uint8, device=dev)
         IK.pack(None, send, plan["slot"], h.send_head.to(dev).contiguous(), x, scales, None, None, me=topo.rank,
                 M=topo.num_nodes, P=topo.ranks_per_node, Kc=self.max_chunks, ring=1)
+        self._mark("pack")
         landed, addr, stride, pos_off, n_rows = self._move_device(send, W, plan, cached=True)
+        self._mark("network")
         n = plan["num_recv"]
         recv_x = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
         recv_scales = torch.empty(n, scales.shape[1], dtype=torch.float32, device=dev) if scales is not None else None
         IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales)
         del landed   # held until the land kernel read it
+        self._mark("land")
         out = req.x.device
         return DispatchResult(recv_x.to(out), recv_scales.to(out) if scales is not None else None, None, None, None, h)
 
@@ -902,6 +926,7 @@ class InternodeBackend(ReferenceBackend):
         """Combine on the device kernels: this rank's rows gathered per landed row (one rank per node)
         or published into its area and summed by the forwarder per chunk, the partials back over the
         network chunk by chunk, the home sum (node order, then the biases) in one launch."""
+        self._mark("buffer")
         h, dev, fan = req.handle, self.comm_device, self.fanout
         n, T = plan["num_recv"], h.num_tokens
         y = req.x[:n].to(dev).contiguous()
@@ -916,6 +941,7 @@ class InternodeBackend(ReferenceBackend):
         else:   # this rank's rows written by a kernel straight into its area
             Wd = self._publish(fan, lambda stride: IK.rows(None, n, y, w, fan.data_address(), stride),
                                plan["node_rows"], plan["area_row"], Wc)
+        self._mark("rows")
         back = torch.empty(ss[-1], Wc, dtype=torch.uint8, device=dev)
         last = None
         for k in range(nch):
@@ -926,9 +952,11 @@ class InternodeBackend(ReferenceBackend):
         if last is not None:   # NCCL runs a group's collectives in order: the last wait covers all
             self.network.land(last, f"combine (network chunks 0-{nch - 1})")
         self._count_rows_internode(plan)
+        self._mark("network")
         out_y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
         out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if K else None
         IK.home(back, plan["slot"], [b.to(dev).contiguous() for b in req.bias], out_y, out_w, H=H, K=K)
+        self._mark("home")
         out = req.x.device
         return CombineResult(out_y.to(out), out_w.to(out) if K else None)
 

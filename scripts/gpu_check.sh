@@ -10,7 +10,7 @@
 # against the reference over NCCL, ranks as emulated hosts sharing the GPUs), fanout (the forwarder kernel over
 # CUDA IPC, 2 and 4 processes on one GPU), hierworst (num_worst_tokens with a bad expert id: every rank stops on the
 # device-side assert), inhost (its host time per call
-# and K sweep on one GPU), timeout (device-timeout test),
+# and K sweep on one GPU), hostbuf (experiments/host_cost_buffer.py), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
 # overlapab (benchmarks.bench_overlap with --sm-carveout off / auto for each argument set in OVERLAP_AB),
@@ -233,6 +233,8 @@ stage inprofile 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node
 stage inplant 200 bash scripts/plant_internode_kernels.sh
 # one GPU or more: host time of each primitive the internode engine is made of (experiments/host_cost_nccl.py)
 stage hostcost 120 $PY -m experiments.host_cost_nccl --ranks 2 --json "$OUTDIR"
+# one process: the host time of a Buffer call's own share and of the engine's torch / launch primitives
+stage hostbuf 120 $PY -m experiments.host_cost_buffer --json "$OUTDIR"
 # the same as 2 nodes x 2 (4 processes on one GPU): the forwarder kernel's path, host time per call
 stage inhost4 200 $PY -m benchmarks.bench_internode --ranks 4 --ranks-per-node 2 --emulate-hosts --chunks 1,4 \
   --iters 5 --warmup 2 --torch-steps --json "$OUTDIR/bench_internode_2x2_$(gpu_tag)_$(date +%Y%m%d)_${COMMLIB_GIT_COMMIT:-unknown}.json"

@@ -160,7 +160,7 @@ stage profile 90 env COMMLIB_FAST_LAUNCH=0 $PY -m benchmarks.profile_host --fp8 
 stage bench 200 $PY -m benchmarks.bench_intranode --json "$OUTDIR" ${BENCH_FLAGS:---plot --plain --sms 8,12,16,24,32 --chunks 64,128} ${BENCH_ARGS:-}
 # the same world under other kernel builds (space-separated KEY=V,KEY=V lists), to qualify them; by
 # default the kept non-default paths: plain CTAs, no work sharing, and the trace
-for v in ${GPU_CHECK_TEST_VARIANTS-COMM_CLUSTER=1 SHARE_WORK=0 COMM_TRACE=1}; do
+want tests2 && for v in ${GPU_CHECK_TEST_VARIANTS-COMM_CLUSTER=1 SHARE_WORK=0 COMM_TRACE=1}; do
   stage tests2 120 env COMMLIB_TEST_KERNEL_VARIANT="$v" $PY -m pytest tests/gpu/test_nvlink.py -q -k "two_ranks" -p no:cacheprovider
   SUMMARY[-1]="${SUMMARY[-1]} [variant $v]"
 done

@@ -188,8 +188,14 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
         rows = B.measure(buf, ref if i == 0 else None, ctx.group, w, OPS + (BASELINE_OPS if i == 0 else []), iters,
                          warmup)
         _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile and i == 0)
+        # the table's host figures are rank 0's; every rank's go with them (ranks sharing a GPU differ)
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, {r["op"]: (r.get("host_us", 0.0), r.get("host_busy_us", 0.0)) for r in rows},
+                               group=ctx.group)
         for r in rows:
             r["device_steps"] = bool(getattr(buf.backend, "device_steps", False))
+            r["host_us_by_rank"] = [round(e[r["op"]][0], 1) for e in everyone]
+            r["host_busy_us_by_rank"] = [round(e[r["op"]][1], 1) for e in everyone]
         part = B.gather(rows, ctx.group)
         if part is not None:
             for r in part if not kernels else []:
@@ -236,10 +242,11 @@ def _bare_a2a_host_us(buf, group, w, reps: int, busy: bool = False) -> float:
     return _host_us(buf, call, reps, busy=busy)[0]
 
 
-def _profile(buf, op: str, fn, show: bool, reps: int = 10) -> None:
-    """Where one rank's host time goes (--profile): the engine's step marks (``backend.trace``) over
+def _profile(ctx, buf, op: str, fn, reps: int = 10) -> None:
+    """Where each rank's host time goes (--profile): the engine's step marks (``backend.trace``) over
     ``reps`` calls on an idle device and ``reps`` behind running work; per step the median us it took,
-    less time blocked in the host read. Every rank makes the calls (collective); ``show``: print them."""
+    less time blocked in the host read. Every rank makes the calls (collective); rank 0 prints them,
+    a column per rank."""
     be = buf.backend
     if not hasattr(be, "trace"):
         return
@@ -266,13 +273,20 @@ def _profile(buf, op: str, fn, show: bool, reps: int = 10) -> None:
             spent["(blocked in the read)"] = (marks[-1][2] - marks[0][2]) * 1e6
             for step, us in spent.items():
                 table.setdefault(step, ([], []))[busy].append(us)
-    if not show:
+    mine = {step: (statistics.median(idle), statistics.median(busy)) for step, (idle, busy) in table.items()}
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine, group=ctx.group)
+    if ctx.rank != 0:
         return
-    print(f"# --profile {op}: host us per step (median of {reps} calls; a step ends at its mark, 'return': "
-          "after the last mark until the Buffer returns)")
-    print(f"# {'step':>24} {'idle':>9} {'busy':>9}")
-    for step, (idle, busy) in table.items():
-        print(f"# {step:>24} {statistics.median(idle):>9.1f} {statistics.median(busy):>9.1f}")
+    R = ctx.world_size
+    print(f"# --profile {op}: host us per step and rank (median of {reps} calls; a step ends at its mark, "
+          "'return': after the last mark until the Buffer returns)")
+    print(f"# {'step':>24} " + " ".join(f"{'idle r' + str(r):>9}" for r in range(R)) + " "
+          + " ".join(f"{'busy r' + str(r):>9}" for r in range(R)))
+    for step in mine:
+        cells = [e.get(step, (0.0, 0.0)) for e in everyone]
+        print(f"# {step:>24} " + " ".join(f"{c[0]:>9.1f}" for c in cells) + " "
+              + " ".join(f"{c[1]:>9.1f}" for c in cells))
 
 
 def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=False):
@@ -306,7 +320,7 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=Fals
         # the engine's own share: host time less what torch.distributed's calls and waits took
         r["host_busy_engine_us"] = r["host_busy_us"] - r["host_busy_collective_us"]
         if profile:  # every rank makes the calls (collective), rank 0 prints
-            _profile(buf, r["op"], calls[r["op"]], ctx.rank == 0)
+            _profile(ctx, buf, r["op"], calls[r["op"]])
         before = buf.counters
         calls[r["op"]]()
         after = buf.counters
@@ -382,6 +396,10 @@ def main(argv=None) -> int:
           f"{info.get('bare_a2a_host_busy_us', 0.0):.1f} us behind running work ('busy us': each call issued "
           f"behind a ~30 ms kernel, as in a training step) (the floor of a one-collective call here); "
           f"'engine': the host time before it less the time inside torch.distributed's collective calls and waits")
+    by_rank = [r for r in rows if r.get("host_busy_us_by_rank") and any(r["host_busy_us_by_rank"])]
+    if by_rank:
+        print("# host us behind running work on each rank (the table: rank 0): " + ", ".join(
+            f"{r['op']}@cap{r['chunk_cap']}={'/'.join(f'{v:.0f}' for v in r['host_busy_us_by_rank'])}" for r in by_rank))
     shared = bool(gpus) and gpus < a.ranks
     targets = target_verdicts(rows, socket=a.emulate_hosts, shared_gpu=shared) if gpus else []
     for t in targets:

@@ -118,6 +118,7 @@ class Buffer(LowLatencyMode):
         self._destroyed = False
         self._stream_cache: dict = {}  # raw cudaStream_t -> torch.cuda.Stream (see _current_stream)
         self._tuned: dict = {}
+        self._rings: dict = {}
         self._local_buffers: dict = {}  # use_rdma_buffer -> uint8 tensor (get_local_buffer_tensor)
         self._mask = torch.zeros(self.num_ranks, dtype=torch.int32)  # shrink mode: 1 = masked rank (host)
         self._check_world_agrees()
@@ -324,8 +325,13 @@ class Buffer(LowLatencyMode):
             for t in inputs:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(self.comm_stream)
+        # one record per allocation: outputs that are views of one block (a backend's arena) share it
+        recorded = set()
         for t in _tensors_of(result, skip=inputs):
-            t.record_stream(compute)
+            base = t._base if t._base is not None else t
+            if id(base) not in recorded:
+                recorded.add(id(base))
+                base.record_stream(compute)
         event = torch.cuda.Event()
         event.record(self.comm_stream)
         if not async_finish:
@@ -643,7 +649,7 @@ class Buffer(LowLatencyMode):
                                      f"got {list(b.shape)}")
         config = self._resolve_config(config, "combine", T, H)
         # combine's rows travel on the dispatch's channels (the handle's), whatever num_sms it runs with
-        rings = dataclasses.replace(config, num_sms=2 * handle.num_channels) if handle.num_channels else config
+        rings = self._combine_rings(config, handle.num_channels)
         self._check_capacity(H * 2, rings, 0, topk_weights.shape[1] if topk_weights is not None else 0)
         return CombineRequest(x, handle, topk_weights, biases, config)
 
@@ -674,10 +680,23 @@ class Buffer(LowLatencyMode):
                                            ranks_per_node=self.topology.ranks_per_node, hidden=hidden,
                                            dtype=dtype, num_tokens=num_tokens, device=self.device,
                                            num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=self.num_rdma_bytes)
-            self._tuned[key] = found
-        if self._tuned[key] is not None:
-            return self._tuned[key]
-        return (Buffer.get_dispatch_config if kind == "dispatch" else Buffer.get_combine_config)(self.num_ranks)
+            # no tuned config: the default, made once (a Config validates every field when built)
+            self._tuned[key] = found if found is not None else \
+                (Buffer.get_dispatch_config if kind == "dispatch" else Buffer.get_combine_config)(self.num_ranks)
+        return self._tuned[key]
+
+    def _combine_rings(self, config: Config, num_channels: int) -> Config:
+        """``config`` with the handle's channels (2 SMs each), remembered per (config, channels): a
+        Config validates every field when built, and combine asks on every call."""
+        if not num_channels:
+            return config
+        key = (id(config), num_channels)
+        hit = self._rings.get(key)
+        if hit is None or hit[0] is not config:   # the config held in the entry keeps its id unique
+            if len(self._rings) > 64:
+                self._rings.clear()
+            hit = self._rings[key] = (config, dataclasses.replace(config, num_sms=2 * num_channels))
+        return hit[1]
 
     def _check_capacity(self, hidden_bytes: int, config: Config, num_scales: int = 0,
                         num_topk: int = 0) -> None:
@@ -714,22 +733,21 @@ _PLAIN = (int, float, bool, str, type(None))
 
 def _tensors_of(obj, skip=()) -> list:
     """Tensors inside a result (dataclasses, tuples, lists), not descending into objects listed in
-    ``skip``. Lists of plain values (a dispatch's per-expert counts) are passed over element by
-    element with one type check, not one walk each: this runs on every call."""
+    ``skip``. This runs on every call: a list or tuple whose first item is a plain value (a
+    dispatch's per-expert counts) is taken to hold plain values only and is not walked."""
     skip_ids = {id(s) for s in skip}
     found = []
 
     def walk(o) -> None:
-        if id(o) in skip_ids:
+        if isinstance(o, _PLAIN) or id(o) in skip_ids:
             return
         if isinstance(o, torch.Tensor):
             found.append(o)
         elif hasattr(o, "__dataclass_fields__"):
             for name in o.__dataclass_fields__:
                 walk(getattr(o, name))
-        elif isinstance(o, (tuple, list)):
+        elif isinstance(o, (tuple, list)) and o and not isinstance(o[0], _PLAIN):
             for item in o:
-                if not isinstance(item, _PLAIN):
-                    walk(item)
+                walk(item)
     walk(obj)
     return found

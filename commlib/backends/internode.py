@@ -30,6 +30,7 @@ reference's agreement (host-side and free), so mismatched calls raise on every r
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 import warnings
@@ -183,6 +184,7 @@ class InternodeBackend(ReferenceBackend):
         # where a call's host time goes (benchmarks --profile): a list of (step, perf_counter, host_read_s)
         # marks while not None; one attribute test per step otherwise
         self.trace = None
+        self._head, self._head_busy = None, False   # the meta kernel's head row (_head_row)
         # E of the last dispatch: a rank whose dispatch input is refused on NCCL sends an agreement row
         # of that length (the peers' rows have their E; the first dispatch refused: see on_rejected)
         self._last_num_experts = 0
@@ -208,6 +210,19 @@ class InternodeBackend(ReferenceBackend):
         """End of ``step`` of the current call, for the host-time trace (``self.trace``)."""
         if self.trace is not None:
             self.trace.append((step, time.perf_counter(), self.host_read_s))
+
+    def _head_row(self, sig: list) -> torch.Tensor:
+        """[0] + ``sig`` (int64) for the meta kernel, in pinned host memory it reads through the mapped
+        address (no copy, no allocation per call). Kept between calls; rewritten only when the last
+        call's host read has shown the stream past its meta kernel (else a fresh one is made)."""
+        n = 1 + len(sig)
+        if self._head is None or self._head[0].numel() != n or self._head_busy:
+            t = torch.zeros(n, dtype=torch.int64).pin_memory()
+            self._head = (t, t.numpy())
+        t, arr = self._head
+        arr[1:] = sig
+        self._head_busy = True
+        return t
 
     def _h2d(self, values: list, dtype=torch.int64) -> torch.Tensor:
         """A small host list on the comm device without a stream sync (pinned, non-blocking)."""
@@ -399,7 +414,7 @@ class InternodeBackend(ReferenceBackend):
         self._mark("inputs")
 
         # ---- 1. metadata: one launch ----
-        head = self._h2d([0] + sig)
+        head = self._head_row(sig)
         n_sig = 1 + len(sig)
         row = torch.empty(self._row_len(E), dtype=torch.int64, device=dev)
         before = torch.empty(T, R, dtype=torch.int32, device=dev)
@@ -413,6 +428,7 @@ class InternodeBackend(ReferenceBackend):
         g = self._gather(row)
         self._mark("exchange")
         counts_all, send1_all, fwd, num_recv, expert_counts, node_rows = self._read_counts(g, sig, n_sig, E)
+        self._head_busy = False   # the read waited for the stream: the meta kernel has read the head row
         self._mark("read")
         plan = self._geometry(send1_all, fwd, ring)
         self._mark("geometry")
@@ -421,10 +437,11 @@ class InternodeBackend(ReferenceBackend):
         packer = self._packer(x, scales, K, w is not None)
         W = packer.row_bytes
         send = torch.empty(plan["send_starts"][-1], W + 4 * P, dtype=torch.uint8, device=dev)
-        slot = torch.empty(T, M, dtype=torch.int32, device=dev)
-        send_head = torch.empty(T, R, dtype=torch.int32, device=dev)
-        rank_prefix = torch.empty(R, R, dtype=torch.int32, device=dev)
-        chan_prefix = torch.empty(R, C, dtype=torch.int32, device=dev)
+        # the handle's int32 tensors (and the plan's) are views of one allocation: one allocation, and
+        # one stream record where the Buffer hands them to the caller's stream
+        n_land = plan["recv_starts"][-1] if self.fanout is None else 0
+        rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, recv_src_idx, land_pos = _int32_views(
+            dev, (R, R), (R, C), (R, C), (T, R), (T, M), (num_recv,), (n_land,))
         IK.pack(g, send, slot, send_head, x, scales, topk, w, me=me, M=M, P=P, Kc=Kc, ring=ring, n_sig=n_sig,
                 tir=tir, before=before, spos=spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix)
         plan.update(device=True, slot=slot, num_recv=num_recv, area_row=_area_row(packer, H, K), node_rows=node_rows)
@@ -436,17 +453,15 @@ class InternodeBackend(ReferenceBackend):
         recv_x = torch.empty(num_recv, H, dtype=x.dtype, device=dev)
         recv_scales = torch.empty(num_recv, scales.shape[1], dtype=torch.float32, device=dev) \
             if scales is not None else None
-        recv_src_idx = torch.empty(num_recv, dtype=torch.int32, device=dev)
         recv_topk_idx = torch.empty(num_recv, K, dtype=torch.int64, device=dev) if K else None
         recv_topk_w = torch.empty(num_recv, K, dtype=torch.float32, device=dev) if w is not None else None
         if self.fanout is None:   # combine gathers its rows by where each landed row went
-            plan["land_pos"] = torch.empty(n_rows, dtype=torch.int32, device=dev)
+            plan["land_pos"] = land_pos
         self._mark("outputs")
         IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w, K=K, expert_lo=me * Lx, num_local=Lx,
                 pos_out=plan["land_pos"] if self.fanout is None else None)
         del landed   # its memory may be reused now: the launches above read it first (stream order)
         self._mark("land")
-        recv_chan_prefix = torch.empty(R, C, dtype=torch.int32, device=dev)
         IK.recv_chan(recv_src_idx, g, recv_chan_prefix, n_sig=n_sig, me=me)
         self._mark("recv_chan")
 
@@ -459,7 +474,8 @@ class InternodeBackend(ReferenceBackend):
             topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
             num_recv_tokens=num_recv, num_worst_tokens=0, backend=self.name,
             extra={"plan": plan, "num_recv": num_recv, "counts_all": counts_all})
-        per_expert_list = [align_up(int(c), req.expert_alignment) for c in expert_counts]
+        a = req.expert_alignment
+        per_expert_list = expert_counts if a == 1 else [align_up(c, a) for c in expert_counts]
         return DispatchResult(moved(recv_x), moved(recv_scales), moved(recv_topk_idx), moved(recv_topk_w),
                               per_expert_list, handle)
 
@@ -701,9 +717,9 @@ class InternodeBackend(ReferenceBackend):
         fwd = [[[sum(rows[n * P + q][blk + k * P + p] for n in range(M)) for p in range(P)] for k in range(Kc)]
                for q in range(P)]
         ex = width + M * Kc * P + me * Lx
-        return (gh[:, n_sig:n_sig + R], [row[width - M:width] for row in rows], fwd,
-                sum(row[n_sig + me] for row in rows), [sum(row[ex + e] for row in rows) for e in range(Lx)],
-                max(sum(row[n_sig + r] for row in rows) for r in topo.node_ranks()))
+        total = [sum(col) for col in zip(*rows)]   # every column summed over the ranks, at C speed
+        return (gh[:, n_sig:n_sig + R], [row[width - M:width] for row in rows], fwd, total[n_sig + me],
+                total[ex:ex + Lx], max(total[n_sig + r] for r in topo.node_ranks()))
 
     def _check_exchange(self, gh, sig: list, n_sig: int, E: int) -> None:
         """The count exchange's errors, raised alike on every rank (they all read the same rows ``gh``:
@@ -929,9 +945,9 @@ class InternodeBackend(ReferenceBackend):
         self._mark("buffer")
         h, dev, fan = req.handle, self.comm_device, self.fanout
         n, T = plan["num_recv"], h.num_tokens
-        y = req.x[:n].to(dev).contiguous()
+        y = _rows_on(req.x, n, dev)
         H = y.shape[1]
-        w = req.topk_weights[:n].to(dev).contiguous() if req.topk_weights is not None else None
+        w = _rows_on(req.topk_weights, n, dev) if req.topk_weights is not None else None
         K = w.shape[1] if w is not None else 0
         Wc = 2 * H + 4 * K
         nch, ss, rs = plan["num_chunks"], plan["send_starts"], plan["recv_starts"]
@@ -1045,6 +1061,24 @@ class InternodeBackend(ReferenceBackend):
             return got
         acc_y, acc_w = sum_rows(packer.unpack(got), fan_rows.split(fan_send), J, H, K)
         return packer.pack([acc_y.to(torch.bfloat16)] + ([acc_w] if K else []))
+
+
+def _rows_on(t: torch.Tensor, n: int, device) -> torch.Tensor:
+    """The first ``n`` rows of ``t``, contiguous on ``device`` (``t`` itself where it already is)."""
+    if t.shape[0] != n:
+        t = t[:n]
+    return t.to(device).contiguous()
+
+
+def _int32_views(device, *shapes) -> list:
+    """int32 tensors of ``shapes``, views of one allocation (one allocator call, one stream record)."""
+    sizes = [math.prod(s) for s in shapes]
+    arena = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+    out, at = [], 0
+    for shape, n in zip(shapes, sizes):
+        out.append(arena[at:at + n].view(shape))
+        at += n
+    return out
 
 
 def _area_row(packer: _Packer, H: int, K: int) -> int:

@@ -168,7 +168,7 @@ def case_torch_compile(ctx):
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
     from commlib.training import autograd as ops
-    buf, r, R = _buf(ctx), ctx.rank, ctx.world_size
+    buf, r = _buf(ctx), ctx.rank
     torch._dynamo.reset()
 
     def step(x, router_w, expert_w):

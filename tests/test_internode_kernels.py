@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from commlib.backends import internode_kernels as IK
+from commlib.backends.internode import _int32_views
 from commlib.cuda import loader
 
 
@@ -122,3 +123,17 @@ def test_dispatches_the_kernels_cannot_move_take_the_torch_steps():
     assert not eng._kernels_fit(req(7168, worst=64))
     eng.device_steps = False
     assert not eng._kernels_fit(req(7168))
+
+
+def test_int32_views_share_one_allocation_without_overlap():
+    shapes = [(3, 3), (3, 2), (0,), (5,), (4, 1)]
+    views = _int32_views(torch.device("cpu"), *shapes)
+    assert [tuple(v.shape) for v in views] == shapes
+    base = views[0]._base
+    assert base is not None and all(v._base is base for v in views)
+    assert all(v.dtype == torch.int32 and v.is_contiguous() for v in views)
+    for i, v in enumerate(views):   # each view its own elements: writing one leaves the others
+        v.fill_(i)
+    for i, v in enumerate(views):
+        assert bool((v == i).all())
+    assert base.numel() == sum(v.numel() for v in views)

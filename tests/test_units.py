@@ -1,10 +1,15 @@
 """Single-process unit tests: config, topology, layout helpers, FP8, routing, handle."""
+import dataclasses
+
 import pytest
 import torch
 
 import commlib
 from commlib import routing
 from commlib.utils import env
+from commlib.backends.base import DispatchResult
+from commlib.buffer import Buffer, _tensors_of
+from commlib.handle import DispatchHandle
 from commlib.config import Config, row_slot_bytes
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8, roundtrip_bound
 from commlib.layout import (channel_prefix_matrix, channel_starts, dispatch_layout, recv_channel_prefix, rows_before,
@@ -468,7 +473,6 @@ def test_vectorised_oracle_matches_loop_oracle(R, P, E):
 
 def test_rdma_channel_prefix_matrix():
     """DeepEP's internode name: tokens sent to node m from channels before c, counted by hand."""
-    from commlib.handle import DispatchHandle
     g = torch.Generator().manual_seed(3)
     for T, C in ((0, 3), (1, 1), (10, 4), (37, 5)):
         tir = torch.rand(T, 8, generator=g) < 0.3
@@ -478,3 +482,41 @@ def test_rdma_channel_prefix_matrix():
                 for m in range(2)]
         got = h.rdma_channel_prefix_matrix
         assert got.dtype == torch.int32 and got.tolist() == want, (T, C, got.tolist(), want)
+
+
+def test_result_tensors_and_stream_records_per_allocation():
+    """The Buffer records each output's allocation once for the caller's stream: _tensors_of finds the
+    tensors of a result and its handle (not the inputs it is told to skip, not per-expert count lists)."""
+    from commlib.handle import DispatchHandle
+    arena = torch.zeros(20, dtype=torch.int32)
+    a, b = arena[:10].view(2, 5), arena[10:].view(10)
+    x_in, recv = torch.zeros(3, 4), torch.zeros(5, 4)
+    h = DispatchHandle(a, b, torch.zeros(2, 2, dtype=torch.int32), torch.zeros(5, dtype=torch.int32), x_in,
+                       torch.zeros(3, 2, dtype=torch.int32), extra={"plan": {"t": torch.zeros(1)}})
+    res = DispatchResult(recv, None, None, None, [4, 0, 7], h)
+    found = _tensors_of(res, skip=[x_in])
+    assert [id(t) for t in found] == [id(recv), id(a), id(b), id(h.recv_channel_prefix_matrix),
+                                      id(h.recv_src_idx), id(h.send_head)]
+    nested = _tensors_of((recv, [a, (b,)], [1, 2]))
+    assert [id(t) for t in nested] == [id(recv), id(a), id(b)]
+
+
+def test_buffer_config_objects_are_made_once():
+    """A Buffer's default configs and combine's per-channel config are built once per key (a Config
+    validates every field when built), and stay right: channels from the handle, a new key anew."""
+    buf = Buffer.__new__(Buffer)
+    buf._tuned, buf._rings, buf.num_ranks, buf.rank = {}, {}, 8, 0
+    buf.topology = Topology(0, 8, 8)
+    buf.device, buf.num_nvl_bytes, buf.num_rdma_bytes = torch.device("cpu"), 0, 0
+    first = buf._resolve_config(None, "dispatch", 4096, 7168)
+    assert buf._resolve_config(None, "dispatch", 4096, 7168) is first
+    assert first == Buffer.get_dispatch_config(8)
+    combine = buf._resolve_config(None, "combine", 4096, 7168)
+    assert combine == Buffer.get_combine_config(8) and combine is not first
+    rings = buf._combine_rings(combine, 5)
+    assert rings.num_sms == 10 and rings == dataclasses.replace(combine, num_sms=10)
+    assert buf._combine_rings(combine, 5) is rings
+    assert buf._combine_rings(combine, 6).num_sms == 12
+    assert buf._combine_rings(combine, 0) is combine
+    other = dataclasses.replace(combine)   # an equal config, another object: its own entry
+    assert buf._combine_rings(other, 5) is not rings and buf._combine_rings(other, 5).num_sms == 10

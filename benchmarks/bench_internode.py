@@ -346,7 +346,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20 if gpus else 3)
     p.add_argument("--warmup", type=int, default=5 if gpus else 1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunks", default="4", help="network chunk caps to sweep (COMMLIB_NETWORK_CHUNKS), e.g. 1,2,4,8")
+    p.add_argument("--chunks", default="4", help="network chunk caps to sweep (COMMLIB_NETWORK_CHUNKS), e.g. 1,2,4,8; "
+                   "with one rank per node a call is always one chunk, and only the first cap runs")
     p.add_argument("--profile", action="store_true", help="rank 0 prints where each op's host time goes, step by step")
     p.add_argument("--torch-steps", action="store_true",
                    help="also run the first chunk cap with the per-token steps as torch ops (COMMLIB_INTERNODE_KERNELS=0)")
@@ -362,6 +363,9 @@ def main(argv=None) -> int:
     w = B.Workload(a.tokens, a.hidden, a.experts, a.topk, a.groups, a.topk_groups, a.seed)
     w.validate(a.ranks)
     caps = [int(c) for c in a.chunks.split(",")]
+    if a.ranks_per_node == 1 and len(caps) > 1:   # the engine sends one chunk there, whatever the cap
+        print(f"# one rank per node: every call is one network chunk, so the chunk caps {caps} are one run (cap {caps[0]})")
+        caps = caps[:1]
     if a.emulate_hosts:  # every rank its own host for NCCL; the Buffer still sees --ranks-per-node
         res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.profile, a.torch_steps, ranks_per_node=1,
                               use_gpu=bool(gpus), group_backend="nccl" if gpus else None, emulate_hosts=True)

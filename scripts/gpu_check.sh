@@ -9,8 +9,8 @@
 # (python -m benchmarks.bench_intranode --json), shared (4 and 8 ranks on 2 GPUs), hier (the internode engine
 # against the reference over NCCL, ranks as emulated hosts sharing the GPUs), fanout (the forwarder kernel over
 # CUDA IPC, 2 and 4 processes on one GPU), hierworst (num_worst_tokens with a bad expert id: every rank stops on the
-# device-side assert), inhost (its host time per call
-# and K sweep on one GPU), hostbuf (experiments/host_cost_buffer.py), timeout (device-timeout test),
+# device-side assert), inhost (its host time per call at 2 x 1, where a call is one chunk
+# on one GPU), hostbuf (experiments/host_cost_buffer.py), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
 # overlapab (benchmarks.bench_overlap with --sm-carveout off / auto for each argument set in OVERLAP_AB),
@@ -225,7 +225,7 @@ stage internodesock 150 $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --emu
   --json "$RES/bench_internode_socket_$(gpu_tag)_$(date +%Y%m%d)_${COMMLIB_GIT_COMMIT:-unknown}.json"
 # one GPU: 2 processes as 2 emulated hosts over NCCL's socket transport; host time per call and K (device times
 # are time-sliced, not meaningful); V3 rows at 4096 tokens, chunk caps 1..8
-stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks ${INHOST_CHUNKS:-1,2,4,8} \
+stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks ${INHOST_CHUNKS:-1} \
   --iters 10 --warmup 3 --torch-steps --json "$OUTDIR"
 stage inprofile 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 \
   --iters 10 --warmup 3 --profile

@@ -135,6 +135,10 @@ class InternodeBackend(ReferenceBackend):
         dist.all_gather_object(theirs, self.max_chunks, group=self.group)
         if any(t != self.max_chunks for t in theirs):
             raise ValueError(f"[commlib rank {topo.rank}] COMMLIB_NETWORK_CHUNKS differs between ranks: {theirs}")
+        if topo.ranks_per_node == 1:
+            # chunks pay only where the fan-out of chunk k overlaps chunk k + 1 on the wire; with one rank
+            # per node there is no fan-out, and every chunk would be one more collective to issue
+            self.max_chunks = 1
         # One SM budget: the network leg (rail) and the fan-out (node) run at once, so NCCL's CTAs for
         # each are capped at half of the Buffer's SM budget when the groups are made.
         self.nccl_ctas = max(1, ctx.num_sms() // 2) if self.nccl else 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from commlib.backends import internode_kernels as IK
-from commlib.backends.internode import _int32_views
+from commlib.backends.internode import InternodeBackend, _int32_views
 from commlib.cuda import loader
 
 
@@ -114,7 +114,6 @@ def test_dispatches_the_kernels_cannot_move_take_the_torch_steps():
     (the padded path), go to the torch steps even where the kernels are on."""
     from types import SimpleNamespace
 
-    from commlib.backends.internode import InternodeBackend
     eng = object.__new__(InternodeBackend)
     req = lambda H, worst=0: SimpleNamespace(x=torch.zeros(3, H, dtype=torch.bfloat16), num_worst_tokens=worst)
     eng.device_steps = True
@@ -137,3 +136,21 @@ def test_int32_views_share_one_allocation_without_overlap():
     for i, v in enumerate(views):
         assert bool((v == i).all())
     assert base.numel() == sum(v.numel() for v in views)
+
+
+def test_head_row_is_kept_until_a_read_shows_it_was_used(monkeypatch):
+    """The meta kernel's head row ([0] + signature) lives in one pinned buffer across calls: rewritten
+    in place when the last call's read came back, a fresh buffer while a call is still in flight
+    (its kernel may not have read the old one yet)."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here: plain host memory
+    be = InternodeBackend.__new__(InternodeBackend)
+    be._head, be._head_busy = None, False
+    first = be._head_row([7, 8, 9])
+    assert first.tolist() == [0, 7, 8, 9] and be._head_busy
+    be._head_busy = False                       # what the dispatch does after its read
+    again = be._head_row([7, 8, 10])
+    assert again is first and first.tolist() == [0, 7, 8, 10]
+    in_flight = be._head_row([7, 8, 11])        # no read since: the kept one may still be read
+    assert in_flight is not first and in_flight.tolist() == [0, 7, 8, 11] and first.tolist() == [0, 7, 8, 10]
+    be._head_busy = False
+    assert be._head_row([1, 2, 3, 4]).tolist() == [0, 1, 2, 3, 4]   # another length: another buffer

@@ -144,6 +144,14 @@ class _CollectiveClock:
         self._saved.clear()
 
 
+def _idle_or_busy(buf, busy: bool) -> None:
+    """Before a timed call: the device idle, or (``busy``) idle then behind a ~30 ms spinning kernel."""
+    if buf.device.type == "cuda":
+        torch.cuda.synchronize(buf.device)
+        if busy:
+            torch.cuda._sleep(BUSY_CYCLES)
+
+
 def _host_us(buf, fn, reps: int, busy: bool = False) -> tuple:
     """Median host time of ``fn()`` in us: wall time less time blocked in the engine's host read.
     Each call starts on an idle device; ``busy``: behind a ~30 ms spinning kernel on the current
@@ -154,10 +162,7 @@ def _host_us(buf, fn, reps: int, busy: bool = False) -> tuple:
     times, inside = [], []
     with _CollectiveClock() as clock:
         for _ in range(reps):
-            if buf.device.type == "cuda":
-                torch.cuda.synchronize(buf.device)
-                if busy:
-                    torch.cuda._sleep(BUSY_CYCLES)
+            _idle_or_busy(buf, busy)
             blocked, c0 = buf.backend.host_read_s, clock.seconds
             t0 = time.perf_counter()
             fn()
@@ -254,10 +259,7 @@ def _profile(ctx, buf, op: str, fn, reps: int = 10) -> None:
     for busy in (False, True):
         calls = []
         for _ in range(reps):
-            if buf.device.type == "cuda":
-                torch.cuda.synchronize(buf.device)
-                if busy:
-                    torch.cuda._sleep(BUSY_CYCLES)
+            _idle_or_busy(buf, busy)
             be.trace = [("call", time.perf_counter(), be.host_read_s)]
             fn()
             be.trace.append(("return", time.perf_counter(), be.host_read_s))

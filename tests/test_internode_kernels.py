@@ -144,13 +144,13 @@ def test_head_row_is_kept_until_a_read_shows_it_was_used(monkeypatch):
     (its kernel may not have read the old one yet)."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here: plain host memory
     be = InternodeBackend.__new__(InternodeBackend)
-    be._head, be._head_busy = None, False
+    be._head, be._head_busy, be.host_reads, be.host_read_s = None, False, 0, 0.0
     first = be._head_row([7, 8, 9])
     assert first.tolist() == [0, 7, 8, 9] and be._head_busy
-    be._head_busy = False                       # what the dispatch does after its read
+    be._read(torch.zeros(2))                    # the dispatch's one read: the stream is past the kernel
     again = be._head_row([7, 8, 10])
     assert again is first and first.tolist() == [0, 7, 8, 10]
     in_flight = be._head_row([7, 8, 11])        # no read since: the kept one may still be read
     assert in_flight is not first and in_flight.tolist() == [0, 7, 8, 11] and first.tolist() == [0, 7, 8, 10]
-    be._head_busy = False
+    be._read(torch.zeros(2))
     assert be._head_row([1, 2, 3, 4]).tolist() == [0, 1, 2, 3, 4]   # another length: another buffer

@@ -217,8 +217,8 @@ class InternodeBackend(ReferenceBackend):
 
     def _head_row(self, sig: list) -> torch.Tensor:
         """[0] + ``sig`` (int64) for the meta kernel, in pinned host memory it reads through the mapped
-        address (no copy, no allocation per call). Kept between calls; rewritten only when the last
-        call's host read has shown the stream past its meta kernel (else a fresh one is made)."""
+        address (no copy, no allocation per call). Kept between calls; rewritten only when a host read
+        (``_read``) has shown the stream past its meta kernel (else a fresh one is made)."""
         n = 1 + len(sig)
         if self._head is None or self._head[0].numel() != n or self._head_busy:
             t = torch.zeros(n, dtype=torch.int64).pin_memory()
@@ -247,6 +247,7 @@ class InternodeBackend(ReferenceBackend):
         t0 = time.perf_counter()
         out = t.cpu()
         self.host_read_s += time.perf_counter() - t0
+        self._head_busy = False   # the stream is past every kernel before the read: the head row was read
         return out
 
     def on_rejected(self, op: int, num_experts: int = 0) -> None:
@@ -432,7 +433,6 @@ class InternodeBackend(ReferenceBackend):
         g = self._gather(row)
         self._mark("exchange")
         counts_all, send1_all, fwd, num_recv, expert_counts, node_rows = self._read_counts(g, sig, n_sig, E)
-        self._head_busy = False   # the read waited for the stream: the meta kernel has read the head row
         self._mark("read")
         plan = self._geometry(send1_all, fwd, ring)
         self._mark("geometry")
@@ -987,14 +987,15 @@ class InternodeBackend(ReferenceBackend):
         T, H = h.num_tokens, req.x.shape[1]
         dev = self.comm_device
         n = plan["num_recv"]
-        w = req.topk_weights[:n].to(dev) if req.topk_weights is not None else None
-        K = w.shape[1] if w is not None else 0
+        has_w = req.topk_weights is not None
+        K = req.topk_weights.shape[1] if has_w else 0
         self.calls += 1
         if not self.nccl:
-            self._agree(self.signature(3, H, h.num_experts, False, K, w is not None, req.config), [])
+            self._agree(self.signature(3, H, h.num_experts, False, K, has_w, req.config), [])
         self._phase = "combine"
         if plan.get("device"):
             return self._combine_device(req, plan)
+        w = req.topk_weights[:n].to(dev) if has_w else None
         packer = _Packer([("y", torch.bfloat16, (H,))] + ([("w", torch.float32, (K,))] if K else []))
         if plan.get("padded"):
             acc_y, acc_w = self._combine_padded(req, plan, packer, w, T, H, K)

@@ -15,6 +15,10 @@ an idle device, as ``bench_internode`` times a call):
   gather_issue_wait ``all_gather_into_tensor`` of a small int64 row, issued and waited for
   p2p_batch        ``batch_isend_irecv`` of one send + one recv per peer, waited for
   side_stream      a2a issued on a side stream, the current stream waits on an event
+  raw_a2a_issue    the same all-to-all through commlib.cuda.nccl (NCCL called directly, own
+                   communicator, on the current stream: nothing to wait for)
+  raw_gather_issue the small all-gather through commlib.cuda.nccl
+  raw_a2a_back_to_back  raw_a2a_issue without an idle device before each
 
 Run (spawns 2 ranks on the GPU(s); with one GPU they are emulated hosts over NCCL's socket
 transport): python -m experiments.host_cost_nccl [--ranks 2] [--reps 50] [--json PATH]
@@ -118,6 +122,33 @@ def worker(ctx, a):
         issue_wait()
     out["a2a_issue_wait_back_to_back"] = (time.perf_counter() - t0) / a.reps * 1e6
     sync()
+    if dev.type == "cuda":
+        from commlib.cuda.nccl import NcclComm
+        raw = NcclComm(g, dev, name="experiment")
+        me = dist.get_rank(g)
+        # the raw rows are checked: rank r's block j of recv is rank j's block r of send
+        send.view(-1)[:1].zero_()
+        stamp = torch.arange(rows, device=dev).to(torch.bfloat16).view(-1, 1) + 1000 * me
+        send[:, :1].copy_(stamp)
+        raw.all_to_all(recv, send, splits, splits, "check")
+        sync()
+        want = torch.cat([torch.arange(me * (rows // R), (me + 1) * (rows // R), device=dev).to(torch.bfloat16) + 1000 * j
+                          for j in range(R)])
+        assert torch.equal(recv[:, 0], want), "raw all_to_all moved the wrong rows"
+        raw.all_gather(small_out.view(R, -1), small.fill_(me), "check")
+        sync()
+        assert torch.equal(small_out.view(R, -1)[:, 0].cpu(), torch.arange(R)), "raw all_gather wrong"
+        for _ in range(3):
+            raw.all_to_all(recv, send, splits, splits, "warm")
+        out["raw_a2a_issue"] = _median_us(lambda: raw.all_to_all(recv, send, splits, splits, "a2a"), a.reps, sync)
+        out["raw_gather_issue"] = _median_us(lambda: raw.all_gather(small_out, small, "gather"), a.reps, sync)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(a.reps):
+            raw.all_to_all(recv, send, splits, splits, "a2a")
+        out["raw_a2a_back_to_back"] = (time.perf_counter() - t0) / a.reps * 1e6
+        sync()
+        raw.close()
     everyone = [None] * R
     dist.all_gather_object(everyone, out, group=g)
     return everyone

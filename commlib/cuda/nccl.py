@@ -44,6 +44,17 @@ class _UniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_char * 128)]
 
 
+def id_bytes(uid: _UniqueId) -> bytes:
+    """All 128 bytes of a unique id (``uid.internal`` would stop at its first zero byte)."""
+    return ctypes.string_at(ctypes.addressof(uid), ctypes.sizeof(uid))
+
+
+def id_from(raw: bytes) -> _UniqueId:
+    if len(raw) != ctypes.sizeof(_UniqueId):
+        raise CommlibError(f"commlib: an NCCL unique id has {ctypes.sizeof(_UniqueId)} bytes, got {len(raw)}")
+    return _UniqueId.from_buffer_copy(raw)
+
+
 class _Config(ctypes.Structure):
     """ncclConfig_t as of NCCL 2.17: NCCL reads ``size`` bytes and fills later fields with defaults."""
     _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
@@ -120,9 +131,9 @@ class NcclComm:
         uid = _UniqueId()
         if self.rank == 0:
             _check(lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-        box = [bytes(uid.internal) if self.rank == 0 else None]
+        box = [id_bytes(uid) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        uid.internal = box[0]
+        uid = id_from(box[0])
         cfg = _Config(size=ctypes.sizeof(_Config), magic=_API_MAGIC, version=_VERSION_2_17,
                       blocking=_CONFIG_UNDEF_INT, cgaClusterSize=_CONFIG_UNDEF_INT, minCTAs=_CONFIG_UNDEF_INT,
                       maxCTAs=max_ctas if max_ctas > 0 else _CONFIG_UNDEF_INT, netName=None)

@@ -140,7 +140,11 @@ def worker(ctx, a):
         assert torch.equal(small_out.view(R, -1)[:, 0].cpu(), torch.arange(R)), "raw all_gather wrong"
         for _ in range(3):
             raw.all_to_all(recv, send, splits, splits, "warm")
-        out["raw_a2a_issue"] = _median_us(lambda: raw.all_to_all(recv, send, splits, splits, "a2a"), a.reps, sync)
+        def raw_a2a():   # an NVTX range, for `nsys profile` of this experiment (NCCL's own API calls in it)
+            torch.cuda.nvtx.range_push("raw_a2a_issue")
+            raw.all_to_all(recv, send, splits, splits, "a2a")
+            torch.cuda.nvtx.range_pop()
+        out["raw_a2a_issue"] = _median_us(raw_a2a, a.reps, sync)
         out["raw_gather_issue"] = _median_us(lambda: raw.all_gather(small_out, small, "gather"), a.reps, sync)
         sync()
         t0 = time.perf_counter()

@@ -19,6 +19,8 @@ an idle device, as ``bench_internode`` times a call):
                    communicator, on the current stream: nothing to wait for)
   raw_gather_issue the small all-gather through commlib.cuda.nccl
   raw_a2a_back_to_back  raw_a2a_issue without an idle device before each
+  raw_a2a_issue_N_rows  with N rows to each rank; raw_a2a_issue_self_only: rows to this rank only
+  raw_a2a_issue_after_sleep  a 2 ms host sleep between the idle device and the issue
 
 Run (spawns 2 ranks on the GPU(s); with one GPU they are emulated hosts over NCCL's socket
 transport): python -m experiments.host_cost_nccl [--ranks 2] [--reps 50] [--json PATH]
@@ -145,6 +147,26 @@ def worker(ctx, a):
             raw.all_to_all(recv, send, splits, splits, "a2a")
             torch.cuda.nvtx.range_pop()
         out["raw_a2a_issue"] = _median_us(raw_a2a, a.reps, sync)
+        # what the issue's cost depends on: the rows (1 .. all), the peer (self only: no network step)
+        for n in (1, 64, rows // R):
+            sp = [n] * R
+            out[f"raw_a2a_issue_{n}_rows"] = _median_us(lambda: raw.all_to_all(recv, send, sp, sp, "a2a"), a.reps, sync)
+        only_me = [rows // R if r == me else 0 for r in range(R)]
+        out["raw_a2a_issue_self_only"] = _median_us(lambda: raw.all_to_all(recv, send, only_me, only_me, "a2a"),
+                                                    a.reps, sync)
+        # the same all-to-all issued after a 2 ms host sleep on an idle device (a slow first call after the
+        # host waited, whatever the transport, would show here as on the NCCL rows)
+        def after_sleep():
+            time.sleep(0.002)
+        t_sleep = []
+        for _ in range(a.reps):
+            sync()
+            after_sleep()
+            t0 = time.perf_counter()
+            raw.all_to_all(recv, send, splits, splits, "a2a")
+            t_sleep.append((time.perf_counter() - t0) * 1e6)
+        sync()
+        out["raw_a2a_issue_after_sleep"] = statistics.median(t_sleep)
         out["raw_gather_issue"] = _median_us(lambda: raw.all_gather(small_out, small, "gather"), a.reps, sync)
         sync()
         t0 = time.perf_counter()

@@ -23,7 +23,8 @@ replaces.
 from __future__ import annotations
 
 import ctypes
-import os
+import math
+import sys
 import threading
 import time
 from typing import Optional
@@ -31,10 +32,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from commlib.utils import env
 from commlib.utils.errors import CommlibError
 
 _UINT8 = 1          # ncclUint8
-_INT64 = 4          # ncclInt64
 _API_MAGIC = 0xCAFEBEEF
 _CONFIG_UNDEF_INT = -(2 ** 31)
 _VERSION_2_17 = 21700   # the ncclConfig_t prefix below (blocking .. netName) is the 2.17 layout
@@ -72,7 +73,7 @@ def library() -> ctypes.CDLL:
     with _lib_lock:
         if _lib is not None:
             return _lib
-        names = [os.environ.get("COMMLIB_NCCL_LIBRARY", ""), "libnccl.so.2", "libnccl.so"]
+        names = [env.nccl_library(), "libnccl.so.2", "libnccl.so"]
         err = None
         for name in filter(None, names):
             try:
@@ -104,6 +105,46 @@ def library() -> ctypes.CDLL:
         return lib
 
 
+_exchange_mode = None
+
+
+def _capture_mode_fn():
+    """``cudaThreadExchangeStreamCaptureMode`` of the CUDA runtime torch loaded (None where not found)."""
+    global _exchange_mode
+    if _exchange_mode is None:
+        paths = [line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line.rsplit("/", 1)[-1]]
+        for path in [None] + list(dict.fromkeys(paths)):
+            try:
+                fn = ctypes.CDLL(path).cudaThreadExchangeStreamCaptureMode
+            except (OSError, AttributeError):
+                continue
+            fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+            _exchange_mode = fn
+            break
+    return _exchange_mode
+
+
+def _relax_capture_mode() -> None:
+    """Make the calling thread's CUDA calls exempt from other threads' global-mode graph captures: the
+    watchdog's event queries would otherwise be refused and invalidate a capture on the caller's thread."""
+    fn = _capture_mode_fn()
+    if fn is None:
+        raise CommlibError("commlib: cudaThreadExchangeStreamCaptureMode not found in the CUDA runtime torch loaded")
+    mode = ctypes.c_int(2)   # cudaStreamCaptureModeRelaxed
+    code = fn(ctypes.byref(mode))
+    if code != 0:
+        raise CommlibError(f"commlib: cudaThreadExchangeStreamCaptureMode failed (CUDA error {code})")
+
+
+def available() -> bool:
+    """NCCL, and the CUDA runtime call the watchdog needs, can be called directly in this process."""
+    try:
+        library()
+    except CommlibError:
+        return False
+    return _capture_mode_fn() is not None
+
+
 def version() -> int:
     v = ctypes.c_int()
     _check(library().ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
@@ -124,10 +165,11 @@ class NcclComm:
     """
 
     def __init__(self, group, device: torch.device, max_ctas: int = 0, timeout_s: float = 100.0,
-                 name: str = "nccl") -> None:
+                 name: str = "nccl", label: str = "") -> None:
         lib = self.lib = library()
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.device, self.timeout_s, self.name = device, timeout_s, name
+        self.label = label or f"commlib rank {self.rank} of {name}"   # how errors name this process
         uid = _UniqueId()
         if self.rank == 0:
             _check(lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
@@ -143,13 +185,23 @@ class NcclComm:
                    f"ncclCommInitRankConfig ({name}, rank {self.rank} of {self.size})")
         self.comm = comm
         self.failed: Optional[str] = None
+        self.watch_error: Optional[str] = None
         # the watchdog: (event, issued at, step name) of steps the stream may not be past yet
         self._pending: list = []
         self._free_events: list = []
         self._lock = threading.Lock()
+        self._issue_lock = threading.RLock()   # an abort never runs while this process issues a step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"commlib-{name}-watchdog", daemon=True)
         self._thread.start()
+        # connect to every peer now: NCCL connects on a peer's first step, and the host blocks until the
+        # peer takes part (no deadline could end that wait); later steps only enqueue
+        with torch.cuda.device(device):
+            probe = torch.zeros(self.size, dtype=torch.uint8, device=device)
+            got = torch.empty_like(probe)
+            self.all_to_all(got, probe, [1] * self.size, [1] * self.size, f"{name}: connect")
+            self.all_gather(got, probe[:1], f"{name}: connect")
+            self.wait_host(f"{name}: connect")
 
     # ------------------------------------------------------------------ steps
     def all_to_all(self, out: torch.Tensor, send: torch.Tensor, send_splits: list, recv_splits: list,
@@ -157,98 +209,135 @@ class NcclComm:
         """Rows of ``send`` to every rank (``send_splits[r]`` rows to rank r, in rank order) into ``out``
         (``recv_splits[r]`` rows from rank r). Both contiguous, same row size."""
         self.check()
-        row = send[0].numel() * send.element_size() if send.numel() else out[0].numel() * out.element_size() \
-            if out.numel() else 0
+        row = math.prod(send.shape[1:]) * send.element_size()
         s = self._stream(stream)
-        lib, comm = self.lib, self.comm
+        lib = self.lib
         sp, rp = send.data_ptr(), out.data_ptr()
-        _check(lib.ncclGroupStart(), "ncclGroupStart")
-        try:
-            for peer in range(self.size):
-                n_s, n_r = send_splits[peer] * row, recv_splits[peer] * row
-                if n_s:
-                    _check(lib.ncclSend(sp, n_s, _UINT8, peer, comm, s), f"ncclSend ({what})")
-                if n_r:
-                    _check(lib.ncclRecv(rp, n_r, _UINT8, peer, comm, s), f"ncclRecv ({what})")
-                sp += n_s
-                rp += n_r
-        finally:
-            _check(lib.ncclGroupEnd(), f"ncclGroupEnd ({what})")
-        self._issued(what, stream)
+        with self._issue_lock:
+            comm = self._live()
+            _check(lib.ncclGroupStart(), "ncclGroupStart")
+            try:
+                for peer in range(self.size):
+                    n_s, n_r = send_splits[peer] * row, recv_splits[peer] * row
+                    if n_s:
+                        _check(lib.ncclSend(sp, n_s, _UINT8, peer, comm, s), f"ncclSend ({what})")
+                    if n_r:
+                        _check(lib.ncclRecv(rp, n_r, _UINT8, peer, comm, s), f"ncclRecv ({what})")
+                    sp += n_s
+                    rp += n_r
+            finally:
+                _check(lib.ncclGroupEnd(), f"ncclGroupEnd ({what})")
+            self._issued(what, stream)
 
     def all_gather(self, out: torch.Tensor, row: torch.Tensor, what: str, stream=None) -> None:
         """``row`` (contiguous) of every rank into ``out`` ([size, *row.shape], rank order)."""
         self.check()
         n = row.numel() * row.element_size()
-        _check(self.lib.ncclAllGather(row.data_ptr(), out.data_ptr(), n, _UINT8, self.comm, self._stream(stream)),
-               f"ncclAllGather ({what})")
-        self._issued(what, stream)
+        with self._issue_lock:
+            _check(self.lib.ncclAllGather(row.data_ptr(), out.data_ptr(), n, _UINT8, self._live(),
+                                          self._stream(stream)), f"ncclAllGather ({what})")
+            self._issued(what, stream)
+
+    def _live(self):
+        if self.comm is None:
+            raise CommlibError(self.failed or f"commlib: the {self.name} NCCL communicator is closed")
+        return self.comm
 
     def _stream(self, stream) -> int:
         return (stream or torch.cuda.current_stream(self.device)).cuda_stream
 
     # ------------------------------------------------------------------ deadline
     def _issued(self, what: str, stream) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            return   # a captured step runs at replay: no host deadline for it (as with torch's watchdog)
         with self._lock:
             ev = self._free_events.pop() if self._free_events else torch.cuda.Event()
         ev.record(stream or torch.cuda.current_stream(self.device))
         with self._lock:
             self._pending.append((ev, time.monotonic(), what))
 
+    def _first_late(self) -> Optional[tuple]:
+        """Drop the steps the stream is past; (name, seconds waited) of the oldest one still running
+        if it has run past the deadline, else None. Steps end in issue order (one stream)."""
+        with self._lock:
+            pending = list(self._pending)
+        done, late = 0, None
+        for ev, t0, what in pending:
+            if ev.query():
+                done += 1
+                continue
+            waited = time.monotonic() - t0
+            if waited > self.timeout_s:
+                late = (what, waited)
+            break
+        with self._lock:
+            self._free_events.extend(ev for ev, _, _ in self._pending[:done])
+            del self._pending[:done]
+        return late
+
+    def _fail(self, what: str, waited: float) -> None:
+        """Abort the communicator for a late step: its kernels leave, the stream moves on, every later
+        step (and :meth:`check`) raises this message."""
+        with self._issue_lock:
+            if self.failed:
+                return
+            self.failed = (f"[{self.label}] {what}: timed out, the NCCL step ({self.name}) was not done after "
+                           f"{waited:.1f} s (COMMLIB_TIMEOUT_S={self.timeout_s:g}): a peer exited, skipped this "
+                           "call, or is stuck elsewhere; the communicator was aborted")
+        print(self.failed, file=sys.stderr, flush=True)
+        self._abort()
+
     def _watch(self) -> None:
+        """The watchdog: steps no host read follows (cached dispatch, combine) get the deadline too."""
+        try:
+            _relax_capture_mode()
+        except CommlibError as e:   # no deadline without it (a query could break a capture): say so once
+            self.watch_error = str(e)
+            return
         period = min(0.05, self.timeout_s / 4)
         while not self._stop.wait(period):
-            with self._lock:
-                pending = list(self._pending)
-            done, late = 0, None
-            for ev, t0, what in pending:   # steps end in issue order (one stream per communicator)
-                if ev.query():
-                    done += 1
-                    continue
-                if time.monotonic() - t0 > self.timeout_s:
-                    late = (what, time.monotonic() - t0)
-                break
-            with self._lock:
-                self._free_events.extend(ev for ev, _, _ in self._pending[:done])
-                del self._pending[:done]
+            late = self._first_late()
             if late is not None:
-                self.failed = (f"[commlib rank {self.rank} of {self.name}] {late[0]}: the NCCL step was not done "
-                               f"after {late[1]:.1f} s (COMMLIB_TIMEOUT_S={self.timeout_s:g}): a peer exited, "
-                               "skipped this call, or is stuck elsewhere; the communicator was aborted")
-                self._abort()
+                self._fail(*late)
                 return
 
     def check(self) -> None:
-        """Raise if the watchdog gave up on a step, or NCCL reports an asynchronous error."""
+        """Raise if a step ran past the deadline (the communicator was aborted)."""
         if self.failed:
             raise CommlibError(self.failed)
 
     def wait_host(self, what: str) -> None:
-        """Block the host until the stream is past every issued step, at most ``timeout_s`` (a deadline
-        for host reads that follow a step: on expiry the communicator is aborted and this raises)."""
+        """Block the host until the stream is past every issued step: a host read that follows a step
+        raises once the oldest running step passes the deadline (``what``: what the host waits for,
+        named if the communicator is closed meanwhile)."""
         with self._lock:
             last = self._pending[-1][0] if self._pending else None
-        if last is None:
-            return
-        t0 = time.monotonic()
-        while not last.query():
+        while last is not None and not last.query():
             if self.failed:
                 raise CommlibError(self.failed)
-            if time.monotonic() - t0 > self.timeout_s:
-                self.failed = (f"[commlib rank {self.rank} of {self.name}] {what}: not done after "
-                               f"{self.timeout_s:g} s (COMMLIB_TIMEOUT_S): a peer exited, skipped this call, or is "
-                               "stuck elsewhere; the communicator was aborted")
-                self._abort()
+            late = self._first_late()
+            if late is not None:
+                self._fail(*late)
                 raise CommlibError(self.failed)
+            if self.comm is None:
+                raise CommlibError(f"commlib: {what}: the {self.name} NCCL communicator is closed")
             time.sleep(0)
 
     def _abort(self) -> None:
-        comm, self.comm = self.comm, None
+        with self._issue_lock:
+            comm, self.comm = self.comm, None
         if comm:
             self.lib.ncclCommAbort(comm)
 
     def close(self) -> None:
+        """Free the communicator (local: no peer takes part) once the stream is past its steps; one whose
+        steps are not done within the deadline is aborted instead. A failed one was aborted already."""
         self._stop.set()
-        comm, self.comm = self.comm, None
+        try:
+            self.wait_host(f"{self.name}: close")
+        except Exception:   # noqa: BLE001 - late steps: aborted above; a torn-down CUDA context at exit: nothing to wait for
+            pass
+        with self._issue_lock:
+            comm, self.comm = self.comm, None
         if comm:
             self.lib.ncclCommDestroy(comm)

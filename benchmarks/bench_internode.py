@@ -37,7 +37,6 @@ import torch.distributed as dist
 
 from commlib.bench import main as B
 from commlib.bench import results
-from commlib.cuda.nccl import NcclComm
 
 OPS = ["dispatch_bf16", "dispatch_bf16_cached", "dispatch_fp8", "combine"]
 BASELINE_OPS = ["a2a_dispatch_bf16", "a2a_combine"]  # flat all_to_all_single over every rank, same run
@@ -95,14 +94,12 @@ def _row_bytes(op: str, hidden: int) -> int:
 
 BUSY_CYCLES = 60_000_000   # ~30 ms of a spinning kernel at H200 clocks: longer than any call's issue
 COLLECTIVES = ("all_to_all_single", "all_gather_single", "all_gather_into_tensor", "all_gather")
-DIRECT_STEPS = ("all_to_all", "all_gather")
 
 
 class _CollectiveClock:
-    """Host time spent inside torch.distributed's collectives (issue) and their works' ``wait()``, and
-    in the issue of the engine's direct NCCL steps: the share of a call's host time that is NCCL's (or
-    gloo's), not the engine's. Installed by wrapping the functions the engine calls (``dist.<name>``,
-    ``NcclComm.<name>``) for the duration of a measure."""
+    """Host time spent inside torch.distributed's collectives (issue) and their works' ``wait()``:
+    the share of a call's host time that is NCCL's (or gloo's), not the engine's. Installed by
+    wrapping the module functions the engine calls (``dist.<name>``) for the duration of a measure."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -137,16 +134,13 @@ class _CollectiveClock:
         for name in COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is not None:
-                self._saved[(dist, name)] = fn
+                self._saved[name] = fn
                 setattr(dist, name, timed(fn))
-        for name in DIRECT_STEPS:   # NCCL called directly (COMMLIB_NCCL_DIRECT): its issue is NCCL's too
-            self._saved[(NcclComm, name)] = getattr(NcclComm, name)
-            setattr(NcclComm, name, timed(getattr(NcclComm, name)))
         return self
 
     def __exit__(self, *exc):
-        for (owner, name), fn in self._saved.items():
-            setattr(owner, name, fn)
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
         self._saved.clear()
 
 
@@ -181,7 +175,7 @@ def _host_us(buf, fn, reps: int, busy: bool = False) -> tuple:
 
 
 def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile: bool = False,
-            torch_steps: bool = False, torch_nccl: bool = False):
+            torch_steps: bool = False):
     from commlib.buffer import Buffer
     from commlib.fp8 import per_token_cast_to_fp8
 
@@ -190,15 +184,11 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
     ref = Buffer(ctx.group, nvl, rdma, backend="reference", ranks_per_node=rpn)
     table = []
     # every chunk cap with the per-token steps as kernels; --torch-steps: the first cap again with the
-    # torch steps (COMMLIB_INTERNODE_KERNELS=0), its rows named <op>_torch_steps; --torch-nccl: the first
-    # cap again with the NCCL steps through torch.distributed (COMMLIB_NCCL_DIRECT=0), <op>_torch_nccl
-    runs = [(cap, True, True, "") for cap in chunk_caps] + \
-        ([(chunk_caps[0], False, True, "_torch_steps")] if torch_steps else []) + \
-        ([(chunk_caps[0], True, False, "_torch_nccl")] if torch_nccl else [])
-    for i, (cap, kernels, direct, suffix) in enumerate(runs):
+    # torch steps (COMMLIB_INTERNODE_KERNELS=0), its rows named <op>_torch_steps
+    runs = [(cap, True) for cap in chunk_caps] + ([(chunk_caps[0], False)] if torch_steps else [])
+    for i, (cap, kernels) in enumerate(runs):
         os.environ["COMMLIB_NETWORK_CHUNKS"] = str(cap)
         os.environ["COMMLIB_INTERNODE_KERNELS"] = "1" if kernels else "0"
-        os.environ["COMMLIB_NCCL_DIRECT"] = "1" if direct else "0"
         buf = Buffer(ctx.group, nvl, rdma, backend="internode", ranks_per_node=rpn)
         rows = B.measure(buf, ref if i == 0 else None, ctx.group, w, OPS + (BASELINE_OPS if i == 0 else []), iters,
                          warmup)
@@ -209,24 +199,18 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
                                group=ctx.group)
         for r in rows:
             r["device_steps"] = bool(getattr(buf.backend, "device_steps", False))
-            r["nccl_direct"] = getattr(buf.backend, "direct", None) is not None
             r["host_us_by_rank"] = [round(e[r["op"]][0], 1) for e in everyone]
             r["host_busy_us_by_rank"] = [round(e[r["op"]][1], 1) for e in everyone]
         part = B.gather(rows, ctx.group)
         if part is not None:
-            for r in part if suffix else []:
-                r["op"] += suffix   # after the gather: it looks ops up by name
+            for r in part if not kernels else []:
+                r["op"] += "_torch_steps"   # after the gather: it looks ops up by name
             table += part
-        if i > 0:
-            buf.destroy()
-            continue
         info = {"backend": buf.backend_name, "buffer_device": str(buf.device),
                 "process_group": dist.get_backend(ctx.group), "num_nodes": buf.topology.num_nodes,
                 "ranks_per_node": buf.topology.ranks_per_node,
                 "bare_a2a_host_us": _bare_a2a_host_us(buf, ctx.group, w, max(5, iters)),
-                "bare_a2a_host_busy_us": _bare_a2a_host_us(buf, ctx.group, w, max(5, iters), busy=True),
-                "bare_direct_a2a_host_busy_us": _bare_a2a_host_us(buf, ctx.group, w, max(5, iters), busy=True,
-                                                                  direct=True)}
+                "bare_a2a_host_busy_us": _bare_a2a_host_us(buf, ctx.group, w, max(5, iters), busy=True)}
         buf.destroy()
     # the reference backend (the specification, torch collectives for both hops) in the same run,
     # its outputs checked against the oracle like every other row
@@ -241,25 +225,17 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
     return {"rows": table, "info": info}
 
 
-def _bare_a2a_host_us(buf, group, w, reps: int, busy: bool = False, direct: bool = False) -> float:
+def _bare_a2a_host_us(buf, group, w, reps: int, busy: bool = False) -> float:
     """Host time of one bare all_to_all_single of a rank's tokens (equal splits) issued and waited for
-    as the engine does: the floor a call that moves its rows in one collective cannot go under.
-    ``direct``: the same rows through the engine's direct NCCL communicator (0 where it has none)."""
+    as the engine does: the floor a call that moves its rows in one collective cannot go under."""
     R = dist.get_world_size(group)
     rows = max(R, w.num_tokens // R * R)
     send = torch.zeros(rows, w.hidden, dtype=torch.bfloat16, device=buf.device)
     recv = torch.empty_like(send)
     comm = buf.comm_stream
-    raw = getattr(buf.backend, "direct", None)
-    if direct and raw is None:
-        return 0.0
-    splits = [rows // R] * R
 
     def call():
-        if direct:
-            with torch.cuda.stream(comm):
-                raw.all_to_all(recv, send, splits, splits, "bare all-to-all")
-        elif comm is not None:
+        if comm is not None:
             with torch.cuda.stream(comm):
                 dist.all_to_all_single(recv, send, group=group, async_op=True).wait()
         else:
@@ -377,8 +353,6 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="rank 0 prints where each op's host time goes, step by step")
     p.add_argument("--torch-steps", action="store_true",
                    help="also run the first chunk cap with the per-token steps as torch ops (COMMLIB_INTERNODE_KERNELS=0)")
-    p.add_argument("--torch-nccl", action="store_true",
-                   help="also run the first chunk cap with the NCCL steps through torch.distributed (COMMLIB_NCCL_DIRECT=0)")
     p.add_argument("--emulate-hosts", action="store_true",
                    help="one NCCL_HOSTID per rank: NCCL between processes (sharing a GPU, or over its socket transport)")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
@@ -395,12 +369,11 @@ def main(argv=None) -> int:
         print(f"# one rank per node: every call is one network chunk, so the chunk caps {caps} are one run (cap {caps[0]})")
         caps = caps[:1]
     if a.emulate_hosts:  # every rank its own host for NCCL; the Buffer still sees --ranks-per-node
-        res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.profile, a.torch_steps, a.torch_nccl,
-                              ranks_per_node=1,
+        res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.profile, a.torch_steps, ranks_per_node=1,
                               use_gpu=bool(gpus), group_backend="nccl" if gpus else None, emulate_hosts=True)
     else:
         res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.profile, a.torch_steps,
-                              a.torch_nccl, ranks_per_node=a.ranks_per_node, use_gpu=bool(gpus))
+                              ranks_per_node=a.ranks_per_node, use_gpu=bool(gpus))
     rows, info = res["rows"], res["info"]
     nodes = a.ranks // a.ranks_per_node
     link = ("NCCL's socket transport (emulated hosts; processes may share a GPU: device times are not "
@@ -428,9 +401,7 @@ def main(argv=None) -> int:
           f"does: {info.get('bare_a2a_host_us', 0.0):.1f} us on an idle device, "
           f"{info.get('bare_a2a_host_busy_us', 0.0):.1f} us behind running work ('busy us': each call issued "
           f"behind a ~30 ms kernel, as in a training step) (the floor of a one-collective call here); "
-          f"'engine': the host time before it less the time inside torch.distributed's collective calls and waits "
-          f"and the direct NCCL steps' issue; the same all-to-all through the engine's direct NCCL communicator: "
-          f"{info.get('bare_direct_a2a_host_busy_us', 0.0):.1f} us behind running work")
+          f"'engine': the host time before it less the time inside torch.distributed's collective calls and waits")
     by_rank = [r for r in rows if r.get("host_busy_us_by_rank") and any(r["host_busy_us_by_rank"])]
     if by_rank:
         print("# host us behind running work on each rank (the table: rank 0): " + ", ".join(

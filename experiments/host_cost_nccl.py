@@ -15,9 +15,9 @@ an idle device, as ``bench_internode`` times a call):
   gather_issue_wait ``all_gather_into_tensor`` of a small int64 row, issued and waited for
   p2p_batch        ``batch_isend_irecv`` of one send + one recv per peer, waited for
   side_stream      a2a issued on a side stream, the current stream waits on an event
-  raw_a2a_issue    the same all-to-all through commlib.cuda.nccl (NCCL called directly, own
+  raw_a2a_issue    the same all-to-all through experiments/nccl_direct.py (NCCL called directly, own
                    communicator, on the current stream: nothing to wait for)
-  raw_gather_issue the small all-gather through commlib.cuda.nccl
+  raw_gather_issue the small all-gather through experiments/nccl_direct.py
   raw_a2a_back_to_back  raw_a2a_issue without an idle device before each
   raw_a2a_issue_N_rows  with N rows to each rank; raw_a2a_issue_self_only: rows to this rank only
   raw_a2a_issue_after_sleep  a 2 ms host sleep between the idle device and the issue
@@ -125,7 +125,7 @@ def worker(ctx, a):
     out["a2a_issue_wait_back_to_back"] = (time.perf_counter() - t0) / a.reps * 1e6
     sync()
     if dev.type == "cuda":
-        from commlib.cuda.nccl import NcclComm
+        from experiments.nccl_direct import NcclComm
         raw = NcclComm(g, dev, name="experiment")
         me = dist.get_rank(g)
         # the raw rows are checked: rank r's block j of recv is rank j's block r of send

@@ -10,8 +10,7 @@
 # against the reference over NCCL, ranks as emulated hosts sharing the GPUs), fanout (the forwarder kernel over
 # CUDA IPC, 2 and 4 processes on one GPU), hierworst (num_worst_tokens with a bad expert id: every rank stops on the
 # device-side assert), inhost (its host time per call at 2 x 1, where a call is one chunk
-# on one GPU), hostbuf (experiments/host_cost_buffer.py), ncclplant (planted bugs in the direct NCCL steps,
-# commlib/cuda/nccl.py), timeout (device-timeout test),
+# on one GPU), hostbuf (experiments/host_cost_buffer.py), timeout (device-timeout test),
 # faults (fault injection: disagreeing ranks, signature mismatches, skipped/extra calls, a rank exiting),
 # cpu (the CPU-side checks of tests/gpu), moegpu (the expert stage through grouped GEMMs against a float64 loop, the slot-sum kernel bit for bit),
 # overlapab (benchmarks.bench_overlap with --sm-carveout off / auto for each argument set in OVERLAP_AB),
@@ -79,9 +78,6 @@ case "$ONLY" in
   # the internode engine's per-token kernels (csrc/internode.cu) on one GPU: the device worlds against the
   # reference, host time per call with the kernels and with the torch steps, planted bugs caught, 2 x 2
   kern1) STAGES="env,compile,hier,inhost,inplant,inhost4" ;;
-  # the internode engine's NCCL steps called directly (commlib/cuda/nccl.py) on one GPU: the device worlds
-  # (incl. the deadline), host time per call against the same steps through torch.distributed, planted bugs
-  direct1) STAGES="env,hostcost,hier,inhost,ncclplant" ;;
   # the same kernels: planted bugs, then where a call's host time goes (step by step, rank 0)
   kern2) STAGES="env,compile,inplant,inprofile" ;;
   kern3) STAGES="env,compile,hier,inhost,inprofile,inplant,inhost4" ;;   # kern1 + kern2
@@ -230,13 +226,11 @@ stage internodesock 150 $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --emu
 # one GPU: 2 processes as 2 emulated hosts over NCCL's socket transport; host time per call and K (device times
 # are time-sliced, not meaningful); V3 rows at 4096 tokens, chunk caps 1..8
 stage inhost 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks ${INHOST_CHUNKS:-1} \
-  --iters 10 --warmup 3 --torch-steps --torch-nccl --json "$OUTDIR"
+  --iters 10 --warmup 3 --torch-steps --json "$OUTDIR"
 stage inprofile 200 $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 \
   --iters 10 --warmup 3 --profile
 # planted bugs in csrc/internode.cu, each must fail the device test that exists for it
 stage inplant 200 bash scripts/plant_internode_kernels.sh
-# planted bugs in commlib/cuda/nccl.py (the direct NCCL steps), each must fail the device case that exists for it
-stage ncclplant 300 bash scripts/plant_nccl_direct.sh
 # one GPU or more: host time of each primitive the internode engine is made of (experiments/host_cost_nccl.py)
 stage hostcost 120 $PY -m experiments.host_cost_nccl --ranks 2 --json "$OUTDIR"
 # one process: the host time of a Buffer call's own share and of the engine's torch / launch primitives

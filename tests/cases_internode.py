@@ -260,9 +260,7 @@ def case_random_routings(ctx, rounds: int = 0):
 
 def case_network_timeout(ctx):
     """A rank that stalls past COMMLIB_TIMEOUT_S before its first network chunk: the peers raise, naming
-    their rank, the op and the chunk they waited for. Last in its world (the group is left broken).
-    On NCCL (direct) the chunk is on the stream and the call returns: the stream is released within the
-    deadline (the watchdog aborts the late step; nothing hangs) and the next call raises, naming it."""
+    their rank, the op and the chunk they waited for. Last in its world (the group is left broken)."""
     R = ctx.world_size
     rpn = topologies(R)[0]
     os.environ["COMMLIB_TIMEOUT_S"] = "3"
@@ -274,23 +272,13 @@ def case_network_timeout(ctx):
     lay = eng.get_dispatch_layout(idx, E_PER_RANK * R)
     if ctx.rank == 1:
         eng.backend.network._stall = lambda: time.sleep(8)
-    t0 = time.monotonic()
-    call = lambda: eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1],
-                                is_token_in_rank=lay[3], num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w)
     try:
-        call()
-        if ctx.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-            while not done.query():   # a host sync that could hang forever, with a bound
-                assert time.monotonic() - t0 < 20, f"rank {ctx.rank}: the stream was not released after 20 s"
-                time.sleep(0.01)
-            call()
+        eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
+                     num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w)
     except CommlibError as e:
         text = str(e)
         if ctx.rank != 1:
             assert f"[commlib rank {ctx.rank}]" in text and "network chunk 0 of" in text and "timed out" in text, text
-            assert time.monotonic() - t0 < 8, f"raised after {time.monotonic() - t0:.1f} s, past the 3 s deadline"
         return
     assert ctx.rank == 1, f"rank {ctx.rank}: no timeout raised"  # the staller may find its peers' rows sent
 

@@ -144,7 +144,7 @@ def test_head_row_is_kept_until_a_read_shows_it_was_used(monkeypatch):
     (its kernel may not have read the old one yet)."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here: plain host memory
     be = InternodeBackend.__new__(InternodeBackend)
-    be._head, be._head_busy, be.host_reads, be.host_read_s, be.direct = None, False, 0, 0.0, None
+    be._head, be._head_busy, be.host_reads, be.host_read_s = None, False, 0, 0.0
     first = be._head_row([7, 8, 9])
     assert first.tolist() == [0, 7, 8, 9] and be._head_busy
     be._read(torch.zeros(2))                    # the dispatch's one read: the stream is past the kernel

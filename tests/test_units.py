@@ -11,7 +11,7 @@ from commlib.backends.base import DispatchResult
 from commlib.buffer import Buffer, _tensors_of
 from commlib.handle import DispatchHandle
 from commlib.config import Config, row_slot_bytes
-from commlib.cuda import nccl
+from experiments import nccl_direct as nccl
 from commlib.utils.errors import CommlibError
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8, roundtrip_bound
 from commlib.layout import (channel_prefix_matrix, channel_starts, dispatch_layout, recv_channel_prefix, rows_before,

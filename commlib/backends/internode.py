@@ -43,7 +43,6 @@ from commlib.utils import env
 from commlib.utils.math import align_up
 from commlib.handle import DispatchHandle
 from commlib.topology import local_facts, share_memory
-from commlib.cuda import nccl as nccl_direct
 from commlib.cuda.loader import cupy_available as _cupy_available
 from commlib.backends.fanout import NodeFanout
 from commlib.backends import internode_kernels as IK
@@ -91,13 +90,11 @@ class RailTransport:
     the network: a GPU-initiated transport (NCCL's device API) can replace this class.
     """
 
-    def __init__(self, group, backend: ReferenceBackend, direct=None) -> None:
+    def __init__(self, group, backend: ReferenceBackend) -> None:
         self.group = group
         self.backend = backend
-        self.direct = direct   # a commlib.cuda.nccl.NcclComm over the rail: NCCL on the current stream
         self.stall_ms = env.debug_network_stall_ms()
         self._rng = random.Random(1000 + backend.topology.rank)
-        self._op, self._k = -1, 0   # the op and chunk of the last post (names a late step)
 
     def _stall(self) -> None:
         if self.stall_ms:
@@ -108,22 +105,14 @@ class RailTransport:
         self._stall()
         if out is None:
             out = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype, device=send.device)
-        if self.direct is None:
-            return out, dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group, async_op=True)
-        b = self.backend
-        self._k = self._k + 1 if self._op == b.calls else 0
-        self._op = b.calls
-        self.direct.all_to_all(out, send, send_splits, recv_splits,
-                               f"{b._phase.split(' ')[0]} network chunk {self._k} of op #{b.calls}")
-        return out, None
+        work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group, async_op=True)
+        return out, work
 
     def land(self, posted, what: str) -> torch.Tensor:
-        """The current stream waits for the posted chunk (direct NCCL: it is on that stream already)."""
         out, work = posted
         self._stall()
         self.backend._phase = what
-        if work is not None:
-            self.backend._wait(work)
+        self.backend._wait(work)
         return out
 
 
@@ -142,19 +131,10 @@ class InternodeBackend(ReferenceBackend):
                              "topology has one (use nvlink or reference)")
         self.nccl = dist.get_backend(self.group) == "nccl"
         self.max_chunks = env.network_chunks()
-        # NCCL called directly (COMMLIB_NCCL_DIRECT) where the process can: every rank must take the same
-        # path, so each says whether it can and the engine takes it only where all can
-        wants_direct = env.nccl_direct()
-        can_direct = self.nccl and self.comm_device.type == "cuda" and wants_direct and nccl_direct.available()
         theirs = [None] * topo.num_ranks
-        dist.all_gather_object(theirs, (self.max_chunks, wants_direct, can_direct), group=self.group)
-        if any(t[0] != self.max_chunks for t in theirs):
-            raise ValueError(f"[commlib rank {topo.rank}] COMMLIB_NETWORK_CHUNKS differs between ranks: "
-                             f"{[t[0] for t in theirs]}")
-        if any(t[1] != wants_direct for t in theirs):
-            raise ValueError(f"[commlib rank {topo.rank}] COMMLIB_NCCL_DIRECT differs between ranks: "
-                             f"{[t[1] for t in theirs]}")
-        use_direct = all(t[2] for t in theirs)
+        dist.all_gather_object(theirs, self.max_chunks, group=self.group)
+        if any(t != self.max_chunks for t in theirs):
+            raise ValueError(f"[commlib rank {topo.rank}] COMMLIB_NETWORK_CHUNKS differs between ranks: {theirs}")
         if topo.ranks_per_node == 1:
             # chunks pay only where the fan-out of chunk k overlaps chunk k + 1 on the wire; with one rank
             # per node there is no fan-out, and every chunk would be one more collective to issue
@@ -176,18 +156,7 @@ class InternodeBackend(ReferenceBackend):
             g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)], pg_options=node_options)
             if n == topo.node:
                 self.node_group = g
-        # the engine's NCCL steps on communicators of its own (one over the Buffer's ranks for the count
-        # exchange, one per rail; with one rank per node the rail is every rank: the same one)
-        self.direct = self.direct_rail = None
-        if use_direct:
-            with torch.cuda.device(self.comm_device):
-                self.direct = nccl_direct.NcclComm(self.group, self.comm_device, max_ctas=self.nccl_ctas,
-                                                   timeout_s=self.ctx.timeout_s, name="world",
-                                                   label=f"commlib rank {topo.rank}")
-                self.direct_rail = self.direct if topo.ranks_per_node == 1 else nccl_direct.NcclComm(
-                    self.rail_group, self.comm_device, max_ctas=self.nccl_ctas, timeout_s=self.ctx.timeout_s,
-                    name="rail", label=f"commlib rank {topo.rank}")
-        self.network = RailTransport(self.rail_group, self, self.direct_rail)
+        self.network = RailTransport(self.rail_group, self)
         # The fan-out inside a node on GPUs: the forwarder kernel over CUDA IPC (backends/fanout.py) on
         # the other half of the SM budget; CPU ranks (and COMMLIB_NODE_FANOUT=nccl) use the node group.
         self.fanout = None
@@ -225,14 +194,10 @@ class InternodeBackend(ReferenceBackend):
         self._last_num_experts = 0
 
     def destroy(self) -> None:
-        """Free the fan-out's IPC area and the direct NCCL communicators (collective-free, as the nvlink
-        engine: safe from __del__)."""
+        """Free the fan-out's IPC area (collective-free, as the nvlink engine: safe from __del__)."""
         if self.fanout is not None:
             self.fanout.close()
             self.fanout = None
-        for comm in {id(c): c for c in (self.direct_rail, self.direct) if c is not None}.values():
-            comm.close()
-        self.direct = self.direct_rail = None
         super().destroy()
 
     # ------------------------------------------------------------------ helpers
@@ -276,21 +241,10 @@ class InternodeBackend(ReferenceBackend):
             return send
         return self._a2a_rows(send, send_splits, recv_splits, self.node_group)
 
-    def _gather(self, row: torch.Tensor, group=None) -> torch.Tensor:
-        """The reference's gather over the Buffer's ranks; with direct NCCL on its own communicator."""
-        if self.direct is None or (group is not None and group is not self.group):
-            return super()._gather(row, group)
-        row = row.to(self.comm_device).contiguous()
-        out = torch.empty(self.topology.num_ranks, row.numel(), dtype=row.dtype, device=self.comm_device)
-        self.direct.all_gather(out, row, f"{self._phase} of op #{self.calls}")
-        return out
-
     def _read(self, t: torch.Tensor) -> torch.Tensor:
         """The one device -> host read of a non-cached dispatch."""
         self.host_reads += 1
         t0 = time.perf_counter()
-        if self.direct is not None:   # the count exchange's deadline (a late peer raises here, named)
-            self.direct.wait_host(f"{self._phase} of op #{self.calls}")
         out = t.cpu()
         self.host_read_s += time.perf_counter() - t0
         self._head_busy = False   # the stream is past every kernel before the read: the head row was read

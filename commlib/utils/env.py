@@ -206,17 +206,6 @@ def internode_kernels() -> bool:
     return _flag_on("COMMLIB_INTERNODE_KERNELS")
 
 
-def nccl_direct() -> bool:
-    """COMMLIB_NCCL_DIRECT (default on): the internode engine's NCCL steps (count exchange, network chunks)
-    call NCCL directly on communicators of its own (commlib.cuda.nccl), not through torch.distributed."""
-    return _flag_on("COMMLIB_NCCL_DIRECT")
-
-
-def nccl_library() -> str:
-    """COMMLIB_NCCL_LIBRARY: the NCCL library commlib.cuda.nccl opens (default: the one torch loaded)."""
-    return os.environ.get("COMMLIB_NCCL_LIBRARY", "").strip()
-
-
 def network_chunks() -> int:
     n = _int("COMMLIB_NETWORK_CHUNKS", 4)
     if not 1 <= n <= 64:

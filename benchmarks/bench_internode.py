@@ -174,27 +174,12 @@ def _host_us(buf, fn, reps: int, busy: bool = False) -> tuple:
     return float(statistics.median(times)), float(statistics.median(inside))
 
 
-def _pin_cpus(rank: int, ranks: int) -> list:
-    """Every thread of this process onto rank ``rank``'s own slice of the CPUs it may run on (one of
-    ``ranks`` equal slices); threads made later (NCCL's, for the groups a Buffer makes) inherit it."""
-    cpus = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cpus) // ranks)
-    mine = set(cpus[rank * share:(rank + 1) * share]) or set(cpus)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), mine)
-        except OSError:   # a thread that has exited since the listing
-            pass
-    return sorted(mine)
-
-
 def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile: bool = False,
-            torch_steps: bool = False, pin: bool = False):
+            torch_steps: bool = False):
     from commlib.buffer import Buffer
     from commlib.fp8 import per_token_cast_to_fp8
 
     R = ctx.world_size
-    pinned = _pin_cpus(ctx.rank, R) if pin else []
     nvl, rdma = B.buffer_bytes(w.hidden, R, rpn, R // rpn)
     ref = Buffer(ctx.group, nvl, rdma, backend="reference", ranks_per_node=rpn)
     table = []
@@ -221,7 +206,7 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
             for r in part if not kernels else []:
                 r["op"] += "_torch_steps"   # after the gather: it looks ops up by name
             table += part
-        info = {"pinned_cpus": pinned, "backend": buf.backend_name, "buffer_device": str(buf.device),
+        info = {"backend": buf.backend_name, "buffer_device": str(buf.device),
                 "process_group": dist.get_backend(ctx.group), "num_nodes": buf.topology.num_nodes,
                 "ranks_per_node": buf.topology.ranks_per_node,
                 "bare_a2a_host_us": _bare_a2a_host_us(buf, ctx.group, w, max(5, iters)),
@@ -368,8 +353,6 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="rank 0 prints where each op's host time goes, step by step")
     p.add_argument("--torch-steps", action="store_true",
                    help="also run the first chunk cap with the per-token steps as torch ops (COMMLIB_INTERNODE_KERNELS=0)")
-    p.add_argument("--pin-cpus", action="store_true",
-                   help="pin each rank's threads to its own equal slice of the CPUs (host-time runs)")
     p.add_argument("--emulate-hosts", action="store_true",
                    help="one NCCL_HOSTID per rank: NCCL between processes (sharing a GPU, or over its socket transport)")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
@@ -386,19 +369,17 @@ def main(argv=None) -> int:
         print(f"# one rank per node: every call is one network chunk, so the chunk caps {caps} are one run (cap {caps[0]})")
         caps = caps[:1]
     if a.emulate_hosts:  # every rank its own host for NCCL; the Buffer still sees --ranks-per-node
-        res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.profile, a.torch_steps, a.pin_cpus,
-                              ranks_per_node=1,
+        res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.profile, a.torch_steps, ranks_per_node=1,
                               use_gpu=bool(gpus), group_backend="nccl" if gpus else None, emulate_hosts=True)
     else:
         res = parallel_launch(a.ranks, _worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.profile, a.torch_steps,
-                              a.pin_cpus, ranks_per_node=a.ranks_per_node, use_gpu=bool(gpus))
+                              ranks_per_node=a.ranks_per_node, use_gpu=bool(gpus))
     rows, info = res["rows"], res["info"]
     nodes = a.ranks // a.ranks_per_node
     link = ("NCCL's socket transport (emulated hosts; processes may share a GPU: device times are not "
             "meaningful, host times are)" if a.emulate_hosts else "NVLink via NCCL" if gpus else "loopback via gloo")
     print(f"# bench_internode: {nodes} emulated nodes x {a.ranks_per_node}, backend {info['backend']} on "
-          f"{info['buffer_device']}; the 'network' here is {link}, not InfiniBand"
-          + (f"; rank 0's threads pinned to CPUs {info['pinned_cpus']}" if a.pin_cpus else ""))
+          f"{info['buffer_device']}; the 'network' here is {link}, not InfiniBand")
     print(f"# {'op':>30} {'cap':>4} {'K':>3} {'tokens':>7} {'time(us)':>10} {'host us':>8} {'engine':>8} {'busy us':>8} {'engine':>8} {'algbw':>8} "
           f"{'net rows':>9} {'net GB/s':>9} {'nvl rows':>9} {'nvl GB/s':>9} {'#wrong':>7}")
     for r in rows:

@@ -406,6 +406,12 @@ def main(argv=None) -> int:
     if by_rank:
         print("# host us behind running work on each rank (the table: rank 0): " + ", ".join(
             f"{r['op']}@cap{r['chunk_cap']}={'/'.join(f'{v:.0f}' for v in r['host_busy_us_by_rank'])}" for r in by_rank))
+    bare = info.get("bare_a2a_host_busy_us", 0.0)
+    if bare and by_rank:   # host times differ 2x between machines; this ratio much less (docs/internode.md)
+        for r in by_rank:
+            r["host_busy_in_bare_a2a"] = r["host_busy_us"] / bare
+        print("# host time behind running work, in bare all-to-alls of this run (rank 0; compare runs by this): "
+              + ", ".join(f"{r['op']}@cap{r['chunk_cap']}={r['host_busy_in_bare_a2a']:.1f}" for r in by_rank))
     shared = bool(gpus) and gpus < a.ranks
     targets = target_verdicts(rows, socket=a.emulate_hosts, shared_gpu=shared) if gpus else []
     for t in targets:

@@ -144,25 +144,31 @@ class _CollectiveClock:
         self._saved.clear()
 
 
-def _idle_or_busy(buf, busy: bool) -> None:
-    """Before a timed call: the device idle, or (``busy``) idle then behind a ~30 ms spinning kernel."""
+def _idle_or_busy(buf, busy: bool, steady: bool = False) -> None:
+    """Before a timed call: the device idle, or (``busy``) idle then behind a ~30 ms spinning kernel;
+    ``steady``: behind one more spinning kernel without waiting for the device first (the host runs
+    ahead of the GPU, as a training step's host does between its reads)."""
     if buf.device.type == "cuda":
-        torch.cuda.synchronize(buf.device)
-        if busy:
+        if not steady:
+            torch.cuda.synchronize(buf.device)
+        if busy or steady:
             torch.cuda._sleep(BUSY_CYCLES)
 
 
-def _host_us(buf, fn, reps: int, busy: bool = False) -> tuple:
+def _host_us(buf, fn, reps: int, busy: bool = False, steady: bool = False) -> tuple:
     """Median host time of ``fn()`` in us: wall time less time blocked in the engine's host read.
     Each call starts on an idle device; ``busy``: behind a ~30 ms spinning kernel on the current
     stream instead, as in a training step where the GPU is still working when the host issues the
     call (the issue cost without the first-launch-after-idle penalty; a host read then waits for the
     spin, and that wait is not counted). Returns (that, the median of the part spent inside
-    torch.distributed's collective calls and waits)."""
+    torch.distributed's collective calls and waits). ``steady``: the host never waits for the device
+    between calls (a call with a host read still waits in it, and that wait is not counted)."""
     times, inside = [], []
+    if steady and buf.device.type == "cuda":
+        torch.cuda.synchronize(buf.device)
     with _CollectiveClock() as clock:
         for _ in range(reps):
-            _idle_or_busy(buf, busy)
+            _idle_or_busy(buf, busy, steady)
             blocked, c0 = buf.backend.host_read_s, clock.seconds
             t0 = time.perf_counter()
             fn()
@@ -195,12 +201,13 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
         _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile and i == 0)
         # the table's host figures are rank 0's; every rank's go with them (ranks sharing a GPU differ)
         everyone = [None] * ctx.world_size
-        dist.all_gather_object(everyone, {r["op"]: (r.get("host_us", 0.0), r.get("host_busy_us", 0.0)) for r in rows},
-                               group=ctx.group)
+        dist.all_gather_object(everyone, {r["op"]: (r.get("host_us", 0.0), r.get("host_busy_us", 0.0),
+                                                    r.get("host_steady_us", 0.0)) for r in rows}, group=ctx.group)
         for r in rows:
             r["device_steps"] = bool(getattr(buf.backend, "device_steps", False))
             r["host_us_by_rank"] = [round(e[r["op"]][0], 1) for e in everyone]
             r["host_busy_us_by_rank"] = [round(e[r["op"]][1], 1) for e in everyone]
+            r["host_steady_us_by_rank"] = [round(e[r["op"]][2], 1) for e in everyone]
         part = B.gather(rows, ctx.group)
         if part is not None:
             for r in part if not kernels else []:
@@ -321,6 +328,8 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=Fals
             _host_us(buf, calls[r["op"]], max(5, iters), busy=True) if buf.device.type == "cuda" else (0.0, 0.0)
         # the engine's own share: host time less what torch.distributed's calls and waits took
         r["host_busy_engine_us"] = r["host_busy_us"] - r["host_busy_collective_us"]
+        r["host_steady_us"] = \
+            _host_us(buf, calls[r["op"]], max(5, iters), steady=True)[0] if buf.device.type == "cuda" else 0.0
         if profile:  # every rank makes the calls (collective), rank 0 prints
             _profile(ctx, buf, r["op"], calls[r["op"]])
         before = buf.counters
@@ -406,6 +415,11 @@ def main(argv=None) -> int:
     if by_rank:
         print("# host us behind running work on each rank (the table: rank 0): " + ", ".join(
             f"{r['op']}@cap{r['chunk_cap']}={'/'.join(f'{v:.0f}' for v in r['host_busy_us_by_rank'])}" for r in by_rank))
+    steady = [r for r in rows if any(r.get("host_steady_us_by_rank") or [])]
+    if steady:
+        print("# host us per call with the host running ahead of the GPU (no wait before a call; each rank): "
+              + ", ".join(f"{r['op']}@cap{r['chunk_cap']}={'/'.join(f'{v:.0f}' for v in r['host_steady_us_by_rank'])}"
+                          for r in steady))
     bare = info.get("bare_a2a_host_busy_us", 0.0)
     if bare and by_rank:   # host times differ 2x between machines; this ratio much less (docs/internode.md)
         for r in by_rank:

@@ -1,10 +1,15 @@
 """The internode model: node-limited routing, once-per-node saves network rows, output is JSON; and
-the pure helpers of the other model-side benchmark tools (the comm trace split)."""
+the pure helpers of the other model-side benchmark tools (the comm trace split, the direct NCCL
+binding's unique id)."""
 import json
+
+import pytest
 
 from benchmarks import bench_internode
 from experiments import bench_comm_interference
 from experiments import model_internode as M
+from experiments import nccl_direct
+from commlib.utils.errors import CommlibError
 
 
 def test_traffic_once_per_node_and_node_limit():
@@ -94,3 +99,14 @@ def test_target_verdicts():
     assert not nv["dispatch_bf16_cached"]["met"] and nv["combine"]["met"]
     (sock,) = bench_internode.target_verdicts(rows, socket=True, shared_gpu=True)
     assert sock["value"] == round(150 / 160, 3) and sock["met"] and not sock["meaningful"]
+
+
+def test_nccl_unique_id_survives_the_broadcast_with_its_zero_bytes():
+    """The id carries zero bytes (an address, a port): reading the char array field would cut it at the
+    first one and the peers would dial the wrong address."""
+    raw = bytes([7, 0, 0, 9] + [0] * 60 + list(range(1, 65)))
+    uid = nccl_direct.id_from(raw)
+    assert nccl_direct.id_bytes(uid) == raw
+    assert nccl_direct.id_bytes(nccl_direct.id_from(nccl_direct.id_bytes(uid))) == raw
+    with pytest.raises(CommlibError, match="128 bytes"):
+        nccl_direct.id_from(raw[:100])

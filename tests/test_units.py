@@ -11,8 +11,6 @@ from commlib.backends.base import DispatchResult
 from commlib.buffer import Buffer, _tensors_of
 from commlib.handle import DispatchHandle
 from commlib.config import Config, row_slot_bytes
-from experiments import nccl_direct as nccl
-from commlib.utils.errors import CommlibError
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8, roundtrip_bound
 from commlib.layout import (channel_prefix_matrix, channel_starts, dispatch_layout, recv_channel_prefix, rows_before,
                             send_head)
@@ -522,14 +520,3 @@ def test_buffer_config_objects_are_made_once():
     assert buf._combine_rings(combine, 0) is combine
     other = dataclasses.replace(combine)   # an equal config, another object: its own entry
     assert buf._combine_rings(other, 5) is not rings and buf._combine_rings(other, 5).num_sms == 10
-
-
-def test_nccl_unique_id_survives_the_broadcast_with_its_zero_bytes():
-    """The id carries zero bytes (an address, a port): reading the char array field would cut it at the
-    first one and the peers would dial the wrong address."""
-    raw = bytes([7, 0, 0, 9] + [0] * 60 + list(range(1, 65)))
-    uid = nccl.id_from(raw)
-    assert nccl.id_bytes(uid) == raw
-    assert nccl.id_bytes(nccl.id_from(nccl.id_bytes(uid))) == raw
-    with pytest.raises(CommlibError, match="128 bytes"):
-        nccl.id_from(raw[:100])

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import threading
 
 import torch
 import torch.distributed as dist
@@ -51,15 +50,12 @@ class _Config(ctypes.Structure):
 
 
 _lib = None
-_lib_lock = threading.Lock()
 
 
 def library() -> ctypes.CDLL:
-    """The process's NCCL (the one torch loaded), with the signatures commlib calls."""
+    """The process's NCCL (the one torch loaded), with the signatures this module calls."""
     global _lib
-    with _lib_lock:
-        if _lib is not None:
-            return _lib
+    if _lib is None:
         names = [os.environ.get("NCCL_LIBRARY", ""), "libnccl.so.2", "libnccl.so"]
         err = None
         for name in filter(None, names):
@@ -72,12 +68,9 @@ def library() -> ctypes.CDLL:
             raise CommlibError(f"commlib: cannot load NCCL ({err}); set NCCL_LIBRARY to the path of libnccl.so.2")
         vp, sz, i, p = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER
         sigs = {
-            "ncclGetVersion": [p(i)],
             "ncclGetUniqueId": [p(_UniqueId)],
             "ncclCommInitRankConfig": [p(vp), i, _UniqueId, i, p(_Config)],
             "ncclCommDestroy": [vp],
-            "ncclCommAbort": [vp],
-            "ncclCommGetAsyncError": [vp, p(i)],
             "ncclGroupStart": [],
             "ncclGroupEnd": [],
             "ncclSend": [vp, sz, i, i, vp, vp],
@@ -89,13 +82,7 @@ def library() -> ctypes.CDLL:
             fn.argtypes, fn.restype = args, ctypes.c_int
         lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [i], ctypes.c_char_p
         _lib = lib
-        return lib
-
-
-def version() -> int:
-    v = ctypes.c_int()
-    _check(library().ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
-    return v.value
+    return _lib
 
 
 def _check(code: int, what: str) -> None:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from commlib.bench import main as B
 from commlib.bench import results
+from commlib.utils.timing import thread_usage
 
 OPS = ["dispatch_bf16", "dispatch_bf16_cached", "dispatch_fp8", "combine"]
 BASELINE_OPS = ["a2a_dispatch_bf16", "a2a_combine"]  # flat all_to_all_single over every rank, same run
@@ -160,24 +161,35 @@ def _host_us(buf, fn, reps: int, busy: bool = False, steady: bool = False) -> tu
     Each call starts on an idle device; ``busy``: behind a ~30 ms spinning kernel on the current
     stream instead, as in a training step where the GPU is still working when the host issues the
     call (the issue cost without the first-launch-after-idle penalty; a host read then waits for the
-    spin, and that wait is not counted). Returns (that, the median of the part spent inside
-    torch.distributed's collective calls and waits). ``steady``: the host never waits for the device
-    between calls (a call with a host read still waits in it, and that wait is not counted)."""
-    times, inside = [], []
+    spin, and that wait is not counted). ``steady``: the host never waits for the device between
+    calls (a call with a host read still waits in it, and that wait is not counted).
+    Returns (that, the median of the part spent inside torch.distributed's collective calls and
+    waits, {"cpu_us", "voluntary", "involuntary"}: medians of the calling thread's CPU time and
+    context switches per call, the read's excluded: wall well above CPU means blocked or preempted)."""
+    be = buf.backend
+    times, inside, cpu, vol, invol = [], [], [], [], []
     if steady and buf.device.type == "cuda":
         torch.cuda.synchronize(buf.device)
+    be.host_read_usage = (0.0, 0, 0)
     with _CollectiveClock() as clock:
         for _ in range(reps):
             _idle_or_busy(buf, busy, steady)
-            blocked, c0 = buf.backend.host_read_s, clock.seconds
+            blocked, c0, r0 = be.host_read_s, clock.seconds, be.host_read_usage
+            u0 = thread_usage()
             t0 = time.perf_counter()
             fn()
             t1 = time.perf_counter()
-            times.append((t1 - t0 - (buf.backend.host_read_s - blocked)) * 1e6)
+            u1, r1 = thread_usage(), be.host_read_usage
+            times.append((t1 - t0 - (be.host_read_s - blocked)) * 1e6)
             inside.append((clock.seconds - c0) * 1e6)
+            cpu.append(((u1[0] - u0[0]) - (r1[0] - r0[0])) * 1e6)
+            vol.append((u1[1] - u0[1]) - (r1[1] - r0[1]))
+            invol.append((u1[2] - u0[2]) - (r1[2] - r0[2]))
+    be.host_read_usage = None
     if buf.device.type == "cuda":
         torch.cuda.synchronize(buf.device)
-    return float(statistics.median(times)), float(statistics.median(inside))
+    med = lambda v: float(statistics.median(v))
+    return med(times), med(inside), {"cpu_us": med(cpu), "voluntary": med(vol), "involuntary": med(invol)}
 
 
 def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile: bool = False,
@@ -201,13 +213,21 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
         _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile and i == 0)
         # the table's host figures are rank 0's; every rank's go with them (ranks sharing a GPU differ)
         everyone = [None] * ctx.world_size
-        dist.all_gather_object(everyone, {r["op"]: (r.get("host_us", 0.0), r.get("host_busy_us", 0.0),
-                                                    r.get("host_steady_us", 0.0)) for r in rows}, group=ctx.group)
+        keys = ("host_us", "host_busy_us", "host_steady_us", "host_busy_cpu_us", "host_steady_cpu_us")
+        dist.all_gather_object(everyone, {r["op"]: tuple(r.get(k, 0.0) for k in keys)
+                                          + (r.get("host_busy_switches"), r.get("host_steady_switches")) for r in rows},
+                               group=ctx.group)
         for r in rows:
             r["device_steps"] = bool(getattr(buf.backend, "device_steps", False))
             r["host_us_by_rank"] = [round(e[r["op"]][0], 1) for e in everyone]
             r["host_busy_us_by_rank"] = [round(e[r["op"]][1], 1) for e in everyone]
             r["host_steady_us_by_rank"] = [round(e[r["op"]][2], 1) for e in everyone]
+            # the same calls' CPU time on the calling thread and its context switches [voluntary,
+            # involuntary] (the read's excluded): where wall is far above CPU, the host was blocked
+            r["host_busy_cpu_us_by_rank"] = [round(e[r["op"]][3], 1) for e in everyone]
+            r["host_steady_cpu_us_by_rank"] = [round(e[r["op"]][4], 1) for e in everyone]
+            r["host_busy_switches_by_rank"] = [e[r["op"]][5] for e in everyone]
+            r["host_steady_switches_by_rank"] = [e[r["op"]][6] for e in everyone]
         part = B.gather(rows, ctx.group)
         if part is not None:
             for r in part if not kernels else []:
@@ -217,7 +237,8 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
                 "process_group": dist.get_backend(ctx.group), "num_nodes": buf.topology.num_nodes,
                 "ranks_per_node": buf.topology.ranks_per_node,
                 "bare_a2a_host_us": _bare_a2a_host_us(buf, ctx.group, w, max(5, iters)),
-                "bare_a2a_host_busy_us": _bare_a2a_host_us(buf, ctx.group, w, max(5, iters), busy=True)}
+                "bare_a2a_host_busy_us": _bare_a2a_host_us(buf, ctx.group, w, max(5, iters), busy=True),
+                "bare_a2a_host_steady_us": _bare_a2a_host_us(buf, ctx.group, w, max(5, iters), steady=True)}
         buf.destroy()
     # the reference backend (the specification, torch collectives for both hops) in the same run,
     # its outputs checked against the oracle like every other row
@@ -232,7 +253,7 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
     return {"rows": table, "info": info}
 
 
-def _bare_a2a_host_us(buf, group, w, reps: int, busy: bool = False) -> float:
+def _bare_a2a_host_us(buf, group, w, reps: int, busy: bool = False, steady: bool = False) -> float:
     """Host time of one bare all_to_all_single of a rank's tokens (equal splits) issued and waited for
     as the engine does: the floor a call that moves its rows in one collective cannot go under."""
     R = dist.get_world_size(group)
@@ -249,53 +270,62 @@ def _bare_a2a_host_us(buf, group, w, reps: int, busy: bool = False) -> float:
             dist.all_to_all_single(recv, send, group=group, async_op=True).wait()
     for _ in range(2):  # warm-up
         call()
-    if busy and buf.device.type != "cuda":
+    if (busy or steady) and buf.device.type != "cuda":
         return 0.0
-    return _host_us(buf, call, reps, busy=busy)[0]
+    return _host_us(buf, call, reps, busy=busy, steady=steady)[0]
 
 
 def _profile(ctx, buf, op: str, fn, reps: int = 10) -> None:
     """Where each rank's host time goes (--profile): the engine's step marks (``backend.trace``) over
-    ``reps`` calls on an idle device and ``reps`` behind running work; per step the median us it took,
-    less time blocked in the host read. Every rank makes the calls (collective); rank 0 prints them,
-    a column per rank."""
+    ``reps`` calls on an idle device, ``reps`` behind running work and ``reps`` with the host running
+    ahead of the GPU; per step the median us of wall time and of the thread's CPU time it took, less
+    what the host read took. Every rank makes the calls (collective); rank 0 prints them, a column
+    per rank and mode."""
     be = buf.backend
     if not hasattr(be, "trace"):
         return
+    modes = ("idle", "busy", "steady")
     table = {}
-    for busy in (False, True):
+    be.host_read_usage = (0.0, 0, 0)
+    mark = lambda step: (step, time.perf_counter(), be.host_read_s, thread_usage(), be.host_read_usage)
+    for mode in modes:
         calls = []
+        if mode == "steady" and buf.device.type == "cuda":
+            torch.cuda.synchronize(buf.device)
         for _ in range(reps):
-            _idle_or_busy(buf, busy)
-            be.trace = [("call", time.perf_counter(), be.host_read_s)]
+            _idle_or_busy(buf, mode != "idle", mode == "steady")
+            be.trace = [mark("call")]
             fn()
-            be.trace.append(("return", time.perf_counter(), be.host_read_s))
+            be.trace.append(mark("return"))
             calls.append(be.trace)
             be.trace = None
         if buf.device.type == "cuda":
             torch.cuda.synchronize(buf.device)
         for marks in calls:
             spent = {}
-            for (_, t0, r0), (step, t1, r1) in zip(marks, marks[1:]):
-                spent[step] = spent.get(step, 0.0) + ((t1 - t0) - (r1 - r0)) * 1e6
-            spent["total"] = sum(spent.values())
-            spent["(blocked in the read)"] = (marks[-1][2] - marks[0][2]) * 1e6
-            for step, us in spent.items():
-                table.setdefault(step, ([], []))[busy].append(us)
-    mine = {step: (statistics.median(idle), statistics.median(busy)) for step, (idle, busy) in table.items()}
+            for (_, t0, r0, u0, q0), (step, t1, r1, u1, q1) in zip(marks, marks[1:]):
+                wall = ((t1 - t0) - (r1 - r0)) * 1e6
+                cpu = ((u1[0] - u0[0]) - (q1[0] - q0[0])) * 1e6
+                w0, c0 = spent.get(step, (0.0, 0.0))
+                spent[step] = (w0 + wall, c0 + cpu)
+            spent["total"] = tuple(sum(v[i] for v in spent.values()) for i in range(2))
+            spent["(blocked in the read)"] = ((marks[-1][2] - marks[0][2]) * 1e6, (marks[-1][4][0] - marks[0][4][0]) * 1e6)
+            for step, v in spent.items():
+                table.setdefault(step, {m: [] for m in modes})[mode].append(v)
+    be.host_read_usage = None
+    mine = {step: {m: tuple(statistics.median(v[i] for v in vals) if vals else 0.0 for i in range(2))
+                   for m, vals in per.items()} for step, per in table.items()}
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine, group=ctx.group)
     if ctx.rank != 0:
         return
     R = ctx.world_size
-    print(f"# --profile {op}: host us per step and rank (median of {reps} calls; a step ends at its mark, "
-          "'return': after the last mark until the Buffer returns)")
-    print(f"# {'step':>24} " + " ".join(f"{'idle r' + str(r):>9}" for r in range(R)) + " "
-          + " ".join(f"{'busy r' + str(r):>9}" for r in range(R)))
+    print(f"# --profile {op}: host us per step and rank, wall/cpu (median of {reps} calls; a step ends at its mark, "
+          "'return': after the last mark until the Buffer returns; cpu: the calling thread's CPU time)")
+    print(f"# {'step':>24} " + " ".join(f"{m + ' r' + str(r):>13}" for m in modes for r in range(R)))
     for step in mine:
-        cells = [e.get(step, (0.0, 0.0)) for e in everyone]
-        print(f"# {step:>24} " + " ".join(f"{c[0]:>9.1f}" for c in cells) + " "
-              + " ".join(f"{c[1]:>9.1f}" for c in cells))
+        cells = [e.get(step, {}).get(m, (0.0, 0.0)) for m in modes for e in everyone]
+        print(f"# {step:>24} " + " ".join(f"{c[0]:>6.0f}/{c[1]:<6.0f}" for c in cells))
 
 
 def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=False):
@@ -322,14 +352,17 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=Fals
             r["net_rows"] = r["nvl_rows"] = r["host_us"] = r["host_busy_us"] = 0.0  # the flat baseline has no node hops
             r["host_busy_collective_us"] = r["host_busy_engine_us"] = r["host_collective_us"] = r["host_engine_us"] = 0.0
             continue
-        r["host_us"], r["host_collective_us"] = _host_us(buf, calls[r["op"]], max(5, iters))
+        r["host_us"], r["host_collective_us"], _ = _host_us(buf, calls[r["op"]], max(5, iters))
         r["host_engine_us"] = r["host_us"] - r["host_collective_us"]
-        r["host_busy_us"], r["host_busy_collective_us"] = \
-            _host_us(buf, calls[r["op"]], max(5, iters), busy=True) if buf.device.type == "cuda" else (0.0, 0.0)
+        if buf.device.type == "cuda":
+            r["host_busy_us"], r["host_busy_collective_us"], usage = _host_us(buf, calls[r["op"]], max(5, iters), busy=True)
+            r["host_busy_cpu_us"], r["host_busy_switches"] = usage["cpu_us"], [usage["voluntary"], usage["involuntary"]]
+            r["host_steady_us"], _, usage = _host_us(buf, calls[r["op"]], max(5, iters), steady=True)
+            r["host_steady_cpu_us"], r["host_steady_switches"] = usage["cpu_us"], [usage["voluntary"], usage["involuntary"]]
+        else:
+            r["host_busy_us"] = r["host_busy_collective_us"] = r["host_steady_us"] = 0.0
         # the engine's own share: host time less what torch.distributed's calls and waits took
         r["host_busy_engine_us"] = r["host_busy_us"] - r["host_busy_collective_us"]
-        r["host_steady_us"] = \
-            _host_us(buf, calls[r["op"]], max(5, iters), steady=True)[0] if buf.device.type == "cuda" else 0.0
         if profile:  # every rank makes the calls (collective), rank 0 prints
             _profile(ctx, buf, r["op"], calls[r["op"]])
         before = buf.counters
@@ -409,7 +442,8 @@ def main(argv=None) -> int:
     print(f"# host time of one bare all_to_all_single of a rank's tokens, issued and waited for as the engine "
           f"does: {info.get('bare_a2a_host_us', 0.0):.1f} us on an idle device, "
           f"{info.get('bare_a2a_host_busy_us', 0.0):.1f} us behind running work ('busy us': each call issued "
-          f"behind a ~30 ms kernel, as in a training step) (the floor of a one-collective call here); "
+          f"behind a ~30 ms kernel, as in a training step), {info.get('bare_a2a_host_steady_us', 0.0):.1f} us with "
+          f"the host running ahead (the floor of a one-collective call here); "
           f"'engine': the host time before it less the time inside torch.distributed's collective calls and waits")
     by_rank = [r for r in rows if r.get("host_busy_us_by_rank") and any(r["host_busy_us_by_rank"])]
     if by_rank:
@@ -420,6 +454,15 @@ def main(argv=None) -> int:
         print("# host us per call with the host running ahead of the GPU (no wait before a call; each rank): "
               + ", ".join(f"{r['op']}@cap{r['chunk_cap']}={'/'.join(f'{v:.0f}' for v in r['host_steady_us_by_rank'])}"
                           for r in steady))
+    cpu = [r for r in rows if any(r.get("host_busy_cpu_us_by_rank") or [])]
+    if cpu:
+        print("# the same calls' CPU time on the calling thread, behind running work | host running ahead (us, each "
+              "rank; wall far above CPU: blocked or preempted), and its context switches voluntary:involuntary: "
+              + ", ".join(f"{r['op']}@cap{r['chunk_cap']}="
+                          + "/".join(f"{v:.0f}" for v in r["host_busy_cpu_us_by_rank"]) + " | "
+                          + "/".join(f"{v:.0f}" for v in r["host_steady_cpu_us_by_rank"]) + " ("
+                          + "/".join(f"{s[0]:.0f}:{s[1]:.0f}" for s in r["host_busy_switches_by_rank"] if s) + ")"
+                          for r in cpu))
     bare = info.get("bare_a2a_host_busy_us", 0.0)
     if bare and by_rank:   # host times differ 2x between machines; this ratio much less (docs/internode.md)
         for r in by_rank:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from commlib import layout as L
 from commlib.utils import env
 from commlib.utils.math import align_up
+from commlib.utils.timing import thread_usage
 from commlib.handle import DispatchHandle
 from commlib.topology import local_facts, share_memory
 from commlib.cuda.loader import cupy_available as _cupy_available
@@ -185,6 +186,9 @@ class InternodeBackend(ReferenceBackend):
                              and (topo.ranks_per_node == 1 or self.fanout is not None) and env.internode_kernels())
         self.host_reads = 0      # device -> host reads of counts (tests: one per non-cached dispatch)
         self.host_read_s = 0.0   # seconds blocked in them (benchmarks: host time = wall time less this)
+        # this thread's (CPU s, voluntary, involuntary switches) in them (thread_usage; benchmarks set it
+        # to a tuple to have it kept: a spinning wait is CPU time too, and not the engine's)
+        self.host_read_usage = None
         # where a call's host time goes (benchmarks --profile): a list of (step, perf_counter, host_read_s)
         # marks while not None; one attribute test per step otherwise
         self.trace = None
@@ -213,7 +217,7 @@ class InternodeBackend(ReferenceBackend):
     def _mark(self, step: str) -> None:
         """End of ``step`` of the current call, for the host-time trace (``self.trace``)."""
         if self.trace is not None:
-            self.trace.append((step, time.perf_counter(), self.host_read_s))
+            self.trace.append((step, time.perf_counter(), self.host_read_s, thread_usage(), self.host_read_usage))
 
     def _head_row(self, sig: list) -> torch.Tensor:
         """[0] + ``sig`` (int64) for the meta kernel, in pinned host memory it reads through the mapped
@@ -244,9 +248,12 @@ class InternodeBackend(ReferenceBackend):
     def _read(self, t: torch.Tensor) -> torch.Tensor:
         """The one device -> host read of a non-cached dispatch."""
         self.host_reads += 1
+        u0 = thread_usage() if self.host_read_usage is not None else None
         t0 = time.perf_counter()
         out = t.cpu()
         self.host_read_s += time.perf_counter() - t0
+        if u0 is not None:
+            self.host_read_usage = tuple(a + b - c for a, b, c in zip(self.host_read_usage, thread_usage(), u0))
         self._head_busy = False   # the stream is past every kernel before the read: the head row was read
         return out
 

@@ -11,9 +11,16 @@ host work. ``None`` without CUDA.
 
 ``reduce_times(result, group)``: the slowest rank's figures, so one rank's table reports what
 every rank waited for.
+
+``thread_usage()``: this thread's CPU seconds and context switches (voluntary, involuntary), to tell
+host time spent computing from host time spent blocked or preempted.
 """
 from __future__ import annotations
 
+try:
+    import resource
+except ImportError:   # not on Windows: thread_usage() falls back to time.thread_time()
+    resource = None
 import statistics
 import time
 from typing import Callable, Iterable, Optional, Sequence
@@ -45,6 +52,17 @@ def capture_graph(fn: Callable[[], object], warm: bool = True, capture_error_mod
     with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         out = fn()
     return graph, out
+
+
+def thread_usage() -> tuple:
+    """(CPU seconds, voluntary switches, involuntary switches) of the calling thread so far. A step
+    whose wall time is well above its CPU time was blocked (voluntary: it slept on a lock or a wait)
+    or preempted (involuntary). Where the OS has no per-thread usage: CPU time only, switches 0."""
+    try:
+        u = resource.getrusage(resource.RUSAGE_THREAD)
+    except (AttributeError, OSError):
+        return time.thread_time(), 0, 0
+    return u.ru_utime + u.ru_stime, u.ru_nvcsw, u.ru_nivcsw
 
 
 def summarize(samples_us: Sequence[float]) -> dict:

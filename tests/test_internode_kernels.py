@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from commlib.backends import internode_kernels as IK
-from commlib.backends.internode import InternodeBackend, _int32_views
+from commlib.backends.internode import InternodeBackend, _int32_views, exchange_digest
 from commlib.cuda import loader
 
 
@@ -70,10 +70,12 @@ def test_every_launch_matches_its_kernel(launches):
     IK.rows(None, 30, y, ws, part.data_ptr(), 2 * H + 4 * K + 16)
     IK.home(part, slot, [torch.zeros(T, H, dtype=torch.bfloat16)] * 2, torch.zeros(T, H, dtype=torch.bfloat16),
             torch.zeros(T, K), H=H, K=K)
+    IK.digest(g, torch.zeros(IK.digest_len(M, P, Kc, E // R), dtype=torch.int64), n_sig=12, me=5, node=1, loc=1, M=M,
+              P=P, Kc=Kc, ring=3, Lx=E // R)
     names = [entry[1] for entry in launches]
     assert names == ["inter_meta_kernel", "inter_meta_kernel", "inter_pack_kernel", "inter_pack_kernel",
                      "inter_land_kernel", "inter_recv_chan_kernel", "inter_rows_kernel", "inter_rows_kernel",
-                     "inter_home_kernel"]
+                     "inter_home_kernel", "inter_digest_kernel"]
     for family, name, grid, block, args, shared in launches:
         assert family == IK.FAMILY
         _packs(name, args)
@@ -84,6 +86,7 @@ def test_every_launch_matches_its_kernel(launches):
     assert fresh[5] == 4 * (R + Kc * M + M) and fresh[4][0] == g.data_ptr() and fresh[4][10] == C
     assert cached_pack[4][0] == 0 and cached_pack[4][22] == 0   # cached: no exchange, no top-k
     assert launches[4][4][3] == W and launches[4][4][4] == 30   # position byte, rows out
+    assert launches[9][2:4] == (1, IK.DIGEST_THREADS) and launches[9][4][0] == g.data_ptr()
 
 
 def test_bad_inputs_are_refused_before_a_launch(launches):
@@ -106,6 +109,13 @@ def test_bad_inputs_are_refused_before_a_launch(launches):
     with pytest.raises(ValueError, match="biases"):
         IK.home(torch.zeros(3, 2 * H, dtype=torch.uint8), slot, [torch.zeros(T, H)], torch.zeros(T, H, dtype=torch.bfloat16),
                 None, H=H, K=0)
+    g, out = torch.zeros(R, 200, dtype=torch.int64), torch.zeros(IK.digest_len(M, P, Kc, 8), dtype=torch.int64)
+    with pytest.raises(ValueError, match="local rank"):
+        IK.digest(g, out, n_sig=12, me=5, node=1, loc=2, M=M, P=P, Kc=Kc, ring=1, Lx=8)
+    with pytest.raises(ValueError, match="out must be"):
+        IK.digest(g, out[1:], n_sig=12, me=5, node=1, loc=1, M=M, P=P, Kc=Kc, ring=1, Lx=8)
+    with pytest.raises(ValueError, match="int64 gathered"):
+        IK.digest(g.int(), out, n_sig=12, me=5, node=1, loc=1, M=M, P=P, Kc=Kc, ring=1, Lx=8)
     assert launches == []
 
 
@@ -144,7 +154,7 @@ def test_head_row_is_kept_until_a_read_shows_it_was_used(monkeypatch):
     (its kernel may not have read the old one yet)."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here: plain host memory
     be = InternodeBackend.__new__(InternodeBackend)
-    be._head, be._head_busy, be.host_reads, be.host_read_s = None, False, 0, 0.0
+    be._head, be._head_busy, be.host_reads, be.host_read_s, be.host_read_usage = None, False, 0, 0.0, None
     first = be._head_row([7, 8, 9])
     assert first.tolist() == [0, 7, 8, 9] and be._head_busy
     be._read(torch.zeros(2))                    # the dispatch's one read: the stream is past the kernel
@@ -154,3 +164,58 @@ def test_head_row_is_kept_until_a_read_shows_it_was_used(monkeypatch):
     assert in_flight is not first and in_flight.tolist() == [0, 7, 8, 11] and first.tolist() == [0, 7, 8, 10]
     be._read(torch.zeros(2))
     assert be._head_row([1, 2, 3, 4]).tolist() == [0, 1, 2, 3, 4]   # another length: another buffer
+
+
+def _digest_oracle(rows: list, *, n_sig, me, node, loc, M, P, Kc, ring, Lx) -> list:
+    """The exchange digest in plain Python over the gathered rows (lists), read off the row layout
+    of InternodeBackend._row_len: [error, signature | counts per rank R | over the node limit | bad
+    ids | rows per node M | (node, chunk, local rank) blocks M Kc P | per expert E | T]."""
+    R = len(rows)
+    per_node = n_sig + R + 2
+    blk = per_node + M + node * Kc * P
+    error = any(row[0] != 0 or row[1:n_sig] != rows[me][1:n_sig] or row[n_sig + R] > 0 or row[n_sig + R + 1] > 0
+                for row in rows)
+    chunks = 0
+    for row in rows:
+        for c in row[per_node:per_node + M]:
+            per = max(1, ring, -(-c // Kc))
+            chunks = max(chunks, -(-c // per))
+    column = lambda j: sum(row[j] for row in rows)
+    out = [int(error), chunks, column(n_sig + me), max(column(n_sig + node * P + p) for p in range(P))]
+    out += rows[me][per_node:per_node + M]
+    out += [rows[m * P + loc][per_node + node] for m in range(M)]
+    out += [sum(rows[n * P + loc][blk + k * P + p] for n in range(M)) for k in range(Kc) for p in range(P)]
+    out += [sum(rows[n * P + q][blk + k * P + loc] for n in range(M)) for k in range(Kc) for q in range(P)]
+    ex = per_node + M + M * Kc * P + me * Lx
+    out += [column(ex + i) for i in range(Lx)]
+    return out
+
+
+@pytest.mark.parametrize("M,P,Kc,E,ring", [(2, 1, 1, 16, 1), (2, 4, 4, 64, 3), (4, 2, 2, 32, 50), (8, 8, 4, 256, 7),
+                                               (2, 2, 4, 16, 1000)])   # a ring above every stream: one chunk
+def test_exchange_digest_matches_the_rows_read_whole(M, P, Kc, E, ring):
+    """The digest the host reads instead of the whole gathered exchange (exchange_digest, the spec of
+    the digest kernel) against the same quantities read off the whole rows in plain Python, for every
+    rank, with and without each kind of error in the rows."""
+    gen = torch.Generator().manual_seed(M * 100 + P)
+    R, n_sig = M * P, 13
+    length = n_sig + R + 2 + M + M * Kc * P + E + 1
+    g = torch.randint(0, 300, (R, length), generator=gen, dtype=torch.int64)
+    g[:, 0] = 0
+    g[:, 1:n_sig] = torch.arange(1, n_sig)
+    g[:, n_sig + R:n_sig + R + 2] = 0
+    g[:, n_sig + R + 2] = 0   # a stream with no rows
+    variants = {"clean": g}
+    for name, (col, value) in {"refused": (0, 1), "signature": (4, 99), "over the node limit": (n_sig + R, 2),
+                               "bad ids": (n_sig + R + 1, 1)}.items():
+        bad = g.clone()
+        bad[R - 1, col] = value
+        variants[name] = bad
+    for name, rows in variants.items():
+        for me in range(R):
+            kw = dict(n_sig=n_sig, me=me, node=me // P, loc=me % P, M=M, P=P, Kc=Kc, ring=ring, Lx=E // R)
+            got = exchange_digest(rows, **kw)
+            assert got.dtype == torch.int64 and got.numel() == IK.digest_len(M, P, Kc, E // R)
+            want = _digest_oracle(rows.tolist(), **kw)
+            assert got.tolist() == want, (name, me)
+            assert want[0] == (name != "clean")

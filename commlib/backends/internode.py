@@ -9,8 +9,9 @@ Dispatch (non-cached):
      position on every rank of its destination node (DeepEP's send_head), and, per destination node,
      per chunk and per local rank there, how many rows the forwarder will pass on;
   2. one all-gather of a row per rank on device tensors (signature, counts, errors, the per-chunk
-     forwarding counts), then ONE host read of what this rank needs of it (every row count the data
-     steps need);
+     forwarding counts), reduced on the device to what this rank needs of it (``exchange_digest``:
+     an error flag and every row count the data steps need; it grows with nodes, ranks per node and
+     experts per rank, not with ranks x experts), then ONE host read of that;
   3. the network leg: rows packed once per (token, destination node) in chunk-major order, each
      chunk one grouped send/recv to every rail peer (``RailTransport``, the seam where a
      GPU-initiated transport can replace NCCL's host-issued one);
@@ -64,6 +65,31 @@ def chunk_rows(count: int, ring_rows: int, max_chunks: int) -> int:
 def clip(count: int, k: int, rows: int) -> int:
     """Rows of chunk k of a stream of ``count`` rows cut into chunks of ``rows``."""
     return max(0, min(rows, count - k * rows))
+
+
+def exchange_digest(g: torch.Tensor, *, n_sig: int, me: int, node: int, loc: int, M: int, P: int, Kc: int,
+                    ring: int, Lx: int) -> torch.Tensor:
+    """What the host needs of the gathered exchange ``g`` [R, row_len] (``InternodeBackend._row_len``),
+    as one int64 vector, so the one host read of a dispatch does not grow with ranks x experts:
+    [error (a refused row, ranks disagreeing on the op, ids out of range, tokens over the node limit),
+    network chunks (the most of any rank's stream to any node), rows received here, the most rows a
+    rank of this node receives] + this rank's rows per node [M] + rows each rail peer (node order)
+    sends this node [M] + this forwarder's rows per (chunk, local rank) [Kc, P] + rows each forwarder
+    of this node passes here per (chunk, forwarder) [Kc, P] + tokens per expert of this rank [Lx].
+    The device path computes it with one launch (``internode_kernels.digest``); this is its spec."""
+    R = g.shape[0]
+    width = n_sig + R + 2 + M   # the row up to the (node, chunk, local rank) blocks
+    error = ((g[:, 0] != 0) | (g[:, 1:n_sig] != g[me, 1:n_sig]).any(dim=1)
+             | (g[:, n_sig + R:n_sig + R + 2] > 0).any(dim=1)).any()
+    send1 = g[:, width - M:width]                                                   # [R, M]
+    rows = torch.clamp((send1 + Kc - 1) // Kc, min=max(1, ring))
+    chunks = ((send1 + rows - 1) // rows).max()
+    totals = g[:, n_sig + node * P:n_sig + (node + 1) * P].sum(dim=0)               # [P]
+    blocks = g[:, width + node * Kc * P:width + (node + 1) * Kc * P].reshape(M, P, Kc, P).sum(dim=0)   # [q, k, p]
+    ex = width + M * Kc * P + me * Lx
+    head = torch.stack([error.to(torch.int64), chunks, totals[loc], totals.max()])
+    return torch.cat([head, send1[me], send1[loc::P, node], blocks[loc].flatten(), blocks[:, :, loc].t().flatten(),
+                      g[:, ex:ex + Lx].sum(dim=0)])
 
 
 def compact(mask: torch.Tensor, total: int) -> torch.Tensor:
@@ -361,7 +387,8 @@ class InternodeBackend(ReferenceBackend):
         if worst:
             return self._dispatch_padded(req, g, sig, n_sig, is_tir, in_node, spos, topk if K else None, ring)
         tokens_of = g[:, -1]                                                         # [R] T of every rank
-        counts_all, send1_all, fwd, num_recv, expert_counts, node_rows = self._read_counts(g, sig, n_sig, E)
+        counts = self._read_counts(g, self._digest(g, E, n_sig, ring), sig, n_sig, E)
+        num_recv, expert_counts = counts["num_recv"], counts["experts"]
 
         # ---- the handle's matrices (device, from the gathered counts: no host -> device copy) ----
         C = req.config.num_channels
@@ -371,8 +398,8 @@ class InternodeBackend(ReferenceBackend):
         send_head = L.send_head(is_tir, rank_prefix, me)                             # [T, R] final rows
 
         # ---- 3. the plan: chunk geometry (host) and row order (device) ----
-        plan = self._plan(send1_all, fwd, ring, in_node, chunk, T)
-        plan["node_rows"] = node_rows
+        plan = self._plan(counts, ring, in_node, chunk, T)
+        plan["node_rows"] = counts["node_rows"]
         packer, tensors = self._payload(req, topk if K else None)
         plan["area_row"] = _area_row(packer, H, K)
         plan["num_recv"] = num_recv
@@ -399,7 +426,7 @@ class InternodeBackend(ReferenceBackend):
             is_token_in_rank=is_tir.to(out_device), send_head=send_head.to(out_device),
             topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
             num_recv_tokens=num_recv, num_worst_tokens=0, backend=self.name,
-            extra={"plan": plan, "num_recv": num_recv, "counts_all": counts_all})
+            extra={"plan": plan, "num_recv": num_recv})
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle)
 
     # ------------------------------------------------------------------ dispatch on the device kernels
@@ -435,13 +462,14 @@ class InternodeBackend(ReferenceBackend):
                 max_nodes=self.ctx.max_nodes_per_token)
         self._mark("meta")
 
-        # ---- 2. one collective, one host read (the whole gathered rows: a few KiB) ----
+        # ---- 2. one collective, one host read (of the gathered rows' digest) ----
         self._phase = "dispatch (agreement + count exchange)"
         g = self._gather(row)
         self._mark("exchange")
-        counts_all, send1_all, fwd, num_recv, expert_counts, node_rows = self._read_counts(g, sig, n_sig, E)
+        counts = self._read_counts(g, self._digest(g, E, n_sig, ring), sig, n_sig, E)
+        num_recv, expert_counts = counts["num_recv"], counts["experts"]
         self._mark("read")
-        plan = self._geometry(send1_all, fwd, ring)
+        plan = self._geometry(counts, ring)
         self._mark("geometry")
 
         # ---- 3. pack: the send rows and the handle's matrices ----
@@ -455,7 +483,8 @@ class InternodeBackend(ReferenceBackend):
             dev, (R, R), (R, C), (R, C), (T, R), (T, M), (num_recv,), (n_land,))
         IK.pack(g, send, slot, send_head, x, scales, topk, w, me=me, M=M, P=P, Kc=Kc, ring=ring, n_sig=n_sig,
                 tir=tir, before=before, spos=spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix)
-        plan.update(device=True, slot=slot, num_recv=num_recv, area_row=_area_row(packer, H, K), node_rows=node_rows)
+        plan.update(device=True, slot=slot, num_recv=num_recv, area_row=_area_row(packer, H, K),
+                    node_rows=counts["node_rows"])
         self._mark("pack")
 
         # ---- 4. network chunks (and the forwarder), 5. land ----
@@ -484,7 +513,7 @@ class InternodeBackend(ReferenceBackend):
             is_token_in_rank=moved(tir), send_head=moved(send_head),
             topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
             num_recv_tokens=num_recv, num_worst_tokens=0, backend=self.name,
-            extra={"plan": plan, "num_recv": num_recv, "counts_all": counts_all})
+            extra={"plan": plan, "num_recv": num_recv})
         a = req.expert_alignment
         per_expert_list = expert_counts if a == 1 else [align_up(c, a) for c in expert_counts]
         return DispatchResult(moved(recv_x), moved(recv_scales), moved(recv_topk_idx), moved(recv_topk_w),
@@ -581,7 +610,7 @@ class InternodeBackend(ReferenceBackend):
             is_token_in_rank=is_tir.to(out_device), send_head=send_head.to(out_device),
             topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
             num_recv_tokens=None, num_worst_tokens=worst, backend=self.name,
-            extra={"plan": plan, "num_recv": worst, "counts_all": None})
+            extra={"plan": plan, "num_recv": worst})
         return DispatchResult(cols["x"].to(out_device), cols["scales"].to(out_device) if scales is not None else None,
                               recv_topk_idx, recv_topk_w, [], handle)
 
@@ -710,27 +739,35 @@ class InternodeBackend(ReferenceBackend):
         self._count_padded(plan)
         return acc_y, acc_w
 
-    def _read_counts(self, g: torch.Tensor, sig: list, n_sig: int, E: int) -> tuple:
-        """The one host read of a non-cached dispatch (the gathered rows ``g``: a few KiB), its checks,
-        and what the host needs of it, on plain lists: (counts [R, R] as a host tensor, rows each rank
-        sends to each node [R][M], what the forwarders of this node pass on [forwarder q][chunk k][local
-        rank p], rows received here, this rank's experts' totals, the most rows a rank of this node
-        receives)."""
+    def _digest(self, g: torch.Tensor, E: int, n_sig: int, ring: int) -> torch.Tensor:
+        """The exchange digest of ``g`` on its device: one launch on the device steps, else torch ops."""
         topo = self.topology
-        me, R, M, P, Kc = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node, self.max_chunks
-        Lx = E // R
-        gh = self._read(g)
-        rows = gh.tolist()
-        self._check_exchange(rows, sig, n_sig, E)
-        width = n_sig + R + 2 + M   # the row up to the chunk blocks
-        # forwarder q's rail is the ranks n * P + q; their blocks for this node
-        blk = width + topo.node * Kc * P
-        fwd = [[[sum(rows[n * P + q][blk + k * P + p] for n in range(M)) for p in range(P)] for k in range(Kc)]
-               for q in range(P)]
-        ex = width + M * Kc * P + me * Lx
-        total = [sum(col) for col in zip(*rows)]   # every column summed over the ranks, at C speed
-        return (gh[:, n_sig:n_sig + R], [row[width - M:width] for row in rows], fwd, total[n_sig + me],
-                total[ex:ex + Lx], max(total[n_sig + r] for r in topo.node_ranks()))
+        M, P, Kc = topo.num_nodes, topo.ranks_per_node, self.max_chunks
+        kw = dict(n_sig=n_sig, me=topo.rank, node=topo.node, loc=topo.local_rank, M=M, P=P, Kc=Kc, ring=ring,
+                  Lx=E // topo.num_ranks)
+        if self.device_steps and g.is_cuda:
+            out = torch.empty(IK.digest_len(M, P, Kc, kw["Lx"]), dtype=torch.int64, device=g.device)
+            IK.digest(g, out, **kw)
+            return out
+        return exchange_digest(g, **kw)
+
+    def _read_counts(self, g: torch.Tensor, digest: torch.Tensor, sig: list, n_sig: int, E: int) -> dict:
+        """The one host read of a non-cached dispatch: the digest of the gathered rows ``g``
+        (``exchange_digest``: its size grows with nodes, ranks per node and experts per rank, not with
+        ranks x experts) as plain lists. When it flags an error, the whole ``g`` is read too (a second
+        read, on the error path only) and the checks raise alike on every rank: every rank holds the
+        same ``g``."""
+        topo = self.topology
+        M, P, Kc, Lx = topo.num_nodes, topo.ranks_per_node, self.max_chunks, E // topo.num_ranks
+        d = self._read(digest).tolist()
+        if d[0]:
+            self._check_exchange(self._read(g), sig, n_sig, E)
+            raise RuntimeError(f"[commlib rank {topo.rank}] the count exchange flagged an error that its checks "
+                               "did not find (a commlib bug: please report it)")
+        i = 4 + 2 * M
+        per_chunk = lambda at: [d[at + k * P:at + (k + 1) * P] for k in range(Kc)]
+        return {"num_chunks": d[1], "num_recv": d[2], "node_rows": d[3], "mine": d[4:4 + M], "rail_in": d[4 + M:i],
+                "fan_send": per_chunk(i), "fan_recv": per_chunk(i + Kc * P), "experts": d[i + 2 * Kc * P:i + 2 * Kc * P + Lx]}
 
     def _check_exchange(self, gh, sig: list, n_sig: int, E: int) -> None:
         """The count exchange's errors, raised alike on every rank (they all read the same rows ``gh``:
@@ -792,35 +829,29 @@ class InternodeBackend(ReferenceBackend):
                 cols.append(("topk_w", torch.float32, (K,)))
         return _Packer(cols)
 
-    def _geometry(self, send1_all: list, fwd: list, ring: int) -> dict:
-        """Chunk geometry: host ints every rank computes alike from the gathered counts (rows per chunk
-        to and from every rail peer and, in the node, to and from every forwarder), with each chunk's
-        first row in the send rows and in the landed rows. ``fwd``: [forwarder q][chunk k][local rank p],
-        what the forwarders of this node pass on (``_read_counts``)."""
-        topo = self.topology
-        me, M, P, node, loc = topo.rank, topo.num_nodes, topo.ranks_per_node, topo.node, topo.local_rank
-        Kc = self.max_chunks
-        rows_of = [[chunk_rows(c, ring, Kc) for c in per_node] for per_node in send1_all]   # [R][M]
-        num_chunks = max(-(-c // r) for per_node, rr in zip(send1_all, rows_of) for c, r in zip(per_node, rr))
-        rail = topo.rail_ranks()
-        mine = send1_all[me]
-        send_splits = [[clip(mine[m], k, rows_of[me][m]) for m in range(M)] for k in range(num_chunks)]
-        recv_splits = [[clip(send1_all[s][node], k, rows_of[s][node]) for s in rail] for k in range(num_chunks)]
-        fan_send = [[fwd[loc][k][p] for p in range(P)] for k in range(num_chunks)]
-        fan_recv = [[fwd[q][k][loc] for q in range(P)] for k in range(num_chunks)]
+    def _geometry(self, counts: dict, ring: int) -> dict:
+        """Chunk geometry: host ints from the digest (``_read_counts``) that every rank derives alike
+        (rows per chunk to and from every rail peer and, in the node, to and from every forwarder),
+        with each chunk's first row in the send rows and in the landed rows."""
+        M, Kc = self.topology.num_nodes, self.max_chunks
+        num_chunks, mine = counts["num_chunks"], counts["mine"]
+        rows_of = [chunk_rows(c, ring, Kc) for c in mine]
+        send_splits = [[clip(mine[m], k, rows_of[m]) for m in range(M)] for k in range(num_chunks)]
+        recv_splits = [[clip(c, k, chunk_rows(c, ring, Kc)) for c in counts["rail_in"]] for k in range(num_chunks)]
         send_starts, recv_starts = [0], [0]
         for k in range(num_chunks):
             send_starts.append(send_starts[-1] + sum(send_splits[k]))
             recv_starts.append(recv_starts[-1] + sum(recv_splits[k]))
         return {"num_chunks": num_chunks, "send_splits": send_splits, "recv_splits": recv_splits,
-                "fan_send": fan_send, "fan_recv": fan_recv, "home_lens": list(mine), "send_starts": send_starts,
-                "recv_starts": recv_starts, "fan_rows": [], "land_pos": [], "landed_pos": []}
+                "fan_send": counts["fan_send"][:num_chunks], "fan_recv": counts["fan_recv"][:num_chunks],
+                "home_lens": list(mine), "send_starts": send_starts, "recv_starts": recv_starts, "fan_rows": [],
+                "land_pos": [], "landed_pos": []}
 
-    def _plan(self, send1_all, fwd, ring, in_node, chunk, T) -> dict:
+    def _plan(self, counts: dict, ring, in_node, chunk, T) -> dict:
         """The chunk geometry (``_geometry``) and the order of this rank's send rows (device):
         chunk-major, then node, then token."""
         M = self.topology.num_nodes
-        plan = self._geometry(send1_all, fwd, ring)
+        plan = self._geometry(counts, ring)
         num_chunks = plan["num_chunks"]
         S = sum(plan["home_lens"])
         dev = in_node.device

@@ -55,6 +55,30 @@ def meta(tir: torch.Tensor, topk, experts_in, head: torch.Tensor, row: torch.Ten
                    loader.ptr(row), loader.ptr(before), loader.ptr(spos)), shared_mem=shared)
 
 
+DIGEST_THREADS = 256
+
+
+def digest_len(M: int, P: int, Kc: int, Lx: int) -> int:
+    """Length of the exchange digest (``digest``; backends/internode.py ``exchange_digest``)."""
+    return 4 + 2 * M + 2 * Kc * P + Lx
+
+
+def digest(g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int, node: int, loc: int, M: int, P: int,
+           Kc: int, ring: int, Lx: int) -> None:
+    """What the host needs of the gathered exchange ``g`` [R, row_len] (int64) into ``out`` (int64
+    [digest_len]): the same vector as ``exchange_digest``."""
+    R, row_len = g.shape
+    _need(g.dtype == torch.int64 and g.is_contiguous(), "g must be the contiguous int64 gathered exchange")
+    _need(R == M * P and 0 <= me < R and me == node * P + loc, f"rank {me} is not (node {node}, local rank {loc}) "
+          f"of {M} x {P}")
+    _need(out.dtype == torch.int64 and out.is_contiguous() and out.numel() == digest_len(M, P, Kc, Lx),
+          f"out must be contiguous int64 [{digest_len(M, P, Kc, Lx)}]")
+    loader.launch(FAMILY, "inter_digest_kernel", 1, DIGEST_THREADS,
+                  (loader.ptr(g), loader.i32(row_len), loader.i32(n_sig), loader.i32(me), loader.i32(node),
+                   loader.i32(loc), loader.i32(R), loader.i32(M), loader.i32(P), loader.i32(Kc), loader.i32(ring),
+                   loader.i32(Lx), loader.ptr(out)))
+
+
 def _row_parts(x: torch.Tensor, scales, topk, w) -> tuple:
     """(x bytes, scales bytes) of one row, after the checks every row-moving kernel shares."""
     _need(x.is_contiguous() and x.dim() == 2, "x must be a contiguous [T, H] tensor")

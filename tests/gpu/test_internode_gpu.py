@@ -49,3 +49,32 @@ def test_internode_worst_mode_stops_on_bad_ids(capfd):
     assert "timed out" not in text and "died" in text, text[-2000:]
     out = capfd.readouterr()
     assert "Assertion `commlib internode dispatch (num_worst_tokens)" in out.err + out.out, (out.err + out.out)[-3000:]
+
+
+@pytest.mark.parametrize("M,P,Kc,E,ring", [(2, 1, 1, 256, 1), (2, 2, 4, 64, 3), (4, 2, 2, 32, 1000),
+                                           (8, 8, 4, 256, 7), (32, 8, 4, 256, 64)])
+def test_digest_kernel_matches_its_spec(M, P, Kc, E, ring):
+    """The digest kernel (one launch after the count exchange) against exchange_digest, its torch spec
+    (itself held to a plain-Python read of the whole rows in tests/test_internode_kernels.py), for every
+    rank, with each kind of error set in one rank's row, up to 256 ranks."""
+    from commlib.backends import internode_kernels as IK
+    from commlib.backends.internode import exchange_digest
+    from commlib.buffer import _cupy_available
+    if not _cupy_available():
+        pytest.skip("the kernels load through CuPy")
+    gen = torch.Generator().manual_seed(M * 100 + P)
+    R, n_sig, Lx = M * P, 13, E // (M * P)
+    g = torch.randint(0, 5000, (R, n_sig + R + 2 + M + M * Kc * P + E + 1), generator=gen, dtype=torch.int64)
+    g[:, 0], g[:, 1:n_sig], g[:, n_sig + R:n_sig + R + 2], g[:, n_sig + R + 2] = 0, torch.arange(1, n_sig), 0, 0
+    variants = [g]
+    for col, value in [(0, 1), (4, 99), (n_sig + R, 2), (n_sig + R + 1, 1)]:
+        bad = g.clone()
+        bad[R // 2, col] = value
+        variants.append(bad)
+    for rows in variants:
+        rows = rows.cuda()
+        for me in sorted({0, 1 % R, R // 2, R - 1}):
+            kw = dict(n_sig=n_sig, me=me, node=me // P, loc=me % P, M=M, P=P, Kc=Kc, ring=ring, Lx=Lx)
+            out = torch.full((IK.digest_len(M, P, Kc, Lx),), -7, dtype=torch.int64, device="cuda")
+            IK.digest(rows, out, **kw)
+            assert out.tolist() == exchange_digest(rows, **kw).tolist(), (me, rows[R // 2, :n_sig + R + 2].tolist())

@@ -9,6 +9,10 @@
 //                            bad ids, T), each token's row among this rank's rows for every rank
 //                            (`before`, the exclusive scan of is_token_in_rank) and its row in every
 //                            node's stream (`spos`, -1 where it does not go)
+//   inter_digest_kernel      after it: what the host needs of the gathered rows, in one short vector
+//                            (exchange_digest in internode.py): an error flag, the chunk count, this
+//                            rank's row totals and the splits of its streams, so the one host read
+//                            does not grow with ranks x experts
 //   inter_pack_kernel        after it: the handle's send_head, rank and channel prefix matrices, and
 //                            every (token, node) row written once into the send buffer at its
 //                            chunk-major slot, with its final row on each rank of that node
@@ -135,6 +139,73 @@ extern "C" __global__ void __launch_bounds__(1024) inter_meta_kernel(
         per_rank[R] = s_warp[0];
         per_rank[R + 1] = s_warp[1];
         per_expert[E] = T;
+    }
+}
+
+// What the host needs of the gathered exchange g [R, row_len] (exchange_digest in
+// backends/internode.py is its specification). One CTA. out (int64): [error, chunks, rows received
+// here, most rows a rank of this node receives][this rank's rows per node M][rows each rail peer sends
+// this node M][this forwarder's rows per (chunk, local rank) Kc P][rows each forwarder of this node
+// passes here per (chunk, forwarder) Kc P][tokens per expert of this rank Lx].
+extern "C" __global__ void __launch_bounds__(256) inter_digest_kernel(
+    const i64* __restrict__ g, int row_len, int n_sig, int me, int node, int loc, int R, int M, int P,
+    int Kc, int ring, int Lx, i64* __restrict__ out) {
+    __shared__ int s_error, s_chunks;
+    __shared__ unsigned long long s_node_rows;
+    if (threadIdx.x == 0) { s_error = 0; s_chunks = 0; s_node_rows = 0; }
+    __syncthreads();
+    const int width = n_sig + R + 2 + M;             // the row up to the (node, chunk, local rank) blocks
+    const i64* mine = g + (i64)me * row_len;
+    int error = 0, chunks = 0;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        const i64* row = g + (i64)r * row_len;
+        error |= row[0] != 0 || row[n_sig + R] > 0 || row[n_sig + R + 1] > 0;
+        for (int i = 1; i < n_sig; ++i) error |= row[i] != mine[i];
+        for (int m = 0; m < M; ++m) {                // chunks of rank r's stream to node m
+            const i64 c = row[width - M + m];
+            const i64 rows = max((i64)max(1, ring), (c + Kc - 1) / Kc);
+            chunks = max(chunks, (int)((c + rows - 1) / rows));
+        }
+    }
+    if (error) atomicOr(&s_error, 1);
+    if (chunks) atomicMax(&s_chunks, chunks);
+    i64* o_mine = out + 4;
+    i64* o_rail = o_mine + M;
+    i64* o_send = o_rail + M;
+    i64* o_recv = o_send + Kc * P;
+    i64* o_expert = o_recv + Kc * P;
+    for (int m = threadIdx.x; m < M; m += blockDim.x) {
+        o_mine[m] = mine[width - M + m];
+        o_rail[m] = g[(i64)(m * P + loc) * row_len + width - M + node];
+    }
+    const int blk = width + node * Kc * P;            // every row's blocks for this node
+    for (int i = threadIdx.x; i < Kc * P; i += blockDim.x) {
+        const int k = i / P, p = i % P;
+        i64 send = 0, recv = 0;
+        for (int n = 0; n < M; ++n) {
+            send += g[(i64)(n * P + loc) * row_len + blk + i];          // this forwarder to local rank p
+            recv += g[(i64)(n * P + p) * row_len + blk + k * P + loc];  // forwarder p to this rank
+        }
+        o_send[i] = send;
+        o_recv[i] = recv;
+    }
+    const int ex = width + M * Kc * P + me * Lx;
+    for (int i = threadIdx.x; i < Lx; i += blockDim.x) {
+        i64 s = 0;
+        for (int r = 0; r < R; ++r) s += g[(i64)r * row_len + ex + i];
+        o_expert[i] = s;
+    }
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {   // rows each rank of this node receives
+        i64 s = 0;
+        for (int r = 0; r < R; ++r) s += g[(i64)r * row_len + n_sig + node * P + p];
+        if (p == loc) out[2] = s;
+        atomicMax(&s_node_rows, (unsigned long long)s);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        out[0] = s_error;
+        out[1] = s_chunks;
+        out[3] = (i64)s_node_rows;
     }
 }
 

@@ -57,12 +57,14 @@ def capture_graph(fn: Callable[[], object], warm: bool = True, capture_error_mod
 def thread_usage() -> tuple:
     """(CPU seconds, voluntary switches, involuntary switches) of the calling thread so far. A step
     whose wall time is well above its CPU time was blocked (voluntary: it slept on a lock or a wait)
-    or preempted (involuntary). Where the OS has no per-thread usage: CPU time only, switches 0."""
+    or preempted (involuntary). CPU time from the thread's CPU clock (nanoseconds; getrusage's is
+    counted in scheduler ticks, 4 ms on some kernels); switches 0 where the OS does not count them
+    per thread."""
     try:
         u = resource.getrusage(resource.RUSAGE_THREAD)
     except (AttributeError, OSError):
         return time.thread_time(), 0, 0
-    return u.ru_utime + u.ru_stime, u.ru_nvcsw, u.ru_nivcsw
+    return time.thread_time(), u.ru_nvcsw, u.ru_nivcsw
 
 
 def summarize(samples_us: Sequence[float]) -> dict:

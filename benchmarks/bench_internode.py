@@ -167,29 +167,34 @@ def _host_us(buf, fn, reps: int, busy: bool = False, steady: bool = False) -> tu
     waits, {"cpu_us", "voluntary", "involuntary"}: medians of the calling thread's CPU time and
     context switches per call, the read's excluded: wall well above CPU means blocked or preempted)."""
     be = buf.backend
-    times, inside, cpu, vol, invol = [], [], [], [], []
-    if steady and buf.device.type == "cuda":
+    times, inside, cpu, vol, invol, mallocs = [], [], [], [], [], []
+    cuda = buf.device.type == "cuda"
+    # device memory the caching allocator had to ask the driver for (cudaMalloc), per call
+    segments = (lambda: torch.cuda.memory_stats(buf.device).get("segment.all.allocated", 0)) if cuda else (lambda: 0)
+    if steady and cuda:
         torch.cuda.synchronize(buf.device)
     be.host_read_usage = (0.0, 0, 0)
     with _CollectiveClock() as clock:
         for _ in range(reps):
             _idle_or_busy(buf, busy, steady)
-            blocked, c0, r0 = be.host_read_s, clock.seconds, be.host_read_usage
+            blocked, c0, r0, s0 = be.host_read_s, clock.seconds, be.host_read_usage, segments()
             u0 = thread_usage()
             t0 = time.perf_counter()
             fn()
             t1 = time.perf_counter()
             u1, r1 = thread_usage(), be.host_read_usage
+            mallocs.append(segments() - s0)
             times.append((t1 - t0 - (be.host_read_s - blocked)) * 1e6)
             inside.append((clock.seconds - c0) * 1e6)
             cpu.append(((u1[0] - u0[0]) - (r1[0] - r0[0])) * 1e6)
             vol.append((u1[1] - u0[1]) - (r1[1] - r0[1]))
             invol.append((u1[2] - u0[2]) - (r1[2] - r0[2]))
     be.host_read_usage = None
-    if buf.device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize(buf.device)
     med = lambda v: float(statistics.median(v))
-    return med(times), med(inside), {"cpu_us": med(cpu), "voluntary": med(vol), "involuntary": med(invol)}
+    return med(times), med(inside), {"cpu_us": med(cpu), "voluntary": med(vol), "involuntary": med(invol),
+                                     "mallocs": med(mallocs)}
 
 
 def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile: bool = False,
@@ -215,7 +220,8 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
         everyone = [None] * ctx.world_size
         keys = ("host_us", "host_busy_us", "host_steady_us", "host_busy_cpu_us", "host_steady_cpu_us")
         dist.all_gather_object(everyone, {r["op"]: tuple(r.get(k, 0.0) for k in keys)
-                                          + (r.get("host_busy_switches"), r.get("host_steady_switches")) for r in rows},
+                                          + (r.get("host_busy_switches"), r.get("host_steady_switches"),
+                                             (r.get("host_busy_mallocs", 0.0), r.get("host_steady_mallocs", 0.0))) for r in rows},
                                group=ctx.group)
         for r in rows:
             r["device_steps"] = bool(getattr(buf.backend, "device_steps", False))
@@ -228,6 +234,7 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
             r["host_steady_cpu_us_by_rank"] = [round(e[r["op"]][4], 1) for e in everyone]
             r["host_busy_switches_by_rank"] = [e[r["op"]][5] for e in everyone]
             r["host_steady_switches_by_rank"] = [e[r["op"]][6] for e in everyone]
+            r["host_mallocs_by_rank"] = [e[r["op"]][7] for e in everyone]   # (behind running work, running ahead)
         part = B.gather(rows, ctx.group)
         if part is not None:
             for r in part if not kernels else []:
@@ -357,8 +364,10 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=Fals
         if buf.device.type == "cuda":
             r["host_busy_us"], r["host_busy_collective_us"], usage = _host_us(buf, calls[r["op"]], max(5, iters), busy=True)
             r["host_busy_cpu_us"], r["host_busy_switches"] = usage["cpu_us"], [usage["voluntary"], usage["involuntary"]]
+            r["host_busy_mallocs"] = usage["mallocs"]
             r["host_steady_us"], _, usage = _host_us(buf, calls[r["op"]], max(5, iters), steady=True)
             r["host_steady_cpu_us"], r["host_steady_switches"] = usage["cpu_us"], [usage["voluntary"], usage["involuntary"]]
+            r["host_steady_mallocs"] = usage["mallocs"]
         else:
             r["host_busy_us"] = r["host_busy_collective_us"] = r["host_steady_us"] = 0.0
         # the engine's own share: host time less what torch.distributed's calls and waits took
@@ -457,11 +466,13 @@ def main(argv=None) -> int:
     cpu = [r for r in rows if any(r.get("host_busy_cpu_us_by_rank") or [])]
     if cpu:
         print("# the same calls' CPU time on the calling thread, behind running work | host running ahead (us, each "
-              "rank; wall far above CPU: blocked or preempted), and its context switches voluntary:involuntary: "
+              "rank; wall far above CPU: blocked or preempted), its context switches voluntary:involuntary and the "
+              "allocator's cudaMalloc calls behind running work:running ahead (medians per call): "
               + ", ".join(f"{r['op']}@cap{r['chunk_cap']}="
                           + "/".join(f"{v:.0f}" for v in r["host_busy_cpu_us_by_rank"]) + " | "
                           + "/".join(f"{v:.0f}" for v in r["host_steady_cpu_us_by_rank"]) + " ("
-                          + "/".join(f"{s[0]:.0f}:{s[1]:.0f}" for s in r["host_busy_switches_by_rank"] if s) + ")"
+                          + "/".join(f"{s[0]:.0f}:{s[1]:.0f}" for s in r["host_busy_switches_by_rank"] if s) + "; cudaMalloc "
+                          + "/".join(f"{m[0]:.0f}:{m[1]:.0f}" for m in r["host_mallocs_by_rank"]) + ")"
                           for r in cpu))
     bare = info.get("bare_a2a_host_busy_us", 0.0)
     if bare and by_rank:   # host times differ 2x between machines; this ratio much less (docs/internode.md)

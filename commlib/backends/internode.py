@@ -974,6 +974,7 @@ class InternodeBackend(ReferenceBackend):
         n = plan["num_recv"]
         recv_x = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
         recv_scales = torch.empty(n, scales.shape[1], dtype=torch.float32, device=dev) if scales is not None else None
+        self._mark("outputs")
         IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales)
         del landed   # held until the land kernel read it
         self._mark("land")
@@ -1007,12 +1008,14 @@ class InternodeBackend(ReferenceBackend):
                 fan.reduce(plan["landed_pos"][k], H, K, partial[rs[k]:rs[k + 1]], Wd)
             last = self.network.exchange(partial[rs[k]:rs[k + 1]], plan["recv_splits"][k], plan["send_splits"][k],
                                          out=back[ss[k]:ss[k + 1]])
+        self._mark("network post")
         if last is not None:   # NCCL runs a group's collectives in order: the last wait covers all
             self.network.land(last, f"combine (network chunks 0-{nch - 1})")
         self._count_rows_internode(plan)
         self._mark("network")
         out_y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
         out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if K else None
+        self._mark("outputs")
         IK.home(back, plan["slot"], [b.to(dev).contiguous() for b in req.bias], out_y, out_w, H=H, K=K)
         self._mark("home")
         out = req.x.device

@@ -1,0 +1,106 @@
+"""How a dispatch's host read waits, and what the steps after it then cost (one GPU, 2 emulated hosts).
+
+``bench_internode --profile`` shows a non-cached dispatch's steps after its host read costing 2-3x
+what the same steps cost in a call issued without waiting (pack ~330 against ~70 us, behind a 30 ms
+kernel, on the H200's host), while the calling thread is neither blocked nor preempted. The read
+waits inside ``Tensor.cpu()`` (a synchronous copy: the driver waits for the stream). This runs the
+same dispatch with the read waiting three ways, in one run, and prints bench_internode's step
+profile for each:
+
+  sync    ``t.cpu()``, the engine's read
+  event   an async copy into a kept pinned buffer, an event, ``Event.synchronize()``
+  spin    the same copy and event, then the host polls ``Event.query()`` in Python until it is done
+
+Run: python -m experiments.host_cost_wait [--tokens 4096] [--reps 10]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks import bench_internode as BI
+from commlib.backends.internode import InternodeBackend
+from commlib.bench import main as B
+from commlib.utils.timing import thread_usage
+
+_engine_read = InternodeBackend._read
+MODES = ("sync", "event", "spin")
+
+
+def _waiting_read(mode: str):
+    """An InternodeBackend._read that waits by ``mode`` (same bookkeeping as the engine's)."""
+    kept = {}
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        if mode == "sync" or not t.is_cuda:
+            return _engine_read(self, t)
+        self.host_reads += 1
+        u0 = thread_usage() if self.host_read_usage is not None else None
+        t0 = time.perf_counter()
+        key = (tuple(t.shape), t.dtype)
+        if key not in kept:
+            kept[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out = kept[key]
+        out.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        if mode == "event":
+            done.synchronize()
+        else:
+            while not done.query():
+                pass
+        self.host_read_s += time.perf_counter() - t0
+        if u0 is not None:
+            self.host_read_usage = tuple(a + b - c for a, b, c in zip(self.host_read_usage, thread_usage(), u0))
+        self._head_busy = False
+        return out.clone()   # the kept buffer is rewritten by the next read
+    return read
+
+
+def _worker(ctx, w, reps: int):
+    from commlib.buffer import Buffer
+
+    R = ctx.world_size
+    nvl, rdma = B.buffer_bytes(w.hidden, R, 1, R)
+    buf = Buffer(ctx.group, nvl, rdma, backend="internode", ranks_per_node=1)
+    inp = B.make_inputs(w, ctx.rank, buf.device)
+    x, idx, wts = inp["x"], inp["topk_idx"], inp["topk_weights"]
+    ntr, _, nte, tir, _ = buf.get_dispatch_layout(idx, w.num_experts)
+
+    def dispatch():
+        return buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=tir, num_tokens_per_expert=nte,
+                            topk_idx=idx, topk_weights=wts)
+    for mode in MODES:
+        InternodeBackend._read = _waiting_read(mode)
+        try:
+            ref = dispatch()   # the outputs do not depend on how the read waited
+            for _ in range(3):
+                dispatch()
+            BI._profile(ctx, buf, f"dispatch_bf16, read waits by {mode}", dispatch, reps)
+            again = dispatch()
+            assert torch.equal(ref[0], again[0]) and ref[3] == again[3], f"rank {ctx.rank}: {mode} changed the outputs"
+        finally:
+            InternodeBackend._read = _engine_read
+    buf.destroy()
+    return {}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--reps", type=int, default=10)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_cost_wait: needs a GPU (the read's wait is a device wait)")
+        return 0
+    from commlib.utils.launch import parallel_launch
+    w = B.Workload(a.tokens, a.hidden, 256, 8, 8, 4, 0)
+    parallel_launch(2, _worker, w, a.reps, ranks_per_node=1, use_gpu=True, group_backend="nccl", emulate_hosts=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,6 +16,7 @@ import torch
 
 import commlib
 from commlib import Config
+from commlib.backends.internode_kernels import digest_len
 from commlib.fp8 import per_token_cast_to_fp8
 from commlib.validate import CommlibError
 
@@ -134,17 +135,24 @@ def _one_call_setup(ctx, chunks: int, seed: int, T: int, routing: str):
 
 
 def case_matches_reference(ctx):
-    """Every topology, routing, BF16 / FP8, one chunk and many (chunk rows 1, 2, 3, ...), zero rows."""
+    """Every topology, routing, BF16 / FP8, one chunk and many (chunk rows 1, 2, 3, ...), zero rows.
+    Every host read is the count exchange's digest, not the gathered rows (its size does not grow
+    with ranks x experts)."""
     R = ctx.world_size
     for i, rpn in enumerate(topologies(R)):
         nodes = R // rpn
         for chunks, config in ((4, None), (1, TINY), (3, TINY), (64, TINY)):
             ref, eng = _buffers(ctx, rpn, chunks)
+            read, sizes = eng.backend._read, []
+            eng.backend._read = lambda t: (sizes.append(t.numel()), read(t))[1]
             for j, routing in enumerate(ROUTINGS):
                 for T in (0, 1, 7, 24):
                     compare_round(ctx, ref, eng, 100 * i + 10 * j + T, T, routing, j % 2 == 1, config, nodes)
             # a silent rank: rank 1 sends nothing, the others do
             compare_round(ctx, ref, eng, 900 + i, 0 if ctx.rank == 1 else 9, "random", False, config, nodes)
+            want = digest_len(nodes, rpn, eng.backend.max_chunks, E_PER_RANK)
+            assert sizes and set(sizes) == {want}, f"[rpn={rpn} chunks={chunks}] host reads of {set(sizes)} " \
+                f"elements, expected the digest's {want}"
             ref.destroy()
             eng.destroy()
 

@@ -15,6 +15,12 @@ per op and rank:
   K             network chunks the call used (every rank runs the same number);
   network GB/s  rows that crossed between (emulated) nodes x row bytes / time;
   NVLink GB/s   rows moved between two ranks of one node x row bytes / time.
+The JSON adds, per rank (GPU): host time with the host running ahead of the GPU
+(``host_steady_us_by_rank``), the calling thread's CPU time behind running work and running ahead
+(``host_busy_cpu_us_by_rank``, ``host_steady_cpu_us_by_rank``), its context switches
+([voluntary, involuntary]: ``host_busy_switches_by_rank``, ``host_steady_switches_by_rank``) and the
+allocator's cudaMalloc calls (``host_mallocs_by_rank``), each a median per call; ``--profile``
+prints the same wall / CPU split per step of the engine's call.
 ``--emulate-hosts`` gives every rank its own NCCL_HOSTID (NCCL's socket transport between them,
 and processes may share a GPU: host times are then meaningful, device times are not).
 On one machine the "network" is not InfiniBand: 2 GPUs as 2 nodes x 1 send the network hop over

@@ -1,11 +1,11 @@
 """How a dispatch's host read waits, and what the steps after it then cost (one GPU, 2 emulated hosts).
 
-``bench_internode --profile`` shows a non-cached dispatch's steps after its host read costing 2-3x
-what the same steps cost in a call issued without waiting (pack ~330 against ~70 us, behind a 30 ms
-kernel, on the H200's host), while the calling thread is neither blocked nor preempted. The read
-waits inside ``Tensor.cpu()`` (a synchronous copy: the driver waits for the stream). This runs the
-same dispatch with the read waiting three ways, in one run, and prints bench_internode's step
-profile for each:
+``bench_internode --profile`` shows a non-cached dispatch's steps after its host read costing more
+when the read waited long (pack 310-400 us after a ~30-80 ms wait against 190-290 us after a ~2 ms
+one, on the H200's host), while the calling thread is neither blocked nor preempted. The read waits
+inside ``Tensor.cpu()`` (a synchronous copy: the driver waits for the stream). This runs the same
+dispatch with the read waiting three ways, in one run, and prints bench_internode's step profile
+for each (result: the same step costs whichever way it waited, docs/internode.md):
 
   sync    ``t.cpu()``, the engine's read
   event   an async copy into a kept pinned buffer, an event, ``Event.synchronize()``

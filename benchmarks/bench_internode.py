@@ -224,23 +224,21 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
         _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile and i == 0)
         # the table's host figures are rank 0's; every rank's go with them (ranks sharing a GPU differ)
         everyone = [None] * ctx.world_size
-        keys = ("host_us", "host_busy_us", "host_steady_us", "host_busy_cpu_us", "host_steady_cpu_us")
-        dist.all_gather_object(everyone, {r["op"]: tuple(r.get(k, 0.0) for k in keys)
-                                          + (r.get("host_busy_switches"), r.get("host_steady_switches"),
-                                             (r.get("host_busy_mallocs", 0.0), r.get("host_steady_mallocs", 0.0))) for r in rows},
-                               group=ctx.group)
+        # host times and the same calls' CPU time on the calling thread (us, rounded), context switches
+        # [voluntary, involuntary] (the read's excluded: wall far above CPU means blocked), cudaMalloc calls
+        timed = ("host_us", "host_busy_us", "host_steady_us", "host_busy_cpu_us", "host_steady_cpu_us",
+                 "host_busy_mallocs", "host_steady_mallocs")
+        switches = ("host_busy_switches", "host_steady_switches")   # GPU only (None on CPU ranks)
+        dist.all_gather_object(everyone, {r["op"]: {**{k: r.get(k, 0.0) for k in timed}, **{k: r.get(k) for k in switches}}
+                                          for r in rows}, group=ctx.group)
         for r in rows:
             r["device_steps"] = bool(getattr(buf.backend, "device_steps", False))
-            r["host_us_by_rank"] = [round(e[r["op"]][0], 1) for e in everyone]
-            r["host_busy_us_by_rank"] = [round(e[r["op"]][1], 1) for e in everyone]
-            r["host_steady_us_by_rank"] = [round(e[r["op"]][2], 1) for e in everyone]
-            # the same calls' CPU time on the calling thread and its context switches [voluntary,
-            # involuntary] (the read's excluded): where wall is far above CPU, the host was blocked
-            r["host_busy_cpu_us_by_rank"] = [round(e[r["op"]][3], 1) for e in everyone]
-            r["host_steady_cpu_us_by_rank"] = [round(e[r["op"]][4], 1) for e in everyone]
-            r["host_busy_switches_by_rank"] = [e[r["op"]][5] for e in everyone]
-            r["host_steady_switches_by_rank"] = [e[r["op"]][6] for e in everyone]
-            r["host_mallocs_by_rank"] = [e[r["op"]][7] for e in everyone]   # (behind running work, running ahead)
+            mine = [e[r["op"]] for e in everyone]
+            for k in timed[:5]:
+                r[k + "_by_rank"] = [round(m[k], 1) for m in mine]
+            for k in switches:
+                r[k + "_by_rank"] = [m[k] for m in mine]
+            r["host_mallocs_by_rank"] = [(m["host_busy_mallocs"], m["host_steady_mallocs"]) for m in mine]
         part = B.gather(rows, ctx.group)
         if part is not None:
             for r in part if not kernels else []:
@@ -300,16 +298,16 @@ def _profile(ctx, buf, op: str, fn, reps: int = 10) -> None:
     modes = ("idle", "busy", "steady")
     table = {}
     be.host_read_usage = (0.0, 0, 0)
-    mark = lambda step: (step, time.perf_counter(), be.host_read_s, thread_usage(), be.host_read_usage)
     for mode in modes:
         calls = []
         if mode == "steady" and buf.device.type == "cuda":
             torch.cuda.synchronize(buf.device)
         for _ in range(reps):
             _idle_or_busy(buf, mode != "idle", mode == "steady")
-            be.trace = [mark("call")]
+            be.trace = []
+            be._mark("call")
             fn()
-            be.trace.append(mark("return"))
+            be._mark("return")
             calls.append(be.trace)
             be.trace = None
         if buf.device.type == "cuda":

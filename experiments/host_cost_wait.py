@@ -16,29 +16,25 @@ Run: python -m experiments.host_cost_wait [--tokens 4096] [--reps 10]
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from benchmarks import bench_internode as BI
 from commlib.backends.internode import InternodeBackend
 from commlib.bench import main as B
-from commlib.utils.timing import thread_usage
 
-_engine_read = InternodeBackend._read
+_engine_copy = InternodeBackend.__dict__["_to_host"]   # the staticmethod itself, to put back
 MODES = ("sync", "event", "spin")
 
 
-def _waiting_read(mode: str):
-    """An InternodeBackend._read that waits by ``mode`` (same bookkeeping as the engine's)."""
+def _waiting_copy(mode: str):
+    """How InternodeBackend._read brings a tensor to the host (its ``_to_host``), waiting by ``mode``;
+    the read's bookkeeping (blocked time, CPU time) stays the engine's."""
     kept = {}
 
-    def read(self, t: torch.Tensor) -> torch.Tensor:
+    def copy(t: torch.Tensor) -> torch.Tensor:
         if mode == "sync" or not t.is_cuda:
-            return _engine_read(self, t)
-        self.host_reads += 1
-        u0 = thread_usage() if self.host_read_usage is not None else None
-        t0 = time.perf_counter()
+            return t.cpu()
         key = (tuple(t.shape), t.dtype)
         if key not in kept:
             kept[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -51,12 +47,8 @@ def _waiting_read(mode: str):
         else:
             while not done.query():
                 pass
-        self.host_read_s += time.perf_counter() - t0
-        if u0 is not None:
-            self.host_read_usage = tuple(a + b - c for a, b, c in zip(self.host_read_usage, thread_usage(), u0))
-        self._head_busy = False
         return out.clone()   # the kept buffer is rewritten by the next read
-    return read
+    return copy
 
 
 def _worker(ctx, w, reps: int):
@@ -73,7 +65,7 @@ def _worker(ctx, w, reps: int):
         return buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=tir, num_tokens_per_expert=nte,
                             topk_idx=idx, topk_weights=wts)
     for mode in MODES:
-        InternodeBackend._read = _waiting_read(mode)
+        InternodeBackend._to_host = staticmethod(_waiting_copy(mode))
         try:
             ref = dispatch()   # the outputs do not depend on how the read waited
             for _ in range(3):
@@ -82,7 +74,7 @@ def _worker(ctx, w, reps: int):
             again = dispatch()
             assert torch.equal(ref[0], again[0]) and ref[3] == again[3], f"rank {ctx.rank}: {mode} changed the outputs"
         finally:
-            InternodeBackend._read = _engine_read
+            InternodeBackend._to_host = _engine_copy
     buf.destroy()
     return {}
 

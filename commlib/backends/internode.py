@@ -271,12 +271,15 @@ class InternodeBackend(ReferenceBackend):
             return send
         return self._a2a_rows(send, send_splits, recv_splits, self.node_group)
 
+    # how _read brings a tensor to the host (a synchronous copy); experiments/host_cost_wait swaps it
+    _to_host = staticmethod(torch.Tensor.cpu)
+
     def _read(self, t: torch.Tensor) -> torch.Tensor:
         """The one device -> host read of a non-cached dispatch."""
         self.host_reads += 1
         u0 = thread_usage() if self.host_read_usage is not None else None
         t0 = time.perf_counter()
-        out = t.cpu()
+        out = self._to_host(t)
         self.host_read_s += time.perf_counter() - t0
         if u0 is not None:
             self.host_read_usage = tuple(a + b - c for a, b, c in zip(self.host_read_usage, thread_usage(), u0))

@@ -215,8 +215,8 @@ class InternodeBackend(ReferenceBackend):
         # this thread's (CPU s, voluntary, involuntary switches) in them (thread_usage; benchmarks set it
         # to a tuple to have it kept: a spinning wait is CPU time too, and not the engine's)
         self.host_read_usage = None
-        # where a call's host time goes (benchmarks --profile): a list of (step, perf_counter, host_read_s)
-        # marks while not None; one attribute test per step otherwise
+        # where a call's host time goes (benchmarks --profile): a list of (step, perf_counter, host_read_s,
+        # thread_usage(), host_read_usage) marks while not None; one attribute test per step otherwise
         self.trace = None
         self._head, self._head_busy = None, False   # the meta kernel's head row (_head_row)
         # E of the last dispatch: a rank whose dispatch input is refused on NCCL sends an agreement row
@@ -1039,7 +1039,7 @@ class InternodeBackend(ReferenceBackend):
         self._phase = "combine"
         if plan.get("device"):
             return self._combine_device(req, plan)
-        w = req.topk_weights[:n].to(dev) if has_w else None
+        w = _rows_on(req.topk_weights, n, dev) if has_w else None
         packer = _Packer([("y", torch.bfloat16, (H,))] + ([("w", torch.float32, (K,))] if K else []))
         if plan.get("padded"):
             acc_y, acc_w = self._combine_padded(req, plan, packer, w, T, H, K)

@@ -3,9 +3,9 @@ world size: what the host does with the gathered rows. One process, synthetic ga
 
 The count exchange gathers a row of n_sig + R + 2 + M + M Kc P + E + 1 ints from every rank. Reading
 all R rows and walking them on the host grows with R x (R + E): at EP256 (32 nodes x 8, 256
-experts, Kc = 4) that walk and the chunk geometry took 11 ms of Python on the development machine. The engine reads their digest instead
-(``exchange_digest``; one launch on the device steps), which grows with nodes, ranks per node and
-experts per rank. Rows:
+experts, Kc = 4) that walk and the chunk geometry took 11 ms of Python on the development machine.
+The engine reads their digest instead (``exchange_digest``; one launch on the device steps), which
+grows with nodes, ranks per node and experts per rank. Rows:
 
   whole_rows   the gathered rows to the host as lists (``g.cpu().tolist()``): what any host walk of
                the whole rows pays before it starts

@@ -1,0 +1,146 @@
+"""How many Python and C calls one internode Buffer call makes, per step (one GPU, 2 emulated hosts).
+
+``bench_internode --profile`` shows every step of a call costing 3-10x what its pieces cost in a
+tight loop, with the thread computing all along (no switch, no allocation, no wait). If the cost is
+per operation, it follows the number of operations a call makes. This counts them: with
+``sys.setprofile`` on, one call of each op (non-cached dispatch, cached dispatch, combine) is
+traced, and its Python function calls and C calls (torch ops, builtins) are counted per step (the
+engine's ``_mark`` calls end the steps, as in ``--profile``). The same calls are timed without the
+profiler (median of ``--reps``, host running ahead of the GPU), so a step's us per call it makes
+can be read off.
+
+Run: python -m experiments.host_cost_calls [--tokens 4096] [--reps 20] [--json DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from commlib.backends.internode import InternodeBackend
+from commlib.bench import main as B
+
+_MARK = InternodeBackend._mark.__code__
+
+
+class _Counter:
+    """sys.setprofile hook: Python calls and C calls, per step (a step ends where ``_mark`` is called)."""
+
+    def __init__(self) -> None:
+        self.step = "buffer"
+        self.steps = collections.OrderedDict()
+        self.py = collections.Counter()
+        self.c = collections.Counter()
+
+    def __call__(self, frame, event, arg) -> None:
+        if event == "call":
+            code = frame.f_code
+            if code is _MARK:
+                self.step = "after " + str(frame.f_locals.get("step"))
+                return
+            self.py[getattr(code, "co_qualname", code.co_name)] += 1
+            kind = 0
+        elif event == "c_call":
+            self.c[getattr(arg, "__qualname__", repr(arg))] += 1
+            kind = 1
+        else:
+            return
+        cell = self.steps.setdefault(self.step, [0, 0])
+        cell[kind] += 1
+
+
+def _count(fn) -> _Counter:
+    counter = _Counter()
+    sys.setprofile(counter)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return counter
+
+
+def _time_us(fn, reps: int) -> float:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(out)
+
+
+def _worker(ctx, w, reps: int):
+    from commlib.buffer import Buffer
+
+    R = ctx.world_size
+    nvl, rdma = B.buffer_bytes(w.hidden, R, 1, R)
+    buf = Buffer(ctx.group, nvl, rdma, backend="internode", ranks_per_node=1)
+    inp = B.make_inputs(w, ctx.rank, buf.device)
+    x, idx, wts = inp["x"], inp["topk_idx"], inp["topk_weights"]
+    ntr, _, nte, tir, _ = buf.get_dispatch_layout(idx, w.num_experts)
+    res = {}
+
+    def dispatch():
+        res["d"] = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=tir, num_tokens_per_expert=nte,
+                                topk_idx=idx, topk_weights=wts)
+
+    dispatch()
+    recv_x, handle = res["d"][0], res["d"][4]
+    ops = {"dispatch_bf16": dispatch,
+           "dispatch_bf16_cached": lambda: buf.dispatch(x, handle=handle),
+           "combine": lambda: buf.combine(recv_x, handle, topk_weights=res["d"][2])}
+    out = {}
+    for name, fn in ops.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        us = _time_us(fn, reps)
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        c = _count(fn)
+        torch.cuda.synchronize()
+        out[name] = {"us_per_call": us, "python_calls": sum(c.py.values()), "c_calls": sum(c.c.values()),
+                     "steps": dict(c.steps),
+                     "top_python": c.py.most_common(25), "top_c": c.c.most_common(25)}
+    buf.destroy()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", default=None, help="directory for host_cost_calls_<GPU>x<n>_<date>_<commit>.json")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_cost_calls: needs a GPU (the device steps run only there)")
+        return 0
+    from commlib.bench import results
+    from commlib.utils.launch import parallel_launch
+    w = B.Workload(a.tokens, a.hidden, 256, 8, 8, 4, 0)
+    out = parallel_launch(2, _worker, w, a.reps, ranks_per_node=1, use_gpu=True, group_backend="nccl",
+                          emulate_hosts=True)
+    for name, o in out.items():
+        n = o["python_calls"] + o["c_calls"]
+        print(f"# {name}: {o['us_per_call']:.0f} us per call (rank 0, host running ahead), {o['python_calls']} Python "
+              f"calls + {o['c_calls']} C calls = {n} ({o['us_per_call'] / max(n, 1):.2f} us per call made)")
+        for step, (py, cc) in o["steps"].items():
+            print(f"#   {step:>24}: {py:>5} Python {cc:>5} C")
+        print("#   most made (Python): " + ", ".join(f"{k} {v}" for k, v in o["top_python"][:15]))
+        print("#   most made (C): " + ", ".join(f"{k} {v}" for k, v in o["top_c"][:15]))
+    if a.json:
+        rows = [{"op": name, **o} for name, o in out.items()]
+        doc = results.result_document("host_cost_calls", " ".join(["python -m experiments.host_cost_calls"]
+                                                                  + (argv if argv is not None else sys.argv[1:])), rows, 2)
+        print(f"# wrote {results.write_result(doc, a.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

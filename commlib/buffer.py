@@ -117,6 +117,7 @@ class Buffer(LowLatencyMode):
                             if self.device.type == "cuda" else None)
         self._destroyed = False
         self._stream_cache: dict = {}  # raw cudaStream_t -> torch.cuda.Stream (see _current_stream)
+        self._entry_event = None       # kept event: the comm stream waits on the caller's (see _run_cuda)
         self._tuned: dict = {}
         self._rings: dict = {}
         self._local_buffers: dict = {}  # use_rdma_buffer -> uint8 tensor (get_local_buffer_tensor)
@@ -305,7 +306,12 @@ class Buffer(LowLatencyMode):
         if previous_event is not None and previous_event.event is not None:
             self.comm_stream.wait_event(previous_event.event)
         else:
-            self.comm_stream.wait_stream(compute)
+            # Stream.wait_stream would make, record and free an event per call (driver calls, each dear
+            # on some hosts); a wait reads the event as last recorded, so one kept event serves every call
+            if self._entry_event is None:
+                self._entry_event = torch.cuda.Event()
+            self._entry_event.record(compute)
+            self.comm_stream.wait_event(self._entry_event)
         if compute.device == self.device and torch._C._cuda_getDevice() == self.device.index:
             # set_stream rather than the stream context manager: same effect on the buffer's own
             # device, a fraction of the host time (the context manager re-queries both devices)

@@ -6,8 +6,8 @@ per operation, it follows the number of operations a call makes. This counts the
 ``sys.setprofile`` on, one call of each op (non-cached dispatch, cached dispatch, combine) is
 traced, and its Python function calls and C calls (torch ops, builtins) are counted per step (the
 engine's ``_mark`` calls end the steps, as in ``--profile``). The same calls are timed without the
-profiler (median of ``--reps``, host running ahead of the GPU), so a step's us per call it makes
-can be read off.
+profiler as ``bench_internode`` times them (median of ``--reps``, the read's wait excluded; behind
+running work, and with the host running ahead of the GPU).
 
 Run: python -m experiments.host_cost_calls [--tokens 4096] [--reps 20] [--json DIR]
 """
@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
+from benchmarks import bench_internode as BI
 from commlib.backends.internode import InternodeBackend
 from commlib.bench import main as B
 
@@ -64,15 +63,6 @@ def _count(fn) -> _Counter:
     return counter
 
 
-def _time_us(fn, reps: int) -> float:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(out)
-
-
 def _worker(ctx, w, reps: int):
     from commlib.buffer import Buffer
 
@@ -99,12 +89,14 @@ def _worker(ctx, w, reps: int):
             fn()
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
-        us = _time_us(fn, reps)
+        busy, busy_nccl, _ = BI._host_us(buf, fn, reps, busy=True)
+        steady, steady_nccl, _ = BI._host_us(buf, fn, reps, steady=True)
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
         c = _count(fn)
         torch.cuda.synchronize()
-        out[name] = {"us_per_call": us, "python_calls": sum(c.py.values()), "c_calls": sum(c.c.values()),
+        out[name] = {"host_us_busy": busy, "engine_us_busy": busy - busy_nccl, "host_us_steady": steady,
+                     "engine_us_steady": steady - steady_nccl, "python_calls": sum(c.py.values()), "c_calls": sum(c.c.values()),
                      "steps": dict(c.steps),
                      "top_python": c.py.most_common(25), "top_c": c.c.most_common(25)}
     buf.destroy()
@@ -128,8 +120,10 @@ def main(argv=None) -> int:
                           emulate_hosts=True)
     for name, o in out.items():
         n = o["python_calls"] + o["c_calls"]
-        print(f"# {name}: {o['us_per_call']:.0f} us per call (rank 0, host running ahead), {o['python_calls']} Python "
-              f"calls + {o['c_calls']} C calls = {n} ({o['us_per_call'] / max(n, 1):.2f} us per call made)")
+        print(f"# {name}: host us per call (rank 0, the read's wait excluded) {o['host_us_busy']:.0f} behind running "
+              f"work, {o['host_us_steady']:.0f} with the host running ahead; less torch.distributed's calls: "
+              f"{o['engine_us_busy']:.0f} / {o['engine_us_steady']:.0f}; {o['python_calls']} Python calls + "
+              f"{o['c_calls']} C calls = {n}")
         for step, (py, cc) in o["steps"].items():
             print(f"#   {step:>24}: {py:>5} Python {cc:>5} C")
         print("#   most made (Python): " + ", ".join(f"{k} {v}" for k, v in o["top_python"][:15]))

@@ -117,7 +117,6 @@ class Buffer(LowLatencyMode):
                             if self.device.type == "cuda" else None)
         self._destroyed = False
         self._stream_cache: dict = {}  # raw cudaStream_t -> torch.cuda.Stream (see _current_stream)
-        self._entry_event = None       # kept event: the comm stream waits on the caller's (see _run_cuda)
         self._tuned: dict = {}
         self._rings: dict = {}
         self._local_buffers: dict = {}  # use_rdma_buffer -> uint8 tensor (get_local_buffer_tensor)
@@ -306,7 +305,7 @@ class Buffer(LowLatencyMode):
         if previous_event is not None and previous_event.event is not None:
             self.comm_stream.wait_event(previous_event.event)
         else:
-            self._enter_comm(compute)
+            self.comm_stream.wait_stream(compute)
         if compute.device == self.device and torch._C._cuda_getDevice() == self.device.index:
             # set_stream rather than the stream context manager: same effect on the buffer's own
             # device, a fraction of the host time (the context manager re-queries both devices)
@@ -338,15 +337,6 @@ class Buffer(LowLatencyMode):
         if not async_finish:
             compute.wait_event(event)
         return result, EventOverlap(event, [t for t in inputs if isinstance(t, torch.Tensor)] if async_finish else None)
-
-    def _enter_comm(self, compute: "torch.cuda.Stream") -> None:
-        """The comm stream waits for the work queued so far on ``compute``. Stream.wait_stream would make,
-        record and free an event per call (driver calls, each dear on some hosts); a wait reads the event
-        as last recorded, so one kept event serves every call."""
-        if self._entry_event is None:
-            self._entry_event = torch.cuda.Event()
-        self._entry_event.record(compute)
-        self.comm_stream.wait_event(self._entry_event)
 
     def _current_stream(self) -> "torch.cuda.Stream":
         """torch's current stream on the buffer's device, through a raw-pointer cache (host-cheap)."""

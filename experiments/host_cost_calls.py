@@ -7,7 +7,9 @@ per operation, it follows the number of operations a call makes. This counts the
 traced, and its Python function calls and C calls (torch ops, builtins) are counted per step (the
 engine's ``_mark`` calls end the steps, as in ``--profile``). The same calls are timed without the
 profiler as ``bench_internode`` times them (median of ``--reps``, the read's wait excluded; behind
-running work, and with the host running ahead of the GPU).
+running work, and with the host running ahead of the GPU). A fourth row, ``dispatch_floor``, is
+``bench_internode.dispatch_floor``: the device operations a one-chunk dispatch cannot do without,
+issued bare, timed and counted alike.
 
 Run: python -m experiments.host_cost_calls [--tokens 4096] [--reps 20] [--json DIR]
 """
@@ -15,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
 from benchmarks import bench_internode as BI
-from commlib.backends import internode_kernels as IK
 from commlib.backends.internode import InternodeBackend
 from commlib.bench import main as B
 
@@ -65,56 +65,7 @@ def _count(fn) -> _Counter:
     return counter
 
 
-def _floor(buf, handle, E: int, H: int, K: int):
-    """The device operations a dispatch of this design cannot do without, issued bare (no engine, no
-    Buffer): the exchange row and its all-gather, the digest's read, the send rows and their
-    all-to-all (the handle's splits), the four outputs, five launches (a small kernel standing in for
-    meta, digest, pack, land and recv_chan). Its host time is the floor of a dispatch on this host."""
-    be, dev = buf.backend, buf.device
-    plan = handle.extra["plan"]
-    R, C = be.topology.num_ranks, 8
-    W = 2 * H + 4 + 12 * K + 4
-    row_len = be._row_len(E)
-    src = torch.zeros(64, dtype=torch.int32, device=dev)
-    small_g = torch.zeros(R, 16, dtype=torch.int64, device=dev)
-    chan = torch.empty(R, C, dtype=torch.int32, device=dev)
-    launch = lambda: IK.recv_chan(src, small_g, chan, n_sig=1, me=be.topology.rank)
-    n = plan["num_recv"]
-
-    def run():
-        row = torch.empty(row_len, dtype=torch.int64, device=dev)
-        launch()
-        g = torch.empty(R * row_len, dtype=torch.int64, device=dev)
-        dist.all_gather_into_tensor(g, row, group=be.group, async_op=True).wait()
-        digest = torch.empty(16, dtype=torch.int64, device=dev)
-        launch()
-        be._read(digest).tolist()
-        send = torch.empty(plan["send_starts"][-1], W, dtype=torch.uint8, device=dev)
-        launch()
-        recv = torch.empty(plan["recv_starts"][-1], W, dtype=torch.uint8, device=dev)
-        dist.all_to_all_single(recv, send, plan["recv_splits"][0], plan["send_splits"][0], group=be.group,
-                               async_op=True).wait()
-        outs = [torch.empty(n, H, dtype=torch.bfloat16, device=dev), torch.empty(n, dtype=torch.int32, device=dev),
-                torch.empty(n, K, dtype=torch.int64, device=dev), torch.empty(n, K, dtype=torch.float32, device=dev)]
-        launch()
-        launch()
-        return outs
-    return run
-
-
-def _variant(buf, kept: bool) -> None:
-    """kept: the engine as it is; else a fresh allocation per call for its per-call metadata tensors
-    (``_scratch``) and a fresh event for the Buffer's stream entry (Stream.wait_stream)."""
-    be = buf.backend
-    for obj, name in ((be, "_scratch"), (buf, "_enter_comm")):
-        obj.__dict__.pop(name, None)
-    if not kept:
-        dev = be.comm_device
-        be._scratch = lambda name, shape, dtype: torch.empty(shape, dtype=dtype, device=dev)
-        buf._enter_comm = lambda compute: buf.comm_stream.wait_stream(compute)
-
-
-def _worker(ctx, w, reps: int, ab: bool):
+def _worker(ctx, w, reps: int):
     from commlib.buffer import Buffer
 
     R = ctx.world_size
@@ -134,7 +85,7 @@ def _worker(ctx, w, reps: int, ab: bool):
     ops = {"dispatch_bf16": dispatch,
            "dispatch_bf16_cached": lambda: buf.dispatch(x, handle=handle),
            "combine": lambda: buf.combine(recv_x, handle, topk_weights=res["d"][2]),
-           "dispatch_floor": _floor(buf, handle, w.num_experts, w.hidden, w.num_topk)}
+           "dispatch_floor": BI.dispatch_floor(buf, handle, w)}
     out = {}
     for name, fn in ops.items():
         for _ in range(3):
@@ -151,15 +102,6 @@ def _worker(ctx, w, reps: int, ab: bool):
                      "engine_us_steady": steady - steady_nccl, "python_calls": sum(c.py.values()), "c_calls": sum(c.c.values()),
                      "steps": dict(c.steps),
                      "top_python": c.py.most_common(25), "top_c": c.c.most_common(25)}
-        if ab and name != "dispatch_floor":
-            # call by call, alternating which goes first: the host's drift (2x between runs here) falls on both
-            t = {True: [], False: []}
-            for i in range(2 * reps):
-                for kept in ((True, False) if i % 2 else (False, True)):
-                    _variant(buf, kept)
-                    t[kept].append(BI._host_us(buf, fn, 1, busy=True)[0])
-            _variant(buf, True)
-            out[name]["ab_busy_us"] = {"kept": statistics.median(t[True]), "fresh": statistics.median(t[False])}
     buf.destroy()
     return out
 
@@ -169,8 +111,6 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--ab", action="store_true", help="also the kept per-call tensors and entry event against fresh "
-                   "ones, call by call (behind running work)")
     p.add_argument("--json", default=None, help="directory for host_cost_calls_<GPU>x<n>_<date>_<commit>.json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -179,7 +119,7 @@ def main(argv=None) -> int:
     from commlib.bench import results
     from commlib.utils.launch import parallel_launch
     w = B.Workload(a.tokens, a.hidden, 256, 8, 8, 4, 0)
-    out = parallel_launch(2, _worker, w, a.reps, a.ab, ranks_per_node=1, use_gpu=True, group_backend="nccl",
+    out = parallel_launch(2, _worker, w, a.reps, ranks_per_node=1, use_gpu=True, group_backend="nccl",
                           emulate_hosts=True)
     for name, o in out.items():
         n = o["python_calls"] + o["c_calls"]
@@ -187,9 +127,6 @@ def main(argv=None) -> int:
               f"work, {o['host_us_steady']:.0f} with the host running ahead; less torch.distributed's calls: "
               f"{o['engine_us_busy']:.0f} / {o['engine_us_steady']:.0f}; {o['python_calls']} Python calls + "
               f"{o['c_calls']} C calls = {n}")
-        if "ab_busy_us" in o:
-            print(f"#   kept against fresh per-call tensors and entry event, call by call, behind running work: "
-                  f"{o['ab_busy_us']['kept']:.0f} / {o['ab_busy_us']['fresh']:.0f} us")
         for step, (py, cc) in o["steps"].items():
             print(f"#   {step:>24}: {py:>5} Python {cc:>5} C")
         print("#   most made (Python): " + ", ".join(f"{k} {v}" for k, v in o["top_python"][:15]))

@@ -219,7 +219,6 @@ class InternodeBackend(ReferenceBackend):
         # thread_usage(), host_read_usage) marks while not None; one attribute test per step otherwise
         self.trace = None
         self._head, self._head_busy = None, False   # the meta kernel's head row (_head_row)
-        self._scratch_bufs = {}                     # _scratch: per-call device tensors kept between calls
         # E of the last dispatch: a rank whose dispatch input is refused on NCCL sends an agreement row
         # of that length (the peers' rows have their E; the first dispatch refused: see on_rejected)
         self._last_num_experts = 0
@@ -257,18 +256,6 @@ class InternodeBackend(ReferenceBackend):
         t, arr = self._head
         arr[1:] = sig
         self._head_busy = True
-        return t
-
-    def _scratch(self, name: str, shape: tuple, dtype) -> torch.Tensor:
-        """A device tensor ``shape`` of ``dtype`` that only this call's own launches and collectives use,
-        kept between calls: the next call asks again and gets the same memory, so a call of the same
-        shapes allocates nothing (every host operation costs here: docs/internode.md, Host time). Safe
-        because the device steps run in one stream order: each user of the tensor (a kernel, or a
-        collective the stream then waits for) is done before the next call's first write is queued.
-        Never for anything a handle or an output keeps."""
-        t = self._scratch_bufs.get(name)
-        if t is None or t.shape != shape or t.dtype != dtype:
-            t = self._scratch_bufs[name] = torch.empty(shape, dtype=dtype, device=self.comm_device)
         return t
 
     def _h2d(self, values: list, dtype=torch.int64) -> torch.Tensor:
@@ -471,17 +458,16 @@ class InternodeBackend(ReferenceBackend):
         # ---- 1. metadata: one launch ----
         head = self._head_row(sig)
         n_sig = 1 + len(sig)
-        row_len = self._row_len(E)
-        row = self._scratch("row", (row_len,), torch.int64)
-        before = self._scratch("before", (T, R), torch.int32)
-        spos = self._scratch("spos", (T, M), torch.int32)
+        row = torch.empty(self._row_len(E), dtype=torch.int64, device=dev)
+        before = torch.empty(T, R, dtype=torch.int32, device=dev)
+        spos = torch.empty(T, M, dtype=torch.int32, device=dev)
         IK.meta(tir, topk, experts_in, head, row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=ring,
                 max_nodes=self.ctx.max_nodes_per_token)
         self._mark("meta")
 
         # ---- 2. one collective, one host read (of the gathered rows' digest) ----
         self._phase = "dispatch (agreement + count exchange)"
-        g = self._gather(row, out=self._scratch("gathered", (R * row_len,), torch.int64))
+        g = self._gather(row)
         self._mark("exchange")
         counts = self._read_counts(g, self._digest(g, E, n_sig, ring), sig, n_sig, E)
         num_recv, expert_counts = counts["num_recv"], counts["experts"]
@@ -545,9 +531,7 @@ class InternodeBackend(ReferenceBackend):
         the outputs allocated in between."""
         P, dev = self.topology.ranks_per_node, self.comm_device
         nch, ss, rs = plan["num_chunks"], plan["send_starts"], plan["recv_starts"]
-        # one chunk: the whole tensors (a slice is one more host operation)
-        part = (lambda t, st, k: t) if nch == 1 else (lambda t, st, k: t[st[k]:st[k + 1]])
-        post = lambda k, out=None: self.network.exchange(part(send, ss, k), plan["send_splits"][k],
+        post = lambda k, out=None: self.network.exchange(send[ss[k]:ss[k + 1]], plan["send_splits"][k],
                                                          plan["recv_splits"][k], out=out)
         self._count_rows_internode(plan)
         fan = self.fanout
@@ -555,7 +539,7 @@ class InternodeBackend(ReferenceBackend):
             recv = torch.empty(rs[-1], W + 4 * P, dtype=torch.uint8, device=dev)
             last = None
             for k in range(nch):
-                last = post(k, part(recv, rs, k))
+                last = post(k, recv[rs[k]:rs[k + 1]])
             self._mark("network post")
             if last is not None:
                 self.network.land(last, f"dispatch (network chunks 0-{nch - 1})")
@@ -765,7 +749,7 @@ class InternodeBackend(ReferenceBackend):
         kw = dict(n_sig=n_sig, me=topo.rank, node=topo.node, loc=topo.local_rank, M=M, P=P, Kc=Kc, ring=ring,
                   Lx=E // topo.num_ranks)
         if self.device_steps and g.is_cuda:
-            out = self._scratch("digest", (IK.digest_len(M, P, Kc, kw["Lx"]),), torch.int64)
+            out = torch.empty(IK.digest_len(M, P, Kc, kw["Lx"]), dtype=torch.int64, device=g.device)
             IK.digest(g, out, **kw)
             return out
         return exchange_digest(g, **kw)

@@ -153,16 +153,14 @@ class ReferenceBackend(Backend):
                                           async_op=True))
         return out
 
-    def _gather(self, row: torch.Tensor, group=None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[n] -> [ranks of ``group``, n] on the comm device (row r from rank r); no host read.
-        ``out``: where the rows land (contiguous [ranks x n] of row's dtype), else a new tensor."""
+    def _gather(self, row: torch.Tensor, group=None) -> torch.Tensor:
+        """[n] -> [ranks of ``group``, n] on the comm device (row r from rank r); no host read."""
         group = group or self.group
         size = dist.get_world_size(group)
         row = row.to(self.comm_device).contiguous()
-        if out is None:
-            out = torch.empty(size * row.numel(), dtype=row.dtype, device=self.comm_device)
+        out = torch.empty(size * row.numel(), dtype=row.dtype, device=self.comm_device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._wait(gather(out, row, group=group, async_op=True))   # a flat output: gloo takes no other
+        self._wait(gather(out, row, group=group, async_op=True))
         return out.view(size, row.numel())
 
     def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:

@@ -290,12 +290,30 @@ def _bare_a2a_host_us(buf, group, w, reps: int, busy: bool = False, steady: bool
     return _host_us(buf, call, reps, busy=busy, steady=steady)[0]
 
 
+def one_rank_per_node(ctx, w):
+    """For experiments: a Buffer on the internode engine with one rank per node, this rank's inputs of
+    workload ``w`` and a non-cached BF16 dispatch of them. Returns (buffer, x, dispatch callable)."""
+    from commlib.buffer import Buffer
+
+    R = ctx.world_size
+    nvl, rdma = B.buffer_bytes(w.hidden, R, 1, R)
+    buf = Buffer(ctx.group, nvl, rdma, backend="internode", ranks_per_node=1)
+    inp = B.make_inputs(w, ctx.rank, buf.device)
+    x, idx, wts = inp["x"], inp["topk_idx"], inp["topk_weights"]
+    ntr, _, nte, tir, _ = buf.get_dispatch_layout(idx, w.num_experts)
+
+    def dispatch():
+        return buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=tir, num_tokens_per_expert=nte,
+                            topk_idx=idx, topk_weights=wts)
+    return buf, x, dispatch
+
+
 def dispatch_floor(buf, handle, w):
-    """A call of the device operations a one-chunk dispatch of this engine cannot do without, issued bare
-    (no engine code, no Buffer): the exchange row and its all-gather, the digest's read, the send rows
-    and their all-to-all over the rail (``handle``'s first chunk), the four outputs, five launches of a small kernel
-    standing in for meta, digest, pack, land and recv_chan. Its host time is what a dispatch costs on
-    this host before any code of commlib runs: the target's floor here."""
+    """A call of the device operations a one-chunk dispatch of this engine cannot do without, issued
+    bare (no engine code, no Buffer): the exchange row and its all-gather, the digest's read, the send
+    rows and their all-to-all over the rail (``handle``'s first chunk), the four outputs, five launches
+    of a small kernel standing in for meta, digest, pack, land and recv_chan. Its host time is what a
+    dispatch costs on this host before any code of commlib runs: the target's floor here."""
     be, dev = buf.backend, buf.device
     plan = handle.extra["plan"]
     R, C, H, K = be.topology.num_ranks, 8, w.hidden, w.num_topk

@@ -66,19 +66,11 @@ def _count(fn) -> _Counter:
 
 
 def _worker(ctx, w, reps: int):
-    from commlib.buffer import Buffer
-
-    R = ctx.world_size
-    nvl, rdma = B.buffer_bytes(w.hidden, R, 1, R)
-    buf = Buffer(ctx.group, nvl, rdma, backend="internode", ranks_per_node=1)
-    inp = B.make_inputs(w, ctx.rank, buf.device)
-    x, idx, wts = inp["x"], inp["topk_idx"], inp["topk_weights"]
-    ntr, _, nte, tir, _ = buf.get_dispatch_layout(idx, w.num_experts)
+    buf, x, one = BI.one_rank_per_node(ctx, w)
     res = {}
 
     def dispatch():
-        res["d"] = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=tir, num_tokens_per_expert=nte,
-                                topk_idx=idx, topk_weights=wts)
+        res["d"] = one()
 
     dispatch()
     recv_x, handle = res["d"][0], res["d"][4]

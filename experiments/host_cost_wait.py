@@ -52,18 +52,7 @@ def _waiting_copy(mode: str):
 
 
 def _worker(ctx, w, reps: int):
-    from commlib.buffer import Buffer
-
-    R = ctx.world_size
-    nvl, rdma = B.buffer_bytes(w.hidden, R, 1, R)
-    buf = Buffer(ctx.group, nvl, rdma, backend="internode", ranks_per_node=1)
-    inp = B.make_inputs(w, ctx.rank, buf.device)
-    x, idx, wts = inp["x"], inp["topk_idx"], inp["topk_weights"]
-    ntr, _, nte, tir, _ = buf.get_dispatch_layout(idx, w.num_experts)
-
-    def dispatch():
-        return buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=tir, num_tokens_per_expert=nte,
-                            topk_idx=idx, topk_weights=wts)
+    buf, _, dispatch = BI.one_rank_per_node(ctx, w)
     for mode in MODES:
         InternodeBackend._to_host = staticmethod(_waiting_copy(mode))
         try:

@@ -28,9 +28,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
+
+from experiments import write_json
 
 
 def _batch_us(fn, reps: int, per: int = 50, keep_busy=None) -> float:
@@ -52,7 +53,6 @@ def main(argv=None) -> int:
 
     from commlib.backends import internode_kernels as IK
     from commlib.backends.base import CombineResult, DispatchResult
-    from commlib.bench import results
     from commlib.buffer import Buffer, _tensors_of
     from commlib.config import default_dispatch_config
     from commlib.handle import DispatchHandle
@@ -139,9 +139,8 @@ def main(argv=None) -> int:
     dist.destroy_process_group()
     os.unlink(store) if os.path.exists(store) else None
     if a.json:
-        doc = results.result_document("host_cost_buffer", " ".join(["python -m experiments.host_cost_buffer"] + sys.argv[1:]),
-                                      [{"op": k, "host_us": v} for k, v in rows.items()], 1, tokens=T, hidden=H)
-        print(f"# wrote {results.write_result(doc, a.json)}")
+        write_json("host_cost_buffer", argv, [{"op": k, "host_us": v} for k, v in rows.items()], 1, a.json,
+                   tokens=T, hidden=H)
     return 0
 
 

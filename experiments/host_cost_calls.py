@@ -25,6 +25,7 @@ import torch.distributed as dist
 from benchmarks import bench_internode as BI
 from commlib.backends.internode import InternodeBackend
 from commlib.bench import main as B
+from experiments import write_json
 
 _MARK = InternodeBackend._mark.__code__
 
@@ -108,7 +109,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("host_cost_calls: needs a GPU (the device steps run only there)")
         return 0
-    from commlib.bench import results
     from commlib.utils.launch import parallel_launch
     w = B.Workload(a.tokens, a.hidden, 256, 8, 8, 4, 0)
     out = parallel_launch(2, _worker, w, a.reps, ranks_per_node=1, use_gpu=True, group_backend="nccl",
@@ -125,9 +125,7 @@ def main(argv=None) -> int:
         print("#   most made (C): " + ", ".join(f"{k} {v}" for k, v in o["top_c"][:15]))
     if a.json:
         rows = [{"op": name, **o} for name, o in out.items()]
-        doc = results.result_document("host_cost_calls", " ".join(["python -m experiments.host_cost_calls"]
-                                                                  + (argv if argv is not None else sys.argv[1:])), rows, 2)
-        print(f"# wrote {results.write_result(doc, a.json)}")
+        write_json("host_cost_calls", argv, rows, 2, a.json)
     return 0
 
 

@@ -22,11 +22,12 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 
 import numpy as np
 import torch
+
+from experiments import write_json
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -121,7 +122,6 @@ def main(argv=None) -> int:
     from torch.utils.cpp_extension import load_inline
 
     from commlib.backends import internode_kernels as IK
-    from commlib.bench import results
     from commlib.cuda import loader
 
     t0 = time.perf_counter()
@@ -159,10 +159,7 @@ def main(argv=None) -> int:
             print(f"# {name:>8} {mode:>5} {a_us:>10.1f} {b_us:>8.1f} {a_us / max(b_us, 1e-9):>6.1f}")
             rows.append({"op": f"{name}_{mode}", "python_us": round(a_us, 2), "cpp_us": round(b_us, 2)})
     if a.json:
-        doc = results.result_document("host_cost_cpp", " ".join(["python -m experiments.host_cost_cpp"]
-                                                                + (argv if argv is not None else sys.argv[1:])), rows,
-                                      1, build_s=round(build_s, 1))
-        print(f"# wrote {results.write_result(doc, a.json)}")
+        write_json("host_cost_cpp", argv, rows, 1, a.json, build_s=round(build_s, 1))
     return 0
 
 

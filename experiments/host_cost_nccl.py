@@ -31,6 +31,8 @@ import argparse
 import statistics
 import time
 
+from experiments import write_json
+
 
 def _median_us(fn, reps: int, sync) -> float:
     times = []
@@ -201,12 +203,9 @@ def main():
     for k in keys:
         print(f"  {k:28s} " + "  ".join(f"{r[k]:9.1f}" for r in per_rank))
     if a.json:
-        import sys
-        from commlib.bench import results
         rows = [{"op": k, "rank": r, "host_us": round(v[k], 2)} for r, v in enumerate(per_rank) for k in keys]
-        doc = results.result_document("host_cost_nccl", " ".join(["python -m experiments.host_cost_nccl"] + sys.argv[1:]),
-                                      rows, a.ranks, emulated_hosts=emulate, a2a_rows=a.rows, hidden=a.hidden)
-        print(f"# wrote {results.write_result(doc, a.json)}")
+        write_json("host_cost_nccl", None, rows, a.ranks, a.json, emulated_hosts=emulate, a2a_rows=a.rows,
+                   hidden=a.hidden)
 
 
 if __name__ == "__main__":

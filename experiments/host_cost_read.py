@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from types import SimpleNamespace
 
 import torch
 
 from commlib.backends.internode import INTERNODE_SIG_FIELDS, InternodeBackend
-from commlib.bench import results
 from commlib.cuda.loader import cupy_available
+from experiments import write_json
 
 # (nodes, ranks per node, experts, network chunk cap): V3's 256 experts from 2 GPUs to EP256
 TOPOLOGIES = [(2, 1, 256, 1), (8, 8, 256, 4), (32, 8, 256, 4)]
@@ -86,9 +85,7 @@ def main(argv=None) -> int:
                      "row_ints": g.numel(), "whole_rows_us": round(whole, 1), "digest_us": round(digest, 1),
                      "digest_on_device": be.device_steps})
     if a.json:
-        doc = results.result_document("host_cost_read", " ".join(["python -m experiments.host_cost_read"]
-                                                                 + (argv if argv is not None else sys.argv[1:])), rows, 1)
-        print(f"# wrote {results.write_result(doc, a.json)}")
+        write_json("host_cost_read", argv, rows, 1, a.json)
     return 0
 
 

@@ -225,7 +225,7 @@ def _worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, profile
         buf = Buffer(ctx.group, nvl, rdma, backend="internode", ranks_per_node=rpn)
         rows = B.measure(buf, ref if i == 0 else None, ctx.group, w, OPS + (BASELINE_OPS if i == 0 else []), iters,
                          warmup)
-        _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile and i == 0)
+        _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile and i == 0, floor=i == 0)
         # the table's host figures are rank 0's; every rank's go with them (ranks sharing a GPU differ)
         everyone = [None] * ctx.world_size
         # host times and the same calls' CPU time on the calling thread (us, rounded), context switches
@@ -399,8 +399,9 @@ def _profile(ctx, buf, op: str, fn, reps: int = 10) -> None:
         print(f"# {step:>24} " + " ".join(f"{c[0]:>6.0f}/{c[1]:<6.0f}" for c in cells))
 
 
-def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=False):
-    """Per op: rows moved (counters), chunks used, host time per call."""
+def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=False, floor=False):
+    """Per op: rows moved (counters), chunks used, host time per call; ``floor``: also the host time of
+    ``dispatch_floor`` (one-chunk dispatches only)."""
     R = ctx.world_size
     # rows per call that crossed nodes / moved inside a node: counter deltas over one call of each op
     inp = B.make_inputs(w, ctx.rank, buf.device)
@@ -426,21 +427,22 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=Fals
         r["host_us"], r["host_collective_us"], _ = _host_us(buf, calls[r["op"]], max(5, iters))
         r["host_engine_us"] = r["host_us"] - r["host_collective_us"]
         if buf.device.type == "cuda":
-            r["host_busy_us"], r["host_busy_collective_us"], usage = _host_us(buf, calls[r["op"]], max(5, iters), busy=True)
-            r["host_busy_cpu_us"], r["host_busy_switches"] = usage["cpu_us"], [usage["voluntary"], usage["involuntary"]]
-            r["host_busy_mallocs"] = usage["mallocs"]
-            r["host_steady_us"], _, usage = _host_us(buf, calls[r["op"]], max(5, iters), steady=True)
-            r["host_steady_cpu_us"], r["host_steady_switches"] = usage["cpu_us"], [usage["voluntary"], usage["involuntary"]]
-            r["host_steady_mallocs"] = usage["mallocs"]
+            for mode in ("busy", "steady"):
+                r[f"host_{mode}_us"], collective, usage = _host_us(buf, calls[r["op"]], max(5, iters), **{mode: True})
+                r[f"host_{mode}_cpu_us"], r[f"host_{mode}_mallocs"] = usage["cpu_us"], usage["mallocs"]
+                r[f"host_{mode}_switches"] = [usage["voluntary"], usage["involuntary"]]
+                if mode == "busy":
+                    r["host_busy_collective_us"] = collective
         else:
             r["host_busy_us"] = r["host_busy_collective_us"] = r["host_steady_us"] = 0.0
         # the engine's own share: host time less what torch.distributed's calls and waits took
         r["host_busy_engine_us"] = r["host_busy_us"] - r["host_busy_collective_us"]
-        if r["op"] == "dispatch_bf16" and getattr(buf.backend, "device_steps", False) and r["chunks"] >= 1:
-            floor = dispatch_floor(buf, handle, w)
-            floor()
-            r["host_floor_busy_us"] = _host_us(buf, floor, max(5, iters), busy=True)[0]
-            r["host_floor_steady_us"] = _host_us(buf, floor, max(5, iters), steady=True)[0]
+        # the floor is a one-chunk dispatch's: measured once per run, on the first chunk cap's run
+        if floor and r["op"] == "dispatch_bf16" and getattr(buf.backend, "device_steps", False) and r["chunks"] == 1:
+            bare = dispatch_floor(buf, handle, w)
+            bare()
+            r["host_floor_busy_us"] = _host_us(buf, bare, max(5, iters), busy=True)[0]
+            r["host_floor_steady_us"] = _host_us(buf, bare, max(5, iters), steady=True)[0]
         if profile:  # every rank makes the calls (collective), rank 0 prints
             _profile(ctx, buf, r["op"], calls[r["op"]])
         before = buf.counters

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from commlib.utils import env
 from commlib.utils.dist import group_from_comm
+from commlib.utils.errors import is_device_failure
 from commlib.backends import make_backend, make_low_latency
 from commlib.backends.base import Backend, BackendContext, CombineRequest, DispatchRequest, PendingCombine
 from commlib.config import Config, default_combine_config, default_dispatch_config, slot_bytes
@@ -115,6 +116,7 @@ class Buffer(LowLatencyMode):
         # what lets the dual pipeline hide it (measured: default priority made overlap slower).
         self.comm_stream = (torch.cuda.Stream(device=self.device, priority=-1)
                             if self.device.type == "cuda" else None)
+        self._entry_event = torch.cuda.Event() if self.comm_stream is not None else None  # see _enter
         self._destroyed = False
         self._stream_cache: dict = {}  # raw cudaStream_t -> torch.cuda.Stream (see _current_stream)
         self._tuned: dict = {}
@@ -124,6 +126,8 @@ class Buffer(LowLatencyMode):
         self._check_world_agrees()
         self.backend_name = self._choose_backend(backend)
         self.backend: Backend = self._make_backend(self.backend_name)
+        # backends that keep plans of cached dispatches and combines (NVLinkBackend.plan_for) replay them
+        self._replays = self.comm_stream is not None and hasattr(self.backend, "plan_for")
         self.runtime = Runtime(self)
         self._low_latency = None
         if low_latency_mode:
@@ -182,7 +186,7 @@ class Buffer(LowLatencyMode):
             max_nodes_per_token=self.max_nodes_per_token, num_sms=lambda: Buffer.num_sms,
             default_config=lambda kind, r: (Buffer.get_dispatch_config if kind == "dispatch"
                                             else Buffer.get_combine_config)(r),
-            run=self._run)
+            run=self._run, comm_stream=self.comm_stream)
         return make_backend(name, self._ctx)
 
     def destroy(self) -> None:
@@ -278,65 +282,133 @@ class Buffer(LowLatencyMode):
 
     # ------------------------------------------------------------------ streams
     def _run(self, fn, inputs: Sequence, previous_event: Optional[EventOverlap], async_finish: bool,
-             allocate_on_comm_stream: bool):
+             allocate_on_comm_stream: bool, on_caller_stream: bool = False):
+        """fn() on the comm stream with DeepEP's event semantics (``on_caller_stream``: on the current
+        stream, no event), turning a CUDA failure into a CommlibError that retires the Buffer."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
-        if self.comm_stream is None:
-            return fn(), EventOverlap(None)
-        try:
-            return self._run_cuda(fn, inputs, previous_event, async_finish)
-        except CommlibError:
-            raise
-        except RuntimeError as e:
-            # A sticky CUDA error (a kernel trapped on a device timeout or a peer mismatch, a dead
-            # peer's memory): the context is unusable, so is this Buffer from now on.
-            text = str(e)
-            if "CUDA" not in text and "cuda" not in text and "cuLaunchKernel" not in text:
+        if self.comm_stream is None or on_caller_stream:
+            try:
+                return fn(), EventOverlap(None)
+            except RuntimeError as e:
+                self._retire_on_device_failure(e)
                 raise
-            if hasattr(self.backend, "failed") and not self.backend.failed:
-                self.backend.failed = f"[commlib rank {self.rank}] CUDA error during a call: {text.strip()[:300]}"
-            raise CommlibError(f"[commlib rank {self.rank}] CUDA error during a call; this Buffer is unusable "
-                               f"from now on (see the '[commlib]' device line above, if any): {text.strip()[:300]}") from e
+        try:
+            return self._run_cuda(fn, inputs, previous_event, async_finish, allocate_on_comm_stream)
+        except RuntimeError as e:
+            self._retire_on_device_failure(e)
+            raise
 
-    def _run_cuda(self, fn, inputs: Sequence, previous_event: Optional[EventOverlap], async_finish: bool):
+    def _retire_on_device_failure(self, e: RuntimeError) -> None:
+        """A sticky CUDA error (a kernel trapped on a device timeout or a peer mismatch, a dead peer's
+        memory, an illegal access) leaves the context unusable: raise CommlibError, and this Buffer
+        refuses every later call. Any other error (host-side, whatever its message) returns here and
+        is raised as itself; the Buffer keeps working."""
+        if isinstance(e, CommlibError) or not is_device_failure(e):
+            return
+        text = str(e).strip()[:300]
+        if hasattr(self.backend, "failed") and not self.backend.failed:
+            self.backend.failed = f"[commlib rank {self.rank}] CUDA error during a call: {text}"
+        raise CommlibError(f"[commlib rank {self.rank}] CUDA error during a call; this Buffer is unusable "
+                           f"from now on (see the '[commlib]' device line above, if any): {text}") from e
+
+    def _run_cuda(self, fn, inputs: Sequence, previous_event: Optional[EventOverlap], async_finish: bool,
+                  allocate_on_comm_stream: bool = False):
         compute = self._current_stream()
-        if previous_event is not None and previous_event.event is not None:
-            self.comm_stream.wait_event(previous_event.event)
-        else:
-            self.comm_stream.wait_stream(compute)
+        comm = self.comm_stream
+        outputs_on_compute = self._enter(compute, previous_event, allocate_on_comm_stream)
+        ctx = self._ctx
         if compute.device == self.device and torch._C._cuda_getDevice() == self.device.index:
+            ctx.out_stream = compute if outputs_on_compute else None
             # set_stream rather than the stream context manager: same effect on the buffer's own
             # device, a fraction of the host time (the context manager re-queries both devices)
-            torch.cuda.set_stream(self.comm_stream)
+            torch.cuda.set_stream(comm)
             try:
                 result = fn()
             finally:
                 torch.cuda.set_stream(compute)
+                ctx.out_stream = None
         else:
-            with torch.cuda.stream(self.comm_stream):
+            outputs_on_compute = False
+            with torch.cuda.stream(comm):
                 result = fn()
-        # Outputs were allocated on the comm stream and are used on the compute stream: tell the
-        # allocator. Inputs only need it when the caller may free them before the comm stream is
-        # done (async_finish); otherwise the compute stream waits below before anything reuses them.
+        return result, self._leave(compute, result, getattr(result, "blocks", None), inputs, async_finish,
+                                   outputs_on_compute)
+
+    def _enter(self, compute, previous_event: Optional[EventOverlap], allocate_on_comm_stream: bool) -> bool:
+        """The comm stream waits for ``previous_event``, or for the caller's stream. Returns whether the
+        call's outputs belong to the caller's stream (as DeepEP: no record_stream needed, and freed
+        blocks are reused in stream order); not after a previous_event, since the comm stream then does
+        not wait for the caller's later work, which may still use a block it freed."""
+        if previous_event is not None and previous_event.event is not None:
+            self.comm_stream.wait_event(previous_event.event)
+            return False
+        # one kept event: a wait takes the event's state when it is enqueued, so re-recording it later
+        # cannot move an earlier wait
+        self._entry_event.record(compute)
+        self.comm_stream.wait_event(self._entry_event)
+        return not allocate_on_comm_stream
+
+    def _leave(self, compute, result, blocks: Optional[tuple], inputs: Sequence, async_finish: bool,
+               outputs_on_compute: bool) -> EventOverlap:
+        """Tell the allocator which streams use what, record the call's event; the caller's stream
+        waits for it unless ``async_finish``."""
+        comm = self.comm_stream
+        # Inputs need a record only when the caller may free them before the comm stream is done
+        # (async_finish); otherwise the compute stream waits below before anything reuses them.
         # A handle passed in (cached mode) was recorded when it was made.
         if async_finish:
             for t in inputs:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
-                    t.record_stream(self.comm_stream)
-        # one record per allocation: outputs that are views of one block (a backend's arena) share it
-        recorded = set()
-        for t in _tensors_of(result, skip=inputs):
-            base = t._base if t._base is not None else t
-            if id(base) not in recorded:
-                recorded.add(id(base))
-                base.record_stream(compute)
+                    t.record_stream(comm)
+        if blocks is not None:
+            # the backend's allocations: owned by the caller's stream, the comm stream writes them
+            # (recorded there when the caller may free them early), or owned by the comm stream
+            if outputs_on_compute:
+                if async_finish:
+                    for b in blocks:
+                        b.record_stream(comm)
+            else:
+                for b in blocks:
+                    b.record_stream(compute)
+        else:
+            # outputs allocated on the comm stream and used on the compute stream: tell the allocator,
+            # once per allocation (outputs that are views of one block share it)
+            recorded = set()
+            for t in _tensors_of(result, skip=inputs):
+                base = t._base if t._base is not None else t
+                if id(base) not in recorded:
+                    recorded.add(id(base))
+                    base.record_stream(compute)
         event = torch.cuda.Event()
-        event.record(self.comm_stream)
+        event.record(comm)
         if not async_finish:
             compute.wait_event(event)
-        return result, EventOverlap(event, [t for t in inputs if isinstance(t, torch.Tensor)] if async_finish else None)
+        return EventOverlap(event, [t for t in inputs if isinstance(t, torch.Tensor)] if async_finish else None)
+
+    def _replay(self, handle: DispatchHandle, key: tuple, x: torch.Tensor, second, config, previous_event,
+                async_finish: bool, allocate_on_comm_stream: bool, inputs: tuple):
+        """A cached dispatch or a combine the backend made before with the same arguments, replayed
+        (``NVLinkBackend.plan_for``): none of the validation, config resolution and launch set-up of
+        the full path, whose checks that call already passed. Returns (first output, second output,
+        event), or None for the full path (anything differs, or its argument errors must be raised)."""
+        plan = self.backend.plan_for(handle, key, x, config, second)
+        if (plan is None or (previous_event is not None and not isinstance(previous_event, EventOverlap))
+                or (allocate_on_comm_stream and (previous_event is None or not async_finish))
+                or torch._C._cuda_getDevice() != self.device.index):
+            return None
+        compute = self._current_stream()
+        on_compute = self._enter(compute, previous_event, allocate_on_comm_stream)
+        try:
+            first, second_out = self.backend.run_plan(plan, x, second, self.comm_stream.cuda_stream,
+                                                      None if on_compute else (self.comm_stream, compute))
+        except RuntimeError as e:
+            self._retire_on_device_failure(e)
+            raise
+        blocks = (first,) if second_out is None else (first, second_out)
+        return first, second_out, self._leave(compute, None, blocks, inputs, async_finish, on_compute)
 
     def _current_stream(self) -> "torch.cuda.Stream":
         """torch's current stream on the buffer's device, through a raw-pointer cache (host-cheap)."""
@@ -364,8 +436,13 @@ class Buffer(LowLatencyMode):
         check_num_experts(num_experts, self.num_ranks, self.rank)
         check_tensor("topk_idx", topk_idx, self.rank, dtype=torch.int64, dim=2, device=self.device)
         self._check_expert_ids(topk_idx, num_experts)
-        layout, event = self._run(lambda: self.backend.get_dispatch_layout(topk_idx, num_experts),
-                                  [topk_idx], previous_event, async_finish, allocate_on_comm_stream)
+        fn = lambda: self.backend.get_dispatch_layout(topk_idx, num_experts)  # noqa: E731
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            # nothing to overlap: the layout runs on the caller's stream, in its order (as DeepEP's
+            # synchronous call ends, with no event to wait for)
+            layout, event = self._run(fn, (), None, False, False, on_caller_stream=True)
+        else:
+            layout, event = self._run(fn, [topk_idx], previous_event, async_finish, allocate_on_comm_stream)
         return (layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank, layout.num_tokens_per_expert,
                 layout.is_token_in_rank, event)
 
@@ -408,6 +485,18 @@ class Buffer(LowLatencyMode):
             (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)
             recv_x: [N, H] bf16 or (fp8 [N, H], scales [N, S] of x's scales dtype); rows grouped by source rank.
         """
+        if (handle is not None and topk_idx is None and topk_weights is None and prepacked is None
+                and not num_worst_tokens and type(expert_alignment) is int and expert_alignment > 0
+                and self._replays and type(handle) is DispatchHandle and handle.buffer_id == self.buffer_id):
+            data, scales = (x, None) if isinstance(x, torch.Tensor) else (x if type(x) is tuple and len(x) == 2
+                                                                            else (None, None))
+            if isinstance(data, torch.Tensor) and data.dim() == 2 and (config is None or isinstance(config, Config)):
+                cfg = self._resolve_config(config, "dispatch", data.shape[0], data.shape[1],
+                                           "bf16" if scales is None else "fp8")
+                out = self._replay(handle, ("dispatch", data.dtype), data, scales, cfg, previous_event, async_finish,
+                                   allocate_on_comm_stream, (data, scales))
+                if out is not None:
+                    return ((out[0] if scales is None else (out[0], out[1])), None, None, None, handle, out[2])
         self._alive()
         try:
             if prepacked is not None:
@@ -435,7 +524,15 @@ class Buffer(LowLatencyMode):
                 req.x_scales = scales_carrier(scales_in, req.x.shape[1])
             res = self.backend.dispatch(req)
             if res.recv_x_scales is not None:
-                res.recv_x_scales = scales_from_carrier(res.recv_x_scales, scales_in.shape[1], scales_in.dtype)
+                carrier = res.recv_x_scales
+                res.recv_x_scales = scales_from_carrier(carrier, scales_in.shape[1], scales_in.dtype)
+                if res.blocks is not None and res.recv_x_scales.data_ptr() != carrier.data_ptr():
+                    # narrower scales were copied out on the comm stream, outside the backend's blocks
+                    out = self._ctx.out_stream
+                    if out is not None:
+                        res.recv_x_scales.record_stream(out)
+                    else:
+                        res.blocks += (res.recv_x_scales,)
             return res
 
         res, event = self._run(call, inputs, previous_event, async_finish, allocate_on_comm_stream)
@@ -605,6 +702,16 @@ class Buffer(LowLatencyMode):
             (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event);
             finish_later: (PendingCombine, None, event)
         """
+        if (bias is None and not finish_later and self._replays and type(handle) is DispatchHandle
+                and handle.buffer_id == self.buffer_id and isinstance(x, torch.Tensor) and x.dim() == 2
+                and (config is None or isinstance(config, Config))
+                and (topk_weights is None or isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2)):
+            cfg = self._resolve_config(config, "combine", handle.num_tokens, x.shape[1])
+            out = self._replay(handle, ("combine", 0 if topk_weights is None else topk_weights.shape[1]), x,
+                               topk_weights, cfg, previous_event, async_finish, allocate_on_comm_stream,
+                               (x, topk_weights))
+            if out is not None:
+                return out
         self._alive()
         try:
             req = self._prepare_combine(x, handle, topk_weights, bias, config)

@@ -28,7 +28,7 @@ def check_tensor(name: str, t, rank: int, *, dtype=None, dim: Optional[int] = No
             raise TypeError(f"{_where(rank)} {name} must be {want}, got {t.dtype}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{_where(rank)} {name} must be {dim}-D, got shape {tuple(t.shape)}")
-    if device is not None and not same_device(t.device, device):
+    if device is not None and t.device != device and not same_device(t.device, device):
         raise ValueError(f"{_where(rank)} {name} is on {t.device}, but this Buffer works on {device}")
     if not t.is_contiguous():
         raise ValueError(f"{_where(rank)} {name} must be contiguous (call .contiguous() first)")
@@ -63,7 +63,7 @@ def split_x(x, rank: int, device: torch.device):
                             f"got {scales.dtype}")
         if scales.dim() != 2:
             raise ValueError(f"{_where(rank)} x[1] (FP8 scales) must be 2-D [T, S], got shape {tuple(scales.shape)}")
-        if not same_device(scales.device, device):
+        if scales.device != device and not same_device(scales.device, device):
             raise ValueError(f"{_where(rank)} x[1] (FP8 scales) is on {scales.device}, but this Buffer works on {device}")
         T, H = data.shape
         if H % BLOCK != 0:

@@ -55,6 +55,9 @@ class DispatchResult:
     recv_topk_weights: Optional[torch.Tensor]  # [N, K] float32, None in cached mode or without weights
     num_recv_tokens_per_expert_list: Optional[list]  # [local experts] ints, None in cached mode
     handle: DispatchHandle
+    # the allocations behind the outputs, made on BackendContext.out_stream (or the comm stream where
+    # that is None): the Buffer records only these. None: it records every tensor it finds in the result.
+    blocks: Optional[tuple] = None
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ class CombineResult:
     combined_x: torch.Tensor                 # [T, H] bf16
     combined_topk_weights: Optional[torch.Tensor]  # [T, K] float32
     pending: Optional["PendingCombine"] = None  # finish_later: the outputs are written by pending.finish()
+    blocks: Optional[tuple] = None           # as DispatchResult.blocks
 
 
 class PendingCombine:
@@ -110,6 +114,10 @@ class BackendContext:
     # run(fn, inputs, previous_event, async_finish, allocate_on_comm_stream): fn on the comm stream
     # with DeepEP's event semantics; returns (fn's result, EventOverlap or None).
     run: Callable[..., Any]
+    comm_stream: Any = None         # the Buffer's comm stream (None on CPU)
+    # Per call, set by the Buffer before it calls the backend: the stream outputs should be allocated
+    # on (the caller's stream, which then owns them), or None for the current (comm) stream.
+    out_stream: Any = None
 
 
 class Backend:

@@ -21,6 +21,7 @@ import numpy as np
 
 from commlib.config import CONTROL_BYTES
 from commlib.utils import env
+from commlib.utils.errors import KernelLaunchError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 
@@ -449,11 +450,7 @@ def _issue(lau: _Launcher, grid: int, block: int, args: Sequence, shared_mem: in
         lau.fmt.pack_into(lau.buf, 0, *args)
         rc = drv[0](lau.handle, grid, 1, 1, block, 1, 1, shared_mem, stream, lau.params, None)
         if rc:
-            import ctypes
-
-            err = ctypes.c_char_p()
-            drv[1](rc, ctypes.byref(err))
-            raise RuntimeError(f"cuLaunchKernel failed: {(err.value or b'?').decode()} ({rc})")
+            _launch_failed(rc)
         return
     # CuPy's own launch (no libcuda through ctypes, or COMMLIB_FAST_LAUNCH=0): typed numpy scalars
     typed = tuple(t(v) for t, v in zip(lau.np_types, args))
@@ -497,6 +494,52 @@ def launch(family: str, name: str, grid: int, block: int, args: Sequence, shared
     _issue(lau, grid, block, args, shared_mem, device)
     end.record()
     _recording.append((name, start, end))
+
+
+class Replay:
+    """One kernel launch that a repeated call makes again and again: the build, grid and argument
+    list are fixed once, and a call sets only the slots that change (its tensors' addresses) before
+    ``issue`` packs them and launches on a stream it names (no current-stream switch). Made only
+    where the driver's launch path is there (``replay`` returns None otherwise)."""
+
+    __slots__ = ("lau", "grid", "block", "args", "variant", "plain")
+
+    def __init__(self, lau: _Launcher, grid: int, block: int, args: list) -> None:
+        self.lau, self.grid, self.block, self.args = lau, int(grid), int(block), list(args)
+        self.variant, self.plain = _variant_key, plain_mode()
+
+    def current(self) -> bool:
+        """Still what ``launch`` would run: same kernel variant and load / store mode, fast launch on,
+        and no ``record_launches`` block around the call (that wants events around each launch)."""
+        return self.variant is _variant_key and _recording is None and _fast_launch and self.plain == plain_mode()
+
+    def issue(self, stream: int) -> None:
+        lau = self.lau
+        lau.fmt.pack_into(lau.buf, 0, *self.args)
+        rc = _driver[0](lau.handle, self.grid, 1, 1, self.block, 1, 1, 0, stream, lau.params, None)
+        if rc:
+            _launch_failed(rc)
+
+
+def replay(family: str, name: str, grid: int, block: int, args: Sequence,
+           variant_key: Optional[tuple] = None) -> Optional[Replay]:
+    """A Replay of ``launch(family, name, grid, block, args, variant_key=...)`` on the current device,
+    or None where launches take CuPy's path."""
+    if not (_fast_launch and _driver_api()):
+        return None
+    lau = _launcher(family, name, _device(), variant_key)
+    if not lau.handle or len(args) != lau.count:
+        return None
+    lau.fmt.pack(*args)  # every value fits its C type now, so a replay fails only where an address does
+    return Replay(lau, grid, block, list(args))
+
+
+def _launch_failed(rc: int) -> None:
+    import ctypes
+
+    err = ctypes.c_char_p()
+    _driver[1](rc, ctypes.byref(err))
+    raise KernelLaunchError(f"cuLaunchKernel failed: {(err.value or b'?').decode()} ({rc})", rc)
 
 
 @contextlib.contextmanager

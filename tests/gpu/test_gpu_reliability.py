@@ -23,6 +23,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,7 @@ class _FakeTopology:
 
 def _fake_backend(rank=0, R=2):
     from commlib.backends.nvlink.engine import NVLinkBackend
+    from commlib.cuda import loader as K
 
     be = NVLinkBackend.__new__(NVLinkBackend)
     be.topology = _FakeTopology(rank, R)
@@ -223,6 +225,9 @@ def _fake_backend(rank=0, R=2):
     be._smid_count = {"notify": 0, "dispatch": 0, "combine": 0}
     be._smid_grids = {kind: [0] for kind in be._smid_count}
     be._ce = None  # COMMLIB_CE_BYTES unset: the SM data kernels
+    be.ctx = types.SimpleNamespace(out_stream=None, comm_stream=None)
+    be._out, be._blocks, be.last_wait_ns = None, [], 0
+    be.init_host_words(K.notify_slot_words(R), pinned=False)
     return be
 
 
@@ -245,7 +250,8 @@ def _mock_launch(monkeypatch, on_notify=None, fail=False):
         assert len(args) == len(codes), f"{name}: {len(args)} arguments, the kernel takes {len(codes)}"
         struct.pack("@" + codes, *[int(a) for a in args])  # every value fits its C type
         if fail:
-            raise RuntimeError("cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_INSTRUCTION (715)")
+            from commlib.utils.errors import KernelLaunchError
+            raise KernelLaunchError("cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_INSTRUCTION (715)", 715)
         calls.append((name, list(args)))
         builds.append((name, grid, variant_key))
         if name == "notify_kernel" and on_notify is not None:
@@ -270,7 +276,8 @@ def _dispatch_req(T=8, H=256, E=8, Kk=2, fp8=False, num_sms=4, worst=0):
 
 
 def _fill_counts(args, values: dict):
-    """Write host_counts the way notify.cu would (args[10] = host_counts pointer, CPU tensor)."""
+    """Write host_counts the way notify.cu would (args[10] = host_counts pointer, CPU tensor), then
+    raise the host flag (the last two arguments: its address and the call's value)."""
     from commlib.cuda import loader as K
 
     n = K.HOST_COUNTS_EXPERT
@@ -285,6 +292,8 @@ def _fill_counts(args, values: dict):
                 words[K.HOST_COUNTS[k] + j] = x
         else:
             words[K.HOST_COUNTS[k]] = v
+    if int(args[-2]):
+        ctypes.c_int64.from_address(int(args[-2])).value = int(args[-1])
 
 
 def test_trace_history_slots():

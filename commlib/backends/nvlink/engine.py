@@ -26,6 +26,7 @@ NVLinkBackend).
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
 import torch
@@ -37,6 +38,7 @@ from commlib.config import CONTROL_BYTES
 from commlib.handle import DispatchHandle
 from commlib.layout import Layout, dispatch_layout, rows_before
 from commlib.layout import send_head as layout_send_head
+from commlib.utils.errors import is_device_failure
 from commlib.validate import CommlibError
 from commlib.backends.base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from commlib.backends.nvlink.copy_engine import CopyEnginePath, StagingPool, ce_settings  # noqa: F401 - re-exported
@@ -66,6 +68,37 @@ def _sig_value(field: str, v: int) -> str:
     return str(v)
 
 
+def _config_key(config) -> Optional[tuple]:
+    """What a Config sets for the NVLink kernels (None: the Buffer's default)."""
+    if config is None:
+        return None
+    return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+
+
+class CachedPlan:
+    """A cached dispatch's or a combine's launch, kept on its handle (``handle.extra["plans"]``): the
+    replayed kernel, its outputs' shapes, and what the call was made with, which a later call must
+    match to replay it."""
+
+    __slots__ = ("owner", "shape", "dtype", "config_key", "channels", "replay", "outputs", "second_shape",
+                 "out_slot", "local_rows", "remote_rows")
+
+    def __init__(self, owner, x, config, channels, replay, outputs, out_slot, counts, second):
+        self.owner, self.shape, self.dtype, self.channels, self.replay = owner, x.shape, x.dtype, channels, replay
+        self.config_key = _config_key(config)
+        self.outputs = outputs          # ((shape, dtype), (shape, dtype) or None): the kernel's two outputs
+        self.second_shape = tuple(second.shape) if second is not None else None
+        self.out_slot = out_slot        # argument index of the first output's address (the second's is next)
+        rank = owner.rank
+        self.local_rows = int(counts[rank]) if counts else 0
+        self.remote_rows = (sum(int(n) for n in counts) - self.local_rows) if counts else 0
+
+
+def _set_stream(stream) -> None:
+    """torch.cuda.set_stream without its Python frames (host time on every call path)."""
+    torch._C._cuda_setStream(stream.stream_id, stream.device_index, stream.device_type)
+
+
 class NVLinkBackend(CopyEnginePath, Backend):
     """Intranode GPU backend over CUDA IPC peer pointers (see module docstring)."""
 
@@ -87,6 +120,9 @@ class NVLinkBackend(CopyEnginePath, Backend):
         self.group = ctx.group
         self.timeout_ns = int(float(ctx.timeout_s) * 1e9)
         self.failed: Optional[str] = None
+        self.last_wait_ns = 0  # ns the host last waited for counts (_wait_counts, _host_read)
+        self._out = None       # the stream this call's outputs belong to (_alloc)
+        self._blocks: list = []
         self._base: Optional[int] = None
         self._peer_ptrs: dict[int, int] = {}
         # control words first, then num_nvl_bytes of staging: one part per source rank, a ring per channel
@@ -99,6 +135,8 @@ class NVLinkBackend(CopyEnginePath, Backend):
         self.peer_bases = self._mem.peer_bases
         self.seq_counters = torch.zeros(K.NUM_SEQ_COUNTERS, dtype=torch.int64, device=self.device)
         self._layout_scratch: dict = {}  # per stream: [ticket, error word] int32
+        self._layout_partials: dict = {}  # per stream: the layout kernel's per-block counts (int32)
+        self.init_host_words(K.notify_slot_words(self.num_ranks), pinned=True)
         # per kind and slot (one slot per launch, round robin over COMMLIB_DEBUG_SMID_SLOTS): %smid of up
         # to 256 CTAs, then (kernel variant COMM_TRACE=1) 3 u64 trace points per CTA
         self._smid_slots = env.debug_smid_slots()
@@ -129,11 +167,68 @@ class NVLinkBackend(CopyEnginePath, Backend):
             raise CommlibError(f"[commlib rank {self.rank}] nvlink backend is unusable after an earlier failure: "
                                f"{self.failed}")
 
-    def _host_read(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """The one device -> host copy of a call; a device-side timeout surfaces here."""
+    # ------------------------------------------------------------------ host words, outputs
+    def init_host_words(self, count_words: int, pinned: bool) -> None:
+        """The count exchange's host words: notify.cu writes a dispatch's counts straight into them
+        (pinned memory, which kernels address directly) and then raises the flag to the call's
+        sequence number, which the host polls: no copy, no stream sync."""
+        self._host_counts = torch.zeros(count_words, dtype=torch.int32, device="cpu", pin_memory=pinned)
+        self._host_flag = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=pinned)
+        self._counts_np, self._flag_np = self._host_counts.numpy(), self._host_flag.numpy()
+        self._host_seq = 0
+
+    def _wait_counts(self, seq: int, words: int) -> list:
+        """The counts of the call whose notify launch carried ``seq``, once its flag is up. A device
+        failure (a trapped notify: peer timeout, bad signature) surfaces through the stream's error
+        within a poll period; COMMLIB_TIMEOUT_S plus a grace bounds the wait."""
+        flag = self._flag_np
+        t0 = time.perf_counter_ns()
+        spins = 0
+        while flag[0] != seq:
+            spins += 1
+            if spins & 0xFFF == 0:
+                stream = self.ctx.comm_stream
+                try:
+                    done = stream is not None and stream.query()
+                except Exception as e:  # noqa: BLE001 - RuntimeError / torch.AcceleratorError: sticky CUDA error
+                    self.failed = f"dispatch count exchange: {e}"
+                    raise CommlibError(f"[commlib rank {self.rank}] dispatch count exchange failed on the device (a "
+                                       f"peer did not take part in time, or a kernel faulted; see the '[commlib] rank "
+                                       f"... timeout' line above): {e}") from e
+                if (done and flag[0] != seq) or time.perf_counter_ns() - t0 > self.timeout_ns + 5_000_000_000:
+                    self.failed = "dispatch count exchange: no counts"
+                    raise CommlibError(f"[commlib rank {self.rank}] dispatch count exchange: the notify kernel "
+                                       f"{'finished' if done else 'ran past COMMLIB_TIMEOUT_S'} without raising "
+                                       f"its host flag (call {seq}, flag {int(flag[0])})")
+        self.last_wait_ns = time.perf_counter_ns() - t0
+        return self._counts_np[:words].tolist()
+
+    def _alloc(self, specs: tuple) -> list:
+        """A tensor per spec ((shape, dtype), or None for no tensor), allocated on the call's output
+        stream (the Buffer's ``ctx.out_stream``: the caller's stream, so outputs need no record_stream;
+        None: the current stream). Separate allocations: on the host a view costs more than one."""
+        out, dev = self._out, self.device
+        if out is not None:
+            _set_stream(out)
         try:
-            return t.cpu()
-        except Exception as e:  # noqa: BLE001 - RuntimeError / torch.AcceleratorError from a trapped kernel
+            made = [None if sp is None else torch.empty(sp[0], dtype=sp[1], device=dev) for sp in specs]
+        finally:
+            if out is not None:
+                _set_stream(self.ctx.comm_stream)
+        self._blocks.extend(t for t in made if t is not None)
+        return made
+
+    def _host_read(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """The one device -> host copy of a call; a device-side timeout surfaces here. ``last_wait_ns``:
+        how long the host was blocked in it (benchmarks.bench_host splits a call's time with it)."""
+        t0 = time.perf_counter_ns()
+        try:
+            out = t.cpu()
+            self.last_wait_ns = time.perf_counter_ns() - t0
+            return out
+        except RuntimeError as e:  # torch.AcceleratorError from a trapped kernel
+            if not is_device_failure(e):
+                raise
             self.failed = f"{what}: {e}"
             raise CommlibError(f"[commlib rank {self.rank}] {what} failed on the device (a peer did not "
                                f"take part in time, or a kernel faulted; see the '[commlib] rank ... timeout' "
@@ -210,16 +305,21 @@ class NVLinkBackend(CopyEnginePath, Backend):
             return dispatch_layout(topk_idx, num_experts, self.topology)
         topk = topk_idx.contiguous()
         dev = self.device
-        ntpr = torch.empty(R, dtype=torch.int32, device=dev)
-        ntpe = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        tir = torch.empty((T, R), dtype=torch.bool, device=dev)
         blocks = max(1, math.ceil(T / K.LAYOUT_THREADS))
-        partials = torch.empty(blocks * (R + num_experts), dtype=torch.int32, device=dev) if blocks > 1 else None
-        stream = torch.cuda.current_stream(dev)
-        scratch = self._layout_scratch.get(stream.cuda_stream)
+        # one allocation on the current stream (the caller's, or the comm stream of an overlapped call)
+        self._out, self._blocks = None, []
+        ntpr, ntpe, tir = self._alloc((((R,), torch.int32), ((num_experts,), torch.int32), ((T, R), torch.bool)))
+        stream = torch._C._cuda_getCurrentRawStream(dev.index)
+        scratch = self._layout_scratch.get(stream)
         if scratch is None:  # one ticket per stream: layouts on two streams must not share it
             scratch = torch.zeros(2, dtype=torch.int32, device=dev)
-            self._layout_scratch[stream.cuda_stream] = scratch
+            self._layout_scratch[stream] = scratch
+        partials = None
+        if blocks > 1:  # the blocks' partial counts, read back by the last block of the same launch
+            need = blocks * (R + num_experts)
+            partials = self._layout_partials.get(stream)
+            if partials is None or partials.numel() < need:
+                partials = self._layout_partials[stream] = torch.empty(need, dtype=torch.int32, device=dev)
         K.launch("layout", "layout_kernel", blocks, K.LAYOUT_THREADS,
                  (K.ptr(topk), K.i32(T), K.i32(Kk), K.i32(num_experts), K.i32(R),
                   K.ptr(ntpr), K.ptr(ntpe), K.ptr(tir), K.ptr(partials), K.ptr(scratch)),
@@ -276,10 +376,11 @@ class NVLinkBackend(CopyEnginePath, Backend):
 
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         self._alive()
+        self._blocks = []  # what _alloc makes for this call (DispatchResult.blocks)
         try:
             return self._dispatch(req)
-        except RuntimeError as e:  # CUDA errors (torch.AcceleratorError, cuLaunchKernel); not ValueError
-            if isinstance(e, CommlibError):
+        except RuntimeError as e:  # only CUDA failures that poison the context retire the backend
+            if isinstance(e, CommlibError) or not is_device_failure(e):
                 raise
             raise self._device_failure("dispatch", e) from e
 
@@ -320,15 +421,24 @@ class NVLinkBackend(CopyEnginePath, Backend):
 
         host = None
         counts = None
+        # outputs on the caller's stream (no record_stream), except on the copy-engine path, whose
+        # helpers allocate on the comm stream: there the Buffer records every output as it finds it
+        self._out = None if use_ce else self.ctx.out_stream
         if not cached:
             slot_words = K.notify_slot_words(R)
             if K.NOTIFY_WORD_EXPERT + L > slot_words:
                 raise ValueError(f"[commlib rank {me}] nvlink dispatch: {L} experts per rank do not fit the count "
                                  f"exchange slot ({slot_words - K.NOTIFY_WORD_EXPERT} at most)")
-            cpm = torch.empty((R, C), dtype=torch.int32, device=dev)
-            rpm = torch.empty((R, R), dtype=torch.int32, device=dev)
-            rcp = torch.empty((R, C), dtype=torch.int32, device=dev)
-            counts = torch.empty(K.HOST_COUNTS_EXPERT + L, dtype=torch.int32, device=dev)
+            i32 = torch.int32
+            # with num_worst_tokens the counts stay on the device (the dispatch kernel reads their error
+            # word, and nothing waits on the host); otherwise notify.cu writes them into the host words
+            cpm, rpm, rcp, counts = self._alloc((((R, C), i32), ((R, R), i32), ((R, C), i32),
+                                                 ((K.HOST_COUNTS_EXPERT + L,), i32) if worst else None))
+            if worst:
+                counts_ptr, flag_ptr, seq = counts.data_ptr(), 0, 0
+            else:
+                self._host_seq = seq = self._host_seq % 0x7FFFFFFF + 1
+                counts_ptr, flag_ptr = self._host_counts.data_ptr(), self._host_flag.data_ptr()
             layout = req.layout
             # what every rank must agree on (NOTIFY_SIG_FIELDS); notify.cu compares the ranks'
             # (the ring's rows ride in the topk_weights word: ranks with other ring sizes must not pair up)
@@ -336,16 +446,17 @@ class NVLinkBackend(CopyEnginePath, Backend):
             K.launch("notify", "notify_kernel", 1, K.NOTIFY_THREADS,
                      (K.ptr(tir), K.i32(T), K.ptr(layout.num_tokens_per_rank.contiguous()),
                       K.ptr(layout.num_tokens_per_expert.contiguous()), K.ptr(topk), K.i32(Kk), K.i32(E),
-                      K.ptr(cpm), K.ptr(rpm), K.ptr(rcp), K.ptr(counts),
+                      K.ptr(cpm), K.ptr(rpm), K.ptr(rcp), counts_ptr,
                       K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C), K.i32(slot_words),
                       K.i32(NOTIFY_MODE_NO_HOST if worst else 0), K.i32(sig[0]), K.i32(sig[1]), K.i32(sig[2]),
                       K.i32(sig[4]),
-                      K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns)))
+                      K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns),
+                      flag_ptr, seq))
             if not worst:
                 if use_ce and prepacked is None:  # the layout needs no host value: queue it before the wait
                     ce_layout = rows_before(tir)
                     ce_layout = (ce_layout, layout_send_head(tir, rpm, me, before=ce_layout))
-                host = self._host_read(counts, "dispatch count exchange").tolist()
+                host = self._wait_counts(seq, K.HOST_COUNTS_EXPERT + L)
                 self._raise_bad_ids(host, sig)
                 N = host[0]
             else:
@@ -358,16 +469,14 @@ class NVLinkBackend(CopyEnginePath, Backend):
             else:
                 N = int(self._host_read(rpm[R - 1, me], "cached dispatch row count"))
 
-        recv_x = torch.empty((N, H), dtype=x.dtype, device=dev)
-        recv_scales = torch.empty((N, S), dtype=torch.float32, device=dev) if scales is not None else None
+        # the rows (and their scales) in one block; the handle's per-row state and the top-k outputs in another
+        recv_x, recv_scales = self._alloc((((N, H), x.dtype), ((N, S), torch.float32) if scales is not None else None))
         recv_src_idx = send_head = recv_topk_idx = recv_topk_w = None
         if not cached:
-            recv_src_idx = torch.empty(N, dtype=torch.int32, device=dev)
-            send_head = None if use_ce else torch.empty((T, R), dtype=torch.int32, device=dev)  # CE: from its layout
-            if topk is not None:
-                recv_topk_idx = torch.empty((N, Kk), dtype=torch.int64, device=dev)
-                if weights is not None:
-                    recv_topk_w = torch.empty((N, Kk), dtype=torch.float32, device=dev)
+            recv_src_idx, send_head, recv_topk_idx, recv_topk_w = self._alloc((
+                ((N,), torch.int32), None if use_ce else ((T, R), torch.int32),   # CE: send_head from its layout
+                ((N, Kk), torch.int64) if topk is not None else None,
+                ((N, Kk), torch.float32) if topk is not None and weights is not None else None))
         num_sms = req.config.num_sms
         ce_pos = None
         if use_ce:
@@ -393,8 +502,8 @@ class NVLinkBackend(CopyEnginePath, Backend):
             # and a 32-token block for the streaming sender) stays within a ring
             head_batch = max(1, min(32, cap - round_tokens + 1 - (32 if cap >= round_tokens + 64 else 0)))
             self._drain_if_moved(C)
-            K.launch("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"),
-                     (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir),
+            vkey = K.dispatch_variant_key(num_sms, streaming_ok)  # DISPATCH_STREAM_MAX_SMS: per call
+            args = (K.ptr(x), K.ptr(scales), K.ptr(topk), K.ptr(weights), K.ptr(tir),
                       K.ptr(rpm), K.ptr(cpm), K.ptr(rcp),
                       K.ptr(recv_x), K.ptr(recv_scales), K.ptr(recv_src_idx), K.ptr(recv_topk_idx), K.ptr(recv_topk_w),
                       K.ptr(send_head),
@@ -404,13 +513,20 @@ class NVLinkBackend(CopyEnginePath, Backend):
                       K.i32(off_scales), K.i32(off_meta), K.i32(round_tokens), K.i32(flags), K.i32(head_batch),
                       # with num_worst_tokens the host never sees the counts: the kernel checks the error word
                       K.u64(counts.data_ptr() + 4 * K.HOST_COUNTS["bad_rank"]) if (counts is not None and worst) else K.u64(0),
-                      K.ptr(self.seq_counters), self._smid_ptr("dispatch", num_sms), K.u64(self.timeout_ns)),
-                     variant_key=K.dispatch_variant_key(num_sms, streaming_ok))  # DISPATCH_STREAM_MAX_SMS: per call
+                      K.ptr(self.seq_counters), self._smid_ptr("dispatch", num_sms), K.u64(self.timeout_ns))
+            K.launch("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"), args, variant_key=vkey)
+            if cached and self._smids is None and dev.type == "cuda":
+                self._keep_plan(h, ("dispatch", x.dtype), CachedPlan(
+                    self, x, req.config, C, K.replay("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"),
+                                                     args, vkey),
+                    (((N, H), x.dtype), ((N, S), torch.float32) if scales is not None else None), 8,
+                    h.extra.get("send_counts"), scales))
 
         if cached:
             handle = req.handle
             self._count(handle.extra.get("send_counts"))
-            return DispatchResult(recv_x, recv_scales, None, None, None, handle)
+            return DispatchResult(recv_x, recv_scales, None, None, None, handle,
+                                  blocks=None if use_ce else tuple(self._blocks))
         extra = {}
         per_expert: list = []
         if host is not None:
@@ -419,15 +535,20 @@ class NVLinkBackend(CopyEnginePath, Backend):
             if ce_pos is not None:
                 extra["ce_pos"] = ce_pos
             self._count(sent)
-            per_expert = [align_up(c, req.expert_alignment) for c in host[K.HOST_COUNTS_EXPERT:K.HOST_COUNTS_EXPERT + L]]
             if topk is None:
                 per_expert = [0] * L
+            else:
+                per_expert = host[K.HOST_COUNTS_EXPERT:K.HOST_COUNTS_EXPERT + L]
+                al = req.expert_alignment
+                if al != 1:
+                    per_expert = [(c + al - 1) // al * al for c in per_expert]
         handle = DispatchHandle(
             rank_prefix_matrix=rpm, channel_prefix_matrix=cpm, recv_channel_prefix_matrix=rcp,
             recv_src_idx=recv_src_idx, is_token_in_rank=tir, send_head=send_head,
             topology=self.topology, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
             num_recv_tokens=None if worst else N, num_worst_tokens=worst, backend=self.name, extra=extra)
-        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert, handle)
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert, handle,
+                              blocks=None if use_ce else tuple(self._blocks))
 
     def _raise_bad_ids(self, host: list, sig: Optional[list] = None) -> None:
         """Raise what the count exchange found, on every rank alike: bad top-k ids (here or on a
@@ -473,7 +594,58 @@ class NVLinkBackend(CopyEnginePath, Backend):
                   K.ptr(cpm), K.ptr(rpm), K.ptr(rcp), K.ptr(counts),
                   K.ptr(self.peer_bases), K.i32(self.rank), K.i32(R), K.i32(1), K.i32(K.notify_slot_words(R)),
                   K.i32(NOTIFY_MODE_REJECTED), K.i32(0), K.i32(0), K.i32(0), K.i32(0),
-                  K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns)))
+                  K.ptr(self.seq_counters), self._smid_ptr("notify", 1), K.u64(self.timeout_ns), 0, 0))
+
+    # ------------------------------------------------------------------ kept plans (cached dispatch, combine)
+    def _keep_plan(self, handle: DispatchHandle, key: tuple, plan: "CachedPlan") -> None:
+        """Keep what a handle's cached dispatch or combine launched, so the next identical call replays
+        it (Buffer's fast path): no eligible plan without the driver's launch path, or while capturing."""
+        if plan.replay is not None and self._ring_channels == plan.channels:
+            handle.extra.setdefault("plans", {})[key] = plan
+
+    def plan_for(self, handle: DispatchHandle, key: tuple, x: torch.Tensor, config, second) -> Optional["CachedPlan"]:
+        """The kept plan for a call with these arguments (``config``: the resolved Config; ``second``:
+        FP8 scales or combine weights), or None when anything differs from the call it was made from: then the call takes the full
+        path, which validates it as always."""
+        plans = handle.extra.get("plans")
+        plan = plans.get(key) if plans is not None else None
+        if (plan is None or plan.owner is not self or self.failed or self._base is None
+                or x.dtype != plan.dtype or x.shape != plan.shape or x.device != self.device or not x.is_contiguous() or x.data_ptr() & 15
+                or plan.config_key != _config_key(config) or self._ring_channels != plan.channels
+                or not plan.replay.current() or torch._C._cuda_isCurrentStreamCapturing()):
+            return None
+        if plan.second_shape is None:
+            return plan if second is None else None
+        if (second is None or second.dtype != torch.float32 or second.shape != plan.second_shape
+                or second.device != self.device or not second.is_contiguous() or second.data_ptr() & 15):
+            return None
+        return plan
+
+    def run_plan(self, plan: "CachedPlan", x: torch.Tensor, second, comm_raw: int, switch=None) -> tuple:
+        """The call ``plan`` was made from, on new tensors: its outputs allocated on the current stream
+        (or, with ``switch = (comm, compute)``, on the comm stream), the kernel replayed on the comm
+        stream. Returns (first output, second output or None)."""
+        (shape1, dtype1), spec2 = plan.outputs
+        dev = self.device
+        if switch is not None:
+            _set_stream(switch[0])
+        try:
+            first = torch.empty(shape1, dtype=dtype1, device=dev)
+            out2 = torch.empty(spec2[0], dtype=spec2[1], device=dev) if spec2 is not None else None
+        finally:
+            if switch is not None:
+                _set_stream(switch[1])
+        args = plan.replay.args
+        args[0] = x.data_ptr()
+        args[plan.out_slot] = first.data_ptr()
+        if spec2 is not None:
+            args[1] = second.data_ptr()
+            args[plan.out_slot + 1] = out2.data_ptr()
+        plan.replay.issue(comm_raw)
+        counters = self.counters
+        counters["local_rows"] += plan.local_rows
+        counters["intranode_rows"] += plan.remote_rows
+        return first, out2
 
     def _count(self, send_counts: Optional[list]) -> None:
         if not send_counts:
@@ -485,10 +657,11 @@ class NVLinkBackend(CopyEnginePath, Backend):
     # ------------------------------------------------------------------ combine
     def combine(self, req: CombineRequest) -> CombineResult:
         self._alive()
+        self._blocks = []
         try:
             return self._combine(req)
-        except RuntimeError as e:  # CUDA errors (see dispatch)
-            if isinstance(e, CommlibError):
+        except RuntimeError as e:  # as in dispatch
+            if isinstance(e, CommlibError) or not is_device_failure(e):
                 raise
             raise self._device_failure("combine", e) from e
 
@@ -510,17 +683,17 @@ class NVLinkBackend(CopyEnginePath, Backend):
         off_w = align_up(hidden_bytes)
         slot_bytes = align_up(off_w + 4 * Kk, SLOT_ALIGN)
         ring_bytes, cap = self._ring(C, slot_bytes, req.config.num_max_nvl_chunked_recv_tokens, "combine")
-        out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
-        out_w = torch.empty((T, Kk), dtype=torch.float32, device=dev) if w is not None else None
+        use_ce = self._ce is not None and "ce_pos" in h.extra
+        self._out = None if use_ce else self.ctx.out_stream   # as in dispatch
+        out, out_w = self._alloc((((T, H), torch.bfloat16), ((T, Kk), torch.float32) if w is not None else None))
         num_sms = req.config.num_sms
-        if self._ce is not None and "ce_pos" in h.extra:
+        if use_ce:
             pending = self.ce_combine(x, w, h, biases, out, out_w, num_sms,
                                       later=req.finish_later and env.ce_defer_sum())
             self._count(h.extra.get("recv_counts"))
             return CombineResult(out, out_w, pending)
         self._drain_if_moved(C)
-        K.launch("combine", "combine_kernel", num_sms, K.threads("combine"),
-                 (K.ptr(x), K.ptr(w), K.ptr(h.send_head),
+        args = (K.ptr(x), K.ptr(w), K.ptr(h.send_head),
                   K.ptr(h.rank_prefix_matrix), K.ptr(h.channel_prefix_matrix), K.ptr(h.recv_channel_prefix_matrix),
                   K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(out), K.ptr(out_w),
                   K.i32(T), K.i32(hidden_bytes // 16), K.i32(Kk),
@@ -528,6 +701,12 @@ class NVLinkBackend(CopyEnginePath, Backend):
                   K.u64(CONTROL_BYTES), K.u64(self.part_bytes), K.u64(ring_bytes), K.i32(cap), K.i32(slot_bytes),
                   K.i32(off_w), K.i32(min(self._round(req.config.num_max_nvl_chunked_send_tokens, "combine"), cap)),
                   K.i32(max(1, min(32, (cap + 1) // 2))),  # tail / head batch: 2 x batch <= cap + 1
-                  K.ptr(self.seq_counters), self._smid_ptr("combine", num_sms), K.u64(self.timeout_ns)))
+                  K.ptr(self.seq_counters), self._smid_ptr("combine", num_sms), K.u64(self.timeout_ns))
+        K.launch("combine", "combine_kernel", num_sms, K.threads("combine"), args)
+        if not req.bias and self._smids is None and dev.type == "cuda":
+            self._keep_plan(h, ("combine", Kk), CachedPlan(
+                self, x, req.config, C, K.replay("combine", "combine_kernel", num_sms, K.threads("combine"), args),
+                (((T, H), torch.bfloat16), ((T, Kk), torch.float32) if w is not None else None), 8,
+                h.extra.get("recv_counts"), w))
         self._count(h.extra.get("recv_counts"))
-        return CombineResult(out, out_w)
+        return CombineResult(out, out_w, blocks=tuple(self._blocks))

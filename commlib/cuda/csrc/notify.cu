@@ -42,7 +42,10 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
     int* __restrict__ recv_channel_prefix_matrix, int* __restrict__ host_counts,
     const u64* __restrict__ peer_bases, int rank, int num_ranks, int num_channels, int slot_words,
     int mode, int hidden, int elem_bytes, int num_scales, int has_weights,
-    u64* seq_counters, u32* smids, u64 timeout_ns) {
+    u64* seq_counters, u32* smids, u64 timeout_ns, u64* host_flag, u64 host_seq) {
+    // host_flag (pinned host memory, or null): raised to host_seq once every host_counts word of this
+    // call is written (host_counts then points to pinned memory too); the host polls it instead of
+    // copying the counts back and synchronising the stream.
     // mode & NOTIFY_MODE_REJECTED: this rank's Buffer refused its input; it still takes part (with
     // zero counts and the REJECTED word) so the peers raise instead of waiting. Null count pointers
     // read as 0.
@@ -202,7 +205,13 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) seq_counters[CL_SEQ_INDEX(CL_SEQ_NOTIFY, 0, 0)] = seq;
+    if (threadIdx.x == 0) {
+        seq_counters[CL_SEQ_INDEX(CL_SEQ_NOTIFY, 0, 0)] = seq;
+        if (host_flag != nullptr) {
+            __threadfence_system();   // the CTA's host_counts stores (ordered before by the barrier) first
+            st_release_sys(host_flag, host_seq);
+        }
+    }
 }
 
 // Before a call whose channel count differs from the last call's (the rings' byte ranges move):

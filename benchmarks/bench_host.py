@@ -1,0 +1,310 @@
+"""Host time of a call: what a client's dispatch / combine / layout costs the CPU, beside its floor.
+
+    python -m benchmarks.bench_host                     # world 1 and 2 (2 ranks share a GPU: run under MPS)
+    python -m benchmarks.bench_host --world 2 --json benchmarks/results --profile
+
+Workload: DeepSeek-V3 (hidden 7168, top-8 of 256 experts, group-limited routing), --tokens per rank,
+20 SMs, the NVLink engine (or the reference backend on CPU ranks). Per op, on every rank:
+  host_us   wall time from call to return, median of --iters back-to-back calls. Cached dispatch,
+            combine and the layout run with the host ahead of the device (a long device sleep queued
+            first, so the call never waits for the GPU); the full dispatch must read its counts, so
+            its time splits into wait_us (blocked in the count read: the device's earlier work, the
+            notify kernel, the peers) and own_us (everything else: the engine's host time).
+  cpu_us    the calling thread's CPU time over the same calls.
+  ops       device operations one call issues, counted by the PyTorch profiler: kernel launches,
+            copies (memcpy / memset), allocations (aten::empty*), event records and waits, host syncs,
+            collectives.
+  floor_us  those bare primitives (a torch launch, torch.empty, an event record / wait, a small copy,
+            one blocking read where the op has one) issued in the same order of magnitude and timed
+            in the same run, in the same mode as the op; host / floor is the ratio to beat.
+  gpu_us    the call's device time (CUDA events, L2 flushed); for the full dispatch also the cached
+            call and the notify kernel, so gpu_us - cached - notify is the time the GPU waits for the
+            host inside a full call.
+With two ranks on one GPU under CUDA MPS the device figures are "HBM loopback": the peers' rows move
+through the GPU's own memory, not NVLink. Without MPS the ranks are time-sliced: host times are then
+not the host's.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from commlib.bench import results
+from commlib.utils.timing import bench_cuda, slowest
+
+# Targets of the call path (docs/nvlink_engine.md, "Host time"): microseconds, ops per call.
+TARGETS = {"dispatch_own_us": 150.0, "dispatch_ops": 25, "cached_us": 40.0, "combine_us": 40.0,
+           "layout_us": 20.0, "fp8_extra_us": 10.0, "host_over_floor": 1.5, "gpu_gap_us": 40.0}
+
+# profiler event name -> category (CPU-side API calls; kernels and copies are read from device events)
+_API = {"cudaEventRecord": "event_record", "cudaEventRecordWithFlags": "event_record",
+        "cudaStreamWaitEvent": "event_wait", "cudaEventSynchronize": "sync", "cudaStreamSynchronize": "sync",
+        "cudaDeviceSynchronize": "sync", "cudaEventQuery": "event_query"}
+CATEGORIES = ("launch", "copy", "alloc", "event_record", "event_wait", "sync", "collective")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default="1,2", help="comma list of world sizes (one spawned world each)")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--num-sms", type=int, default=20)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--profile", action="store_true", help="also print rank 0's cProfile of each op")
+    p.add_argument("--backend", default=None, help="Buffer backend (default: auto)")
+    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------
+# counting and timing
+# ------------------------------------------------------------------------------------------------
+
+def count_device_ops(fn) -> dict:
+    """Device operations ``fn()`` issues, by category (see CATEGORIES), from one profiled call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    counts = collections.Counter({c: 0 for c in CATEGORIES})
+    for ev in prof.events():
+        name = ev.name
+        on_device = ev.device_type == torch.autograd.DeviceType.CUDA
+        if on_device:
+            low = name.lower()
+            if low.startswith(("memcpy", "memset")):
+                counts["copy"] += 1
+            elif "nccl" in low:
+                counts["collective"] += 1
+            else:
+                counts["launch"] += 1
+        elif name in _API:
+            counts[_API[name]] += 1
+        elif name in ("aten::empty", "aten::empty_strided"):
+            counts["alloc"] += 1
+        elif name.startswith(("c10d::", "gloo:", "nccl:")) and not on_device:
+            counts["collective"] += 1
+    if torch.cuda.is_available():
+        counts["sync"] -= 1   # the profiler's own synchronize above
+    counts = dict(counts)
+    counts["total"] = sum(counts[c] for c in CATEGORIES)
+    return counts
+
+
+def _device_busy(us: float) -> None:
+    if torch.cuda.is_available():
+        torch.cuda._sleep(int(us * 2000))   # ~2 cycles per ns at the H200's clocks: busy well past the loop
+
+
+def host_times(fn, iters: int, ahead: bool, group, wait_ns=None) -> dict:
+    """Median wall / CPU us per call of ``iters`` back-to-back calls; ``ahead``: the device is kept
+    busy so no call waits for it; else (calls that read counts) ``wait_ns()`` reports the time each
+    call spent blocked in its count read (on the device's earlier work, the notify kernel, the peers)."""
+    walls, cpus, waits = [], [], []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier(group=group)
+    if ahead:
+        _device_busy(iters * 2000.0)
+    for _ in range(iters):
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        fn()
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        walls.append((t1 - t0) / 1e3)
+        cpus.append((c1 - c0) / 1e3)
+        if wait_ns is not None:
+            waits.append(wait_ns() / 1e3)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    out = {"host_us": statistics.median(walls), "cpu_us": statistics.median(cpus)}
+    if waits:
+        own = [w - x for w, x in zip(walls, waits)]
+        out.update(wait_us=statistics.median(waits), own_us=statistics.median(own))
+    return out
+
+
+def floor_fn(counts: dict, device: torch.device, reads: int):
+    """The bare primitives of a call with ``counts``: what no implementation of the call can skip."""
+    cuda = device.type == "cuda"
+    src = torch.zeros(16, dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    ev = torch.cuda.Event() if cuda else None
+    stream = torch.cuda.current_stream() if cuda else None
+    n = dict(counts)
+
+    def run():
+        for _ in range(n["alloc"]):
+            torch.empty(16, dtype=torch.int32, device=device)
+        if cuda:
+            for _ in range(n["launch"]):
+                torch.cuda._sleep(0)
+            for _ in range(n["copy"]):
+                dst.copy_(src, non_blocking=True)
+            for _ in range(n["event_record"]):
+                ev.record(stream)
+            for _ in range(n["event_wait"]):
+                stream.wait_event(ev)
+            for _ in range(reads):
+                src[0].item()
+    return run
+
+
+# ------------------------------------------------------------------------------------------------
+# the worker (one per rank)
+# ------------------------------------------------------------------------------------------------
+
+def worker(ctx, a: dict):
+    args = argparse.Namespace(**a)
+    from commlib import routing
+    from commlib.buffer import Buffer
+    from commlib.cuda import loader as K
+    from commlib.fp8 import per_token_cast_to_fp8
+
+    R, me, dev, group = ctx.world_size, ctx.rank, ctx.device, ctx.group
+    cuda = dev.type == "cuda"
+    T, H, E = args.tokens, args.hidden, args.experts
+    Buffer.set_num_sms(args.num_sms)
+    cfg, ccfg = Buffer.get_dispatch_config(R), Buffer.get_combine_config(R)
+    nbytes = max(c.get_nvl_buffer_size_hint(H * 2, R) for c in (cfg, ccfg))
+    buf = Buffer(group, nbytes, backend=args.backend, explicitly_destroy=True)
+    g = torch.Generator().manual_seed(1000 + 7 * me)
+    idx, w = routing.group_limited_topk(torch.sigmoid(torch.randn(T, E, generator=g)), 8, 4, 8)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    x, idx, w = x.to(dev), idx.to(dev), w.to(dev)
+    xq = per_token_cast_to_fp8(x)
+    ntpr, nrr, ntpe, tir, _ = buf.get_dispatch_layout(idx, E)
+
+    def full(xx):
+        return lambda: buf.dispatch(xx, num_tokens_per_rank=ntpr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
+                                    num_tokens_per_expert=ntpe, topk_idx=idx, topk_weights=w, config=cfg)
+
+    recv_x, _, _, _, handle, _ = full(x)()
+    y = recv_x
+    ops = {"layout": lambda: buf.get_dispatch_layout(idx, E),
+           "dispatch_bf16": full(x), "dispatch_fp8": full(xq),
+           "cached_bf16": lambda: buf.dispatch(x, handle=handle, config=cfg),
+           "cached_fp8": lambda: buf.dispatch(xq, handle=handle, config=cfg),
+           "combine": lambda: buf.combine(y, handle, config=ccfg)}
+    wait_ns = getattr(buf.backend, "last_wait_ns", None)
+    rows, profiles = [], []
+    for op, fn in ops.items():
+        for _ in range(args.warmup):
+            fn()
+        reads = 1 if op.startswith("dispatch") else 0
+        t = host_times(fn, args.iters, ahead=not reads, group=group,
+                       wait_ns=(lambda: buf.backend.last_wait_ns) if reads and wait_ns is not None else None)
+        counts = count_device_ops(fn)
+        floor = floor_fn(counts, dev, reads)
+        for _ in range(args.warmup):
+            floor()
+        f = host_times(floor, args.iters, ahead=not reads, group=group)
+        row = {"op": op, "tokens": T, "world": R, **t, "ops": counts, "floor_us": f["host_us"]}
+        if cuda:
+            row["gpu_us"] = bench_cuda(fn, warmup=3, iters=20)["median_us"]
+            if reads:
+                with K.record_launches(sleep_cycles=0) as rec:
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+                notify = [s.elapsed_time(e) * 1e3 for n, s, e in rec if n == "notify_kernel"]
+                row["notify_us"] = statistics.median(notify) if notify else None
+        if args.profile:   # every rank (the calls are collective); rank 0's is printed
+            text = _cprofile(op, fn, args.iters)
+            if me == 0:
+                profiles.append(text)
+        rows.append(row)
+    buf.destroy()
+    # the slowest rank's figures
+    keys = ["host_us", "cpu_us", "floor_us", "own_us", "wait_us", "gpu_us", "notify_us"]
+    for row in rows:
+        vals = slowest([float(row.get(k) or 0.0) for k in keys], group)
+        row.update({k: v for k, v in zip(keys, vals) if row.get(k) is not None})
+    return {"rows": rows, "profiles": profiles, "device": str(dev)}
+
+
+def _cprofile(op: str, fn, iters: int) -> str:
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+    return f"# [profile] {op} ({iters} calls)\n{s.getvalue()}"
+
+
+def _finish(rows: list) -> list:
+    """Ratios and the target checks, per world."""
+    by = {(r["world"], r["op"]): r for r in rows}
+    for r in rows:
+        r["host_over_floor"] = r.get("own_us", r["host_us"]) / r["floor_us"] if r["floor_us"] else None
+        if r["op"].endswith("fp8"):
+            bf = by.get((r["world"], r["op"].replace("fp8", "bf16")))
+            if bf:
+                r["fp8_extra_us"] = r.get("own_us", r["host_us"]) - bf.get("own_us", bf["host_us"])
+        if r["op"].startswith("dispatch") and r.get("gpu_us") is not None:
+            cached = by.get((r["world"], r["op"].replace("dispatch", "cached")))
+            if cached and cached.get("gpu_us") is not None and r.get("notify_us") is not None:
+                r["gpu_gap_us"] = r["gpu_us"] - cached["gpu_us"] - r["notify_us"]
+    return rows
+
+
+def print_table(rows: list) -> None:
+    print("# host time per call (us); ops = device operations issued (launch/copy/alloc/record/wait/sync/coll)")
+    print(f"# {'world':>5} {'op':>14} {'host':>8} {'own':>8} {'wait':>8} {'cpu':>8} {'floor':>8} "
+          f"{'own/floor':>9} {'ops':>5}  {'breakdown':<22} {'gpu':>8} {'gap':>7}")
+    for r in rows:
+        o = r["ops"]
+        brk = "/".join(str(o[c]) for c in CATEGORIES)
+        fmt = (lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else f"{'-':>8}")
+        ratio = r.get("host_over_floor")
+        print(f"  {r['world']:>5} {r['op']:>14} {fmt(r['host_us'])} {fmt(r.get('own_us'))} {fmt(r.get('wait_us'))} "
+              f"{fmt(r['cpu_us'])} {fmt(r['floor_us'])} {ratio if ratio is None else round(ratio, 2):>9} "
+              f"{o['total']:>5}  {brk:<22} {fmt(r.get('gpu_us'))} {fmt(r.get('gpu_gap_us'))[1:]}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from commlib.utils.launch import parallel_launch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    rows, device = [], "cpu"
+    for world in (int(w) for w in args.world.split(",") if w):
+        out = parallel_launch(world, worker, vars(args), use_gpu=gpus > 0, timeout_s=900)
+        rows += out["rows"]
+        device = out["device"]
+        for p in out["profiles"]:
+            print(p)
+    rows = _finish(rows)
+    note = ("HBM loopback (ranks share one GPU under MPS)" if gpus and gpus < max(r["world"] for r in rows)
+            else "one process per GPU" if gpus else "CPU ranks")
+    print(f"# bench_host: {note}; tokens {args.tokens}, hidden {args.hidden}, {args.experts} experts, "
+          f"{args.num_sms} SMs; device {device}")
+    print_table(rows)
+    if args.json:
+        doc = results.result_document("bench_host", "python -m benchmarks.bench_host " + shlex.join(sys.argv[1:]
+                                      if argv is None else argv), rows, world_size=max(r["world"] for r in rows),
+                                      targets=TARGETS, mode=note)
+        print(f"# wrote {results.write_result(doc, None if args.json == 'auto' else args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,7 +22,19 @@ import numpy as np
 from commlib.config import CONTROL_BYTES
 from commlib.utils import env
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+
+def _find_csrc() -> Path:
+    """The CUDA sources: ``commlib/_csrc`` in an installed wheel (package data mapped from the
+    top-level ``csrc/``), else the checkout's (or editable install's) top-level ``csrc/``."""
+    package = Path(__file__).resolve().parents[1]
+    candidates = (package / "_csrc", package.parent / "csrc")
+    for folder in candidates:
+        if (folder / "common.cuh").is_file():
+            return folder
+    return candidates[0]  # neither: reading a source names the missing file at the installed path
+
+
+CSRC = _find_csrc()
 
 # Limits and the control-region layout, shared with csrc/common.cuh (passed with -D, one source).
 MAX_RANKS = 8

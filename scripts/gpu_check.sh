@@ -84,6 +84,7 @@ overlapsm4   | training  | 2 | 150 | $PY -m benchmarks.bench_overlap --preset ba
 overlapsm20  | training  | 2 | 150 | $PY -m benchmarks.bench_overlap --preset balanced --tokens 16384 --layers 3 --comm-sms 20 --tag H200_balanced_sm20 --out-dir $RES
 overlapnet   | training  | 2 | 200 | $PY -m benchmarks.bench_overlap --preset network --ce-staging host --comm-sms 4 --layers 6 --iters 10 --expert-hidden 2816 --tag NVIDIA_H200_network_i2816_s4_$C --out-dir $RES
 deepep       | peers     | 4 | 200 | $PY -m pytest tests/gpu/test_deep_ep_gpu.py -x -q -p no:cacheprovider
+knames       | peers     | 2 | 120 | $PY -m pytest tests/gpu/test_kernel_names_gpu.py -x -q -p no:cacheprovider
 '
 # GPU_CHECK_EXTRA: more table lines (newline-separated) for this run only, e.g. a stage running
 # DeepEP's own tests from a tree carried to the device: 'dtests | peers | 8 | 300 | $PY ...'

@@ -19,6 +19,7 @@
 # Measurement sweeps that are not checks are commands in experiments/README.md.
 set -u
 OUT=${1:-${OUT:-/tmp/gpu_check}}
+[[ $OUT == /* ]] || OUT="$PWD/$OUT"   # the output folder is the caller's, not the checkout's
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 DRY=${GPU_CHECK_DRY:-0}

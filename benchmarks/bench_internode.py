@@ -26,7 +26,7 @@ and processes may share a GPU: host times are then meaningful, device times are 
 On one machine the "network" is not InfiniBand: 2 GPUs as 2 nodes x 1 send the network hop over
 NVLink (NCCL), and CPU ranks over loopback (gloo). The figures show the engine's data path and
 its once-per-node traffic, not IB performance; experiments/model_internode.py predicts that.
-Every row (the hierarchical engine's, the flat baseline's, the reference backend's) is checked
+Every row (the internode engine's, the flat baseline's, the reference backend's) is checked
 against commlib.bench.oracle, #wrong summed over the ranks; exit status 1 when any is wrong.
 """
 from __future__ import annotations

@@ -155,8 +155,6 @@ class Buffer(LowLatencyMode):
 
     def _choose_backend(self, requested: Optional[str]) -> str:
         name = (requested or env.backend()).lower()
-        if name == "hierarchical":
-            name = "internode"  # the engine's earlier name
         if name not in ("auto", "reference", "nvlink", "internode"):
             raise ValueError(f"Buffer: backend must be auto, reference, nvlink or internode, got {name!r}")
         if name == "auto":

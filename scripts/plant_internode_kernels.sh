@@ -5,7 +5,7 @@
 # plant must make it fail. The file is restored after each plant. GPU machine only (scripts/gpu_check.sh inplant).
 set -u
 cd "$(dirname "$0")/.."
-SRC=commlib/cuda/csrc/internode.cu
+SRC=csrc/internode.cu
 PY=${PY:-python3}
 cp "$SRC" /tmp/internode.cu.orig
 trap 'cp /tmp/internode.cu.orig "$SRC"' EXIT

@@ -19,8 +19,8 @@ LAYERS = [
     (6, ("commlib.tuning.autotune", "commlib.tuning.__main__", "commlib.tuning")),
     (7, ("commlib.training",)),
     (8, ("commlib.bench",)),
-    # the package root, the deprecated aliases of old paths, the DeepEP compatibility surface
-    (9, ("commlib", "commlib.tune", "commlib.pipeline", "commlib.moe", "commlib.overlap", "deep_ep")),
+    # the package root, the DeepEP compatibility surface
+    (9, ("commlib", "deep_ep")),
 ]
 
 

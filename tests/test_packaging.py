@@ -1,5 +1,7 @@
-"""A wheel built from the checkout holds every module and every CUDA source, and the kernel loader
-of the installed copy finds its sources inside the package (not beside a checkout)."""
+"""A wheel built from the checkout holds every module and every CUDA source (the top-level csrc/ as
+commlib/_csrc), and the kernel loader of a copy installed outside the checkout reads every source
+from inside that copy."""
+import json
 import shutil
 import subprocess
 import sys
@@ -16,7 +18,7 @@ def wheel(tmp_path_factory):
     # Built from a copy of what a clean checkout has (no build/ or egg-info left by an earlier build).
     src = tmp_path_factory.mktemp("src") / "commlib"
     shutil.copytree(ROOT / "commlib", src / "commlib", ignore=shutil.ignore_patterns("__pycache__"))
-    for extra in ("deep_ep",):
+    for extra in ("deep_ep", "csrc"):
         if (ROOT / extra).is_dir():
             shutil.copytree(ROOT / extra, src / extra, ignore=shutil.ignore_patterns("__pycache__"))
     for f in ("pyproject.toml", "README.md"):
@@ -31,23 +33,46 @@ def wheel(tmp_path_factory):
     return whl
 
 
+CUDA_SOURCES = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh"))
+
+
 def test_wheel_has_every_module_and_cuda_source(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "commlib").rglob("*")
-               if p.suffix in (".py", ".cu", ".cuh") and "__pycache__" not in p.parts}
-    assert any(s.endswith(".cu") for s in sources)
-    missing = sorted(sources - names)
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "commlib").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    sources = {f"commlib/_csrc/{n}" for n in CUDA_SOURCES}
+    assert any(s.endswith(".cu") for s in sources) and any(s.endswith(".cuh") for s in sources)
+    missing = sorted((modules | sources) - names)
     assert not missing, f"not in the wheel: {missing}"
-    assert not any(n.startswith(("tests/", "benchmarks/", "experiments/")) for n in names)
+    assert not any(n.startswith(("tests/", "benchmarks/", "experiments/", "csrc/")) for n in names)
 
 
-def test_installed_loader_finds_its_sources(wheel, tmp_path):
+def test_installed_loader_reads_every_source_from_its_copy(wheel, tmp_path):
+    """Installed outside the checkout (cwd and PYTHONPATH away from it), the loader's CSRC lies in
+    the installed package, every csrc/ file is there byte for byte, and each family's NVRTC source
+    (common.cuh pasted in) is built from those files, not the checkout's."""
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    wanted = sorted(p.name for p in (ROOT / "commlib" / "cuda" / "csrc").iterdir() if p.suffix in (".cu", ".cuh"))
-    code = ("import commlib.cuda.loader as L, sys; print(L.CSRC); "
-            f"sys.exit(0 if all((L.CSRC / n).is_file() for n in {wanted!r}) else 3)")
+    marker = "// read from the installed copy"
+    for name in CUDA_SOURCES:  # a line only the installed copy has: the source text must come from it
+        path = site / "commlib" / "_csrc" / name
+        path.write_text(path.read_text() + f"\n{marker} {name}\n")
+    code = f"""
+import json, sys
+import commlib.cuda.loader as L
+files = {{p.name: p.read_text() for p in L.CSRC.iterdir() if p.suffix in (".cu", ".cuh")}}
+texts = {{f: L.source(f) for f in L.FAMILIES}}
+sigs = {{f"{{f}}.{{n}}": L.kernel_signature(f, n) for f, names in L.FAMILIES.items() for n in names}}
+print(json.dumps({{"csrc": str(L.CSRC), "loader": L.__file__, "files": files, "texts": texts, "sigs": sigs}}))
+"""
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                           env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert Path(proc.stdout.strip()).is_relative_to(site), proc.stdout
+    out = json.loads(proc.stdout)
+    assert Path(out["loader"]).is_relative_to(site) and Path(out["csrc"]).is_relative_to(site), out["csrc"]
+    assert sorted(out["files"]) == CUDA_SOURCES
+    for name in CUDA_SOURCES:
+        assert out["files"][name] == (ROOT / "csrc" / name).read_text() + f"\n{marker} {name}\n", name
+    for family, text in out["texts"].items():
+        assert f"{marker} {family}.cu" in text and f"{marker} common.cuh" in text, family
+    assert all(out["sigs"].values()), out["sigs"]  # every kernel's declaration parsed from the copy

@@ -293,6 +293,27 @@ def test_handle_positional_access():
     assert rpm is h.rank_prefix_matrix
 
 
+def test_backend_names_and_module_paths_are_only_the_current_ones(monkeypatch):
+    """The engine's earlier name ``hierarchical`` and the old module paths (commlib.tune, .overlap,
+    .moe, .pipeline) are gone: each is refused with an error naming what is known."""
+    import importlib
+
+    from commlib import backends
+
+    for good in ("auto", "reference", "nvlink", "internode"):
+        monkeypatch.setenv("COMMLIB_BACKEND", good.upper())
+        assert env.backend() == good
+    monkeypatch.setenv("COMMLIB_BACKEND", "hierarchical")
+    with pytest.raises(ValueError, match="COMMLIB_BACKEND='hierarchical'.*internode"):
+        env.backend()
+    assert sorted(backends.BACKENDS) == ["internode", "nvlink", "reference"]
+    with pytest.raises(ValueError, match="unknown backend 'hierarchical'"):
+        backends.make_backend("hierarchical", None)
+    for old in ("commlib.tune", "commlib.overlap", "commlib.moe", "commlib.pipeline"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+
+
 def test_deepep_api_surface():
     for name in ("Buffer", "Config", "EventOverlap", "topk_idx_t"):
         assert hasattr(commlib, name)

@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-KERNEL_CATEGORIES = (  # (category, substrings of the kernel name), first match wins
-    ("comm", ("dispatch_kernel", "combine_kernel", "notify_kernel", "layout_kernel")),
+KERNEL_CATEGORIES = (  # (category, substrings of the lower-cased kernel name), first match wins
+    # commlib's communication kernels as a profiler names them (commlib.cuda.loader.FAMILIES)
+    ("comm", ("commlib::intranode::", "commlib::layout::", "commlib::low_latency::", "commlib::copy_engine::",
+              "commlib::internode::", "commlib::fanout::")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
 )

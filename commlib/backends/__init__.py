@@ -12,9 +12,7 @@ from commlib.backends.low_latency.reference import LowLatencyReference
 from commlib.backends.nvlink.engine import NVLinkBackend
 from commlib.backends.reference import ReferenceBackend
 
-# "hierarchical" is the internode engine's earlier name, kept so existing code and settings work.
-BACKENDS = {"reference": ReferenceBackend, "nvlink": NVLinkBackend, "internode": InternodeBackend,
-            "hierarchical": InternodeBackend}
+BACKENDS = {"reference": ReferenceBackend, "nvlink": NVLinkBackend, "internode": InternodeBackend}
 LOW_LATENCY = {"reference": LowLatencyReference, "nvlink": NVLinkLowLatency}
 
 

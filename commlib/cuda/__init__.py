@@ -1,1 +1,2 @@
-"""CUDA kernels: ``csrc/`` (shipped as package data) and ``loader`` (NVRTC through CuPy, launch)."""
+"""CUDA kernels: ``loader`` compiles the top-level ``csrc/`` (in a wheel: ``commlib/_csrc``) with NVRTC
+through CuPy and launches them."""

@@ -23,7 +23,19 @@ from commlib.config import CONTROL_BYTES
 from commlib.utils import env
 from commlib.utils.errors import KernelLaunchError
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+
+def _find_csrc() -> Path:
+    """The CUDA sources: ``commlib/_csrc`` in an installed wheel (package data mapped from the
+    top-level ``csrc/``), else the checkout's (or editable install's) top-level ``csrc/``."""
+    package = Path(__file__).resolve().parents[1]
+    candidates = (package / "_csrc", package.parent / "csrc")
+    for folder in candidates:
+        if (folder / "common.cuh").is_file():
+            return folder
+    return candidates[0]  # neither: reading a source names the missing file at the installed path
+
+
+CSRC = _find_csrc()
 
 # Limits and the control-region layout, shared with csrc/common.cuh (passed with -D, one source).
 MAX_RANKS = 8
@@ -81,20 +93,39 @@ DEFAULT_VARIANT = {
 }
 MACRO_PREFIX = "CL_"  # kernel macros; environment variables keep COMMLIB_
 
-# Every kernel family: csrc/<family>.cu -> its extern "C" kernels. One list for the library's builds
-# (compile_all, launch) and the compile test (default_builds); it covers every csrc/*.cu.
+# Every kernel family: csrc/<family>.cu -> {the name launch() and record_launches use: the kernel's
+# C++ name}. One list for the library's builds (compile_all, launch) and the compile test
+# (default_builds); it covers every csrc/*.cu and every __global__ in it. The kernels are namespaced
+# C++ as DeepEP's are, so profilers show e.g. commlib::low_latency::dispatch (DeepEP's tests select
+# kernels by "::dispatch" / "::combine" in that name); NVRTC lowers the names (name_expressions).
 FAMILIES = {
-    "layout": ("layout_kernel",),
-    "notify": ("notify_kernel", "ring_drain_kernel"),
-    "dispatch": ("dispatch_kernel",),
-    "combine": ("combine_kernel",),
-    "low_latency": ("ll_dispatch_kernel", "ll_combine_kernel"),
-    "moe_rows": ("slot_sum_bf16",),   # commlib.training.moe.layer's expert stage (no peer memory)
-    "ce": ("ce_sync_kernel", "ce_pack_kernel", "ce_reduce_kernel"),  # the copy-engine data path
-    "fanout": ("fanout_barrier_kernel", "fanout_forward_kernel", "fanout_reduce_kernel"),  # internode fan-out (IPC)
-    "internode": ("inter_meta_kernel", "inter_pack_kernel", "inter_land_kernel", "inter_recv_chan_kernel",
-                  "inter_rows_kernel", "inter_home_kernel"),   # the internode engine's per-token steps
+    "layout": {"layout_kernel": "commlib::layout::count_tokens"},
+    "notify": {"notify_kernel": "commlib::intranode::notify", "ring_drain_kernel": "commlib::intranode::ring_drain"},
+    "dispatch": {"dispatch_kernel": "commlib::intranode::dispatch"},
+    "combine": {"combine_kernel": "commlib::intranode::combine"},
+    "low_latency": {"ll_dispatch_kernel": "commlib::low_latency::dispatch",
+                    "ll_combine_kernel": "commlib::low_latency::combine"},
+    "moe_rows": {"slot_sum_bf16": "commlib::moe::slot_sum_bf16"},  # commlib.training.moe's expert stage
+    "ce": {"ce_sync_kernel": "commlib::copy_engine::sync", "ce_pack_kernel": "commlib::copy_engine::pack",
+           "ce_reduce_kernel": "commlib::copy_engine::reduce"},  # the copy-engine data path
+    "fanout": {"fanout_barrier_kernel": "commlib::fanout::barrier", "fanout_forward_kernel": "commlib::fanout::forward",
+               "fanout_reduce_kernel": "commlib::fanout::reduce"},  # internode fan-out (IPC)
+    "internode": {"inter_meta_kernel": "commlib::internode::meta", "inter_digest_kernel": "commlib::internode::digest",
+                  "inter_pack_kernel": "commlib::internode::pack", "inter_land_kernel": "commlib::internode::land",
+                  "inter_recv_chan_kernel": "commlib::internode::recv_chan",
+                  "inter_rows_kernel": "commlib::internode::rows",
+                  "inter_home_kernel": "commlib::internode::home"},  # the internode engine's per-token steps
 }
+
+
+def kernel_name(family: str, name: str) -> str:
+    """The C++ name (``commlib::<namespace>::<kernel>``) of launch name ``name`` in csrc/<family>.cu."""
+    try:
+        return FAMILIES[family][name]
+    except KeyError:
+        raise ValueError(f"unknown kernel {family}/{name!r}; known: "
+                         f"{sorted(f'{f}/{n}' for f, names in FAMILIES.items() for n in names)}") from None
+
 
 _lock = threading.Lock()
 _modules: dict = {}
@@ -227,7 +258,7 @@ class KernelBuild(NamedTuple):
     """One NVRTC build the library makes: ``cupy.RawModule(code=source, options=options)``."""
 
     family: str          # csrc/<family>.cu
-    names: tuple         # its extern "C" kernels
+    names: tuple         # its kernels' launch names (FAMILIES[family] keys)
     plain: bool          # plain loads / stores (COMMLIB_PLAIN_LDST) or the PTX-hinted ones
     variant: str         # "default", or "streaming" (the dispatch build DISPATCH_STREAM_MAX_SMS picks)
     options: tuple       # -std, --gpu-architecture and every -D define
@@ -242,9 +273,10 @@ def default_builds() -> list:
     for plain in (False, True):
         for family, names in FAMILIES.items():
             text = source(family)
-            builds.append(KernelBuild(family, names, plain, "default", options(plain, DEFAULT_VARIANT), text))
+            builds.append(KernelBuild(family, tuple(names), plain, "default", options(plain, DEFAULT_VARIANT), text))
             if family == "dispatch" and streaming is not None:
-                builds.append(KernelBuild(family, names, plain, "streaming", options(plain, dict(streaming)), text))
+                builds.append(KernelBuild(family, tuple(names), plain, "streaming", options(plain, dict(streaming)),
+                                          text))
     return builds
 
 
@@ -293,9 +325,10 @@ def _function(family: str, name: str, plain: bool, device: Optional[int] = None,
     with _lock:
         module = _modules.get(key)
         if module is None:
-            module = cp.RawModule(code=source(family), options=options(plain, dict(vkey)))
+            module = cp.RawModule(code=source(family), options=options(plain, dict(vkey)),
+                                  name_expressions=tuple(FAMILIES[family].values()))
             _modules[key] = module
-        fn = _functions[fkey] = module.get_function(name)
+        fn = _functions[fkey] = module.get_function(kernel_name(family, name))
         return fn
 
 
@@ -328,14 +361,18 @@ _C_TYPES = {"int": "i", "i32": "i", "unsigned": "I", "u32": "I", "unsigned int":
 
 
 def kernel_signature(family: str, name: str) -> str:
-    """struct codes of the parameters of ``extern "C" __global__ ... name(...)`` in csrc/<family>.cu."""
+    """struct codes of the parameters of kernel ``name`` (a launch name) in csrc/<family>.cu: its
+    ``__global__ void ... kernel(...)`` inside ``namespace commlib::<namespace> {``."""
     import re
 
     text = (CSRC / f"{family}.cu").read_text()
-    m = re.search(r'extern\s+"C"\s+__global__\s+void\s+(?:CL_[A-Z_]+\s+)?(?:__launch_bounds__\s*\([^)]*\)\s*)?'
-                  + re.escape(name) + r"\s*\(", text)
-    if m is None:
-        raise RuntimeError(f'csrc/{family}.cu has no extern "C" __global__ kernel {name!r}')
+    namespace, _, short = kernel_name(family, name).rpartition("::")
+    m = re.search(r"__global__\s+void\s+(?:CL_[A-Z_]+\s+)?(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+                  + re.escape(short) + r"\s*\(", text)
+    opened = re.findall(r"^namespace\s+([\w:]+)\s*\{", text[:m.start()], flags=re.M) if m else []
+    if m is None or not opened or opened[-1] != namespace:
+        raise RuntimeError(f"csrc/{family}.cu has no __global__ kernel {short!r} inside namespace {namespace} "
+                           f"(launch name {name!r})")
     depth, i = 1, m.end()
     while depth:
         depth += {"(": 1, ")": -1}.get(text[i], 0)
@@ -351,7 +388,7 @@ def kernel_signature(family: str, name: str) -> str:
         words = [w for w in p.replace("const", " ").replace("__restrict__", " ").split()][:-1]
         ctype = " ".join(words)
         if ctype not in _C_TYPES:
-            raise RuntimeError(f"csrc/{family}.cu {name}: parameter {p!r} has a type the loader cannot pass")
+            raise RuntimeError(f"csrc/{family}.cu {short}: parameter {p!r} has a type the loader cannot pass")
         codes.append(_C_TYPES[ctype])
     return "".join(codes)
 

@@ -1,7 +1,7 @@
 """Every ``COMMLIB_*`` environment variable is read here, and only here.
 
 Variables:
-  COMMLIB_BACKEND          auto | reference | nvlink | internode (hierarchical: the same)   (default auto)
+  COMMLIB_BACKEND          auto | reference | nvlink | internode   (default auto)
   COMMLIB_RANKS_PER_NODE   ranks per (emulated) node; overrides the launcher's local size
   COMMLIB_TIMEOUT_S        seconds any host or device wait may take before raising (default 100)
   COMMLIB_NUM_SMS          default SM budget for Buffer.set_num_sms (default 20)
@@ -75,7 +75,7 @@ def _flag_on(name: str) -> bool:
 
 def backend() -> str:
     value = (_get("COMMLIB_BACKEND", "auto") or "auto").lower()
-    if value not in ("auto", "reference", "nvlink", "internode", "hierarchical"):
+    if value not in ("auto", "reference", "nvlink", "internode"):
         raise ValueError(f"COMMLIB_BACKEND={value!r}: expected auto, reference, nvlink or internode")
     return value
 

@@ -664,7 +664,9 @@ __device__ void ll_dispatch_recv(const LLDispatchArgs& a, u64 seq) {
     cta_phase_done(a.state, LL_DISPATCH_RECV);
 }
 
-extern "C" __global__ void __launch_bounds__(kLlThreads, 2) ll_dispatch_kernel(
+namespace commlib::low_latency {
+
+__global__ void __launch_bounds__(kLlThreads, 2) dispatch(
     const int4* x, const i64* topk_idx, int* pos,
     int4* recv_x, unsigned char* recv_scales, int* src_info, i64* layout_range, int* recv_count,
     int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens, int fp8_mode, int pad_zero,
@@ -861,7 +863,7 @@ __device__ void ll_combine_recv(const LLCombineArgs& a, u64 seq) {
     cta_phase_done(a.state, LL_COMBINE_RECV);
 }
 
-extern "C" __global__ void __launch_bounds__(kLlThreads, 2) ll_combine_kernel(
+__global__ void __launch_bounds__(kLlThreads, 2) combine(
     const int4* x, const i64* topk_idx, const float* topk_weights, const int* pos, const i64* layout_range,
     int4* out, int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens,
     int phases, const u64* peer_bases, int rank, int num_ranks,
@@ -872,3 +874,5 @@ extern "C" __global__ void __launch_bounds__(kLlThreads, 2) ll_combine_kernel(
                              peer_bases, rank, num_ranks, off_done, off_data, half_bytes, state, timeout_ns, mask};
     ll_run_phases<LLCombineArgs, ll_combine_send, ll_combine_recv>(a, phases, 1, LL_COMBINE_SEND);
 }
+
+}  // namespace commlib::low_latency

@@ -6,9 +6,10 @@
 //   [signal_offset + 8 * CL_MAX_RANKS, + 8)        epoch: barriers this rank has entered (own word)
 //   [data_offset, ...)                             rows (the landing buffer of this rank)
 //
-//   fanout_barrier_kernel   all P local ranks meet (device side, CUDA-graph replayable)
-//   fanout_forward_kernel   dispatch: each landed row -> its final row on every local rank that gets it
-//   fanout_reduce_kernel    combine: per landed row, the sum (ascending p) of the local ranks' rows
+// Kernels (commlib::fanout::; the loader's names fanout_<name>_kernel):
+//   barrier   all P local ranks meet (device side, CUDA-graph replayable)
+//   forward   dispatch: each landed row -> its final row on every local rank that gets it
+//   reduce    combine: per landed row, the sum (ascending p) of the local ranks' rows
 //
 // The protocol that makes plain stores and loads safe is in the Python module's docstring.
 #include "common.cuh"
@@ -26,6 +27,8 @@ __device__ __forceinline__ void red_add_release_sys(u64* p, u64 v) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+namespace commlib::fanout {
+
 // ------------------------------------------------------------------------------------------------
 // Barrier: one CTA (one warp works; lane q speaks for local rank q).
 //   epoch = ++own epoch word; arrival[local_rank] += 1 at every local rank (own included, release,
@@ -34,8 +37,8 @@ __device__ __forceinline__ void red_add_release_sys(u64* p, u64 v) {
 // ">=" never confuses two epochs. Nothing host-side changes between calls: graph replays advance
 // the epoch like eager calls.
 // ------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(32) fanout_barrier_kernel(const u64* peer_bases, int local_rank, int P,
-                                                                      u64 signal_offset, u64 timeout_ns) {
+__global__ void __launch_bounds__(32) barrier(const u64* peer_bases, int local_rank, int P,
+                                              u64 signal_offset, u64 timeout_ns) {
     if (threadIdx.x >= 32 || blockIdx.x != 0) return;  // whole warps / CTAs leave
     const int lane = lane_id();
     u64* own = reinterpret_cast<u64*>(peer_bases[local_rank] + signal_offset);
@@ -107,9 +110,9 @@ __device__ __forceinline__ void forward_rows(const u8* landed, int J, int row_st
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) fanout_forward_kernel(const u8* landed, int J, int row_stride, int W,
-                                                                        int P, const u64* peer_bases, u64 data_offset,
-                                                                        int dst_stride) {
+__global__ void __launch_bounds__(1024) forward(const u8* landed, int J, int row_stride, int W,
+                                                int P, const u64* peer_bases, u64 data_offset,
+                                                int dst_stride) {
     u64 bits = (u64)W | (u64)row_stride | (u64)dst_stride | reinterpret_cast<u64>(landed) | data_offset;
     for (int p = 0; p < P; ++p) bits |= peer_bases[p];
     if ((bits & 15) == 0)
@@ -206,10 +209,10 @@ __device__ __forceinline__ void reduce_rows(const int* pos, int J, int P, const 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) fanout_reduce_kernel(const int* pos, int J, int P,
-                                                                       const u64* peer_bases, u64 data_offset,
-                                                                       int src_stride, int H, int K, u8* out,
-                                                                       int out_stride) {
+__global__ void __launch_bounds__(1024) reduce(const int* pos, int J, int P,
+                                               const u64* peer_bases, u64 data_offset,
+                                               int src_stride, int H, int K, u8* out,
+                                               int out_stride) {
     u64 bits = (u64)src_stride | (u64)out_stride | reinterpret_cast<u64>(out) | data_offset;
     for (int p = 0; p < P; ++p) bits |= peer_bases[p];
     if (H % 8 == 0 && (bits & 15) == 0)
@@ -219,3 +222,5 @@ extern "C" __global__ void __launch_bounds__(1024) fanout_reduce_kernel(const in
     else
         reduce_rows<u16>(pos, J, P, peer_bases, data_offset, src_stride, H, K, out, out_stride);
 }
+
+}  // namespace commlib::fanout

@@ -4,25 +4,26 @@
 // Legend: T tokens here, R ranks, M nodes, P ranks per node, E experts, K top-k, Kc the most network
 // chunks, C channels, me this rank, W payload bytes of a row. Every buffer is contiguous.
 //
-//   inter_meta_kernel        before the count exchange: the exchange row's counts (per rank, per node,
+// Kernels (commlib::internode::; the loader's names inter_<name>_kernel):
+//   meta                     before the count exchange: the exchange row's counts (per rank, per node,
 //                            per (node, chunk, local rank), per expert, tokens over the node limit,
 //                            bad ids, T), each token's row among this rank's rows for every rank
 //                            (`before`, the exclusive scan of is_token_in_rank) and its row in every
 //                            node's stream (`spos`, -1 where it does not go)
-//   inter_digest_kernel      after it: what the host needs of the gathered rows, in one short vector
+//   digest                   after it: what the host needs of the gathered rows, in one short vector
 //                            (exchange_digest in internode.py): an error flag, the chunk count, this
 //                            rank's row totals and the splits of its streams, so the one host read
 //                            does not grow with ranks x experts
-//   inter_pack_kernel        after it: the handle's send_head, rank and channel prefix matrices, and
+//   pack                     after it: the handle's send_head, rank and channel prefix matrices, and
 //                            every (token, node) row written once into the send buffer at its
 //                            chunk-major slot, with its final row on each rank of that node
 //                            (cached dispatch: the handle's send_head and the plan's slots)
-//   inter_land_kernel        landed rows -> the outputs' columns at their final row (the row's own
+//   land                     landed rows -> the outputs' columns at their final row (the row's own
 //                            position word, or the row's index where the forwarder already placed it);
 //                            expert ids made local, weights of other ranks' experts zeroed
-//   inter_recv_chan_kernel   the handle's recv_channel_prefix_matrix from the landed source indices
-//   inter_rows_kernel        combine: rows (bf16 y [n, H], float32 w [n, K]) packed at given rows
-//   inter_home_kernel        combine at home: per token, its node partials summed in node order
+//   recv_chan                the handle's recv_channel_prefix_matrix from the landed source indices
+//   rows                     combine: rows (bf16 y [n, H], float32 w [n, K]) packed at given rows
+//   home                     combine at home: per token, its node partials summed in node order
 //                            (float32 from +0, IEEE adds), then the biases, one bf16 rounding
 // Integer counts come out as the torch spec in backends/internode.py computes them; the sums as
 // reference.sum_rows followed by .to(torch.bfloat16), bit for bit.
@@ -54,10 +55,12 @@ __device__ __forceinline__ int cta_scan_flag(bool flag, int* s_warp, int* total)
     return prefix;
 }
 
+namespace commlib::internode {
+
 // Row layout of the count exchange (InternodeBackend._row_len): [head n_sig][per rank R][over node
 // limit][bad ids][per node M][per (node, chunk, local rank) M Kc P][per expert E][T].
 // Grid: R + M + 1 CTAs. CTA r < R scans rank r's column; CTA R + m node m's; the last the rest.
-extern "C" __global__ void __launch_bounds__(1024) inter_meta_kernel(
+__global__ void __launch_bounds__(1024) meta(
     const u8* __restrict__ tir, const i64* __restrict__ topk, const int* __restrict__ experts_in,
     const i64* __restrict__ head, int n_sig, int T, int R, int M, int P, int E, int K, int Kc, int ring,
     int max_nodes, i64* __restrict__ row, int* __restrict__ before, int* __restrict__ spos) {
@@ -147,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(1024) inter_meta_kernel(
 // here, most rows a rank of this node receives][this rank's rows per node M][rows each rail peer sends
 // this node M][this forwarder's rows per (chunk, local rank) Kc P][rows each forwarder of this node
 // passes here per (chunk, forwarder) Kc P][tokens per expert of this rank Lx].
-extern "C" __global__ void __launch_bounds__(256) inter_digest_kernel(
+__global__ void __launch_bounds__(256) digest(
     const i64* __restrict__ g, int row_len, int n_sig, int me, int node, int loc, int R, int M, int P,
     int Kc, int ring, int Lx, i64* __restrict__ out) {
     __shared__ int s_error, s_chunks;
@@ -231,7 +234,7 @@ __device__ __forceinline__ void warp_copy_words(u32* dst, const u32* src, int wo
 // rank_prefix [R, R] and chan_prefix [R, C] (CTA 0). Cached (g == 0): reads send_head and slot.
 // Send row (send_stride bytes): x (x_bytes) | scales (s_bytes) | src_idx int32 | topk int64 [K] |
 // weights float32 [K] (w != 0) | P int32 positions. Dynamic shared memory: ints [R + Kc M + M].
-extern "C" __global__ void __launch_bounds__(512) inter_pack_kernel(
+__global__ void __launch_bounds__(512) pack(
     const i64* __restrict__ g, int row_len, int n_sig, int me, int T, int R, int M, int P, int Kc, int ring,
     int C, const u8* __restrict__ tir, const int* __restrict__ before, const int* __restrict__ spos,
     int* __restrict__ slot, int* __restrict__ send_head, int* __restrict__ rank_prefix,
@@ -307,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(512) inter_pack_kernel(
 // Row i of `rows` (stride row_stride) goes to output row d = its int32 at byte pos_off (pos_off < 0:
 // d = i); d outside [0, n_out) is skipped. Row layout: x | scales | src_idx | topk [K] | w [K] (the
 // parts with a null output pointer are skipped, not their bytes). pos_out[i] = d when given.
-extern "C" __global__ void __launch_bounds__(512) inter_land_kernel(
+__global__ void __launch_bounds__(512) land(
     const u8* __restrict__ rows, int n, int row_stride, int pos_off, int n_out, u8* __restrict__ x_out,
     int x_bytes, u8* __restrict__ s_out, int s_bytes, int* __restrict__ src_out, i64* __restrict__ topk_out,
     float* __restrict__ w_out, int K, int has_w, int expert_lo, int num_local, int* __restrict__ pos_out) {
@@ -341,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(512) inter_land_kernel(
 // out[s, c] = rows from source s whose token is below s's channel start c (min(ceil(T_s / C) c, T_s)):
 // src_idx holds the rows grouped by source, token order within one (source s: rows [start_s, end_s)
 // with end_s = sum over q <= s of g[q][n_sig + me]); T_s = g[s][row_len - 1]. One CTA.
-extern "C" __global__ void __launch_bounds__(256) inter_recv_chan_kernel(
+__global__ void __launch_bounds__(256) recv_chan(
     const int* __restrict__ src_idx, const i64* __restrict__ g, int row_len, int n_sig, int me, int R, int C,
     int* __restrict__ out) {
     for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
@@ -363,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(256) inter_recv_chan_kernel(
 
 // out row j (stride out_stride) = y row d | w row d, d = pos[j] (pos == 0: d = j): the combine row
 // (_Packer y bf16 [H], w float32 [K]). y_bytes = 2 H.
-extern "C" __global__ void __launch_bounds__(512) inter_rows_kernel(
+__global__ void __launch_bounds__(512) rows(
     const int* __restrict__ pos, int n, const u8* __restrict__ y, int y_bytes, const float* __restrict__ w, int K,
     u8* __restrict__ out, int out_stride) {
     for (int j = blockIdx.x * (blockDim.x >> 5) + warp_id(); j < n; j += gridDim.x * (blockDim.x >> 5)) {
@@ -377,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(512) inter_rows_kernel(
 // Token t: y = bf16(sum over m ascending with slot[t, m] >= 0 of float(back row slot.y), + float(b0),
 // + float(b1)); w = the float32 sum of the rows' w (K > 0). back rows: y bf16 [H] | w float32 [K].
 // H even (the rows' y as bf16 pairs).
-extern "C" __global__ void __launch_bounds__(512) inter_home_kernel(
+__global__ void __launch_bounds__(512) home(
     const u8* __restrict__ back, int back_stride, const int* __restrict__ slot, int T, int M, int H, int K,
     const u32* __restrict__ b0, const u32* __restrict__ b1, u32* __restrict__ out_y, float* __restrict__ out_w) {
     const int lane = lane_id();
@@ -407,3 +410,5 @@ extern "C" __global__ void __launch_bounds__(512) inter_home_kernel(
         }
     }
 }
+
+}  // namespace commlib::internode

@@ -21,9 +21,11 @@
 
 constexpr int kRowUnroll = 4;  // rows' vectors in flight per lane
 
-extern "C" __global__ void __launch_bounds__(256) slot_sum_bf16(const int4* __restrict__ src, const int* __restrict__ pos,
-                                                                int4* __restrict__ dst, int num_rows, int num_slots,
-                                                                int row_int4) {
+namespace commlib::moe {
+
+__global__ void __launch_bounds__(256) slot_sum_bf16(const int4* __restrict__ src, const int* __restrict__ pos,
+                                                     int4* __restrict__ dst, int num_rows, int num_slots,
+                                                     int row_int4) {
     constexpr int U = kRowUnroll;
     const int lane = lane_id();
     const int warps = blockDim.x >> 5;
@@ -43,3 +45,5 @@ extern "C" __global__ void __launch_bounds__(256) slot_sum_bf16(const int4* __re
         }
     }
 }
+
+}  // namespace commlib::moe

@@ -17,7 +17,7 @@
 //   DISPATCH_DONE [d][c] u64 in rank src's buffer: = seq, release-stored by d's receiver CTA c once
 //       it has copied everything src sent it on channel c; src's sender waits for seq - 1 (and for
 //       the last combine's COMBINE_DONE on c: the kinds share the rings) before its first write of
-//       the next call. No resets; a change of channel count drains first (notify.cu ring_drain_kernel).
+//       the next call. No resets; a change of channel count drains first (notify.cu ring_drain).
 // Local destination: the sender copies x straight into recv_x (no staging), in the same warp pass
 // that pushes the token to the peers, so x is read once.
 //
@@ -556,7 +556,9 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, u64 seq, WorkItems w
     dispatch_pad(a, c, rpm[(R - 1) * R + me]);
 }
 
-extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(kDispatchThreads, kDispatchMinBlocks) dispatch_kernel(
+namespace commlib::intranode {
+
+__global__ void CL_CLUSTER_DIMS __launch_bounds__(kDispatchThreads, kDispatchMinBlocks) dispatch(
     const int4* x, const float* x_scales, const i64* topk_idx, const float* topk_weights,
     const unsigned char* is_token_in_rank,
     const int* rank_prefix_matrix, const int* channel_prefix_matrix, const int* recv_channel_prefix_matrix,
@@ -609,3 +611,5 @@ extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(kDispatchThreads, k
     }
     trace_point(smids, 2);
 }
+
+}  // namespace commlib::intranode

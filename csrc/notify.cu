@@ -34,7 +34,9 @@
                                  // signature mismatch is printed and traps here
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(512) notify_kernel(
+namespace commlib::intranode {
+
+__global__ void __launch_bounds__(512) notify(
     const unsigned char* __restrict__ is_token_in_rank, int num_tokens,
     const int* __restrict__ num_tokens_per_rank, const int* __restrict__ num_tokens_per_expert,
     const i64* __restrict__ topk_idx, int num_topk, int num_experts,
@@ -218,8 +220,8 @@ extern "C" __global__ void __launch_bounds__(512) notify_kernel(
 // wait until every peer's receivers of every earlier call (both kinds, every channel) are done with
 // this rank's rows, so no sender overwrites bytes a receiver still reads. One warp; lane r < R waits
 // for peer r's DONE words up to this rank's own sender counts (every rank made the same calls).
-extern "C" __global__ void __launch_bounds__(32) ring_drain_kernel(const u64* peer_bases, int rank, int num_ranks,
-                                                                   const u64* seq_counters, u64 timeout_ns) {
+__global__ void __launch_bounds__(32) ring_drain(const u64* peer_bases, int rank, int num_ranks,
+                                                 const u64* seq_counters, u64 timeout_ns) {
     const int lane = threadIdx.x & 31;
     const bool peer = lane < num_ranks && lane != rank;
     const u64 own = peer_bases[rank];
@@ -235,3 +237,5 @@ extern "C" __global__ void __launch_bounds__(32) ring_drain_kernel(const u64* pe
         }
     }
 }
+
+}  // namespace commlib::intranode

@@ -12,7 +12,9 @@
 // The "last CTA sums" pattern avoids both a second launch and zero-filling the outputs first.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(256) layout_kernel(
+namespace commlib::layout {
+
+__global__ void __launch_bounds__(256) count_tokens(
     const i64* __restrict__ topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
     int* __restrict__ num_tokens_per_rank, int* __restrict__ num_tokens_per_expert,
     unsigned char* __restrict__ is_token_in_rank, int* partials, u32* scratch) {
@@ -74,3 +76,5 @@ extern "C" __global__ void __launch_bounds__(256) layout_kernel(
     }
     if (threadIdx.x == 0) scratch[0] = 0;  // every CTA has taken its ticket: ready for the next launch
 }
+
+}  // namespace commlib::layout

@@ -376,7 +376,9 @@ __device__ void combine_recv(const CombineArgs& a, int c, u64 seq, WorkItems wor
         st_release_sys(flag_at(a.peer_bases[lane], CL_OFF_COMBINE_DONE, a.rank * CL_MAX_CHANNELS + c), seq);
 }
 
-extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(kCombineThreads, kCombineMinBlocks) combine_kernel(
+namespace commlib::intranode {
+
+__global__ void CL_CLUSTER_DIMS __launch_bounds__(kCombineThreads, kCombineMinBlocks) combine(
     const int4* x, const float* topk_weights, const int* send_head,
     const int* rank_prefix_matrix, const int* channel_prefix_matrix, const int* recv_channel_prefix_matrix,
     const int4* bias0, const int4* bias1, int4* combined_x, float* combined_topk_weights,
@@ -414,3 +416,5 @@ extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(kCombineThreads, kC
     }
     trace_point(smids, 2);
 }
+
+}  // namespace commlib::intranode

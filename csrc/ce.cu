@@ -43,9 +43,11 @@
 __device__ __forceinline__ u64* ce_ready(u64 base) { return reinterpret_cast<u64*>(base); }
 __device__ __forceinline__ u64* ce_free(u64 base) { return reinterpret_cast<u64*>(base) + CL_MAX_RANKS; }
 
+namespace commlib::copy_engine {
+
 // One warp; lane p speaks for peer p.
-extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int rank, int num_ranks, u64* counter,
-                                          u64 timeout_ns) {
+__global__ void sync(int mode, const u64* peer_bases, int rank, int num_ranks, u64* counter,
+                     u64 timeout_ns) {
     const int lane = lane_id();
     const bool peer = lane < num_ranks && lane != rank;
     u64 seq = 0;
@@ -82,7 +84,7 @@ extern "C" __global__ void ce_sync_kernel(int mode, const u64* peer_bases, int r
 // weights, sources) is written (x always); the own pointers may be null when no row stays here. One warp per token; each x vector is loaded once, stored to every destination.
 struct CeBlocks { u64 x, scales, topk, weights, src; };
 
-extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(1024) ce_pack_kernel(
+__global__ void CL_CLUSTER_DIMS __launch_bounds__(1024) pack(
     const int4* __restrict__ x, const float* __restrict__ x_scales, const i64* __restrict__ topk_idx,
     const float* __restrict__ topk_weights, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos,
     u64 pack_base, u64 region_bytes, u64 off_scales, u64 off_topk, u64 off_weights, u64 off_src,
@@ -143,7 +145,7 @@ extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(1024) ce_pack_kerne
 // bias1), summed in float32 with IEEE adds (csrc/combine.cu's sum, so the result is the same bits).
 // The row of rank r is x_local[local_offset + pos[t, me]] for this rank, else row pos[t, r] of the x
 // block of region r; the weights likewise (weights block at w_block_offset of each region).
-extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(512) ce_reduce_kernel(
+__global__ void CL_CLUSTER_DIMS __launch_bounds__(512) reduce(
     const int4* __restrict__ x_local, const float* __restrict__ w_local, u64 staging, u64 region_bytes,
     u64 w_block_offset, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos, int local_offset,
     const int4* __restrict__ bias0, const int4* __restrict__ bias1, int4* __restrict__ out, float* __restrict__ out_w,
@@ -191,3 +193,5 @@ extern "C" __global__ void CL_CLUSTER_DIMS __launch_bounds__(512) ce_reduce_kern
         if (out_w != nullptr && lane < K) out_w[(i64)t * K + lane] = wsum;
     }
 }
+
+}  // namespace commlib::copy_engine

@@ -164,11 +164,63 @@ def oracle_combine(seed: int, R: int, me: int, expand: bool, bias, weights: bool
 
 
 # ------------------------------------------------------------------ helpers
+# Where the buffers run: the CPU suite uses the reference backend; tests/gpu/test_elastic_gpu.py sets
+# DEVICE to the rank's GPU and BACKEND to None (auto: the NVLink engine) and runs the same cases.
+DEVICE = torch.device("cpu")
+BACKEND = "reference"
+
+
+class _OnDevice:
+    """An ElasticBuffer whose dispatch / combine take and return CPU tensors, moved to and from DEVICE
+    (the oracle and the checks stay on the CPU). Handles and events pass through untouched."""
+
+    def __init__(self, buf):
+        self.buf = buf
+        self._moved = {}
+
+    def __getattr__(self, name):
+        return getattr(self.buf, name)
+
+    def on_device(self, t):
+        if not isinstance(t, torch.Tensor) or t.device == DEVICE:
+            return t
+        hit = self._moved.get(id(t))
+        if hit is None or hit[0] is not t:
+            hit = self._moved[id(t)] = (t, t.to(DEVICE))
+        return hit[1]
+
+    def _in(self, v):
+        return tuple(self.on_device(t) for t in v) if isinstance(v, tuple) else self.on_device(v)
+
+    @staticmethod
+    def _out(v):
+        if isinstance(v, tuple):
+            return tuple(_OnDevice._out(t) for t in v)
+        return v.cpu() if isinstance(v, torch.Tensor) else v
+
+    def dispatch(self, x, **kw):
+        kw = {k: self._in(v) for k, v in kw.items()}
+        out = self.buf.dispatch(self._in(x), **kw)
+        stats = kw.get("cumulative_local_expert_recv_stats")
+        if stats is not None and stats.device != torch.device("cpu"):
+            self._moved[id(stats)][0].copy_(stats.cpu())
+        return self._out(out[:3]) + out[3:]
+
+    def combine(self, x, handle, **kw):
+        kw = {k: self._in(v) for k, v in kw.items()}
+        out = self.buf.combine(self._in(x), handle, **kw)
+        return self._out(out[:2]) + out[2:]
+
+
+def _wrap(buf):
+    return _OnDevice(buf)
+
+
 def _buffer(ctx, **kw):
     kw.setdefault("num_max_tokens_per_rank", MAXT)
     kw.setdefault("hidden", H)
     kw.setdefault("num_topk", K)
-    return deep_ep.ElasticBuffer(ctx.group, explicitly_destroy=True, backend="reference", **kw)
+    return _wrap(deep_ep.ElasticBuffer(ctx.group, explicitly_destroy=True, backend=BACKEND, **kw))
 
 
 def _eq(name, got, want):
@@ -246,7 +298,9 @@ def case_surface(ctx):
     # SM / QP helpers: V2's model's properties, and its QP formula
     for b in (buf, direct):
         n = b.get_theoretical_num_sms(E, K)
-        assert n % 2 == 0 and 4 <= n <= DEFAULT_NUM_DEVICE_SMS, n
+        device_sms = (torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE.type == "cuda"
+                      else DEFAULT_NUM_DEVICE_SMS)
+        assert n % 2 == 0 and 4 <= n <= device_sms, n
         assert b.get_theoretical_num_sms(E, K) == n  # remembered
         assert b.get_theoretical_num_qps(n) == min(n * 16 + 1 if b.allow_hybrid_mode else min(n, 9), b.num_allocated_qps)
     busy = _buffer(ctx, prefer_overlap_with_compute=False)
@@ -260,11 +314,11 @@ def case_surface(ctx):
     for name, args in (("engram_fetch", (None,)), ("pp_send", (None, 0)), ("all_gather", (None,))):
         expect_raises(NotImplementedError, ["not served"], lambda: getattr(buf, name)(*args))
     assert buf.capture().__class__.__name__ == "EventHandle"
-    assert buf.get_comm_stream() is None
+    assert (buf.get_comm_stream() is None) == (DEVICE.type == "cpu")
     buf.barrier(with_cpu_sync=True)
     for b in (buf, direct, busy):
         b.destroy()
-    implicit = deep_ep.ElasticBuffer(ctx.group, num_max_tokens_per_rank=MAXT, hidden=H, backend="reference")
+    implicit = deep_ep.ElasticBuffer(ctx.group, num_max_tokens_per_rank=MAXT, hidden=H, backend=BACKEND)
     expect_raises(RuntimeError, ["explicitly_destroy"], implicit.destroy)
 
 
@@ -290,7 +344,7 @@ def case_errors(ctx):
     expect_raises(ValueError, ["rows"], lambda: buf.combine(torch.zeros(h.num_recv_tokens + 1, H, dtype=torch.bfloat16), h))
     other = _buffer(ctx)
     expect_raises(ValueError, ["another ElasticBuffer"], lambda: other.combine(recv[0], h))
-    expect_raises(ValueError, ["num_bytes"], lambda: deep_ep.ElasticBuffer(ctx.group, backend="reference"))
+    expect_raises(ValueError, ["num_bytes"], lambda: deep_ep.ElasticBuffer(ctx.group, backend=BACKEND))
     # every rank refused the same calls before any collective: the world is still in step
     buf.combine(recv[0], h)
     other.destroy()
@@ -398,13 +452,13 @@ def case_handle_copy(ctx):
     x, idx, w = _inputs(7, me)
     for copy in (True, False):
         h = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_handle_copy=copy)[3]
-        assert (h.topk_idx.data_ptr() != idx.data_ptr()) == copy
-        assert torch.equal(h.topk_idx, idx)
+        assert (h.topk_idx.data_ptr() != buf.on_device(idx).data_ptr()) == copy
+        assert torch.equal(h.topk_idx.cpu(), idx)
         again = buf.dispatch(x, handle=h)[3]
         assert again is h and again.topk_idx.data_ptr() == h.topk_idx.data_ptr()
         # the slot each token landed in on its destination rank, -1 for empty slots
         assert h.dst_buffer_slot_idx.shape == (x.shape[0], K)
-        assert ((h.dst_buffer_slot_idx >= 0) == (idx >= 0)).all()
+        assert ((h.dst_buffer_slot_idx.cpu() >= 0) == (idx >= 0)).all()
     # V2's attributes are all there
     for name in V2_HANDLE:
         assert hasattr(h, name), name
@@ -456,7 +510,7 @@ def case_vllm(ctx):
     kwargs = dict(group=ctx.group, num_max_tokens_per_rank=MAXT, hidden=H, num_topk=K, use_fp8_dispatch=False,
                   allow_hybrid_mode=True, prefer_overlap_with_compute=True, allow_multiple_reduction=True,
                   explicitly_destroy=True)
-    buffer = deep_ep.ElasticBuffer(**kwargs, backend="reference")
+    buffer = _wrap(deep_ep.ElasticBuffer(**kwargs, backend=BACKEND))
     num_sms = buffer.get_theoretical_num_sms(num_experts=E, num_topk=K)
     assert num_sms >= 4
     L = E // R
@@ -513,7 +567,8 @@ def case_sglang(ctx):
     R, me = ctx.world_size, ctx.rank
     buffer = deep_ep.ElasticBuffer(ctx.group, num_max_tokens_per_rank=MAXT, hidden=H, num_topk=K,
                                    use_fp8_dispatch=False, allow_hybrid_mode=True, sl_idx=0,
-                                   prefer_overlap_with_compute=False, backend="reference")
+                                   prefer_overlap_with_compute=False, backend=BACKEND)
+    buffer = _wrap(buffer)
     assert buffer.num_bytes > 0
     num_sms = buffer.get_theoretical_num_sms(E, K)
     num_qps = buffer.get_theoretical_num_qps(num_sms)
@@ -573,12 +628,20 @@ def case_megatron(ctx):
         fused_a2a._elastic_buffer = None
         buf = fused_a2a.get_elastic_buffer(ctx.group, num_max_tokens_per_rank=MAXT, hidden=H, num_topk=K)
         assert fused_a2a.get_elastic_buffer(ctx.group, MAXT, H, K) is buf
+        x, idx, w = (t.to(DEVICE) for t in _inputs(40, me))
+        recv_x, _, _, tokens_per_expert, handle = fused_a2a.deepepv2_dispatch(buf, x, idx, w, E, MAXT)
+        out, _ = fused_a2a.deepepv2_combine(buf, recv_x, handle)
+        owners = torch.where(idx >= 0, idx // (E // R), torch.full_like(idx, -1))
+        hits = torch.stack([(owners == r).any(1) for r in range(R)], 1).sum(1, keepdim=True)
+        assert torch.allclose(out.float(), x.float() * hits, rtol=2e-2, atol=2e-2)
+        fused_a2a._elastic_buffer = None
     seed = 41
     x, idx, w = _inputs(seed, me)
     T = x.shape[0]
     hint = deep_ep.ElasticBuffer.get_buffer_size_hint(ctx.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K)
     buffer = deep_ep.ElasticBuffer(ctx.group, num_bytes=hint, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
-                                   backend="reference")
+                                   backend=BACKEND)
+    buffer = _wrap(buffer)
     # get_elastic_buffer keeps the buffer while it is big enough
     assert buffer.group == ctx.group and buffer.num_bytes >= hint and buffer.num_max_tokens_per_rank >= T
     bound = max(_inputs(seed, r)[0].shape[0] for r in range(R))  # the ranks agree on the bound

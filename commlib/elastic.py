@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -480,8 +480,7 @@ class ElasticBuffer:
         """
         self._alive()
         me, R = self.rank_idx, self.num_ranks
-        if isinstance(do_expand, bool) is False or isinstance(do_zero_padding, bool) is False:
-            do_expand, do_zero_padding = bool(do_expand), bool(do_zero_padding)
+        do_expand, do_zero_padding = bool(do_expand), bool(do_zero_padding)
         if do_zero_padding and not do_expand:
             raise ValueError(f"{_where(me)}.dispatch: do_zero_padding needs do_expand=True (as in V2)")
         cached = handle is not None

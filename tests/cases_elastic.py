@@ -482,11 +482,12 @@ def case_layouts(ctx):
     x, idx, w = _inputs(9, me, fp8=True)
     o = oracle_dispatch(9, R, me, ctx.ranks_per_node, 1, True)
     for expand in (False, True):
-        out = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_expand=expand,
-                           use_tma_aligned_col_major_sf=True)
-        sf = out[0][1]
+        raw = buf.buf.dispatch(buf._in(x), topk_idx=buf.on_device(idx), topk_weights=buf.on_device(w), num_experts=E,
+                               do_expand=expand, use_tma_aligned_col_major_sf=True)
+        sf = raw[0][1]  # the layout is checked where it was made (a copy to the CPU may repack it)
         rows = sf.shape[0]
         assert sf.stride() == (1, _align(rows, 4)), sf.stride()
+        out = buf._out(raw[:3]) + raw[3:]
         _check_dispatch(f"tma expand={expand}", o, out, expand, True, True, 1, R)
     h = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_cpu_sync=False)[3]
     n = int(h.psum_num_recv_tokens_per_scaleup_rank[-1])

@@ -48,13 +48,26 @@ def _inputs(seed, rank, T=None):
     return tuple(t.to(c.DEVICE) for t in c._inputs(seed, rank, T=T))
 
 
-def case_suite(ctx):
+def _run_suite(ctx, engine: str):
+    import deep_ep
     c = _suite_on_gpu()
+    probe = deep_ep.ElasticBuffer(ctx.group, num_max_tokens_per_rank=c.MAXT, hidden=c.H, explicitly_destroy=True)
+    assert probe.buffer.backend_name == engine, (probe.buffer.backend_name, engine)
+    probe.destroy()
     for name in SUITE:
         try:
             getattr(c, f"case_{name}")(ctx)
         except Exception as e:
-            raise AssertionError(f"cases_elastic.case_{name} failed on the NVLink engine") from e
+            raise AssertionError(f"cases_elastic.case_{name} failed on the {engine} engine") from e
+
+
+def case_suite(ctx):
+    _run_suite(ctx, "nvlink")
+
+
+def case_internode_suite(ctx):
+    """Every rank its own emulated node: the internode engine (NCCL between the ranks)."""
+    _run_suite(ctx, "internode")
 
 
 def _valid(h, t):
@@ -192,5 +205,17 @@ def test_elastic_on_nvlink():
 
     os.environ.setdefault("COMMLIB_TIMEOUT_S", "60")
     results = run_world(2, "test_elastic_gpu", CASES, use_gpu=True, timeout_s=600)
+    failed = {k: v for k, v in results.items() if v}
+    assert not failed, "\n\n".join(f"--- {k} ---\n{v}" for k, v in failed.items())
+
+
+@needs_cuda
+def test_elastic_on_internode():
+    """2 emulated nodes of 1 rank (own NCCL_HOSTID each): V2's hybrid domain on the internode engine."""
+    from worlds import run_world
+
+    os.environ.setdefault("COMMLIB_TIMEOUT_S", "60")
+    results = run_world(2, "test_elastic_gpu", ["internode_suite"], use_gpu=True, group_backend="nccl",
+                        emulate_hosts=True, ranks_per_node=1, timeout_s=900, case_timeout_s=600)
     failed = {k: v for k, v in results.items() if v}
     assert not failed, "\n\n".join(f"--- {k} ---\n{v}" for k, v in failed.items())

@@ -98,6 +98,7 @@ class EPHandle:
         self.recv_topk_idx = recv_topk_idx
         self.counts = counts
         self.owner = owner
+        self.config = None  # the transport's Config of the dispatch (None: the Buffer's own)
 
     @property
     def expanded_slots(self) -> torch.Tensor:
@@ -457,7 +458,8 @@ class ElasticBuffer:
             x: [T, H] bf16, or (fp8 e4m3 [T, H], scales [T, S] float32 or int32 packed UE8M0).
             topk_idx: [T, K] int64 expert ids, -1 = no expert; None with ``handle`` (cached).
             topk_weights: [T, K] float32 or None (also allowed with ``handle``: the cached weights travel).
-            cumulative_local_expert_recv_stats: [L] int32, incremented by the real per-expert counts.
+            cumulative_local_expert_recv_stats: [L] int32, incremented by the real per-expert counts
+                (non-cached calls only).
             num_experts: E (from the handle when cached). num_max_tokens_per_rank: bound on T for every
                 rank (default: the constructor's; the handle's when cached). expert_alignment: per-expert
                 counts and expanded blocks are rounded up to it (default 1).
@@ -490,6 +492,9 @@ class ElasticBuffer:
                 raise ValueError(f"{_where(me)}.dispatch: a cached dispatch (handle given) takes topk_idx=None")
             if do_cpu_sync:
                 raise ValueError(f"{_where(me)}.dispatch: a cached dispatch cannot do a CPU sync (do_cpu_sync=True)")
+            if cumulative_local_expert_recv_stats is not None:
+                raise ValueError(f"{_where(me)}.dispatch: a cached dispatch counts no tokens "
+                                 "(cumulative_local_expert_recv_stats must be None, as in V2)")
             given = (num_experts, expert_alignment, num_max_tokens_per_rank)
             saved = (handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank)
             if any(g is not None and g != s for g, s in zip(given, saved)):
@@ -531,7 +536,8 @@ class ElasticBuffer:
                 raise ValueError(f"{_where(me)}.dispatch: cumulative_local_expert_recv_stats must have {L} entries "
                                  f"(local experts), got {cumulative_local_expert_recv_stats.shape[0]}")
 
-        buf, cfg = self.buffer, self._config("dispatch", num_sms)
+        # a cached call runs on the channels its handle was made with
+        buf, cfg = self.buffer, (handle.config if cached else self._config("dispatch", num_sms))
         # the transfer: a cached Buffer dispatch, or a non-cached one (also for cached calls with
         # weights, at the handle's size so nothing syncs and rows land where they did)
         if cached and topk_weights is None:
@@ -561,6 +567,7 @@ class ElasticBuffer:
             else:
                 h = self._new_handle(bh, recv_idx, topk_idx, do_handle_copy, num_experts, alignment,
                                      max_tokens, num_sms, do_expand, cpu_sync, per_expert)
+                h.config = cfg
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(h.counts)
             w_out = recv_w

@@ -339,6 +339,8 @@ def case_errors(ctx):
     expect_raises(ValueError, ["allocate_on_comm_stream"],
                   lambda: buf.dispatch(x, topk_idx=idx, num_experts=E, previous_event=buf.capture()))
     expect_raises(ValueError, ["do_expand"], lambda: buf.dispatch(x, handle=h, do_expand=True))
+    expect_raises(ValueError, ["cumulative_local_expert_recv_stats"],
+                  lambda: buf.dispatch(x, handle=h, cumulative_local_expert_recv_stats=torch.zeros(E // R, dtype=torch.int32)))
     expect_raises(ValueError, ["differ"], lambda: buf.dispatch(x, handle=h, expert_alignment=4))
     expect_raises(TypeError, ["EPHandle"], lambda: buf.combine(recv[0], handle=object()))
     expect_raises(ValueError, ["rows"], lambda: buf.combine(torch.zeros(h.num_recv_tokens + 1, H, dtype=torch.bfloat16), h))
@@ -538,7 +540,7 @@ def case_vllm(ctx):
             expert_out = (recv_x.float() * (1 + ids.float()) * recv_w).to(torch.bfloat16)
         else:  # decode: globalize local ids; rows past the received count are padding
             assert counts == []
-            num_recv = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
+            num_recv = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])  # vLLM reads it on the device
             rows = torch.arange(recv_idx.shape[0]).unsqueeze(1)
             ids = torch.where((recv_idx >= 0) & (rows < num_recv), recv_idx + offset, torch.full_like(recv_idx, -1))
             wk = torch.where(ids >= 0, recv_w, torch.zeros_like(recv_w))

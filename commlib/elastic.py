@@ -580,7 +580,7 @@ class ElasticBuffer:
                 out_idx = None
             else:
                 out_x, out_sf = recv_data, recv_sf
-                out_idx = h.recv_topk_idx.clone() if cached else h.recv_topk_idx
+                out_idx = h.recv_topk_idx.clone()  # callers rewrite it in place (vLLM globalizes the ids)
             if out_sf is not None and use_tma_aligned_col_major_sf:
                 out_sf = _tma_column_major(out_sf)
             out = (out_x, out_sf) if out_sf is not None else out_x
@@ -590,8 +590,8 @@ class ElasticBuffer:
                                                          async_with_compute_stream)
         return out, out_idx, w_out, h, event
 
-    def _new_handle(self, bh: DispatchHandle, recv_idx: torch.Tensor, topk_idx: torch.Tensor, do_handle_copy: bool, num_experts: int,
-                    alignment: int, max_tokens: int, num_sms: int, do_expand: bool, cpu_sync: bool,
+    def _new_handle(self, bh: DispatchHandle, recv_idx: torch.Tensor, topk_idx: torch.Tensor, do_handle_copy: bool,
+                    num_experts: int, alignment: int, max_tokens: int, num_sms: int, do_expand: bool, cpu_sync: bool,
                     per_expert: Optional[list]) -> EPHandle:
         """The V2 handle of a non-cached dispatch, from the transport's handle (device work only)."""
         R, me = self.num_ranks, self.rank_idx

@@ -475,6 +475,11 @@ def case_handle_copy(ctx):
     assert stats.tolist() == [2 * c for c in o["counts"]]
     assert buf.dispatch(x, topk_idx=idx, num_experts=E)[3].num_sms == buf.get_theoretical_num_sms(E, K)
     buf.destroy()
+    # direct mode (allow_hybrid_mode=False): one scaleup domain of all R ranks
+    direct = _buffer(ctx, allow_hybrid_mode=False)
+    h = direct.dispatch(x, topk_idx=idx, num_experts=E)[3]
+    assert h.psum_num_recv_tokens_per_scaleup_rank.tolist() == oracle_dispatch(7, R, me, R, 1, False)["psum_scaleup"]
+    direct.destroy()
 
 
 def case_layouts(ctx):

@@ -204,7 +204,7 @@ def test_elastic_on_nvlink():
     from worlds import run_world
 
     os.environ.setdefault("COMMLIB_TIMEOUT_S", "60")
-    results = run_world(2, "test_elastic_gpu", CASES, use_gpu=True, timeout_s=600)
+    results = run_world(2, "test_elastic_gpu", CASES, use_gpu=True, timeout_s=900, case_timeout_s=600)
     failed = {k: v for k, v in results.items() if v}
     assert not failed, "\n\n".join(f"--- {k} ---\n{v}" for k, v in failed.items())
 

@@ -5,6 +5,7 @@ from commlib.fp8 import per_token_cast_to_fp8, per_token_cast_back
 
 from commlib.version import __version__  # noqa: F401
 from commlib.buffer import Buffer
+from commlib.elastic import ElasticBuffer, EPHandle
 from commlib.utils.event import EventOverlap
 from commlib.handle import DispatchHandle
 from commlib.topology import Topology
@@ -13,5 +14,5 @@ from commlib.tuning import autotune as _autotune
 
 Buffer.autotuner = _autotune.get_config
 
-__all__ = ["Buffer", "Config", "EventOverlap", "DispatchHandle", "Topology", "topk_idx_t",
+__all__ = ["Buffer", "ElasticBuffer", "EPHandle", "Config", "EventOverlap", "DispatchHandle", "Topology", "topk_idx_t",
            "per_token_cast_to_fp8", "per_token_cast_back", "routing"]

@@ -17,6 +17,7 @@ import logging
 import warnings
 
 from commlib import Buffer, Config, EventOverlap, topk_idx_t
+from commlib import ElasticBuffer, EPHandle
 from commlib import __version__ as _commlib_version
 from commlib.utils import env as _env
 from commlib.utils.event import EventHandle
@@ -57,4 +58,4 @@ if _real:
 if not _env.deep_ep_quiet():
     _log.info("deep_ep -> commlib %s (compatibility layer)", __version__)
 
-__all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t", "find_real_deep_ep"]
+__all__ = ["Buffer", "ElasticBuffer", "EPHandle", "Config", "EventOverlap", "EventHandle", "topk_idx_t", "find_real_deep_ep"]

@@ -16,7 +16,7 @@ LAYERS = [
     (3, ("commlib.tuning.search", "commlib.tuning.cache")),
     (4, ("commlib.backends",)),
     (5, ("commlib.buffer", "commlib.low_latency_mode")),
-    (6, ("commlib.tuning.autotune", "commlib.tuning.__main__", "commlib.tuning")),
+    (6, ("commlib.tuning.autotune", "commlib.tuning.__main__", "commlib.tuning", "commlib.elastic")),
     (7, ("commlib.training",)),
     (8, ("commlib.bench",)),
     # the package root, the DeepEP compatibility surface

@@ -34,6 +34,10 @@ from commlib.validate import (CommlibError, check_layout, check_num_experts, che
                               expert_id_error, scales_carrier, scales_from_carrier, split_x)
 
 _buffer_ids = itertools.count(1)
+# torch.cuda.Event's record / wait without their Python frames (every call issues two of each)
+_EVENT = getattr(torch._C, "_CudaEventBase", None)
+_event_record = getattr(_EVENT, "record", None)   # None on a build without CUDA (no comm stream there)
+_event_wait = getattr(_EVENT, "wait", None)
 
 XType = Union[torch.Tensor, tuple]
 
@@ -345,8 +349,8 @@ class Buffer(LowLatencyMode):
             return False
         # one kept event: a wait takes the event's state when it is enqueued, so re-recording it later
         # cannot move an earlier wait
-        self._entry_event.record(compute)
-        self.comm_stream.wait_event(self._entry_event)
+        _event_record(self._entry_event, compute)
+        _event_wait(self._entry_event, self.comm_stream)
         return not allocate_on_comm_stream
 
     def _leave(self, compute, result, blocks: Optional[tuple], inputs: Sequence, async_finish: bool,
@@ -381,9 +385,9 @@ class Buffer(LowLatencyMode):
                     recorded.add(id(base))
                     base.record_stream(compute)
         event = torch.cuda.Event()
-        event.record(comm)
+        _event_record(event, comm)
         if not async_finish:
-            compute.wait_event(event)
+            _event_wait(event, compute)
         return EventOverlap(event, [t for t in inputs if isinstance(t, torch.Tensor)] if async_finish else None)
 
     def _replay(self, handle: DispatchHandle, key: tuple, x: torch.Tensor, second, config, previous_event,

@@ -303,6 +303,45 @@ def case_bad_input(ctx):
     normal.destroy()
 
 
+def case_error_kinds(ctx):
+    """A host-side error inside a call (whatever its message says, e.g. torch's "cannot pin
+    'torch.cuda.LongTensor'") raises as itself and the Buffer keeps working; a sticky CUDA failure
+    (a trapped kernel: KernelLaunchError 719) raises CommlibError and retires the Buffer."""
+    from commlib.utils.errors import KernelLaunchError, is_device_failure
+
+    R = ctx.world_size
+    assert not is_device_failure(RuntimeError("CUDA error: cannot pin 'torch.cuda.LongTensor'"))
+    assert is_device_failure(KernelLaunchError("cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED (719)", 719))
+    assert not is_device_failure(KernelLaunchError("cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE (1)", 1))
+    buf = make_buffer(ctx, R)
+    x, idx, w = make_inputs(5, ctx.rank, "random", R)
+    real = buf.backend.get_dispatch_layout
+
+    def host_error(*a):
+        raise RuntimeError("cannot pin 'torch.cuda.LongTensor' only dense CPU tensors can be pinned")
+
+    buf.backend.get_dispatch_layout = host_error
+    _expect(RuntimeError, ["cannot pin"], lambda: buf.get_dispatch_layout(idx, E))
+    buf.backend.get_dispatch_layout = real
+    want = real(idx, E)
+    got = buf.get_dispatch_layout(idx, E)   # still usable
+    assert torch.equal(got[0], want.num_tokens_per_rank) and torch.equal(got[3], want.is_token_in_rank)
+
+    def trapped(*a):
+        raise KernelLaunchError("cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED (719)", 719)
+
+    buf.backend.get_dispatch_layout = trapped
+    try:
+        buf.get_dispatch_layout(idx, E)
+    except commlib.CommlibError as e:
+        assert "unusable" in str(e), e
+    else:
+        raise AssertionError("a trapped kernel did not raise CommlibError")
+    buf.backend.get_dispatch_layout = real
+    _expect(RuntimeError, ["unusable after an earlier failure"], lambda: buf.get_dispatch_layout(idx, E))
+    buf.destroy()
+
+
 def case_one_channel(ctx):
     """num_sms=2 is one channel: the [R, 1] channel prefix matrices (and a zero-token rank's) must
     work through dispatch, cached dispatch and combine, flat, multi-node and on the internode engine."""

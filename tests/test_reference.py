@@ -7,8 +7,8 @@ from worlds import case_tests
 
 ROUTING_CASES = [f"routing_{name}" for name in C.ROUTINGS]
 CASES = {
-    1: ROUTING_CASES + ["options", "bad_input"],
-    2: ROUTING_CASES + ["options", "bad_input", "one_channel"],
+    1: ROUTING_CASES + ["options", "bad_input", "error_kinds"],
+    2: ROUTING_CASES + ["options", "bad_input", "one_channel", "error_kinds"],
     4: ROUTING_CASES + ["options"],
     8: ROUTING_CASES + ["options", "node_limit"],
 }

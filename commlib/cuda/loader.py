@@ -539,10 +539,11 @@ class Replay:
     ``issue`` packs them and launches on a stream it names (no current-stream switch). Made only
     where the driver's launch path is there (``replay`` returns None otherwise)."""
 
-    __slots__ = ("lau", "grid", "block", "args", "variant", "plain")
+    __slots__ = ("lau", "grid", "block", "args", "shared_mem", "variant", "plain")
 
-    def __init__(self, lau: _Launcher, grid: int, block: int, args: list) -> None:
+    def __init__(self, lau: _Launcher, grid: int, block: int, args: list, shared_mem: int = 0) -> None:
         self.lau, self.grid, self.block, self.args = lau, int(grid), int(block), list(args)
+        self.shared_mem = int(shared_mem)
         self.variant, self.plain = _variant_key, plain_mode()
 
     def current(self) -> bool:
@@ -553,22 +554,22 @@ class Replay:
     def issue(self, stream: int) -> None:
         lau = self.lau
         lau.fmt.pack_into(lau.buf, 0, *self.args)
-        rc = _driver[0](lau.handle, self.grid, 1, 1, self.block, 1, 1, 0, stream, lau.params, None)
+        rc = _driver[0](lau.handle, self.grid, 1, 1, self.block, 1, 1, self.shared_mem, stream, lau.params, None)
         if rc:
             _launch_failed(rc)
 
 
 def replay(family: str, name: str, grid: int, block: int, args: Sequence,
-           variant_key: Optional[tuple] = None) -> Optional[Replay]:
-    """A Replay of ``launch(family, name, grid, block, args, variant_key=...)`` on the current device,
-    or None where launches take CuPy's path."""
+           variant_key: Optional[tuple] = None, shared_mem: int = 0) -> Optional[Replay]:
+    """A Replay of ``launch(family, name, grid, block, args, shared_mem, variant_key)`` on the current
+    device, or None where launches take CuPy's path."""
     if not (_fast_launch and _driver_api()):
         return None
     lau = _launcher(family, name, _device(), variant_key)
     if not lau.handle or len(args) != lau.count:
         return None
     lau.fmt.pack(*args)  # every value fits its C type now, so a replay fails only where an address does
-    return Replay(lau, grid, block, list(args))
+    return Replay(lau, grid, block, list(args), shared_mem)
 
 
 def _launch_failed(rc: int) -> None:
@@ -605,13 +606,10 @@ def ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def i32(v: int) -> int:
-    """An int argument (range-checked against the kernel's C type when packed)."""
-    return int(v)
-
-
-def u64(v: int) -> int:
-    return int(v)
+# An int argument (range-checked against the kernel's C type when packed): the builtin itself, so an
+# argument costs no Python frame on the launch path.
+i32 = int
+u64 = int
 
 
 def notify_slot_words(num_ranks: int) -> int:

@@ -220,6 +220,81 @@ def run_case(ctx, *, routing_name="random", T=64, H=256, E=32, K=4, fp8=False, w
     return out
 
 
+def case_replays(ctx):
+    """Repeated layouts, cached dispatches and combines replay the launch kept from their first call
+    (NVLinkBackend.plan_for): each replay, with fresh inputs, equals the reference bit for bit, with
+    and without FP8 scales and combine weights, synchronous and async after a previous_event; a
+    Config changed in place, or another one, is not replayed but still exact."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    nv, ref = buffers(ctx)
+    T, H, E, K = 96, 512, 32, 4
+    g = torch.Generator().manual_seed(4242 + me)
+    idx, w = make_routing("random", T, E, K, me, R, g)
+    idx, w = idx.to(dev), w.to(dev)
+    cfg = default_cfg()
+    before = nv.backend.replayed
+    for fp8 in (False, True):
+        handles, recvs = {}, {}
+        for name, buf in (("nvlink", nv), ("reference", ref)):
+            for rep in range(3):   # the layout's launch replays from its second call on
+                lay = buf.get_dispatch_layout(idx, E)
+                if rep:
+                    for a, b in zip(lay[:4], first[:4]):
+                        if a is not None:
+                            check_same(a, b, f"[replays fp8={fp8}] {name} layout call {rep}")
+                else:
+                    first = lay
+            x, _ = make_x(T, H, fp8, g, dev)
+            out = buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                               topk_idx=idx, topk_weights=w, config=cfg)
+            handles[name], recvs[name] = out[4], out[2]
+        for rep in range(4):
+            x, _ = make_x(T, H, fp8, torch.Generator().manual_seed(777 + 13 * rep + me), dev)
+            y = torch.randn(handles["nvlink"].recv_src_idx.shape[0], H,
+                            generator=torch.Generator().manual_seed(99 + rep + me)).to(torch.bfloat16).to(dev)
+            weights = recvs["nvlink"] if rep % 2 else None
+            got, want = {}, {}
+            for name, buf, res in (("nvlink", nv, got), ("reference", ref, want)):
+                h = handles[name]
+                if rep == 3:  # async, after an event, outputs on the comm stream
+                    ev = buf.capture()
+                    rx, _, _, _, _, e1 = buf.dispatch(x, handle=h, config=cfg, previous_event=ev, async_finish=True,
+                                                      allocate_on_comm_stream=True)
+                    e1.current_stream_wait()
+                    ev = buf.capture()
+                    cx, cw, e2 = buf.combine(y, h, topk_weights=weights, config=cfg, previous_event=ev,
+                                             async_finish=True, allocate_on_comm_stream=True)
+                    e2.current_stream_wait()
+                else:
+                    rx = buf.dispatch(x, handle=h, config=cfg)[0]
+                    cx, cw, _ = buf.combine(y, h, topk_weights=weights, config=cfg)
+                res.update(rx=rx, cx=cx, cw=cw)
+            tag = f"[replays fp8={fp8} call {rep}]"
+            if fp8:
+                check_same(got["rx"][0], want["rx"][0], f"{tag} cached recv_x (fp8)")
+                check_same(got["rx"][1], want["rx"][1], f"{tag} cached scales")
+            else:
+                check_same(got["rx"], want["rx"], f"{tag} cached recv_x")
+            check_same(got["cx"], want["cx"], f"{tag} combined_x")
+            if weights is not None:
+                check_same(got["cw"], want["cw"], f"{tag} combined_topk_weights")
+    replayed = nv.backend.replayed - before
+    # per dtype: 2 layouts, 3 cached dispatches, 3 combines (each op's first call lays its plan)
+    assert replayed >= 2 * (2 + 3 + 2), f"only {replayed} calls were replayed"
+    # a Config changed in place, then another Config: the full path (no replay), still exact
+    h_nv, h_ref = handles["nvlink"], handles["reference"]
+    x, _ = make_x(T, H, True, g, dev)
+    mutated = default_cfg()
+    nv.dispatch(x, handle=h_nv, config=mutated)
+    mutated.num_max_nvl_chunked_send_tokens = 16
+    count = nv.backend.replayed
+    a = nv.dispatch(x, handle=h_nv, config=mutated)[0]
+    b = ref.dispatch(x, handle=h_ref, config=mutated)[0]
+    assert nv.backend.replayed == count, "a dispatch with a changed Config was replayed"
+    check_same(a[0], b[0], "[replays] changed config recv_x")
+    check_same(a[1], b[1], "[replays] changed config scales")
+
+
 def default_cfg(num_sms=20, send=32, recv=256) -> Config:
     return Config(num_sms, send, recv, 64, 1024)
 

@@ -109,7 +109,7 @@ class ReferenceBackend(Backend):
         self._phase = f"{_OPS[op]} (reporting this rank's input error)"
         sig = [op, self.calls] + [0] * (len(self.sig_fields) - 2)
         try:
-            self._all_gather_rows(torch.tensor([1, *sig] + [0] * self._extra_len, dtype=torch.int64))
+            self._all_gather_rows(torch.tensor([1, *sig] + [0] * self._extra_len, dtype=torch.int64, device="cpu"))
         except CommlibError:
             pass
 
@@ -121,7 +121,7 @@ class ReferenceBackend(Backend):
         n = len(sig)
         # Fixed length whatever the op, so mismatched ops meet in a same-sized collective.
         row = [0, *sig, *extra] + [0] * (self._extra_len - len(extra))
-        g = self._all_gather_rows(torch.tensor(row, dtype=torch.int64))
+        g = self._all_gather_rows(torch.tensor(row, dtype=torch.int64, device="cpu"))
         refused = [r for r in range(R) if g[r, 0]]
         if refused:
             raise ValueError(f"[commlib rank {me}] {_OPS[sig[0]]} aborted: rank(s) {refused} rejected their "
@@ -191,7 +191,7 @@ class ReferenceBackend(Backend):
             h = req.handle
             rank_prefix = h.rank_prefix_matrix.cpu()
             counts_all = torch.diff(rank_prefix.to(torch.int64), dim=0,
-                                    prepend=torch.zeros(1, R, dtype=torch.int64))
+                                    prepend=torch.zeros(1, R, dtype=torch.int64, device="cpu"))
             chan_prefix = h.channel_prefix_matrix
             recv_chan_prefix = h.recv_channel_prefix_matrix
             num_experts = h.num_experts
@@ -302,12 +302,12 @@ class ReferenceBackend(Backend):
         send1_counts = [0] * R
         for m in range(M):
             send1_counts[topo.global_rank(m, local)] = int(order1[m].numel())
-        counts1 = self._all_gather_rows(torch.tensor(send1_counts))
+        counts1 = self._all_gather_rows(torch.tensor(send1_counts, device="cpu"))
         recv1_counts = counts1[:, me].tolist()
         send1 = payload[torch.cat(order1)]
         recv1 = self._network_a2a(send1, send1_counts, recv1_counts)
         self._count_rows(send1_counts, intranode=False)
-        src_rank1 = torch.repeat_interleave(torch.arange(R), torch.tensor(recv1_counts)).to(torch.int32).to(recv1.device)
+        src_rank1 = torch.repeat_interleave(torch.arange(R, device="cpu"), torch.tensor(recv1_counts, device="cpu")).to(torch.int32).to(recv1.device)
 
         # (2) fan-out inside the node, then rows grouped by source rank, token order within.
         plan = {"order1": order1, "recv1_counts": recv1_counts, "send1_counts": send1_counts}
@@ -342,7 +342,7 @@ class ReferenceBackend(Backend):
         send2_counts = [0] * R
         for p in range(P):
             send2_counts[topo.global_rank(node, p)] = int(fwd_order[p].numel())
-        counts2 = self._all_gather_rows(torch.tensor(send2_counts))
+        counts2 = self._all_gather_rows(torch.tensor(send2_counts, device="cpu"))
         recv2_counts = counts2[:, me].tolist()
         src_col = send2_src.view(torch.uint8).view(-1, 4)
         recv2 = self._a2a_rows(torch.cat([send2, src_col], dim=1), send2_counts, recv2_counts)

@@ -132,7 +132,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         self._pending = {"dispatch": collections.deque(), "combine": collections.deque()}
         # shrink mode (_device_mask): the kernels' mask, allocated here (not inside a graph capture)
         self._mask_dev = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
-        self._mask_host = torch.zeros(self.num_ranks, dtype=torch.int32)
+        self._mask_host = torch.zeros(self.num_ranks, dtype=torch.int32, device="cpu")
         self._masked_seen: set = set()
         K.compile_all()
         self.mem.all_opened(ctx.group, self.rank, self.num_ranks)

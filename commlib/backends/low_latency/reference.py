@@ -383,7 +383,7 @@ class LowLatencyReference(LowLatencyEngine):
         for r in range(R):
             part = got.get(r)
             if part is None or part.shape[0] != recv_counts[r]:
-                part = torch.zeros(recv_counts[r], width, dtype=rows.dtype)
+                part = torch.zeros(recv_counts[r], width, dtype=rows.dtype, device="cpu")
             parts.append(part)
         return torch.cat(parts).to(self.backend.comm_device), list(recv_counts)
 
@@ -392,7 +392,7 @@ class LowLatencyReference(LowLatencyEngine):
         one that does not answer within the timeout is masked."""
         self.backend.calls += 1
         self.backend._phase = "clean_low_latency_buffer (shrink-mode barrier)"
-        self._store_a2a(torch.zeros(0, 1, dtype=torch.uint8), [0] * self.ctx.num_ranks, None, mask,
+        self._store_a2a(torch.zeros(0, 1, dtype=torch.uint8, device="cpu"), [0] * self.ctx.num_ranks, None, mask,
                       [0] * self.ctx.num_ranks)
 
     @staticmethod

@@ -48,12 +48,19 @@ class _Packer:
             self.widths.append(n * dtype.itemsize)   # no tensor made: this runs on every call
         self.row_bytes = sum(self.widths)
 
-    def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    def pack(self, tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The rows [n, row_bytes] uint8; ``out``: written into that uint8 [n, row_bytes] (a view with any
+        row stride, e.g. a peer-memory area) instead of a new tensor, and returned."""
         n = tensors[0].shape[0]
-        if n == 0:
-            return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=tensors[0].device)
-        parts = [t.contiguous().reshape(n, -1).view(torch.uint8) for t in tensors]
-        return torch.cat(parts, dim=1)
+        parts = [t.contiguous().reshape(n, -1).view(torch.uint8) for t in tensors] if n else []
+        if out is None:
+            return torch.cat(parts, dim=1) if n else torch.empty(0, self.row_bytes, dtype=torch.uint8,
+                                                                  device=tensors[0].device)
+        offset = 0
+        for part, w in zip(parts, self.widths):
+            out[:, offset:offset + w].copy_(part)
+            offset += w
+        return out
 
     def unpack(self, rows: torch.Tensor) -> dict:
         out, offset = {}, 0

@@ -59,9 +59,21 @@ def _process_bytes(device: torch.device):
     return None
 
 
+def device_used_nvml(index: int = 0):
+    """Bytes used on GPU ``index`` as NVML sees it (None without pynvml); makes no CUDA context."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def sample(device: torch.device) -> dict:
-    """This process's memory figures now (bytes), after a device sync."""
+    """This process's memory figures now (bytes), after a device sync and a barrier (so the device-wide
+    figure is read when every rank has reached the same stage)."""
     torch.cuda.synchronize(device)
+    dist.barrier()
     free, total = torch.cuda.mem_get_info(device)
     return {"torch_alloc": torch.cuda.memory_allocated(device), "torch_resv": torch.cuda.memory_reserved(device),
             "torch_peak_resv": torch.cuda.max_memory_reserved(device), "peer_ipc": _peer_ipc_bytes(),
@@ -115,20 +127,32 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v / GIB:.2f}"
 
 
-def report(results: list, a) -> list:
-    """nccl-tests style lines: a # header, one data row per (stage, rank)."""
+def report(results: list, a, before=None) -> list:
+    """nccl-tests style lines: a # header, one data row per (stage, rank). ``before``: device bytes
+    used before the ranks started (NVML), so ``init`` shows what a rank's context and group take."""
     lines = [f"# mem_probe: {a.ranks} ranks ({a.ranks_per_node} per node), tokens {a.tokens}, hidden {a.hidden}, "
              f"experts {a.experts}, top-{a.topk}; Buffer {a.nvl_bytes / 1e9:g} GB + {a.rdma_bytes / 1e9:g} GB; "
              f"backend {results[0].get('backend')}; GiB",
-             "#  stage      rank  torch_alloc  torch_resv  peak_resv  peer_ipc  cupy_pool  process  device_used"]
+             "#  stage      rank  torch_alloc  torch_resv  peak_resv  peer_ipc  cupy_pool  process  other  device_used",
+             "#  (other = process - torch_resv - peer_ipc - cupy_pool: the CUDA context, modules, NCCL)"]
+    previous = before
     for stage in STAGES:
         for r, res in enumerate(results):
             s = res.get(stage) if res else None
             if s is None:
                 continue
+            other = (None if s["process"] is None
+                     else s["process"] - s["torch_resv"] - s["peer_ipc"] - s["cupy_pool"])
             lines.append(f"{stage:>8} {r:>8} {_fmt(s['torch_alloc']):>12} {_fmt(s['torch_resv']):>11} "
                          f"{_fmt(s['torch_peak_resv']):>10} {_fmt(s['peer_ipc']):>9} {_fmt(s['cupy_pool']):>10} "
-                         f"{_fmt(s['process']):>8} {_fmt(s['device_used']):>12}")
+                         f"{_fmt(s['process']):>8} {_fmt(other):>6} {_fmt(s['device_used']):>12}")
+        first = results[0].get(stage) if results and results[0] else None
+        if first is not None:
+            if previous is not None:
+                grew = first["device_used"] - previous
+                lines.append(f"# {stage}: device used {_fmt(first['device_used'])} GiB, "
+                             f"{grew / GIB:+.2f} GiB since the stage before ({grew / len(results) / GIB:+.3f} per rank)")
+            previous = first["device_used"]
     last = [res["idle"] for res in results if res]
     if last:
         own = max(s["torch_peak_resv"] + s["peer_ipc"] + s["cupy_pool"] for s in last)
@@ -155,17 +179,18 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("# mem_probe: no CUDA device")
         return 0
+    before = device_used_nvml(0)
     # several nodes: every rank its own NCCL host, so NCCL runs between processes sharing a GPU (the
     # Buffer gets the node layout from --ranks-per-node; its fan-out still maps the node's memory)
     multi = a.ranks > a.ranks_per_node
     results = parallel_launch(a.ranks, worker, a, ranks_per_node=1 if multi else a.ranks_per_node, use_gpu=True,
                               group_backend="nccl" if multi else None, emulate_hosts=multi, return_all=True,
                               timeout_s=a.timeout_s)
-    lines = report(results, a)
+    lines = report(results, a, before)
     print("\n".join(lines))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "ranks": results}, f, indent=1)
+            json.dump({"args": vars(a), "device_used_before": before, "ranks": results}, f, indent=1)
     return 0
 
 

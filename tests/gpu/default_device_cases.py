@@ -5,34 +5,22 @@ from __future__ import annotations
 
 import cases_default_device as D
 
-
-def case_nvlink_normal(ctx):
-    D.run_both(ctx, D.scenario_normal, default="cuda", backend="nvlink")
-
-
-def case_nvlink_normal_context(ctx):
-    D.run_with_device_context(ctx, D.scenario_normal, default="cuda", backend="nvlink")
-
-
-def case_nvlink_low_latency(ctx):
-    D.run_both(ctx, D.scenario_low_latency, default="cuda", backend="nvlink")
-
-
-def case_nvlink_autograd(ctx):
-    D.run_both(ctx, D.scenario_autograd, default="cuda", backend="nvlink")
+# case name -> (how the default device is set, scenario, backend)
+CASES = {
+    "nvlink_normal": (D.run_both, D.scenario_normal, "nvlink"),
+    "nvlink_normal_context": (D.run_with_device_context, D.scenario_normal, "nvlink"),
+    "nvlink_low_latency": (D.run_both, D.scenario_low_latency, "nvlink"),
+    "nvlink_autograd": (D.run_both, D.scenario_autograd, "nvlink"),
+    "reference_normal": (D.run_both, D.scenario_normal, "reference"),
+    "reference_low_latency": (D.run_both, D.scenario_low_latency, "reference"),
+    "internode_normal": (D.run_both, D.scenario_normal, "internode"),
+    "internode_autograd": (D.run_both, D.scenario_autograd, "internode"),
+}
 
 
-def case_reference_normal(ctx):
-    D.run_both(ctx, D.scenario_normal, default="cuda", backend="reference")
+def _case(run, scenario, backend):
+    return lambda ctx: run(ctx, scenario, default="cuda", backend=backend)
 
 
-def case_reference_low_latency(ctx):
-    D.run_both(ctx, D.scenario_low_latency, default="cuda", backend="reference")
-
-
-def case_internode_normal(ctx):
-    D.run_both(ctx, D.scenario_normal, default="cuda", backend="internode")
-
-
-def case_internode_autograd(ctx):
-    D.run_both(ctx, D.scenario_autograd, default="cuda", backend="internode")
+for _name, _spec in CASES.items():
+    globals()[f"case_{_name}"] = _case(*_spec)

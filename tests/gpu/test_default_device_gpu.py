@@ -17,13 +17,13 @@ sys.path.insert(0, str(HERE))          # default_device_cases (spawned ranks inh
 sys.path.insert(0, str(HERE.parent))   # tests/worlds.py, tests/cases_default_device.py
 
 from commlib.buffer import _cupy_available  # noqa: E402
+from default_device_cases import CASES  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or not _cupy_available(),
                                                   reason="needs a GPU and CuPy")]
 
-ONE_NODE = ["nvlink_normal", "nvlink_normal_context", "nvlink_low_latency", "nvlink_autograd",
-            "reference_normal", "reference_low_latency"]
-TWO_NODES = ["internode_normal", "internode_autograd"]
+TWO_NODES = [name for name, (_, _, backend) in CASES.items() if backend == "internode"]
+ONE_NODE = [name for name in CASES if name not in TWO_NODES]
 
 
 def _check(results):

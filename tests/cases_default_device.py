@@ -21,11 +21,11 @@ LL_E_PER_RANK, LL_H, LL_MAX = 2, 512, 16
 def _inputs(ctx, T: int, num_experts: int, hidden: int, seed: int):
     """x [T, hidden] bf16, topk_idx [T, K] int64, topk_weights [T, K] float32 on ctx.device."""
     g = torch.Generator(device="cpu").manual_seed(seed * 1000 + ctx.rank)
-    x = torch.randn(T, hidden, generator=g, device=CPU).to(torch.bfloat16)
-    scores = torch.rand(T, num_experts, generator=g, device=CPU)
+    x = torch.randn(T, hidden, generator=g, device=CPU, dtype=torch.float32).to(torch.bfloat16)
+    scores = torch.rand(T, num_experts, generator=g, device=CPU, dtype=torch.float32)
     idx = scores.topk(K, dim=1).indices
-    idx[torch.rand(T, K, generator=g, device=CPU) < 0.2] = -1
-    w = torch.rand(T, K, generator=g, device=CPU)
+    idx[torch.rand(T, K, generator=g, device=CPU, dtype=torch.float32) < 0.2] = -1
+    w = torch.rand(T, K, generator=g, device=CPU, dtype=torch.float32)
     return x.to(ctx.device), idx.to(torch.int64).contiguous().to(ctx.device), w.to(ctx.device)
 
 
@@ -112,7 +112,7 @@ def scenario_autograd(ctx, backend: str = "reference") -> dict:
     y = (d.recv_x.float() * 1.5).to(torch.bfloat16)
     combined, _ = ops.combine(buf, y, d.handle, topk_weights=d.recv_topk_weights)
     g = torch.Generator(device="cpu").manual_seed(7 + ctx.rank)
-    loss = (combined.float() * torch.randn(combined.shape, generator=g, device=CPU).to(ctx.device)).sum() + d.recv_topk_weights.sum()
+    loss = (combined.float() * torch.randn(combined.shape, generator=g, device=CPU, dtype=torch.float32).to(ctx.device)).sum() + d.recv_topk_weights.sum()
     loss.backward()
     out = dict(recv_x=d.recv_x.detach(), combined=combined.detach(), x_grad=x.grad, w_grad=w.grad)
     buf.destroy()
@@ -133,15 +133,18 @@ def _compare(name: str, want: dict, got: dict, rank: int) -> None:
 
 
 def run_both(ctx, scenario, default: str = "meta", backend: str = "reference") -> None:
-    """``scenario`` with the default device left alone, then under ``torch.set_default_device(default)``:
-    the outputs must be the same bytes on the same device."""
+    """``scenario`` with torch's defaults left alone, then under ``torch.set_default_device(default)`` and
+    ``torch.set_default_dtype(torch.bfloat16)`` (DeepEP's test harness sets both): the outputs must be
+    the same bytes on the same device (a float tensor commlib makes without its dtype would be bf16)."""
     want = scenario(ctx, backend)
     torch.set_default_device(default)
+    torch.set_default_dtype(torch.bfloat16)
     try:
         got = scenario(ctx, backend)
     finally:
         torch.set_default_device(None)
-    assert torch.empty(0).device == CPU
+        torch.set_default_dtype(torch.float32)
+    assert torch.empty(0).device == CPU and torch.empty(0).dtype == torch.float32
     _compare(scenario.__name__, want, got, ctx.rank)
 
 

@@ -1,7 +1,8 @@
 """commlib whatever torch's default device is: the reference backend's dispatch / combine / cached /
 num_worst_tokens / layout, the low-latency reference and autograd, run on spawned CPU (gloo) worlds
-of 2 ranks and of 4 ranks as 2 nodes x 2, under a meta default device inside the ranks, against the
-same calls with the default left alone (cases_default_device.py says how)."""
+of 2 ranks and of 4 ranks as 2 nodes x 2, under a meta default device (and a bf16 default dtype, as
+DeepEP's tests set) inside the ranks, against the same calls with the defaults left alone
+(cases_default_device.py says how)."""
 from __future__ import annotations
 
 import pytest

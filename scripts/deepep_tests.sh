@@ -45,13 +45,18 @@ unset DEEPEP_HARNESS_WORKAROUND_CPU_DEFAULT   # a diagnostic that hides a commli
 MPS_STARTED=0
 if [ "${DEEPEP_NO_MPS:-0}" != 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
   if ! pgrep -u "$(id -u)" -x nvidia-cuda-mps-control >/dev/null; then
-    export CUDA_MPS_PIPE_DIRECTORY="$LOGDIR/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$LOGDIR/mps/log"
+    MPS_DIR=$(mktemp -d /tmp/deepep_mps.XXXXXX)   # pipes and sockets: not in LOGDIR
+    export CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_DIR/log"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d && MPS_STARTED=1
   fi
 fi
 echo "# mps: started here=$MPS_STARTED pipe=${CUDA_MPS_PIPE_DIRECTORY:-default}" | tee -a "$SUMMARY"
-stop_mps() { [ "$MPS_STARTED" = 1 ] && echo quit | nvidia-cuda-mps-control; }
+stop_mps() {
+  [ "$MPS_STARTED" = 1 ] || return 0
+  echo quit | nvidia-cuda-mps-control
+  cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$LOGDIR/mps_control.log" 2>/dev/null || true
+}
 trap stop_mps EXIT
 
 PORT=29600

@@ -224,3 +224,30 @@ def case_hook_halves(ctx):
     assert log == ["exchange", "combine receive"], log
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     buf.destroy()
+
+
+def case_roll_call(ctx):
+    """Shrink mode's roll call: all ranks answer (nothing masked); rank R - 1 stops: every other rank
+    masks it after one timeout, and later rounds among the rest are quick; a rank that has itself
+    masked takes no part."""
+    import time
+
+    from commlib.backends.low_latency.reference import RollCall
+    R, me = ctx.world_size, ctx.rank
+    rc = RollCall(ctx.group, me, R, 4242, timeout_s=2.0, what="test")
+    mask = torch.zeros(R, dtype=torch.int32)
+    assert rc.round(mask) == [] and not mask.any()
+    gone = R - 1
+    if me != gone:
+        t0 = time.monotonic()
+        assert rc.round(mask) == [gone], mask
+        assert 1.5 < time.monotonic() - t0 < 30
+        assert mask.tolist() == [0] * (R - 1) + [1]
+        t0 = time.monotonic()
+        for _ in range(3):
+            assert rc.round(mask) == []
+        assert time.monotonic() - t0 < 1.5, "rounds among the live ranks waited for the masked one"
+    mine = torch.zeros(R, dtype=torch.int32)
+    mine[me] = 1
+    assert rc.round(mine) == [] and mine.tolist() == [int(r == me) for r in range(R)]
+    torch.distributed.barrier()

@@ -206,6 +206,52 @@ def rank_grouped_sum(vals: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     return acc.to(torch.bfloat16)
 
 
+class RollCall:
+    """Shrink mode's check that the unmasked ranks are still calling, through the process group's
+    key-value store (no collective, so a rank that stopped cannot block it): in each round every
+    unmasked rank posts a key and waits, at most ``timeout_s``, for the keys of the other unmasked
+    ranks; a rank whose key does not come is masked (``mask[r] = 1``), as DeepEP's kernels mask a
+    rank that times out. Collective at creation (the ranks agree on a name). The ranks that take part
+    in a round must number their rounds alike (``seq``; ``align`` after a resync)."""
+
+    def __init__(self, group, rank: int, num_ranks: int, buffer_id: int, timeout_s: float, what: str) -> None:
+        ids = [None] * num_ranks
+        dist.all_gather_object(ids, buffer_id, group=group)
+        self._ns = f"commlib/rollcall/{what}/{ids[0]}"
+        self._store = dist.distributed_c10d._get_default_store()
+        self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, float(timeout_s)
+        self.seq = 0
+
+    def _key(self, seq: int, r: int) -> str:
+        return f"{self._ns}/{seq}/{r}"
+
+    def round(self, mask: torch.Tensor) -> list:
+        """One round ([R] int32 host ``mask``, updated in place): returns the ranks it masked. A rank
+        that has itself masked takes no part (it moves nothing anyway)."""
+        me = self.rank
+        if int(mask[me]):
+            return []
+        self.seq += 1
+        live = [r for r in range(self.num_ranks) if r != me and not int(mask[r])]
+        self._store.set(self._key(self.seq, me), b"1")
+        if self.seq > 2:   # every live peer has passed round seq - 2 (it posted seq - 1 before this wait)
+            self._store.delete_key(self._key(self.seq - 2, me))
+        keys = [self._key(self.seq, r) for r in live]
+        try:
+            if keys:
+                self._store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+            return []
+        except Exception:  # noqa: BLE001 - the store's timeout: the peers whose keys are missing stopped
+            gone = [r for r, k in zip(live, keys) if not self._store.check([k])]
+            for r in gone:
+                mask[r] = 1
+            return gone
+
+    def align(self, seq: int) -> None:
+        """Number the next round ``seq + 1`` (every rank the same, after a resync)."""
+        self.seq = int(seq)
+
+
 class LowLatencyEngine:
     """What every low-latency engine shares: the Buffer, and the two alternating combine inputs."""
 

@@ -1,4 +1,5 @@
-"""GPU cases for test_ll_hooks_gpu.py: what a low-latency call and its receive hook launch (nvlink engine).
+"""GPU cases for test_ll_hooks_gpu.py: the nvlink low-latency engine where DeepEP's tests look: what a
+call and its receive hook launch, and shrink mode with a rank that stops calling.
 
 DeepEP's hooked call launches its send kernel and the hook its receive kernel (the same kernel, two
 phases), so a profiler sees two ``::dispatch`` / ``::combine`` kernels per hooked call and one per
@@ -18,15 +19,21 @@ from commlib.cuda import loader
 M, H, E_PER_RANK, K = 32, 1024, 4, 4
 
 
-def _setup(ctx):
+def _inputs(rank: int, E: int):
+    """Rank ``rank``'s x [M, H] bf16, topk_idx [M, K] int64, topk_weights [M, K] float32 (on the CPU)."""
+    g = torch.Generator(device="cpu").manual_seed(11 + rank)
+    x = torch.randn(M, H, generator=g, device="cpu").to(torch.bfloat16)
+    idx = torch.rand(M, E, generator=g, device="cpu").topk(K, dim=1).indices
+    w = torch.rand(M, K, generator=g, device="cpu")
+    return x, idx, w
+
+
+def _setup(ctx, **kw):
     R = ctx.world_size
     E = E_PER_RANK * R
     buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(M, H, R, E), low_latency_mode=True,
-                 backend="nvlink", explicitly_destroy=True)
-    g = torch.Generator(device="cpu").manual_seed(11 + ctx.rank)
-    x = torch.randn(M, H, generator=g, device="cpu").to(torch.bfloat16).to(ctx.device)
-    idx = torch.rand(M, E, generator=g, device="cpu").topk(K, dim=1).indices.to(ctx.device)
-    w = torch.rand(M, K, generator=g, device="cpu").to(ctx.device)
+                 backend="nvlink", explicitly_destroy=True, **kw)
+    x, idx, w = (t.to(ctx.device) for t in _inputs(ctx.rank, E))
     return buf, x, idx, w, E
 
 
@@ -97,4 +104,30 @@ def case_profiler_view(ctx):
             counts[(op, hook)] = len(mine)
     assert counts == {("dispatch", False): n, ("combine", False): n, ("dispatch", True): 2 * n,
                       ("combine", True): 2 * n}, counts
+    buf.destroy()
+
+
+def case_stopped_rank(ctx):
+    """Shrink mode (DeepEP's --shrink-test): every rank calls once; then rank R - 1 stops calling. The
+    others mask it after one timeout (the roll call), their dispatch counts only the live sources'
+    rows, their combine completes, and the mask reads back with it set."""
+    R, me = ctx.world_size, ctx.rank
+    buf, x, idx, w, E = _setup(ctx, enable_shrink=True)
+    L, gone = E // R, R - 1
+    rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    buf.low_latency_combine(rx, idx, w, handle)
+    torch.cuda.synchronize()
+    if me != gone:
+        rx, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        live = [_inputs(r, E)[1] for r in range(R) if r != gone]
+        want = [sum(int((i == me * L + e).sum()) for i in live) for e in range(L)]
+        assert count.cpu().tolist() == want, (count.cpu().tolist(), want)
+        out, _, _ = buf.low_latency_combine(rx, idx, w, handle)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out.float()).any()
+        status = torch.zeros(R, dtype=torch.int32, device=ctx.device)
+        buf.low_latency_query_mask_buffer(status)
+        assert status.cpu().tolist() == [int(r == gone) for r in range(R)], status
+        buf.clean_low_latency_buffer(M, H, E)   # with a rank masked: the roll call again, nothing hangs
+    torch.distributed.barrier()
     buf.destroy()

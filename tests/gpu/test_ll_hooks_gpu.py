@@ -1,6 +1,7 @@
-"""Low-latency receive hooks on the nvlink engine as DeepEP's: a hooked call launches the send kernel,
-its hook the receive kernel; the profiler sees DeepEP-style names (``::dispatch`` / ``::combine``), two
-kernels per hooked call. 2 ranks (they may share one GPU). Cases: tests/gpu/ll_hook_cases.py."""
+"""The nvlink low-latency engine as DeepEP's tests use it: a hooked call launches the send kernel, its
+hook the receive kernel; the profiler sees DeepEP-style names (``::dispatch`` / ``::combine``), two
+kernels per hooked call; in shrink mode a rank that stops calling gets masked. 2 (and 4) ranks, which
+may share one GPU. Cases: tests/gpu/ll_hook_cases.py."""
 from __future__ import annotations
 
 import os
@@ -26,3 +27,12 @@ def test_ll_hooks(case):
     os.environ.setdefault("COMMLIB_TIMEOUT_S", "60")
     results = run_world(2, "ll_hook_cases", [case], use_gpu=True, timeout_s=300)
     assert results[case] is None, results[case]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ll_shrink_stopped_rank(world_size, monkeypatch):
+    """A rank that stops calling in shrink mode is masked by the others after one timeout (10 s here)."""
+    from worlds import run_world
+    monkeypatch.setenv("COMMLIB_TIMEOUT_S", "10")
+    results = run_world(world_size, "ll_hook_cases", ["stopped_rank"], use_gpu=True, timeout_s=300)
+    assert results["stopped_rank"] is None, results["stopped_rank"]

@@ -7,7 +7,8 @@
 # HARNESS_DIR  the harness folder (sitecustomize.py: ranks -> GPU i % count, NCCL_HOSTID per rank)
 # TESTS_DIR    DeepEP's tests/ at the v1 commit (test_intranode.py, test_low_latency.py,
 #              test_internode.py, utils.py); default: .deepep_tests of this checkout
-# RUNS         comma list, default all: intranode, ll, ll_logfmt, ll_shrink, ll_pressure, internode
+# RUNS         comma list, default all: intranode, ll, ll_logfmt, ll_shrink, ll_pressure, internode;
+#              also mem (not in the default): benchmarks.mem_probe at test_internode's shape, 2 x 8
 #
 # Every run at the tests' default sizes and process counts (8 per launch), under `timeout`; the
 # pressure test runs for DEEPEP_PRESSURE_S seconds and passes if nothing failed by then. Under CUDA
@@ -129,7 +130,15 @@ for run in "${WANT[@]}"; do
       wait_all "$LIMIT" "$p0" "$LAST_PID"
       cat "$log.node0" "$log.node1" >"$log"
       verdict internode "$log" 0 ;;
-    *) echo "$run: unknown run (intranode, ll, ll_logfmt, ll_shrink, ll_pressure, internode)" | tee -a "$SUMMARY" ;;
+    mem)   # device memory per rank, stage by stage (a commlib benchmark, not a DeepEP test)
+      log="$LOGDIR/mem.log"
+      : >"$log"
+      T0=$(date +%s)
+      ( cd "$REPO" && exec setsid env -u DEEPEP_HARNESS_SHARE_GPU "$PY" -m benchmarks.mem_probe \
+          --json "$LOGDIR/mem_probe.json" ) >>"$log" 2>&1 &
+      wait_all "$LIMIT" $!
+      verdict mem "$log" 0 ;;
+    *) echo "$run: unknown run (intranode, ll, ll_logfmt, ll_shrink, ll_pressure, internode, mem)" | tee -a "$SUMMARY" ;;
   esac
 done
 cat "$SUMMARY"

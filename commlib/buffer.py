@@ -126,7 +126,7 @@ class Buffer(LowLatencyMode):
         self._tuned: dict = {}
         self._rings: dict = {}
         self._local_buffers: dict = {}  # use_rdma_buffer -> uint8 tensor (get_local_buffer_tensor)
-        self._mask = torch.zeros(self.num_ranks, dtype=torch.int32)  # shrink mode: 1 = masked rank (host)
+        self._mask = torch.zeros(self.num_ranks, dtype=torch.int32, device="cpu")  # shrink mode: 1 = masked rank (host)
         self._check_world_agrees()
         self.backend_name = self._choose_backend(backend)
         self.backend: Backend = self._make_backend(self.backend_name)
@@ -266,7 +266,7 @@ class Buffer(LowLatencyMode):
         raw = self._local_buffers.get(bool(use_rdma_buffer))
         if raw is None:
             raw = self._local_buffers[bool(use_rdma_buffer)] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        item = torch.empty(0, dtype=dtype).element_size()
+        item = torch.empty(0, dtype=dtype, device="cpu").element_size()
         n = (nbytes - offset) // item
         tensor = raw[offset:offset + n * item].view(dtype)
         if size is None:

@@ -41,5 +41,5 @@ def group_limited_topk(scores: torch.Tensor, num_groups: int, topk_groups: int, 
 def random_scores(num_tokens: int, num_experts: int, generator: torch.Generator | None = None,
                   device: str | torch.device = "cpu") -> torch.Tensor:
     """Positive gate scores (sigmoid of normals), as V3's gate produces."""
-    s = torch.randn(num_tokens, num_experts, generator=generator)
+    s = torch.randn(num_tokens, num_experts, generator=generator, device="cpu", dtype=torch.float32)
     return torch.sigmoid(s).to(device)

@@ -176,3 +176,78 @@ def case_errors(ctx):
         raise AssertionError("small rdma buffer accepted")
     small.destroy()
     buf.destroy()
+
+
+def case_hook_halves(ctx):
+    """return_recv_hook=True: the call does the send half (the exchange) and its hook the receive half
+    (the rows into the outputs, zeros until then), once; without a hook the call does both. The
+    outputs after the hook are the plain call's, bit for bit (dispatch BF16 and FP8, combine)."""
+    R = ctx.world_size
+    buf = _buffer(ctx)
+    eng, log = buf._low_latency, []
+    for name in ("_dispatch_receive", "_combine_receive"):
+        inner = getattr(eng, name)
+        setattr(eng, name, lambda *a, _f=inner, _n=name: (log.append(_n.split("_")[1] + " receive"), _f(*a))[1])
+    a2a = buf.backend._a2a_rows
+    buf.backend._a2a_rows = lambda *a, **k: (log.append("exchange"), a2a(*a, **k))[1]
+    x, idx, w = _inputs(ctx.rank, R, 3)
+    E = E_PER_RANK * R
+    for fp8 in (False, True):
+        log.clear()
+        plain = buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)
+        assert log == ["exchange", "dispatch receive"], log
+        log.clear()
+        rx, cnt, handle, _, hook = buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8, return_recv_hook=True)
+        assert log == ["exchange"], log
+        assert not bool(cnt.any()) and bool((handle.src_info == -1).all()), "outputs filled before the hook"
+        log.clear()
+        hook()
+        assert log == ["dispatch receive"], log
+        got = [*(rx if fp8 else [rx]), cnt, handle.src_info, handle.layout_range]
+        want = [*(plain[0] if fp8 else [plain[0]]), plain[1], plain[2].src_info, plain[2].layout_range]
+        for i, (g, p) in enumerate(zip(got, want)):
+            assert torch.equal(g.contiguous().view(torch.uint8), p.contiguous().view(torch.uint8)), (fp8, i)
+        try:
+            hook()
+        except ValueError as e:
+            assert "once" in str(e), e
+        else:
+            raise AssertionError("a receive hook ran twice")
+    rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    log.clear()
+    want, _, _ = buf.low_latency_combine(rx, idx, w, handle)
+    assert log == ["exchange", "combine receive"], log
+    log.clear()
+    got, _, hook = buf.low_latency_combine(rx, idx, w, handle, return_recv_hook=True)
+    assert log == ["exchange"] and not bool(got.float().any()), log
+    hook()
+    assert log == ["exchange", "combine receive"], log
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    buf.destroy()
+
+
+def case_roll_call(ctx):
+    """Shrink mode's roll call: all ranks answer (nothing masked); rank R - 1 stops: every other rank
+    masks it after one timeout, and later rounds among the rest are quick; a rank that has itself
+    masked takes no part."""
+    import time
+
+    from commlib.backends.low_latency.reference import RollCall
+    R, me = ctx.world_size, ctx.rank
+    rc = RollCall(ctx.group, me, R, 4242, timeout_s=2.0, what="test")
+    mask = torch.zeros(R, dtype=torch.int32)
+    assert rc.round(mask) == [] and not mask.any()
+    gone = R - 1
+    if me != gone:
+        t0 = time.monotonic()
+        assert rc.round(mask) == [gone], mask
+        assert 1.5 < time.monotonic() - t0 < 30
+        assert mask.tolist() == [0] * (R - 1) + [1]
+        t0 = time.monotonic()
+        for _ in range(3):
+            assert rc.round(mask) == []
+        assert time.monotonic() - t0 < 1.5, "rounds among the live ranks waited for the masked one"
+    mine = torch.zeros(R, dtype=torch.int32)
+    mine[me] = 1
+    assert rc.round(mine) == [] and mine.tolist() == [int(r == me) for r in range(R)]
+    torch.distributed.barrier()

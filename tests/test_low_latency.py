@@ -9,7 +9,7 @@ from commlib.backends.low_latency.nvlink import RECV, SEND, NVLinkLowLatency, lo
 from commlib.backends.low_latency.reference import rank_grouped_sum
 from worlds import run_world
 
-CASES = ["bf16", "fp8", "errors"]
+CASES = ["bf16", "fp8", "errors", "hook_halves", "roll_call"]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

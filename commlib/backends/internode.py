@@ -678,8 +678,10 @@ class InternodeBackend(ReferenceBackend):
         if fan is not None:
             fan.barrier()
             # rows past the received count hold older bytes there: the padding row instead
+            # (in place: a [rows, W] copy would double the largest transient of a num_worst_tokens call)
             landed_rows = torch.arange(rows, device=dev) < plan["num_recv_dev"]
-            return torch.where(landed_rows.view(rows, 1), fan.rows(rows, Wd)[:, :W], out)
+            area = fan.rows(rows, Wd)[:, :W]
+            return torch.where(landed_rows.view(rows, 1), area, out, out=area)
         return out[:rows]
 
     def _count_padded(self, plan: dict) -> None:
@@ -703,11 +705,14 @@ class InternodeBackend(ReferenceBackend):
         dev = self.comm_device
         nch, crows, rows = plan["num_chunks"], plan["crows"], plan["num_recv"]
         per = M * crows
-        mine = packer.pack([req.x[:rows].to(dev)] + ([w] if K else []))
+        tensors = [req.x[:rows].to(dev)] + ([w] if K else [])
         fan = self.fanout
-        if fan is not None:
-            Wd = self._publish(fan, mine, rows, plan["area_row"], packer.row_bytes)
-        mine = torch.cat([mine, torch.zeros(1, packer.row_bytes, dtype=torch.uint8, device=dev)])  # + a zero row
+        if fan is not None:   # packed straight into this rank's area: no [rows, W] copy on the side
+            Wd = self._publish(fan, lambda stride: packer.pack(tensors, out=fan.rows(rows, stride)[:, :packer.row_bytes]),
+                               rows, plan["area_row"], packer.row_bytes)
+        else:   # + a zero row: the slot of positions nothing landed on
+            mine = torch.zeros(rows + 1, packer.row_bytes, dtype=torch.uint8, device=dev)
+            packer.pack(tensors, out=mine[:rows])
         back, posted = [], None
         for k in range(nch):
             if fan is not None:   # the forwarder sums its landed rows' copies from the node's areas

@@ -48,12 +48,19 @@ class _Packer:
             self.widths.append(n * dtype.itemsize)   # no tensor made: this runs on every call
         self.row_bytes = sum(self.widths)
 
-    def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    def pack(self, tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The rows [n, row_bytes] uint8; ``out``: written into that uint8 [n, row_bytes] (a view with any
+        row stride, e.g. a peer-memory area) instead of a new tensor, and returned."""
         n = tensors[0].shape[0]
-        if n == 0:
-            return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=tensors[0].device)
-        parts = [t.contiguous().reshape(n, -1).view(torch.uint8) for t in tensors]
-        return torch.cat(parts, dim=1)
+        parts = [t.contiguous().reshape(n, -1).view(torch.uint8) for t in tensors] if n else []
+        if out is None:
+            return torch.cat(parts, dim=1) if n else torch.empty(0, self.row_bytes, dtype=torch.uint8,
+                                                                  device=tensors[0].device)
+        offset = 0
+        for part, w in zip(parts, self.widths):
+            out[:, offset:offset + w].copy_(part)
+            offset += w
+        return out
 
     def unpack(self, rows: torch.Tensor) -> dict:
         out, offset = {}, 0
@@ -109,7 +116,7 @@ class ReferenceBackend(Backend):
         self._phase = f"{_OPS[op]} (reporting this rank's input error)"
         sig = [op, self.calls] + [0] * (len(self.sig_fields) - 2)
         try:
-            self._all_gather_rows(torch.tensor([1, *sig] + [0] * self._extra_len, dtype=torch.int64))
+            self._all_gather_rows(torch.tensor([1, *sig] + [0] * self._extra_len, dtype=torch.int64, device="cpu"))
         except CommlibError:
             pass
 
@@ -121,7 +128,7 @@ class ReferenceBackend(Backend):
         n = len(sig)
         # Fixed length whatever the op, so mismatched ops meet in a same-sized collective.
         row = [0, *sig, *extra] + [0] * (self._extra_len - len(extra))
-        g = self._all_gather_rows(torch.tensor(row, dtype=torch.int64))
+        g = self._all_gather_rows(torch.tensor(row, dtype=torch.int64, device="cpu"))
         refused = [r for r in range(R) if g[r, 0]]
         if refused:
             raise ValueError(f"[commlib rank {me}] {_OPS[sig[0]]} aborted: rank(s) {refused} rejected their "
@@ -191,7 +198,7 @@ class ReferenceBackend(Backend):
             h = req.handle
             rank_prefix = h.rank_prefix_matrix.cpu()
             counts_all = torch.diff(rank_prefix.to(torch.int64), dim=0,
-                                    prepend=torch.zeros(1, R, dtype=torch.int64))
+                                    prepend=torch.zeros(1, R, dtype=torch.int64, device="cpu"))
             chan_prefix = h.channel_prefix_matrix
             recv_chan_prefix = h.recv_channel_prefix_matrix
             num_experts = h.num_experts
@@ -302,12 +309,12 @@ class ReferenceBackend(Backend):
         send1_counts = [0] * R
         for m in range(M):
             send1_counts[topo.global_rank(m, local)] = int(order1[m].numel())
-        counts1 = self._all_gather_rows(torch.tensor(send1_counts))
+        counts1 = self._all_gather_rows(torch.tensor(send1_counts, device="cpu"))
         recv1_counts = counts1[:, me].tolist()
         send1 = payload[torch.cat(order1)]
         recv1 = self._network_a2a(send1, send1_counts, recv1_counts)
         self._count_rows(send1_counts, intranode=False)
-        src_rank1 = torch.repeat_interleave(torch.arange(R), torch.tensor(recv1_counts)).to(torch.int32).to(recv1.device)
+        src_rank1 = torch.repeat_interleave(torch.arange(R, device="cpu"), torch.tensor(recv1_counts, device="cpu")).to(torch.int32).to(recv1.device)
 
         # (2) fan-out inside the node, then rows grouped by source rank, token order within.
         plan = {"order1": order1, "recv1_counts": recv1_counts, "send1_counts": send1_counts}
@@ -342,7 +349,7 @@ class ReferenceBackend(Backend):
         send2_counts = [0] * R
         for p in range(P):
             send2_counts[topo.global_rank(node, p)] = int(fwd_order[p].numel())
-        counts2 = self._all_gather_rows(torch.tensor(send2_counts))
+        counts2 = self._all_gather_rows(torch.tensor(send2_counts, device="cpu"))
         recv2_counts = counts2[:, me].tolist()
         src_col = send2_src.view(torch.uint8).view(-1, 4)
         recv2 = self._a2a_rows(torch.cat([send2, src_col], dim=1), send2_counts, recv2_counts)

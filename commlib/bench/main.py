@@ -96,13 +96,13 @@ class Workload:
 def make_inputs(w: Workload, rank: int, device: torch.device) -> dict:
     """This rank's x [T, H] bf16, topk_idx [T, K] int64, topk_weights [T, K] float32 (deterministic)."""
     g_cpu = torch.Generator().manual_seed(w.seed * 100_003 + rank)
-    scores = torch.rand(w.num_tokens, w.num_experts, generator=g_cpu)
+    scores = torch.rand(w.num_tokens, w.num_experts, generator=g_cpu, device="cpu", dtype=torch.float32)
     topk_idx, topk_weights = group_limited_topk(scores, w.num_groups, w.num_topk_groups, w.num_topk)
     if device.type == "cuda":  # generate the big tensor where it lives (same bits on every rank)
         g_dev = torch.Generator(device=device).manual_seed(w.seed * 100_003 + rank)
-        x = torch.randn(w.num_tokens, w.hidden, generator=g_dev, device=device)
+        x = torch.randn(w.num_tokens, w.hidden, generator=g_dev, device=device, dtype=torch.float32)
     else:
-        x = torch.randn(w.num_tokens, w.hidden, generator=g_cpu)
+        x = torch.randn(w.num_tokens, w.hidden, generator=g_cpu, device="cpu", dtype=torch.float32)
     return {"x": x.to(torch.bfloat16).contiguous(), "topk_idx": topk_idx.to(device),
             "topk_weights": topk_weights.to(device)}
 

@@ -88,7 +88,7 @@ def tokens_per_local_expert(local_ids_NK: torch.Tensor, num_local: int) -> list[
 def rank_prefix_matrix(topk_idxs: Sequence[torch.Tensor], num_experts: int) -> torch.Tensor:
     """[R, R] int32: [i][j] = rows ranks 0..i send to rank j (inclusive over sources)."""
     R = len(topk_idxs)
-    out = torch.zeros(R, R, dtype=torch.int64)
+    out = torch.zeros(R, R, dtype=torch.int64, device="cpu")
     run = [0] * R
     for i, idx in enumerate(topk_idxs):
         sent = destinations(idx, num_experts, R).sum(dim=0).tolist()
@@ -104,7 +104,7 @@ def channel_prefix_matrix(topk_idx_TK: torch.Tensor, num_experts: int, num_ranks
     dest = destinations(topk_idx_TK, num_experts, num_ranks).cpu()
     T = dest.shape[0]
     per = -(-T // num_channels) if num_channels else 0
-    out = torch.zeros(num_ranks, num_channels, dtype=torch.int32)
+    out = torch.zeros(num_ranks, num_channels, dtype=torch.int32, device="cpu")
     for c in range(num_channels):
         lo = min(c * per, T)
         out[:, c] = dest[:lo].sum(dim=0).to(torch.int32)

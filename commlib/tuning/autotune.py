@@ -79,7 +79,7 @@ class BufferTimer:
         scores = random_scores(num_tokens, num_experts, gen)
         idx, weights = group_limited_topk(scores, num_groups, min(topk_groups, num_groups), topk)
         self.topk_idx, self.topk_weights = idx.to(self.device), weights.to(self.device)
-        x = torch.randn(num_tokens, hidden, generator=gen).to(self.device, torch.bfloat16)
+        x = torch.randn(num_tokens, hidden, generator=gen, device="cpu", dtype=torch.float32).to(self.device, torch.bfloat16)
         self.x_bf16 = x
         self.x = per_token_cast_to_fp8(x) if dtype_name(dtype) == "float8_e4m3fn" else x
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(self.topk_idx, num_experts)

@@ -33,8 +33,11 @@ CUDA graph and replayed. Differences, all documented in the issue's terms:
     wait on its words, combine leaves the experts of masked ranks out of the sum (the reference's
     results on the live ranks, bit for bit). A masked rank takes no part (as in the reference); if
     it calls anyway, with itself masked, its call moves nothing (zero rows, zero output) and only
-    advances its own sequence numbers. Unlike the reference, a rank that stops answering is a device
-    timeout (CommlibError), not masked. Unmasking a rank needs a resync first: after
+    advances its own sequence numbers. A rank that stops calling is masked by the others after one
+    timeout (COMMLIB_TIMEOUT_S), as in the reference: before each call (and in clean_low_latency_buffer
+    with a rank masked) the unmasked ranks answer a roll call through the group's key-value store
+    (RollCall: a host round trip per call); a CUDA graph replays without it, so a rank that stops
+    during replays is a device timeout (CommlibError). Unmasking a rank needs a resync first: after
     ``low_latency_clean_mask_buffer`` every rank (the returning one too) calls
     ``clean_low_latency_buffer`` together with no call in flight (``barrier``), which puts every
     rank's sequence numbers and counters in step again; a call that unmasks a rank without it is
@@ -63,8 +66,8 @@ from commlib.cuda import loader as K
 from commlib.utils.math import align_up, aligned_16
 from commlib.fp8 import BLOCK
 from commlib.config import MAX_TOPK
-from commlib.backends.low_latency.reference import (LowLatencyEngine, LowLatencyHandle, check_combine_args, check_dispatch_args,
-                           combine_half_bytes, logfmt_roundtrip)
+from commlib.backends.low_latency.reference import (LowLatencyEngine, LowLatencyHandle, RollCall, check_combine_args,
+                           check_dispatch_args, combine_half_bytes, logfmt_roundtrip)
 from commlib.backends.nvlink.peer_memory import PeerMemory
 
 THREADS = 512               # kLlThreads in csrc/low_latency.cu
@@ -132,8 +135,9 @@ class NVLinkLowLatency(LowLatencyEngine):
         self._pending = {"dispatch": collections.deque(), "combine": collections.deque()}
         # shrink mode (_device_mask): the kernels' mask, allocated here (not inside a graph capture)
         self._mask_dev = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
-        self._mask_host = torch.zeros(self.num_ranks, dtype=torch.int32)
+        self._mask_host = torch.zeros(self.num_ranks, dtype=torch.int32, device="cpu")
         self._masked_seen: set = set()
+        self._roll: Optional[RollCall] = None   # shrink mode: ranks that stop calling get masked
         K.compile_all()
         self.mem.all_opened(ctx.group, self.rank, self.num_ranks)
 
@@ -208,7 +212,18 @@ class NVLinkLowLatency(LowLatencyEngine):
 
     # ------------------------------------------------------------------ dispatch
     def enable_shrink(self) -> None:
-        """Shrink mode: the kernels get the mask (_device_mask); nothing to set up."""
+        """Shrink mode: the kernels get the mask (_device_mask); before each call a roll call of the
+        unmasked ranks (RollCall, collective to set up) masks one that stopped calling."""
+        self._roll = RollCall(self.ctx.group, self.rank, self.num_ranks, self.ctx.buffer_id, self.ctx.timeout_s,
+                              "nvlink-low-latency")
+
+    def _shrink_mask(self, mask) -> Optional[torch.Tensor]:
+        """The kernels' mask for this call (_device_mask), with the ranks that did not answer the roll
+        call masked first (``mask`` updated in place, as DeepEP's kernels mark a rank that times out)."""
+        dmask = self._device_mask(mask)
+        if mask is not None and self._roll is not None and self._roll.round(mask):
+            dmask = self._device_mask(mask)
+        return dmask
 
     def _device_mask(self, mask) -> Optional[torch.Tensor]:
         """The kernels' mask (shrink mode; None otherwise: a null pointer, the unmasked path): a device
@@ -250,6 +265,8 @@ class NVLinkLowLatency(LowLatencyEngine):
         is above them."""
         self._alive()
         if mask is not None and bool(mask.ne(0).any()):
+            if self._roll is not None:   # a rank that does not take part is masked (from the next call on)
+                self._roll.round(mask)
             return
         me, R = self.rank, self.num_ranks
         if any(self._pending.values()):
@@ -257,8 +274,10 @@ class NVLinkLowLatency(LowLatencyEngine):
         torch.cuda.synchronize(self.device)
         done = int((self.state[:4] >> 32).max())
         everyone: list = [None] * R
-        dist.all_gather_object(everyone, done, group=self.ctx.group)
-        base = max(everyone) + 2
+        dist.all_gather_object(everyone, (done, self._roll.seq if self._roll is not None else 0), group=self.ctx.group)
+        base = max(d for d, _ in everyone) + 2
+        if self._roll is not None:   # ranks masked for a while made fewer roll calls
+            self._roll.align(max(r for _, r in everyone))
         self.state[:4] = base << 32
         self.state[CUM_BASE:] = 0
         words = torch.full((2 * K.MAX_RANKS,), base << 32, dtype=torch.int64, device=self.device)
@@ -305,7 +324,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         geo = self._geometry(M, H, E, use_fp8, use_ue8m0)
         mode = FP8_MODES["bf16" if not use_fp8 else "fp8_ue8m0" if use_ue8m0 else "fp8_pow2" if round_scale
                          else "fp8"]
-        dmask = self._device_mask(mask)
+        dmask = self._shrink_mask(mask)
         call = self._issue("dispatch", return_recv_hook)
         x = aligned_16(x)
         idx = topk_idx.contiguous()
@@ -361,7 +380,7 @@ class NVLinkLowLatency(LowLatencyEngine):
         geo = self._geometry(M, H, E, False, False)
         if H % 8:
             raise ValueError(f"[commlib rank {me}] nvlink low-latency combine: hidden ({H}) must be a multiple of 8")
-        dmask = self._device_mask(mask)
+        dmask = self._shrink_mask(mask)
         call = self._issue("combine", return_recv_hook and not use_logfmt)
         x = aligned_16(x)
         idx = topk_idx.contiguous()

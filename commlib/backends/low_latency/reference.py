@@ -18,8 +18,9 @@ combine: a weighted sum grouped by the rank that holds the experts (each multipl
   the same way) instead of one row per slot; the GPU engines match this bit for bit. With every slot
   on one rank it is the plain top-k-order sum; otherwise each partial adds one bf16 rounding.
 Shapes are static (no host-visible counts), which is what makes the GPU path graph-capturable.
-With ``return_recv_hook=True`` the call returns a hook; calling it completes the receive (here
-the data has already arrived, so the hook only marks the handle received).
+With ``return_recv_hook=True`` the call does the send half (the exchange) and returns a hook that
+does the receive half (the rows into the outputs, which hold zeros until then), as DeepEP's call
+issues its send kernel and the hook its receive kernel; without it the call does both.
 """
 from __future__ import annotations
 
@@ -205,6 +206,52 @@ def rank_grouped_sum(vals: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     return acc.to(torch.bfloat16)
 
 
+class RollCall:
+    """Shrink mode's check that the unmasked ranks are still calling, through the process group's
+    key-value store (no collective, so a rank that stopped cannot block it): in each round every
+    unmasked rank posts a key and waits, at most ``timeout_s``, for the keys of the other unmasked
+    ranks; a rank whose key does not come is masked (``mask[r] = 1``), as DeepEP's kernels mask a
+    rank that times out. Collective at creation (the ranks agree on a name). The ranks that take part
+    in a round must number their rounds alike (``seq``; ``align`` after a resync)."""
+
+    def __init__(self, group, rank: int, num_ranks: int, buffer_id: int, timeout_s: float, what: str) -> None:
+        ids = [None] * num_ranks
+        dist.all_gather_object(ids, buffer_id, group=group)
+        self._ns = f"commlib/rollcall/{what}/{ids[0]}"
+        self._store = dist.distributed_c10d._get_default_store()
+        self.rank, self.num_ranks, self.timeout_s = rank, num_ranks, float(timeout_s)
+        self.seq = 0
+
+    def _key(self, seq: int, r: int) -> str:
+        return f"{self._ns}/{seq}/{r}"
+
+    def round(self, mask: torch.Tensor) -> list:
+        """One round ([R] int32 host ``mask``, updated in place): returns the ranks it masked. A rank
+        that has itself masked takes no part (it moves nothing anyway)."""
+        me = self.rank
+        if int(mask[me]):
+            return []
+        self.seq += 1
+        live = [r for r in range(self.num_ranks) if r != me and not int(mask[r])]
+        self._store.set(self._key(self.seq, me), b"1")
+        if self.seq > 2:   # every live peer has passed round seq - 2 (it posted seq - 1 before this wait)
+            self._store.delete_key(self._key(self.seq - 2, me))
+        keys = [self._key(self.seq, r) for r in live]
+        try:
+            if keys:
+                self._store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+            return []
+        except Exception:  # noqa: BLE001 - the store's timeout: the peers whose keys are missing stopped
+            gone = [r for r, k in zip(live, keys) if not self._store.check([k])]
+            for r in gone:
+                mask[r] = 1
+            return gone
+
+    def align(self, seq: int) -> None:
+        """Number the next round ``seq + 1`` (every rank the same, after a resync)."""
+        self.seq = int(seq)
+
+
 class LowLatencyEngine:
     """What every low-latency engine shares: the Buffer, and the two alternating combine inputs."""
 
@@ -301,14 +348,40 @@ class LowLatencyReference(LowLatencyEngine):
             recv, recv_counts = self._store_a2a(payload, send_counts, None, mask, waits)
         if wait_stats is not None:
             wait_stats += torch.tensor(waits, dtype=torch.int64, device=wait_stats.device)
+        # what the receive fills in (DeepEP's outputs: static shapes, valid once the receive ran)
+        out_dev, RM = x.device, R * M
+        if use_fp8:
+            S = H // (4 * BLOCK) if use_ue8m0 else H // BLOCK
+            recv_x = (torch.zeros(L, RM, H, dtype=torch.float8_e4m3fn, device=out_dev),
+                      torch.zeros(L, RM, S, dtype=torch.int32 if use_ue8m0 else torch.float32, device=out_dev))
+        else:
+            recv_x = torch.zeros(L, RM, H, dtype=torch.bfloat16, device=out_dev)
+        recv_count = torch.zeros(L, dtype=torch.int32, device=out_dev)
+        handle = LowLatencyHandle(torch.full((L, RM), -1, dtype=torch.int32, device=out_dev),
+                                  torch.zeros(L, R, dtype=torch.int64, device=out_dev), M, H, num_experts,
+                                  buffer_id=b.buffer_id,
+                                  extra={"send_counts": send_counts, "recv_counts": recv_counts, "order": order.cpu(),
+                                         "tok": tok.cpu(), "slot": slot[order].cpu(), "T": T,
+                                         "K": topk_idx.shape[1], "received": False})
+        sent = (recv, recv_counts, L, M, H, use_fp8, use_ue8m0)
+        if not return_recv_hook:
+            self._dispatch_receive(sent, recv_x, recv_count, handle)
+            return recv_x, recv_count, handle, None
+        return recv_x, recv_count, handle, self._hook(lambda: self._dispatch_receive(sent, recv_x, recv_count, handle))
+
+    def _dispatch_receive(self, sent: tuple, recv_x, recv_count: torch.Tensor, handle: LowLatencyHandle) -> None:
+        """The receive half of a dispatch (the hook's, with return_recv_hook): the rows exchanged by the
+        call, grouped per local expert, into the call's outputs."""
+        recv, recv_counts, L, M, H, use_fp8, use_ue8m0 = sent
+        R, dev = self.ctx.num_ranks, self.backend.comm_device
         meta_r = recv[:, -8:].contiguous().view(torch.int32).view(-1, 2)
         src_rank = torch.repeat_interleave(torch.arange(R, device=dev), torch.tensor(recv_counts, device=dev))
         local = meta_r[:, 1].to(torch.int64)
         # rows per (local expert): sources in rank order, tokens in order (stable sort keeps arrival order)
         pos = torch.argsort(local * (R + 1) + src_rank, stable=True)
         recv, local, src_rank, src_tok = recv[pos], local[pos], src_rank[pos], meta_r[pos, 0]
-        recv_count = torch.bincount(local, minlength=L).to(torch.int32)
-        first = torch.cumsum(recv_count.to(torch.int64), 0) - recv_count.to(torch.int64)
+        counts = torch.bincount(local, minlength=L).to(torch.int32)
+        first = torch.cumsum(counts.to(torch.int64), 0) - counts.to(torch.int64)
         row_in_expert = torch.arange(local.numel(), device=dev) - first[local]
         width = H if use_fp8 else 2 * H
         out_x = torch.zeros(L, R * M, width, dtype=torch.uint8, device=dev)
@@ -318,25 +391,18 @@ class LowLatencyReference(LowLatencyEngine):
         per = torch.zeros(L, R, dtype=torch.int64, device=dev)
         per.index_put_((local, src_rank), torch.ones_like(local), accumulate=True)
         start = torch.cumsum(per, 1) - per
-        layout_range = (start << 32) | per
-        out_dev = x.device
         if use_fp8:
-            recv_q = out_x.view(torch.float8_e4m3fn).to(out_dev)
             sw = (H // (4 * BLOCK)) * 4 if use_ue8m0 else (H // BLOCK) * 4
             s_bytes = torch.zeros(L, R * M, sw, dtype=torch.uint8, device=dev)
             s_bytes[local, row_in_expert] = recv[:, width:width + sw]
-            scales = s_bytes.view(torch.int32 if use_ue8m0 else torch.float32).to(out_dev)
-            recv_x = (recv_q, scales)
+            recv_x[0].copy_(out_x.view(torch.float8_e4m3fn))
+            recv_x[1].copy_(s_bytes.view(torch.int32 if use_ue8m0 else torch.float32))
         else:
-            recv_x = out_x.view(torch.bfloat16).to(out_dev)
-        handle = LowLatencyHandle(src_info.to(out_dev), layout_range.to(out_dev), M, H, num_experts,
-                                  buffer_id=b.buffer_id,
-                                  extra={"send_counts": send_counts, "recv_counts": recv_counts, "order": order.cpu(),
-                                         "tok": tok.cpu(), "slot": slot[order].cpu(), "pos": pos.cpu(),
-                                         "local": local.cpu(), "row": row_in_expert.cpu(), "T": T,
-                                         "K": topk_idx.shape[1], "received": not return_recv_hook})
-        hook = self._hook(handle) if return_recv_hook else None
-        return recv_x, recv_count.to(out_dev), handle, hook
+            recv_x.copy_(out_x.view(torch.bfloat16))
+        recv_count.copy_(counts)
+        handle.src_info.copy_(src_info)
+        handle.layout_range.copy_((start << 32) | per)
+        handle.extra.update(pos=pos.cpu(), local=local.cpu(), row=row_in_expert.cpu(), received=True)
 
     # ------------------------------------------------------------------ shrink mode
     def enable_shrink(self) -> None:
@@ -383,7 +449,7 @@ class LowLatencyReference(LowLatencyEngine):
         for r in range(R):
             part = got.get(r)
             if part is None or part.shape[0] != recv_counts[r]:
-                part = torch.zeros(recv_counts[r], width, dtype=rows.dtype)
+                part = torch.zeros(recv_counts[r], width, dtype=rows.dtype, device="cpu")
             parts.append(part)
         return torch.cat(parts).to(self.backend.comm_device), list(recv_counts)
 
@@ -392,13 +458,18 @@ class LowLatencyReference(LowLatencyEngine):
         one that does not answer within the timeout is masked."""
         self.backend.calls += 1
         self.backend._phase = "clean_low_latency_buffer (shrink-mode barrier)"
-        self._store_a2a(torch.zeros(0, 1, dtype=torch.uint8), [0] * self.ctx.num_ranks, None, mask,
+        self._store_a2a(torch.zeros(0, 1, dtype=torch.uint8, device="cpu"), [0] * self.ctx.num_ranks, None, mask,
                       [0] * self.ctx.num_ranks)
 
-    @staticmethod
-    def _hook(handle: LowLatencyHandle) -> Callable[[], None]:
+    def _hook(self, receive: Callable[[], None]) -> Callable[[], None]:
+        """A receive hook: runs ``receive`` (the call's receive half) once."""
+        done = []
+
         def hook() -> None:
-            handle.extra["received"] = True
+            if done:
+                raise ValueError(f"[commlib rank {self.ctx.rank}] a low-latency receive hook may be called once")
+            done.append(True)
+            receive()
         return hook
 
     # ------------------------------------------------------------------ combine
@@ -433,17 +504,23 @@ class LowLatencyReference(LowLatencyEngine):
             back = back.view(torch.bfloat16)
         if wait_stats is not None:
             wait_stats += torch.tensor(waits, dtype=torch.int64, device=wait_stats.device)
-        # back[i] is the row of pair i in the send order: (tok[i], slot[i])
-        vals = torch.zeros(T, K, H, dtype=torch.float32, device=dev)
-        vals[ex["tok"].to(dev), ex["slot"].to(dev)] = back.float()
         idx = topk_idx.to(dev)
         if mask is not None:  # experts on masked ranks are left out, as empty slots
             owner = torch.where(idx >= 0, idx // (handle.num_experts // R), torch.zeros_like(idx))
             idx = torch.where((idx >= 0) & (mask.to(dev)[owner] != 0), torch.full_like(idx, -1), idx)
-        result = rank_grouped_sum(vals, idx, topk_weights.to(dev), handle.num_experts // R, R,
-                                  logfmt=use_logfmt).to(x.device)
-        if out is not None:
-            out.copy_(result)
-            result = out
-        hook = (lambda: None) if return_recv_hook else None
-        return result, hook
+        result = out if out is not None else torch.zeros(T, H, dtype=torch.bfloat16, device=x.device)
+        sent = (back, idx, topk_weights.to(dev), handle, use_logfmt)
+        if not return_recv_hook:
+            self._combine_receive(sent, result)
+            return result, None
+        return result, self._hook(lambda: self._combine_receive(sent, result))
+
+    def _combine_receive(self, sent: tuple, result: torch.Tensor) -> None:
+        """The receive half of a combine (the hook's, with return_recv_hook): the rows sent back by the
+        call, summed per token (rank_grouped_sum) into ``result`` [T, H] bf16."""
+        back, idx, weights, handle, use_logfmt = sent
+        R, dev, ex = self.ctx.num_ranks, self.backend.comm_device, handle.extra
+        # back[i] is the row of pair i in the send order: (tok[i], slot[i])
+        vals = torch.zeros(ex["T"], ex["K"], handle.hidden, dtype=torch.float32, device=dev)
+        vals[ex["tok"].to(dev), ex["slot"].to(dev)] = back.float()
+        result.copy_(rank_grouped_sum(vals, idx, weights, handle.num_experts // R, R, logfmt=use_logfmt))

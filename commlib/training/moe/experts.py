@@ -32,7 +32,7 @@ def _group_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
     waits for has finished. In the dual pipeline that delayed the next communication the host
     issues by a whole stage.
     """
-    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    offs = torch.tensor(counts, dtype=torch.int64, device="cpu").cumsum(0).to(torch.int32)
     if device.type == "cuda":
         offs = offs.pin_memory()  # the caching host allocator keeps it alive until the copy is done
     return offs.to(device, non_blocking=True)

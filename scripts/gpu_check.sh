@@ -62,6 +62,7 @@ main         | nvlink    | 2 | 120 | $PY -m commlib.bench --json $RES
 a2a          | nvlink    | 2 | 150 | env NP=2 PYTHON=$PY bash scripts/launch_mpirun.sh -m benchmarks.alltoall_perf -b 512 -e 8K -f 2 --fp8 --json $RES
 a2aplot      | nvlink    | 0 |  60 | $PY -m benchmarks.plot $RES/alltoall_perf_*.json --out $RES
 tune         | nvlink    | 2 | 200 | $PY -m benchmarks.bench_tune ${TUNE_ARGS:-} --json $RES
+host         | nvlink    | 2 | 150 | $PY -m benchmarks.bench_host --world 1,2 --json $RES
 fanout       | internode | 4 | 240 | $PY -m pytest tests/gpu/test_fanout_gpu.py -x -q -p no:cacheprovider
 inworst      | internode | 2 | 120 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k worst_mode
 inworlds     | internode | 4 | 420 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k "not worst_mode"
@@ -86,6 +87,16 @@ overlapsm20  | training  | 2 | 150 | $PY -m benchmarks.bench_overlap --preset ba
 overlapnet   | training  | 2 | 200 | $PY -m benchmarks.bench_overlap --preset network --ce-staging host --comm-sms 4 --layers 6 --iters 10 --expert-hidden 2816 --tag NVIDIA_H200_network_i2816_s4_$C --out-dir $RES
 deepep       | peers     | 4 | 200 | $PY -m pytest tests/gpu/test_deep_ep_gpu.py -x -q -p no:cacheprovider
 knames       | peers     | 2 | 120 | $PY -m pytest tests/gpu/test_kernel_names_gpu.py -x -q -p no:cacheprovider
+defdev       | peers     | 4 | 200 | $PY -m pytest tests/gpu/test_default_device_gpu.py -x -q -p no:cacheprovider
+llhooks      | ll        | 2 | 120 | $PY -m pytest tests/gpu/test_ll_hooks_gpu.py -x -q -p no:cacheprovider
+elastic      | peers     | 4 | 300 | env COMMLIB_TIMEOUT_S=60 $PY -m pytest tests/gpu/test_elastic_gpu.py -x -q -p no:cacheprovider
+memprobe     | peers     | 16 | 200 | $PY -m benchmarks.mem_probe --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
+v1intranode  | peers     | 8 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests intranode
+v1ll         | peers     | 8 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll
+v1logfmt     | peers     | 8 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_logfmt
+v1shrink     | peers     | 8 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_shrink
+v1pressure   | peers     | 8 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_pressure
+v1internode  | peers     | 16 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests internode
 '
 # GPU_CHECK_EXTRA: more table lines (newline-separated) for this run only, e.g. a stage running
 # DeepEP's own tests from a tree carried to the device: 'dtests | peers | 8 | 300 | $PY ...'

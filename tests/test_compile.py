@@ -21,18 +21,18 @@ from worlds import expect_raises, run_world
 
 WORLD = 2
 T, H, K, E = 10, 64, 2, 8
-CASES = ["ops_reference", "ops_hierarchical", "ops_internode", "worst_tokens", "fake_shapes",
+CASES = ["ops_reference", "ops_hierarchical", "ops_internode", "worst_tokens", "fp8", "fake_shapes",
          "block_graph_breaks", "block_compiled_exact", "block_inductor", "low_latency", "errors"]
 
 
 # ------------------------------------------------------------------ helpers (run on every rank)
 
-def _buffer(ctx, backend="reference", ranks_per_node=None, low_latency=False, M=0):
+def _buffer(ctx, backend="reference", ranks_per_node=None, low_latency=False, M=0, hidden=H):
     from commlib import Buffer
     R = ctx.world_size
     cfg = Buffer.get_dispatch_config(R)
-    rdma = Buffer.get_low_latency_rdma_size_hint(M, H, R, E) if low_latency else 0
-    return Buffer(ctx.group, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(H * 2, R), num_rdma_bytes=rdma,
+    rdma = Buffer.get_low_latency_rdma_size_hint(M, hidden, R, E) if low_latency else 0
+    return Buffer(ctx.group, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(hidden * 2, R), num_rdma_bytes=rdma,
                   low_latency_mode=low_latency, backend=backend, ranks_per_node=ranks_per_node)
 
 
@@ -49,11 +49,11 @@ def _global_inputs(R, seed):
 
 
 def _global_ids(handle, me):
-    """Global token id (source * T + index) of every received row, from the handle's tensors."""
-    counts = torch.diff(handle.rank_prefix_matrix[:, me].long(), prepend=torch.zeros(1, dtype=torch.long))
+    """Global token id (source * T + index) of every received row, from the handle's tensors (on CPU)."""
+    counts = torch.diff(handle.rank_prefix_matrix[:, me].cpu().long(), prepend=torch.zeros(1, dtype=torch.long))
     src = torch.repeat_interleave(torch.arange(len(counts)), counts)
     n = src.numel()
-    return src * T + handle.recv_src_idx[:n].long()
+    return src * T + handle.recv_src_idx[:n].cpu().long()
 
 
 def _holders(idx_all, R):
@@ -70,17 +70,18 @@ def _expected_sum(rows_by_rank, hold):
     return acc.to(torch.bfloat16)
 
 
-def _check_ops(ctx, buf, compiled: bool, seed: int):
-    """dispatch, its gradients, combine, its gradient, cached dispatch: eager or compiled, against
-    the expectations from the global inputs."""
+def _check_ops(ctx, buf, compiled: bool, seed: int, backend: str = "aot_eager"):
+    """dispatch, its gradients, combine, its gradient, cached dispatch: eager or compiled, on the
+    Buffer's device, against the expectations from the global inputs (tests/gpu runs it too)."""
     from commlib.training import ops
-    r, R = ctx.rank, ctx.world_size
+    r, R, dev = ctx.rank, ctx.world_size, buf.device
     x_all, idx_all, w_all, g_rows, g_w, g_home = _global_inputs(R, seed)
     hold = _holders(idx_all, R)
     mine = slice(r * T, (r + 1) * T)
+    idx = idx_all[r].to(dev)
 
     def run_dispatch(x, w):
-        return ops.dispatch(buf, x, idx_all[r], w, E)
+        return ops.dispatch(buf, x, idx, w, E)
 
     def run_combine(y, handle):
         return ops.combine(buf, y, handle)[0]
@@ -90,37 +91,38 @@ def _check_ops(ctx, buf, compiled: bool, seed: int):
 
     if compiled:
         torch._dynamo.reset()
-        run_dispatch, run_combine, run_cached = (torch.compile(f, fullgraph=True, backend="aot_eager")
+        run_dispatch, run_combine, run_cached = (torch.compile(f, fullgraph=True, backend=backend)
                                                  for f in (run_dispatch, run_combine, run_cached))
-    x = x_all[r].clone().requires_grad_()
-    w = w_all[r].clone().requires_grad_()
+    x = x_all[r].to(dev, copy=True).requires_grad_()
+    w = w_all[r].to(dev, copy=True).requires_grad_()
     with ops.compile_config():
         out = run_dispatch(x, w)
     gid = _global_ids(out.handle, r)
     assert sorted(gid.tolist()) == hold[:, r].nonzero().flatten().tolist(), "rows received"
-    assert torch.equal(out.recv_x, x_all.view(R * T, H)[gid])
-    loss = (out.recv_x.float() * g_rows[r][gid].float()).sum() + (out.recv_topk_weights * g_w[r][gid]).sum()
+    assert torch.equal(out.recv_x.cpu(), x_all.view(R * T, H)[gid])
+    loss = ((out.recv_x.float() * g_rows[r][gid].to(dev).float()).sum()
+            + (out.recv_topk_weights * g_w[r][gid].to(dev)).sum())
     loss.backward()
-    assert torch.equal(x.grad, _expected_sum([g_rows[d] for d in range(R)], hold)[mine]), "x.grad"
+    assert torch.equal(x.grad.cpu(), _expected_sum([g_rows[d] for d in range(R)], hold)[mine]), "x.grad"
     owner = torch.where(idx_all[r] >= 0, idx_all[r] // (E // R), -1)
     exp_w = torch.zeros(T, K)
     for t in range(T):
         for k in range(K):
             if owner[t, k] >= 0:
                 exp_w[t, k] = g_w[owner[t, k], r * T + t, k]
-    assert torch.equal(w.grad, exp_w), "topk_weights.grad from the rank owning each slot"
+    assert torch.equal(w.grad.cpu(), exp_w), "topk_weights.grad from the rank owning each slot"
 
     # combine of y_d = bf16(x * (d + 1)) on rank d; its gradient is a cached dispatch of g_home
     y = (out.recv_x.detach().float() * (r + 1)).to(torch.bfloat16).requires_grad_()
     with ops.compile_config():
         combined = run_combine(y, out.handle)
     scaled = [(x_all.view(R * T, H).float() * (d + 1)).to(torch.bfloat16) for d in range(R)]
-    assert torch.equal(combined, _expected_sum(scaled, hold)[mine]), "combine"
-    (combined.float() * g_home[r].float()).sum().backward()
-    assert torch.equal(y.grad, g_home.view(R * T, H)[gid]), "combine's gradient (cached dispatch)"
+    assert torch.equal(combined.cpu(), _expected_sum(scaled, hold)[mine]), "combine"
+    (combined.float() * g_home[r].to(dev).float()).sum().backward()
+    assert torch.equal(y.grad.cpu(), g_home.view(R * T, H)[gid]), "combine's gradient (cached dispatch)"
     with ops.compile_config():
-        rows = run_cached(g_home[r], out.handle)
-    assert torch.equal(rows, g_home.view(R * T, H)[gid]), "cached dispatch"
+        rows = run_cached(g_home[r].to(dev), out.handle)
+    assert torch.equal(rows.cpu(), g_home.view(R * T, H)[gid]), "cached dispatch"
 
 
 def _run_both(ctx, buf):
@@ -179,6 +181,34 @@ def case_worst_tokens(ctx):
         assert torch.equal(gx, grads[0][0]) and torch.equal(gw if gw is not None else torch.zeros(T, K),
                                                              grads[0][1] if grads[0][1] is not None
                                                              else torch.zeros(T, K))
+
+
+def case_fp8(ctx):
+    """fp8=True: the rows are the E4M3 round trip of x (commlib.fp8's casts); the gradient passes straight
+    through, in bf16: the bf16 dispatch's expectations. Eager and compiled."""
+    from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8
+    from commlib.training import ops
+    Hf = 128
+    buf, r, R = _buffer(ctx, hidden=Hf), ctx.rank, ctx.world_size
+    g = torch.Generator().manual_seed(8)
+    x_all = torch.randn(R * T, Hf, generator=g).to(torch.bfloat16)
+    _, idx_all, w_all, _, _, _ = _global_inputs(R, 8)
+    g_rows = torch.randn(R, R * T, Hf, generator=g).to(torch.bfloat16)
+    hold = _holders(idx_all, R)
+    want_rows = per_token_cast_back(*per_token_cast_to_fp8(x_all), torch.bfloat16)
+
+    def f(x, w):
+        return ops.dispatch(buf, x, idx_all[r], w, E, fp8=True)
+
+    torch._dynamo.reset()
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        x = x_all[r * T:(r + 1) * T].clone().requires_grad_()
+        with ops.compile_config():
+            out = fn(x, w_all[r])
+        gid = _global_ids(out.handle, r)
+        assert out.recv_x.dtype == torch.bfloat16 and torch.equal(out.recv_x, want_rows[gid]), "FP8 rows"
+        (out.recv_x.float() * g_rows[r][gid].float()).sum().backward()
+        assert torch.equal(x.grad, _expected_sum([g_rows[d] for d in range(R)], hold)[r * T:(r + 1) * T])
 
 
 def case_fake_shapes(ctx):
@@ -259,6 +289,8 @@ def case_block_graph_breaks(ctx):
 def case_block_compiled_exact(ctx):
     """torch.compile(fullgraph=True, backend=aot_eager) of MoEBlock: outputs and every gradient equal the
     eager block's, over calls with new tokens (and routings) without recompiling."""
+    from torch._dynamo.backends.common import aot_autograd
+
     from commlib.training import ops
     block = _block(ctx, _buffer(ctx))
     frames = []
@@ -269,8 +301,8 @@ def case_block_compiled_exact(ctx):
 
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True,
-                             backend=torch._dynamo.backends.common.aot_autograd(
-                                 fw_compiler=counting, bw_compiler=lambda gm, example_inputs: gm.forward))
+                             backend=aot_autograd(fw_compiler=counting,
+                                                  bw_compiler=lambda gm, example_inputs: gm.forward))
     for seed in range(3):
         h, g = _inputs(ctx.rank, seed)
         want = _step(block, block, h, g)

@@ -46,7 +46,7 @@ import torch
 
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8
 from commlib.handle import DispatchHandle
-from commlib.training.autograd import combine_backward, combine_forward, dispatch_backward, dispatch_forward
+from commlib.training.autograd import combine_backward, combine_forward, dispatch_forward, prepare_dispatch_grads
 
 # ----------------------------------------------------------------------------------------------
 # Registries: live Buffers by id, and the non-tensor state of live handles by token address
@@ -221,10 +221,8 @@ def _dispatch_backward(ctx, grad_recv_x, _grad_idx, grad_recv_topk_weights, _gra
     if grad_recv_topk_weights is None:
         grad_recv_topk_weights = torch.zeros_like(recv_topk_idx, dtype=torch.float32)
     # the weight gradient masked to this rank's slots, then both summed home by a combine
-    grad_recv_topk_weights = torch.where(recv_topk_idx >= 0, grad_recv_topk_weights.float(),
-                                         torch.zeros_like(grad_recv_topk_weights, dtype=torch.float32))
-    grad_x, grad_w = torch.ops.commlib.combine(grad_recv_x.to(torch.bfloat16).contiguous(),
-                                               grad_recv_topk_weights.contiguous(), handle, ctx.buffer_id)
+    grad_recv_x, grad_recv_topk_weights = prepare_dispatch_grads(grad_recv_x, grad_recv_topk_weights, recv_topk_idx)
+    grad_x, grad_w = torch.ops.commlib.combine(grad_recv_x, grad_recv_topk_weights, handle, ctx.buffer_id)
     return grad_x, None, grad_w, None, None, None, None, None
 
 

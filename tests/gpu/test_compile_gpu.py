@@ -3,6 +3,8 @@ the ranks share it, under MPS on the device machine), the nvlink backend. Skippe
 
 * ops_nvlink: the ops eager and compiled (aot_eager, inductor), against the global-input expectations
   of tests/test_compile.py, bit for bit.
+* ops_internode (its own world: NCCL between the 2 ranks as emulated hosts, 2 nodes x 1): the
+  same checks on the internode engine.
 * worst_no_sync: a compiled dispatch + combine with num_worst_tokens issues no host sync
   (``torch.cuda.set_sync_debug_mode("error")``), static shapes, the plain dispatch's rows.
 * block_compiled: MoEBlock with bf16 experts (torch._grouped_mm) compiled with fullgraph=True: no graph
@@ -55,6 +57,20 @@ def case_ops_nvlink(ctx):
         _check_ops(ctx, buf, compiled=False, seed=1)
         _check_ops(ctx, buf, compiled=True, seed=2)
         _check_ops(ctx, buf, compiled=True, seed=3, backend="inductor")
+    finally:
+        buf.destroy()
+
+
+def case_ops_internode(ctx):
+    from commlib import Buffer
+    from test_compile import H, _check_ops
+    cfg = Buffer.get_dispatch_config(ctx.world_size)
+    buf = Buffer(ctx.group, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(H * 2, ctx.world_size), backend="internode",
+                 ranks_per_node=1, explicitly_destroy=True)
+    assert buf.backend_name == "internode" and buf.topology.num_nodes == 2
+    try:
+        _check_ops(ctx, buf, compiled=False, seed=1)
+        _check_ops(ctx, buf, compiled=True, seed=2)
     finally:
         buf.destroy()
 
@@ -171,3 +187,13 @@ def test_compile_gpu():
     results = run_world(2, "test_compile_gpu", names, use_gpu=True, timeout_s=600, case_timeout_s=300)
     failed = {k: v for k, v in results.items() if v}
     assert not failed, "\n\n".join(f"--- {k} ---\n{v}" for k, v in failed.items())
+
+
+@needs_cuda
+def test_compile_gpu_internode():
+    from worlds import run_world
+
+    os.environ.setdefault("COMMLIB_TIMEOUT_S", "60")
+    results = run_world(2, "test_compile_gpu", ["ops_internode"], use_gpu=True, group_backend="nccl",
+                        emulate_hosts=True, ranks_per_node=1, timeout_s=600, case_timeout_s=300)
+    assert results["ops_internode"] is None, results["ops_internode"]

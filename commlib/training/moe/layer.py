@@ -1,5 +1,5 @@
-"""A Mixture-of-Experts layer with expert parallelism through Buffer + commlib.training.autograd, and
-its single-process equivalent.
+"""A Mixture-of-Experts layer with expert parallelism through Buffer + commlib.training.ops (custom ops:
+torch.compile traces the layer whole), and its single-process equivalent.
 
 Legend: T tokens on this rank, H hidden, E experts, L local experts (E / ranks), K top-k, N rows
 this rank received.

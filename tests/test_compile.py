@@ -14,6 +14,8 @@ block on CPU ranks: one spawned world of 2 gloo ranks runs every case.
 """
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -311,6 +313,9 @@ def case_block_compiled_exact(ctx):
         for i, (a, b) in enumerate(zip(want, got, strict=True)):
             assert torch.equal(a, b), f"call {seed}: output/gradient {i} differs by {(a - b).abs().max()}"
     assert len(frames) == 1, f"compiled {len(frames)} times (new routings must not recompile)"
+    del want, got
+    gc.collect()
+    assert ops.live_handles() == 0, "handles outlived their backward"
 
 
 def case_block_inductor(ctx):

@@ -100,6 +100,11 @@ def register_buffer(buffer) -> int:
     return buffer.buffer_id
 
 
+def live_handles() -> int:
+    """How many handles' state the registry holds (their token tensors are alive)."""
+    return len(_HANDLES)
+
+
 def _buffer(buffer_id: int):
     buffer = _BUFFERS.get(buffer_id)
     if buffer is None:

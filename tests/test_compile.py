@@ -253,10 +253,10 @@ def case_fake_shapes(ctx):
     assert fake["cached"].shape == (handle[4].shape[0], H) and fake["combine"][0].shape == (T, H)
 
 
-def _block(ctx, buf):
+def _block(ctx, buf, **choices):
     from commlib.training.moe import MoEBlock, MoEConfig
     cfg = MoEConfig(hidden=H, num_experts=E, topk=K, expert_hidden=16, num_groups=2, topk_groups=2,
-                    num_shared_experts=1)
+                    num_shared_experts=1, **choices)
     torch.manual_seed(0)
     return MoEBlock(cfg, num_heads=2, buffer=buf)
 
@@ -290,32 +290,35 @@ def case_block_graph_breaks(ctx):
 
 def case_block_compiled_exact(ctx):
     """torch.compile(fullgraph=True, backend=aot_eager) of MoEBlock: outputs and every gradient equal the
-    eager block's, over calls with new tokens (and routings) without recompiling."""
+    eager block's, over calls with new tokens (and routings) without recompiling; float32 experts
+    (the per-expert loop) and bf16 experts through torch._grouped_mm (the GPU's path)."""
     from torch._dynamo.backends.common import aot_autograd
 
     from commlib.training import ops
-    block = _block(ctx, _buffer(ctx))
-    frames = []
+    buf = _buffer(ctx)
+    for choices in ({}, {"expert_dtype": torch.bfloat16, "expert_impl": "grouped_mm"}):
+        block = _block(ctx, buf, **choices)
+        frames = []
 
-    def counting(gm, example_inputs):
-        frames.append(gm)
-        return gm.forward
+        def counting(gm, example_inputs):
+            frames.append(gm)
+            return gm.forward
 
-    torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True,
-                             backend=aot_autograd(fw_compiler=counting,
-                                                  bw_compiler=lambda gm, example_inputs: gm.forward))
-    for seed in range(3):
-        h, g = _inputs(ctx.rank, seed)
-        want = _step(block, block, h, g)
-        with ops.compile_config():
-            got = _step(block, compiled, h, g)
-        for i, (a, b) in enumerate(zip(want, got, strict=True)):
-            assert torch.equal(a, b), f"call {seed}: output/gradient {i} differs by {(a - b).abs().max()}"
-    assert len(frames) == 1, f"compiled {len(frames)} times (new routings must not recompile)"
-    del want, got
-    gc.collect()
-    assert ops.live_handles() == 0, "handles outlived their backward"
+        torch._dynamo.reset()
+        compiled = torch.compile(block, fullgraph=True,
+                                 backend=aot_autograd(fw_compiler=counting,
+                                                      bw_compiler=lambda gm, example_inputs: gm.forward))
+        for seed in range(3):
+            h, g = _inputs(ctx.rank, seed)
+            want = _step(block, block, h, g)
+            with ops.compile_config():
+                got = _step(block, compiled, h, g)
+            for i, (a, b) in enumerate(zip(want, got, strict=True)):
+                assert torch.equal(a, b), f"{choices} call {seed}: output/gradient {i} differs by {(a - b).abs().max()}"
+        assert len(frames) == 1, f"{choices}: compiled {len(frames)} times (new routings must not recompile)"
+        del want, got
+        gc.collect()
+        assert ops.live_handles() == 0, "handles outlived their backward"
 
 
 def case_block_inductor(ctx):

@@ -245,9 +245,21 @@ def case_fake_shapes(ctx):
             out.extend(flat(item) if isinstance(item, (tuple, list)) else [item])
         return out
 
+    # the low-latency dispatch (bf16, FP8): static shapes, the scales' column-major strides
+    M, H8 = T, 128
+    ll = _buffer(ctx, low_latency=True, M=M, hidden=H8)
+    x8 = torch.randn(T, H8, generator=torch.Generator().manual_seed(40 + r)).to(torch.bfloat16)
+    lid = ops.register_buffer(ll)
+    for fp8 in (False, True):
+        real[f"ll{fp8}"] = torch.ops.commlib.low_latency_dispatch(x8, idx, lid, M, E, fp8, False, False)
+        with mode:
+            fake[f"ll{fp8}"] = torch.ops.commlib.low_latency_dispatch(mode.from_tensor(x8), fidx, lid, M, E, fp8,
+                                                                      False, False)
     for name in real:
         for i, (a, b) in enumerate(zip(flat(real[name]), flat(fake[name]), strict=True)):
             assert (a.dtype, a.device, a.dim()) == (b.dtype, b.device, b.dim()), (name, i, a.dtype, b.dtype)
+            if name.startswith("ll") or not free_unbacked_symbols(b.shape):
+                assert (tuple(a.shape), a.stride()) == (tuple(b.shape), b.stride()), (name, i, a.shape, b.shape)
     assert free_unbacked_symbols(fake["dispatch"][0].shape[0]), "non-cached rows: an unbacked size"
     assert fake["worst"][0].shape[0] == R * T and not free_unbacked_symbols(fake["worst"][0].shape)
     assert fake["cached"].shape == (handle[4].shape[0], H) and fake["combine"][0].shape == (T, H)
@@ -335,29 +347,42 @@ def case_block_inductor(ctx):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"output/gradient {i}: {m}")
 
 
+def _raw(t):
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).view(torch.uint8)   # bytes, whatever the strides
+
+
 def case_low_latency(ctx):
-    """The decode ops equal the Buffer's low-latency calls, eager and compiled (fullgraph)."""
+    """The decode ops equal the Buffer's low-latency calls (bf16; FP8; FP8 with UE8M0 scales), eager and
+    compiled (fullgraph); the scales keep the Buffer's column-major strides."""
     from commlib.training import ops
-    M = T
-    buf, r, R = _buffer(ctx, low_latency=True, M=M), ctx.rank, ctx.world_size
-    x_all, idx_all, w_all, _, _, _ = _global_inputs(R, 6)
-    x, idx, w = x_all[r], idx_all[r], w_all[r]
-    want_x, want_count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-    y = (want_x.float() * 0.5).to(torch.bfloat16)
-    want, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    M, r, R = T, ctx.rank, ctx.world_size
+    _, idx_all, w_all, _, _, _ = _global_inputs(R, 6)
+    idx, w = idx_all[r], w_all[r]
+    for hidden, kw in ((H, {}), (128, {"use_fp8": True}),
+                       (512, {"use_fp8": True, "round_scale": True, "use_ue8m0": True})):
+        buf = _buffer(ctx, low_latency=True, M=M, hidden=hidden)
+        x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(60 + r)).to(torch.bfloat16)
+        want_x, want_count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, **dict({"use_fp8": False}, **kw))
+        data = want_x[0] if kw else want_x
+        want, _, _ = buf.low_latency_combine((data.float() * 0.5).to(torch.bfloat16), idx, w, handle)
 
-    def decode(x):
-        recv_x, count, h = ops.low_latency_dispatch(buf, x, idx, M, E)
-        return recv_x, count, ops.low_latency_combine(buf, (recv_x.float() * 0.5).to(torch.bfloat16), idx, w, h)
+        def decode(x):
+            recv_x, count, h = ops.low_latency_dispatch(buf, x, idx, M, E, **kw)
+            rows = recv_x[0] if kw else recv_x
+            return recv_x, count, ops.low_latency_combine(buf, (rows.float() * 0.5).to(torch.bfloat16), idx, w, h)
 
-    torch._dynamo.reset()
-    for fn in (decode, torch.compile(decode, fullgraph=True, backend="aot_eager")):
-        recv_x, count, combined = fn(x)
-        L = E // R
-        for e in range(L):   # rows past an expert's count are unspecified
-            n = int(want_count[e])
-            assert torch.equal(recv_x[e, :n], want_x[e, :n]), f"expert {e} rows"
-        assert torch.equal(count, want_count.to(torch.int32)) and torch.equal(combined, want)
+        torch._dynamo.reset()
+        for fn in (decode, torch.compile(decode, fullgraph=True, backend="aot_eager")):
+            recv_x, count, combined = fn(x)
+            got_parts = recv_x if kw else (recv_x,)
+            want_parts = want_x if kw else (want_x,)
+            for e in range(E // R):   # rows past an expert's count are unspecified
+                n = int(want_count[e])
+                for a, b in zip(got_parts, want_parts):
+                    assert torch.equal(_raw(a[e, :n]), _raw(b[e, :n])), f"{kw} expert {e}"
+            for a, b in zip(got_parts, want_parts):
+                assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), kw
+            assert torch.equal(count, want_count.to(torch.int32)) and torch.equal(combined, want), kw
 
 
 def case_errors(ctx):

@@ -10,12 +10,13 @@ L local experts (E / R), R ranks, C channels of the dispatch, M = num_max_dispat
   dispatch_cached(buffer, x_TH, handle) -> recv_x_NH        backward: combine
   combine(buffer, y_NH, handle[, topk_weights_NK]) -> (combined_x_TH, combined_topk_weights_TK)
       backward: grad_y_NH = dispatch_cached(grad_combined_x_TH)
-  low_latency_dispatch / low_latency_combine: the decode path (fixed shapes, no autograd), for
-      ``torch.compile(mode="reduce-overhead")`` (CUDA graphs)
+  low_latency_dispatch / low_latency_combine: the decode path (bf16 or FP8 rows; fixed shapes, no
+      autograd, no hooks), for ``torch.compile(mode="reduce-overhead")`` (CUDA graphs)
 
 What crosses an op's boundary is tensors and ints only:
 * the Buffer is an int, ``buffer.buffer_id``, looked up in a registry of live Buffers (weak
-  references; ``register_buffer``, done by the wrappers here and by MoELayer);
+  references; ``register_buffer``, done by MoELayer and by the wrappers here when not traced: a
+  traced call cannot register, so register before compiling code that calls the ops directly);
 * the handle is a list of tensors (``Handle``): the DispatchHandle's six tensors and a one-byte
   ``token`` tensor allocated per dispatch. The handle's other state (ints, topology, the backend's
   private plan) stays in a registry keyed by the token's address while the token is alive; the
@@ -309,20 +310,33 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 @torch.library.custom_op("commlib::low_latency_dispatch", mutates_args=())
 def _ll_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, buffer_id: int, num_max_dispatch_tokens_per_rank: int,
-                    num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                    num_experts: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     buffer = _buffer(buffer_id)
-    recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                                                   num_experts, use_fp8=False)
+    recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(
+        x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=use_fp8, round_scale=round_scale,
+        use_ue8m0=use_ue8m0)
+    data, scales = recv_x if use_fp8 else (recv_x, recv_x.new_empty(*recv_x.shape[:2], 0, dtype=torch.float32))
     kept = _keep(handle, _LL_FIELDS, _LL_DTYPES, x.device)
-    res = _fresh([recv_x, recv_count.to(torch.int32)] + kept, [x, topk_idx])
-    return res[0], res[1], res[2:]
+    res = _fresh([data, scales, recv_count.to(torch.int32)] + kept, [x, topk_idx])
+    return res[0], res[1], res[2], res[3:]
+
+
+def _ll_scales(x: torch.Tensor, L: int, RM: int, use_fp8: bool, use_ue8m0: bool) -> torch.Tensor:
+    """The scales' fake: [L, R * M, S], column-major in its last two dims as the Buffer returns them."""
+    if not use_fp8:
+        return x.new_empty(L, RM, 0, dtype=torch.float32)
+    S = x.shape[1] // (512 if use_ue8m0 else 128)
+    return x.new_empty(L, S, RM, dtype=torch.int32 if use_ue8m0 else torch.float32).transpose(1, 2)
 
 
 @_ll_dispatch_op.register_fake
-def _(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts):
+def _(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0):
     R = _buffer(buffer_id).num_ranks
     L, RM = num_experts // R, R * num_max_dispatch_tokens_per_rank
-    return (x.new_empty(L, RM, x.shape[1], dtype=torch.bfloat16), x.new_empty(L, dtype=torch.int32),
+    dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
+    return (x.new_empty(L, RM, x.shape[1], dtype=dtype), _ll_scales(x, L, RM, use_fp8, use_ue8m0),
+            x.new_empty(L, dtype=torch.int32),
             [x.new_empty(1, dtype=torch.uint8), x.new_empty(L, RM, dtype=torch.int32),
              x.new_empty(L, R, dtype=torch.int64)])
 
@@ -394,15 +408,22 @@ def dispatch_handle(buffer, handle: Handle) -> DispatchHandle:
 
 
 def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                         num_experts: int):
-    """Decode dispatch as a custom op (bf16 rows): x [T, H] bf16, topk_idx [T, K] int64 ->
-    (recv_x [L, R * M, H] bf16, recv_count [L] int32, LowLatencyHandle). Fixed shapes, no host read:
-    CUDA-graph capturable where the Buffer's low-latency path is."""
+                         num_experts: int, *, use_fp8: bool = False, round_scale: bool = False,
+                         use_ue8m0: bool = False):
+    """Decode dispatch as a custom op (Buffer.low_latency_dispatch without hooks or stats).
+
+    Args: x [T, H] bf16 (T <= M = num_max_dispatch_tokens_per_rank), topk_idx [T, K] int64; use_fp8,
+        round_scale, use_ue8m0: as the Buffer's.
+    Returns: (recv_x, recv_count [L] int32, LowLatencyHandle); recv_x [L, R * M, H] bf16, or with
+        use_fp8 (E4M3 [L, R * M, H], scales [L, R * M, S] column-major in the last two dims: float32
+        S = H / 128, or int32 S = H / 512 with use_ue8m0). Fixed shapes, no host read: CUDA-graph
+        capturable where the Buffer's low-latency path is.
+    """
     if not torch.compiler.is_compiling():
         register_buffer(buffer)
-    recv_x, recv_count, handle = torch.ops.commlib.low_latency_dispatch(
-        x, topk_idx, buffer.buffer_id, num_max_dispatch_tokens_per_rank, num_experts)
-    return recv_x, recv_count, LowLatencyHandle(*handle)
+    data, scales, recv_count, handle = torch.ops.commlib.low_latency_dispatch(
+        x, topk_idx, buffer.buffer_id, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0)
+    return (data, scales) if use_fp8 else data, recv_count, LowLatencyHandle(*handle)
 
 
 def low_latency_combine(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -10,9 +10,9 @@ the ranks share it, under MPS on the device machine), the nvlink backend. Skippe
 * block_compiled: MoEBlock with bf16 experts (torch._grouped_mm) compiled with fullgraph=True: no graph
   break; inductor's outputs and gradients within bf16 rounding of the eager block's (eager sums rows
   with csrc/moe_rows.cu, the traced block with torch's ops).
-* decode_cudagraphs: the low-latency decode step (dispatch, a per-expert GEMM, combine) compiled with
-  ``mode="reduce-overhead"`` (CUDA graphs, no cudagraph skip), replayed with fresh inputs, against the
-  eager step.
+* decode_cudagraphs: the low-latency decode step (dispatch in bf16 and in FP8 + dequantization, a
+  per-expert GEMM, combine) compiled with ``mode="reduce-overhead"`` (CUDA graphs, no cudagraph skip),
+  replayed with fresh inputs, against the eager step.
 """
 from __future__ import annotations
 
@@ -38,14 +38,13 @@ CASES = ["ops_nvlink", "worst_no_sync", "block_compiled", "decode_cudagraphs"]
 M_DECODE = 16
 
 
-def _nvlink(ctx, low_latency=False):
+def _nvlink(ctx):
     from commlib import Buffer
-    from test_compile import E, H
+    from test_compile import H
     R = ctx.world_size
     cfg = Buffer.get_dispatch_config(R)
-    rdma = Buffer.get_low_latency_rdma_size_hint(M_DECODE, H, R, E) if low_latency else 0
-    buf = Buffer(ctx.group, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(H * 2, R), num_rdma_bytes=rdma,
-                 low_latency_mode=low_latency, backend="nvlink", explicitly_destroy=True)
+    buf = Buffer(ctx.group, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(H * 2, R), backend="nvlink",
+                 explicitly_destroy=True)
     assert buf.backend_name == "nvlink"
     return buf
 
@@ -146,33 +145,41 @@ def case_block_compiled(ctx):
 def case_decode_cudagraphs(ctx):
     from torch._dynamo.utils import counters
 
+    from commlib import Buffer
     from commlib.training import ops
-    from test_compile import E, H, K, _global_inputs
-    buf, r, R = _nvlink(ctx, low_latency=True), ctx.rank, ctx.world_size
+    from test_compile import E, _global_inputs
+    r, R, dev = ctx.rank, ctx.world_size, ctx.device
+    Hd, L = 128, E // R
+    buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(M_DECODE, Hd, R, E), low_latency_mode=True,
+                 backend="nvlink", explicitly_destroy=True)
     try:
-        L, dev = E // R, ctx.device
         gen = torch.Generator().manual_seed(100 + r)
-        w_LHH = (torch.randn(L, H, H, generator=gen) / H ** 0.5).to(dev, torch.bfloat16)
+        w_LHH = (torch.randn(L, Hd, Hd, generator=gen) / Hd ** 0.5).to(dev, torch.bfloat16)
+        for use_fp8 in (False, True):
+            def decode(x, idx, w):
+                recv_x, count, handle = ops.low_latency_dispatch(buf, x, idx, M_DECODE, E, use_fp8=use_fp8)
+                if use_fp8:   # dequantize: every 128 columns times their scale
+                    data, scales = recv_x
+                    recv_x = (data.float().view(L, -1, Hd // 128, 128) * scales.unsqueeze(-1)).view(L, -1, Hd)
+                    recv_x = recv_x.to(torch.bfloat16)
+                y = torch.bmm(recv_x, w_LHH)    # every slot row (rows past an expert's count are ignored)
+                return count, ops.low_latency_combine(buf, y, idx, w, handle)
 
-        def decode(x, idx, w):
-            recv_x, count, handle = ops.low_latency_dispatch(buf, x, idx, M_DECODE, E)
-            y = torch.bmm(recv_x, w_LHH)        # every slot row (rows past an expert's count are ignored)
-            return count, ops.low_latency_combine(buf, y, idx, w, handle)
-
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(decode, mode="reduce-overhead", fullgraph=True)
-        for step in range(5):                   # warm-up, record, then replays
-            x_all, idx_all, w_all, _, _, _ = _global_inputs(R, 20 + step)
-            x = x_all[r, :M_DECODE].to(dev)
-            idx, w = idx_all[r, :M_DECODE].to(dev), w_all[r, :M_DECODE].to(dev)
-            want_count, want = decode(x, idx, w)
-            count, got = compiled(x, idx, w)
-            torch.cuda.synchronize()
-            assert torch.equal(count, want_count), f"step {step}: recv_count"
-            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=lambda m: f"step {step}: {m}")
-        skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
-        assert skips == 0, f"cudagraphs skipped: {dict(counters['inductor'])}"
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(decode, mode="reduce-overhead", fullgraph=True)
+            for step in range(5):               # warm-up, record, then replays
+                _, idx_all, w_all, _, _, _ = _global_inputs(R, 20 + step)
+                idx, w = idx_all[r].to(dev), w_all[r].to(dev)     # T <= M_DECODE tokens
+                x = torch.randn(idx.shape[0], Hd, generator=gen).to(dev, torch.bfloat16)
+                want_count, want = decode(x, idx, w)
+                count, got = compiled(x, idx, w)
+                torch.cuda.synchronize()
+                tag = f"fp8={use_fp8} step {step}"
+                assert torch.equal(count, want_count), f"{tag}: recv_count"
+                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=lambda m: f"{tag}: {m}")
+            skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
+            assert skips == 0, f"fp8={use_fp8}: cudagraphs skipped: {dict(counters['inductor'])}"
     finally:
         buf.destroy()
 

@@ -4,13 +4,15 @@ block on CPU ranks: one spawned world of 2 gloo ranks runs every case.
 * The ops on every CPU backend (reference on one node, reference and internode on 2 emulated nodes),
   eager and compiled (``fullgraph=True``, aot_eager), against expectations computed on every rank
   from the global inputs (all ranks draw them from one seed): received rows, x and weight
-  gradients, combine and its gradient, cached dispatch; num_worst_tokens.
-* The fake kernels: dtypes and devices equal the real outputs'; static row counts where known
-  (num_worst_tokens, cached, combine), an unbacked size otherwise.
+  gradients, combine and its gradient, cached dispatch; num_worst_tokens; FP8.
+* The fake kernels: dtypes and devices equal the real outputs'; shapes and strides too where static
+  (num_worst_tokens, cached, combine, low-latency), an unbacked row count otherwise.
 * MoEBlock compiled with ``fullgraph=True``: no graph break (torch._dynamo.explain), one graph
   holding both ops; outputs and gradients equal the eager block's bit for bit under aot_eager (the
-  eager kernels), within float32 rounding under inductor (it fuses and reorders).
-* The low-latency ops against the Buffer's own low-latency calls, eager and compiled.
+  eager kernels; float32 experts and bf16 ones through torch._grouped_mm), no recompile for new
+  routings, no handle state left after the backward; within float32 rounding under inductor.
+* The low-latency ops (bf16, FP8, UE8M0) against the Buffer's own calls, eager and compiled.
+* Errors: bf16 expected, an unregistered Buffer id, an unknown handle token.
 """
 from __future__ import annotations
 

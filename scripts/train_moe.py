@@ -17,6 +17,11 @@ else is replicated, and its gradients are summed over the ranks with one all-red
 The loss of a rank is its tokens' summed cross-entropy divided by the global token count, so the
 summed gradients are those of the global mean loss, which is what the single-process run computes.
 
+Compiled (``--compile``): the blocks run as plain modules (``staged=False``) whose dispatch and
+combine are custom ops (commlib.training.ops), and the whole model is ``torch.compile``d with
+``fullgraph=True`` (``--compile-backend``, default inductor; aot_eager runs the same kernels as
+eager, so it trains to the same losses bit for bit). Sequential schedule only.
+
 Schedules: ``sequential`` runs the staged model on the rank's batch; ``dual`` splits it into two
 micro-batches and runs commlib.training.pipeline.dual_forward_backward (one micro-batch's
 dispatch/combine overlapping the other's compute on GPUs; the same arithmetic on CPU).
@@ -37,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from commlib.training import ops  # noqa: E402
 from commlib.training.moe import MoEConfig, MoEModel  # noqa: E402
 
 
@@ -60,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--schedule", default="sequential",
                    help="comma-separated: sequential, dual (each trains a fresh model from the same seed)")
     p.add_argument("--fp8", action="store_true", help="FP8 dispatch (needs hidden %% 128 == 0)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (fullgraph; sequential only)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend with --compile")
     p.add_argument("--single-process", action="store_true", help="the single-process equivalent")
     p.add_argument("--ranks", type=int, default=2, help="ranks the single-process run stands in for")
     p.add_argument("--json", default=None, help="write {schedule: [loss per step]} and the arguments here")
@@ -91,8 +99,9 @@ def build_model(args, buffer, num_ranks: int, device) -> MoEModel:
                     num_groups=args.groups, topk_groups=args.topk_groups, num_shared_experts=args.shared,
                     fp8_dispatch=args.fp8)
     torch.manual_seed(args.seed)  # identical parameters on every rank and in the single-process run
+    # compiled: plain modules (the staged chain's comm stages are not traceable; the custom ops are)
     return MoEModel(cfg, args.layers, args.heads, buffer=buffer, num_ranks=num_ranks, vocab_size=args.vocab,
-                    max_seq_len=args.seq, device=device)
+                    max_seq_len=args.seq, device=device, staged=not args.compile)
 
 
 def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -107,6 +116,11 @@ def train(args, schedule: str, buffer=None, rank: int = 0, num_ranks: int = 1, d
     model = build_model(args, buffer, num_ranks, device)
     replicated = [p for n, p in model.named_parameters() if ".experts." not in n]
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    forward = model
+    if args.compile:
+        if schedule != "sequential":
+            raise ValueError("--compile runs the sequential schedule only")
+        forward = torch.compile(model, fullgraph=True, backend=args.compile_backend)
     table = _bigram_table(args.vocab, args.seed)
     losses = []
     for step in range(args.steps):
@@ -128,7 +142,8 @@ def train(args, schedule: str, buffer=None, rank: int = 0, num_ranks: int = 1, d
                            lambda o: _ce_sum(o, targets[half:]) / num_global_tokens))
             loss = l0 + l1
         elif schedule == "sequential":
-            logits = model(inputs)
+            with ops.compile_config():
+                logits = forward(inputs)
             if ep:
                 loss = _ce_sum(logits, targets) / num_global_tokens
             else:
@@ -163,6 +178,8 @@ def main(argv=None) -> dict:
     if args.single_process:
         if any(s != "sequential" for s in schedules):
             raise SystemExit("--single-process runs the sequential schedule only")
+        if args.compile:
+            raise SystemExit("--compile compiles the expert-parallel model (without --single-process)")
         results = {"sequential": train(args, "sequential", None, 0, args.ranks)}
         rank, world = 0, args.ranks
     else:

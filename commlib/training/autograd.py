@@ -30,14 +30,11 @@ is differentiable in ``topk_weights`` only. ``fp8=True`` takes a bf16 ``x``, qua
 FP8 and returns ``recv_x`` dequantized to bf16; the gradient is passed straight through the
 quantization and moved back in bf16 (as V3 does).
 
-torch.compile: the two ops are ``torch.autograd.Function``s behind ``torch.compiler.disable``, so
-a compiled function calling them gets a graph break at each call and everything around them
-(router, experts, shared expert, norms) is compiled. Why not ``torch.library.custom_op`` with a
-fake implementation: the Buffer (streams, peer memory) and the handle (routing plan with
-backend-private state) are Python objects that a custom op's schema cannot carry, and dispatch's
-output row count is only known after the count exchange (a fake would need an unbacked size and
-the handle would still have to cross the graph). Graph breaks cost a few microseconds of Python
-per call, nothing next to the communication itself.
+torch.compile: the two ops here are ``torch.autograd.Function``s behind ``torch.compiler.disable``
+(they take and return Python objects: the Buffer, a DispatchHandle, a Config, events), so a compiled
+function calling them gets a graph break at each call. commlib.training.ops has the same ops, with
+the same gradients, as ``torch.library`` custom ops that torch.compile traces through (the Buffer as
+an id, the handle as tensors); commlib.training.moe's MoELayer uses those.
 
 Asynchrony: the primitives (``dispatch_forward``, ``dispatch_backward``, ``combine_forward``,
 ``combine_backward``) take ``previous_event`` / ``async_finish`` / ``allocate_on_comm_stream``

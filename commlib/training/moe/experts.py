@@ -33,7 +33,7 @@ def _group_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
     issues by a whole stage.
     """
     offs = torch.tensor(counts, dtype=torch.int64, device="cpu").cumsum(0).to(torch.int32)
-    if device.type == "cuda":
+    if device.type == "cuda" and not torch.compiler.is_compiling():   # traced: pinning is not
         offs = offs.pin_memory()  # the caching host allocator keeps it alive until the copy is done
     return offs.to(device, non_blocking=True)
 
@@ -52,6 +52,9 @@ def _grouped_weight_grad(x_MA: torch.Tensor, g_MB: torch.Tensor, counts: list[in
     """d/dw of _grouped_product: [L, A, B], expert e = x_e^T g_e (zeros for an expert without rows)."""
     if use_grouped_mm(x_MA, impl):
         g_LAB = torch._grouped_mm(x_MA.t(), g_MB, offs=offs)
+        if torch.compiler.is_compiling():   # traced, the counts are unbacked: zero the empty groups on the device
+            rows_L = torch.diff(offs, prepend=offs.new_zeros(1))
+            return torch.where((rows_L == 0).view(-1, 1, 1), torch.zeros_like(g_LAB), g_LAB)
         empty = [e for e, c in enumerate(counts) if c == 0]
         if empty:  # a group with no rows (K = 0): zeros by definition, whatever the kernel leaves there
             g_LAB[empty] = 0
@@ -59,8 +62,9 @@ def _grouped_weight_grad(x_MA: torch.Tensor, g_MB: torch.Tensor, counts: list[in
     A, B = x_MA.shape[1], g_MB.shape[1]
     if not counts:
         return x_MA.new_zeros(0, A, B)
-    return torch.stack([x_e.t() @ g_e if x_e.shape[0] else x_MA.new_zeros(A, B)
-                        for x_e, g_e in zip(torch.split(x_MA, counts), torch.split(g_MB, counts))])
+    # an expert without rows: the product over an empty inner dimension is zeros (no branch on the
+    # count, which a traced run does not know)
+    return torch.stack([x_e.t() @ g_e for x_e, g_e in zip(torch.split(x_MA, counts), torch.split(g_MB, counts))])
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -174,6 +178,13 @@ def routed_experts(x_NH: torch.Tensor, topk_idx_NK: torch.Tensor, topk_weights_N
     if len(counts) != L:
         raise ValueError(f"routed_experts: counts has {len(counts)} entries for {L} local experts")
     M = sum(counts)
+    if one_slot_per_row is None and torch.compiler.is_compiling():
+        # Traced, M and N are unbacked sizes a branch cannot read: the general path (the same values,
+        # see above), with the facts the slicing below needs checked at run time instead.
+        torch._check(M <= N * K)
+        if rows_have_local_expert:
+            torch._check(M >= N)
+        one_slot_per_row = False
     if one_slot_per_row is None:
         if rows_have_local_expert and M < N:
             raise ValueError(f"routed_experts: rows_have_local_expert, but {N} rows have only {M} local slots")

@@ -1,5 +1,5 @@
-"""A Mixture-of-Experts layer with expert parallelism through Buffer + commlib.training.autograd, and
-its single-process equivalent.
+"""A Mixture-of-Experts layer with expert parallelism through Buffer + commlib.training.ops (custom ops:
+torch.compile traces the layer whole), and its single-process equivalent.
 
 Legend: T tokens on this rank, H hidden, E experts, L local experts (E / ranks), K top-k, N rows
 this rank received.
@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from commlib.fp8 import per_token_cast_back, per_token_cast_to_fp8
 from commlib.layout import local_expert_ids, token_in_rank
-from commlib.training import autograd as ops
+from commlib.training import ops
 from commlib.training.moe.config import COMM_DTYPE, MoEConfig
 from commlib.training.moe.experts import Experts, SwiGLU
 from commlib.training.moe.router import Router
@@ -111,6 +111,8 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.buffer = buffer
+        if buffer is not None:
+            ops.register_buffer(buffer)   # the custom ops reach it by id (a compiled forward cannot register)
         self.rank = buffer.rank if buffer is not None else 0
         self.num_ranks = buffer.num_ranks if buffer is not None else (num_ranks or 1)
         if cfg.num_experts % self.num_ranks != 0:
@@ -165,11 +167,13 @@ class MoELayer(nn.Module):
             chunks = list(x_TH.chunk(R)) if x_TH.shape[0] % R == 0 else [x_TH]
             return torch.cat(self.forward_chunks(chunks))
         x_wire, topk_idx, topk_weights = self.route(x_TH)
+        # custom ops (commlib.training.ops): torch.compile traces through them
         out = ops.dispatch(self.buffer, x_wire, topk_idx, topk_weights, self.cfg.num_experts,
                            fp8=self.cfg.fp8_dispatch)
-        # ops.dispatch computes the layout from topk_idx and pads nothing: every row has a local expert.
+        # the layout comes from topk_idx and nothing is padded: every row has a local expert. The
+        # counts are host values (a CPU tensor): traced, .tolist() gives unbacked sizes
         y_NH = self.expert_compute(out.recv_x, out.recv_topk_idx, out.recv_topk_weights,
-                                   out.num_recv_tokens_per_expert_list, rows_have_local_expert=True)
+                                   out.num_recv_tokens_per_expert.tolist(), rows_have_local_expert=True)
         combined, _ = ops.combine(self.buffer, y_NH, out.handle)
         return self.finish(combined, self.shared_compute(x_TH), x_TH.dtype)
 

@@ -56,8 +56,10 @@ _cupy_ok: Optional[bool] = None
 
 def row_kernel_ok(t: torch.Tensor, K: int) -> bool:
     """csrc/moe_rows.cu can sum ``t``'s rows: CUDA bf16, rows of whole 16-byte vectors, K <= 32 (one
-    slot per lane), CuPy present, not switched off (COMMLIB_MOE_ROW_KERNEL=0)."""
+    slot per lane), CuPy present, not switched off (COMMLIB_MOE_ROW_KERNEL=0), not traced by torch.compile."""
     global _cupy_ok
+    if torch.compiler.is_compiling():   # a raw-pointer launch cannot be traced: torch's ops then
+        return False
     if not (t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] % 8 == 0 and 1 <= K <= 32
             and env.moe_row_kernel()):
         return False

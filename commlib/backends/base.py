@@ -30,6 +30,7 @@ from commlib.config import Config
 from commlib.handle import DispatchHandle
 from commlib.layout import Layout
 from commlib.topology import Topology
+from commlib.backends.probe import NULL_PROBE, Probe
 
 
 @dataclasses.dataclass
@@ -110,6 +111,8 @@ class BackendContext:
     # run(fn, inputs, previous_event, async_finish, allocate_on_comm_stream): fn on the comm stream
     # with DeepEP's event semantics; returns (fn's result, EventOverlap or None).
     run: Callable[..., Any]
+    # instrumentation of the calls (backends/probe.py): the null probe unless a benchmark passes one
+    probe: Probe = NULL_PROBE
 
 
 class Backend:

@@ -12,7 +12,7 @@ import torch
 from commlib.backends.internode import device
 from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import exchange_digest
-from commlib.backends.internode.rows import int32_views
+from commlib.backends.internode.rows import int32_views, typed_views
 from commlib.cuda import loader
 
 
@@ -144,6 +144,18 @@ def test_int32_views_share_one_allocation_without_overlap():
     for i, v in enumerate(views):
         assert bool((v == i).all())
     assert base.numel() == sum(v.numel() for v in views)
+
+
+def test_typed_views_share_one_allocation_aligned_and_apart():
+    parts = [(torch.int64, (5,)), (torch.int64, (3, 4)), (torch.int32, (7, 3)), (torch.int32, (1, 2)), (torch.int64, (2,))]
+    views = typed_views(torch.device("cpu"), *parts)
+    storage = views[0].untyped_storage().data_ptr()   # one allocation
+    assert all(v.untyped_storage().data_ptr() == storage and v.dtype == d and tuple(v.shape) == s and v.is_contiguous()
+               for v, (d, s) in zip(views, parts))
+    assert all(v.data_ptr() % 8 == 0 for v in views)
+    for i, v in enumerate(views):
+        v.fill_(i + 1)
+    assert all(bool((v == i + 1).all()) for i, v in enumerate(views))
 
 
 def test_head_row_is_kept_until_a_read_shows_it_was_used(monkeypatch):

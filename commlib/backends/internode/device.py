@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
-from commlib.backends.common import HOST
 from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import N_SIG, row_len
 from commlib.backends.internode.geometry import Plan, geometry
 from commlib.backends.internode.network import stream
-from commlib.backends.internode.rows import area_row, dispatch_packer, int32_views, rows_on
+from commlib.backends.internode.rows import area_row, dispatch_packer, int32_views, rows_on, typed_views
+from commlib.backends.common import HOST, int32_columns
 from commlib.backends.internode.wiring import Wiring
 from commlib.handle import DispatchHandle
 from commlib.utils.math import align_up
@@ -71,10 +71,10 @@ def dispatch(w: Wiring, head: HeadRow, req: DispatchRequest, sig: list, ring: in
     probe.mark("inputs")
 
     # ---- 1. metadata: one launch ----
-    # the exchange row, the gathered rows and their digest: views of one allocation (and the scans of another)
+    # the exchange row, the gathered rows, their digest and the scans: views of one allocation
     n_row, n_dig = row_len(R, M, P, Kc, E), IK.digest_len(M, P, Kc, Lx)
-    row, g, dig = torch.empty(n_row * (R + 1) + n_dig, dtype=torch.int64, device=dev).split([n_row, R * n_row, n_dig])
-    before, spos = int32_views(dev, (T, R), (T, M))
+    row, g, dig, before, spos = typed_views(dev, (torch.int64, (n_row,)), (torch.int64, (R * n_row,)),
+                                            (torch.int64, (n_dig,)), (torch.int32, (T, R)), (torch.int32, (T, M)))
     IK.meta(tir, topk, experts_in, head.get(sig), row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=ring,
             max_nodes=w.max_nodes)
     probe.op("launches")
@@ -142,12 +142,11 @@ def dispatch(w: Wiring, head: HeadRow, req: DispatchRequest, sig: list, ring: in
 
 
 def send_and_landing(w: Wiring, plan: Plan, W: int) -> tuple:
-    """The send rows [S, W + 4 P] and, where rows land in this rank's buffer (one rank per node),
-    the landing rows [J, W + 4 P]: views of one allocation (the landing rows None with the forwarder)."""
+    """The send rows [S, W + 4 P] and the landing rows of every chunk [J, W + 4 P]: views of one
+    allocation."""
     P, S = w.topology.ranks_per_node, plan.send_starts[-1]
-    J = 0 if w.node.in_area else plan.recv_starts[-1]
-    both = torch.empty(S + J, W + 4 * P, dtype=torch.uint8, device=w.device)
-    return both[:S], (None if w.node.in_area else both[S:])
+    both = torch.empty(S + plan.recv_starts[-1], W + 4 * P, dtype=torch.uint8, device=w.device)
+    return both[:S], both[S:]
 
 
 def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer, cached: bool) -> tuple:
@@ -159,21 +158,23 @@ def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer, cached
     P = w.topology.ranks_per_node
     nch, ss, rs = plan.num_chunks, plan.send_starts, plan.recv_starts
     w.count_rows(plan)
+    post = lambda k: w.network.post(send[ss[k]:ss[k + 1]], plan.send_splits[k], plan.recv_splits[k],
+                                    out=recv[rs[k]:rs[k + 1]])
     if not w.node.in_area:
-        stream(w.network, nch, lambda k: w.network.post(send[ss[k]:ss[k + 1]], plan.send_splits[k],
-                                                        plan.recv_splits[k], out=recv[rs[k]:rs[k + 1]]), "dispatch")
+        stream(w.network, nch, post, "dispatch")
         return recv, recv.data_ptr(), W + 4 * P, W, rs[-1]
     w.node.dispatch_begin(plan, W, packer)
 
     def fan_out(k, landed):
         w.phase(f"dispatch (fan-out of chunk {k})")
-        w.node.dispatch_chunk(k, landed, plan, W, cached)
+        w.node.dispatch_chunk(k, landed, plan, W, cached=True)   # positions kept below, for all chunks at once
 
-    stream(w.network, nch, lambda k: w.network.post(send[ss[k]:ss[k + 1]], plan.send_splits[k], plan.recv_splits[k]),
-           "dispatch", after=fan_out)
+    stream(w.network, nch, post, "dispatch", after=fan_out)
     w.node.finish_forward()
+    if not cached:   # the landed rows' positions on every local rank: the forwarder's combine sources
+        plan.landed_pos = list(int32_columns(recv, W, W + 4 * P).split([rs[k + 1] - rs[k] for k in range(nch)]))
     addr, stride = w.node.address()
-    return None, addr, stride, -1, plan.num_recv
+    return recv, addr, stride, -1, plan.num_recv
 
 
 def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResult:

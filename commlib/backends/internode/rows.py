@@ -76,6 +76,19 @@ def rows_on(t: torch.Tensor, n: int, device) -> torch.Tensor:
     return t.to(device).contiguous()
 
 
+def typed_views(device, *parts) -> list:
+    """Tensors of ``parts`` ((dtype, shape) each), views of one allocation, each 8-byte aligned
+    (one allocator call for scratch of several dtypes)."""
+    sizes = [align_up(math.prod(shape) * dtype.itemsize, 8) for dtype, shape in parts]
+    block = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    out, at = [], 0
+    for (dtype, shape), size in zip(parts, sizes):
+        n = math.prod(shape) * dtype.itemsize
+        out.append(block[at:at + n].view(dtype).view(shape))
+        at += size
+    return out
+
+
 def int32_views(device, *shapes) -> list:
     """int32 tensors of ``shapes``, views of one allocation (one allocator call, one stream record)."""
     sizes = [math.prod(s) for s in shapes]
@@ -88,5 +101,5 @@ def with_positions(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, pos.contiguous().view(torch.uint8).view(-1, 4 * pos.shape[1])], dim=1)
 
 
-__all__ = ["dispatch_packer", "combine_packer", "payload", "area_row", "fill_ids", "rows_on", "int32_views",
+__all__ = ["dispatch_packer", "combine_packer", "payload", "area_row", "fill_ids", "rows_on", "typed_views", "int32_views",
            "with_positions"]

@@ -16,7 +16,7 @@ N rows received, J rows a forwarder received in the network hop.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -82,13 +82,7 @@ def dispatch(w: Wiring, req: DispatchRequest, sig: list, ring: int, name: str) -
     recv_src_idx = cols["src_idx"].to(out_device)
     # each source's channel prefixes towards this rank, from the rows that landed (no collective)
     recv_chan_prefix = L.recv_channel_prefix(cols["src_idx"], rank_prefix[:, me], tokens_of, C)
-    recv_topk_idx = recv_topk_w = None
-    if K:
-        local_idx = L.local_expert_ids(cols["topk_idx"], me, Lx)
-        recv_topk_idx = local_idx.to(out_device)
-        if has_w:
-            wts = torch.where(local_idx >= 0, cols["topk_w"], torch.zeros_like(cols["topk_w"]))
-            recv_topk_w = wts.to(out_device)
+    recv_topk_idx, recv_topk_w = expert_columns(cols, me, Lx, K, has_w, out_device)
     per_expert_list = [align_up(int(c), req.expert_alignment) for c in expert_counts]
     handle = DispatchHandle(
         rank_prefix_matrix=rank_prefix.to(out_device), channel_prefix_matrix=chan_prefix.to(out_device),
@@ -98,6 +92,18 @@ def dispatch(w: Wiring, req: DispatchRequest, sig: list, ring: int, name: str) -
         num_recv_tokens=num_recv, num_worst_tokens=0, backend=name,
         extra={"plan": plan, "num_recv": num_recv})
     return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle)
+
+
+def expert_columns(cols: dict, me: int, num_local: int, K: int, has_w: bool, out_device) -> tuple:
+    """recv_topk_idx (local expert ids, -1 elsewhere) and recv_topk_weights (0 elsewhere) from the
+    landed rows' columns, on ``out_device``; (None, None) without top-k."""
+    if not K:
+        return None, None
+    local_idx = L.local_expert_ids(cols["topk_idx"], me, num_local)
+    if not has_w:
+        return local_idx.to(out_device), None
+    wts = torch.where(local_idx >= 0, cols["topk_w"], torch.zeros_like(cols["topk_w"]))
+    return local_idx.to(out_device), wts.to(out_device)
 
 
 def move(w: Wiring, packer, tensors: list, send_head: torch.Tensor, plan: Plan, cached: bool) -> torch.Tensor:
@@ -173,4 +179,4 @@ def finish(w: Wiring, req: CombineRequest, acc_y: torch.Tensor, acc_w, K: int) -
     return CombineResult(acc_y.to(torch.bfloat16).to(out_device), acc_w.to(out_device) if K else None)
 
 
-__all__ = ["exchange", "digest", "dispatch", "move", "dispatch_cached", "combine", "finish"]
+__all__ = ["exchange", "digest", "dispatch", "expert_columns", "move", "dispatch_cached", "combine", "finish"]

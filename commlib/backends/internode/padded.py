@@ -20,7 +20,7 @@ import torch
 
 from commlib import layout as L
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
-from commlib.backends.internode.counted import exchange, finish
+from commlib.backends.internode.counted import exchange, expert_columns, finish
 from commlib.backends.internode.exchange import N_SIG
 from commlib.backends.internode.geometry import Plan, padded_plan
 from commlib.backends.internode.network import stream
@@ -62,12 +62,7 @@ def dispatch(w: Wiring, req: DispatchRequest, sig: list, ring: int, name: str) -
     packer, tensors = payload(x, scales, topk, req.topk_weights, dev)
     plan.area_row = area_row(packer, H, K)
     cols = packer.unpack(move(w, packer, tensors, send_head, plan, cached=False))
-    recv_topk_idx = recv_topk_w = None
-    if K:
-        local_idx = L.local_expert_ids(cols["topk_idx"], me, E // R)
-        recv_topk_idx = local_idx.to(out_device)
-        if has_w:
-            recv_topk_w = torch.where(local_idx >= 0, cols["topk_w"], torch.zeros_like(cols["topk_w"])).to(out_device)
+    recv_topk_idx, recv_topk_w = expert_columns(cols, me, E // R, K, has_w, out_device)
     recv_chan_prefix = L.recv_channel_prefix(cols["src_idx"], rank_prefix[:, me], g[:, -1], C)
     handle = DispatchHandle(
         rank_prefix_matrix=rank_prefix.to(out_device), channel_prefix_matrix=chan_prefix.to(out_device),

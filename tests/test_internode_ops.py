@@ -107,8 +107,9 @@ def _wiring(M: int, P: int, Kc: int, probe) -> Wiring:
                   max_nodes=8, gather=gather, phase=lambda what: None)
 
 
-def _calls(M: int, P: int, Kc: int, config) -> dict:
-    """Device operations of a dispatch, a cached dispatch and a combine (each the second call of its kind)."""
+def _calls(M: int, P: int, Kc: int, config, default_device=None) -> dict:
+    """Device operations of a dispatch, a cached dispatch and a combine (each the second call of its
+    kind); ``default_device``: torch's default device while the engine runs (inputs made before)."""
     probe = RecordingProbe(count_ops=True, copy=torch.Tensor.clone)   # the read: one copy, as on a GPU
     w = _wiring(M, P, Kc, probe)
     R, E = M * P, E_PER_RANK * M * P
@@ -120,7 +121,17 @@ def _calls(M: int, P: int, Kc: int, config) -> dict:
     head = device.HeadRow()
     req = DispatchRequest(x, None, idx, wts, lay, None, E, 1, 0, config)
     counts = {}
+    comb_rows = torch.zeros(T * M * P, H, dtype=torch.bfloat16), torch.zeros(T * M * P, K)
+    if default_device is not None:
+        torch.set_default_device(default_device)
+    try:
+        return _run(w, head, probe, req, x, config, counts, comb_rows)
+    finally:
+        if default_device is not None:
+            torch.set_default_device(None)
 
+
+def _run(w, head, probe, req, x, config, counts, comb_rows) -> dict:
     def counted(name, fn):
         fn()
         head.released()
@@ -133,8 +144,7 @@ def _calls(M: int, P: int, Kc: int, config) -> dict:
     plan = res.handle.extra["plan"]
     cached = DispatchRequest(x, None, None, None, None, res.handle, 0, 1, 0, config)
     counted("cached dispatch", lambda: device.dispatch_cached(w, cached, plan))
-    comb = CombineRequest(torch.zeros(plan.num_recv, H, dtype=torch.bfloat16), res.handle, torch.zeros(plan.num_recv, K),
-                          [], config)
+    comb = CombineRequest(comb_rows[0][:plan.num_recv], res.handle, comb_rows[1][:plan.num_recv], [], config)
     counted("combine", lambda: device.combine(w, comb, plan))
     counts["chunks"] = plan.num_chunks
     return counts
@@ -170,3 +180,10 @@ def test_forwarder_path_counts(kernels):
     assert one["cached dispatch"]["total"] <= 10 and one["combine"]["total"] <= 10, one
     for op, per_chunk in (("dispatch", 3), ("cached dispatch", 3), ("combine", 2)):
         assert three[op]["total"] - one[op]["total"] == 2 * per_chunk, (op, one[op], three[op])
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_kernel_path_names_every_device(kernels, P):
+    """The kernel path under ``torch.set_default_device("meta")``: a tensor it made without naming its
+    device would land on meta and fail (DeepEP's tests run with a CUDA default device)."""
+    assert _calls(2, P, 2, ONE_ROW_RING, default_device="meta") == _calls(2, P, 2, ONE_ROW_RING)

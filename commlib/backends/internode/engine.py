@@ -84,14 +84,16 @@ class InternodeBackend(Backend):
         # One SM budget: the network step and the node step run at once, so NCCL's CTAs for each are
         # capped at half of the Buffer's SM budget when the groups are made.
         self.nccl_ctas = max(1, ctx.num_sms() // 2) if self.nccl else 0
-        options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
+        # one options object per group kind: torch writes a group's name and ranks into the one it is given
+        rail_options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
+        node_options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
         world_ranks = dist.get_process_group_ranks(self.group)
         self.rail_group = self.node_group = None
         for loc in range(topo.ranks_per_node):   # every rank creates every group, in the same order
-            g = dist.new_group([world_ranks[r] for r in topo.rail_ranks(loc)], pg_options=options)
+            g = dist.new_group([world_ranks[r] for r in topo.rail_ranks(loc)], pg_options=rail_options)
             self.rail_group = g if loc == topo.local_rank else self.rail_group
         for n in range(topo.num_nodes):
-            g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)], pg_options=options)
+            g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)], pg_options=node_options)
             self.node_group = g if n == topo.node else self.node_group
         self.network = NETWORK_STEPS["rail"](self.rail_group, self._wait_for, self.probe, self.nccl, topo.rank)
         self.node = self._choose_node_step()

@@ -19,7 +19,9 @@ The JSON adds, per rank (GPU): host time with the host running ahead of the GPU
 (``host_steady_us_by_rank``), the calling thread's CPU time behind running work and running ahead
 (``host_busy_cpu_us_by_rank``, ``host_steady_cpu_us_by_rank``), its context switches
 ([voluntary, involuntary]: ``host_busy_switches_by_rank``, ``host_steady_switches_by_rank``) and the
-allocator's cudaMalloc calls (``host_mallocs_by_rank``), each a median per call; ``--profile``
+allocator's cudaMalloc calls (``host_mallocs_by_rank``), each a median per call, and the device
+operations one call issues (``device_ops``: launches, copies, allocations, event ops, collectives,
+counted by the engine's probe, backends/probe.py); ``--profile``
 prints the same wall / CPU split per step of the engine's call.
 ``--emulate-hosts`` gives every rank its own NCCL_HOSTID (NCCL's socket transport between them,
 and processes may share a GPU: host times are then meaningful, device times are not).
@@ -41,7 +43,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from commlib.backends import internode_kernels as IK
+from commlib.backends.internode import kernels as IK
+from commlib.backends.internode.exchange import row_len as exchange_row_len
+from commlib.backends.probe import RecordingProbe
 from commlib.bench import main as B
 from commlib.bench import results
 from commlib.utils.timing import thread_usage
@@ -155,6 +159,22 @@ class _CollectiveClock:
         self._saved.clear()
 
 
+def attach_probe(buf, count_ops: bool = False, tracing: bool = False) -> RecordingProbe:
+    """A recording probe on ``buf``'s engine (backends/probe.py): what its steps, reads and device
+    operations report. A backend without probes (the reference) keeps reporting nothing."""
+    probe = RecordingProbe(count_ops=count_ops, tracing=tracing)
+    if hasattr(buf.backend, "set_probe"):
+        buf.backend.set_probe(probe)
+    return probe
+
+
+def device_ops(buf, fn) -> dict:
+    """The device operations one call of ``fn`` issues ({kind: n, "total": n}), counted by the probe."""
+    probe = attach_probe(buf, count_ops=True)
+    fn()
+    return probe.last_ops() if probe.calls else {}
+
+
 def _idle_or_busy(buf, busy: bool, steady: bool = False) -> None:
     """Before a timed call: the device idle, or (``busy``) idle then behind a ~30 ms spinning kernel;
     ``steady``: behind one more spinning kernel without waiting for the device first (the host runs
@@ -176,30 +196,28 @@ def _host_us(buf, fn, reps: int, busy: bool = False, steady: bool = False) -> tu
     Returns (that, the median of the part spent inside torch.distributed's collective calls and
     waits, {"cpu_us", "voluntary", "involuntary"}: medians of the calling thread's CPU time and
     context switches per call, the read's excluded: wall well above CPU means blocked or preempted)."""
-    be = buf.backend
+    probe = attach_probe(buf)
     times, inside, cpu, vol, invol, mallocs = [], [], [], [], [], []
     cuda = buf.device.type == "cuda"
     # device memory the caching allocator had to ask the driver for (cudaMalloc), per call
     segments = (lambda: torch.cuda.memory_stats(buf.device).get("segment.all.allocated", 0)) if cuda else (lambda: 0)
     if steady and cuda:
         torch.cuda.synchronize(buf.device)
-    be.host_read_usage = (0.0, 0, 0)
     with _CollectiveClock() as clock:
         for _ in range(reps):
             _idle_or_busy(buf, busy, steady)
-            blocked, c0, r0, s0 = be.host_read_s, clock.seconds, be.host_read_usage, segments()
+            blocked, c0, r0, s0 = probe.read_s, clock.seconds, probe.read_usage, segments()
             u0 = thread_usage()
             t0 = time.perf_counter()
             fn()
             t1 = time.perf_counter()
-            u1, r1 = thread_usage(), be.host_read_usage
+            u1, r1 = thread_usage(), probe.read_usage
             mallocs.append(segments() - s0)
-            times.append((t1 - t0 - (be.host_read_s - blocked)) * 1e6)
+            times.append((t1 - t0 - (probe.read_s - blocked)) * 1e6)
             inside.append((clock.seconds - c0) * 1e6)
             cpu.append(((u1[0] - u0[0]) - (r1[0] - r0[0])) * 1e6)
             vol.append((u1[1] - u0[1]) - (r1[1] - r0[1]))
             invol.append((u1[2] - u0[2]) - (r1[2] - r0[2]))
-    be.host_read_usage = None
     if cuda:
         torch.cuda.synchronize(buf.device)
     med = lambda v: float(statistics.median(v))
@@ -316,14 +334,16 @@ def dispatch_floor(buf, handle, w):
     dispatch costs on this host before any code of commlib runs: the target's floor here."""
     be, dev = buf.backend, buf.device
     plan = handle.extra["plan"]
+    probe = attach_probe(buf)
     R, C, H, K = be.topology.num_ranks, 8, w.hidden, w.num_topk
     W = 2 * H + 4 + 12 * K + 4   # a BF16 row with its source index, ids, weights, final row
-    row_len = be._row_len(w.num_experts)
+    topo = be.topology
+    row_len = exchange_row_len(R, topo.num_nodes, topo.ranks_per_node, be.max_chunks, w.num_experts)
     src = torch.zeros(64, dtype=torch.int32, device=dev)
     small_g = torch.zeros(R, 16, dtype=torch.int64, device=dev)
     chan = torch.empty(R, C, dtype=torch.int32, device=dev)
     launch = lambda: IK.recv_chan(src, small_g, chan, n_sig=1, me=be.topology.rank)
-    n = plan["num_recv"]
+    n = plan.num_recv
 
     def run():
         row = torch.empty(row_len, dtype=torch.int64, device=dev)
@@ -332,11 +352,11 @@ def dispatch_floor(buf, handle, w):
         dist.all_gather_into_tensor(g, row, group=be.group, async_op=True).wait()
         digest = torch.empty(16, dtype=torch.int64, device=dev)
         launch()
-        be._read(digest).tolist()
-        send = torch.empty(plan["send_starts"][1], W, dtype=torch.uint8, device=dev)
+        probe.read(digest).tolist()
+        send = torch.empty(plan.send_starts[1], W, dtype=torch.uint8, device=dev)
         launch()
-        recv = torch.empty(plan["recv_starts"][1], W, dtype=torch.uint8, device=dev)
-        dist.all_to_all_single(recv, send, plan["recv_splits"][0], plan["send_splits"][0], group=be.rail_group,
+        recv = torch.empty(plan.recv_starts[1], W, dtype=torch.uint8, device=dev)
+        dist.all_to_all_single(recv, send, plan.recv_splits[0], plan.send_splits[0], group=be.rail_group,
                                async_op=True).wait()
         outs = [torch.empty(n, H, dtype=torch.bfloat16, device=dev), torch.empty(n, dtype=torch.int32, device=dev),
                 torch.empty(n, K, dtype=torch.int64, device=dev), torch.empty(n, K, dtype=torch.float32, device=dev)]
@@ -346,30 +366,31 @@ def dispatch_floor(buf, handle, w):
     return run
 
 
-def _profile(ctx, buf, op: str, fn, reps: int = 10) -> None:
-    """Where each rank's host time goes (--profile): the engine's step marks (``backend.trace``) over
+def _profile(ctx, buf, op: str, fn, reps: int = 10, probe=None) -> None:
+    """Where each rank's host time goes (--profile): the engine's step marks (its probe's) over
     ``reps`` calls on an idle device, ``reps`` behind running work and ``reps`` with the host running
     ahead of the GPU; per step the median us of wall time and of the thread's CPU time it took, less
     what the host read took. Every rank makes the calls (collective); rank 0 prints them, a column
-    per rank and mode."""
-    be = buf.backend
-    if not hasattr(be, "trace"):
+    per rank and mode. ``probe``: a tracing RecordingProbe to attach (default: a new one)."""
+    if not hasattr(buf.backend, "set_probe"):
         return
+    if probe is None:
+        probe = attach_probe(buf, tracing=True)
+    else:
+        buf.backend.set_probe(probe)
     modes = ("idle", "busy", "steady")
     table = {}
-    be.host_read_usage = (0.0, 0, 0)
     for mode in modes:
         calls = []
         if mode == "steady" and buf.device.type == "cuda":
             torch.cuda.synchronize(buf.device)
         for _ in range(reps):
             _idle_or_busy(buf, mode != "idle", mode == "steady")
-            be.trace = []
-            be._mark("call")
+            probe.marks = []
+            probe.mark("call")
             fn()
-            be._mark("return")
-            calls.append(be.trace)
-            be.trace = None
+            probe.mark("return")
+            calls.append(probe.marks)
         if buf.device.type == "cuda":
             torch.cuda.synchronize(buf.device)
         for marks in calls:
@@ -383,7 +404,6 @@ def _profile(ctx, buf, op: str, fn, reps: int = 10) -> None:
             spent["(blocked in the read)"] = ((marks[-1][2] - marks[0][2]) * 1e6, (marks[-1][4][0] - marks[0][4][0]) * 1e6)
             for step, v in spent.items():
                 table.setdefault(step, {m: [] for m in modes})[mode].append(v)
-    be.host_read_usage = None
     mine = {step: {m: tuple(statistics.median(v[i] for v in vals) if vals else 0.0 for i in range(2))
                    for m, vals in per.items()} for step, per in table.items()}
     everyone = [None] * ctx.world_size
@@ -419,11 +439,12 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=Fals
              "combine": lambda: buf.combine(y, handle, topk_weights=recv_w)}
     for r in rows:
         r["chunk_cap"] = cap
-        r["chunks"] = handle.extra["plan"]["num_chunks"] if r["op"] in calls else 0
+        r["chunks"] = handle.extra["plan"].num_chunks if r["op"] in calls else 0
         if r["op"] not in calls:
             r["net_rows"] = r["nvl_rows"] = r["host_us"] = r["host_busy_us"] = 0.0  # the flat baseline has no node hops
             r["host_busy_collective_us"] = r["host_busy_engine_us"] = r["host_collective_us"] = r["host_engine_us"] = 0.0
             continue
+        r["device_ops"] = device_ops(buf, calls[r["op"]])
         r["host_us"], r["host_collective_us"], _ = _host_us(buf, calls[r["op"]], max(5, iters))
         r["host_engine_us"] = r["host_us"] - r["host_collective_us"]
         if buf.device.type == "cuda":

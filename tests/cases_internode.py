@@ -16,7 +16,8 @@ import torch
 
 import commlib
 from commlib import Config
-from commlib.backends.internode_kernels import digest_len
+from commlib.backends.internode.kernels import digest_len
+from commlib.backends.probe import Probe, RecordingProbe
 from commlib.fp8 import per_token_cast_to_fp8
 from commlib.validate import CommlibError
 
@@ -49,6 +50,17 @@ def same(a, b, what: str) -> None:
         return
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape} {a.dtype} != {b.shape} {b.dtype}"
     assert torch.equal(_bytes(a), _bytes(b)), f"{what} differs"
+
+
+class _ReadSizes(Probe):
+    """A probe that keeps the size of every host read."""
+
+    def __init__(self) -> None:
+        self.sizes = []
+
+    def read(self, t):
+        self.sizes.append(t.numel())
+        return t.cpu()
 
 
 def make_inputs(seed: int, rank: int, R: int, nodes: int, T: int, routing: str, device):
@@ -143,8 +155,9 @@ def case_matches_reference(ctx):
         nodes = R // rpn
         for chunks, config in ((4, None), (1, TINY), (3, TINY), (64, TINY)):
             ref, eng = _buffers(ctx, rpn, chunks)
-            read, sizes = eng.backend._read, []
-            eng.backend._read = lambda t: (sizes.append(t.numel()), read(t))[1]
+            probe = _ReadSizes()
+            eng.backend.set_probe(probe)
+            sizes = probe.sizes
             for j, routing in enumerate(ROUTINGS):
                 for T in (0, 1, 7, 24):
                     compare_round(ctx, ref, eng, 100 * i + 10 * j + T, T, routing, j % 2 == 1, config, nodes)
@@ -279,7 +292,7 @@ def case_network_timeout(ctx):
     x, idx, w = make_inputs(1, ctx.rank, R, R // rpn, 8, "random", ctx.device)
     lay = eng.get_dispatch_layout(idx, E_PER_RANK * R)
     if ctx.rank == 1:
-        eng.backend.network._stall = lambda: time.sleep(8)
+        eng.backend.network.stall = lambda: time.sleep(8)
     try:
         eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
                      num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w)
@@ -415,3 +428,117 @@ def case_graph_capture(ctx):
         same(got_c, want_c, "graph replay: combine")
     ref.destroy()
     eng.destroy()
+
+
+def _dispatch_args(buf, idx, w):
+    ntr, nrr, nte, tir, _ = buf.get_dispatch_layout(idx, E_PER_RANK * buf.num_ranks)
+    return dict(num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=tir,
+                num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
+
+
+def case_mismatched_calls(ctx):
+    """CPU ranks: one rank makes another call than its peers (combine against a cached dispatch,
+    combine against a fresh dispatch): every rank raises, naming the op each side made, in the one
+    collective the call starts with (the agreement is the count exchange's row, not a collective of
+    its own); then the Buffer works on every rank."""
+    if ctx.device.type != "cpu":
+        return
+    R, me = ctx.world_size, ctx.rank
+    ref, eng, x, idx, w, lay = _one_call_setup(ctx, 3, 21, 9, "random")
+    args = _dispatch_args(eng, idx, w)
+    rx, _, rw, _, h, _ = eng.dispatch(x, **args)
+    y = (rx.float() * 2).to(torch.bfloat16)
+    odd = me == R - 1
+    for other in ("cached dispatch", "dispatch"):
+        try:
+            if odd:
+                eng.combine(y, h, rw)
+            elif other == "cached dispatch":
+                eng.dispatch(x, handle=h)
+            else:
+                eng.dispatch(x, **args)
+        except ValueError as e:
+            text = str(e)
+            assert f"[commlib rank {me}] ranks disagree on the op" in text, text
+            assert "combine" in text and other in text, text
+        else:
+            raise AssertionError(f"rank {me}: no error for {other} against a combine")
+    compare_round(ctx, ref, eng, 79, 9, "random", False, None, R // topologies(R)[-1])
+    ref.destroy()
+    eng.destroy()
+
+
+def _ops(probe, fn) -> dict:
+    fn()
+    return probe.last_ops()
+
+
+def case_device_ops(ctx):
+    """CPU ranks: the device operations one call issues (the probe's count: launches, copies,
+    allocations, event ops, collectives) are the same call after call, and the collectives are the
+    protocol's: the count exchange (or, for cached dispatch and combine, the agreement of the same
+    size), then per network chunk one rail all-to-all and, with several ranks per node, one node
+    all-to-all."""
+    if ctx.device.type != "cpu":
+        return
+    R = ctx.world_size
+    for rpn in topologies(R):
+        ref, eng = _buffers(ctx, rpn, 3)
+        x, idx, w = make_inputs(23, ctx.rank, R, R // rpn, 24, "random", ctx.device)
+        args = _dispatch_args(eng, idx, w)
+        probe = RecordingProbe(count_ops=True)
+        eng.backend.set_probe(probe)
+        calls = {"dispatch": lambda: eng.dispatch(x, **args, config=TINY)}
+        rx, _, rw, _, h, _ = calls["dispatch"]()
+        calls["cached dispatch"] = lambda: eng.dispatch(x, handle=h, config=TINY)
+        calls["combine"] = lambda: eng.combine(rx, h, rw, config=TINY)
+        K = h.extra["plan"].num_chunks
+        per_chunk = 1 if rpn == 1 else 2
+        for name, fn in calls.items():
+            first, again = _ops(probe, fn), _ops(probe, fn)
+            assert first == again, f"[rpn={rpn}] {name}: {first} then {again}"
+            assert set(first) == {"launches", "copies", "allocations", "event_ops", "collectives", "total"}
+            assert first["collectives"] == 1 + per_chunk * K, f"[rpn={rpn} K={K}] {name}: {first}"
+            assert first["total"] > first["collectives"] and first["event_ops"] == 0, first   # gloo: host waits
+        ref.destroy()
+        eng.destroy()
+
+
+def case_default_device_meta(ctx):
+    """The engine under ``torch.set_default_device("meta")`` (a tensor made without naming its device
+    lands on meta and fails at its first use; DeepEP's tests set a CUDA default): its dispatch
+    (counted, padded, and on the device its kernels), cached dispatch and combine equal the
+    reference's, computed under the usual default. Only the engine runs under meta: the test calls
+    the backend directly, after a call under the usual default (the forwarder's areas are grown then)."""
+    R = ctx.world_size
+    rpn = topologies(R)[-1]
+    for chunks in (1, 3):
+        ref, eng = _buffers(ctx, rpn, chunks)
+        for seed, worst in ((31, 0), (32, 24 * R)):
+            x, idx, w = make_inputs(seed, ctx.rank, R, R // rpn, 24, "group_limited", ctx.device)
+            want = _backend_round(ref, x, idx, w, worst)
+            _backend_round(eng, x, idx, w, worst)
+            torch.set_default_device("meta")
+            try:
+                got = _backend_round(eng, x, idx, w, worst)
+            finally:
+                torch.set_default_device(None)
+            same(got, want, f"[default device meta, chunks {chunks}, worst {worst}]")
+        ref.destroy()
+        eng.destroy()
+
+
+def _backend_round(buf, x, idx, w, worst: int) -> tuple:
+    """dispatch, cached dispatch, combine on ``buf``'s backend (requests built here, not by the Buffer)."""
+    from commlib.backends.base import CombineRequest, DispatchRequest
+    be, E = buf.backend, E_PER_RANK * buf.num_ranks
+    cfg, ccfg = buf.get_dispatch_config(buf.num_ranks), buf.get_combine_config(buf.num_ranks)
+    lay = be.get_dispatch_layout(idx, E)
+    res = be.dispatch(DispatchRequest(x, None, idx, w, lay, None, E, 1, worst, cfg))
+    cached = be.dispatch(DispatchRequest(x, None, None, None, None, res.handle, 0, 1, worst, cfg))
+    y = (res.recv_x.float() * 3).to(torch.bfloat16)
+    bias = (torch.ones(x.shape[0], H, dtype=torch.bfloat16, device=x.device),)
+    comb = be.combine(CombineRequest(y, res.handle, res.recv_topk_weights, bias, ccfg))
+    h = res.handle
+    return (res.recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, cached.recv_x,
+            comb.combined_x, comb.combined_topk_weights) + tuple(getattr(h, f) for f in HANDLE_FIELDS)

@@ -1,4 +1,4 @@
-"""commlib.backends.fanout.NodeFanout's host side without a GPU: the arguments each launch passes
+"""commlib.backends.internode.fanout.NodeFanout's host side without a GPU: the arguments each launch passes
 match its kernel's C signature in csrc/fanout.cu (count, order, packable types), and bad shapes,
 strides and sizes are refused before any launch. The kernels themselves: tests/gpu/test_fanout_gpu.py.
 """
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from commlib.backends import fanout as F
+from commlib.backends.internode import fanout as F
 from commlib.cuda import loader
 
 

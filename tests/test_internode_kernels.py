@@ -1,4 +1,4 @@
-"""commlib.backends.internode_kernels without a GPU: every launch passes what its kernel's C signature
+"""commlib.backends.internode.kernels without a GPU: every launch passes what its kernel's C signature
 in csrc/internode.cu takes (count, order, packable types), with the grid and shared memory the
 kernel's comments ask for, and bad dtypes / layouts are refused before any launch. What the kernels
 compute: tests/gpu/test_internode_gpu.py (the engine against the reference backend, bit for bit)."""
@@ -9,8 +9,10 @@ import struct
 import pytest
 import torch
 
-from commlib.backends import internode_kernels as IK
-from commlib.backends.internode import InternodeBackend, _int32_views, exchange_digest
+from commlib.backends.internode import device
+from commlib.backends.internode import kernels as IK
+from commlib.backends.internode.exchange import exchange_digest
+from commlib.backends.internode.rows import int32_views, typed_views
 from commlib.cuda import loader
 
 
@@ -124,19 +126,15 @@ def test_dispatches_the_kernels_cannot_move_take_the_torch_steps():
     (the padded path), go to the torch steps even where the kernels are on."""
     from types import SimpleNamespace
 
-    eng = object.__new__(InternodeBackend)
     req = lambda H, worst=0: SimpleNamespace(x=torch.zeros(3, H, dtype=torch.bfloat16), num_worst_tokens=worst)
-    eng.device_steps = True
-    assert eng._kernels_fit(req(7168)) and eng._kernels_fit(req(256))
-    assert not eng._kernels_fit(req(37)) and not eng._kernels_fit(req(258))
-    assert not eng._kernels_fit(req(7168, worst=64))
-    eng.device_steps = False
-    assert not eng._kernels_fit(req(7168))
+    assert device.fits(req(7168)) and device.fits(req(256))
+    assert not device.fits(req(37)) and not device.fits(req(258))
+    assert not device.fits(req(7168, worst=64))
 
 
 def test_int32_views_share_one_allocation_without_overlap():
     shapes = [(3, 3), (3, 2), (0,), (5,), (4, 1)]
-    views = _int32_views(torch.device("cpu"), *shapes)
+    views = int32_views(torch.device("cpu"), *shapes)
     assert [tuple(v.shape) for v in views] == shapes
     base = views[0]._base
     assert base is not None and all(v._base is base for v in views)
@@ -148,27 +146,38 @@ def test_int32_views_share_one_allocation_without_overlap():
     assert base.numel() == sum(v.numel() for v in views)
 
 
+def test_typed_views_share_one_allocation_aligned_and_apart():
+    parts = [(torch.int64, (5,)), (torch.int64, (3, 4)), (torch.int32, (7, 3)), (torch.int32, (1, 2)), (torch.int64, (2,))]
+    views = typed_views(torch.device("cpu"), *parts)
+    storage = views[0].untyped_storage().data_ptr()   # one allocation
+    assert all(v.untyped_storage().data_ptr() == storage and v.dtype == d and tuple(v.shape) == s and v.is_contiguous()
+               for v, (d, s) in zip(views, parts))
+    assert all(v.data_ptr() % 8 == 0 for v in views)
+    for i, v in enumerate(views):
+        v.fill_(i + 1)
+    assert all(bool((v == i + 1).all()) for i, v in enumerate(views))
+
+
 def test_head_row_is_kept_until_a_read_shows_it_was_used(monkeypatch):
     """The meta kernel's head row ([0] + signature) lives in one pinned buffer across calls: rewritten
     in place when the last call's read came back, a fresh buffer while a call is still in flight
     (its kernel may not have read the old one yet)."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here: plain host memory
-    be = InternodeBackend.__new__(InternodeBackend)
-    be._head, be._head_busy, be.host_reads, be.host_read_s, be.host_read_usage = None, False, 0, 0.0, None
-    first = be._head_row([7, 8, 9])
-    assert first.tolist() == [0, 7, 8, 9] and be._head_busy
-    be._read(torch.zeros(2))                    # the dispatch's one read: the stream is past the kernel
-    again = be._head_row([7, 8, 10])
+    head = device.HeadRow()
+    first = head.get([7, 8, 9])
+    assert first.tolist() == [0, 7, 8, 9] and head.busy and first.device.type == "cpu"
+    head.released()                             # the dispatch's one read: the stream is past the kernel
+    again = head.get([7, 8, 10])
     assert again is first and first.tolist() == [0, 7, 8, 10]
-    in_flight = be._head_row([7, 8, 11])        # no read since: the kept one may still be read
+    in_flight = head.get([7, 8, 11])            # no read since: the kept one may still be read
     assert in_flight is not first and in_flight.tolist() == [0, 7, 8, 11] and first.tolist() == [0, 7, 8, 10]
-    be._read(torch.zeros(2))
-    assert be._head_row([1, 2, 3, 4]).tolist() == [0, 1, 2, 3, 4]   # another length: another buffer
+    head.released()
+    assert head.get([1, 2, 3, 4]).tolist() == [0, 1, 2, 3, 4]   # another length: another buffer
 
 
 def _digest_oracle(rows: list, *, n_sig, me, node, loc, M, P, Kc, ring, Lx) -> list:
     """The exchange digest in plain Python over the gathered rows (lists), read off the row layout
-    of InternodeBackend._row_len: [error, signature | counts per rank R | over the node limit | bad
+    of exchange.row_len: [error, signature | counts per rank R | over the node limit | bad
     ids | rows per node M | (node, chunk, local rank) blocks M Kc P | per expert E | T]."""
     R = len(rows)
     per_node = n_sig + R + 2

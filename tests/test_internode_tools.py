@@ -4,11 +4,12 @@ binding's unique id)."""
 import json
 
 import pytest
+import torch
 
 from benchmarks import bench_internode
 from experiments import bench_comm_interference
 from experiments import model_internode as M
-from experiments import nccl_direct
+from experiments.host_cost import nccl_direct
 from commlib.utils.errors import CommlibError
 
 
@@ -110,3 +111,18 @@ def test_nccl_unique_id_survives_the_broadcast_with_its_zero_bytes():
     assert nccl_direct.id_bytes(nccl_direct.id_from(nccl_direct.id_bytes(uid))) == raw
     with pytest.raises(CommlibError, match="128 bytes"):
         nccl_direct.id_from(raw[:100])
+
+
+def test_main_job_counts_the_flat_all_to_all_rows_that_cross_nodes():
+    """The main job's net_bytes of the flat all-to-all: one row per (token, destination rank on another
+    node), counted by hand; the summary sets each engine op against its baseline op."""
+    from commlib.bench import main as bench
+    from commlib.topology import Topology
+    topo = Topology(rank=1, num_ranks=4, ranks_per_node=2)     # node 0 = ranks 0, 1; node 1 = ranks 2, 3
+    idx = torch.tensor([[0, 5], [6, 7], [2, 3], [-1, 4], [1, 1], [4, 6]])   # 2 experts per rank
+    # token 0: ranks 0, 2 -> 1 row off-node; 1: rank 3 -> 1; 2: rank 1 -> 0; 3: rank 2 -> 1; 4: rank 0 -> 0;
+    # 5: ranks 2, 3 -> 2
+    assert bench._flat_internode_rows(idx, 8, 4, topo) == 5
+    rows = [{"op": "dispatch_bf16", "net_bytes": 300.0}, {"op": "a2a_dispatch_bf16", "net_bytes": 600.0},
+            {"op": "combine", "net_bytes": 50.0}, {"op": "a2a_combine", "net_bytes": 0.0}]
+    assert bench.net_bytes_summary(rows) == "dispatch_bf16 300 vs all_to_all 600 (0.50x)"

@@ -24,6 +24,15 @@ LAYERS = [
 ]
 
 
+# The order inside a folder of one layer: a module imports only modules listed before it (or itself).
+INSIDE = {
+    "commlib.backends.internode": ["exchange", "geometry", "rows", "kernels", "fanout",   # engine-free
+                                   "network", "node", "wiring",                            # the seams
+                                   "counted", "padded", "device",                          # the data paths
+                                   "engine"],
+}
+
+
 def layer_of(mod: str) -> int:
     best, best_len = None, -1
     for level, prefixes in LAYERS:
@@ -97,6 +106,29 @@ def test_imports_point_down_and_are_module_level():
     assert not problems, "\n".join(problems)
 
 
+def inside_problems(edges: dict) -> list:
+    """Imports that point up the order of INSIDE within a folder, and modules missing from it."""
+    problems = []
+    for folder, order in INSIDE.items():
+        rank = {f"{folder}.{name}": i for i, name in enumerate(order)}
+        for mod, imps in edges.items():
+            if not mod.startswith(folder + "."):
+                continue
+            if mod not in rank:
+                problems.append(f"{mod} is not in INSIDE[{folder!r}] (tests/test_layers.py)")
+                continue
+            for target, line, _ in imps:
+                if target in rank and rank[target] > rank[mod]:
+                    problems.append(f"{mod}:{line} imports {target}, later in {folder}'s order")
+    return problems
+
+
+def test_folders_keep_their_inner_order():
+    edges, _ = graph(["commlib"])
+    problems = inside_problems(edges)
+    assert not problems, "\n".join(problems)
+
+
 def find_cycle(edges: dict):
     state, stack = {}, []
 
@@ -141,13 +173,17 @@ def test_benchmarks_and_experiments_depend_one_way():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("case", ["circle", "upward", "local"])
+@pytest.mark.parametrize("case", ["circle", "upward", "local", "inside"])
 def test_checker_catches_planted_violations(case, tmp_path):
     """The checks above fail on the violations they exist for (planted in a synthetic graph)."""
     if case == "circle":
         assert find_cycle({"commlib.a": [("commlib.b", 1, False)], "commlib.b": [("commlib.a", 1, False)]})
     elif case == "upward":
         assert layer_of("commlib.buffer") > layer_of("commlib.backends.reference")
+    elif case == "inside":
+        planted = {"commlib.backends.internode.exchange": [("commlib.backends.internode.engine", 3, False)]}
+        assert inside_problems(planted) == ["commlib.backends.internode.exchange:3 imports "
+                                            "commlib.backends.internode.engine, later in commlib.backends.internode's order"]
     else:
         p = tmp_path / "m.py"
         p.write_text("def f():\n    from commlib import buffer\n")

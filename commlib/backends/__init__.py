@@ -6,7 +6,7 @@ backend)`` the decode engine beside it. Both take a ``BackendContext``, never th
 from __future__ import annotations
 
 from commlib.backends.base import Backend, BackendContext
-from commlib.backends.internode import InternodeBackend
+from commlib.backends.internode.engine import InternodeBackend
 from commlib.backends.low_latency.nvlink import NVLinkLowLatency
 from commlib.backends.low_latency.reference import LowLatencyReference
 from commlib.backends.nvlink.engine import NVLinkBackend

@@ -30,6 +30,7 @@ from commlib.config import Config
 from commlib.handle import DispatchHandle
 from commlib.layout import Layout
 from commlib.topology import Topology
+from commlib.backends.probe import NULL_PROBE, Probe
 
 
 @dataclasses.dataclass
@@ -118,6 +119,8 @@ class BackendContext:
     # Per call, set by the Buffer before it calls the backend: the stream outputs should be allocated
     # on (the caller's stream, which then owns them), or None for the current (comm) stream.
     out_stream: Any = None
+    # instrumentation of the calls (backends/probe.py): the null probe unless a benchmark passes one
+    probe: Probe = NULL_PROBE
 
 
 class Backend:

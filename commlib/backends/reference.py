@@ -16,8 +16,7 @@ N rows received, J rows a forwarder received in the network hop.
 """
 from __future__ import annotations
 
-import datetime
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,55 +26,8 @@ from commlib.handle import DispatchHandle
 from commlib.validate import CommlibError
 from commlib.utils.math import SORT_KEY_BIG
 from commlib.backends.base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
-
-
-# What every rank must agree on before an op moves data (checked in the first collective).
-SIG_FIELDS = ("op", "call", "hidden", "num_experts", "fp8", "topk", "topk_weights", "num_sms",
-              "nvl_send_tokens", "nvl_recv_tokens")
-_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine", 4: "low_latency_dispatch", 5: "low_latency_combine"}
-
-
-class _Packer:
-    """Packs several per-row tensors into one uint8 [n, bytes] matrix and back."""
-
-    def __init__(self, columns: Sequence[tuple[str, torch.dtype, tuple]]):
-        self.columns = list(columns)  # (name, dtype, trailing shape)
-        self.widths = []
-        for _, dtype, shape in self.columns:
-            n = 1
-            for s in shape:
-                n *= s
-            self.widths.append(n * dtype.itemsize)   # no tensor made: this runs on every call
-        self.row_bytes = sum(self.widths)
-
-    def pack(self, tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The rows [n, row_bytes] uint8; ``out``: written into that uint8 [n, row_bytes] (a view with any
-        row stride, e.g. a peer-memory area) instead of a new tensor, and returned."""
-        n = tensors[0].shape[0]
-        parts = [t.contiguous().reshape(n, -1).view(torch.uint8) for t in tensors] if n else []
-        if out is None:
-            return torch.cat(parts, dim=1) if n else torch.empty(0, self.row_bytes, dtype=torch.uint8,
-                                                                  device=tensors[0].device)
-        offset = 0
-        for part, w in zip(parts, self.widths):
-            out[:, offset:offset + w].copy_(part)
-            offset += w
-        return out
-
-    def unpack(self, rows: torch.Tensor) -> dict:
-        out, offset = {}, 0
-        n = rows.shape[0]
-        for (name, dtype, shape), w in zip(self.columns, self.widths):
-            if n == 0:
-                out[name] = torch.empty(0, *shape, dtype=dtype, device=rows.device)
-            else:
-                # a fresh buffer: a one-row slice counts as contiguous but keeps an offset and a
-                # row stride the wider dtype cannot view
-                chunk = torch.empty(n, w, dtype=torch.uint8, device=rows.device)
-                chunk.copy_(rows[:, offset:offset + w])
-                out[name] = chunk.view(dtype).reshape(n, *shape)
-            offset += w
-        return out
+from commlib.backends.common import (HOST, OPS, SIG_FIELDS, Packer, a2a_rows, check_agreement, check_counts, gather,
+                                     int32_columns, pad_rows, signature, sum_rows, wait)
 
 
 class ReferenceBackend(Backend):
@@ -94,53 +46,35 @@ class ReferenceBackend(Backend):
     # ------------------------------------------------------------------ waits and agreement
     def _wait(self, work) -> None:
         """Wait for a collective, at most COMMLIB_TIMEOUT_S; a timeout poisons the Buffer."""
-        timeout = self.ctx.timeout_s
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
-        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError for timeouts and dead peers
-            me = self.topology.rank
-            reason = "timed out" if "timed out" in str(e).lower() else f"failed ({str(e).strip()[:200]})"
-            self.failed = (f"[commlib rank {me}] {self._phase} {reason} after waiting up to {timeout:g} s for "
-                           f"collective of op #{self.calls} (COMMLIB_TIMEOUT_S): a peer exited, skipped this "
-                           "call, or is stuck elsewhere")
-            raise CommlibError(self.failed) from e
+        wait(work, self.ctx.timeout_s, self.topology.rank, self._phase, self.calls, self._fail)
+
+    def _fail(self, message: str) -> None:
+        self.failed = message
 
     def signature(self, op: int, hidden: int, num_experts: int, fp8: bool, topk: int, weights: bool,
                   config) -> list[int]:
-        return [op, self.calls, hidden, num_experts, int(fp8), topk, int(weights), config.num_sms,
-                config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens]
+        return signature(op, self.calls, hidden, num_experts, fp8, topk, weights, config)
 
     def on_rejected(self, op: int, num_experts: int = 0) -> None:
         """This rank's input was refused: tell the peers (they are waiting in the agreement)."""
         self.calls += 1
-        self._phase = f"{_OPS[op]} (reporting this rank's input error)"
+        self._phase = f"{OPS[op]} (reporting this rank's input error)"
         sig = [op, self.calls] + [0] * (len(self.sig_fields) - 2)
         try:
-            self._all_gather_rows(torch.tensor([1, *sig] + [0] * self._extra_len, dtype=torch.int64, device="cpu"))
+            self._all_gather_rows(torch.tensor([1, *sig] + [0] * self._extra_len, dtype=torch.int64, device=HOST))
         except CommlibError:
             pass
 
     def _agree(self, sig: list[int], extra: list[int]) -> torch.Tensor:
         """All-gather [error, signature, extra]; raise on every rank if any rank refused its input
         or the ranks disagree on the op. Returns the gathered extras [R, len(extra)]."""
-        me, R = self.topology.rank, self.topology.num_ranks
-        self._phase = f"{_OPS[sig[0]]} (agreement + count exchange)"
+        me = self.topology.rank
+        self._phase = f"{OPS[sig[0]]} (agreement + count exchange)"
         n = len(sig)
         # Fixed length whatever the op, so mismatched ops meet in a same-sized collective.
         row = [0, *sig, *extra] + [0] * (self._extra_len - len(extra))
-        g = self._all_gather_rows(torch.tensor(row, dtype=torch.int64, device="cpu"))
-        refused = [r for r in range(R) if g[r, 0]]
-        if refused:
-            raise ValueError(f"[commlib rank {me}] {_OPS[sig[0]]} aborted: rank(s) {refused} rejected their "
-                             "input (see the error on those ranks); nothing was sent")
-        for r in range(R):
-            theirs = g[r, 1:1 + n].tolist()
-            if theirs != sig:
-                diffs = [f"{self.sig_fields[i]}: rank {r} has {_OPS.get(theirs[i], theirs[i]) if i == 0 else theirs[i]}, "
-                         f"rank {me} has {_OPS.get(sig[i], sig[i]) if i == 0 else sig[i]}"
-                         for i in range(n) if theirs[i] != sig[i]]
-                raise ValueError(f"[commlib rank {me}] ranks disagree on the op: " + "; ".join(diffs)
-                                 + " (every rank must make the same sequence of calls with the same shapes/config)")
+        g = self._all_gather_rows(torch.tensor(row, dtype=torch.int64, device=HOST))
+        check_agreement(me, g[:, :1 + n].tolist(), sig, self.sig_fields, 1 + n)
         return g[:, 1 + n:1 + n + len(extra)]
 
     @property
@@ -154,21 +88,11 @@ class ReferenceBackend(Backend):
     def _a2a_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                   group=None) -> torch.Tensor:
         """Rows to every rank of ``group`` (the Buffer's by default), ``send_counts`` rows each."""
-        rows = rows.to(self.comm_device).contiguous()
-        out = torch.empty(sum(recv_counts), *rows.shape[1:], dtype=rows.dtype, device=self.comm_device)
-        self._wait(dist.all_to_all_single(out, rows, recv_counts, send_counts, group=group or self.group,
-                                          async_op=True))
-        return out
+        return a2a_rows(rows, send_counts, recv_counts, group or self.group, self.comm_device, self._wait)
 
     def _gather(self, row: torch.Tensor, group=None) -> torch.Tensor:
         """[n] -> [ranks of ``group``, n] on the comm device (row r from rank r); no host read."""
-        group = group or self.group
-        size = dist.get_world_size(group)
-        row = row.to(self.comm_device).contiguous()
-        out = torch.empty(size * row.numel(), dtype=row.dtype, device=self.comm_device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._wait(gather(out, row, group=group, async_op=True))
-        return out.view(size, row.numel())
+        return gather(row, group or self.group, self.comm_device, self._wait)
 
     def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """[n] int64 -> [R, n] int64 on the host (row r from rank r)."""
@@ -198,7 +122,7 @@ class ReferenceBackend(Backend):
             h = req.handle
             rank_prefix = h.rank_prefix_matrix.cpu()
             counts_all = torch.diff(rank_prefix.to(torch.int64), dim=0,
-                                    prepend=torch.zeros(1, R, dtype=torch.int64, device="cpu"))
+                                    prepend=torch.zeros(1, R, dtype=torch.int64, device=HOST))
             chan_prefix = h.channel_prefix_matrix
             recv_chan_prefix = h.recv_channel_prefix_matrix
             num_experts = h.num_experts
@@ -243,7 +167,7 @@ class ReferenceBackend(Backend):
             # no top-k to route by at the forwarder: the row carries its is_token_in_rank
             cols.append(("tir", torch.uint8, (R,)))
             tensors.append(is_tir.to(torch.uint8))
-        packer = _Packer(cols)
+        packer = Packer(cols)
         payload = packer.pack([self._to_comm(t) for t in tensors])
 
         if topo.num_nodes == 1:
@@ -254,9 +178,9 @@ class ReferenceBackend(Backend):
 
         # ---- outputs ----
         rows = max(num_recv, worst) if worst else num_recv
-        recv_x = _pad(cols_out["x"], rows, 0).to(out_device)
-        recv_scales = _pad(cols_out["scales"], rows, 0).to(out_device) if scales is not None else None
-        recv_src_idx = _pad(cols_out["src_idx"], rows, -1).to(out_device)
+        recv_x = pad_rows(cols_out["x"], rows, 0).to(out_device)
+        recv_scales = pad_rows(cols_out["scales"], rows, 0).to(out_device) if scales is not None else None
+        recv_src_idx = pad_rows(cols_out["src_idx"], rows, -1).to(out_device)
         recv_topk_idx = recv_topk_w = per_expert = None
         num_local = num_experts // R
         if not cached and K:
@@ -265,10 +189,10 @@ class ReferenceBackend(Backend):
                 per_expert = L.tokens_per_expert_list(local_idx, num_local, req.expert_alignment)
             else:
                 per_expert = []
-            recv_topk_idx = _pad(local_idx, rows, -1).to(out_device)
+            recv_topk_idx = pad_rows(local_idx, rows, -1).to(out_device)
             if has_w:
                 w = torch.where(local_idx >= 0, cols_out["topk_w"], torch.zeros_like(cols_out["topk_w"]))
-                recv_topk_w = _pad(w, rows, 0).to(out_device)
+                recv_topk_w = pad_rows(w, rows, 0).to(out_device)
         elif not cached:
             per_expert = [] if worst else [0] * num_local
 
@@ -309,12 +233,12 @@ class ReferenceBackend(Backend):
         send1_counts = [0] * R
         for m in range(M):
             send1_counts[topo.global_rank(m, local)] = int(order1[m].numel())
-        counts1 = self._all_gather_rows(torch.tensor(send1_counts, device="cpu"))
+        counts1 = self._all_gather_rows(torch.tensor(send1_counts, device=HOST))
         recv1_counts = counts1[:, me].tolist()
         send1 = payload[torch.cat(order1)]
         recv1 = self._network_a2a(send1, send1_counts, recv1_counts)
         self._count_rows(send1_counts, intranode=False)
-        src_rank1 = torch.repeat_interleave(torch.arange(R, device="cpu"), torch.tensor(recv1_counts, device="cpu")).to(torch.int32).to(recv1.device)
+        src_rank1 = torch.repeat_interleave(torch.arange(R, device=HOST), torch.tensor(recv1_counts, device=HOST)).to(torch.int32).to(recv1.device)
 
         # (2) fan-out inside the node, then rows grouped by source rank, token order within.
         plan = {"order1": order1, "recv1_counts": recv1_counts, "send1_counts": send1_counts}
@@ -349,7 +273,7 @@ class ReferenceBackend(Backend):
         send2_counts = [0] * R
         for p in range(P):
             send2_counts[topo.global_rank(node, p)] = int(fwd_order[p].numel())
-        counts2 = self._all_gather_rows(torch.tensor(send2_counts, device="cpu"))
+        counts2 = self._all_gather_rows(torch.tensor(send2_counts, device=HOST))
         recv2_counts = counts2[:, me].tolist()
         src_col = send2_src.view(torch.uint8).view(-1, 4)
         recv2 = self._a2a_rows(torch.cat([send2, src_col], dim=1), send2_counts, recv2_counts)
@@ -384,7 +308,7 @@ class ReferenceBackend(Backend):
         self._agree(self.signature(3, H, h.num_experts, False, K, w is not None, req.config), [])
         self._phase = "combine (data exchange)"
         cols = [("y", torch.bfloat16, (H,))] + ([("w", torch.float32, (K,))] if K else [])
-        packer = _Packer(cols)
+        packer = Packer(cols)
         payload = packer.pack([self._to_comm(y)] + ([self._to_comm(w)] if K else []))
         if topo.num_nodes == 1:
             acc_y, acc_w = self._combine_flat(payload, packer, h, T, H, K)
@@ -425,59 +349,9 @@ class ReferenceBackend(Backend):
         return part_y.to(torch.bfloat16), part_w
 
 
-def int32_columns(rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Byte columns [start, stop) of uint8 ``rows`` read as int32 [n, (stop - start) / 4]. A copy: a
-    one-row slice counts as contiguous but keeps its byte offset, which an int32 view refuses."""
-    return rows[:, start:stop].clone(memory_format=torch.contiguous_format).view(torch.int32)
-
-
-def check_counts(me: int, limit: int, node_excess, counts_all, worst: int) -> None:
-    """Raise (on every rank: all of them read the same gathered counts) when some rank's tokens reach
-    more than ``limit`` nodes (``node_excess`` [R]: tokens over it per rank, or None), or when
-    ``num_worst_tokens`` is below the rows some rank receives (``counts_all`` [R, R], or None)."""
-    if node_excess is not None:
-        bad = [(r, int(n)) for r, n in enumerate(node_excess.tolist()) if n > 0]
-        if bad:
-            raise ValueError(
-                f"[commlib rank {me}] routing sends tokens to more than max_nodes_per_token={limit} nodes "
-                f"(rank, tokens over the limit): {bad}; use a node-limited gate "
-                "(commlib.routing.group_limited_topk) or raise the Buffer's max_nodes_per_token")
-    if worst and counts_all is not None:
-        totals = counts_all.sum(dim=0)
-        over = [(r, int(totals[r])) for r in range(len(totals)) if totals[r] > worst]
-        if over:
-            raise ValueError(f"[commlib rank {me}] num_worst_tokens={worst} is smaller than the rows some "
-                             f"ranks receive (rank, rows): {over}")
-
-
-def sum_rows(cols: dict, orders, num_targets: int, hidden: int, topk: int):
-    """The summation every backend reproduces: rows ``cols["y"]`` (and weights ``cols["w"]``) come
-    grouped as ``orders`` lists their targets (a target at most once per group), group after group;
-    each is added in float32, starting from 0, to its target row in that group order. Returns
-    (float32 [n, H], float32 [n, K] or None)."""
-    device = cols["y"].device
-    acc_y = torch.zeros(num_targets, hidden, dtype=torch.float32, device=device)
-    acc_w = torch.zeros(num_targets, topk, dtype=torch.float32, device=device) if topk else None
-    start = 0
-    for idx in orders:
-        cnt = int(idx.numel())
-        acc_y.index_add_(0, idx, cols["y"][start:start + cnt].float())
-        if topk:
-            acc_w.index_add_(0, idx, cols["w"][start:start + cnt])
-        start += cnt
-    return acc_y, acc_w
-
-
 def plan_of(backend, h) -> dict:
     """The backend-private plan a handle carries; a clear error for another backend's handle."""
     if h.backend != backend.name or "plan" not in h.extra:
         raise CommlibError(f"[commlib rank {backend.topology.rank}] handle was made by backend {h.backend!r}, "
                            f"not {backend.name!r}")
     return h.extra["plan"]
-
-
-def _pad(t: torch.Tensor, rows: int, value) -> torch.Tensor:
-    if t.shape[0] >= rows:
-        return t
-    pad = torch.full((rows - t.shape[0], *t.shape[1:]), value, dtype=t.dtype, device=t.device)
-    return torch.cat([t, pad])

@@ -220,6 +220,9 @@ def measure(buf, ref, group, w: Workload, ops: list[str], iters: int, warmup: in
     }
     fp8_row_bytes = H + H // 128 * 4
     row_bytes = {"bf16": H * 2, "fp8": fp8_row_bytes}
+    # rows the flat all-to-all sends to ranks of other nodes: one per (token, destination rank there);
+    # its combine sends as many back (the same mean per rank)
+    flat_net_rows = _flat_internode_rows(topk_idx, E, R, buf.topology) if num_nodes > 1 else 0
 
     rows, counts = [], []
     for op in ops:
@@ -236,9 +239,12 @@ def measure(buf, ref, group, w: Workload, ops: list[str], iters: int, warmup: in
             ref_wrong = compare_with_reference(op, last["out"], ref, x, x_fp8, topk_idx, topk_weights, E,
                                                rank)
         counts += [wrong, ref_wrong]
-        rows.append({"op": op, "type": dtype, "tokens": w.num_tokens, "rows": num_recv[family],
-                     "bytes": num_recv[family] * row_bytes[dtype],
-                     **{k: v for k, v in stats.items() if k != "samples"}})
+        row = {"op": op, "type": dtype, "tokens": w.num_tokens, "rows": num_recv[family],
+               "bytes": num_recv[family] * row_bytes[dtype], **{k: v for k, v in stats.items() if k != "samples"}}
+        if num_nodes > 1:   # payload bytes this rank sent across node boundaries in one call
+            net_rows = flat_net_rows if family == "baseline" else _engine_internode_rows(buf, fns[op])
+            row["net_bytes"] = net_rows * row_bytes[dtype]
+        rows.append(row)
     counts = results.reduce_wrong(counts, group)  # every rank's count, summed into the row
     for i, row in enumerate(rows):
         wrong, ref_wrong = counts[2 * i], counts[2 * i + 1]
@@ -310,6 +316,25 @@ def compare_with_reference(op, out, ref, x, x_fp8, topk_idx, topk_weights, E, ra
     return wrong
 
 
+def _flat_internode_rows(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, topology) -> int:
+    """Rows the flat all-to-all sends from this rank to ranks of other nodes (one per token and rank)."""
+    per_rank = num_experts // num_ranks
+    ids = topk_idx.cpu()
+    in_rank = torch.zeros(ids.shape[0], num_ranks, dtype=torch.bool, device="cpu")
+    ok = ids >= 0
+    rows = torch.arange(ids.shape[0], device="cpu").unsqueeze(1).expand_as(ids)
+    in_rank[rows[ok], (ids[ok] // per_rank)] = True
+    other = torch.tensor([topology.node_of(r) != topology.node for r in range(num_ranks)], device="cpu")
+    return int(in_rank[:, other].sum())
+
+
+def _engine_internode_rows(buf, fn) -> int:
+    """Rows one more call of ``fn`` moved across node boundaries (the backend's row counters)."""
+    before = buf.counters["internode_rows"]
+    fn()
+    return buf.counters["internode_rows"] - before
+
+
 def gather(rows: list[dict], group=None) -> Optional[list[dict]]:
     """Combine per-rank rows on rank 0: slowest rank's times, mean bytes (#wrong is already summed
     over the ranks by ``measure``). Adds algbw / busbw (GB/s) and, for commlib rows, ``speedup`` =
@@ -327,6 +352,8 @@ def gather(rows: list[dict], group=None) -> Optional[list[dict]]:
             agg[k] = max(p[k] for p in per_rank)
         agg["bytes"] = sum(p["bytes"] for p in per_rank) / R
         agg["rows"] = sum(p["rows"] for p in per_rank) / R
+        if "net_bytes" in row:
+            agg["net_bytes"] = sum(p["net_bytes"] for p in per_rank) / R
         agg["time_us"] = agg["median_us"]
         agg["algbw_gbps"] = agg["bytes"] / agg["time_us"] / 1e3 if agg["time_us"] > 0 else 0.0
         agg["busbw_gbps"] = agg["algbw_gbps"] * (R - 1) / R
@@ -383,6 +410,21 @@ BENCH_COLUMNS = [
     ("#wrong", "", "wrong", 8, ""),
     ("vs_a2a", "(x)", "speedup", 9, ".2f"),
 ]
+
+
+NET_COLUMN = ("net_bytes", "(B)", "net_bytes", 13, ".0f")   # several nodes: bytes across node boundaries
+
+
+def net_bytes_summary(rows: list[dict]) -> str:
+    """Per commlib op, its cross-node bytes against the flat all-to-all's (the baseline op's)."""
+    by_op = {r["op"]: r for r in rows}
+    parts = []
+    for r in rows:
+        base = by_op.get(OPS[r["op"]][2])
+        if OPS[r["op"]][0] == "commlib" and base is not None and "net_bytes" in r and base.get("net_bytes"):
+            parts.append(f"{r['op']} {r['net_bytes']:.0f} vs all_to_all {base['net_bytes']:.0f} "
+                         f"({r['net_bytes'] / base['net_bytes']:.2f}x)")
+    return ", ".join(parts) or "none"
 
 
 def result_document(tool: str, command: str, rows: list[dict], **extra) -> dict:
@@ -460,8 +502,12 @@ def main(argv=None) -> int:
     print("#")
     print(f"# busbw = algbw x (n-1)/n, n = {args.ranks}; time = slowest rank's median; bytes = mean per rank")
     commlib_rows = [r for r in rows if OPS[r["op"]][0] == "commlib"]
-    for line in nccl_table(rows, BENCH_COLUMNS, footer_rows=commlib_rows):
+    columns = BENCH_COLUMNS + ([NET_COLUMN] if nodes > 1 else [])
+    for line in nccl_table(rows, columns, footer_rows=commlib_rows):
         print(line)
+    if nodes > 1:
+        tag("net_bytes: payload bytes a rank sends across node boundaries per call (mean per rank): "
+            + net_bytes_summary(rows))
     speedups = ", ".join(f"{r['op']} {r['speedup']:.2f}x" for r in commlib_rows if "speedup" in r)
     tag(f"vs all_to_all_single baseline (baseline time / commlib time): {speedups}")
     if args.json is not None:

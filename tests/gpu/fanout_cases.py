@@ -1,4 +1,4 @@
-"""commlib.backends.fanout.NodeFanout (csrc/fanout.cu) inside spawned GPU worlds, against torch oracles.
+"""commlib.backends.internode.fanout.NodeFanout (csrc/fanout.cu) inside spawned GPU worlds, against torch oracles.
 
 Every rank of the world is a local rank of one node (the node group is the world's group). Each rank
 builds the same random data on the CPU (one seed for all), forwards its own landed chunks, and
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib.backends.fanout import NodeFanout
+from commlib.backends.internode.fanout import NodeFanout
 from commlib.utils.timing import capture_graph
 
 TIMEOUT_S = 60.0

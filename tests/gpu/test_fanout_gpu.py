@@ -1,4 +1,4 @@
-"""The internode engine's IPC fan-out (commlib.backends.fanout.NodeFanout, csrc/fanout.cu) on the device.
+"""The internode engine's IPC fan-out (commlib.backends.internode.fanout.NodeFanout, csrc/fanout.cu) on the device.
 
 2 and 4 processes sharing the GPUs there are (CUDA IPC between them, a gloo group for the handle
 exchange), every process one local rank of a single node; forward, reduce and CUDA-graph replays are

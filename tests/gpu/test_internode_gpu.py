@@ -18,8 +18,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 CASES = {
     2: ["matches_reference", "chunk_boundaries", "without_topk", "worst_no_read", "random_stalls", "bad_expert_ids",
-        "no_host_sync", "graph_capture", "random_routings"],
-    4: ["matches_reference", "worst_no_read", "random_stalls", "no_host_sync", "graph_capture", "random_routings"],
+        "no_host_sync", "graph_capture", "default_device_meta", "random_routings"],
+    4: ["matches_reference", "worst_no_read", "random_stalls", "no_host_sync", "graph_capture", "default_device_meta",
+        "random_routings"],
 }
 
 
@@ -57,8 +58,8 @@ def test_digest_kernel_matches_its_spec(M, P, Kc, E, ring):
     """The digest kernel (one launch after the count exchange) against exchange_digest, its torch spec
     (itself held to a plain-Python read of the whole rows in tests/test_internode_kernels.py), for every
     rank, with each kind of error set in one rank's row, up to 256 ranks."""
-    from commlib.backends import internode_kernels as IK
-    from commlib.backends.internode import exchange_digest
+    from commlib.backends.internode import kernels as IK
+    from commlib.backends.internode.exchange import exchange_digest
     from commlib.buffer import _cupy_available
     if not _cupy_available():
         pytest.skip("the kernels load through CuPy")

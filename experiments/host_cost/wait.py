@@ -11,7 +11,7 @@ for each (result: the same step costs whichever way it waited, docs/internode.md
   event   an async copy into a kept pinned buffer, an event, ``Event.synchronize()``
   spin    the same copy and event, then the host polls ``Event.query()`` in Python until it is done
 
-Run: python -m experiments.host_cost_wait [--tokens 4096] [--reps 10]
+Run: python -m experiments.host_cost.wait [--tokens 4096] [--reps 10]
 """
 from __future__ import annotations
 
@@ -20,16 +20,15 @@ import argparse
 import torch
 
 from benchmarks import bench_internode as BI
-from commlib.backends.internode import InternodeBackend
+from commlib.backends.probe import RecordingProbe
 from commlib.bench import main as B
 
-_engine_copy = InternodeBackend.__dict__["_to_host"]   # the staticmethod itself, to put back
 MODES = ("sync", "event", "spin")
 
 
 def _waiting_copy(mode: str):
-    """How InternodeBackend._read brings a tensor to the host (its ``_to_host``), waiting by ``mode``;
-    the read's bookkeeping (blocked time, CPU time) stays the engine's."""
+    """How the engine's host read brings a tensor to the host, waiting by ``mode`` (a probe's ``read``,
+    backends/probe.py)."""
     kept = {}
 
     def copy(t: torch.Tensor) -> torch.Tensor:
@@ -54,16 +53,14 @@ def _waiting_copy(mode: str):
 def _worker(ctx, w, reps: int):
     buf, _, dispatch = BI.one_rank_per_node(ctx, w)
     for mode in MODES:
-        InternodeBackend._to_host = staticmethod(_waiting_copy(mode))
-        try:
-            ref = dispatch()   # the outputs do not depend on how the read waited
-            for _ in range(3):
-                dispatch()
-            BI._profile(ctx, buf, f"dispatch_bf16, read waits by {mode}", dispatch, reps)
-            again = dispatch()
-            assert torch.equal(ref[0], again[0]) and ref[3] == again[3], f"rank {ctx.rank}: {mode} changed the outputs"
-        finally:
-            InternodeBackend._to_host = _engine_copy
+        probe = RecordingProbe(tracing=True, copy=_waiting_copy(mode))   # the engine's reads wait by mode
+        buf.backend.set_probe(probe)
+        ref = dispatch()   # the outputs do not depend on how the read waited
+        for _ in range(3):
+            dispatch()
+        BI._profile(ctx, buf, f"dispatch_bf16, read waits by {mode}", dispatch, reps, probe=probe)
+        again = dispatch()
+        assert torch.equal(ref[0], again[0]) and ref[3] == again[3], f"rank {ctx.rank}: {mode} changed the outputs"
     buf.destroy()
     return {}
 

@@ -21,7 +21,7 @@ call pays a first-launch-after-idle cost):
   tolist          a [2, 300] int64 host tensor to lists
   handle          a DispatchHandle built from existing tensors
 
-Run: python -m experiments.host_cost_buffer [--reps 20] [--json PATH]
+Run: python -m experiments.host_cost.buffer [--reps 20] [--json PATH]
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from commlib.backends import internode_kernels as IK
+    from commlib.backends.internode import kernels as IK
     from commlib.backends.base import CombineResult, DispatchResult
     from commlib.buffer import Buffer, _tensors_of
     from commlib.config import default_dispatch_config
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     dist.destroy_process_group()
     os.unlink(store) if os.path.exists(store) else None
     if a.json:
-        write_json("host_cost_buffer", argv, [{"op": k, "host_us": v} for k, v in rows.items()], 1, a.json,
+        write_json("host_cost_buffer", argv, [{"op": k, "host_us": v} for k, v in rows.items()], 1, a.json, module="experiments.host_cost.buffer",
                    tokens=T, hidden=H)
     return 0
 

@@ -14,7 +14,7 @@ operations from Python, for
 each ``warm`` (back to back) and ``cold`` (a Python workload that sweeps 64 MB and runs unrelated
 code between calls, as a call's other steps do). Median of ``--reps`` calls.
 
-Run: python -m experiments.host_cost_cpp [--reps 200] [--json DIR]
+Run: python -m experiments.host_cost.cpp [--reps 200] [--json DIR]
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         return 0
     from torch.utils.cpp_extension import load_inline
 
-    from commlib.backends import internode_kernels as IK
+    from commlib.backends.internode import kernels as IK
     from commlib.cuda import loader
 
     t0 = time.perf_counter()
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
             print(f"# {name:>8} {mode:>5} {a_us:>10.1f} {b_us:>8.1f} {a_us / max(b_us, 1e-9):>6.1f}")
             rows.append({"op": f"{name}_{mode}", "python_us": round(a_us, 2), "cpp_us": round(b_us, 2)})
     if a.json:
-        write_json("host_cost_cpp", argv, rows, 1, a.json, build_s=round(build_s, 1))
+        write_json("host_cost_cpp", argv, rows, 1, a.json, module="experiments.host_cost.cpp", build_s=round(build_s, 1))
     return 0
 
 

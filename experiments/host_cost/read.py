@@ -10,20 +10,21 @@ grows with nodes, ranks per node and experts per rank. Rows:
   whole_rows   the gathered rows to the host as lists (``g.cpu().tolist()``): what any host walk of
                the whole rows pays before it starts
   digest       the digest (kernel on a GPU with CuPy, else torch ops), its read, its decode and the
-               chunk geometry (``_read_counts`` + ``_geometry``): the engine's path
+               chunk geometry (``exchange.parse_digest`` + ``geometry.geometry``): the engine's path
 
-Run: python -m experiments.host_cost_read [--reps 20] [--json [PATH]]
+Run: python -m experiments.host_cost.read [--reps 20] [--json [PATH]]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 
-from commlib.backends.internode import INTERNODE_SIG_FIELDS, InternodeBackend
+from commlib.backends.internode import kernels as IK
+from commlib.backends.internode.exchange import INTERNODE_SIG_FIELDS, N_SIG, exchange_digest, parse_digest, row_len
+from commlib.backends.internode.geometry import geometry
 from commlib.cuda.loader import cupy_available
 from experiments import write_json
 
@@ -31,24 +32,26 @@ from experiments import write_json
 TOPOLOGIES = [(2, 1, 256, 1), (8, 8, 256, 4), (32, 8, 256, 4)]
 
 
-def _backend(M: int, P: int, Kc: int, device: torch.device) -> InternodeBackend:
-    """An internode backend with only what the host path after the exchange reads (rank 0)."""
-    be = InternodeBackend.__new__(InternodeBackend)
-    be.topology = SimpleNamespace(rank=0, num_ranks=M * P, num_nodes=M, ranks_per_node=P, node=0, local_rank=0)
-    be.max_chunks, be.host_reads, be.host_read_s, be.host_read_usage, be._head_busy = Kc, 0, 0.0, None, False
-    be.device_steps = device.type == "cuda" and cupy_available()
-    be.sig_fields, be.ctx = INTERNODE_SIG_FIELDS, SimpleNamespace(max_nodes_per_token=4)
-    return be
-
-
-def _rows(be: InternodeBackend, E: int, device: torch.device) -> tuple:
-    """Gathered rows every rank agrees on, with random counts; (g, sig, n_sig)."""
-    R = be.topology.num_ranks
+def _rows(M: int, P: int, Kc: int, E: int, device: torch.device) -> tuple:
+    """Gathered rows every rank agrees on, with random counts; (g, sig)."""
+    R = M * P
     sig = list(range(1, len(INTERNODE_SIG_FIELDS) + 1))
-    n_sig = 1 + len(sig)
-    g = torch.randint(0, 60, (R, be._row_len(E)), generator=torch.Generator().manual_seed(R), dtype=torch.int64)
-    g[:, 0], g[:, 1:n_sig], g[:, n_sig + R:n_sig + R + 2] = 0, torch.tensor(sig), 0
-    return g.to(device), sig, n_sig
+    g = torch.randint(0, 60, (R, row_len(R, M, P, Kc, E)), generator=torch.Generator().manual_seed(R),
+                      dtype=torch.int64)
+    g[:, 0], g[:, 1:N_SIG], g[:, N_SIG + R:N_SIG + R + 2] = 0, torch.tensor(sig), 0
+    return g.to(device), sig
+
+
+def _after_exchange(g: torch.Tensor, M: int, P: int, Kc: int, E: int, ring: int, on_device: bool) -> None:
+    """Rank 0's host path after the exchange: the digest (one launch, or its torch spec), its read,
+    its decode and the chunk geometry."""
+    kw = dict(n_sig=N_SIG, me=0, node=0, loc=0, M=M, P=P, Kc=Kc, ring=ring, Lx=E // (M * P))
+    if on_device:
+        digest = torch.empty(IK.digest_len(M, P, Kc, kw["Lx"]), dtype=torch.int64, device=g.device)
+        IK.digest(g, digest, **kw)
+    else:
+        digest = exchange_digest(g, **kw)
+    geometry("device", parse_digest(digest.cpu().tolist(), M, P, Kc, kw["Lx"]), ring, Kc)
 
 
 def _us(fn, reps: int, per: int = 10) -> float:
@@ -72,20 +75,17 @@ def main(argv=None) -> int:
     print(f"host us after the count exchange, per dispatch (rank 0, {device}):")
     print(f"  {'nodes x per node':>17} {'E':>4} {'Kc':>3} {'row ints':>9} {'whole_rows':>11} {'digest':>9}")
     for M, P, E, Kc in TOPOLOGIES:
-        be = _backend(M, P, Kc, device)
-        g, sig, n_sig = _rows(be, E, device)
-        ring = 64
-
-        def engine():
-            be._geometry(be._read_counts(g, be._digest(g, E, n_sig, ring), sig, n_sig, E), ring)
+        g, sig = _rows(M, P, Kc, E, device)
+        on_device = device.type == "cuda" and cupy_available()
+        engine = lambda: _after_exchange(g, M, P, Kc, E, 64, on_device)
         whole = _us(lambda: g.cpu().tolist(), a.reps)
         digest = _us(engine, a.reps)
         print(f"  {f'{M} x {P}':>17} {E:>4} {Kc:>3} {g.numel():>9} {whole:>11.1f} {digest:>9.1f}")
         rows.append({"op": f"read_{M}x{P}", "nodes": M, "ranks_per_node": P, "experts": E, "chunks": Kc,
                      "row_ints": g.numel(), "whole_rows_us": round(whole, 1), "digest_us": round(digest, 1),
-                     "digest_on_device": be.device_steps})
+                     "digest_on_device": on_device})
     if a.json:
-        write_json("host_cost_read", argv, rows, 1, a.json)
+        write_json("host_cost_read", argv, rows, 1, a.json, module="experiments.host_cost.read")
     return 0
 
 

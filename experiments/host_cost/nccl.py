@@ -23,7 +23,7 @@ an idle device, as ``bench_internode`` times a call):
   raw_a2a_issue_after_sleep  a 2 ms host sleep between the idle device and the issue
 
 Run (spawns 2 ranks on the GPU(s); with one GPU they are emulated hosts over NCCL's socket
-transport): python -m experiments.host_cost_nccl [--ranks 2] [--reps 50] [--json PATH]
+transport): python -m experiments.host_cost.nccl [--ranks 2] [--reps 50] [--json PATH]
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def worker(ctx, a):
     out["a2a_issue_wait_back_to_back"] = (time.perf_counter() - t0) / a.reps * 1e6
     sync()
     if dev.type == "cuda":
-        from experiments.nccl_direct import NcclComm
+        from experiments.host_cost.nccl_direct import NcclComm
         raw = NcclComm(g, dev, name="experiment")
         me = dist.get_rank(g)
         # the raw rows are checked: rank r's block j of recv is rank j's block r of send
@@ -204,7 +204,7 @@ def main():
         print(f"  {k:28s} " + "  ".join(f"{r[k]:9.1f}" for r in per_rank))
     if a.json:
         rows = [{"op": k, "rank": r, "host_us": round(v[k], 2)} for r, v in enumerate(per_rank) for k in keys]
-        write_json("host_cost_nccl", None, rows, a.ranks, a.json, emulated_hosts=emulate, a2a_rows=a.rows,
+        write_json("host_cost_nccl", None, rows, a.ranks, a.json, module="experiments.host_cost.nccl", emulated_hosts=emulate, a2a_rows=a.rows,
                    hidden=a.hidden)
 
 

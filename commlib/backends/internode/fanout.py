@@ -19,9 +19,9 @@ The kernels:
             local rank p's data area at row pos[j, p] (row stride ``row_bytes``, default W).
   reduce    combine mirror: out row j = bf16(sum in ascending p over the p with pos[j, p] >= 0 of
             float(peer p's row pos[j, p]).y), then the float32 sum of the .w parts, from +0.0 with
-            IEEE adds: ``reference.sum_rows`` (index_add_ per local rank, in rank order, into zeros)
+            IEEE adds: ``common.sum_rows`` (index_add_ per local rank, in rank order, into zeros)
             followed by ``.to(torch.bfloat16)``, bit for bit. A row of the data areas is H bf16 then K
-            float32, packed (``_Packer([("y", bf16, (H,)), ("w", f32, (K,))])``).
+            float32, packed (``rows.combine_packer(H, K)``).
 
 Protocol (every local rank makes the same calls in the same order, on one stream each):
   dispatch   barrier            every peer is past its reads of the previous call's rows (here: its

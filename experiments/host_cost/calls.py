@@ -5,13 +5,13 @@ tight loop, with the thread computing all along (no switch, no allocation, no wa
 per operation, it follows the number of operations a call makes. This counts them: with
 ``sys.setprofile`` on, one call of each op (non-cached dispatch, cached dispatch, combine) is
 traced, and its Python function calls and C calls (torch ops, builtins) are counted per step (the
-engine's ``_mark`` calls end the steps, as in ``--profile``). The same calls are timed without the
+engine's probe marks end the steps, as in ``--profile``). The same calls are timed without the
 profiler as ``bench_internode`` times them (median of ``--reps``, the read's wait excluded; behind
 running work, and with the host running ahead of the GPU). A fourth row, ``dispatch_floor``, is
 ``bench_internode.dispatch_floor``: the device operations a one-chunk dispatch cannot do without,
 issued bare, timed and counted alike.
 
-Run: python -m experiments.host_cost_calls [--tokens 4096] [--reps 20] [--json DIR]
+Run: python -m experiments.host_cost.calls [--tokens 4096] [--reps 20] [--json DIR]
 """
 from __future__ import annotations
 
@@ -23,15 +23,22 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import bench_internode as BI
-from commlib.backends.internode import InternodeBackend
+from commlib.backends.probe import Probe
 from commlib.bench import main as B
 from experiments import write_json
 
-_MARK = InternodeBackend._mark.__code__
+class _StepProbe(Probe):
+    """The engine's probe: each ``mark`` ends a step of the counter (``mark``'s own calls count too)."""
+
+    def __init__(self, counter) -> None:
+        self.counter = counter
+
+    def mark(self, step: str) -> None:
+        self.counter.step = "after " + step
 
 
 class _Counter:
-    """sys.setprofile hook: Python calls and C calls, per step (a step ends where ``_mark`` is called)."""
+    """sys.setprofile hook: Python calls and C calls, per step (a step ends at each probe mark)."""
 
     def __init__(self) -> None:
         self.step = "buffer"
@@ -42,9 +49,6 @@ class _Counter:
     def __call__(self, frame, event, arg) -> None:
         if event == "call":
             code = frame.f_code
-            if code is _MARK:
-                self.step = "after " + str(frame.f_locals.get("step"))
-                return
             self.py[getattr(code, "co_qualname", code.co_name)] += 1
             kind = 0
         elif event == "c_call":
@@ -56,8 +60,9 @@ class _Counter:
         cell[kind] += 1
 
 
-def _count(fn) -> _Counter:
+def _count(buf, fn) -> _Counter:
     counter = _Counter()
+    buf.backend.set_probe(_StepProbe(counter))
     sys.setprofile(counter)
     try:
         fn()
@@ -89,7 +94,7 @@ def _worker(ctx, w, reps: int):
         steady, steady_nccl, _ = BI._host_us(buf, fn, reps, steady=True)
         torch.cuda.synchronize()
         dist.barrier(group=ctx.group)
-        c = _count(fn)
+        c = _count(buf, fn)
         torch.cuda.synchronize()
         out[name] = {"host_us_busy": busy, "engine_us_busy": busy - busy_nccl, "host_us_steady": steady,
                      "engine_us_steady": steady - steady_nccl, "python_calls": sum(c.py.values()), "c_calls": sum(c.c.values()),
@@ -125,7 +130,7 @@ def main(argv=None) -> int:
         print("#   most made (C): " + ", ".join(f"{k} {v}" for k, v in o["top_c"][:15]))
     if a.json:
         rows = [{"op": name, **o} for name, o in out.items()]
-        write_json("host_cost_calls", argv, rows, 2, a.json)
+        write_json("host_cost_calls", argv, rows, 2, a.json, module="experiments.host_cost.calls")
     return 0
 
 

@@ -1,5 +1,5 @@
 """NCCL called directly (ctypes) on a communicator of its own: what torch.distributed's wrapping of a
-collective costs the host, measured (``experiments/host_cost_nccl``, its ``raw_*`` rows).
+collective costs the host, measured (``experiments.host_cost.nccl``, its ``raw_*`` rows).
 
 A step is ``ncclGroupStart``, one ``ncclSend`` / ``ncclRecv`` per peer, ``ncclGroupEnd`` (or one
 ``ncclAllGather``), issued onto the current stream: no work object, no events, no stream join. The

@@ -1,9 +1,9 @@
 """Launches of csrc/internode.cu: the internode engine's per-token steps on the GPU (one launch each
-instead of tens of torch ops; backends/internode.py says when they are used).
+instead of tens of torch ops; internode/device.py calls them).
 
 Each function takes tensors and host ints, checks what the kernel relies on (dtype, contiguity,
 4-byte row geometry) and launches on torch's current stream. Nothing here reads the device.
-The kernels' contracts are in the .cu file's comments; the torch code of backends/internode.py is
+The kernels' contracts are in the .cu file's comments; the torch steps of internode/counted.py are
 their specification, and the device tests compare the engine's outputs and handles with the
 reference backend's, bit for bit.
 """
@@ -59,7 +59,7 @@ DIGEST_THREADS = 256
 
 
 def digest_len(M: int, P: int, Kc: int, Lx: int) -> int:
-    """Length of the exchange digest (``digest``; backends/internode.py ``exchange_digest``)."""
+    """Length of the exchange digest (``digest``; exchange.py ``exchange_digest``)."""
     return 4 + 2 * M + 2 * Kc * P + Lx
 
 

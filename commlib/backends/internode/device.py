@@ -1,0 +1,242 @@
+"""The internode engine's per-token steps as kernels (kernels.py, csrc/internode.cu): a non-cached
+dispatch, its cached dispatch and combine, on NCCL with one rank per node or the forwarder kernel.
+The torch steps (counted.py) are their specification; the device tests hold both to the reference.
+
+Dispatch: meta (the exchange row, scans: one launch), the one all-gather, the digest (one launch)
+and its one host read, pack (send rows and the handle's matrices), the network chunks (and the
+forwarder), land (the outputs' columns), recv_chan. Cached dispatch and combine read no counts.
+
+Legend: T tokens here, H hidden, K top-k, R ranks, M nodes, P ranks per node, C channels, E
+experts, Lx experts per rank, W bytes of a packed row, Wc bytes of a combine row.
+"""
+from __future__ import annotations
+
+import torch
+
+from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
+from commlib.backends.internode import kernels as IK
+from commlib.backends.internode.exchange import N_SIG, row_len
+from commlib.backends.internode.geometry import Plan, geometry
+from commlib.backends.internode.network import stream
+from commlib.backends.internode.rows import area_row, dispatch_packer, int32_views, rows_on, typed_views
+from commlib.backends.common import HOST, int32_columns
+from commlib.backends.internode.wiring import Wiring
+from commlib.handle import DispatchHandle
+from commlib.utils.math import align_up
+
+
+class HeadRow:
+    """[0] + signature (int64) for the meta kernel, in pinned host memory it reads through the mapped
+    address (no copy, no allocation per call). Kept between calls; rewritten only when a host read
+    has shown the stream past its meta kernel (``released``), else a fresh one is made."""
+
+    def __init__(self) -> None:
+        self._head, self.busy = None, False
+
+    def get(self, sig: list) -> torch.Tensor:
+        n = 1 + len(sig)
+        if self._head is None or self._head[0].numel() != n or self.busy:
+            t = torch.zeros(n, dtype=torch.int64, device=HOST).pin_memory()
+            self._head = (t, t.numpy())
+        t, arr = self._head
+        arr[1:] = sig
+        self.busy = True
+        return t
+
+    def released(self) -> None:
+        self.busy = False   # the stream is past every kernel before a host read: the head row was read
+
+
+def fits(req: DispatchRequest) -> bool:
+    """Whether a non-cached dispatch's rows are whole 4-byte words in every dtype of its handle's
+    later calls (FP8 x: H bytes; BF16: 2 H): H % 4 == 0, and no num_worst_tokens (padded path)."""
+    return not req.num_worst_tokens and req.x.shape[1] % 4 == 0
+
+
+def dispatch(w: Wiring, head: HeadRow, req: DispatchRequest, sig: list, ring: int, name: str) -> DispatchResult:
+    topo, probe = w.topology, w.probe
+    me, R, M, P = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node
+    Kc, dev = w.max_chunks, w.device
+    x = req.x.to(dev).contiguous()
+    scales = req.x_scales.to(dev).contiguous() if req.x_scales is not None else None
+    T, H = x.shape
+    E = req.num_experts
+    Lx = E // R
+    K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+    C = req.config.num_channels
+    tir = req.layout.is_token_in_rank.to(dev).contiguous()
+    topk = req.topk_idx.to(dev).contiguous() if K else None
+    wts = req.topk_weights.to(dev).contiguous() if K and req.topk_weights is not None else None
+    experts_in = None if K else req.layout.num_tokens_per_expert.to(dev, torch.int32).contiguous()
+    probe.mark("inputs")
+
+    # ---- 1. metadata: one launch ----
+    # the exchange row, the gathered rows, their digest and the scans: views of one allocation
+    n_row, n_dig = row_len(R, M, P, Kc, E), IK.digest_len(M, P, Kc, Lx)
+    row, g, dig, before, spos = typed_views(dev, (torch.int64, (n_row,)), (torch.int64, (R * n_row,)),
+                                            (torch.int64, (n_dig,)), (torch.int32, (T, R)), (torch.int32, (T, M)))
+    IK.meta(tir, topk, experts_in, head.get(sig), row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=ring,
+            max_nodes=w.max_nodes)
+    probe.op("launches")
+    probe.mark("meta")
+
+    # ---- 2. one collective, one host read (of the gathered rows' digest) ----
+    w.phase("dispatch (agreement + count exchange)")
+    g = w.gather(row, out=g)
+    probe.mark("exchange")
+    IK.digest(g, dig, n_sig=N_SIG, me=me, node=topo.node, loc=topo.local_rank, M=M, P=P, Kc=Kc, ring=ring, Lx=Lx)
+    probe.op("launches")
+    counts = w.read_counts(g, dig, sig, E)
+    head.released()
+    num_recv, expert_counts = counts["num_recv"], counts["experts"]
+    probe.mark("read")
+    plan = geometry("device", counts, ring, Kc)
+    probe.mark("geometry")
+
+    # ---- 3. pack: the send rows and the handle's matrices ----
+    packer = dispatch_packer(x, scales, K, wts is not None)
+    W = packer.row_bytes
+    send, recv = send_and_landing(w, plan, W)
+    # the handle's int32 tensors (and the plan's) are views of one allocation: one allocation, and
+    # one stream record where the Buffer hands them to the caller's stream
+    n_land = 0 if w.node.in_area else plan.recv_starts[-1]
+    rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, recv_src_idx, land_all = int32_views(
+        dev, (R, R), (R, C), (R, C), (T, R), (T, M), (num_recv,), (n_land,))
+    IK.pack(g, send, slot, send_head, x, scales, topk, wts, me=me, M=M, P=P, Kc=Kc, ring=ring, n_sig=N_SIG,
+            tir=tir, before=before, spos=spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix)
+    probe.op("launches")
+    plan.slot, plan.area_row = slot, area_row(packer, H, K)
+    probe.mark("pack")
+
+    # ---- 4. network chunks (and the forwarder), 5. land ----
+    landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer, cached=False)
+    probe.mark("network")
+    recv_x = torch.empty(num_recv, H, dtype=x.dtype, device=dev)
+    recv_scales = torch.empty(num_recv, scales.shape[1], dtype=torch.float32, device=dev) \
+        if scales is not None else None
+    recv_topk_idx = torch.empty(num_recv, K, dtype=torch.int64, device=dev) if K else None
+    recv_topk_w = torch.empty(num_recv, K, dtype=torch.float32, device=dev) if wts is not None else None
+    if not w.node.in_area:   # combine gathers its rows by where each landed row went
+        plan.land_all = land_all
+    probe.mark("outputs")
+    IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w, K=K,
+            expert_lo=me * Lx, num_local=Lx, pos_out=plan.land_all)
+    del landed   # its memory may be reused now: the launches above read it first (stream order)
+    IK.recv_chan(recv_src_idx, g, recv_chan_prefix, n_sig=N_SIG, me=me)
+    probe.op("launches", 2)
+    probe.mark("land")
+
+    out = req.x.device
+    moved = (lambda t: t) if out == dev else (lambda t: None if t is None else t.to(out))
+    handle = DispatchHandle(
+        rank_prefix_matrix=moved(rank_prefix), channel_prefix_matrix=moved(chan_prefix),
+        recv_channel_prefix_matrix=moved(recv_chan_prefix), recv_src_idx=moved(recv_src_idx),
+        is_token_in_rank=moved(tir), send_head=moved(send_head),
+        topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
+        num_recv_tokens=num_recv, num_worst_tokens=0, backend=name,
+        extra={"plan": plan, "num_recv": num_recv})
+    a = req.expert_alignment
+    per_expert_list = expert_counts if a == 1 else [align_up(c, a) for c in expert_counts]
+    return DispatchResult(moved(recv_x), moved(recv_scales), moved(recv_topk_idx), moved(recv_topk_w),
+                          per_expert_list, handle)
+
+
+def send_and_landing(w: Wiring, plan: Plan, W: int) -> tuple:
+    """The send rows [S, W + 4 P] and the landing rows of every chunk [J, W + 4 P]: views of one
+    allocation."""
+    P, S = w.topology.ranks_per_node, plan.send_starts[-1]
+    both = torch.empty(S + plan.recv_starts[-1], W + 4 * P, dtype=torch.uint8, device=w.device)
+    return both[:S], both[S:]
+
+
+def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer, cached: bool) -> tuple:
+    """The network chunks. One rank per node: every chunk lands in one buffer (rows carry their final
+    row at byte W); with the forwarder, chunk k fans out while k + 1 is on the wire and the rows sit
+    at their final rows of this rank's area. Returns (the landing buffer or None, address, row
+    stride, position byte or -1, rows) of what ``IK.land`` reads: the caller holds the buffer until
+    the land kernel is launched, or the allocator could hand its memory to the outputs."""
+    P = w.topology.ranks_per_node
+    nch, ss, rs = plan.num_chunks, plan.send_starts, plan.recv_starts
+    w.count_rows(plan)
+    post = lambda k: w.network.post(send[ss[k]:ss[k + 1]], plan.send_splits[k], plan.recv_splits[k],
+                                    out=recv[rs[k]:rs[k + 1]])
+    if not w.node.in_area:
+        stream(w.network, nch, post, "dispatch")
+        return recv, recv.data_ptr(), W + 4 * P, W, rs[-1]
+    w.node.dispatch_begin(plan, W, packer)
+
+    def fan_out(k, landed):
+        w.phase(f"dispatch (fan-out of chunk {k})")
+        w.node.dispatch_chunk(k, landed, plan, W, cached=True)   # positions kept below, for all chunks at once
+
+    stream(w.network, nch, post, "dispatch", after=fan_out)
+    w.node.finish_forward()
+    if not cached:   # the landed rows' positions on every local rank: the forwarder's combine sources
+        plan.landed_pos = list(int32_columns(recv, W, W + 4 * P).split([rs[k + 1] - rs[k] for k in range(nch)]))
+    addr, stride = w.node.address()
+    return recv, addr, stride, -1, plan.num_recv
+
+
+def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResult:
+    """Cached dispatch on the kernels: pack by the plan's slots and the handle's send_head, the
+    network chunks, land (no routing columns)."""
+    topo, dev, h, probe = w.topology, w.device, req.handle, w.probe
+    x = req.x.to(dev).contiguous()
+    scales = req.x_scales.to(dev).contiguous() if req.x_scales is not None else None
+    packer = dispatch_packer(x, scales, 0, False)
+    W = packer.row_bytes
+    send, recv = send_and_landing(w, plan, W)
+    IK.pack(None, send, plan.slot, h.send_head.to(dev).contiguous(), x, scales, None, None, me=topo.rank,
+            M=topo.num_nodes, P=topo.ranks_per_node, Kc=w.max_chunks, ring=1)
+    probe.op("launches")
+    probe.mark("pack")
+    landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer, cached=True)
+    probe.mark("network")
+    n = plan.num_recv
+    recv_x = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
+    recv_scales = torch.empty(n, scales.shape[1], dtype=torch.float32, device=dev) if scales is not None else None
+    IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales)
+    probe.op("launches")
+    del landed   # held until the land kernel read it
+    probe.mark("land")
+    out = req.x.device
+    return DispatchResult(recv_x.to(out), recv_scales.to(out) if scales is not None else None, None, None, None, h)
+
+
+def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
+    """Combine on the kernels: this rank's rows gathered per landed row (one rank per node) or
+    published into its area and summed by the forwarder per chunk, the partials back over the
+    network chunk by chunk, the home sum (node order, then the biases) in one launch."""
+    h, dev, node, probe = req.handle, w.device, w.node, w.probe
+    n, T = plan.num_recv, h.num_tokens
+    y = rows_on(req.x, n, dev)
+    H = y.shape[1]
+    wts = rows_on(req.topk_weights, n, dev) if req.topk_weights is not None else None
+    K = wts.shape[1] if wts is not None else 0
+    Wc = 2 * H + 4 * K
+    nch, ss, rs = plan.num_chunks, plan.send_starts, plan.recv_starts
+    # the node partials this rank sends and the partials that come back: views of one allocation
+    partial, back = torch.empty(rs[-1] + ss[-1], Wc, dtype=torch.uint8, device=dev).split([rs[-1], ss[-1]])
+    before = None
+    if not node.in_area:
+        IK.rows(plan.land_all, rs[-1], y, wts, partial.data_ptr(), Wc)
+        probe.op("launches")
+    else:   # this rank's rows written by a kernel straight into its area, summed per chunk by the forwarder
+        node.combine_begin(lambda addr, stride: IK.rows(None, n, y, wts, addr, stride), plan, Wc)
+        probe.op("launches")
+        before = lambda k: node.combine_chunk(k, plan, None, H, K, out=partial[rs[k]:rs[k + 1]])
+    probe.mark("rows")
+    stream(w.network, nch, lambda k: w.network.post(partial[rs[k]:rs[k + 1]], plan.recv_splits[k], plan.send_splits[k],
+                                                    out=back[ss[k]:ss[k + 1]]), "combine", before=before)
+    w.count_rows(plan)
+    probe.mark("network")
+    out_y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if K else None
+    IK.home(back, plan.slot, [b.to(dev).contiguous() for b in req.bias], out_y, out_w, H=H, K=K)
+    probe.op("launches")
+    probe.mark("home")
+    out = req.x.device
+    return CombineResult(out_y.to(out), out_w.to(out) if K else None)
+
+
+__all__ = ["HeadRow", "fits", "dispatch", "send_and_landing", "move", "dispatch_cached", "combine"]

@@ -1,0 +1,261 @@
+"""Internode engine: each token crosses the network once per node, in chunks, then fans out in the node.
+
+The engine builds the groups (a rail per local rank, a group per node), chooses its two seams once
+(the network step: network.NETWORK_STEPS; the node step: node.NODE_STEPS) and, per call, a path:
+the kernels (device.py) where they fit, the num_worst_tokens path (padded.py), else the torch
+steps (counted.py). docs/internode.md describes the protocol; outputs and handles are the
+reference backend's bit for bit (backends/base.py states the contract).
+
+Legend: R ranks, M nodes, P ranks per node, Kc the most network chunks a call may use, E experts.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from commlib import layout as L
+from commlib.backends.base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
+from commlib.backends.common import OPS, gather, signature, wait
+from commlib.backends.internode import counted, device, padded
+from commlib.backends.internode.exchange import INTERNODE_SIG_FIELDS, check_exchange, row_len
+from commlib.backends.internode.geometry import Plan, ring_rows
+from commlib.backends.internode.network import NETWORK_STEPS
+from commlib.backends.internode.node import NODE_STEPS
+from commlib.backends.internode.wiring import Wiring
+from commlib.cuda.loader import cupy_available
+from commlib.topology import local_facts, share_memory
+from commlib.utils import env
+from commlib.validate import CommlibError
+
+
+def _same_everywhere(value, group, what: str, rank: int, size: int):
+    theirs = [None] * size
+    dist.all_gather_object(theirs, value, group=group)
+    if any(t != value for t in theirs):
+        raise ValueError(f"[commlib rank {rank}] {what} differs between ranks: {theirs}")
+    return value
+
+
+def _capped_nccl_options(max_ctas: int):
+    """NCCL communicator options with at most ``max_ctas`` CTAs; None (and a warning) where this
+    torch / NCCL build has no such knob."""
+    try:
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.min_ctas = 1
+        options.config.max_ctas = max_ctas
+        return options
+    except AttributeError:
+        warnings.warn("commlib: this torch/NCCL cannot cap NCCL's CTAs; the internode engine's collectives are "
+                      "not held to the SM budget")
+        return None
+
+
+class InternodeBackend(Backend):
+    """The multi-node engine (module docstring). ``network`` and ``node`` are its two seams; ``probe``
+    (ctx.probe, the null probe by default) is told of its steps, reads and device operations."""
+
+    name = "internode"
+    sig_fields = INTERNODE_SIG_FIELDS
+    # without top-k the per-expert list comes from the senders' num_tokens_per_expert, summed in the
+    # count exchange: the Buffer needs no collective of its own for it
+    counts_experts_without_topk = True
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        topo = self.topology
+        if topo.num_nodes < 2:
+            raise ValueError(f"[commlib rank {topo.rank}] the internode engine needs several nodes, the "
+                             "topology has one (use nvlink or reference)")
+        self.group = ctx.group
+        self.nccl = dist.get_backend(self.group) == "nccl"
+        self.comm_device = ctx.device if self.nccl else torch.device("cpu")
+        self.probe = ctx.probe
+        self.calls = 0          # ops issued on this Buffer; identical on every rank unless ranks diverge
+        self.failed = None
+        self._phase = ""
+        self._last_num_experts = 0   # E of the last dispatch: the row length a refused call sends
+        R = topo.num_ranks
+        self.max_chunks = _same_everywhere(env.network_chunks(), self.group, "COMMLIB_NETWORK_CHUNKS", topo.rank, R)
+        if topo.ranks_per_node == 1:
+            # chunks pay only where the node step of chunk k overlaps chunk k + 1 on the wire
+            self.max_chunks = 1
+        # One SM budget: the network step and the node step run at once, so NCCL's CTAs for each are
+        # capped at half of the Buffer's SM budget when the groups are made.
+        self.nccl_ctas = max(1, ctx.num_sms() // 2) if self.nccl else 0
+        # one options object per group kind: torch writes a group's name and ranks into the one it is given
+        rail_options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
+        node_options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
+        world_ranks = dist.get_process_group_ranks(self.group)
+        self.rail_group = self.node_group = None
+        for loc in range(topo.ranks_per_node):   # every rank creates every group, in the same order
+            g = dist.new_group([world_ranks[r] for r in topo.rail_ranks(loc)], pg_options=rail_options)
+            self.rail_group = g if loc == topo.local_rank else self.rail_group
+        for n in range(topo.num_nodes):
+            g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)], pg_options=node_options)
+            self.node_group = g if n == topo.node else self.node_group
+        self.network = NETWORK_STEPS["rail"](self.rail_group, self._wait_for, self.probe, self.nccl, topo.rank)
+        self.node = self._choose_node_step()
+        # the per-token steps as kernels (device.py) where rows go straight to their rows: one rank per
+        # node, or the forwarder kernel (COMMLIB_INTERNODE_KERNELS=0: the torch steps, for comparison)
+        self.device_steps = (self.nccl and self.comm_device.type == "cuda" and cupy_available()
+                             and self.node.name in ("local", "kernel") and env.internode_kernels())
+        self.wiring = Wiring(topology=topo, device=self.comm_device, nccl=self.nccl, network=self.network,
+                             node=self.node, probe=self.probe, counters=self.counters, max_chunks=self.max_chunks,
+                             max_nodes=ctx.max_nodes_per_token, gather=self._gather, phase=self._set_phase)
+        self.head = device.HeadRow()
+
+    def set_probe(self, probe) -> None:
+        """Report to ``probe`` from now on (benchmarks and experiments; ctx.probe at construction)."""
+        self.probe = self.wiring.probe = self.network.probe = probe
+        if hasattr(self.node, "probe"):
+            self.node.probe = probe
+
+    def _choose_node_step(self):
+        """The IPC forwarder kernel where the node's GPUs map each other's memory (NCCL, CUDA, CuPy,
+        COMMLIB_NODE_FANOUT=kernel); the node group's all-to-all otherwise; nothing with one rank per node."""
+        topo = self.topology
+        if topo.ranks_per_node == 1:
+            return NODE_STEPS["local"](None, 0, 1, self.comm_device, self._wait_for)
+        if self.nccl and self.comm_device.type == "cuda":
+            mode = _same_everywhere(env.node_fanout(), self.group, "COMMLIB_NODE_FANOUT", topo.rank, topo.num_ranks)
+            if mode == "kernel" and cupy_available():
+                facts = [None] * topo.ranks_per_node
+                dist.all_gather_object(facts, local_facts(self.comm_device), group=self.node_group)
+                if share_memory(facts):
+                    return NODE_STEPS["kernel"](self.node_group, self.comm_device, self.nccl_ctas, self.ctx.timeout_s,
+                                                self.probe)
+                warnings.warn(f"commlib rank {topo.rank}: the ranks of node {topo.node} cannot map each other's "
+                              "GPU memory (other hosts, or no peer access); the node step uses NCCL")
+        return NODE_STEPS["nccl"](self.node_group, topo.local_rank, topo.ranks_per_node, self.comm_device,
+                                  self._wait_for)
+
+    def destroy(self) -> None:
+        """Free the node step's IPC area (collective-free, as the nvlink engine: safe from __del__)."""
+        if self.node is not None:
+            self.node.close()
+            self.node = None
+
+    @property
+    def host_reads(self) -> int:
+        """Device -> host reads of counts so far (one per non-cached dispatch without num_worst_tokens)."""
+        return self.wiring.reads[0]
+
+    # ------------------------------------------------------------------ waits, exchange, agreement
+    def _set_phase(self, what: str) -> None:
+        self._phase = what
+
+    def _wait_for(self, work, what=None) -> None:
+        """NCCL: the current stream waits for the collective, the host does not (NCCL's watchdog bounds
+        it). gloo: a host wait with COMMLIB_TIMEOUT_S; a timeout poisons the Buffer."""
+        if what is not None:
+            self._phase = what
+        if self.nccl:
+            work.wait()
+            self.probe.op("event_ops")
+            return
+        wait(work, self.ctx.timeout_s, self.topology.rank, self._phase, self.calls, self._fail)
+
+    def _fail(self, message: str) -> None:
+        self.failed = message
+
+    def _gather(self, row: torch.Tensor, out=None) -> torch.Tensor:
+        return gather(row, self.group, self.comm_device, self._wait_for, out)
+
+    def _row_len(self, num_experts: int) -> int:
+        topo = self.topology
+        return row_len(topo.num_ranks, topo.num_nodes, topo.ranks_per_node, self.max_chunks, num_experts)
+
+    def signature(self, op, hidden, num_experts, fp8, topk, weights, config) -> list:
+        return signature(op, self.calls, hidden, num_experts, fp8, topk, weights, config) + \
+            [config.num_max_rdma_chunked_recv_tokens]
+
+    def _agree(self, sig: list, num_experts: int) -> None:
+        """gloo, cached dispatch and combine: an exchange-sized row of [0, signature, zeros], so a rank
+        that calls a dispatch instead meets it in the same collective and every rank raises."""
+        self._phase = f"{OPS[sig[0]]} (agreement)"
+        row = torch.zeros(self._row_len(num_experts), dtype=torch.int64, device=self.comm_device)
+        row[1:1 + len(sig)] = torch.tensor(sig, dtype=torch.int64, device=self.comm_device)
+        topo = self.topology
+        check_exchange(self._gather(row), sig, me=topo.rank, R=topo.num_ranks, E=num_experts,
+                       max_nodes=self.ctx.max_nodes_per_token)
+
+    def on_rejected(self, op: int, num_experts: int = 0) -> None:
+        """This rank's input was refused: take part in what the peers run before they can raise.
+
+        Every op on gloo, and a dispatch on NCCL, starts with an exchange-sized all-gather: send one
+        with the error word set, sized by the call's num_experts (or the previous dispatch's, where
+        the refused call did not say: a wrong guess leaves the peers to the collective's timeout).
+        Cached dispatch and combine have no exchange on NCCL (as on the nvlink engine)."""
+        if self.nccl and op != 1:
+            return
+        self.calls += 1
+        row = torch.zeros(self._row_len(num_experts or self._last_num_experts), dtype=torch.int64,
+                          device=self.comm_device)
+        row[0] = 1
+        try:
+            self._gather(row)
+        except CommlibError:
+            pass
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        """The reference's layout, with ids outside [-1, E) read as -1 (no host check, no device fault):
+        dispatch counts them in its exchange and raises on every rank."""
+        ok = (topk_idx >= -1) & (topk_idx < num_experts)
+        return L.dispatch_layout(torch.where(ok, topk_idx, torch.full_like(topk_idx, -1)), num_experts,
+                                 self.topology)
+
+    # ------------------------------------------------------------------ calls
+    def _plan(self, h) -> Plan:
+        plan = h.extra.get("plan") if h.backend == self.name else None
+        if not isinstance(plan, Plan):
+            raise CommlibError(f"[commlib rank {self.topology.rank}] handle was made by backend {h.backend!r}, "
+                               f"not {self.name!r}")
+        return plan
+
+    def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        with self.probe.call("cached dispatch" if req.handle is not None else "dispatch"):
+            self.probe.mark("buffer")
+            if req.handle is not None:
+                return self._dispatch_cached(req)
+            x, E = req.x, req.num_experts
+            K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+            self.calls += 1
+            self._last_num_experts = E
+            sig = self.signature(1, x.shape[1], E, req.x_scales is not None, K, req.topk_weights is not None,
+                                 req.config)
+            ring = ring_rows(req.config)
+            if self.device_steps and device.fits(req):
+                return device.dispatch(self.wiring, self.head, req, sig, ring, self.name)
+            if req.num_worst_tokens:
+                return padded.dispatch(self.wiring, req, sig, ring, self.name)
+            return counted.dispatch(self.wiring, req, sig, ring, self.name)
+
+    def _dispatch_cached(self, req: DispatchRequest) -> DispatchResult:
+        h = req.handle
+        plan = self._plan(h)
+        self.calls += 1
+        if not self.nccl:
+            self._agree(self.signature(2, req.x.shape[1], h.num_experts, req.x_scales is not None, 0, False,
+                                       req.config), h.num_experts)
+        path = {"device": device, "padded": padded, "counted": counted}[plan.path]
+        return path.dispatch_cached(self.wiring, req, plan)
+
+    def combine(self, req: CombineRequest) -> CombineResult:
+        with self.probe.call("combine"):
+            self.probe.mark("buffer")
+            h = req.handle
+            plan = self._plan(h)
+            has_w = req.topk_weights is not None
+            K = req.topk_weights.shape[1] if has_w else 0
+            self.calls += 1
+            if not self.nccl:
+                self._agree(self.signature(3, req.x.shape[1], h.num_experts, False, K, has_w, req.config),
+                            h.num_experts)
+            self._phase = "combine"
+            path = {"device": device, "padded": padded, "counted": counted}[plan.path]
+            return path.combine(self.wiring, req, plan)
+
+
+__all__ = ["InternodeBackend"]

@@ -1,0 +1,236 @@
+"""The node step of the internode engine (what happens inside a node around each network chunk),
+its implementations and registry.
+
+  dispatch  after chunk k landed: pass each landed row to the local ranks that need it, at its
+            final row there (``dispatch_begin`` / ``dispatch_chunk`` / ``dispatch_end``);
+  combine   before chunk k is sent: bring those rows' results back and sum them in local-rank
+            order into the node partial (``combine_begin`` / ``combine_chunk``).
+Implementations: ``LocalNode`` (one rank per node: the rows are this rank's), ``GroupNode`` (an
+all-to-all on the node group: NCCL, or gloo on CPU ranks) and ``ForwarderNode`` (the IPC forwarder
+kernel, fanout.py: rows stored straight into the peers' memory). Each path calls the same methods;
+the plan (geometry.Plan) keeps what a dispatch found for its cached dispatch and combine.
+
+Legend: P ranks per node, loc this rank's local rank, J rows of one landed chunk, W payload bytes
+of a row (each landed row carries int32 [P] final rows after them), Wd the areas' row stride.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from commlib.backends.common import Packer, a2a_rows, gather, int32_columns, sum_rows
+from commlib.backends.internode.fanout import NodeFanout
+from commlib.backends.internode.geometry import Plan, compact
+from commlib.backends.internode.rows import fill_ids
+from commlib.backends.probe import Probe
+from commlib.utils.math import align_up
+
+
+class NodeStep:
+    """The interface (module docstring). ``in_area``: dispatch rows land in node-shared memory
+    (the forwarder's areas) rather than in a buffer of this rank's; ``counted``: the host knows the
+    rows it moves (the forwarder's are known on the device only under num_worst_tokens)."""
+
+    name = "base"
+    in_area = False
+
+    def dispatch_begin(self, plan: Plan, W: int, packer: Packer) -> None:
+        raise NotImplementedError
+
+    def dispatch_chunk(self, k: int, landed: torch.Tensor, plan: Plan, W: int, cached: bool) -> None:
+        raise NotImplementedError
+
+    def dispatch_end(self, plan: Plan, W: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine_begin(self, rows, plan: Plan, row_bytes: int) -> None:
+        raise NotImplementedError
+
+    def combine_chunk(self, k: int, plan: Plan, packer: Packer, H: int, K: int, out=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class GroupNode(NodeStep):
+    """The node step as collectives on the node group (``wait``: the engine's wait)."""
+
+    name = "nccl"
+
+    def __init__(self, group, loc: int, P: int, device, wait: Callable) -> None:
+        self.group, self.loc, self.P, self.device = group, loc, P, device
+        self.wait = wait
+        self._out = None
+        self._rows = None
+
+    def a2a(self, send: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
+        return a2a_rows(send, send_splits, recv_splits, self.group, self.device, lambda w: self.wait(w, None))
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return gather(t, self.group, self.device, lambda w: self.wait(w, None))
+
+    # ---- dispatch ----
+    def dispatch_begin(self, plan, W, packer):
+        rows = plan.num_recv
+        if plan.path == "padded":   # rows nothing lands on read as padding; + the dump row
+            self._out = torch.zeros(rows + 1, W, dtype=torch.uint8, device=self.device)
+            fill_ids(self._out, packer)
+        else:
+            self._out = torch.empty(rows, W, dtype=torch.uint8, device=self.device)
+
+    def dispatch_chunk(self, k, landed, plan, W, cached):
+        P, loc = self.P, self.loc
+        if plan.path == "padded":   # every landed chunk to every rank of the node; keep the rows set for me
+            got = landed if P == 1 else self.all_gather(landed.flatten()).view(P * landed.shape[0], -1)
+            if not cached:
+                plan.land_pos.append(int32_columns(got, W, W + 4 * P))          # [P * per, P] (combine's map)
+            at = plan.land_pos[k][:, loc].to(torch.int64)
+            rows = plan.num_recv
+            self._out.index_copy_(0, torch.where(at >= 0, at, torch.full_like(at, rows)), got[:, :W])
+            return
+        J = landed.shape[0]
+        if cached:
+            fan_rows = plan.fan_rows[k]
+        else:
+            fan_rows = None  # one rank per node: every landed row is this rank's
+            if P > 1:
+                lpos = int32_columns(landed, W, W + 4 * P)
+                fan_rows = compact(lpos >= 0, sum(plan.fan_send[k])) % max(J, 1)
+            plan.fan_rows.append(fan_rows)
+        got = self.a2a(landed.index_select(0, fan_rows) if fan_rows is not None else landed,
+                       plan.fan_send[k], plan.fan_recv[k])
+        if cached:
+            at = plan.land_pos[k]
+        else:
+            at = int32_columns(got, W + 4 * loc, W + 4 * loc + 4).flatten().to(torch.int64)
+            plan.land_pos.append(at)
+        self._out.index_copy_(0, at, got[:, :W])
+
+    def dispatch_end(self, plan, W):
+        out, self._out = self._out, None
+        return out[:plan.num_recv] if plan.path == "padded" else out
+
+    # ---- combine ----
+    def combine_begin(self, rows, plan, row_bytes):
+        if plan.path == "padded":   # + a zero row: what a slot without a row of mine reads
+            rows = torch.cat([rows, torch.zeros(1, row_bytes, dtype=torch.uint8, device=self.device)])
+        self._rows = rows
+
+    def combine_chunk(self, k, plan, packer, H, K, out=None):
+        P, dev = self.P, self.device
+        if plan.path == "padded":
+            at = plan.land_pos[k][:, self.loc].to(torch.int64)
+            per = at.shape[0] // P
+            rows_k = self._rows.index_select(0, torch.where(at >= 0, at, torch.full_like(at, plan.num_recv)))
+            if P == 1:
+                return rows_k
+            # to each forwarder its rows, then the forwarder's sum in local-rank order
+            got = packer.unpack(self.a2a(rows_k, [per] * P, [per] * P))
+            acc_y = torch.zeros(per, H, dtype=torch.float32, device=dev)
+            acc_w = torch.zeros(per, K, dtype=torch.float32, device=dev)
+            for p in range(P):
+                acc_y += got["y"][p * per:(p + 1) * per].float()
+                if K:
+                    acc_w += got["w"][p * per:(p + 1) * per]
+            return packer.pack([acc_y.to(torch.bfloat16)] + ([acc_w] if K else []))
+        # rows of chunk k back to their forwarders (this rank received them in land_pos order)
+        got = self.a2a(self._rows.index_select(0, plan.land_pos[k]), plan.fan_recv[k], plan.fan_send[k])
+        fan_rows = plan.fan_rows[k]
+        if fan_rows is None:   # one rank per node: the partial is the row itself (bf16 -> f32 -> bf16)
+            return got
+        J = sum(plan.recv_splits[k])
+        acc_y, acc_w = sum_rows(packer.unpack(got), fan_rows.split(plan.fan_send[k]), J, H, K)
+        return packer.pack([acc_y.to(torch.bfloat16)] + ([acc_w] if K else []))
+
+
+class LocalNode(GroupNode):
+    """One rank per node: what landed is this rank's; nothing moves inside the node."""
+
+    name = "local"
+
+    def a2a(self, send, send_splits, recv_splits):
+        return send
+
+    def all_gather(self, t):
+        return t
+
+
+class ForwarderNode(NodeStep):
+    """The IPC forwarder kernel (fanout.NodeFanout): landed rows stored straight into the local
+    ranks' areas at their final rows; combine sums the local ranks' rows from their areas."""
+
+    name = "kernel"
+    in_area = True
+
+    def __init__(self, group, device, num_ctas: int, timeout_s: float, probe: Probe) -> None:
+        with torch.cuda.device(device):
+            self.fan = NodeFanout(group, device, num_ctas=num_ctas, timeout_s=timeout_s)
+        self.P = self.fan.num_local
+        self.device = device
+        self.probe = probe
+        self.Wd = 0
+
+    def dispatch_begin(self, plan, W, packer):
+        self.Wd = align_up(W, 16)
+        self.fan.reserve(plan.node_rows, plan.area_row)
+        self.fan.barrier()
+        self.probe.op("launches")
+        if plan.path == "padded":   # rows past the received count read as padding
+            self._pad = torch.zeros(1, W, dtype=torch.uint8, device=self.device)
+            fill_ids(self._pad, packer)
+
+    def dispatch_chunk(self, k, landed, plan, W, cached):
+        if not cached:
+            plan.landed_pos.append(int32_columns(landed, W, W + 4 * self.P))   # combine's sources
+        self.fan.forward(landed, W, self.Wd)
+        self.probe.op("launches")
+
+    def finish_forward(self) -> None:
+        """The barrier after the chunks: every peer's stores into this rank's area are done and visible."""
+        self.fan.barrier()
+        self.probe.op("launches")
+
+    def dispatch_end(self, plan, W):
+        self.finish_forward()
+        rows = self.fan.rows(plan.num_recv, self.Wd)[:, :W]   # every row below num_recv landed
+        if plan.path != "padded":
+            return rows
+        # rows past the received count hold older bytes there: the padding row instead
+        landed_rows = torch.arange(plan.num_recv, device=self.device) < plan.num_recv_dev
+        return torch.where(landed_rows.view(-1, 1), rows, self._pad)
+
+    def address(self) -> tuple:
+        """(address, row stride) of this rank's area: where ``dispatch_end``'s rows are."""
+        return self.fan.data_address(), self.Wd
+
+    def combine_begin(self, rows, plan, row_bytes):
+        """This rank's rows into its area, between barriers (peers are past their reads of it before,
+        every rank's rows are there after). ``rows``: uint8 [n, row_bytes], or a callable that writes
+        them given the areas' address and row stride (a kernel)."""
+        self.Wd = align_up(row_bytes, 16)
+        self.fan.reserve(plan.node_rows, plan.area_row)   # free: the dispatch reserved room for these rows
+        self.fan.barrier()
+        if callable(rows):
+            rows(self.fan.data_address(), self.Wd)
+        elif rows.shape[0]:
+            self.fan.rows(rows.shape[0], self.Wd)[:, :row_bytes].copy_(rows)
+        self.fan.barrier()
+        self.probe.op("launches", 2)
+
+    def combine_chunk(self, k, plan, packer, H, K, out=None):
+        pos = plan.landed_pos[k]
+        if out is None:
+            out = torch.empty(pos.shape[0], packer.row_bytes, dtype=torch.uint8, device=self.device)
+        self.fan.reduce(pos, H, K, out, self.Wd)
+        self.probe.op("launches")
+        return out
+
+    def close(self) -> None:
+        self.fan.close()
+
+
+NODE_STEPS = {"local": LocalNode, "nccl": GroupNode, "kernel": ForwarderNode}
+
+__all__ = ["NodeStep", "GroupNode", "LocalNode", "ForwarderNode", "NODE_STEPS"]

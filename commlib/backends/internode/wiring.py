@@ -1,0 +1,86 @@
+"""What the internode data paths share of the engine: the topology, the two seams (network step,
+node step), the probe, the row counters, the count exchange's collective and its one host read.
+The engine builds one ``Wiring`` in __init__; the paths (counted.py, device.py, padded.py) take it.
+
+Legend: R ranks, M nodes, P ranks per node, Kc the most chunks a call may use, E experts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from commlib.backends.common import HOST
+from commlib.backends.internode.exchange import check_exchange, parse_digest
+from commlib.backends.internode.geometry import Plan
+from commlib.backends.internode.network import NetworkStep
+from commlib.backends.internode.node import NodeStep
+from commlib.backends.probe import Probe
+from commlib.topology import Topology
+
+
+@dataclasses.dataclass
+class Wiring:
+    topology: Topology
+    device: torch.device            # where the engine's tensors live (CPU on gloo)
+    nccl: bool
+    network: NetworkStep
+    node: NodeStep
+    probe: Probe
+    counters: dict                  # the Backend's row counters
+    max_chunks: int                 # Kc
+    max_nodes: int                  # max_nodes_per_token
+    gather: Callable                # gather(row, out=None) -> [R, n]: the count exchange on the Buffer's group
+    phase: Callable                 # phase(what): names the step a timeout reports
+    reads: list = dataclasses.field(default_factory=lambda: [0])   # host reads (tests: one per dispatch)
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        """A device -> host read (the probe makes and may time the copy)."""
+        self.reads[0] += 1
+        return self.probe.read(t)
+
+    def h2d(self, values: list, dtype=torch.int64) -> torch.Tensor:
+        """A small host list on the engine's device without a stream sync (pinned, non-blocking)."""
+        t = torch.tensor(values, dtype=dtype, device=HOST)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def read_counts(self, g: torch.Tensor, digest: torch.Tensor, sig: list, E: int) -> dict:
+        """The one host read of a non-cached dispatch: the digest of the gathered rows ``g`` as plain
+        lists (exchange.parse_digest). When it flags an error, the whole ``g`` is read too (a second
+        read, on the error path only) and the checks raise alike on every rank."""
+        topo = self.topology
+        M, P, Lx = topo.num_nodes, topo.ranks_per_node, E // topo.num_ranks
+        counts = parse_digest(self.read(digest).tolist(), M, P, self.max_chunks, Lx)
+        if counts["error"]:
+            self.check(self.read(g), sig, E)
+            raise RuntimeError(f"[commlib rank {topo.rank}] the count exchange flagged an error that its checks "
+                               "did not find (a commlib bug: please report it)")
+        return counts
+
+    def check(self, gh, sig: list, E: int) -> None:
+        topo = self.topology
+        check_exchange(gh, sig, me=topo.rank, R=topo.num_ranks, E=E, max_nodes=self.max_nodes)
+
+    def count_rows(self, plan: Plan) -> None:
+        """Rows moved by a counted call (``plan``'s geometry): over the network, inside the node."""
+        topo, c = self.topology, self.counters
+        for m, n in enumerate(plan.home_lens):
+            c["local_rows" if m == topo.node else "internode_rows"] += n
+        for k in range(plan.num_chunks):
+            for p, n in enumerate(plan.fan_send[k]):
+                c["local_rows" if p == topo.local_rank else "intranode_rows"] += n
+
+    def count_padded(self, plan: Plan) -> None:
+        """Rows moved by a padded call, padding included (what crossed the links)."""
+        topo, c = self.topology, self.counters
+        sent = plan.num_chunks * plan.crows
+        c["local_rows"] += sent
+        c["internode_rows"] += sent * (topo.num_nodes - 1)
+        if not self.node.in_area:   # the node all-gather; the kernel's rows are known on the device only
+            c["intranode_rows"] += sent * topo.num_nodes * (topo.ranks_per_node - 1)
+
+
+__all__ = ["Wiring"]

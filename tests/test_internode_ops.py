@@ -1,0 +1,189 @@
+"""The device operations one call of the internode engine's kernel path issues (launches, copies,
+allocations, event ops, collectives), counted by the probe on CPU without a GPU: the kernels'
+launches, the collectives and their stream waits are stand-ins that report what the real ones do
+(their own torch work hidden from the count), the engine's torch work is counted as it is. The
+counts are the issue's budget: a non-cached dispatch <= 20, a cached dispatch and a combine <= 10,
+one more per extra network chunk (one rank per node); with the forwarder kernel (2 x 2) the
+barriers, the forward / reduce launches and the landed positions come on top."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from commlib import Config, layout as L
+from commlib.backends.base import CombineRequest, DispatchRequest
+from commlib.backends.internode import device, kernels as IK
+from commlib.backends.internode.exchange import N_SIG, exchange_digest, exchange_row
+from commlib.backends.internode.network import NetworkStep
+from commlib.backends.internode.node import ForwarderNode, LocalNode
+from commlib.backends.internode.wiring import Wiring
+from commlib.backends.probe import RecordingProbe
+from commlib.topology import Topology
+
+T, H, K, E_PER_RANK = 64, 256, 4, 4
+SIG = list(range(1, N_SIG))
+
+
+class _LoopNet(NetworkStep):
+    """NCCL's grouped all-to-all as the engine sees it: one collective per post, one stream wait per land."""
+
+    ordered = True
+
+    def __init__(self, probe) -> None:
+        self.probe = probe
+
+    def post(self, send, send_splits, recv_splits, out=None):
+        self.probe.op("collectives")
+        if out is None:   # RailStep allocates the landing rows where the caller gives none
+            out = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype, device=send.device)
+        return out
+
+    def land(self, posted, what):
+        self.probe.op("event_ops")
+        return posted
+
+
+class _Fan:
+    """NodeFanout's host side with nothing behind it (the launches are counted by ForwarderNode)."""
+
+    def reserve(self, rows, row_bytes):
+        pass
+
+    def barrier(self):
+        pass
+
+    def forward(self, landed, W, row_bytes):
+        pass
+
+    def reduce(self, pos, H, K, out, row_bytes):
+        pass
+
+    def data_address(self):
+        return 0
+
+
+def _hidden(fn):
+    """A kernel stand-in whose own torch work the count does not see."""
+    def run(*a, **k):
+        with _disable_current_modes():
+            fn(*a, **k)
+    return run
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The kernels as their torch specs where the host reads what they write (meta's row, the digest),
+    no-ops elsewhere."""
+    def meta(tir, topk, experts_in, head, row, before, spos, *, M, P, E, Kc, ring, max_nodes):
+        row.copy_(exchange_row(head, tir, topk, experts_in, M=M, P=P, E=E, Kc=Kc, ring=ring, max_nodes=max_nodes)[0])
+
+    def digest(g, out, **kw):
+        out.copy_(exchange_digest(g, **kw))
+    monkeypatch.setattr(IK, "meta", _hidden(meta))
+    monkeypatch.setattr(IK, "digest", _hidden(digest))
+    for name in ("pack", "land", "recv_chan", "rows", "home"):
+        monkeypatch.setattr(IK, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
+
+
+def _wiring(M: int, P: int, Kc: int, probe) -> Wiring:
+    topo = Topology(rank=0, num_ranks=M * P, ranks_per_node=P)
+    if P == 1:
+        node = LocalNode(None, 0, 1, torch.device("cpu"), None)
+    else:
+        node = ForwarderNode.__new__(ForwarderNode)
+        node.fan, node.P, node.device, node.probe, node.Wd = _Fan(), P, torch.device("cpu"), probe, 0
+
+    def gather(row, out=None):   # every rank's row equal to this one (a symmetric world)
+        probe.op("collectives")
+        probe.op("event_ops")
+        with _disable_current_modes():
+            out = out.view(topo.num_ranks, -1)
+            out.copy_(row.view(1, -1).expand_as(out))
+        return out
+    return Wiring(topology=topo, device=torch.device("cpu"), nccl=True, network=_LoopNet(probe), node=node,
+                  probe=probe, counters={"internode_rows": 0, "intranode_rows": 0, "local_rows": 0}, max_chunks=Kc,
+                  max_nodes=8, gather=gather, phase=lambda what: None)
+
+
+def _calls(M: int, P: int, Kc: int, config, default_device=None) -> dict:
+    """Device operations of a dispatch, a cached dispatch and a combine (each the second call of its
+    kind); ``default_device``: torch's default device while the engine runs (inputs made before)."""
+    probe = RecordingProbe(count_ops=True, copy=torch.Tensor.clone)   # the read: one copy, as on a GPU
+    w = _wiring(M, P, Kc, probe)
+    R, E = M * P, E_PER_RANK * M * P
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+    wts = torch.rand(T, K, generator=gen)
+    lay = L.dispatch_layout(idx, E, w.topology)
+    head = device.HeadRow()
+    req = DispatchRequest(x, None, idx, wts, lay, None, E, 1, 0, config)
+    counts = {}
+    comb_rows = torch.zeros(T * M * P, H, dtype=torch.bfloat16), torch.zeros(T * M * P, K)
+    if default_device is not None:
+        torch.set_default_device(default_device)
+    try:
+        return _run(w, head, probe, req, x, config, counts, comb_rows)
+    finally:
+        if default_device is not None:
+            torch.set_default_device(None)
+
+
+def _run(w, head, probe, req, x, config, counts, comb_rows) -> dict:
+    def counted(name, fn):
+        fn()
+        head.released()
+        with probe.call(name):
+            out = fn()
+        head.released()
+        counts[name] = probe.last_ops()
+        return out
+    res = counted("dispatch", lambda: device.dispatch(w, head, req, SIG, 1, "internode"))
+    plan = res.handle.extra["plan"]
+    cached = DispatchRequest(x, None, None, None, None, res.handle, 0, 1, 0, config)
+    counted("cached dispatch", lambda: device.dispatch_cached(w, cached, plan))
+    comb = CombineRequest(comb_rows[0][:plan.num_recv], res.handle, comb_rows[1][:plan.num_recv], [], config)
+    counted("combine", lambda: device.combine(w, comb, plan))
+    counts["chunks"] = plan.num_chunks
+    return counts
+
+
+ONE_ROW_RING = Config(2, 4, 8, 1, 2)   # one row per chunk slot: the chunk cap decides the chunks
+
+
+def test_one_rank_per_node_meets_the_budget(kernels):
+    c = _calls(2, 1, 1, ONE_ROW_RING)
+    assert c["chunks"] == 1
+    assert c["dispatch"]["total"] <= 20, c["dispatch"]
+    assert c["cached dispatch"]["total"] <= 10, c["cached dispatch"]
+    assert c["combine"]["total"] <= 10, c["combine"]
+    assert c["dispatch"]["collectives"] == 2 and c["combine"]["collectives"] == 1, c
+
+
+def test_each_extra_chunk_costs_one_collective(kernels):
+    one, four = _calls(2, 1, 1, ONE_ROW_RING), _calls(2, 1, 4, ONE_ROW_RING)
+    assert four["chunks"] == 4
+    for op in ("dispatch", "cached dispatch", "combine"):
+        extra = {k: four[op][k] - one[op][k] for k in one[op]}
+        assert extra["total"] == 3 and extra["collectives"] == 3, (op, one[op], four[op])
+
+
+def test_forwarder_path_counts(kernels):
+    """2 x 2 through the forwarder: the same budget at one chunk (the two barriers and the forward /
+    reduce launch inside it); per extra chunk the collective, its stream wait (dispatch) and one
+    forward (dispatch) or reduce (combine) launch."""
+    one, three = _calls(2, 2, 1, ONE_ROW_RING), _calls(2, 2, 3, ONE_ROW_RING)
+    assert one["chunks"] == 1 and three["chunks"] == 3
+    assert one["dispatch"]["total"] <= 20, one["dispatch"]
+    assert one["cached dispatch"]["total"] <= 10 and one["combine"]["total"] <= 10, one
+    for op, per_chunk in (("dispatch", 3), ("cached dispatch", 3), ("combine", 2)):
+        assert three[op]["total"] - one[op]["total"] == 2 * per_chunk, (op, one[op], three[op])
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_kernel_path_names_every_device(kernels, P):
+    """The kernel path under ``torch.set_default_device("meta")``: a tensor it made without naming its
+    device would land on meta and fail (DeepEP's tests run with a CUDA default device)."""
+    assert _calls(2, P, 2, ONE_ROW_RING, default_device="meta") == _calls(2, P, 2, ONE_ROW_RING)

@@ -199,11 +199,12 @@ class _OnDevice:
         return v.cpu() if isinstance(v, torch.Tensor) else v
 
     def dispatch(self, x, **kw):
+        host_stats = kw.get("cumulative_local_expert_recv_stats")
         kw = {k: self._in(v) for k, v in kw.items()}
         out = self.buf.dispatch(self._in(x), **kw)
         stats = kw.get("cumulative_local_expert_recv_stats")
-        if stats is not None and stats.device != torch.device("cpu"):
-            self._moved[id(stats)][0].copy_(stats.cpu())
+        if stats is not None and stats is not host_stats:   # the device copy accumulated: bring it back
+            host_stats.copy_(stats.cpu())
         return self._out(out[:3]) + out[3:]
 
     def combine(self, x, handle, **kw):

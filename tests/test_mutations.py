@@ -79,7 +79,7 @@ MUTANTS = {
         (PROBE, "world_routing")),
     # combine drops the top-k weights of the first source group
     "combine_drops_weights": (
-        "backends/reference.py", "        if topk:\n            acc_w.index_add_(",
+        "backends/common.py", "        if topk:\n            acc_w.index_add_(",
         "        if topk and start > 0:\n            acc_w.index_add_(",
         (PROBE, "world_routing")),
 }
@@ -87,6 +87,7 @@ MUTANTS = {
 
 def _copy(tmp: Path, mutant: str | None) -> Path:
     shutil.copytree(ROOT / "commlib", tmp / "commlib", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "csrc", tmp / "csrc")   # the kernel sources, found beside the package as in a checkout
     (tmp / "tests").mkdir()
     for f in (ROOT / "tests").glob("*.py"):
         if f.name != "test_mutations.py":

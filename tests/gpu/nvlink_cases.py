@@ -234,7 +234,7 @@ def case_replays(ctx):
     cfg = default_cfg()
     before = nv.backend.replayed
     for fp8 in (False, True):
-        handles, recvs = {}, {}
+        handles, recvs, full = {}, {}, {}
         for name, buf in (("nvlink", nv), ("reference", ref)):
             for rep in range(3):   # the layout's launch replays from its second call on
                 lay = buf.get_dispatch_layout(idx, E)
@@ -244,10 +244,24 @@ def case_replays(ctx):
                             check_same(a, b, f"[replays fp8={fp8}] {name} layout call {rep}")
                 else:
                     first = lay
-            x, _ = make_x(T, H, fp8, g, dev)
-            out = buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-                               topk_idx=idx, topk_weights=w, config=cfg)
+            for rep in range(3):   # the full dispatch's two launches replay from its second call on
+                x, _ = make_x(T, H, fp8, torch.Generator().manual_seed(31 * rep + me), dev)
+                out = buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                                   num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w, config=cfg,
+                                   expert_alignment=1 + rep)
+                full.setdefault(rep, {})[name] = out
             handles[name], recvs[name] = out[4], out[2]
+        for rep, outs in full.items():
+            a, b = outs["nvlink"], outs["reference"]
+            tag = f"[replays fp8={fp8} full dispatch call {rep}]"
+            for i, what in ((0, "recv_x"), (1, "recv_topk_idx"), (2, "recv_topk_weights")):
+                ga, gb = a[i], b[i]
+                for j, (u, v) in enumerate(zip(ga, gb) if isinstance(ga, tuple) else [(ga, gb)]):
+                    check_same(u, v, f"{tag} {what}[{j}]")
+            assert a[3] == b[3], f"{tag} per-expert list {a[3]} != {b[3]}"
+            for nm in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                       "is_token_in_rank", "send_head"):
+                check_same(getattr(a[4], nm), getattr(b[4], nm), f"{tag} handle.{nm}")
         for rep in range(4):
             x, _ = make_x(T, H, fp8, torch.Generator().manual_seed(777 + 13 * rep + me), dev)
             y = torch.randn(handles["nvlink"].recv_src_idx.shape[0], H,
@@ -279,8 +293,8 @@ def case_replays(ctx):
             if weights is not None:
                 check_same(got["cw"], want["cw"], f"{tag} combined_topk_weights")
     replayed = nv.backend.replayed - before
-    # per dtype: 2 layouts, 3 cached dispatches, 3 combines (each op's first call lays its plan)
-    assert replayed >= 2 * (2 + 3 + 2), f"only {replayed} calls were replayed"
+    # per dtype: 2 layouts, 2 full and 3 cached dispatches, 3 combines (each op's first call lays its plan)
+    assert replayed >= 2 * (2 + 2 + 3 + 2), f"only {replayed} calls were replayed"
     # a Config changed in place, then another Config: the full path (no replay), still exact
     h_nv, h_ref = handles["nvlink"], handles["reference"]
     x, _ = make_x(T, H, True, g, dev)

@@ -77,6 +77,8 @@ llfault      | ll        | 2 |  60 | env COMMLIB_FAULT_LOG_DIR=$OUT/faults $PY -
 lltrace      | ll        | 2 | 120 | $PY -m benchmarks.bench_low_latency --trace --iters 20
 llbench      | ll        | 2 | 120 | $PY -m benchmarks.bench_low_latency --json $RES
 moegpu       | training  | 1 |  90 | $PY -m pytest tests/gpu/test_moe_gpu.py -x -q -p no:cacheprovider
+compilegpu   | training  | 2 | 400 | $PY -m pytest tests/gpu/test_compile_gpu.py -x -q -s -p no:cacheprovider -k "not internode"
+compilein    | training  | 2 | 200 | $PY -m pytest tests/gpu/test_compile_gpu.py -x -q -s -p no:cacheprovider -k internode
 overlap      | training  | 2 | 150 | $PY -m benchmarks.bench_overlap --preset balanced --out-dir $RES
 overlapsms   | training  | 2 | 180 | $PY -m benchmarks.bench_overlap --preset balanced_sms --tokens 8192 --tag H200_balanced_sms_8192 --out-dir $RES
 overlapfb    | training  | 2 | 180 | $PY -m benchmarks.bench_overlap --preset balanced_fb --out-dir $RES

@@ -439,7 +439,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
         # the copy engines move the rows (csrc/ce.cu) where the host knows every count
         use_ce = self._ce is not None and not worst and (not cached or "ce_pos" in req.handle.extra)
         plan_key = None
-        if not cached and not use_ce and self._smids is None and dev.type == "cuda":
+        if not cached and not use_ce and req.prepacked is None and self._smids is None and dev.type == "cuda":
             # a dispatch shaped like an earlier one replays that one's two launches (FullPlan)
             plan_key = (T, H, x.dtype, S, Kk, weights is not None, E, _config_key(req.config), worst)
             plan = self._full_plans.get(plan_key)

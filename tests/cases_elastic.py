@@ -205,12 +205,20 @@ class _OnDevice:
         stats = kw.get("cumulative_local_expert_recv_stats")
         if stats is not None and stats is not host_stats:   # the device copy accumulated: bring it back
             host_stats.copy_(stats.cpu())
+        self._wait(out[-1])
         return self._out(out[:3]) + out[3:]
 
     def combine(self, x, handle, **kw):
         kw = {k: self._in(v) for k, v in kw.items()}
         out = self.buf.combine(self._in(x), handle, **kw)
+        self._wait(out[-1])
         return self._out(out[:2]) + out[2:]
+
+    @staticmethod
+    def _wait(event) -> None:
+        """An async call's outputs are read here, before the caller waits: wait for them first."""
+        if getattr(event, "event", None) is not None:
+            event.current_stream_wait()
 
 
 def _wrap(buf):

@@ -307,7 +307,7 @@ def case_error_kinds(ctx):
     """A host-side error inside a call (whatever its message says, e.g. torch's "cannot pin
     'torch.cuda.LongTensor'") raises as itself and the Buffer keeps working; a sticky CUDA failure
     (a trapped kernel: KernelLaunchError 719) raises CommlibError and retires the Buffer."""
-    from commlib.utils.errors import KernelLaunchError, is_device_failure
+    from commlib.utils.errors import CommlibError, KernelLaunchError, is_device_failure
 
     R = ctx.world_size
     assert not is_device_failure(RuntimeError("CUDA error: cannot pin 'torch.cuda.LongTensor'"))
@@ -333,7 +333,7 @@ def case_error_kinds(ctx):
     buf.backend.get_dispatch_layout = trapped
     try:
         buf.get_dispatch_layout(idx, E)
-    except commlib.CommlibError as e:
+    except CommlibError as e:
         assert "unusable" in str(e), e
     else:
         raise AssertionError("a trapped kernel did not raise CommlibError")

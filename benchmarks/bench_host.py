@@ -70,7 +70,16 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------------------
 
 def count_device_ops(fn) -> dict:
-    """Device operations ``fn()`` issues, by category (see CATEGORIES), from one profiled call."""
+    """Device operations ``fn()`` issues, by category (see CATEGORIES), from one profiled call, less
+    what the profiler itself issues around an empty function (its own synchronisations)."""
+    base = _profiled_ops(lambda: None)
+    counts = _profiled_ops(fn)
+    counts = {c: max(0, counts[c] - base[c]) for c in CATEGORIES}
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def _profiled_ops(fn) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -96,11 +105,7 @@ def count_device_ops(fn) -> dict:
             counts["alloc"] += 1
         elif name.startswith(("c10d::", "gloo:", "nccl:")) and not on_device:
             counts["collective"] += 1
-    if torch.cuda.is_available():
-        counts["sync"] -= 1   # the profiler's own synchronize above
-    counts = dict(counts)
-    counts["total"] = sum(counts[c] for c in CATEGORIES)
-    return counts
+    return dict(counts)
 
 
 def _device_busy(us: float) -> None:

@@ -683,3 +683,29 @@ def test_plot(perf_json, tmp_path):
     out = run([sys.executable, "-m", "benchmarks.plot", str(path), "--out", str(tmp_path)])
     png = tmp_path / f"{path.stem}_algbw.png"
     assert png.exists() and png.stat().st_size > 10_000, out
+
+
+def test_bench_host_counts_and_runs_on_cpu_ranks(tmp_path, capsys):
+    """benchmarks.bench_host: the device-operation count is deterministic and sees allocations and
+    collectives (none for an empty function); a 1-rank CPU world writes every op's row with its host
+    time, CPU time, counts and floor."""
+    import json
+
+    import torch.distributed as dist
+
+    from benchmarks import bench_host as BH
+
+    assert BH.count_device_ops(lambda: None)["total"] == 0
+    two = BH.count_device_ops(lambda: (torch.empty(4), torch.empty(8)))
+    assert two["alloc"] == 2 and two == BH.count_device_ops(lambda: (torch.empty(4), torch.empty(8)))
+    assert BH.main(["--world", "1", "--tokens", "32", "--hidden", "256", "--experts", "16", "--iters", "3",
+                    "--warmup", "1", "--json", str(tmp_path / "h.json")]) == 0
+    doc = json.loads((tmp_path / "h.json").read_text())
+    ops = {r["op"] for r in doc["rows"]}
+    assert ops == {"layout", "dispatch_bf16", "dispatch_fp8", "cached_bf16", "cached_fp8", "combine"}, ops
+    for r in doc["rows"]:
+        assert r["host_us"] > 0 and r["cpu_us"] > 0 and r["floor_us"] > 0 and r["ops"]["total"] >= 0, r
+    full = next(r for r in doc["rows"] if r["op"] == "dispatch_bf16")
+    assert full["ops"]["alloc"] > 0 and full["ops"]["collective"] > 0, full["ops"]   # the reference's gathers
+    assert "host time per call" in capsys.readouterr().out
+    assert not dist.is_initialized()

@@ -662,3 +662,59 @@ def test_host_device_failure_poisons_buffer(monkeypatch):
     assert be.failed
     with pytest.raises(CommlibError, match="unusable after an earlier failure"):
         be.dispatch(_dispatch_req())
+
+
+def test_kept_plans_replay_only_identical_calls():
+    """NVLinkBackend.plan_for hands back a cached dispatch's kept plan only for a call like the one
+    it was made from (dtype, shape, contiguity, 16-byte alignment, Config values, ring channels, the
+    FP8 scales' dtype and shape, the same backend, no failure); run_plan puts the new tensors'
+    addresses in the kernel's argument slots and counts the rows. The replayed kernel is stood in
+    for by a recorder."""
+    from commlib.backends.nvlink.engine import CachedPlan
+    from commlib.config import Config
+    from commlib.handle import DispatchHandle
+
+    class Recorder:
+        def __init__(self, n):
+            self.args, self.issued = [0] * n, []
+
+        def current(self):
+            return True
+
+        def issue(self, stream):
+            self.issued.append((stream, list(self.args)))
+
+    be, other = _fake_backend(), _fake_backend()
+    be._ring_channels, be.replayed = 2, 0
+    z = torch.zeros(2, 2, dtype=torch.int32)
+    h = DispatchHandle(z, z, z, torch.zeros(5, dtype=torch.int32), torch.zeros(8, 2, dtype=torch.bool), z)
+    cfg = Config(4, 8, 64, 64, 1024)
+    x, s = torch.zeros(8, 256, dtype=torch.bfloat16), torch.ones(8, 2)
+    key = ("dispatch", torch.bfloat16)
+    rec = Recorder(38)
+    plan = CachedPlan(be, x, cfg, 2, rec, (((5, 256), torch.bfloat16), ((5, 2), torch.float32)), 8, [3, 2], s)
+    be._keep_plan(h, key, plan)
+    assert be.plan_for(h, key, torch.ones_like(x), Config(4, 8, 64, 64, 1024), torch.zeros_like(s)) is plan
+    misaligned = torch.zeros(8 * 256 + 1, dtype=torch.bfloat16)[1:].view(8, 256)
+    for what, args in (
+            ("dtype", (x.half(), cfg, s)),
+            ("shape", (torch.zeros(9, 256, dtype=torch.bfloat16), cfg, s)),
+            ("non-contiguous x", (torch.zeros(256, 8, dtype=torch.bfloat16).t(), cfg, s)),
+            ("misaligned x", (misaligned, cfg, s)),
+            ("Config values", (x, Config(4, 16, 64, 64, 1024), s)),
+            ("no scales", (x, cfg, None)),
+            ("scales dtype", (x, cfg, s.int())),
+            ("scales shape", (x, cfg, torch.ones(8, 3)))):
+        assert be.plan_for(h, key, *args) is None, f"a call with another {what} got the kept plan"
+    be._ring_channels = 3
+    assert be.plan_for(h, key, x, cfg, s) is None, "the rings moved, yet the plan was kept"
+    be._ring_channels = 2
+    assert other.plan_for(h, key, x, cfg, s) is None, "another backend replayed this backend's plan"
+    first, second = be.run_plan(plan, x, s, 1234)
+    assert first.shape == (5, 256) and first.dtype == torch.bfloat16 and second.shape == (5, 2)
+    stream, args = rec.issued[-1]
+    assert stream == 1234 and args[0] == x.data_ptr() and args[1] == s.data_ptr()
+    assert args[8] == first.data_ptr() and args[9] == second.data_ptr()
+    assert be.counters["local_rows"] == 3 and be.counters["intranode_rows"] == 2 and be.replayed == 1
+    be.failed = "an earlier failure"
+    assert be.plan_for(h, key, x, cfg, s) is None, "a failed backend replayed"

@@ -708,7 +708,8 @@ class NVLinkBackend(CopyEnginePath, Backend):
         if (plan is None or plan.owner is not self or self.failed or self._base is None
                 or x.dtype != plan.dtype or x.shape != plan.shape or x.device != self.device or not x.is_contiguous() or x.data_ptr() & 15
                 or plan.config_key != _config_key(config) or self._ring_channels != plan.channels
-                or not plan.replay.current() or torch._C._cuda_isCurrentStreamCapturing()):
+                or not plan.replay.current()
+                or (self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing())):
             return None
         if plan.second_shape is None:
             return plan if second is None else None

@@ -38,6 +38,8 @@ export COMMLIB_GIT_COMMIT=${COMMLIB_GIT_COMMIT:-$(cat .git_commit 2>/dev/null ||
 C=${COMMLIB_GIT_COMMIT:-local}
 
 # One line per stage: name | group | ranks (processes it starts; more than GPUs: MPS) | timeout s | command.
+# Ranks written Nt: time-sliced even then (its kernels cannot all be resident at once under MPS:
+# ranks x num_sms beyond the GPU's SMs, docs/launch.md), correctness only.
 # The command is expanded when the stage runs ($PY, $OUT, $RES, $(gpu_tag), ${VAR:-default}).
 # To add a stage: add its line; GPU_CHECK_ONLY=<name> runs it, and its group's preset picks it up.
 STAGES='
@@ -92,13 +94,13 @@ knames       | peers     | 2 | 120 | $PY -m pytest tests/gpu/test_kernel_names_g
 defdev       | peers     | 4 | 200 | $PY -m pytest tests/gpu/test_default_device_gpu.py -x -q -p no:cacheprovider
 llhooks      | ll        | 2 | 120 | $PY -m pytest tests/gpu/test_ll_hooks_gpu.py -x -q -p no:cacheprovider
 elastic      | peers     | 4 | 300 | env COMMLIB_TIMEOUT_S=60 $PY -m pytest tests/gpu/test_elastic_gpu.py -x -q -p no:cacheprovider
-memprobe     | peers     | 16 | 200 | $PY -m benchmarks.mem_probe --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
-v1intranode  | peers     | 8 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests intranode
-v1ll         | peers     | 8 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll
-v1logfmt     | peers     | 8 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_logfmt
-v1shrink     | peers     | 8 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_shrink
-v1pressure   | peers     | 8 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_pressure
-v1internode  | peers     | 16 | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests internode
+memprobe     | peers     | 16t | 200 | $PY -m benchmarks.mem_probe --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
+v1intranode  | peers     | 8t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests intranode
+v1ll         | peers     | 8t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll
+v1logfmt     | peers     | 8t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_logfmt
+v1shrink     | peers     | 8t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_shrink
+v1pressure   | peers     | 8t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_pressure
+v1internode  | peers     | 16t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests internode
 '
 # GPU_CHECK_EXTRA: more table lines (newline-separated) for this run only, e.g. a stage running
 # DeepEP's own tests from a tree carried to the device: 'dtests | peers | 8 | 300 | $PY ...'
@@ -227,8 +229,8 @@ START=$(date +%s)
 ROWS=()
 
 run_stage() {
-  local i=$1 name=${NAMES[$1]} limit=${LIMIT[$1]} mps=0 t0 rc status
-  (( ${RANKS[$i]} > GPUS )) && mps=1
+  local i=$1 name=${NAMES[$1]} limit=${LIMIT[$1]} mps=0 t0 rc status ranks=${RANKS[$1]%t}
+  [[ ${RANKS[$i]} != *t ]] && (( ranks > GPUS )) && mps=1
   local words; eval "words=(${CMD[$i]})"
   if [[ $DRY == 1 ]]; then
     local missing=""
@@ -245,7 +247,7 @@ run_stage() {
     mps_start
     [[ $MPS_STATE == on ]] && pre=(env CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_DIR/log") || mps=0
   fi
-  log "[gpu_check] === $name (${GROUP[$i]}, ${RANKS[$i]} ranks on $GPUS GPUs$( ((mps)) && echo ', MPS'), timeout ${limit}s) $(date +%T): ${words[*]}"
+  log "[gpu_check] === $name (${GROUP[$i]}, $ranks ranks on $GPUS GPUs$( ((mps)) && echo ', MPS'), timeout ${limit}s) $(date +%T): ${words[*]}"
   t0=$(date +%s)
   timeout --kill-after=10 "$limit" "${pre[@]}" "${words[@]}" 2>&1 | tee "$OUT/logs/$name.log" >>"$LOG"
   rc=${PIPESTATUS[0]}

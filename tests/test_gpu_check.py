@@ -28,7 +28,7 @@ def run_script(out: Path, only: str, dry: bool = True, extra_env: dict | None = 
 
 
 def dry_stages(tmp_path, only="all") -> list:
-    """[(name, group, ranks, mps, argv)] of the dry run's lines."""
+    """[(name, group, ranks, mps, argv)] of the dry run's lines (ranks written Nt, time-sliced: -N)."""
     proc = run_script(tmp_path / "out", only)
     assert proc.returncode == 0, proc.stderr
     stages = []
@@ -37,7 +37,8 @@ def dry_stages(tmp_path, only="all") -> list:
         head, _, cmd = line[len("[dry] "):].partition(" :: ")
         name, *fields = head.split()
         kv = dict(f.split("=", 1) for f in fields)
-        stages.append((name, kv["group"], int(kv["ranks"]), int(kv["mps"]), shlex.split(cmd)))
+        ranks = -int(kv["ranks"][:-1]) if kv["ranks"].endswith("t") else int(kv["ranks"])
+        stages.append((name, kv["group"], ranks, int(kv["mps"]), shlex.split(cmd)))
     assert stages, proc.stdout
     return stages
 
@@ -60,7 +61,7 @@ def test_dry_run_names_files_that_exist(tmp_path):
     assert {s[1] for s in stages} == GROUPS
     for name, _group, ranks, mps, argv in stages:
         assert "MISSING-FUNCTION" not in argv, name
-        assert mps == int(ranks > 1), (name, ranks, mps)  # GPU_CHECK_GPUS=1: more ranks than GPUs -> MPS
+        assert mps == int(ranks > 1), (name, ranks, mps)  # GPU_CHECK_GPUS=1: more ranks than GPUs -> MPS, not Nt
         assert not any("hier" in w for w in argv), (name, argv)
         for i, word in enumerate(argv):
             if word == "-m" and argv[i + 1] != "pytest":
@@ -129,15 +130,16 @@ def test_mps_for_shared_gpu_stages_and_timeouts(tmp_path):
     for f in fake.iterdir():
         f.chmod(0o755)
     mps_log = tmp_path / "mps.log"
-    extra = "one | x | 1 | 20 | env\ntwo | x | 2 | 20 | env\nslow | x | 0 | 1 | sleep 30"
+    extra = "one | x | 1 | 20 | env\ntwo | x | 2 | 20 | env\nsliced | x | 2t | 20 | env\nslow | x | 0 | 1 | sleep 30"
     out = tmp_path / "out"
-    proc = run_script(out, "one,two,slow", dry=False, extra_env={
+    proc = run_script(out, "one,two,sliced,slow", dry=False, extra_env={
         "PATH": f"{fake}:{os.environ['PATH']}", "FAKE_MPS_LOG": str(mps_log), "GPU_CHECK_EXTRA": extra})
     assert proc.returncode == 1, proc.stdout + proc.stderr  # a stage timed out
     summary = {s["stage"]: s for s in json.loads((out / "gpu_check.json").read_text())["stages"]}
-    assert [(summary[n]["mps"], summary[n]["status"]) for n in ("one", "two", "slow")] == [
-        (0, "ok"), (1, "ok"), (0, "timeout")]
-    one, two = ((out / "logs" / f"{n}.log").read_text() for n in ("one", "two"))
+    assert [(summary[n]["mps"], summary[n]["status"]) for n in ("one", "two", "sliced", "slow")] == [
+        (0, "ok"), (1, "ok"), (0, "ok"), (0, "timeout")]
+    one, two, sliced = ((out / "logs" / f"{n}.log").read_text() for n in ("one", "two", "sliced"))
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in sliced  # ranks written 2t: time-sliced though they share a GPU
     for text in (one, two):  # NVLink multicast off in everything the script starts
         assert all(f"{v}\n" in text for v in ("NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
                                               "NVSHMEM_DISABLE_NVLS=1")), text

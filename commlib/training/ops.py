@@ -185,7 +185,7 @@ def _dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
         counts = torch.zeros(L + 1, dtype=torch.int64, device=ids.device)
         counts = counts.index_add_(0, torch.where(ids >= 0, ids, L), torch.ones_like(ids))[:L]
     else:
-        counts = torch.tensor(out.num_recv_tokens_per_expert_list, dtype=torch.int64)
+        counts = torch.tensor(out.num_recv_tokens_per_expert_list, dtype=torch.int64, device="cpu")
     handle = _keep(out.handle, HANDLE_FIELDS, _HANDLE_DTYPES, x.device)
     res = _fresh([recv_x, out.recv_topk_idx, out.recv_topk_weights, counts] + handle, [x, topk_idx, topk_weights])
     return res[0], res[1], res[2], res[3], res[4:]

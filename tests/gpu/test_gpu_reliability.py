@@ -667,9 +667,9 @@ def test_host_device_failure_poisons_buffer(monkeypatch):
 def test_kept_plans_replay_only_identical_calls():
     """NVLinkBackend.plan_for hands back a cached dispatch's kept plan only for a call like the one
     it was made from (dtype, shape, contiguity, 16-byte alignment, Config values, ring channels, the
-    FP8 scales' dtype and shape, the same backend, no failure); run_plan puts the new tensors'
-    addresses in the kernel's argument slots and counts the rows. The replayed kernel is stood in
-    for by a recorder."""
+    handle's own tensors, the FP8 scales' dtype and shape, the same backend, no failure); run_plan
+    puts the new tensors' addresses in the kernel's argument slots and counts the rows. The replayed
+    kernel is stood in for by a recorder."""
     from commlib.backends.nvlink.engine import CachedPlan
     from commlib.config import Config
     from commlib.handle import DispatchHandle
@@ -692,7 +692,9 @@ def test_kept_plans_replay_only_identical_calls():
     x, s = torch.zeros(8, 256, dtype=torch.bfloat16), torch.ones(8, 2)
     key = ("dispatch", torch.bfloat16)
     rec = Recorder(38)
-    plan = CachedPlan(be, x, cfg, 2, rec, (((5, 256), torch.bfloat16), ((5, 2), torch.float32)), 8, [3, 2], s)
+    fields = ("is_token_in_rank", "rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix")
+    plan = CachedPlan(be, x, cfg, 2, rec, (((5, 256), torch.bfloat16), ((5, 2), torch.float32)), 8, [3, 2], s,
+                      tuple((f, getattr(h, f)) for f in fields))
     be._keep_plan(h, key, plan)
     assert be.plan_for(h, key, torch.ones_like(x), Config(4, 8, 64, 64, 1024), torch.zeros_like(s)) is plan
     misaligned = torch.zeros(8 * 256 + 1, dtype=torch.bfloat16)[1:].view(8, 256)
@@ -710,6 +712,10 @@ def test_kept_plans_replay_only_identical_calls():
     assert be.plan_for(h, key, x, cfg, s) is None, "the rings moved, yet the plan was kept"
     be._ring_channels = 2
     assert other.plan_for(h, key, x, cfg, s) is None, "another backend replayed this backend's plan"
+    import dataclasses
+    copied = dataclasses.replace(h, rank_prefix_matrix=z.clone())   # shares extra (the plans), not this tensor
+    assert be.plan_for(copied, key, x, cfg, s) is None, "a handle copy with other tensors replayed the plan"
+    assert be.plan_for(dataclasses.replace(h), key, x, cfg, s) is plan   # a copy with the same tensors may
     first, second = be.run_plan(plan, x, s, 1234)
     assert first.shape == (5, 256) and first.dtype == torch.bfloat16 and second.shape == (5, 2)
     stream, args = rec.issued[-1]

@@ -81,10 +81,13 @@ class CachedPlan:
     match to replay it."""
 
     __slots__ = ("owner", "shape", "dtype", "config_key", "channels", "replay", "outputs", "second_shape",
-                 "out_slot", "local_rows", "remote_rows")
+                 "out_slot", "local_rows", "remote_rows", "handle_tensors")
 
-    def __init__(self, owner, x, config, channels, replay, outputs, out_slot, counts, second):
+    def __init__(self, owner, x, config, channels, replay, outputs, out_slot, counts, second, handle_tensors):
         self.owner, self.shape, self.dtype, self.channels, self.replay = owner, x.shape, x.dtype, channels, replay
+        # ((field, tensor), ...): the handle's tensors whose addresses the replayed arguments hold; a
+        # handle copied with other tensors there (sharing ``extra``) must not replay this plan
+        self.handle_tensors = handle_tensors
         self.config_key = _config_key(config)
         self.outputs = outputs          # ((shape, dtype), (shape, dtype) or None): the kernel's two outputs
         self.second_shape = tuple(second.shape) if second is not None else None
@@ -104,6 +107,15 @@ class FullPlan:
     def __init__(self, notify, dispatch, sig, local_experts, channels, num_experts) -> None:
         self.notify, self.dispatch, self.sig = notify, dispatch, sig
         self.local_experts, self.channels, self.num_experts = local_experts, channels, num_experts
+
+
+# the handle tensors a cached dispatch's / a combine's kernel arguments point at (their launch order)
+_DISPATCH_HANDLE_FIELDS = ("is_token_in_rank", "rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix")
+_COMBINE_HANDLE_FIELDS = ("send_head", "rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix")
+
+
+def _handle_tensors(handle: DispatchHandle, fields: tuple) -> tuple:
+    return tuple((f, getattr(handle, f)) for f in fields)
 
 
 def _set_stream(stream) -> None:
@@ -561,7 +573,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
                     self, x, req.config, C, K.replay("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"),
                                                      args, vkey),
                     (((N, H), x.dtype), ((N, S), torch.float32) if scales is not None else None), 8,
-                    h.extra.get("send_counts"), scales))
+                    h.extra.get("send_counts"), scales, _handle_tensors(h, _DISPATCH_HANDLE_FIELDS)))
 
         if cached:
             handle = req.handle
@@ -711,6 +723,9 @@ class NVLinkBackend(CopyEnginePath, Backend):
                 or not plan.replay.current()
                 or (self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing())):
             return None
+        for field, t in plan.handle_tensors:
+            if getattr(handle, field) is not t:
+                return None
         if plan.second_shape is None:
             return plan if second is None else None
         if (second is None or second.dtype != torch.float32 or second.shape != plan.second_shape
@@ -805,6 +820,6 @@ class NVLinkBackend(CopyEnginePath, Backend):
             self._keep_plan(h, ("combine", Kk), CachedPlan(
                 self, x, req.config, C, K.replay("combine", "combine_kernel", num_sms, K.threads("combine"), args),
                 (((T, H), torch.bfloat16), ((T, Kk), torch.float32) if w is not None else None), 8,
-                h.extra.get("recv_counts"), w))
+                h.extra.get("recv_counts"), w, _handle_tensors(h, _COMBINE_HANDLE_FIELDS)))
         self._count(h.extra.get("recv_counts"))
         return CombineResult(out, out_w, blocks=tuple(self._blocks))

@@ -217,10 +217,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
                 try:
                     done = stream is not None and stream.query()
                 except Exception as e:  # noqa: BLE001 - RuntimeError / torch.AcceleratorError: sticky CUDA error
-                    self.failed = f"dispatch count exchange: {e}"
-                    raise CommlibError(f"[commlib rank {self.rank}] dispatch count exchange failed on the device (a "
-                                       f"peer did not take part in time, or a kernel faulted; see the '[commlib] rank "
-                                       f"... timeout' line above): {e}") from e
+                    raise self._device_failure("dispatch count exchange", e) from e
                 if (done and flag[0] != seq) or time.perf_counter_ns() - t0 > self.timeout_ns + 5_000_000_000:
                     self.failed = "dispatch count exchange: no counts"
                     raise CommlibError(f"[commlib rank {self.rank}] dispatch count exchange: the notify kernel "
@@ -244,6 +241,27 @@ class NVLinkBackend(CopyEnginePath, Backend):
         self._blocks.extend(t for t in made if t is not None)
         return made
 
+    def _exchange_outputs(self, C: int, L: int, worst: int) -> list:
+        """A non-cached dispatch's count-exchange outputs: channel, rank and receive-channel prefix
+        matrices, and (num_worst_tokens only) the device counts: otherwise notify.cu writes the counts
+        into the host words, and with num_worst_tokens the dispatch kernel reads their error word."""
+        R, i32 = self.num_ranks, torch.int32
+        return self._alloc((((R, C), i32), ((R, R), i32), ((R, C), i32),
+                            ((K.HOST_COUNTS_EXPERT + L,), i32) if worst else None))
+
+    def _row_outputs(self, N: int, T: int, topk, weights, send_head: bool) -> list:
+        """A non-cached dispatch's per-row outputs: recv_src_idx [N], send_head [T, R] (where wanted),
+        recv_topk_idx [N, K] and recv_topk_weights [N, K] (where there are top-k ids and weights)."""
+        Kk = topk.shape[1] if topk is not None else 0
+        return self._alloc((((N,), torch.int32), ((T, self.num_ranks), torch.int32) if send_head else None,
+                            ((N, Kk), torch.int64) if topk is not None else None,
+                            ((N, Kk), torch.float32) if topk is not None and weights is not None else None))
+
+    def _next_seq(self) -> int:
+        """The next call's host-flag value (1 .. 2^31 - 1, then 1 again)."""
+        self._host_seq = self._host_seq % 0x7FFFFFFF + 1
+        return self._host_seq
+
     def _host_read(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """The one device -> host copy of a call; a device-side timeout surfaces here. ``last_wait_ns``:
         how long the host was blocked in it (benchmarks.bench_host splits a call's time with it)."""
@@ -255,10 +273,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
         except RuntimeError as e:  # torch.AcceleratorError from a trapped kernel
             if not is_device_failure(e):
                 raise
-            self.failed = f"{what}: {e}"
-            raise CommlibError(f"[commlib rank {self.rank}] {what} failed on the device (a peer did not "
-                               f"take part in time, or a kernel faulted; see the '[commlib] rank ... timeout' "
-                               f"line above): {e}") from e
+            raise self._device_failure(what, e) from e
 
     # ------------------------------------------------------------------ debug
     def _smid_ptr(self, kind: str, grid: int):
@@ -474,15 +489,11 @@ class NVLinkBackend(CopyEnginePath, Backend):
             if K.NOTIFY_WORD_EXPERT + L > slot_words:
                 raise ValueError(f"[commlib rank {me}] nvlink dispatch: {L} experts per rank do not fit the count "
                                  f"exchange slot ({slot_words - K.NOTIFY_WORD_EXPERT} at most)")
-            i32 = torch.int32
-            # with num_worst_tokens the counts stay on the device (the dispatch kernel reads their error
-            # word, and nothing waits on the host); otherwise notify.cu writes them into the host words
-            cpm, rpm, rcp, counts = self._alloc((((R, C), i32), ((R, R), i32), ((R, C), i32),
-                                                 ((K.HOST_COUNTS_EXPERT + L,), i32) if worst else None))
+            cpm, rpm, rcp, counts = self._exchange_outputs(C, L, worst)
             if worst:
                 counts_ptr, flag_ptr, seq = counts.data_ptr(), 0, 0
             else:
-                self._host_seq = seq = self._host_seq % 0x7FFFFFFF + 1
+                seq = self._next_seq()
                 counts_ptr, flag_ptr = self._host_counts.data_ptr(), self._host_flag.data_ptr()
             layout = req.layout
             # what every rank must agree on (NOTIFY_SIG_FIELDS); notify.cu compares the ranks'
@@ -514,14 +525,10 @@ class NVLinkBackend(CopyEnginePath, Backend):
             else:
                 N = int(self._host_read(rpm[R - 1, me], "cached dispatch row count"))
 
-        # the rows (and their scales) in one block; the handle's per-row state and the top-k outputs in another
         recv_x, recv_scales = self._alloc((((N, H), x.dtype), ((N, S), torch.float32) if scales is not None else None))
         recv_src_idx = send_head = recv_topk_idx = recv_topk_w = None
-        if not cached:
-            recv_src_idx, send_head, recv_topk_idx, recv_topk_w = self._alloc((
-                ((N,), torch.int32), None if use_ce else ((T, R), torch.int32),   # CE: send_head from its layout
-                ((N, Kk), torch.int64) if topk is not None else None,
-                ((N, Kk), torch.float32) if topk is not None and weights is not None else None))
+        if not cached:   # CE: send_head comes from its layout
+            recv_src_idx, send_head, recv_topk_idx, recv_topk_w = self._row_outputs(N, T, topk, weights, not use_ce)
         num_sms = req.config.num_sms
         ce_pos = None
         if use_ce:
@@ -614,13 +621,11 @@ class NVLinkBackend(CopyEnginePath, Backend):
     def _dispatch_replayed(self, plan: "FullPlan", req, x, scales, topk, weights, tir) -> DispatchResult:
         """A non-cached dispatch shaped like the one ``plan`` was made from (same sizes, dtypes and
         Config): the same steps as _dispatch, with its two launches replayed on new tensors."""
-        R, dev = self.num_ranks, self.device
+        dev = self.device
         T, H = x.shape
         E, worst, L, C = plan.num_experts, int(req.num_worst_tokens), plan.local_experts, plan.channels
-        i32 = torch.int32
         self._out = self.ctx.out_stream
-        cpm, rpm, rcp, counts = self._alloc((((R, C), i32), ((R, R), i32), ((R, C), i32),
-                                             ((K.HOST_COUNTS_EXPERT + L,), i32) if worst else None))
+        cpm, rpm, rcp, counts = self._exchange_outputs(C, L, worst)
         na = plan.notify.args
         layout = req.layout
         na[0], na[2], na[3] = tir.data_ptr(), layout.num_tokens_per_rank.data_ptr(), layout.num_tokens_per_expert.data_ptr()
@@ -629,8 +634,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
         if worst:
             na[10] = counts.data_ptr()
         else:
-            self._host_seq = seq = self._host_seq % 0x7FFFFFFF + 1
-            na[25] = seq
+            na[25] = seq = self._next_seq()
         stream = torch._C._cuda_getCurrentRawStream(dev.index)
         plan.notify.issue(stream)
         host = None
@@ -641,11 +645,8 @@ class NVLinkBackend(CopyEnginePath, Backend):
             self._raise_bad_ids(host, plan.sig)
             N = host[0]
         S = scales.shape[1] if scales is not None else 0
-        Kk = topk.shape[1] if topk is not None else 0
         recv_x, recv_scales = self._alloc((((N, H), x.dtype), ((N, S), torch.float32) if scales is not None else None))
-        recv_src_idx, send_head, recv_topk_idx, recv_topk_w = self._alloc((
-            ((N,), i32), ((T, R), i32), ((N, Kk), torch.int64) if topk is not None else None,
-            ((N, Kk), torch.float32) if topk is not None and weights is not None else None))
+        recv_src_idx, send_head, recv_topk_idx, recv_topk_w = self._row_outputs(N, T, topk, weights, True)
         da = plan.dispatch.args
         da[0], da[1], da[2] = x.data_ptr(), K.ptr(scales), K.ptr(topk)
         da[3], da[4], da[5], da[6], da[7] = K.ptr(weights), tir.data_ptr(), rpm.data_ptr(), cpm.data_ptr(), rcp.data_ptr()

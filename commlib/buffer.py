@@ -26,7 +26,7 @@ from commlib.fp8 import BLOCK
 from commlib.handle import DispatchHandle
 from commlib.layout import Layout
 from commlib.utils.event import EventHandle, EventOverlap
-from commlib.topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology, local_facts
+from commlib.topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology, gpu_share, local_facts
 from commlib.tuning import cache as tuning_cache
 from commlib.cuda.loader import cupy_available as _cupy_available
 from commlib.low_latency_mode import LowLatencyMode, Runtime
@@ -104,6 +104,7 @@ class Buffer(LowLatencyMode):
         facts = [None] * self.num_ranks  # where every rank runs: host, boot id, GPU and its peer access
         dist.all_gather_object(facts, local_facts(), group=group)
         self.topology = Topology.detect(self.rank, self.num_ranks, ranks_per_node, facts=facts)
+        self.gpu_share = gpu_share(facts)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -188,7 +189,7 @@ class Buffer(LowLatencyMode):
             max_nodes_per_token=self.max_nodes_per_token, num_sms=lambda: Buffer.num_sms,
             default_config=lambda kind, r: (Buffer.get_dispatch_config if kind == "dispatch"
                                             else Buffer.get_combine_config)(r),
-            run=self._run, comm_stream=self.comm_stream)
+            run=self._run, comm_stream=self.comm_stream, gpu_share=self.gpu_share)
         return make_backend(name, self._ctx)
 
     def destroy(self) -> None:

@@ -180,6 +180,18 @@ def share_memory(facts: Sequence[RankFacts]) -> bool:
     return len(host) <= 1 and all(_reaches(a, b) for a in facts for b in facts)
 
 
+def gpu_share(facts: Sequence[RankFacts]) -> int:
+    """The most ranks of these that run on one GPU (same host, boot and GPU id; 1 for CPU ranks).
+    Ranks sharing a GPU under CUDA MPS run their kernels side by side, so every rank's spinning
+    communication CTAs must fit on the GPU's SMs together (docs/launch.md)."""
+    seen: dict = {}
+    for f in facts:
+        if f is not None and f.gpu:
+            key = (f.hostname, f.boot_id, f.gpu)
+            seen[key] = seen.get(key, 0) + 1
+    return max(seen.values(), default=1)
+
+
 def node_groups(facts: Sequence[RankFacts]) -> list:
     """The ranks (lists, in rank order) of each node the facts show, nodes ordered by their first rank.
 

@@ -51,6 +51,7 @@ smoke        | nvlink    | 2 |  90 | env COMMLIB_TEST_CASES=smoke $PY -m pytest 
 tests2       | nvlink    | 2 | 200 | $PY -m pytest tests/gpu/test_nvlink.py -q -s -p no:cacheprovider -k two_ranks
 tests2plain  | nvlink    | 2 | 120 | env COMMLIB_TEST_KERNEL_VARIANT=COMM_CLUSTER=1 $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k two_ranks
 tests2noshare| nvlink    | 2 | 120 | env COMMLIB_TEST_KERNEL_VARIANT=SHARE_WORK=0 $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k two_ranks
+tests2half   | nvlink    | 2 | 120 | env COMMLIB_TEST_KERNEL_VARIANT=DISPATCH_THREADS=512,COMBINE_THREADS=512,DISPATCH_MIN_BLOCKS=2,COMBINE_MIN_BLOCKS=2 $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k two_ranks
 tests2trace  | nvlink    | 2 | 120 | env COMMLIB_TEST_KERNEL_VARIANT=COMM_TRACE=1 $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k two_ranks
 shared       | nvlink    | 8 | 150 | $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k shared_gpus
 rings        | nvlink    | 2 | 200 | $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k rings
@@ -95,11 +96,11 @@ defdev       | peers     | 4 | 200 | $PY -m pytest tests/gpu/test_default_device
 llhooks      | ll        | 2 | 120 | $PY -m pytest tests/gpu/test_ll_hooks_gpu.py -x -q -p no:cacheprovider
 elastic      | peers     | 4 | 300 | env COMMLIB_TIMEOUT_S=60 $PY -m pytest tests/gpu/test_elastic_gpu.py -x -q -p no:cacheprovider
 memprobe     | peers     | 16t | 200 | $PY -m benchmarks.mem_probe --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
-v1intranode  | peers     | 8t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests intranode
-v1ll         | peers     | 8t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll
-v1logfmt     | peers     | 8t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_logfmt
-v1shrink     | peers     | 8t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_shrink
-v1pressure   | peers     | 8t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_pressure
+v1intranode  | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests intranode
+v1ll         | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll
+v1logfmt     | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_logfmt
+v1shrink     | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_shrink
+v1pressure   | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_pressure
 v1internode  | peers     | 16t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests internode
 '
 # GPU_CHECK_EXTRA: more table lines (newline-separated) for this run only, e.g. a stage running

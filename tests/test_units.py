@@ -346,6 +346,29 @@ def test_kernel_signatures_and_argument_layout():
     assert K.ptr(None) == 0 and K.i32(7) == 7
 
 
+def test_shared_gpu_fits_its_ranks_ctas():
+    """Ranks sharing a GPU (CUDA MPS) must all have their spinning CTAs resident: the world counts the
+    most ranks on one GPU, the NVLink build turns to half-SM CTAs when one CTA per SM cannot hold
+    them, and a chosen variant is left alone."""
+    from commlib.cuda import loader as K
+    from commlib.topology import RankFacts, gpu_share
+    a = RankFacts("h", "b", "GPU-a", ("GPU-a",), ("GPU-a",))
+    b = RankFacts("h", "b", "GPU-b", ("GPU-b",), ("GPU-b",))
+    assert gpu_share([a, b]) == 1 and gpu_share([a] * 8) == 8 and gpu_share([a, a, a, b]) == 3
+    assert gpu_share([RankFacts("h"), RankFacts("h")]) == 1                       # CPU ranks
+    assert gpu_share([a, RankFacts("other", "b", "GPU-a")]) == 1                  # same id, other host
+    try:
+        assert not K.fit_shared_gpu(2, 24, 132) and K.ctas_per_sm() == 1          # 48 CTAs: one per SM
+        assert not K.fit_shared_gpu(1, 200, 132)                                  # one rank: its own launch
+        assert K.fit_shared_gpu(8, 24, 132)                                       # 192 > 132: half-SM CTAs
+        assert K.ctas_per_sm() == 2 and K.threads("dispatch") == 512 and K.threads("combine") == 512
+        K.set_variant({"DISPATCH_UNROLL": 2})                                     # a chosen build stays
+        assert not K.fit_shared_gpu(8, 24, 132) and K.threads("dispatch") == K.DEFAULT_VARIANT["DISPATCH_THREADS"]
+    finally:
+        K.set_variant(None)
+    assert K.variant() == K.DEFAULT_VARIANT
+
+
 def test_kernel_variant_parse_and_set():
     """Benchmarks' --variant / --kernel-variant text -> set_variant; unknown keys and bad items raise."""
     from commlib.cuda import loader as K

@@ -121,6 +121,8 @@ class BackendContext:
     out_stream: Any = None
     # instrumentation of the calls (backends/probe.py): the null probe unless a benchmark passes one
     probe: Probe = NULL_PROBE
+    # the most ranks of the group on one GPU (topology.gpu_share): > 1 when ranks share a GPU
+    gpu_share: int = 1
 
 
 class Backend:

@@ -172,11 +172,42 @@ def variant_value(key: str) -> int:
     return _variant[key]
 
 
+# Half-SM CTAs: 512 threads, two CTAs per SM (at most 64 registers a thread). A world whose ranks share
+# a GPU launches them when its ranks' CTAs would not all be resident one per SM (fit_shared_gpu).
+HALF_SM_VARIANT = {"DISPATCH_THREADS": 512, "COMBINE_THREADS": 512, "DISPATCH_MIN_BLOCKS": 2, "COMBINE_MIN_BLOCKS": 2}
+_variant_chosen = False  # set_variant was called with overrides: fit_shared_gpu leaves the build alone
+
+
+def ctas_per_sm() -> int:
+    """Dispatch / combine CTAs one SM holds under the current variant (their __launch_bounds__)."""
+    return min(_variant["DISPATCH_MIN_BLOCKS"], _variant["COMBINE_MIN_BLOCKS"])
+
+
+def fit_shared_gpu(share: int, num_sms: int, sm_count: int) -> bool:
+    """Ranks sharing a GPU under CUDA MPS run their dispatch / combine kernels side by side, and each
+    kernel's CTAs spin on its peers' CTAs: they must all be resident at once. When ``share`` ranks of
+    ``num_sms`` CTAs each exceed ``sm_count`` one CTA per SM, switch this process to HALF_SM_VARIANT
+    (twice the CTAs fit), unless set_variant chose a build. Every rank of the world computes the same
+    ``share`` and so makes the same choice. Returns whether the build is now the half-SM one."""
+    if _variant_chosen:
+        return False
+    if share > 1 and share * num_sms > sm_count * ctas_per_sm():
+        _apply_variant(HALF_SM_VARIANT)
+    return ctas_per_sm() > 1
+
+
 def set_variant(overrides: Optional[dict] = None) -> dict:
     """Use DEFAULT_VARIANT updated with ``overrides`` for later launches (None: the defaults).
 
     For A/B benchmarks; every rank must use the same variant (it changes the block size).
     """
+    global _variant_chosen
+    out = _apply_variant(overrides)
+    _variant_chosen = bool(overrides)
+    return out
+
+
+def _apply_variant(overrides: Optional[dict]) -> dict:
     global _variant
     unknown = set(overrides or {}) - set(DEFAULT_VARIANT)
     if unknown:

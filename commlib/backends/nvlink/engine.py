@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -172,6 +173,13 @@ class NVLinkBackend(CopyEnginePath, Backend):
         self._smid_count = {kind: 0 for kind in SMID_KINDS}
         self._smid_grids = {kind: [0] * self._smid_slots for kind in SMID_KINDS}
         self.init_copy_engine()  # COMMLIB_CE_BYTES: the copy-engine data path (copy_engine.py)
+        # ranks sharing this GPU (CUDA MPS): all their CTAs must be resident together; half-SM CTAs
+        # when the SM budget (at least DeepEP's usual 24) would not fit one CTA per SM
+        self.gpu_share = int(getattr(ctx, "gpu_share", 1) or 1)
+        self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if self.gpu_share > 1:
+            K.fit_shared_gpu(self.gpu_share, max(int(ctx.num_sms()), 24), self.sm_count)
+        self._warned_residency = False
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
         self._mem.all_opened(self.group, self.rank, self.num_ranks)
 
@@ -382,12 +390,25 @@ class NVLinkBackend(CopyEnginePath, Backend):
     def _ring_bytes(self, num_channels: int) -> int:
         return self.part_bytes // num_channels // SLOT_ALIGN * SLOT_ALIGN
 
+    def _check_residency(self, num_sms: int, what: str) -> None:
+        """Warn once when the ranks sharing this GPU launch more CTAs than it holds at once: under CUDA
+        MPS their kernels, which wait for each other on the device, then time out (time-slicing works)."""
+        fit = self.sm_count * K.ctas_per_sm()
+        if self.gpu_share * num_sms > fit:
+            self._warned_residency = True
+            warnings.warn(f"[commlib rank {self.rank}] {what}: {self.gpu_share} ranks share this GPU with "
+                          f"{num_sms} CTAs each, more than its {fit} resident CTAs; under CUDA MPS the call "
+                          f"times out (use num_sms <= {fit // self.gpu_share}, or time-slice the GPU)",
+                          RuntimeWarning, stacklevel=4)
+
     def _ring(self, num_channels: int, slot_bytes: int, ring_tokens: int, what: str) -> tuple[int, int]:
         """(ring bytes per (source, channel), slots per ring = the config's ring) for a call; rows of any
         count stream through it. Buffer._check_capacity already refused rings that do not fit."""
         if num_channels > K.MAX_CHANNELS:
             raise ValueError(f"[commlib rank {self.rank}] {what}: {num_channels} channels, the nvlink backend "
                              f"supports at most {K.MAX_CHANNELS} (num_sms <= {2 * K.MAX_CHANNELS})")
+        if self.gpu_share > 1 and not self._warned_residency:
+            self._check_residency(2 * num_channels, what)
         ring_bytes = self._ring_bytes(num_channels)
         cap = min(int(ring_tokens), ring_bytes // slot_bytes)
         if cap < 1:

@@ -14,9 +14,10 @@ Workload: DeepSeek-V3 (hidden 7168, top-8 of 256 experts, group-limited routing)
   ops       device operations one call issues, counted by the PyTorch profiler: kernel launches,
             copies (memcpy / memset), allocations (aten::empty*), event records and waits, host syncs,
             collectives.
-  floor_us  those bare primitives (a torch launch, torch.empty, an event record / wait, a small copy,
-            one blocking read where the op has one) issued in the same order of magnitude and timed
-            in the same run, in the same mode as the op; host / floor is the ratio to beat.
+  floor_us  those bare primitives (a torch launch, torch.empty of the shapes the call allocates, an
+            event record / wait, a small copy, one blocking read where the op has one) issued in the
+            same order of magnitude and timed in the same run, in the same mode as the op; host /
+            floor is the ratio to beat.
   gpu_us    the call's device time (CUDA events, L2 flushed); for the full dispatch also the cached
             call and the notify kernel, so gpu_us - cached - notify is the time the GPU waits for the
             host inside a full call.
@@ -140,18 +141,41 @@ def host_times(fn, iters: int, ahead: bool, group, wait_ns=None) -> dict:
     return out
 
 
-def floor_fn(counts: dict, device: torch.device, reads: int):
-    """The bare primitives of a call with ``counts``: what no implementation of the call can skip."""
+def allocations(fn) -> list:
+    """(shape, dtype) of each tensor ``fn()`` makes through ``torch.empty`` (one call, spied)."""
+    made, real = [], torch.empty
+
+    def spy(*size, **kw):
+        t = real(*size, **kw)
+        made.append((tuple(t.shape), t.dtype))
+        return t
+
+    torch.empty = spy
+    try:
+        fn()
+    finally:
+        torch.empty = real
+    return made
+
+
+def floor_fn(counts: dict, device: torch.device, reads: int, shapes: tuple = ()):
+    """The bare primitives of a call with ``counts``: what no implementation of the call can skip.
+    Its allocations take ``shapes`` (the call's own (shape, dtype) list, see allocations), the rest
+    of the counted ones 16 int32 words."""
     cuda = device.type == "cuda"
     src = torch.zeros(16, dtype=torch.int32, device=device)
     dst = torch.empty_like(src)
     ev = torch.cuda.Event() if cuda else None
     stream = torch.cuda.current_stream() if cuda else None
     n = dict(counts)
+    sized = list(shapes)[:n["alloc"]]
+    small = n["alloc"] - len(sized)
 
     def run():
-        for _ in range(n["alloc"]):
+        held = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in sized]
+        for _ in range(small):
             torch.empty(16, dtype=torch.int32, device=device)
+        del held
         if cuda:
             for _ in range(n["launch"]):
                 torch.cuda._sleep(0)
@@ -211,11 +235,13 @@ def worker(ctx, a: dict):
         t = host_times(fn, args.iters, ahead=not reads, group=group,
                        wait_ns=(lambda: buf.backend.last_wait_ns) if reads and wait_ns is not None else None)
         counts = count_device_ops(fn)
-        floor = floor_fn(counts, dev, reads)
+        shapes = allocations(fn)
+        floor = floor_fn(counts, dev, reads, shapes)
         for _ in range(args.warmup):
             floor()
         f = host_times(floor, args.iters, ahead=not reads, group=group)
-        row = {"op": op, "tokens": T, "world": R, **t, "ops": counts, "floor_us": f["host_us"]}
+        row = {"op": op, "tokens": T, "world": R, **t, "ops": counts, "floor_us": f["host_us"],
+               "floor_allocs": [[list(sh), str(dt)] for sh, dt in shapes[:counts["alloc"]]]}
         if cuda:
             row["gpu_us"] = bench_cuda(fn, warmup=3, iters=20)["median_us"]
             if reads:

@@ -125,6 +125,8 @@ class Buffer(LowLatencyMode):
         self._destroyed = False
         self._stream_cache: dict = {}  # raw cudaStream_t -> torch.cuda.Stream (see _current_stream)
         self._tuned: dict = {}
+        self._configs: dict = {}   # (kind, tokens, hidden, dtype, num_sms) -> the Config _resolve_config found
+        self._prepared: dict = {}  # a validated non-cached dispatch's signature -> (Config, num_experts)
         self._rings: dict = {}
         self._local_buffers: dict = {}  # use_rdma_buffer -> uint8 tensor (get_local_buffer_tensor)
         self._mask = torch.zeros(self.num_ranks, dtype=torch.int32, device="cpu")  # shrink mode: 1 = masked rank (host)
@@ -133,6 +135,9 @@ class Buffer(LowLatencyMode):
         self.backend: Backend = self._make_backend(self.backend_name)
         # backends that keep plans of cached dispatches and combines (NVLinkBackend.plan_for) replay them
         self._replays = self.comm_stream is not None and hasattr(self.backend, "plan_for")
+        # the GPU engines check expert ids on the device: a non-cached dispatch's argument checks read
+        # no values, so a signature that passed them once passes again (_prepare_dispatch)
+        self._memo_checks = self.device.type == "cuda" and self.backend_name != "reference"
         self.runtime = Runtime(self)
         self._low_latency = None
         if low_latency_mode:
@@ -625,6 +630,34 @@ class Buffer(LowLatencyMode):
     def _prepare_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                           config) -> DispatchRequest:
+        # A non-cached dispatch whose arguments look as those of one that passed the checks below
+        # (_dispatch_signature: every property the checks read) passes them again; on the GPU engines
+        # no check reads a value (the layout and notify kernels check expert ids on the device).
+        sig = None
+        if (handle is None and num_tokens_per_rank is not None and is_token_in_rank is not None
+                and self._memo_checks):
+            sig = _dispatch_signature(x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                      num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                      num_worst_tokens, config)
+            hit = self._prepared.get(sig) if sig is not None else None
+            if hit is not None:
+                data, scales = (x, None) if type(x) is torch.Tensor else x
+                return DispatchRequest(data, scales, topk_idx, topk_weights,
+                                       Layout(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+                                              is_token_in_rank),
+                                       None, hit[1], expert_alignment, num_worst_tokens, hit[0])
+        req = self._check_dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                   config)
+        if sig is not None:
+            if len(self._prepared) > 64:
+                self._prepared.clear()
+            self._prepared[sig] = (req.config, req.num_experts)
+        return req
+
+    def _check_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                        config) -> DispatchRequest:
         # FP8 scales stay the caller's tensor here; dispatch() turns them into the carrier rows the
         # transports move on the comm stream, after its wait for previous_event.
         data, scales = split_x(x, self.rank, self.device)
@@ -779,6 +812,10 @@ class Buffer(LowLatencyMode):
         # bucket) and remembered. The lookup is local (no collective on the hot path): ranks must call
         # with token counts in the same power-of-two bucket, as with any per-shape config. With
         # COMMLIB_AUTOTUNE=1 a miss tunes now, collectively.
+        exact = (kind, num_tokens, hidden, dtype, Buffer.num_sms)
+        hit = self._configs.get(exact)
+        if hit is not None:
+            return hit
         key = (kind, hidden, dtype, tuning_cache.token_bucket(num_tokens), Buffer.num_sms)
         if key not in self._tuned:
             if env.autotune():
@@ -793,7 +830,10 @@ class Buffer(LowLatencyMode):
             # no tuned config: the default, made once (a Config validates every field when built)
             self._tuned[key] = found if found is not None else \
                 (Buffer.get_dispatch_config if kind == "dispatch" else Buffer.get_combine_config)(self.num_ranks)
-        return self._tuned[key]
+        if len(self._configs) > 256:
+            self._configs.clear()
+        self._configs[exact] = found = self._tuned[key]   # per exact call shape: no bucket arithmetic next time
+        return found
 
     def _combine_rings(self, config: Config, num_channels: int) -> Config:
         """``config`` with the handle's channels (2 SMs each), remembered per (config, channels): a
@@ -839,6 +879,46 @@ class Buffer(LowLatencyMode):
 
 
 _PLAIN = (int, float, bool, str, type(None))
+_TENSOR = torch.Tensor
+
+
+def _tensor_signature(t):
+    """What the dispatch checks read of a tensor argument (its type exactly a Tensor: a subclass
+    takes the checks every time), or None for None."""
+    if t is None:
+        return None
+    if type(t) is not _TENSOR:
+        raise TypeError
+    return (t.dtype, t.shape, t.is_contiguous(), t.get_device())
+
+
+def _dispatch_signature(x, ntr, nrr, tir, nte, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                        config) -> Optional[tuple]:
+    """Every property of a non-cached dispatch's arguments that Buffer._check_dispatch reads (dtypes,
+    shapes, contiguity, devices; FP8 scales: any strides; the ints; the Config's identity and fields;
+    the SM budget a default Config follows), or None where an argument is of an unexpected type."""
+    try:
+        if type(x) is _TENSOR:
+            xs = _tensor_signature(x)
+        elif type(x) is tuple and len(x) == 2 and type(x[1]) is _TENSOR:
+            sc = x[1]
+            xs = (_tensor_signature(x[0]), sc.dtype, sc.shape, sc.get_device())
+        else:
+            return None
+        if type(expert_alignment) is not int or type(num_worst_tokens) is not int:
+            return None
+        if config is None:
+            cs = Buffer.num_sms
+        elif type(config) is Config:
+            cs = (id(config), config.num_sms, config.num_max_nvl_chunked_send_tokens,
+                  config.num_max_nvl_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens,
+                  config.num_max_rdma_chunked_recv_tokens)
+        else:
+            return None
+        return (xs, _tensor_signature(ntr), _tensor_signature(nrr), _tensor_signature(tir), _tensor_signature(nte),
+                _tensor_signature(topk_idx), _tensor_signature(topk_weights), expert_alignment, num_worst_tokens, cs)
+    except TypeError:
+        return None
 
 
 def _tensors_of(obj, skip=()) -> list:

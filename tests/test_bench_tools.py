@@ -698,6 +698,9 @@ def test_bench_host_counts_and_runs_on_cpu_ranks(tmp_path, capsys):
     assert BH.count_device_ops(lambda: None)["total"] == 0
     two = BH.count_device_ops(lambda: (torch.empty(4), torch.empty(8)))
     assert two["alloc"] == 2 and two == BH.count_device_ops(lambda: (torch.empty(4), torch.empty(8)))
+    made = BH.allocations(lambda: (torch.empty(4, 2, dtype=torch.int32), torch.empty((8,))))
+    assert made == [((4, 2), torch.int32), ((8,), torch.float32)] and torch.empty is not None
+    assert torch.empty.__module__ != BH.__name__                      # the spy is gone afterwards
     assert BH.main(["--world", "1", "--tokens", "32", "--hidden", "256", "--experts", "16", "--iters", "3",
                     "--warmup", "1", "--json", str(tmp_path / "h.json")]) == 0
     doc = json.loads((tmp_path / "h.json").read_text())
@@ -707,5 +710,8 @@ def test_bench_host_counts_and_runs_on_cpu_ranks(tmp_path, capsys):
         assert r["host_us"] > 0 and r["cpu_us"] > 0 and r["floor_us"] > 0 and r["ops"]["total"] >= 0, r
     full = next(r for r in doc["rows"] if r["op"] == "dispatch_bf16")
     assert full["ops"]["alloc"] > 0 and full["ops"]["collective"] > 0, full["ops"]   # the reference's gathers
+    # the floor allocates the call's own shapes (the reference's packed rows among them)
+    assert 0 < len(full["floor_allocs"]) <= full["ops"]["alloc"], full
+    assert any(sh[0] == 32 and dt == "torch.uint8" for sh, dt in full["floor_allocs"]), full["floor_allocs"]
     assert "host time per call" in capsys.readouterr().out
     assert not dist.is_initialized()

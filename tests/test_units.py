@@ -549,7 +549,7 @@ def test_buffer_config_objects_are_made_once():
     """A Buffer's default configs and combine's per-channel config are built once per key (a Config
     validates every field when built), and stay right: channels from the handle, a new key anew."""
     buf = Buffer.__new__(Buffer)
-    buf._tuned, buf._rings, buf.num_ranks, buf.rank = {}, {}, 8, 0
+    buf._tuned, buf._configs, buf._rings, buf.num_ranks, buf.rank = {}, {}, {}, 8, 0
     buf.topology = Topology(0, 8, 8)
     buf.device, buf.num_nvl_bytes, buf.num_rdma_bytes = torch.device("cpu"), 0, 0
     first = buf._resolve_config(None, "dispatch", 4096, 7168)
@@ -564,3 +564,65 @@ def test_buffer_config_objects_are_made_once():
     assert buf._combine_rings(combine, 0) is combine
     other = dataclasses.replace(combine)   # an equal config, another object: its own entry
     assert buf._combine_rings(other, 5) is not rings and buf._combine_rings(other, 5).num_sms == 10
+
+
+def test_dispatch_checks_pass_again_only_for_the_same_signature():
+    """A non-cached dispatch whose arguments show every property the checks read as an earlier call's
+    skips them (the GPU engines read no values on the host); any property that differs takes the
+    checks again, so a bad argument still raises its own error."""
+    from commlib.fp8 import BLOCK
+    buf = Buffer.__new__(Buffer)
+    buf._tuned, buf._configs, buf._rings, buf._prepared = {}, {}, {}, {}
+    buf.num_ranks, buf.rank, buf.topology = 2, 0, Topology(0, 2, 2)
+    buf.device, buf.num_nvl_bytes, buf.num_rdma_bytes = torch.device("cpu"), 1 << 30, 0
+    buf.backend_name, buf._memo_checks = "nvlink", True
+    T, H, E, Kk = 16, 2 * BLOCK, 8, 2
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, E, (T, Kk), generator=g)
+    w = torch.rand(T, Kk, generator=g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ntr, nte = torch.zeros(2, dtype=torch.int32), torch.zeros(E, dtype=torch.int32)
+    tir = torch.zeros(T, 2, dtype=torch.bool)
+    checked = []
+    real = buf._check_dispatch
+    buf._check_dispatch = lambda *a: (checked.append(1), real(*a))[1]
+
+    def prep(x=x, ntr=ntr, tir=tir, nte=nte, idx=idx, w=w, al=1, worst=0, cfg=None):
+        return buf._prepare_dispatch(x, None, ntr, None, tir, nte, idx, w, al, worst, cfg)
+
+    first, again = prep(), prep()
+    assert len(checked) == 1 and again.config is first.config and again.num_experts == E
+    assert again.x is x and again.topk_idx is idx and again.layout.is_token_in_rank is tir
+    prep(x=x.clone(), idx=idx.clone(), w=w.clone())                 # new tensors, same signature
+    assert len(checked) == 1
+    budget = Buffer.num_sms
+    try:
+        Buffer.set_num_sms(budget + 2)                              # a default Config follows the SM budget
+        assert prep().config.num_sms == budget + 2 and len(checked) == 2
+    finally:
+        Buffer.set_num_sms(budget)
+    assert prep().config is first.config and len(checked) == 2
+    cfg = Config(4, 6, 64)
+    prep(cfg=cfg), prep(cfg=cfg)
+    assert len(checked) == 3
+    cfg.num_sms = 3                                                  # changed in place: checked again
+    bad = [(dict(cfg=cfg), ValueError, "num_sms"),
+           (dict(w=w.double()), TypeError, "topk_weights"),
+           (dict(idx=idx.t().contiguous().t()), ValueError, "contiguous"),
+           (dict(tir=torch.zeros(T, 3, dtype=torch.bool)), ValueError, "is_token_in_rank"),
+           (dict(x=x.float()), TypeError, "x"),
+           (dict(nte=torch.zeros(E, dtype=torch.int64)), TypeError, "num_tokens_per_expert"),
+           (dict(al=True), ValueError, "expert_alignment"),
+           (dict(worst=-1), ValueError, "num_worst_tokens"),
+           (dict(x=(x.to(torch.float8_e4m3fn), torch.ones(T, 5))), ValueError, "scales")]
+    for kw, err, what in bad:
+        n = len(checked)
+        with pytest.raises(err, match=what):
+            prep(**kw)
+        assert len(checked) == n + 1, what
+    fp8 = (x.to(torch.float8_e4m3fn), torch.ones(T, 2))
+    prep(x=fp8), prep(x=(fp8[0], torch.ones(T, 2)))
+    n = len(checked)
+    with pytest.raises(TypeError, match="scales"):                   # scales of another dtype, same shape
+        prep(x=(fp8[0], torch.ones(T, 2, dtype=torch.float64)))
+    assert len(checked) == n + 1

@@ -130,7 +130,6 @@ def kernel_name(family: str, name: str) -> str:
 _lock = threading.Lock()
 _modules: dict = {}
 _streams: dict = {}
-_plain_override: Optional[bool] = None
 _recording: Optional[list] = None
 _sleep_cycles = 0
 _variant: dict = dict(DEFAULT_VARIANT)
@@ -155,16 +154,22 @@ def cupy():
 
 
 def set_plain(plain: Optional[bool]) -> None:
-    """Force plain loads/stores (True), the PTX-hinted ones (False), or follow COMMLIB_PLAIN_LDST (None).
+    """Force plain loads/stores (True), the PTX-hinted ones (False), or follow COMMLIB_PLAIN_LDST (None,
+    read again now).
 
     For A/B benchmarks; takes effect at the next launch (both builds stay cached).
     """
-    global _plain_override
-    _plain_override = plain
+    global _plain_mode
+    _plain_mode = env.plain_ldst() if plain is None else bool(plain)
+
+
+# COMMLIB_PLAIN_LDST is read once (at import, or by set_plain(None)): every launch and replay asks,
+# and an environment lookup costs microseconds of host time per call
+_plain_mode: bool = env.plain_ldst()
 
 
 def plain_mode() -> bool:
-    return env.plain_ldst() if _plain_override is None else bool(_plain_override)
+    return _plain_mode
 
 
 def variant_value(key: str) -> int:

@@ -38,6 +38,9 @@ _buffer_ids = itertools.count(1)
 _EVENT = getattr(torch._C, "_CudaEventBase", None)
 _event_record = getattr(_EVENT, "record", None)   # None on a build without CUDA (no comm stream there)
 _event_wait = getattr(_EVENT, "wait", None)
+# a call's event, made without torch.cuda.Event.__new__'s Python frame (its defaults: no timing, no
+# blocking sync, not interprocess)
+_EVENT_NEW, _CUDA_EVENT = getattr(_EVENT, "__new__", None), torch.cuda.Event
 
 XType = Union[torch.Tensor, tuple]
 
@@ -390,7 +393,7 @@ class Buffer(LowLatencyMode):
                 if id(base) not in recorded:
                     recorded.add(id(base))
                     base.record_stream(compute)
-        event = torch.cuda.Event()
+        event = _EVENT_NEW(_CUDA_EVENT)
         _event_record(event, comm)
         if not async_finish:
             _event_wait(event, compute)

@@ -215,6 +215,7 @@ def _fake_backend(rank=0, R=2):
     be.topology = _FakeTopology(rank, R)
     be.counters = {"internode_rows": 0, "intranode_rows": 0, "local_rows": 0}
     be.rank, be.num_ranks, be.device = rank, R, torch.device("cpu")
+    be._dev_index = -1   # Tensor.get_device() of a CPU tensor
     be.failed, be._base = None, 1
     be.num_bytes, be.region_bytes = 1 << 26, 1 << 25
     be.part_bytes, be._ring_channels = (1 << 26) // R, None   # the rings' staging per source rank

@@ -128,6 +128,8 @@ class NVLinkBackend(CopyEnginePath, Backend):
     """Intranode GPU backend over CUDA IPC peer pointers (see module docstring)."""
 
     name = "nvlink"
+    gpu_share = 1               # ranks of the group on this GPU (set in __init__ from the Buffer's context)
+    _warned_residency = False
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -142,6 +144,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
         self.device = ctx.device
         if self.device.type != "cuda":
             raise ValueError(f"[commlib rank {self.rank}] the nvlink backend needs a CUDA device")
+        self._dev_index = self.device.index   # what Tensor.get_device() returns for a tensor on it
         self.group = ctx.group
         self.timeout_ns = int(float(ctx.timeout_s) * 1e9)
         self.failed: Optional[str] = None
@@ -740,10 +743,10 @@ class NVLinkBackend(CopyEnginePath, Backend):
         plans = handle.extra.get("plans")
         plan = plans.get(key) if plans is not None else None
         if (plan is None or plan.owner is not self or self.failed or self._base is None
-                or x.dtype != plan.dtype or x.shape != plan.shape or x.device != self.device or not x.is_contiguous() or x.data_ptr() & 15
+                or x.dtype != plan.dtype or x.shape != plan.shape or x.get_device() != self._dev_index
+                or not x.is_contiguous() or x.data_ptr() & 15
                 or plan.config_key != _config_key(config) or self._ring_channels != plan.channels
-                or not plan.replay.current()
-                or (self.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing())):
+                or not plan.replay.current() or (self._dev_index >= 0 and torch._C._cuda_isCurrentStreamCapturing())):
             return None
         for field, t in plan.handle_tensors:
             if getattr(handle, field) is not t:
@@ -751,7 +754,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
         if plan.second_shape is None:
             return plan if second is None else None
         if (second is None or second.dtype != torch.float32 or second.shape != plan.second_shape
-                or second.device != self.device or not second.is_contiguous() or second.data_ptr() & 15):
+                or second.get_device() != self._dev_index or not second.is_contiguous() or second.data_ptr() & 15):
             return None
         return plan
 

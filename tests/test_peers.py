@@ -250,6 +250,8 @@ FAKE_SETUP = r'''
 import importlib.util, os, sys, sysconfig
 assert importlib.util.find_spec("nvidia.nvshmem") is None, "NVSHMEM visible to setup.py"
 assert "NVSHMEM_DIR" not in os.environ
+import torch.utils.cpp_extension as ce
+assert ce.CUDAExtension.__name__ == "extension", "no device-link step"
 assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0" and os.environ["MAX_JOBS"] == "16"
 assert sys.argv[1:] == ["build_ext", "--inplace"], sys.argv
 with open("deep_ep_cpp" + sysconfig.get_config_var("EXT_SUFFIX"), "w") as f:
@@ -271,6 +273,7 @@ def test_build_script_hides_nvshmem_and_reuses_its_build(tmp_path):
     (nv.parent / "__init__.py").write_text("")
     log = tmp_path / "builds.log"
     env = dict(os.environ, PYTHON=sys.executable, FAKE_BUILD_LOG=str(log), NVSHMEM_DIR="/opt/nvshmem",
+               DEEPEP_IMPORT_CHECK="0",
                PYTHONPATH=f"{tmp_path / 'site'}:{ROOT}", MAX_JOBS="16")
     build = tmp_path / "out" / "DeepEP"
 
@@ -292,3 +295,15 @@ def test_build_script_hides_nvshmem_and_reuses_its_build(tmp_path):
     missing = subprocess.run(["bash", str(ROOT / "benchmarks/peers/build_deepep.sh"), str(tmp_path / "none")],
                              capture_output=True, text=True, env=env, timeout=60)
     assert missing.returncode != 0
+
+
+def test_setup_runner_adds_the_device_link_only_where_needed():
+    from benchmarks.peers import deepep_setup
+
+    seen = []
+    make = deepep_setup.with_device_link(lambda name, sources, **kw: seen.append(kw) or name)
+    make("deep_ep_cpp", ["a.cu"], extra_compile_args={"cxx": [], "nvcc": ["-O3", "-rdc=true"]})
+    make("deep_ep_cpp", ["a.cu"], extra_compile_args={"nvcc": ["-O3"]})                     # no rdc: none
+    make("deep_ep_cpp", ["a.cu"], extra_compile_args={"nvcc": ["-rdc=true"], "nvcc_dlink": ["-dlink", "-lx"]})
+    assert [kw["extra_compile_args"].get("nvcc_dlink") for kw in seen] == [["-dlink"], None, ["-dlink", "-lx"]]
+    assert seen[0]["extra_compile_args"]["nvcc"] == ["-O3", "-rdc=true"]   # DeepEP's flags untouched

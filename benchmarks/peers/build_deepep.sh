@@ -10,9 +10,11 @@
 #        Reused when its stamp (the source files' hashes, the python, torch and nvcc versions) matches.
 # Built without NVSHMEM even where a pip nvidia-nvshmem is installed (setup.py then compiles only
 # deep_ep.cpp, runtime.cu, layout.cu, intranode.cu and disables the internode and low-latency
-# kernels), for sm_90 (TORCH_CUDA_ARCH_LIST=9.0), MAX_JOBS (default 16) parallel compiles.
+# kernels), for sm_90 (TORCH_CUDA_ARCH_LIST=9.0), MAX_JOBS (default 16) parallel compiles, with the
+# device-link step an intranode-only build lacks (benchmarks/peers/deepep_setup.py).
 # When no ninja is on PATH, a ninja wheel found under SRC/.. (.peers/wheels/) is unpacked next to
 # BUILD (torch's extension builder compiles one file at a time without ninja).
+# The new build is imported once (DEEPEP_IMPORT_CHECK=0 skips that: the CPU test's fake build).
 # Prints "[deepep-build] ..." lines; the last one names the build folder. Exit status 1 on failure.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -28,6 +30,7 @@ stamp() {
   (cd "$SRC" && find . -type f ! -name '*.pyc' | LC_ALL=C sort | xargs sha256sum)
   "$PY" -c "import sys, importlib.metadata as m; print(sys.version.split()[0], m.version('torch'))"
   nvcc --version 2>/dev/null | tail -n 1 || echo "no nvcc"
+  sha256sum "$ROOT/benchmarks/peers/deepep_setup.py"
 }
 so() { compgen -G "$BUILD/deep_ep_cpp*.so" >/dev/null; }
 want=$(stamp | sha256sum | cut -c1-16)
@@ -65,18 +68,13 @@ cp -r "$SRC/." "$BUILD/"
 cd "$BUILD"
 t0=$(date +%s)
 echo "[deepep-build] building $SRC in $BUILD (MAX_JOBS=${MAX_JOBS:-16}, sm_90, no NVSHMEM)"
-# setup.py looks for NVSHMEM in NVSHMEM_DIR, then in the pip package nvidia.nvshmem: hide both.
-env -u NVSHMEM_DIR TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="${MAX_JOBS:-16}" "$PY" - <<'PYEOF'
-import importlib.util
-import runpy
-import sys
-
-_find_spec = importlib.util.find_spec
-importlib.util.find_spec = lambda name, *a, **k: None if name.startswith("nvidia.nvshmem") else _find_spec(name, *a, **k)
-sys.argv = ["setup.py", "build_ext", "--inplace"]
-runpy.run_path("setup.py", run_name="__main__")
-PYEOF
+# DeepEP's setup.py, NVSHMEM hidden and its device-link step added (deepep_setup.py says why)
+env -u NVSHMEM_DIR TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="${MAX_JOBS:-16}" "$PY" "$ROOT/benchmarks/peers/deepep_setup.py"
 so || { echo "[deepep-build] no deep_ep_cpp*.so in $BUILD after the build" >&2; exit 1; }
+if [[ ${DEEPEP_IMPORT_CHECK:-1} == 1 ]]; then   # undefined symbols show here, not in the benchmark
+  "$PY" -c "import torch, deep_ep_cpp; print('[deepep-build] import ok:', deep_ep_cpp.__file__)" ||
+    { echo "[deepep-build] the built extension does not import" >&2; exit 1; }
+fi
 echo "$want" >"$BUILD/.stamp"
 echo "[deepep-build] built in $(( $(date +%s) - t0 )) s: $(cd "$BUILD" && ls deep_ep_cpp*.so)"
 echo "[deepep-build] ok $BUILD"

@@ -55,7 +55,7 @@ fi
 "$PY" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" ||
   { echo "[deepep-build] $PY has no Python.h (python3-dev): the extension cannot build" >&2; exit 1; }
 # torch's CUDA headers include cusparse.h & co.: from the toolkit, else from the pip CUDA packages
-cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")")}
+cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")")")}
 if [[ ! -f $cuda_home/include/cusparse.h ]]; then
   inc=$("$PY" -c "import glob, os, site; print(':'.join(d for b in site.getsitepackages() for d in glob.glob(os.path.join(b, 'nvidia', '*', 'include')) + glob.glob(os.path.join(b, 'nvidia', '*', '*', 'include'))))")
   [[ -n $inc ]] && export CPATH="$inc${CPATH:+:$CPATH}"

@@ -148,3 +148,17 @@ def test_mps_for_shared_gpu_stages_and_timeouts(tmp_path):
     assert calls[0].startswith("args=-d pipe=/tmp/") and calls[-1] == "stdin=quit", calls
     pipe = calls[0].split("pipe=")[1]
     assert f"CUDA_MPS_PIPE_DIRECTORY={pipe}\n" in two and not Path(pipe).exists()  # its folder removed
+
+
+def test_peers_stages_dry_run(tmp_path):
+    """The DeepEP-beside-commlib stages: the build alone (no ranks, no MPS) and the build + bench
+    (4 ranks on one GPU: under MPS), writing JSON to the run's results folder."""
+    stages = {s[0]: s for s in dry_stages(tmp_path, "peerbuild,peerbench")}
+    assert list(stages) == ["peerbuild", "peerbench"]
+    _, group, ranks, mps, argv = stages["peerbuild"]
+    assert (group, ranks, mps) == ("peers", 0, 0) and argv[-2:] == ["bash", "benchmarks/peers/build_deepep.sh"]
+    _, group, ranks, mps, argv = stages["peerbench"]
+    assert (group, ranks, mps) == ("peers", 4, 1)
+    assert argv[-3:] == ["bash", "benchmarks/peers/bench_peers.sh", str(tmp_path / "out" / "results")]
+    extra = {s[0]: s for s in dry_stages(tmp_path, "peers")}
+    assert {"peerbuild", "peerbench"} <= set(extra)

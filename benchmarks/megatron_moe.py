@@ -40,6 +40,7 @@ DISPATCHERS = ("alltoall", "flex")
 # the tensor's largest magnitude (sums reassociated between the dispatchers).
 RTOL, ATOL_FRAC = 2 ** -7, 1e-2
 PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+_PREPARED: list | None = None   # what prepare_megatron changed in this process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,16 @@ def megatron_available() -> bool:
         return importlib.util.find_spec("megatron.core") is not None
     except (ImportError, ValueError):
         return False
+
+
+def _megatron_has(module: str) -> bool:
+    """Does the installed megatron ship ``module`` (a file under its namespace package; nothing of
+    megatron.core is imported to find out)?"""
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("megatron")
+    rel = Path(*module.split(".")[1:]).with_suffix(".py")
+    return spec is not None and any((Path(p) / rel).is_file() for p in spec.submodule_search_locations or ())
 
 
 # ------------------------------------------------------------------ running Megatron here
@@ -99,12 +110,15 @@ def prepare_megatron() -> list:
       they are CUDA tensors; gloo's all_to_all_single needs lists), ``router_gemm_without_te``
       (0.16.1's router gating reads te_general_gemm, undefined without TransformerEngine).
     """
+    global _PREPARED
+    if _PREPARED is not None:   # once per process
+        return list(_PREPARED)
     import torch._dynamo
 
-    done = []
+    done = _PREPARED = []
     torch._dynamo.config.disable = True
     done.append("no_jit_fuser")
-    if importlib.util.find_spec("triton") is None and PAGED_STASH not in sys.modules:
+    if importlib.util.find_spec("triton") is None and PAGED_STASH not in sys.modules and _megatron_has(PAGED_STASH):
         stub = types.ModuleType(PAGED_STASH)
 
         def _needs_triton(*args, **kwargs):
@@ -131,7 +145,7 @@ def prepare_megatron() -> list:
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
             done.append("router_gemm_without_te")
-    return done
+    return list(done)
 
 
 def init_expert_parallel(world_size: int) -> None:
@@ -193,17 +207,20 @@ def rank_inputs(shape: Shape, seed: int, rank: int) -> tuple:
             torch.randn(T, 1, shape.hidden, generator=g).bfloat16())
 
 
-def step(layer, x, dy, backward: bool = True) -> dict:
+def step(layer, x, dy, backward: bool = True, collect: bool = True) -> dict | None:
     """One forward (and backward with output gradient ``dy``): out, dx, router and expert weight grads
-    (fc1 [L, 2F, H], fc2 [L, H, F])."""
+    (fc1 [L, 2F, H], fc2 [L, H, F]); None without ``collect`` (timing: no copies of the grads)."""
     for p in layer.parameters():
         p.grad = None
     xg = x.detach().requires_grad_(backward)
     out, bias = layer(xg)
     assert bias is None, "the local spec has no expert bias"
+    if backward:
+        out.backward(dy)
+    if not collect:
+        return None
     if not backward:
         return {"out": out.detach()}
-    out.backward(dy)
     experts = layer.experts.local_experts
     return {"out": out.detach(), "dx": xg.grad, "router": layer.router.weight.grad,
             "fc1": torch.stack([m.linear_fc1.weight.grad for m in experts]),
@@ -257,7 +274,7 @@ def worker(ctx, args: dict) -> dict:
     timing = {}
     for d in DISPATCHERS:
         for mode, bwd in (("fwd", False), ("fwd_bwd", True)):
-            t = bench_cuda(lambda: step(layers[d], x, dy, backward=bwd), warmup=args["warmup"], iters=args["iters"])
+            t = bench_cuda(lambda: step(layers[d], x, dy, backward=bwd, collect=False), warmup=args["warmup"], iters=args["iters"])
             timing[(d, mode)] = slowest([t["median_us"]], ctx.group)[0]
     for mode in ("fwd", "fwd_bwd"):
         for d in DISPATCHERS:
@@ -325,8 +342,10 @@ def main(argv=None) -> int:
     launch = dict(use_gpu=True, group_backend="nccl", emulate_hosts=True, ranks_per_node=1) if cuda else {}
     out = parallel_launch(R, worker, spec, timeout_s=900, **launch)
     gpus = torch.cuda.device_count() if cuda else 0
-    note = ("HBM loopback (ranks share one GPU under MPS)" if cuda and gpus < R
-            else f"{R} GPUs" if cuda else "CPU ranks (gloo): times are host times, not a performance figure")
+    note = ("HBM loopback (ranks share one GPU under MPS; alltoall's NCCL crosses its socket transport "
+            "between the emulated hosts, flex goes through commlib's one-node engine)" if cuda and gpus < R
+            else f"{R} GPUs, alltoall's NCCL between emulated hosts" if cuda
+            else "CPU ranks (gloo): times are host times, not a performance figure")
     print_table(out, shape, note)
     if args.json:
         doc = results.result_document("megatron_moe", "python -m benchmarks.megatron_moe " + shlex.join(

@@ -141,3 +141,28 @@ def case_uses_commlib(ctx):
     assert fused_a2a.HAVE_DEEP_EP and fused_a2a.Buffer is deep_ep.Buffer
     buf = fused_a2a._buffer
     assert buf is not None and type(buf) is deep_ep.Buffer and buf.backend_name == "reference", buf
+
+
+def case_bench_worker(ctx):
+    """The benchmark's rank body (what the GPU stage runs) on CPU ranks: its checks pass, every row
+    is there, and rank 0's table and JSON are written."""
+    import json
+    import tempfile
+
+    from commlib.bench import results
+
+    spec = {"shape": dataclasses.asdict(mm.CPU_SHAPE), "seed": SEED, "iters": 2, "warmup": 1, "num_sms": None}
+    out = mm.worker(ctx, spec)
+    ops = [r["op"] for r in out["rows"]]
+    assert ops == [f"check_{k}" for k in ("out", "dx", "router", "fc1", "fc2")] + [
+        f"{d}_{m}" for m in ("fwd", "fwd_bwd") for d in mm.DISPATCHERS], ops
+    assert results.exit_status(out["rows"]) == 0 and all(r["time_us"] > 0 for r in out["rows"] if "time_us" in r)
+    assert out["engine"] == "reference" and "splits_as_numpy" in out["shims"], out
+    import importlib.metadata
+    if importlib.metadata.version("megatron-core").startswith("0.16."):
+        assert "router_gemm_without_te" in out["shims"], out["shims"]
+    if ctx.rank == 0:
+        mm.print_table(out, mm.CPU_SHAPE, "CPU ranks")
+        doc = results.result_document("megatron_moe", "test", out["rows"], world_size=ctx.world_size)
+        path = results.write_result(doc, tempfile.mkdtemp(prefix="megatron-moe-"))
+        assert path.name.startswith("megatron_moe_CPUx2_") and json.loads(path.read_text())["rows"] == out["rows"]

@@ -12,6 +12,6 @@ if not megatron_available():   # not importorskip: importing megatron.core costs
 
 from worlds import case_tests  # noqa: E402
 
-CASES = {2: ["top4", "top1", "dropped", "uses_commlib"]}
+CASES = {2: ["top4", "top1", "dropped", "uses_commlib", "bench_worker"]}
 
 world, test_case = case_tests("cases_megatron", CASES, timeout_s=600)

@@ -95,6 +95,7 @@ knames       | peers     | 2 | 120 | $PY -m pytest tests/gpu/test_kernel_names_g
 defdev       | peers     | 4 | 200 | $PY -m pytest tests/gpu/test_default_device_gpu.py -x -q -p no:cacheprovider
 llhooks      | ll        | 2 | 120 | $PY -m pytest tests/gpu/test_ll_hooks_gpu.py -x -q -p no:cacheprovider
 elastic      | peers     | 4 | 300 | env COMMLIB_TIMEOUT_S=60 $PY -m pytest tests/gpu/test_elastic_gpu.py -x -q -p no:cacheprovider
+megatron     | peers     | 2 | 240 | bash -c megatron_moe
 memprobe     | peers     | 16t | 200 | $PY -m benchmarks.mem_probe --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 peerbuild    | peers     | 0 | 420 | env PYTHON=$PY bash benchmarks/peers/build_deepep.sh
 peerbench    | peers     | 4 | 540 | env PYTHON=$PY bash benchmarks/peers/bench_peers.sh $RES ${PEER_ARGS:-}
@@ -197,7 +198,17 @@ wheel_check() {
   (cd /tmp && PYTHONPATH="$S" $PY -c "import commlib, commlib.cuda.loader as L; print('[wheel]', commlib.__file__, L.CSRC); assert str(L.CSRC).startswith('$S'); L.compile_all()" &&
    PYTHONPATH="$S" $PY -m commlib.bench --ranks 2 --tokens 1024 --iters 3 --warmup 1 --json "$W/results")
 }
-export -f env_info compile_kernels wheel_check
+# Megatron-Core's MoELayer, flex dispatcher on commlib against its alltoall dispatcher
+# (benchmarks/megatron_moe.py). The device has no registry: megatron-core comes as the wheel carried
+# in .wheels/ (docs/deep_ep.md), installed without dependencies (it needs torch, numpy, packaging).
+megatron_moe() {
+  local wheels=("$REPO"/.wheels/*.whl)
+  [[ -e ${wheels[0]} ]] || { echo "megatron: no wheel in $REPO/.wheels (carry .wheels: docs/deep_ep.md)"; return 2; }
+  $PY -m pip install -q --no-deps --no-index --no-compile --disable-pip-version-check "${wheels[@]}" || return 1
+  $PY -m benchmarks.megatron_moe --json "$RES" ${MEGATRON_ARGS:-}
+}
+export -f env_info compile_kernels wheel_check megatron_moe
+export REPO RES
 export PY
 
 # CUDA MPS: started before the first stage that needs it, always stopped on exit.

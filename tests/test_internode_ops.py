@@ -140,7 +140,8 @@ def _run(w, head, probe, req, x, config, counts, comb_rows) -> dict:
         head.released()
         counts[name] = probe.last_ops()
         return out
-    res = counted("dispatch", lambda: device.dispatch(w, head, req, SIG, 1, "internode"))
+    scratch = device.Scratch()
+    res = counted("dispatch", lambda: device.dispatch(w, head, scratch, req, SIG, 1, "internode"))
     plan = res.handle.extra["plan"]
     cached = DispatchRequest(x, None, None, None, None, res.handle, 0, 1, 0, config)
     counted("cached dispatch", lambda: device.dispatch_cached(w, cached, plan))

@@ -47,13 +47,35 @@ class HeadRow:
         self.busy = False   # the stream is past every kernel before a host read: the head row was read
 
 
+class Scratch:
+    """A non-cached dispatch's scratch, kept between calls of one shape: the exchange row, the
+    gathered rows, their digest and the scans (views of one allocation, made once per shape). Safe
+    to reuse: every kernel and collective that touches them is issued in the call, on the Buffer's
+    comm stream (NCCL's stream waits for it at the issue), and the host read of the digest has
+    shown the stream past the previous call's readers of all but ``g``, which only the pack and
+    recv_chan launches of that call read, in stream order before the next meta. Such a dispatch
+    reads counts on the host, so it is never inside a CUDA graph capture."""
+
+    def __init__(self) -> None:
+        self._key, self._views = None, None
+
+    def get(self, dev, R: int, T: int, M: int, n_row: int, n_dig: int) -> list:
+        key = (dev, R, T, M, n_row, n_dig)
+        if key != self._key:
+            self._views = typed_views(dev, (torch.int64, (n_row,)), (torch.int64, (R * n_row,)),
+                                      (torch.int64, (n_dig,)), (torch.int32, (T, R)), (torch.int32, (T, M)))
+            self._key = key
+        return self._views
+
+
 def fits(req: DispatchRequest) -> bool:
     """Whether a non-cached dispatch's rows are whole 4-byte words in every dtype of its handle's
     later calls (FP8 x: H bytes; BF16: 2 H): H % 4 == 0, and no num_worst_tokens (padded path)."""
     return not req.num_worst_tokens and req.x.shape[1] % 4 == 0
 
 
-def dispatch(w: Wiring, head: HeadRow, req: DispatchRequest, sig: list, ring: int, name: str) -> DispatchResult:
+def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, sig: list, ring: int,
+             name: str) -> DispatchResult:
     topo, probe = w.topology, w.probe
     me, R, M, P = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node
     Kc, dev = w.max_chunks, w.device
@@ -71,10 +93,9 @@ def dispatch(w: Wiring, head: HeadRow, req: DispatchRequest, sig: list, ring: in
     probe.mark("inputs")
 
     # ---- 1. metadata: one launch ----
-    # the exchange row, the gathered rows, their digest and the scans: views of one allocation
-    n_row, n_dig = row_len(R, M, P, Kc, E), IK.digest_len(M, P, Kc, Lx)
-    row, g, dig, before, spos = typed_views(dev, (torch.int64, (n_row,)), (torch.int64, (R * n_row,)),
-                                            (torch.int64, (n_dig,)), (torch.int32, (T, R)), (torch.int32, (T, M)))
+    # the exchange row, the gathered rows, their digest and the scans: kept between calls (Scratch)
+    n_row = row_len(R, M, P, Kc, E)
+    row, g, dig, before, spos = scratch.get(dev, R, T, M, n_row, IK.digest_len(M, P, Kc, Lx))
     IK.meta(tir, topk, experts_in, head.get(sig), row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=ring,
             max_nodes=w.max_nodes)
     probe.op("launches")
@@ -216,7 +237,7 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     Wc = 2 * H + 4 * K
     nch, ss, rs = plan.num_chunks, plan.send_starts, plan.recv_starts
     # the node partials this rank sends and the partials that come back: views of one allocation
-    partial, back = torch.empty(rs[-1] + ss[-1], Wc, dtype=torch.uint8, device=dev).split([rs[-1], ss[-1]])
+    partial, back = torch.empty(rs[-1] + ss[-1], Wc, dtype=torch.uint8, device=dev).split_with_sizes([rs[-1], ss[-1]])
     before = None
     if not node.in_area:
         IK.rows(plan.land_all, rs[-1], y, wts, partial.data_ptr(), Wc)
@@ -239,4 +260,4 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     return CombineResult(out_y.to(out), out_w.to(out) if K else None)
 
 
-__all__ = ["HeadRow", "fits", "dispatch", "send_and_landing", "move", "dispatch_cached", "combine"]
+__all__ = ["HeadRow", "Scratch", "fits", "dispatch", "send_and_landing", "move", "dispatch_cached", "combine"]

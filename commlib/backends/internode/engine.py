@@ -105,6 +105,7 @@ class InternodeBackend(Backend):
                              node=self.node, probe=self.probe, counters=self.counters, max_chunks=self.max_chunks,
                              max_nodes=ctx.max_nodes_per_token, gather=self._gather, phase=self._set_phase)
         self.head = device.HeadRow()
+        self.scratch = device.Scratch()
 
     def set_probe(self, probe) -> None:
         """Report to ``probe`` from now on (benchmarks and experiments; ctx.probe at construction)."""
@@ -152,7 +153,7 @@ class InternodeBackend(Backend):
         if what is not None:
             self._phase = what
         if self.nccl:
-            work.wait()
+            self.probe.wait(work)
             self.probe.op("event_ops")
             return
         wait(work, self.ctx.timeout_s, self.topology.rank, self._phase, self.calls, self._fail)
@@ -161,7 +162,7 @@ class InternodeBackend(Backend):
         self.failed = message
 
     def _gather(self, row: torch.Tensor, out=None) -> torch.Tensor:
-        return gather(row, self.group, self.comm_device, self._wait_for, out)
+        return gather(row, self.group, self.comm_device, self._wait_for, out, issue=self.probe.collective)
 
     def _row_len(self, num_experts: int) -> int:
         topo = self.topology
@@ -227,7 +228,7 @@ class InternodeBackend(Backend):
                                  req.config)
             ring = ring_rows(req.config)
             if self.device_steps and device.fits(req):
-                return device.dispatch(self.wiring, self.head, req, sig, ring, self.name)
+                return device.dispatch(self.wiring, self.head, self.scratch, req, sig, ring, self.name)
             if req.num_worst_tokens:
                 return padded.dispatch(self.wiring, req, sig, ring, self.name)
             return counted.dispatch(self.wiring, req, sig, ring, self.name)

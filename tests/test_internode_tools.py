@@ -139,6 +139,7 @@ def test_host_mode_writes_every_figure_and_verdict(tmp_path, capsys):
     assert [r["op"] for r in doc["rows"]] == list(bench_internode.HOST_OPS)
     for r in doc["rows"]:
         assert r["host_us"] > 0 and r["own_us"] <= r["total_us"] <= r["host_us"] + 1e-6, r
+        assert 0 < r["backend_us"] <= r["total_us"], r
         assert r["nccl_calls"] == len(r["nccl"]) >= 1 and all(c["bytes"] > 0 and c["floor_us"] > 0 for c in r["nccl"])
         assert r["probe_ops"]["total"] > 0 and r["probe_ops"] == r["probe_ops_again"], r
         assert {t["target"].split(": ")[1].split(" (")[0] for t in r["targets"]} >= {"NCCL calls per call"}
@@ -150,7 +151,7 @@ def test_host_verdicts():
     """Each target's limit: own time by op kind, 1 + K NCCL calls, ops + 1 per extra chunk, the whole
     call at K = 1 only, every NCCL call against its bare replay; a count that differs between two
     calls fails however small."""
-    row = {"op": "cached_bf16", "chunks": 1, "own_us": 59.0, "total_us": 149.0, "nccl_calls": 2,
+    row = {"op": "cached_bf16", "chunks": 1, "backend_us": 59.0, "own_us": 90.0, "total_us": 149.0, "nccl_calls": 2,
            "probe_ops": {"total": 10}, "probe_ops_again": {"total": 10},
            "nccl": [{"name": "all_to_all_single", "bytes": 64, "host_us": 20.0, "floor_us": 19.0}]}
     v = bench_internode.host_verdicts(row)
@@ -158,7 +159,7 @@ def test_host_verdicts():
     slow = dict(row, nccl=[dict(row["nccl"][0], host_us=30.0)], probe_ops_again={"total": 9})
     met = [t["met"] for t in bench_internode.host_verdicts(slow)]
     assert met == [True, True, False, True, False], met
-    four = dict(row, op="dispatch_bf16", chunks=4, own_us=201.0, nccl_calls=5, probe_ops={"total": 23},
+    four = dict(row, op="dispatch_bf16", chunks=4, backend_us=201.0, nccl_calls=5, probe_ops={"total": 23},
                 probe_ops_again={"total": 23})
     v = {t["target"].split(": ")[1][:12]: t for t in bench_internode.host_verdicts(four)}
     assert not v["engine's own"]["met"] and v["NCCL calls p"]["met"] and v["device opera"]["limit"] == 23

@@ -28,27 +28,19 @@ not the host's.
 from __future__ import annotations
 
 import argparse
-import collections
 import shlex
 import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
+from benchmarks.host_timing import CATEGORIES, allocations, count_device_ops, cprofile, floor_fn, host_times
 from commlib.bench import results
 from commlib.utils.timing import bench_cuda, slowest
 
 # Targets of the call path (docs/nvlink_engine.md, "Host time"): microseconds, ops per call.
 TARGETS = {"dispatch_own_us": 150.0, "dispatch_ops": 25, "cached_us": 40.0, "combine_us": 40.0,
            "layout_us": 20.0, "fp8_extra_us": 10.0, "host_over_floor": 1.5, "gpu_gap_us": 40.0}
-
-# profiler event name -> category (CPU-side API calls; kernels and copies are read from device events)
-_API = {"cudaEventRecord": "event_record", "cudaEventRecordWithFlags": "event_record",
-        "cudaStreamWaitEvent": "event_wait", "cudaEventSynchronize": "sync", "cudaStreamSynchronize": "sync",
-        "cudaDeviceSynchronize": "sync", "cudaEventQuery": "event_query"}
-CATEGORIES = ("launch", "copy", "alloc", "event_record", "event_wait", "sync", "collective")
 
 
 def parse_args(argv=None):
@@ -64,130 +56,6 @@ def parse_args(argv=None):
     p.add_argument("--backend", default=None, help="Buffer backend (default: auto)")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH")
     return p.parse_args(argv)
-
-
-# ------------------------------------------------------------------------------------------------
-# counting and timing
-# ------------------------------------------------------------------------------------------------
-
-def count_device_ops(fn) -> dict:
-    """Device operations ``fn()`` issues, by category (see CATEGORIES), from one profiled call, less
-    what the profiler itself issues around an empty function (its own synchronisations)."""
-    base = _profiled_ops(lambda: None)
-    counts = _profiled_ops(fn)
-    counts = {c: max(0, counts[c] - base[c]) for c in CATEGORIES}
-    counts["total"] = sum(counts.values())
-    return counts
-
-
-def _profiled_ops(fn) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    counts = collections.Counter({c: 0 for c in CATEGORIES})
-    for ev in prof.events():
-        name = ev.name
-        on_device = ev.device_type == torch.autograd.DeviceType.CUDA
-        if on_device:
-            low = name.lower()
-            if low.startswith(("memcpy", "memset")):
-                counts["copy"] += 1
-            elif "nccl" in low:
-                counts["collective"] += 1
-            else:
-                counts["launch"] += 1
-        elif name in _API:
-            counts[_API[name]] += 1
-        elif name in ("aten::empty", "aten::empty_strided"):
-            counts["alloc"] += 1
-        elif name.startswith(("c10d::", "gloo:", "nccl:")) and not on_device:
-            counts["collective"] += 1
-    return dict(counts)
-
-
-def _device_busy(us: float) -> None:
-    if torch.cuda.is_available():
-        torch.cuda._sleep(int(us * 2000))   # ~2 cycles per ns at the H200's clocks: busy well past the loop
-
-
-def host_times(fn, iters: int, ahead: bool, group, wait_ns=None) -> dict:
-    """Median wall / CPU us per call of ``iters`` back-to-back calls; ``ahead``: the device is kept
-    busy so no call waits for it; else (calls that read counts) ``wait_ns()`` reports the time each
-    call spent blocked in its count read (on the device's earlier work, the notify kernel, the peers)."""
-    walls, cpus, waits = [], [], []
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    dist.barrier(group=group)
-    if ahead:
-        _device_busy(iters * 2000.0)
-    for _ in range(iters):
-        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-        fn()
-        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
-        walls.append((t1 - t0) / 1e3)
-        cpus.append((c1 - c0) / 1e3)
-        if wait_ns is not None:
-            waits.append(wait_ns() / 1e3)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    out = {"host_us": statistics.median(walls), "cpu_us": statistics.median(cpus)}
-    if waits:
-        own = [w - x for w, x in zip(walls, waits)]
-        out.update(wait_us=statistics.median(waits), own_us=statistics.median(own))
-    return out
-
-
-def allocations(fn) -> list:
-    """(shape, dtype) of each tensor ``fn()`` makes through ``torch.empty`` (one call, spied)."""
-    made, real = [], torch.empty
-
-    def spy(*size, **kw):
-        t = real(*size, **kw)
-        made.append((tuple(t.shape), t.dtype))
-        return t
-
-    torch.empty = spy
-    try:
-        fn()
-    finally:
-        torch.empty = real
-    return made
-
-
-def floor_fn(counts: dict, device: torch.device, reads: int, shapes: tuple = ()):
-    """The bare primitives of a call with ``counts``: what no implementation of the call can skip.
-    Its allocations take ``shapes`` (the call's own (shape, dtype) list, see allocations), the rest
-    of the counted ones 16 int32 words."""
-    cuda = device.type == "cuda"
-    src = torch.zeros(16, dtype=torch.int32, device=device)
-    dst = torch.empty_like(src)
-    ev = torch.cuda.Event() if cuda else None
-    stream = torch.cuda.current_stream() if cuda else None
-    n = dict(counts)
-    sized = list(shapes)[:n["alloc"]]
-    small = n["alloc"] - len(sized)
-
-    def run():
-        held = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in sized]
-        for _ in range(small):
-            torch.empty(16, dtype=torch.int32, device=device)
-        del held
-        if cuda:
-            for _ in range(n["launch"]):
-                torch.cuda._sleep(0)
-            for _ in range(n["copy"]):
-                dst.copy_(src, non_blocking=True)
-            for _ in range(n["event_record"]):
-                ev.record(stream)
-            for _ in range(n["event_wait"]):
-                stream.wait_event(ev)
-            for _ in range(reads):
-                src[0].item()
-    return run
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,7 +120,7 @@ def worker(ctx, a: dict):
                 notify = [s.elapsed_time(e) * 1e3 for n, s, e in rec if n == "notify_kernel"]
                 row["notify_us"] = statistics.median(notify) if notify else None
         if args.profile:   # every rank (the calls are collective); rank 0's is printed
-            text = _cprofile(op, fn, args.iters)
+            text = cprofile(op, fn, args.iters)
             if me == 0:
                 profiles.append(text)
         rows.append(row)
@@ -263,23 +131,6 @@ def worker(ctx, a: dict):
         vals = slowest([float(row.get(k) or 0.0) for k in keys], group)
         row.update({k: v for k, v in zip(keys, vals) if row.get(k) is not None})
     return {"rows": rows, "profiles": profiles, "device": str(dev)}
-
-
-def _cprofile(op: str, fn, iters: int) -> str:
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(iters):
-        fn()
-    prof.disable()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
-    return f"# [profile] {op} ({iters} calls)\n{s.getvalue()}"
 
 
 def _finish(rows: list) -> list:

@@ -48,7 +48,7 @@ from commlib.backends.internode.exchange import row_len as exchange_row_len
 from commlib.backends.probe import RecordingProbe
 from commlib.bench import main as B
 from commlib.bench import results
-from commlib.utils.timing import thread_usage
+from commlib.utils.timing import slowest, thread_usage
 
 OPS = ["dispatch_bf16", "dispatch_bf16_cached", "dispatch_fp8", "combine"]
 BASELINE_OPS = ["a2a_dispatch_bf16", "a2a_combine"]  # flat all_to_all_single over every rank, same run
@@ -477,6 +477,196 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=Fals
         r["nvl_rows"] = sum(e[1] for e in everyone) / R
 
 
+# ------------------------------------------------------------------------------------------------
+# --host: the host-time figures of the internode engine, in bench_host's shape
+# ------------------------------------------------------------------------------------------------
+
+HOST_OPS = ("dispatch_bf16", "dispatch_fp8", "cached_bf16", "cached_fp8", "combine")
+# Host-time targets (issue: the internode engine rebuilt): us, device operations per call; the
+# NCCL calls' limit is relative (each one against a bare NCCL call of the same size, same run)
+HOST_TARGETS = {"dispatch_own_us": 200.0, "cached_own_us": 60.0, "combine_own_us": 60.0,
+                "dispatch_total_us_k1": 400.0, "cached_total_us_k1": 150.0, "combine_total_us_k1": 150.0,
+                "dispatch_ops": 20, "cached_ops": 10, "combine_ops": 10, "ops_per_extra_chunk": 1,
+                "nccl_calls": "1 + K", "nccl_over_bare": 1.1}
+
+
+def host_verdicts(r: dict) -> list:
+    """Every host-time target one row (``host_rows``) speaks to: {target, value, limit, met}."""
+    kind = r["op"].split("_")[0]            # dispatch / cached / combine
+    K = r["chunks"]
+    out = [{"target": f"{r['op']}: engine's own host time (us, inside the backend, outside NCCL calls and the "
+                      "count read)", "value": round(r["backend_us"], 1), "limit": HOST_TARGETS[f"{kind}_own_us"]},
+           {"target": f"{r['op']}: NCCL calls per call", "value": r["nccl_calls"], "limit": 1 + K},
+           {"target": f"{r['op']}: device operations per call (probe count, deterministic)",
+            "value": r["probe_ops"].get("total", 0), "limit": HOST_TARGETS[f"{kind}_ops"] + (K - 1),
+            "also": r["probe_ops"] == r.get("probe_ops_again")}]
+    if K == 1:
+        out.append({"target": f"{r['op']}: whole call's host time at K = 1 (us, the count read's wait excluded)",
+                    "value": round(r["total_us"], 1), "limit": HOST_TARGETS[f"{kind}_total_us_k1"]})
+    for i, c in enumerate(r["nccl"]):
+        if c.get("floor_us"):
+            out.append({"target": f"{r['op']}: NCCL call {i} ({c['name']}, {c['bytes']} B) host time / a bare "
+                                  "call of the same size (10% for noise)",
+                        "value": round(c["host_us"] / c["floor_us"], 2), "limit": HOST_TARGETS["nccl_over_bare"]})
+    for t in out:
+        t["met"] = t["value"] <= t["limit"] and t.pop("also", True)
+    return out
+
+
+def _bare_collective(c):
+    """A call issuing probe Collective ``c`` again on the stream it was issued on, and waiting as the
+    engine does (the stream waits: NCCL; the host: gloo)."""
+    def run():
+        c.fn(*c.args, **c.kwargs).wait()
+    return run
+
+
+def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
+    from benchmarks import host_timing as HT
+    from commlib.buffer import Buffer
+    from commlib.fp8 import per_token_cast_to_fp8
+
+    R, me, group = ctx.world_size, ctx.rank, ctx.group
+    nvl, rdma = B.buffer_bytes(w.hidden, R, rpn, R // rpn)
+    rows = []
+    for cap in chunk_caps:
+        os.environ["COMMLIB_NETWORK_CHUNKS"] = str(cap)
+        os.environ["COMMLIB_INTERNODE_KERNELS"] = "1"
+        buf = Buffer(group, nvl, rdma, backend="internode", ranks_per_node=rpn)
+        dev = buf.device
+        inp = B.make_inputs(w, me, dev)
+        x, idx, wts = inp["x"], inp["topk_idx"], inp["topk_weights"]
+        xq = per_token_cast_to_fp8(x)
+        ntr, _, nte, tir, _ = buf.get_dispatch_layout(idx, w.num_experts)
+
+        def full(xx):
+            return lambda: buf.dispatch(xx, num_tokens_per_rank=ntr, is_token_in_rank=tir, num_tokens_per_expert=nte,
+                                        topk_idx=idx, topk_weights=wts)
+        recv_x, _, recv_w, _, handle, _ = full(x)()
+        y = B.expert_output(recv_x, me)
+        ops = {"dispatch_bf16": full(x), "dispatch_fp8": full(xq),
+               "cached_bf16": lambda: buf.dispatch(x, handle=handle), "cached_fp8": lambda: buf.dispatch(xq, handle=handle),
+               "combine": lambda: buf.combine(y, handle, topk_weights=recv_w)}
+        K = handle.extra["plan"].num_chunks
+        for op, fn in ops.items():
+            reads = op.startswith("dispatch")
+            for _ in range(warmup):
+                fn()
+            counts = HT.count_device_ops(fn)
+            probe_ops, probe_again = device_ops(buf, fn), device_ops(buf, fn)
+            probe = RecordingProbe(timing=True)
+            buf.backend.set_probe(probe)
+            marks = {"read": probe.read_s, "coll": probe.collective_s, "last_read": 0.0}
+            per_call, backend = [], []   # per timed call: [seconds of NCCL call i]; the backend's own us
+
+            def read_ns():
+                marks["last_read"] = probe.read_s - marks["read"]
+                marks["read"] = probe.read_s
+                return marks["last_read"] * 1e9
+
+            def coll_ns():   # called after read_ns, once per timed call
+                v = probe.collective_s - marks["coll"]
+                marks["coll"] = probe.collective_s
+                last[:] = probe.take_collectives()
+                per_call.append([c.seconds for c in last])
+                backend.append((probe.calls_s[-1][1] - marks["last_read"] - v) * 1e6 if probe.calls_s else 0.0)
+                return v * 1e9
+            last = []
+            t = HT.host_times(fn, iters, ahead=not reads, group=group, wait_ns=read_ns if reads else None,
+                              excluded_ns=coll_ns)
+            backend_us = statistics.median(backend) if backend else 0.0
+            buf.backend.set_probe(RecordingProbe())
+            n = len(last)
+            nccl = []
+            for i, c in enumerate(last):   # every rank replays the same collectives in the same order
+                bare = _bare_collective(c)
+                stream = c.stream
+                prev = torch.cuda.current_stream() if stream is not None else None
+                if stream is not None:
+                    torch.cuda.set_stream(stream)
+                try:
+                    for _ in range(warmup):
+                        bare()
+                    f = HT.host_times(bare, iters, ahead=not reads, group=group)
+                finally:
+                    if stream is not None:
+                        torch.cuda.set_stream(prev)
+                mine = [p[i] * 1e6 for p in per_call if len(p) == n]
+                nccl.append({"name": c.name, "bytes": c.nbytes, "host_us": statistics.median(mine) if mine else 0.0,
+                             "floor_us": f["host_us"]})
+            last.clear()
+            floor = HT.floor_fn(counts, dev, 1 if reads else 0)
+            for _ in range(warmup):
+                floor()
+            fl = HT.host_times(floor, iters, ahead=not reads, group=group)
+            rows.append({"op": op, "tokens": w.num_tokens, "world": R, "nodes": R // rpn, "ranks_per_node": rpn,
+                         "chunk_cap": cap, "chunks": K, **t, "backend_us": backend_us,
+                         "nccl_us": t.get("excluded_us", 0.0), "nccl_calls": n, "nccl": nccl, "ops": counts,
+                         "probe_ops": probe_ops, "probe_ops_again": probe_again, "floor_us": fl["host_us"],
+                         "nccl_floor_us": sum(c["floor_us"] for c in nccl)})
+        buf.destroy()
+    # the slowest rank's figures
+    keys = ["host_us", "cpu_us", "wait_us", "own_us", "total_us", "nccl_us", "backend_us", "floor_us", "nccl_floor_us"]
+    for r in rows:
+        vals = slowest([float(r.get(k) or 0.0) for k in keys] + [v for c in r["nccl"] for v in (c["host_us"], c["floor_us"])],
+                       group)
+        r.update({k: v for k, v in zip(keys, vals) if r.get(k) is not None})
+        for j, c in enumerate(r["nccl"]):
+            c["host_us"], c["floor_us"] = vals[len(keys) + 2 * j], vals[len(keys) + 2 * j + 1]
+    return {"rows": rows, "device": str(dev)}
+
+
+def host_main(a, gpus: int) -> int:
+    """--host: the host-time figures and their targets (module docstring of bench_host for the method)."""
+    from commlib.utils.launch import parallel_launch
+
+    w = B.Workload(a.tokens, a.hidden, a.experts, a.topk, a.groups, a.topk_groups, a.seed)
+    caps = [int(c) for c in a.chunks.split(",")]
+    if a.ranks_per_node == 1:
+        caps = caps[:1]
+    kw = dict(ranks_per_node=1, use_gpu=bool(gpus), group_backend="nccl" if gpus else None, emulate_hosts=True) \
+        if a.emulate_hosts else dict(ranks_per_node=a.ranks_per_node, use_gpu=bool(gpus))
+    out = parallel_launch(a.ranks, _host_worker, w, a.iters, a.warmup, caps, a.ranks_per_node, **kw)
+    rows = out["rows"]
+    for r in rows:
+        r["host_over_floor"] = r["total_us"] / (r["floor_us"] + r["nccl_floor_us"]) \
+            if r["floor_us"] + r["nccl_floor_us"] else None
+        r["targets"] = host_verdicts(r)
+        r["met"] = all(t["met"] for t in r["targets"])
+    shared = bool(gpus) and gpus < a.ranks
+    note = ("HBM loopback (ranks share one GPU under MPS)" if shared else "one process per GPU" if gpus else "CPU ranks")
+    nodes = a.ranks // a.ranks_per_node
+    print(f"# bench_internode --host: {nodes} emulated nodes x {a.ranks_per_node}, {note}; tokens {a.tokens}, hidden "
+          f"{a.hidden}, {a.experts} experts; device {out['device']}; the slowest rank's medians of {a.iters} calls (us)")
+    print("# host: wall per call; total: less the count read's wait; nccl: inside NCCL calls (issue + wait); own: "
+          "total less nccl (the Buffer's and the engine's); backend: the engine's alone (inside backend.dispatch / "
+          "combine, less NCCL and the read; the 'own host time' target); floor: bare primitives of the call's device "
+          "ops (bench_host) | the same NCCL calls replayed bare")
+    print(f"# {'op':>14} {'cap':>3} {'K':>2} {'host':>8} {'wait':>8} {'total':>8} {'nccl':>8} {'own':>8} {'backend':>8} "
+          f"{'cpu':>8} {'floor':>8} {'ncclflr':>8} {'ops':>4} {'probe':>5} {'calls':>5}  verdict")
+    for r in rows:
+        print(f"  {r['op']:>14} {r['chunk_cap']:>3} {r['chunks']:>2} {r['host_us']:8.1f} {r.get('wait_us', 0.0):8.1f} "
+              f"{r['total_us']:8.1f} {r['nccl_us']:8.1f} {r['own_us']:8.1f} {r['backend_us']:8.1f} {r['cpu_us']:8.1f} "
+              f"{r['floor_us']:8.1f} {r['nccl_floor_us']:8.1f} {r['ops']['total']:>4} {r['probe_ops'].get('total', 0):>5} "
+              f"{r['nccl_calls']:>5}  {'PASS' if r['met'] else 'FAIL'}")
+        for i, c in enumerate(r["nccl"]):
+            print(f"#   {r['op']} NCCL call {i}: {c['name']} {c['bytes']} B, {c['host_us']:.1f} us, bare {c['floor_us']:.1f} us")
+    for r in rows:
+        for t in r["targets"]:
+            print(f"# target {t['target']} [cap {r['chunk_cap']}]: {t['value']} (needs <= {t['limit']}): "
+                  + ("PASS" if t["met"] else "FAIL"))
+    passed = all(r["met"] for r in rows)
+    print(f"[bench_internode --host] {'PASS' if passed else 'FAIL'}: "
+          f"{sum(t['met'] for r in rows for t in r['targets'])} of {sum(len(r['targets']) for r in rows)} targets met"
+          + ("" if gpus else " (CPU ranks: not the targets' setting)"))
+    if a.json is not None:
+        cmd = "python -m benchmarks.bench_internode " + " ".join(shlex.quote(v) for v in a.argv)
+        doc = results.result_document("bench_internode_host", cmd.strip(), rows, world_size=a.ranks,
+                                      targets=HOST_TARGETS, mode=note, passed=passed)
+        print(f"# wrote {results.write_result(doc, a.json)}")
+    return 0
+
+
 def main(argv=None) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -498,15 +688,20 @@ def main(argv=None) -> int:
                    help="also run the first chunk cap with the per-token steps as torch ops (COMMLIB_INTERNODE_KERNELS=0)")
     p.add_argument("--emulate-hosts", action="store_true",
                    help="one NCCL_HOSTID per rank: NCCL between processes (sharing a GPU, or over its socket transport)")
+    p.add_argument("--host", action="store_true",
+                   help="only the host-time figures and their targets (bench_host's JSON shape), nothing checked")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
                    help="a .json file, or a folder for the standard name (default: benchmarks/results/)")
     a = p.parse_args(argv)
+    a.argv = list(argv) if argv is not None else sys.argv[1:]
     from commlib.utils.launch import parallel_launch
 
     if a.ranks % a.ranks_per_node or a.ranks // a.ranks_per_node < 2:
         raise SystemExit("--ranks must be a multiple of --ranks-per-node with at least 2 nodes")
     w = B.Workload(a.tokens, a.hidden, a.experts, a.topk, a.groups, a.topk_groups, a.seed)
     w.validate(a.ranks)
+    if a.host:
+        return host_main(a, gpus)
     caps = [int(c) for c in a.chunks.split(",")]
     if a.ranks_per_node == 1 and len(caps) > 1:   # the engine sends one chunk there, whatever the cap
         print(f"# one rank per node: every call is one network chunk, so the chunk caps {caps} are one run (cap {caps[0]})")

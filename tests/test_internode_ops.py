@@ -82,6 +82,9 @@ def kernels(monkeypatch):
         out.copy_(exchange_digest(g, **kw))
     monkeypatch.setattr(IK, "meta", _hidden(meta))
     monkeypatch.setattr(IK, "digest", _hidden(digest))
+    # the device path keeps the digest's arguments (device.Scratch) and launches them
+    monkeypatch.setattr(IK, "digest_args", lambda g, out, **kw: (g, out, kw))
+    monkeypatch.setattr(IK, "launch_digest", _hidden(lambda args: digest(args[0], args[1], **args[2])))
     for name in ("pack", "land", "recv_chan", "rows", "home"):
         monkeypatch.setattr(IK, name, lambda *a, **k: None)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
@@ -104,7 +107,7 @@ def _wiring(M: int, P: int, Kc: int, probe) -> Wiring:
         return out
     return Wiring(topology=topo, device=torch.device("cpu"), nccl=True, network=_LoopNet(probe), node=node,
                   probe=probe, counters={"internode_rows": 0, "intranode_rows": 0, "local_rows": 0}, max_chunks=Kc,
-                  max_nodes=8, gather=gather, phase=lambda what: None)
+                  max_nodes=8, gather=gather, gather_into=lambda row, out: gather(row, out), phase=lambda what: None)
 
 
 def _calls(M: int, P: int, Kc: int, config, default_device=None) -> dict:
@@ -140,7 +143,8 @@ def _run(w, head, probe, req, x, config, counts, comb_rows) -> dict:
         head.released()
         counts[name] = probe.last_ops()
         return out
-    res = counted("dispatch", lambda: device.dispatch(w, head, req, SIG, 1, "internode"))
+    scratch = device.Scratch()
+    res = counted("dispatch", lambda: device.dispatch(w, head, scratch, req, SIG, 1, "internode"))
     plan = res.handle.extra["plan"]
     cached = DispatchRequest(x, None, None, None, None, res.handle, 0, 1, 0, config)
     counted("cached dispatch", lambda: device.dispatch_cached(w, cached, plan))

@@ -126,3 +126,65 @@ def test_main_job_counts_the_flat_all_to_all_rows_that_cross_nodes():
     rows = [{"op": "dispatch_bf16", "net_bytes": 300.0}, {"op": "a2a_dispatch_bf16", "net_bytes": 600.0},
             {"op": "combine", "net_bytes": 50.0}, {"op": "a2a_combine", "net_bytes": 0.0}]
     assert bench.net_bytes_summary(rows) == "dispatch_bf16 300 vs all_to_all 600 (0.50x)"
+
+
+def test_host_mode_writes_every_figure_and_verdict(tmp_path, capsys):
+    """bench_internode --host on CPU ranks: per op the host, wait, NCCL, own and floor figures, each
+    collective beside its bare replay, the device-operation counts and a verdict per target."""
+    out = tmp_path / "host.json"
+    assert bench_internode.main(["--host", "--ranks", "2", "--ranks-per-node", "1", "--tokens", "32", "--hidden", "256",
+                                 "--iters", "2", "--warmup", "0", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["tool"] == "bench_internode_host" and "passed" in doc
+    assert [r["op"] for r in doc["rows"]] == list(bench_internode.HOST_OPS)
+    for r in doc["rows"]:
+        assert r["host_us"] > 0 and r["own_us"] <= r["total_us"] <= r["host_us"] + 1e-6, r
+        assert 0 < r["backend_us"] <= r["total_us"], r
+        assert r["nccl_calls"] == len(r["nccl"]) >= 1 and all(c["bytes"] > 0 and c["floor_us"] > 0 for c in r["nccl"])
+        assert r["probe_ops"]["total"] > 0 and r["probe_ops"] == r["probe_ops_again"], r
+        assert {t["target"].split(": ")[1].split(" (")[0] for t in r["targets"]} >= {"NCCL calls per call"}
+        assert all(isinstance(t["met"], bool) for t in r["targets"])
+    assert "[bench_internode --host]" in capsys.readouterr().out
+
+
+def test_host_verdicts():
+    """Each target's limit: own time by op kind, 1 + K NCCL calls, ops + 1 per extra chunk, the whole
+    call at K = 1 only, every NCCL call against its bare replay; a count that differs between two
+    calls fails however small."""
+    row = {"op": "cached_bf16", "chunks": 1, "backend_us": 59.0, "own_us": 90.0, "total_us": 149.0, "nccl_calls": 2,
+           "probe_ops": {"total": 10}, "probe_ops_again": {"total": 10},
+           "nccl": [{"name": "all_to_all_single", "bytes": 64, "host_us": 20.0, "floor_us": 19.0}]}
+    v = bench_internode.host_verdicts(row)
+    assert len(v) == 5 and all(t["met"] for t in v), v
+    slow = dict(row, nccl=[dict(row["nccl"][0], host_us=30.0)], probe_ops_again={"total": 9})
+    met = [t["met"] for t in bench_internode.host_verdicts(slow)]
+    assert met == [True, True, False, True, False], met
+    four = dict(row, op="dispatch_bf16", chunks=4, backend_us=201.0, nccl_calls=5, probe_ops={"total": 23},
+                probe_ops_again={"total": 23})
+    v = {t["target"].split(": ")[1][:12]: t for t in bench_internode.host_verdicts(four)}
+    assert not v["engine's own"]["met"] and v["NCCL calls p"]["met"] and v["device opera"]["limit"] == 23
+    assert not any(t.startswith("whole") for t in v)
+
+
+def test_recording_probe_times_collectives_and_keeps_them_for_a_replay():
+    from commlib.backends.probe import NULL_PROBE, RecordingProbe
+
+    issued = []
+
+    class Work:
+        def wait(self):
+            issued.append("wait")
+
+    def coll(out, send, group=None, async_op=False):
+        issued.append((out.numel(), send.numel()))
+        return Work()
+    out, send = torch.zeros(6, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    NULL_PROBE.wait(NULL_PROBE.collective(coll, out, send, async_op=True))
+    probe = RecordingProbe(timing=True)
+    work = probe.collective(coll, out, send, group=None, async_op=True)
+    probe.wait(work)
+    (c,) = probe.take_collectives()
+    assert c.name == "coll" and c.nbytes == 48 and c.stream is None and c.wait_s > 0 and c.issue_s > 0
+    assert probe.collective_s == c.seconds and not probe.collectives
+    c.fn(*c.args, **c.kwargs).wait()   # the bare replay: the same call again
+    assert issued == [(6, 3), "wait"] * 3

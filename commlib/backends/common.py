@@ -73,16 +73,18 @@ def a2a_rows(rows: torch.Tensor, send_counts: list, recv_counts: list, group, de
     return out
 
 
-def gather(row: torch.Tensor, group, device, wait_fn, out=None) -> torch.Tensor:
+def gather(row: torch.Tensor, group, device, wait_fn, out=None, issue=None) -> torch.Tensor:
     """[n] -> [ranks of ``group``, n] on ``device`` (row r from rank r); no host read. ``out``: where
-    the rows land (contiguous, ranks x n elements of row's dtype), else a new tensor."""
+    the rows land (contiguous, ranks x n elements of row's dtype), else a new tensor. ``issue(fn,
+    *args, **kwargs)``: how the collective is issued (a probe's ``collective``; default: called)."""
     size = dist.get_world_size(group)
     row = row.to(device).contiguous()
     if out is None:
         out = torch.empty(size * row.numel(), dtype=row.dtype, device=device)
     out = out.view(-1)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    wait_fn(fn(out, row, group=group, async_op=True))
+    wait_fn(fn(out, row, group=group, async_op=True) if issue is None else issue(fn, out, row, group=group,
+                                                                                  async_op=True))
     return out.view(size, row.numel())
 
 

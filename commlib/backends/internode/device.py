@@ -18,7 +18,7 @@ from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import N_SIG, row_len
 from commlib.backends.internode.geometry import Plan, geometry
 from commlib.backends.internode.network import stream
-from commlib.backends.internode.rows import area_row, dispatch_packer, int32_views, rows_on, typed_views
+from commlib.backends.internode.rows import area_row, dispatch_packer, here, int32_views, rows_on, typed_views
 from commlib.backends.common import HOST, int32_columns
 from commlib.backends.internode.wiring import Wiring
 from commlib.handle import DispatchHandle
@@ -47,34 +47,63 @@ class HeadRow:
         self.busy = False   # the stream is past every kernel before a host read: the head row was read
 
 
+class Scratch:
+    """A non-cached dispatch's scratch, kept between calls of one shape: the exchange row, the
+    gathered rows, their digest and the scans (views of one allocation, made once per shape). Safe
+    to reuse: every kernel and collective that touches them is issued in the call, on the Buffer's
+    comm stream (NCCL's stream waits for it at the issue), and the host read of the digest has
+    shown the stream past the previous call's readers of all but ``g``, which only the pack and
+    recv_chan launches of that call read, in stream order before the next meta. Such a dispatch
+    reads counts on the host, so it is never inside a CUDA graph capture."""
+
+    def __init__(self) -> None:
+        self._key, self.parts, self.digest_args = None, None, None
+
+    def get(self, w: Wiring, T: int, n_row: int, n_dig: int, ring: int, Lx: int) -> tuple:
+        """(row [n_row], g [R * n_row], g as [R, n_row], digest [n_dig], before [T, R], spos [T, M]) on
+        the engine's device, and ``digest_args``: the digest launch's arguments for them."""
+        key = (T, n_row, n_dig, ring, Lx)
+        if key != self._key:
+            topo = w.topology
+            R, M, P = topo.num_ranks, topo.num_nodes, topo.ranks_per_node
+            row, g, dig, before, spos = typed_views(w.device, (torch.int64, (n_row,)), (torch.int64, (R * n_row,)),
+                                                    (torch.int64, (n_dig,)), (torch.int32, (T, R)),
+                                                    (torch.int32, (T, M)))
+            g2 = g.view(R, n_row)
+            self.digest_args = IK.digest_args(g2, dig, n_sig=N_SIG, me=topo.rank, node=topo.node, loc=topo.local_rank,
+                                              M=M, P=P, Kc=w.max_chunks, ring=ring, Lx=Lx)
+            self.parts, self._key = (row, g, g2, dig, before, spos), key
+        return self.parts
+
+
 def fits(req: DispatchRequest) -> bool:
     """Whether a non-cached dispatch's rows are whole 4-byte words in every dtype of its handle's
     later calls (FP8 x: H bytes; BF16: 2 H): H % 4 == 0, and no num_worst_tokens (padded path)."""
     return not req.num_worst_tokens and req.x.shape[1] % 4 == 0
 
 
-def dispatch(w: Wiring, head: HeadRow, req: DispatchRequest, sig: list, ring: int, name: str) -> DispatchResult:
+def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, sig: list, ring: int,
+             name: str) -> DispatchResult:
     topo, probe = w.topology, w.probe
     me, R, M, P = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node
     Kc, dev = w.max_chunks, w.device
-    x = req.x.to(dev).contiguous()
-    scales = req.x_scales.to(dev).contiguous() if req.x_scales is not None else None
+    x = here(req.x, dev)
+    scales = here(req.x_scales, dev) if req.x_scales is not None else None
     T, H = x.shape
     E = req.num_experts
     Lx = E // R
     K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
     C = req.config.num_channels
-    tir = req.layout.is_token_in_rank.to(dev).contiguous()
-    topk = req.topk_idx.to(dev).contiguous() if K else None
-    wts = req.topk_weights.to(dev).contiguous() if K and req.topk_weights is not None else None
+    tir = here(req.layout.is_token_in_rank, dev)
+    topk = here(req.topk_idx, dev) if K else None
+    wts = here(req.topk_weights, dev) if K and req.topk_weights is not None else None
     experts_in = None if K else req.layout.num_tokens_per_expert.to(dev, torch.int32).contiguous()
     probe.mark("inputs")
 
     # ---- 1. metadata: one launch ----
-    # the exchange row, the gathered rows, their digest and the scans: views of one allocation
-    n_row, n_dig = row_len(R, M, P, Kc, E), IK.digest_len(M, P, Kc, Lx)
-    row, g, dig, before, spos = typed_views(dev, (torch.int64, (n_row,)), (torch.int64, (R * n_row,)),
-                                            (torch.int64, (n_dig,)), (torch.int32, (T, R)), (torch.int32, (T, M)))
+    # the exchange row, the gathered rows, their digest and the scans: kept between calls (Scratch)
+    row, g_flat, g, dig, before, spos = scratch.get(w, T, row_len(R, M, P, Kc, E), IK.digest_len(M, P, Kc, Lx),
+                                                    ring, Lx)
     IK.meta(tir, topk, experts_in, head.get(sig), row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=ring,
             max_nodes=w.max_nodes)
     probe.op("launches")
@@ -82,9 +111,9 @@ def dispatch(w: Wiring, head: HeadRow, req: DispatchRequest, sig: list, ring: in
 
     # ---- 2. one collective, one host read (of the gathered rows' digest) ----
     w.phase("dispatch (agreement + count exchange)")
-    g = w.gather(row, out=g)
+    w.gather_into(row, g_flat)
     probe.mark("exchange")
-    IK.digest(g, dig, n_sig=N_SIG, me=me, node=topo.node, loc=topo.local_rank, M=M, P=P, Kc=Kc, ring=ring, Lx=Lx)
+    IK.launch_digest(scratch.digest_args)
     probe.op("launches")
     counts = w.read_counts(g, dig, sig, E)
     head.released()
@@ -127,18 +156,21 @@ def dispatch(w: Wiring, head: HeadRow, req: DispatchRequest, sig: list, ring: in
     probe.mark("land")
 
     out = req.x.device
-    moved = (lambda t: t) if out == dev else (lambda t: None if t is None else t.to(out))
+    if out != dev:   # inputs on another device than the engine's: the outputs and the handle go back there
+        recv_x, recv_scales, recv_topk_idx, recv_topk_w, rank_prefix, chan_prefix, recv_chan_prefix, recv_src_idx, \
+            tir, send_head = [None if t is None else t.to(out) for t in (
+                recv_x, recv_scales, recv_topk_idx, recv_topk_w, rank_prefix, chan_prefix, recv_chan_prefix,
+                recv_src_idx, tir, send_head)]
     handle = DispatchHandle(
-        rank_prefix_matrix=moved(rank_prefix), channel_prefix_matrix=moved(chan_prefix),
-        recv_channel_prefix_matrix=moved(recv_chan_prefix), recv_src_idx=moved(recv_src_idx),
-        is_token_in_rank=moved(tir), send_head=moved(send_head),
+        rank_prefix_matrix=rank_prefix, channel_prefix_matrix=chan_prefix,
+        recv_channel_prefix_matrix=recv_chan_prefix, recv_src_idx=recv_src_idx,
+        is_token_in_rank=tir, send_head=send_head,
         topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
         num_recv_tokens=num_recv, num_worst_tokens=0, backend=name,
         extra={"plan": plan, "num_recv": num_recv})
     a = req.expert_alignment
     per_expert_list = expert_counts if a == 1 else [align_up(c, a) for c in expert_counts]
-    return DispatchResult(moved(recv_x), moved(recv_scales), moved(recv_topk_idx), moved(recv_topk_w),
-                          per_expert_list, handle)
+    return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle)
 
 
 def send_and_landing(w: Wiring, plan: Plan, W: int) -> tuple:
@@ -181,12 +213,12 @@ def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResu
     """Cached dispatch on the kernels: pack by the plan's slots and the handle's send_head, the
     network chunks, land (no routing columns)."""
     topo, dev, h, probe = w.topology, w.device, req.handle, w.probe
-    x = req.x.to(dev).contiguous()
-    scales = req.x_scales.to(dev).contiguous() if req.x_scales is not None else None
+    x = here(req.x, dev)
+    scales = here(req.x_scales, dev) if req.x_scales is not None else None
     packer = dispatch_packer(x, scales, 0, False)
     W = packer.row_bytes
     send, recv = send_and_landing(w, plan, W)
-    IK.pack(None, send, plan.slot, h.send_head.to(dev).contiguous(), x, scales, None, None, me=topo.rank,
+    IK.pack(None, send, plan.slot, here(h.send_head, dev), x, scales, None, None, me=topo.rank,
             M=topo.num_nodes, P=topo.ranks_per_node, Kc=w.max_chunks, ring=1)
     probe.op("launches")
     probe.mark("pack")
@@ -200,7 +232,9 @@ def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResu
     del landed   # held until the land kernel read it
     probe.mark("land")
     out = req.x.device
-    return DispatchResult(recv_x.to(out), recv_scales.to(out) if scales is not None else None, None, None, None, h)
+    if out != dev:
+        recv_x, recv_scales = recv_x.to(out), recv_scales.to(out) if scales is not None else None
+    return DispatchResult(recv_x, recv_scales, None, None, None, h)
 
 
 def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
@@ -216,7 +250,7 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     Wc = 2 * H + 4 * K
     nch, ss, rs = plan.num_chunks, plan.send_starts, plan.recv_starts
     # the node partials this rank sends and the partials that come back: views of one allocation
-    partial, back = torch.empty(rs[-1] + ss[-1], Wc, dtype=torch.uint8, device=dev).split([rs[-1], ss[-1]])
+    partial, back = torch.empty(rs[-1] + ss[-1], Wc, dtype=torch.uint8, device=dev).split_with_sizes([rs[-1], ss[-1]])
     before = None
     if not node.in_area:
         IK.rows(plan.land_all, rs[-1], y, wts, partial.data_ptr(), Wc)
@@ -232,11 +266,13 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     probe.mark("network")
     out_y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if K else None
-    IK.home(back, plan.slot, [b.to(dev).contiguous() for b in req.bias], out_y, out_w, H=H, K=K)
+    IK.home(back, plan.slot, [here(b, dev) for b in req.bias] if req.bias else [], out_y, out_w, H=H, K=K)
     probe.op("launches")
     probe.mark("home")
     out = req.x.device
-    return CombineResult(out_y.to(out), out_w.to(out) if K else None)
+    if out != dev:
+        out_y, out_w = out_y.to(out), out_w.to(out) if K else None
+    return CombineResult(out_y, out_w)
 
 
-__all__ = ["HeadRow", "fits", "dispatch", "send_and_landing", "move", "dispatch_cached", "combine"]
+__all__ = ["HeadRow", "Scratch", "fits", "dispatch", "send_and_landing", "move", "dispatch_cached", "combine"]

@@ -70,6 +70,7 @@ class InternodeBackend(Backend):
                              "topology has one (use nvlink or reference)")
         self.group = ctx.group
         self.nccl = dist.get_backend(self.group) == "nccl"
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.comm_device = ctx.device if self.nccl else torch.device("cpu")
         self.probe = ctx.probe
         self.calls = 0          # ops issued on this Buffer; identical on every rank unless ranks diverge
@@ -103,8 +104,10 @@ class InternodeBackend(Backend):
                              and self.node.name in ("local", "kernel") and env.internode_kernels())
         self.wiring = Wiring(topology=topo, device=self.comm_device, nccl=self.nccl, network=self.network,
                              node=self.node, probe=self.probe, counters=self.counters, max_chunks=self.max_chunks,
-                             max_nodes=ctx.max_nodes_per_token, gather=self._gather, phase=self._set_phase)
+                             max_nodes=ctx.max_nodes_per_token, gather=self._gather, gather_into=self._gather_into,
+                             phase=self._set_phase)
         self.head = device.HeadRow()
+        self.scratch = device.Scratch()
 
     def set_probe(self, probe) -> None:
         """Report to ``probe`` from now on (benchmarks and experiments; ctx.probe at construction)."""
@@ -152,7 +155,7 @@ class InternodeBackend(Backend):
         if what is not None:
             self._phase = what
         if self.nccl:
-            work.wait()
+            self.probe.wait(work)
             self.probe.op("event_ops")
             return
         wait(work, self.ctx.timeout_s, self.topology.rank, self._phase, self.calls, self._fail)
@@ -161,7 +164,12 @@ class InternodeBackend(Backend):
         self.failed = message
 
     def _gather(self, row: torch.Tensor, out=None) -> torch.Tensor:
-        return gather(row, self.group, self.comm_device, self._wait_for, out)
+        return gather(row, self.group, self.comm_device, self._wait_for, out, issue=self.probe.collective)
+
+    def _gather_into(self, row: torch.Tensor, out: torch.Tensor) -> None:
+        """The count exchange of the device path: ``row`` (contiguous, on the engine's device) from every
+        rank into ``out`` [R * n] (kept by the caller): no view, no new tensor, no lookup per call."""
+        self._wait_for(self.probe.collective(self._all_gather, out, row, group=self.group, async_op=True))
 
     def _row_len(self, num_experts: int) -> int:
         topo = self.topology
@@ -227,7 +235,7 @@ class InternodeBackend(Backend):
                                  req.config)
             ring = ring_rows(req.config)
             if self.device_steps and device.fits(req):
-                return device.dispatch(self.wiring, self.head, req, sig, ring, self.name)
+                return device.dispatch(self.wiring, self.head, self.scratch, req, sig, ring, self.name)
             if req.num_worst_tokens:
                 return padded.dispatch(self.wiring, req, sig, ring, self.name)
             return counted.dispatch(self.wiring, req, sig, ring, self.name)

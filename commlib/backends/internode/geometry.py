@@ -81,6 +81,7 @@ class Plan:
     crows: int = 0
     slots: int = 0
     num_recv_dev: Optional[torch.Tensor] = None
+    row_counts: Optional[tuple] = None        # ((counter, rows), ...) one call adds (Wiring.count_rows)
 
 
 def geometry(path: str, counts: dict, ring: int, max_chunks: int) -> Plan:

@@ -20,17 +20,16 @@ RECV_CHAN_THREADS = 256
 MAX_CTAS = 264   # two waves of 132 SMs: these kernels copy rows at HBM speed, not the network's
 
 
-def _need(cond: bool, what: str) -> None:
-    if not cond:
-        raise ValueError(f"commlib internode kernels: {what}")
+def _fail(what: str) -> None:
+    """A refused input (the checks are inline: a check that passes builds no message)."""
+    raise ValueError(f"commlib internode kernels: {what}")
 
 
 def _grid(n: int) -> int:
     return max(1, min(MAX_CTAS, -(-n // (THREADS // 32))))
 
 
-def _ptr_or_zero(t) -> int:
-    return 0 if t is None else loader.ptr(t)
+_ptr_or_zero = loader.ptr   # 0 for None: one Python frame per argument, not two
 
 
 def meta(tir: torch.Tensor, topk, experts_in, head: torch.Tensor, row: torch.Tensor, before: torch.Tensor,
@@ -40,13 +39,18 @@ def meta(tir: torch.Tensor, topk, experts_in, head: torch.Tensor, row: torch.Ten
     int64 (or, without top-k, ``experts_in``: int32 [E] tokens per expert)."""
     T, R = tir.shape
     K = topk.shape[1] if topk is not None else 0
-    _need(tir.dtype == torch.bool and tir.is_contiguous(), "is_token_in_rank must be contiguous bool")
-    _need(R == M * P, f"is_token_in_rank has {R} columns, the topology {M} x {P} ranks")
-    _need(topk is None or (topk.dtype == torch.int64 and topk.is_contiguous()), "topk_idx must be contiguous int64")
-    _need(topk is not None or (experts_in is not None and experts_in.dtype == torch.int32
-                               and experts_in.numel() == E), "without topk_idx, int32 tokens per expert [E]")
-    _need(row.dtype == torch.int64 and head.dtype == torch.int64, "the exchange row and its head are int64")
-    _need(before.dtype == torch.int32 and spos.dtype == torch.int32, "before / spos are int32")
+    if not (tir.dtype == torch.bool and tir.is_contiguous()):
+        _fail("is_token_in_rank must be contiguous bool")
+    if not (R == M * P):
+        _fail(f"is_token_in_rank has {R} columns, the topology {M} x {P} ranks")
+    if not (topk is None or (topk.dtype == torch.int64 and topk.is_contiguous())):
+        _fail("topk_idx must be contiguous int64")
+    if not (topk is not None or (experts_in is not None and experts_in.dtype == torch.int32 and experts_in.numel() == E)):
+        _fail("without topk_idx, int32 tokens per expert [E]")
+    if not (row.dtype == torch.int64 and head.dtype == torch.int64):
+        _fail("the exchange row and its head are int64")
+    if not (before.dtype == torch.int32 and spos.dtype == torch.int32):
+        _fail("before / spos are int32")
     shared = 4 * max(E, Kc * P, 1)
     loader.launch(FAMILY, "inter_meta_kernel", R + M + 1, META_THREADS,
                   (loader.ptr(tir), _ptr_or_zero(topk), _ptr_or_zero(experts_in), loader.ptr(head),
@@ -67,29 +71,45 @@ def digest(g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int, node: int
            Kc: int, ring: int, Lx: int) -> None:
     """What the host needs of the gathered exchange ``g`` [R, row_len] (int64) into ``out`` (int64
     [digest_len]): the same vector as ``exchange_digest``."""
+    launch_digest(digest_args(g, out, n_sig=n_sig, me=me, node=node, loc=loc, M=M, P=P, Kc=Kc, ring=ring, Lx=Lx))
+
+
+def launch_digest(args: tuple) -> None:
+    """The digest launch with arguments from ``digest_args`` (kept by a caller whose g and out stay)."""
+    loader.launch(FAMILY, "inter_digest_kernel", 1, DIGEST_THREADS, args)
+
+
+def digest_args(g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int, node: int, loc: int, M: int, P: int,
+                Kc: int, ring: int, Lx: int) -> tuple:
+    """``digest``'s checks, then the launch's arguments."""
     R, row_len = g.shape
-    _need(g.dtype == torch.int64 and g.is_contiguous(), "g must be the contiguous int64 gathered exchange")
-    _need(R == M * P and 0 <= me < R and me == node * P + loc, f"rank {me} is not (node {node}, local rank {loc}) "
-          f"of {M} x {P}")
-    _need(out.dtype == torch.int64 and out.is_contiguous() and out.numel() == digest_len(M, P, Kc, Lx),
-          f"out must be contiguous int64 [{digest_len(M, P, Kc, Lx)}]")
-    loader.launch(FAMILY, "inter_digest_kernel", 1, DIGEST_THREADS,
-                  (loader.ptr(g), loader.i32(row_len), loader.i32(n_sig), loader.i32(me), loader.i32(node),
-                   loader.i32(loc), loader.i32(R), loader.i32(M), loader.i32(P), loader.i32(Kc), loader.i32(ring),
-                   loader.i32(Lx), loader.ptr(out)))
+    if not (g.dtype == torch.int64 and g.is_contiguous()):
+        _fail("g must be the contiguous int64 gathered exchange")
+    if not (R == M * P and 0 <= me < R and me == node * P + loc):
+        _fail(f"rank {me} is not (node {node}, local rank {loc}) " f"of {M} x {P}")
+    if not (out.dtype == torch.int64 and out.is_contiguous() and out.numel() == digest_len(M, P, Kc, Lx)):
+        _fail(f"out must be contiguous int64 [{digest_len(M, P, Kc, Lx)}]")
+    return (loader.ptr(g), loader.i32(row_len), loader.i32(n_sig), loader.i32(me), loader.i32(node),
+            loader.i32(loc), loader.i32(R), loader.i32(M), loader.i32(P), loader.i32(Kc), loader.i32(ring),
+            loader.i32(Lx), loader.ptr(out))
 
 
 def _row_parts(x: torch.Tensor, scales, topk, w) -> tuple:
     """(x bytes, scales bytes) of one row, after the checks every row-moving kernel shares."""
-    _need(x.is_contiguous() and x.dim() == 2, "x must be a contiguous [T, H] tensor")
+    if not (x.is_contiguous() and x.dim() == 2):
+        _fail("x must be a contiguous [T, H] tensor")
     x_bytes = x.shape[1] * x.element_size()
     s_bytes = 0
     if scales is not None:
-        _need(scales.dtype == torch.float32 and scales.is_contiguous(), "scales must be contiguous float32")
+        if not (scales.dtype == torch.float32 and scales.is_contiguous()):
+            _fail("scales must be contiguous float32")
         s_bytes = scales.shape[1] * 4
-    _need(x_bytes % 4 == 0, f"a row of x must be a multiple of 4 bytes, is {x_bytes}")
-    _need(topk is None or (topk.dtype == torch.int64 and topk.is_contiguous()), "topk_idx must be contiguous int64")
-    _need(w is None or (w.dtype == torch.float32 and w.is_contiguous()), "topk_weights must be contiguous float32")
+    if not (x_bytes % 4 == 0):
+        _fail(f"a row of x must be a multiple of 4 bytes, is {x_bytes}")
+    if not (topk is None or (topk.dtype == torch.int64 and topk.is_contiguous())):
+        _fail("topk_idx must be contiguous int64")
+    if not (w is None or (w.dtype == torch.float32 and w.is_contiguous())):
+        _fail("topk_weights must be contiguous float32")
     return x_bytes, s_bytes
 
 
@@ -105,15 +125,18 @@ def pack(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor, x: 
     K = topk.shape[1] if topk is not None else 0
     x_bytes, s_bytes = _row_parts(x, scales, topk, w)
     W = x_bytes + s_bytes + 4 + (8 * K + (4 * K if w is not None else 0))
-    _need(send.dtype == torch.uint8 and send.dim() == 2 and send.is_contiguous() and send.shape[1] == W + 4 * P,
-          f"send rows must be contiguous uint8 [S, {W + 4 * P}]")
-    _need(slot.dtype == torch.int32 and send_head.dtype == torch.int32 and slot.is_contiguous()
-          and send_head.is_contiguous(), "slot and send_head are contiguous int32")
+    if not (send.dtype == torch.uint8 and send.dim() == 2 and send.is_contiguous() and send.shape[1] == W + 4 * P):
+        _fail(f"send rows must be contiguous uint8 [S, {W + 4 * P}]")
+    if not (slot.dtype == torch.int32 and send_head.dtype == torch.int32 and slot.is_contiguous()
+            and send_head.is_contiguous()):
+        _fail("slot and send_head are contiguous int32")
     C = 1
     if g is not None:
-        _need(g.dtype == torch.int64 and g.is_contiguous() and g.shape[0] == R, "g is the gathered exchange [R, row_len]")
-        _need(tir is not None and before is not None and spos is not None and rank_prefix is not None
-              and chan_prefix is not None, "a fresh pack needs tir, before, spos and the matrices")
+        if not (g.dtype == torch.int64 and g.is_contiguous() and g.shape[0] == R):
+            _fail("g is the gathered exchange [R, row_len]")
+        if not (tir is not None and before is not None and spos is not None and rank_prefix is not None
+                and chan_prefix is not None):
+            _fail("a fresh pack needs tir, before, spos and the matrices")
         C = chan_prefix.shape[1]
     if T == 0 and g is None:   # a fresh pack still writes the matrices
         return
@@ -135,14 +158,18 @@ def land(rows_addr: int, n: int, row_stride: int, pos_off: int, x_out: torch.Ten
     row's index). The rows carry scales exactly when ``s_out`` is given; expert ids are made local
     ([expert_lo, expert_lo + num_local) -> 0.., else -1), weights of other ranks' experts 0.
     ``pos_out`` (int32 [n]) gets each row's output row. The row layout is the dispatch packer's."""
-    _need(x_out.is_contiguous() and x_out.dim() == 2, "x_out must be contiguous [N, H]")
+    if not (x_out.is_contiguous() and x_out.dim() == 2):
+        _fail("x_out must be contiguous [N, H]")
     x_bytes = x_out.shape[1] * x_out.element_size()
     s_bytes = s_out.shape[1] * 4 if s_out is not None else 0   # rows carry scales exactly when x_out has them
-    _need(x_bytes % 4 == 0 and s_bytes % 4 == 0 and row_stride % 4 == 0 and rows_addr % 4 == 0,
-          "row geometry must be 4-byte aligned")
-    _need(s_out is None or (s_out.dtype == torch.float32 and s_out.is_contiguous()), "scales out: contiguous float32")
-    _need(topk_out is None or (topk_out.dtype == torch.int64 and topk_out.is_contiguous()), "ids out: int64")
-    _need(w_out is None or (w_out.dtype == torch.float32 and w_out.is_contiguous()), "weights out: float32")
+    if not (x_bytes % 4 == 0 and s_bytes % 4 == 0 and row_stride % 4 == 0 and rows_addr % 4 == 0):
+        _fail("row geometry must be 4-byte aligned")
+    if not (s_out is None or (s_out.dtype == torch.float32 and s_out.is_contiguous())):
+        _fail("scales out: contiguous float32")
+    if not (topk_out is None or (topk_out.dtype == torch.int64 and topk_out.is_contiguous())):
+        _fail("ids out: int64")
+    if not (w_out is None or (w_out.dtype == torch.float32 and w_out.is_contiguous())):
+        _fail("weights out: float32")
     if n == 0:
         return
     loader.launch(FAMILY, "inter_land_kernel", _grid(n), THREADS,
@@ -156,7 +183,8 @@ def land(rows_addr: int, n: int, row_stride: int, pos_off: int, x_out: torch.Ten
 def recv_chan(src_idx: torch.Tensor, g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int) -> None:
     """The handle's recv_channel_prefix_matrix ``out`` [R, C] int32 from the landed source indices."""
     R, C = out.shape
-    _need(src_idx.dtype == torch.int32 and out.dtype == torch.int32 and out.is_contiguous(), "int32 in and out")
+    if not (src_idx.dtype == torch.int32 and out.dtype == torch.int32 and out.is_contiguous()):
+        _fail("int32 in and out")
     loader.launch(FAMILY, "inter_recv_chan_kernel", 1, RECV_CHAN_THREADS,
                   (loader.ptr(src_idx), loader.ptr(g), loader.i32(g.shape[1]), loader.i32(n_sig), loader.i32(me),
                    loader.i32(R), loader.i32(C), loader.ptr(out)))
@@ -165,12 +193,16 @@ def recv_chan(src_idx: torch.Tensor, g: torch.Tensor, out: torch.Tensor, *, n_si
 def rows(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int) -> None:
     """Combine rows at device address ``out_addr`` (stride ``out_stride``): row j = y row pos[j] | w row
     pos[j] (``pos`` None: row j)."""
-    _need(y.dtype == torch.bfloat16 and y.is_contiguous(), "combine x must be contiguous bf16")
+    if not (y.dtype == torch.bfloat16 and y.is_contiguous()):
+        _fail("combine x must be contiguous bf16")
     K = w.shape[1] if w is not None else 0
-    _need(w is None or (w.dtype == torch.float32 and w.is_contiguous()), "combine weights: contiguous float32")
-    _need(out_stride % 4 == 0 and out_addr % 4 == 0 and (2 * y.shape[1]) % 4 == 0 and out_stride >= 2 * y.shape[1] + 4 * K,
-          "4-byte aligned rows wide enough for y and w")
-    _need(pos is None or (pos.dtype == torch.int32 and pos.is_contiguous()), "pos must be contiguous int32")
+    if not (w is None or (w.dtype == torch.float32 and w.is_contiguous())):
+        _fail("combine weights: contiguous float32")
+    if not (out_stride % 4 == 0 and out_addr % 4 == 0 and (2 * y.shape[1]) % 4 == 0
+            and out_stride >= 2 * y.shape[1] + 4 * K):
+        _fail("4-byte aligned rows wide enough for y and w")
+    if not (pos is None or (pos.dtype == torch.int32 and pos.is_contiguous())):
+        _fail("pos must be contiguous int32")
     if n == 0:
         return
     loader.launch(FAMILY, "inter_rows_kernel", _grid(n), THREADS,
@@ -182,10 +214,13 @@ def home(back: torch.Tensor, slot: torch.Tensor, biases: list, out_y: torch.Tens
     """Combine at home: per token the node partials (``back`` rows at ``slot`` [T, M]) summed in node
     order, then the (bf16, [T, H]) biases, into bf16 ``out_y`` [T, H] and float32 ``out_w`` [T, K]."""
     T, M = slot.shape
-    _need(H % 2 == 0 and out_y.dtype == torch.bfloat16 and out_y.is_contiguous(), "out_y: contiguous bf16, H even")
-    _need(len(biases) <= 2 and all(b.dtype == torch.bfloat16 and b.is_contiguous() and tuple(b.shape) == (T, H)
-                                   for b in biases), "at most two contiguous bf16 [T, H] biases")
-    _need(back.stride(0) % 4 == 0 and back.data_ptr() % 4 == 0, "4-byte aligned back rows")
+    if not (H % 2 == 0 and out_y.dtype == torch.bfloat16 and out_y.is_contiguous()):
+        _fail("out_y: contiguous bf16, H even")
+    if not (len(biases) <= 2 and all(b.dtype == torch.bfloat16 and b.is_contiguous() and tuple(b.shape) == (T, H)
+                                     for b in biases)):
+        _fail("at most two contiguous bf16 [T, H] biases")
+    if not (back.stride(0) % 4 == 0 and back.data_ptr() % 4 == 0):
+        _fail("4-byte aligned back rows")
     if T == 0:
         return
     b = list(biases) + [None, None]

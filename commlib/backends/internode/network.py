@@ -60,7 +60,8 @@ class RailStep(NetworkStep):
         self.stall()
         if out is None:
             out = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype, device=send.device)
-        work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group, async_op=True)
+        work = self.probe.collective(dist.all_to_all_single, out, send, recv_splits, send_splits, group=self.group,
+                                     async_op=True)
         return out, work
 
     def land(self, posted, what):

@@ -10,6 +10,7 @@ Legend: T tokens, H hidden, K top-k, P ranks per node, W bytes of a packed row.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,11 +20,16 @@ from commlib.utils.math import align_up
 
 
 def dispatch_packer(x: torch.Tensor, scales, K: int, has_w: bool) -> Packer:
-    """The packer of a dispatch's rows (``K`` = 0: cached dispatch, no routing columns)."""
-    H = x.shape[1]
-    cols = [("x", x.dtype, (H,))]
-    if scales is not None:
-        cols.append(("scales", torch.float32, (scales.shape[1],)))
+    """The packer of a dispatch's rows (``K`` = 0: cached dispatch, no routing columns); one per
+    row layout, kept (a Packer is never changed after it is made)."""
+    return _packer(x.dtype, x.shape[1], scales.shape[1] if scales is not None else -1, K, has_w)
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(dtype, H: int, S: int, K: int, has_w: bool) -> Packer:
+    cols = [("x", dtype, (H,))]
+    if S >= 0:
+        cols.append(("scales", torch.float32, (S,)))
     cols.append(("src_idx", torch.int32, ()))
     if K:
         cols.append(("topk_idx", torch.int64, (K,)))
@@ -69,11 +75,14 @@ def fill_ids(out: torch.Tensor, packer: Packer) -> None:
         offset += w
 
 
+def here(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` contiguous on ``device``: ``t`` itself where it is so already (no dispatcher call)."""
+    return t if t.device == device and t.is_contiguous() else t.to(device).contiguous()
+
+
 def rows_on(t: torch.Tensor, n: int, device) -> torch.Tensor:
     """The first ``n`` rows of ``t``, contiguous on ``device`` (``t`` itself where it already is)."""
-    if t.shape[0] != n:
-        t = t[:n]
-    return t.to(device).contiguous()
+    return here(t if t.shape[0] == n else t[:n], device)
 
 
 def typed_views(device, *parts) -> list:
@@ -92,7 +101,8 @@ def typed_views(device, *parts) -> list:
 def int32_views(device, *shapes) -> list:
     """int32 tensors of ``shapes``, views of one allocation (one allocator call, one stream record)."""
     sizes = [math.prod(s) for s in shapes]
-    parts = torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)   # one operation for all
+    # one operation for all (split_with_sizes: Tensor.split's Python wrapper costs more than the split)
+    parts = torch.empty(sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
     return [p if len(s) == 1 else p.view(s) for p, s in zip(parts, shapes)]
 
 
@@ -101,5 +111,5 @@ def with_positions(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, pos.contiguous().view(torch.uint8).view(-1, 4 * pos.shape[1])], dim=1)
 
 
-__all__ = ["dispatch_packer", "combine_packer", "payload", "area_row", "fill_ids", "rows_on", "typed_views", "int32_views",
+__all__ = ["dispatch_packer", "combine_packer", "payload", "area_row", "fill_ids", "here", "rows_on", "typed_views", "int32_views",
            "with_positions"]

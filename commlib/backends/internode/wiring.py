@@ -32,6 +32,7 @@ class Wiring:
     max_chunks: int                 # Kc
     max_nodes: int                  # max_nodes_per_token
     gather: Callable                # gather(row, out=None) -> [R, n]: the count exchange on the Buffer's group
+    gather_into: Callable           # gather_into(row, out): the same into out (contiguous [R * n]), nothing made
     phase: Callable                 # phase(what): names the step a timeout reports
     reads: list = dataclasses.field(default_factory=lambda: [0])   # host reads (tests: one per dispatch)
 
@@ -67,11 +68,16 @@ class Wiring:
     def count_rows(self, plan: Plan) -> None:
         """Rows moved by a counted call (``plan``'s geometry): over the network, inside the node."""
         topo, c = self.topology, self.counters
-        for m, n in enumerate(plan.home_lens):
-            c["local_rows" if m == topo.node else "internode_rows"] += n
-        for k in range(plan.num_chunks):
-            for p, n in enumerate(plan.fan_send[k]):
-                c["local_rows" if p == topo.local_rank else "intranode_rows"] += n
+        if plan.row_counts is None:   # the geometry is the plan's for good: sum it once
+            moved = {"local_rows": 0, "internode_rows": 0, "intranode_rows": 0}
+            for m, n in enumerate(plan.home_lens):
+                moved["local_rows" if m == topo.node else "internode_rows"] += n
+            for k in range(plan.num_chunks):
+                for p, n in enumerate(plan.fan_send[k]):
+                    moved["local_rows" if p == topo.local_rank else "intranode_rows"] += n
+            plan.row_counts = tuple(moved.items())
+        for key, n in plan.row_counts:
+            c[key] += n
 
     def count_padded(self, plan: Plan) -> None:
         """Rows moved by a padded call, padding included (what crossed the links)."""

@@ -1,0 +1,161 @@
+"""What the host-time benchmarks share (bench_host: the NVLink call path; bench_internode --host: the
+internode engine): the device-operation count of one call (PyTorch profiler), host wall / CPU time
+per call with the host running ahead or not, the floor of bare primitives, a cProfile of an op.
+
+Legend: a "device operation" is one of CATEGORIES: a launch, a copy (memcpy / memset), an
+allocation (aten::empty*), an event record, an event wait, a host sync, a collective.
+"""
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+# profiler event name -> category (CPU-side API calls; kernels and copies are read from device events)
+_API = {"cudaEventRecord": "event_record", "cudaEventRecordWithFlags": "event_record",
+        "cudaStreamWaitEvent": "event_wait", "cudaEventSynchronize": "sync", "cudaStreamSynchronize": "sync",
+        "cudaDeviceSynchronize": "sync", "cudaEventQuery": "event_query"}
+CATEGORIES = ("launch", "copy", "alloc", "event_record", "event_wait", "sync", "collective")
+
+
+def count_device_ops(fn) -> dict:
+    """Device operations ``fn()`` issues, by category (see CATEGORIES), from one profiled call, less
+    what the profiler itself issues around an empty function (its own synchronisations)."""
+    base = _profiled_ops(lambda: None)
+    counts = _profiled_ops(fn)
+    counts = {c: max(0, counts[c] - base[c]) for c in CATEGORIES}
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def _profiled_ops(fn) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    counts = collections.Counter({c: 0 for c in CATEGORIES})
+    for ev in prof.events():
+        name = ev.name
+        on_device = ev.device_type == torch.autograd.DeviceType.CUDA
+        if on_device:
+            low = name.lower()
+            if low.startswith(("memcpy", "memset")):
+                counts["copy"] += 1
+            elif "nccl" not in low:   # a collective's kernel: counted once, by its c10d op below
+                counts["launch"] += 1
+        elif name in _API:
+            counts[_API[name]] += 1
+        elif name in ("aten::empty", "aten::empty_strided"):
+            counts["alloc"] += 1
+        elif name.startswith("c10d::"):   # one per collective (its "gloo:" / "nccl:" record is inside it)
+            counts["collective"] += 1
+    return dict(counts)
+
+
+def device_busy(us: float) -> None:
+    if torch.cuda.is_available():
+        torch.cuda._sleep(int(us * 2000))   # ~2 cycles per ns at the H200's clocks: busy well past the loop
+
+
+def host_times(fn, iters: int, ahead: bool, group, wait_ns=None, excluded_ns=None) -> dict:
+    """Median wall / CPU us per call of ``iters`` back-to-back calls; ``ahead``: the device is kept
+    busy so no call waits for it; else (calls that read counts) ``wait_ns()`` reports the time each
+    call spent blocked in its count read (on the device's earlier work, the notify kernel, the peers).
+    ``excluded_ns()``: time of the call just made spent in code that is not the caller's own (the
+    collectives' issue and wait): its median is ``excluded_us``, and ``own_us`` leaves it out too."""
+    walls, cpus, waits, excluded = [], [], [], []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier(group=group)
+    if ahead:
+        device_busy(iters * 2000.0)
+    for _ in range(iters):
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        fn()
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        walls.append((t1 - t0) / 1e3)
+        cpus.append((c1 - c0) / 1e3)
+        waits.append(wait_ns() / 1e3 if wait_ns is not None else 0.0)
+        excluded.append(excluded_ns() / 1e3 if excluded_ns is not None else 0.0)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    out = {"host_us": statistics.median(walls), "cpu_us": statistics.median(cpus)}
+    if wait_ns is not None or excluded_ns is not None:
+        own = [w - x - e for w, x, e in zip(walls, waits, excluded)]
+        out.update(wait_us=statistics.median(waits), own_us=statistics.median(own))
+    if excluded_ns is not None:
+        out.update(total_us=statistics.median([w - x for w, x in zip(walls, waits)]),
+                   excluded_us=statistics.median(excluded))
+    return out
+
+
+def allocations(fn) -> list:
+    """(shape, dtype) of each tensor ``fn()`` makes through ``torch.empty`` (one call, spied)."""
+    made, real = [], torch.empty
+
+    def spy(*size, **kw):
+        t = real(*size, **kw)
+        made.append((tuple(t.shape), t.dtype))
+        return t
+
+    torch.empty = spy
+    try:
+        fn()
+    finally:
+        torch.empty = real
+    return made
+
+
+def floor_fn(counts: dict, device: torch.device, reads: int, shapes: tuple = ()):
+    """The bare primitives of a call with ``counts``: what no implementation of the call can skip.
+    Its allocations take ``shapes`` (the call's own (shape, dtype) list, see allocations), the rest
+    of the counted ones 16 int32 words."""
+    cuda = device.type == "cuda"
+    src = torch.zeros(16, dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    ev = torch.cuda.Event() if cuda else None
+    stream = torch.cuda.current_stream() if cuda else None
+    n = dict(counts)
+    sized = list(shapes)[:n["alloc"]]
+    small = n["alloc"] - len(sized)
+
+    def run():
+        held = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in sized]
+        for _ in range(small):
+            torch.empty(16, dtype=torch.int32, device=device)
+        del held
+        if cuda:
+            for _ in range(n["launch"]):
+                torch.cuda._sleep(0)
+            for _ in range(n["copy"]):
+                dst.copy_(src, non_blocking=True)
+            for _ in range(n["event_record"]):
+                ev.record(stream)
+            for _ in range(n["event_wait"]):
+                stream.wait_event(ev)
+            for _ in range(reads):
+                src[0].item()
+    return run
+
+
+def cprofile(op: str, fn, iters: int) -> str:
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+    return f"# [profile] {op} ({iters} calls)\n{s.getvalue()}"

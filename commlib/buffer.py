@@ -31,7 +31,8 @@ from commlib.tuning import cache as tuning_cache
 from commlib.cuda.loader import cupy_available as _cupy_available
 from commlib.low_latency_mode import LowLatencyMode, Runtime
 from commlib.validate import (CommlibError, check_layout, check_num_experts, check_routing, check_tensor,
-                              expert_id_error, scales_carrier, scales_from_carrier, split_x)
+                              expert_id_error, refuse_inside_capture, scales_carrier, scales_from_carrier,
+                              split_x)
 
 _buffer_ids = itertools.count(1)
 # torch.cuda.Event's record / wait without their Python frames (every call issues two of each)
@@ -102,6 +103,7 @@ class Buffer(LowLatencyMode):
             raise ValueError(f"Buffer: max_nodes_per_token must be positive, got {max_nodes_per_token}")
         self.group = group
         self.rank = dist.get_rank(group)
+        refuse_inside_capture(f"[commlib rank {self.rank}] Buffer")
         self.num_ranks = dist.get_world_size(group)
         self.group_size = self.num_ranks
         facts = [None] * self.num_ranks  # where every rank runs: host, boot id, GPU and its peer access

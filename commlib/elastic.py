@@ -27,7 +27,7 @@ from commlib.topology import Topology, local_facts
 from commlib.utils import env
 from commlib.utils.event import EventHandle, EventOverlap
 from commlib.utils.math import align_up
-from commlib.validate import CommlibError, check_tensor
+from commlib.validate import CommlibError, check_tensor, refuse_inside_capture
 
 BUFFER_ALIGNMENT = 2 << 20     # V2 sizes its buffers in multiples of 2 MiB
 SF_PACK_ALIGNMENT = 4          # TMA-aligned column-major scales: 16-byte columns of 4-byte packs
@@ -40,6 +40,20 @@ XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 def _where(rank: int) -> str:
     return f"[commlib rank {rank}] ElasticBuffer"
+
+
+def detect_topology(group: dist.ProcessGroup, ranks_per_node: Optional[int] = None) -> Topology:
+    """The group's Topology as a Buffer on it would see it (one all_gather_object of the ranks' facts)."""
+    facts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(facts, local_facts(), group=group)
+    return Topology.detect(dist.get_rank(group), len(facts), ranks_per_node, facts=facts)
+
+
+def logical_domain_size(num_nodes: int, ranks_per_node: int, allow_hybrid_mode: bool) -> Tuple[int, int]:
+    """V2's (scaleout ranks, scaleup ranks): (nodes, ranks per node) in hybrid mode, else (1, all ranks)."""
+    if allow_hybrid_mode:
+        return num_nodes, ranks_per_node
+    return 1, num_nodes * ranks_per_node
 
 
 def _expected_groups_hit(num_experts: int, num_topk: int, num_groups: int) -> float:
@@ -139,11 +153,7 @@ class ElasticBuffer:
                  num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False, *,
                  backend: Optional[str] = None, ranks_per_node: Optional[int] = None) -> None:
         rank = dist.get_rank(group)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"{_where(rank)}: built inside a CUDA graph capture. Building one runs collectives and "
-                "allocates communication memory, which a capture cannot record; build the ElasticBuffer "
-                "before torch.cuda.graph(...) and capture only dispatch / combine")
+        refuse_inside_capture(_where(rank))
         for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank), ("hidden", hidden),
                             ("num_topk", num_topk), ("num_cpu_bytes", num_cpu_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -169,9 +179,7 @@ class ElasticBuffer:
         self.explicitly_destroy = bool(explicitly_destroy)
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
 
-        facts = [None] * self.num_ranks
-        dist.all_gather_object(facts, local_facts(), group=group)
-        topo = Topology.detect(rank, self.num_ranks, ranks_per_node, facts=facts)
+        topo = detect_topology(group, ranks_per_node)
         # the SM budget the rings are sized for: a call may use fewer (num_sms), never more
         self._sized_sms = Buffer.num_sms
         nvl, rdma = self._sizes(self.num_ranks, topo.ranks_per_node, hidden, self._sized_sms)
@@ -187,10 +195,7 @@ class ElasticBuffer:
         self.topology = self.buffer.topology
         M, P = self.topology.num_nodes, self.topology.ranks_per_node
         self.num_rdma_ranks, self.num_nvlink_ranks = M, P
-        if self.allow_hybrid_mode:
-            self.num_scaleout_ranks, self.num_scaleup_ranks = M, P
-        else:
-            self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
+        self.num_scaleout_ranks, self.num_scaleup_ranks = logical_domain_size(M, P, self.allow_hybrid_mode)
         self.scaleout_rank_idx = rank // self.num_scaleup_ranks
         self.scaleup_rank_idx = rank % self.num_scaleup_ranks
         if num_allocated_qps == 0:

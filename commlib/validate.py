@@ -17,6 +17,18 @@ def _where(rank: int) -> str:
     return f"[commlib rank {rank}]"
 
 
+def refuse_inside_capture(what: str) -> None:
+    """Raise RuntimeError naming ``what`` (e.g. "[commlib rank 0] Buffer") when the current CUDA
+    stream is capturing a graph: building a buffer runs collectives and allocates communication
+    memory, which a capture cannot record (it would fail later with an unrelated CUDA error, or
+    leave the peers waiting in the collective)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{what}: built inside a CUDA graph capture. Building one runs collectives and allocates "
+            "communication memory, which a capture cannot record; build it before torch.cuda.graph(...) "
+            "and capture only its dispatch / combine calls")
+
+
 def check_tensor(name: str, t, rank: int, *, dtype=None, dim: Optional[int] = None,
                  device: Optional[torch.device] = None) -> None:
     if not isinstance(t, torch.Tensor):

@@ -1,7 +1,8 @@
 """``deep_ep`` compatibility package: DeepEP v1's Python API, served by commlib.
 
 Clients written for DeepEP (``from deep_ep import Buffer, Config``, ``from deep_ep.utils import
-EventHandle, EventOverlap``) run on commlib unchanged. Importing it logs one INFO line on the
+EventHandle, EventOverlap``) run on commlib unchanged, and so do clients of DeepEP V2
+(``deep_ep.ElasticBuffer``, ``deep_ep.utils.envs`` / ``event`` / ``math``). Importing it logs one INFO line on the
 ``deep_ep`` logger ("deep_ep -> commlib <version> (compatibility layer)"; COMMLIB_DEEP_EP_QUIET=1
 silences it) and sets ``deep_ep.__implementation__ = "commlib"``, so a program can tell which one
 it got. If a real DeepEP is also installed (its ``deep_ep_cpp`` extension or a ``deep_ep`` /
@@ -21,6 +22,7 @@ from commlib import ElasticBuffer, EPHandle
 from commlib import __version__ as _commlib_version
 from commlib.utils import env as _env
 from commlib.utils.event import EventHandle
+from deep_ep.utils.envs import get_logical_domain_size, get_physical_domain_size
 
 __implementation__ = "commlib"
 __version__ = _commlib_version
@@ -58,4 +60,5 @@ if _real:
 if not _env.deep_ep_quiet():
     _log.info("deep_ep -> commlib %s (compatibility layer)", __version__)
 
-__all__ = ["Buffer", "ElasticBuffer", "EPHandle", "Config", "EventOverlap", "EventHandle", "topk_idx_t", "find_real_deep_ep"]
+__all__ = ["Buffer", "ElasticBuffer", "EPHandle", "Config", "EventOverlap", "EventHandle", "topk_idx_t",
+           "find_real_deep_ep", "get_logical_domain_size", "get_physical_domain_size"]

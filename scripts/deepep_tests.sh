@@ -10,7 +10,13 @@
 # RUNS         comma list, default all: intranode, ll, ll_logfmt, ll_shrink, ll_pressure, internode;
 #              also mem (not in the default): benchmarks.mem_probe at test_internode's shape, 2 x 8
 #
-# Every run at the tests' default sizes and process counts (8 per launch), under `timeout`; the
+#              DeepEP V2's files (TESTS_DIR from scripts/stage_deepep_v2_tests.sh, default
+#              .deepep_v2_tests), 2 ranks, not in the default: v2ep (test_ep.py, CPU sync, every mode),
+#              v2ep_nosync (--do-cpu-sync 0), v2ep_det (--deterministic), v2ep_perf (with its kineto
+#              timing), v2ep_nomr (--allow-multiple-reduction 0), v2barrier, v2gate (one process),
+#              v2agrs, v2engram, v2pp. DEEPEP_V2_ARGS is appended to every V2 test's arguments.
+#
+# v1: every run at the tests' default sizes and process counts (8 per launch), under `timeout`; the
 # pressure test runs for DEEPEP_PRESSURE_S seconds and passes if nothing failed by then. Under CUDA
 # MPS (started here unless one is running or DEEPEP_NO_MPS=1) the ranks run concurrently.
 # Time limits: DEEPEP_TIMEOUT_S (default 540) per run. The tests run from TESTS_DIR, with this
@@ -20,8 +26,8 @@ LOGDIR=${1:?usage: deepep_tests.sh LOGDIR HARNESS_DIR [TESTS_DIR] [RUNS]}
 HARNESS=${2:?usage: deepep_tests.sh LOGDIR HARNESS_DIR [TESTS_DIR] [RUNS]}
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
-TESTS=${3:-$REPO/.deepep_tests}
 RUNS=${4:-intranode,ll,ll_logfmt,ll_shrink,ll_pressure,internode}
+case "$RUNS" in v2*) TESTS=${3:-$REPO/.deepep_v2_tests} ;; *) TESTS=${3:-$REPO/.deepep_tests} ;; esac
 mkdir -p "$LOGDIR"
 LOGDIR=$(cd "$LOGDIR" && pwd)
 HARNESS=$(cd "$HARNESS" && pwd)
@@ -31,7 +37,13 @@ SUMMARY="$LOGDIR/summary.txt"
 PY=${PYTHON:-python3}
 LIMIT=${DEEPEP_TIMEOUT_S:-540}
 PRESSURE_S=${DEEPEP_PRESSURE_S:-240}
-for f in test_intranode.py test_low_latency.py test_internode.py utils.py; do
+V2ARGS=${DEEPEP_V2_ARGS:-}
+case "$RUNS" in
+  v2*) NEED="tests/elastic/test_ep.py tests/elastic/test_barrier.py tests/utils/test_gate.py
+             support/deep_ep/utils/refs.py support/deep_ep/utils/gate.py support/deep_ep/utils/testing.py" ;;
+  *) NEED="test_intranode.py test_low_latency.py test_internode.py utils.py" ;;
+esac
+for f in $NEED; do
   [ -f "$TESTS/$f" ] || { echo "missing $TESTS/$f" | tee -a "$SUMMARY"; exit 2; }
 done
 [ -f "$HARNESS/sitecustomize.py" ] || { echo "missing $HARNESS/sitecustomize.py" | tee -a "$SUMMARY"; exit 2; }
@@ -39,6 +51,18 @@ done
 # NVLink multicast stays off in everything started here (it can take shared GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$HARNESS:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+case "$RUNS" in v2*)
+  # V2's tests import its test-support modules from deep_ep.utils (refs, gate, testing): a copy of
+  # commlib's deep_ep with V2's three files added beside commlib's own (never replacing one) goes
+  # first on the path; it imports commlib from this checkout
+  V2PKG="$LOGDIR/v2pkg"
+  rm -rf "$V2PKG" && mkdir -p "$V2PKG" && cp -r "$REPO/deep_ep" "$V2PKG/"
+  for m in "$TESTS"/support/deep_ep/utils/*.py; do
+    [ -e "$V2PKG/deep_ep/utils/$(basename "$m")" ] || cp "$m" "$V2PKG/deep_ep/utils/"
+  done
+  export PYTHONPATH="$HARNESS:$V2PKG:$REPO${PYTHONPATH#$HARNESS:$REPO}"
+  echo "# deep_ep: commlib's + V2's $(cd "$TESTS/support/deep_ep/utils" && ls *.py | tr '\n' ' ')(DeepEP $(cat "$TESTS/COMMIT" 2>/dev/null))" | tee -a "$SUMMARY" ;;
+esac
 export DEEPEP_HARNESS_SHARE_GPU=1 MASTER_ADDR=127.0.0.1
 export COMMLIB_TIMEOUT_S=${COMMLIB_TIMEOUT_S:-120}
 unset DEEPEP_HARNESS_WORKAROUND_CPU_DEFAULT   # a diagnostic that hides a commlib bug: never for a pass
@@ -130,6 +154,21 @@ for run in "${WANT[@]}"; do
       wait_all "$LIMIT" "$p0" "$LAST_PID"
       cat "$log.node0" "$log.node1" >"$log"
       verdict internode "$log" 0 ;;
+    # DeepEP V2 (one node, 2 ranks): test_ep's kineto timing looks for V2's kernel names, so the
+    # correctness runs pass --skip-perf-test (v2ep_perf keeps it, to show what it does here)
+    v2ep) run_one v2ep "$LIMIT" 0 "" tests/elastic/test_ep.py --num-processes 2 --skip-perf-test $V2ARGS ;;
+    v2ep_nosync) run_one v2ep_nosync "$LIMIT" 0 "" tests/elastic/test_ep.py --num-processes 2 --skip-perf-test \
+                   --do-cpu-sync 0 $V2ARGS ;;
+    v2ep_det) run_one v2ep_det "$LIMIT" 0 "" tests/elastic/test_ep.py --num-processes 2 --skip-perf-test \
+                --deterministic $V2ARGS ;;
+    v2ep_perf) run_one v2ep_perf "$LIMIT" 0 "" tests/elastic/test_ep.py --num-processes 2 --test-first-only $V2ARGS ;;
+    v2ep_nomr) run_one v2ep_nomr "$LIMIT" 0 "" tests/elastic/test_ep.py --num-processes 2 --skip-perf-test \
+                 --allow-multiple-reduction 0 $V2ARGS ;;
+    v2barrier) run_one v2barrier "$LIMIT" 0 "" tests/elastic/test_barrier.py --num-processes 2 $V2ARGS ;;
+    v2gate) run_one v2gate "$LIMIT" 0 "" tests/utils/test_gate.py $V2ARGS ;;
+    v2agrs) run_one v2agrs "$LIMIT" 0 "" tests/elastic/test_agrs.py --num-processes 2 $V2ARGS ;;
+    v2engram) run_one v2engram "$LIMIT" 0 "" tests/elastic/test_engram.py --num-processes 2 $V2ARGS ;;
+    v2pp) run_one v2pp "$LIMIT" 0 "" tests/elastic/test_pp.py --num-processes 2 $V2ARGS ;;
     mem)   # device memory per rank, stage by stage (a commlib benchmark, not a DeepEP test)
       log="$LOGDIR/mem.log"
       : >"$log"
@@ -138,7 +177,8 @@ for run in "${WANT[@]}"; do
           --json "$LOGDIR/mem_probe.json" ) >>"$log" 2>&1 &
       wait_all "$LIMIT" $!
       verdict mem "$log" 0 ;;
-    *) echo "$run: unknown run (intranode, ll, ll_logfmt, ll_shrink, ll_pressure, internode, mem)" | tee -a "$SUMMARY" ;;
+    *) echo "$run: unknown run (intranode, ll, ll_logfmt, ll_shrink, ll_pressure, internode, mem, v2ep, v2ep_nosync," \
+            "v2ep_det, v2ep_perf, v2ep_nomr, v2barrier, v2gate, v2agrs, v2engram, v2pp)" | tee -a "$SUMMARY" ;;
   esac
 done
 cat "$SUMMARY"

@@ -202,10 +202,10 @@ class _OnDevice:
         host_stats = kw.get("cumulative_local_expert_recv_stats")
         kw = {k: self._in(v) for k, v in kw.items()}
         out = self.buf.dispatch(self._in(x), **kw)
+        self._wait(out[-1])  # before anything is read back: an async call's epilogue writes the stats too
         stats = kw.get("cumulative_local_expert_recv_stats")
         if stats is not None and stats is not host_stats:   # the device copy accumulated: bring it back
             host_stats.copy_(stats.cpu())
-        self._wait(out[-1])
         return self._out(out[:3]) + out[3:]
 
     def combine(self, x, handle, **kw):
@@ -363,16 +363,21 @@ def case_errors(ctx):
 
 
 def case_capture_error(ctx):
-    """Built inside a CUDA graph capture: a clear error, raised before any collective."""
+    """An ElasticBuffer, or a v1 Buffer, built inside a CUDA graph capture: a clear error naming the
+    rank and the class, raised before any collective (the capture is faked: the CPU has none)."""
     real = (torch.cuda.is_available, torch.cuda.is_current_stream_capturing)
     torch.cuda.is_available = lambda: True
     torch.cuda.is_current_stream_capturing = lambda: True
     try:
-        expect_raises(RuntimeError, ["CUDA graph capture", f"rank {ctx.rank}", "before torch.cuda.graph"],
+        expect_raises(RuntimeError, ["CUDA graph capture", f"rank {ctx.rank}] ElasticBuffer", "before torch.cuda.graph"],
                       lambda: _buffer(ctx))
+        expect_raises(RuntimeError, ["CUDA graph capture", f"rank {ctx.rank}] Buffer", "before torch.cuda.graph"],
+                      lambda: deep_ep.Buffer(ctx.group, 1 << 20, 0, backend=BACKEND))
     finally:
         torch.cuda.is_available, torch.cuda.is_current_stream_capturing = real
-    _buffer(ctx).destroy()  # nobody entered a collective: the next construction pairs up
+    # nobody entered a collective: the next constructions pair up
+    _buffer(ctx).destroy()
+    deep_ep.Buffer(ctx.group, 1 << 20, 0, backend=BACKEND, explicitly_destroy=True).destroy()
 
 
 # ------------------------------------------------------------------ the modes, against the oracle

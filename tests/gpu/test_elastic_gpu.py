@@ -187,15 +187,18 @@ def case_no_recompile(ctx):
 
 
 def case_capture_error(ctx):
-    """An ElasticBuffer built inside a CUDA graph capture raises at once (no collective, no hang)."""
+    """An ElasticBuffer or a v1 Buffer built inside a CUDA graph capture raises at once (no collective,
+    no hang)."""
     import deep_ep
     from worlds import expect_raises
     c = _suite_on_gpu()
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        expect_raises(RuntimeError, ["CUDA graph capture", f"rank {ctx.rank}"],
+        expect_raises(RuntimeError, ["CUDA graph capture", f"rank {ctx.rank}] ElasticBuffer"],
                       lambda: deep_ep.ElasticBuffer(ctx.group, num_max_tokens_per_rank=c.MAXT, hidden=c.H))
+        expect_raises(RuntimeError, ["CUDA graph capture", f"rank {ctx.rank}] Buffer"],
+                      lambda: deep_ep.Buffer(ctx.group, 1 << 20, 0))
     _buffer(ctx).destroy()  # the world is still in step
 
 

@@ -125,9 +125,13 @@ class NVLinkLowLatency(LowLatencyEngine):
         # CTAs per launch: up to two per SM (the fused send + receive kernel needs every CTA resident;
         # with 144 local experts at the decode shape, 132 CTAs left 12 of them doing two experts)
         self.num_sms = CTAS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
-        # ranks sharing this GPU (CUDA MPS) run their kernels side by side: each gets its share of the
-        # resident CTAs, or a rank whose CTAs find no room never starts and its peers time out
-        self.num_sms = max(1, self.num_sms // max(1, int(getattr(ctx, "gpu_share", 1) or 1)))
+        # ranks sharing this GPU (CUDA MPS) run their kernels side by side: each gets a share of the
+        # resident CTAs small enough for two of its launches in flight at once (a hooked dispatch's
+        # receive beside the next send), or a rank whose CTAs find no room never starts and its peers
+        # time out (8 ranks at one share each: DeepEP's test_low_latency timed out in its first combine)
+        share = max(1, int(getattr(ctx, "gpu_share", 1) or 1))
+        if share > 1:
+            self.num_sms = max(1, self.num_sms // (2 * share))
         self.capacity = CONTROL_BYTES + int(ctx.num_rdma_bytes) + SLACK
         self.mem: Optional[PeerMemory] = PeerMemory(self.capacity, ctx.group, self.rank, self.num_ranks,
                                                     self.device)

@@ -11,6 +11,8 @@ docs/deep_ep.md lists what differs from V2.
 """
 from __future__ import annotations
 
+import sys
+
 import inspect
 import os
 import random
@@ -47,7 +49,10 @@ def dist_print(s: str = "", once_in_node: bool = False) -> None:
     if _state["local_rank"] is None:
         raise RuntimeError("deep_ep.utils.envs.dist_print: call init_dist first")
     if not once_in_node or _state["local_rank"] == 0:
-        print(s, flush=True)
+        # one write per line: with PYTHONUNBUFFERED, print() writes the text and its newline apart,
+        # and two ranks sharing a pipe then interleave them
+        sys.stdout.write(f"{s}\n")
+        sys.stdout.flush()
     dist.barrier()
 
 

@@ -3,11 +3,15 @@
     python -m benchmarks.mem_probe [--ranks 16 --ranks-per-node 8] [--tokens 4096 --hidden 7168
                                    --experts 256 --topk 8] [--nvl-bytes 2e9 --rdma-bytes 1e9]
                                    [--backend auto] [--no-worst] [--json PATH]
+    python -m benchmarks.mem_probe --low-latency [--ranks 8 --tokens 128 --experts 288 ...]
 
 Defaults: DeepEP's test_internode.py (2 emulated nodes x 8 on one GPU, every rank its own NCCL host).
 Stages: ``init`` (process group, CUDA context), ``buffer`` (Buffer built), ``inputs`` (x, top-k made),
 ``dispatch`` / ``combine`` (BF16, with top-k), ``cached`` (a cached dispatch and its combine),
 ``worst`` (num_worst_tokens = tokens x ranks, and its combine), ``idle`` (outputs dropped, gc).
+``--low-latency``: DeepEP's test_low_latency.py shape (8 ranks of one node, 128 tokens, top-8 of 288,
+a low-latency Buffer of ``get_low_latency_rdma_size_hint`` bytes); ``dispatch`` / ``combine`` are the
+BF16 low-latency calls, ``cached`` an FP8 dispatch and its combine, no ``worst``.
 Per rank and stage:
   torch_alloc / torch_resv   torch's caching allocator: bytes in tensors / bytes it holds
   peer_ipc                   bytes in commlib's IPC buffers (every live PeerMemory of this process)
@@ -123,6 +127,34 @@ def worker(ctx, a) -> dict:
     return out
 
 
+def worker_ll(ctx, a) -> dict:
+    dev = ctx.device
+    out = {"init": sample(dev)}
+    R, E, T = ctx.world_size, a.experts, a.tokens
+    buf = Buffer(ctx.group, 0, int(a.rdma_bytes), low_latency_mode=True, num_qps_per_rank=max(1, E // R),
+                 explicitly_destroy=True)
+    out["backend"] = buf.backend_name
+    out["buffer"] = sample(dev)
+    g = torch.Generator(device="cpu").manual_seed(1000 + ctx.rank)
+    x = torch.randn(T, a.hidden, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.randn(T, E, generator=g).abs().topk(a.topk, dim=-1).indices.to(dev)
+    w = torch.rand(T, a.topk, generator=g).to(dev)
+    out["inputs"] = sample(dev)
+    rx, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    out["dispatch"] = sample(dev)
+    cx, _, _ = buf.low_latency_combine(rx, idx, w, handle)
+    out["combine"] = sample(dev)
+    fx, _, fh, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+    cx2, _, _ = buf.low_latency_combine(rx, idx, w, fh)
+    out["cached"] = sample(dev)
+    del rx, handle, cx, fx, fh, cx2
+    gc.collect()
+    out["idle"] = sample(dev)
+    dist.barrier()
+    buf.destroy()
+    return out
+
+
 def _fmt(v) -> str:
     return "-" if v is None else f"{v / GIB:.2f}"
 
@@ -130,7 +162,8 @@ def _fmt(v) -> str:
 def report(results: list, a, before=None) -> list:
     """nccl-tests style lines: a # header, one data row per (stage, rank). ``before``: device bytes
     used before the ranks started (NVML), so ``init`` shows what a rank's context and group take."""
-    lines = [f"# mem_probe: {a.ranks} ranks ({a.ranks_per_node} per node), tokens {a.tokens}, hidden {a.hidden}, "
+    mode = "low-latency, " if a.low_latency else ""
+    lines = [f"# mem_probe: {mode}{a.ranks} ranks ({a.ranks_per_node} per node), tokens {a.tokens}, hidden {a.hidden}, "
              f"experts {a.experts}, top-{a.topk}; Buffer {a.nvl_bytes / 1e9:g} GB + {a.rdma_bytes / 1e9:g} GB; "
              f"backend {results[0].get('backend')}; GiB",
              "#  stage      rank  torch_alloc  torch_resv  peak_resv  peer_ipc  cupy_pool  process  other  device_used",
@@ -163,19 +196,29 @@ def report(results: list, a, before=None) -> list:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=16)
+    p.add_argument("--low-latency", action="store_true",
+                   help="test_low_latency.py's shape and Buffer (the defaults below change to it)")
+    p.add_argument("--ranks", type=int, default=None, help="16 (low latency: 8)")
     p.add_argument("--ranks-per-node", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=None, help="4096 (low latency: 128)")
     p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--experts", type=int, default=None, help="256 (low latency: 288)")
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--nvl-bytes", type=float, default=2e9)
-    p.add_argument("--rdma-bytes", type=float, default=1e9)
+    p.add_argument("--nvl-bytes", type=float, default=None, help="2e9 (low latency: 0)")
+    p.add_argument("--rdma-bytes", type=float, default=None, help="1e9 (low latency: the size hint)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--no-worst", dest="worst", action="store_false", help="skip the num_worst_tokens calls")
     p.add_argument("--timeout-s", type=float, default=540)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    ll = a.low_latency
+    a.ranks = a.ranks or (8 if ll else 16)
+    a.tokens = a.tokens or (128 if ll else 4096)
+    a.experts = a.experts or (288 if ll else 256)
+    a.nvl_bytes = (0.0 if ll else 2e9) if a.nvl_bytes is None else a.nvl_bytes
+    if a.rdma_bytes is None:
+        a.rdma_bytes = (float(Buffer.get_low_latency_rdma_size_hint(a.tokens, a.hidden, a.ranks, a.experts))
+                        if ll else 1e9)
     if not torch.cuda.is_available():
         print("# mem_probe: no CUDA device")
         return 0
@@ -183,7 +226,7 @@ def main(argv=None) -> int:
     # several nodes: every rank its own NCCL host, so NCCL runs between processes sharing a GPU (the
     # Buffer gets the node layout from --ranks-per-node; its fan-out still maps the node's memory)
     multi = a.ranks > a.ranks_per_node
-    results = parallel_launch(a.ranks, worker, a, ranks_per_node=1 if multi else a.ranks_per_node, use_gpu=True,
+    results = parallel_launch(a.ranks, worker_ll if ll else worker, a, ranks_per_node=1 if multi else a.ranks_per_node, use_gpu=True,
                               group_backend="nccl" if multi else None, emulate_hosts=multi, return_all=True,
                               timeout_s=a.timeout_s)
     lines = report(results, a, before)

@@ -8,7 +8,8 @@
 # TESTS_DIR    DeepEP's tests/ at the v1 commit (test_intranode.py, test_low_latency.py,
 #              test_internode.py, utils.py); default: .deepep_tests of this checkout
 # RUNS         comma list, default all: intranode, ll, ll_logfmt, ll_shrink, ll_pressure, internode;
-#              also mem (not in the default): benchmarks.mem_probe at test_internode's shape, 2 x 8
+#              also mem (not in the default): benchmarks.mem_probe at test_internode's shape, 2 x 8;
+#              mem_ll: the same at test_low_latency's shape; ll_expseg: ll with expandable segments
 #
 #              DeepEP V2's files (TESTS_DIR from scripts/stage_deepep_v2_tests.sh, default
 #              .deepep_v2_tests), 2 ranks, not in the default: v2ep (test_ep.py, CPU sync, every mode),
@@ -85,10 +86,14 @@ stop_mps() {
 trap stop_mps EXIT
 
 PORT=29600
+# each spawned rank prints its device memory when it ends or raises ([memwatch rank R] lines; the
+# test itself runs unchanged): DEEPEP_MEMWATCH=0 runs the file bare
+WATCH=""
+[ "${DEEPEP_MEMWATCH:-1}" != 0 ] && WATCH="-m benchmarks.deepep_memwatch"
 # launch NAME SECONDS 'ENV...' ARGS...: one process group (setsid) per launch, killed whole at the limit
 start() {   # start LOG ENV-ASSIGNMENTS ARGS... ; sets LAST_PID
   local log=$1 envs=$2; shift 2
-  ( cd "$TESTS" && exec setsid env $envs MASTER_PORT=$PORT "$PY" "$@" ) >>"$log" 2>&1 &
+  ( cd "$TESTS" && exec setsid env $envs MASTER_PORT=$PORT "$PY" $WATCH "$@" ) >>"$log" 2>&1 &
   LAST_PID=$!
 }
 wait_all() {   # wait_all SECONDS PID... ; sets RC (124: the limit; else the first non-zero)
@@ -138,6 +143,9 @@ for run in "${WANT[@]}"; do
   case "$run" in
     intranode) run_one intranode "$LIMIT" 0 "" test_intranode.py ;;
     ll) run_one ll "$LIMIT" 0 "" test_low_latency.py ;;
+    # a diagnostic, never a pass of the test as it stands: the same run with torch's expandable
+    # segments (shows how much of the memory is the caching allocator's fragmentation)
+    ll_expseg) run_one ll_expseg "$LIMIT" 0 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" test_low_latency.py ;;
     ll_logfmt) run_one ll_logfmt "$LIMIT" 0 "" test_low_latency.py --use-logfmt ;;
     # ranks 1, 3, 5 stop calling: each costs the others one timeout before it is masked
     ll_shrink) run_one ll_shrink "$LIMIT" 0 "COMMLIB_TIMEOUT_S=${DEEPEP_SHRINK_TIMEOUT_S:-15}" \
@@ -177,7 +185,15 @@ for run in "${WANT[@]}"; do
           --json "$LOGDIR/mem_probe.json" ) >>"$log" 2>&1 &
       wait_all "$LIMIT" $!
       verdict mem "$log" 0 ;;
-    *) echo "$run: unknown run (intranode, ll, ll_logfmt, ll_shrink, ll_pressure, internode, mem, v2ep, v2ep_nosync," \
+    mem_ll)   # the same at test_low_latency's shape: 8 ranks, low-latency Buffer of its size hint
+      log="$LOGDIR/mem_ll.log"
+      : >"$log"
+      T0=$(date +%s)
+      ( cd "$REPO" && exec setsid env -u DEEPEP_HARNESS_SHARE_GPU "$PY" -m benchmarks.mem_probe --low-latency \
+          --json "$LOGDIR/mem_probe_ll.json" ) >>"$log" 2>&1 &
+      wait_all "$LIMIT" $!
+      verdict mem_ll "$log" 0 ;;
+    *) echo "$run: unknown run (intranode, ll, ll_expseg, ll_logfmt, ll_shrink, ll_pressure, internode, mem, mem_ll, v2ep, v2ep_nosync," \
             "v2ep_det, v2ep_perf, v2ep_nomr, v2barrier, v2gate, v2agrs, v2engram, v2pp)" | tee -a "$SUMMARY" ;;
   esac
 done

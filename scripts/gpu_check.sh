@@ -97,10 +97,12 @@ llhooks      | ll        | 2 | 120 | $PY -m pytest tests/gpu/test_ll_hooks_gpu.p
 elastic      | peers     | 4 | 300 | env COMMLIB_TIMEOUT_S=60 $PY -m pytest tests/gpu/test_elastic_gpu.py -x -q -p no:cacheprovider
 megatron     | peers     | 2 | 240 | bash -c megatron_moe
 memprobe     | peers     | 16t | 200 | $PY -m benchmarks.mem_probe --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
+memll        | peers     | 8 | 200 | $PY -m benchmarks.mem_probe --low-latency --json $RES/mem_probe_ll_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 peerbuild    | peers     | 0 | 420 | env PYTHON=$PY bash benchmarks/peers/build_deepep.sh
 peerbench    | peers     | 4 | 540 | env PYTHON=$PY bash benchmarks/peers/bench_peers.sh $RES ${PEER_ARGS:-}
 v1intranode  | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests intranode
 v1ll         | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll
+v1llexp      | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_expseg
 v1logfmt     | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_logfmt
 v1shrink     | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_shrink
 v1pressure   | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_pressure

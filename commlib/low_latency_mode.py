@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from commlib.backends.base import Outputs, alloc_outputs
 from commlib.backends.low_latency.reference import rdma_size_hint
 from commlib.validate import check_tensor
 
@@ -115,11 +116,18 @@ class LowLatencyMode:
             recv_x, recv_count, handle, hook = ll.dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
                 return_recv_hook, mask=mask, wait_stats=dispatch_wait_recv_cost_stats)
-            column_major = None
+            column_major, blocks = None, ll.blocks
             if use_fp8:
                 data, scales = recv_x
-                column_major = torch.empty((scales.shape[0], scales.shape[2], scales.shape[1]), dtype=scales.dtype,
-                                           device=scales.device).transpose(1, 2)
+                shape = (scales.shape[0], scales.shape[2], scales.shape[1])
+                if blocks is None:
+                    column_major = torch.empty(shape, dtype=scales.dtype, device=scales.device)
+                else:  # with the engine's outputs, on the caller's stream
+                    made = list(blocks)
+                    column_major = alloc_outputs(self._ctx.out_stream, self._ctx.comm_stream,
+                                                 ((shape, scales.dtype),), scales.device, made)[0]
+                    blocks = made
+                column_major = column_major.transpose(1, 2)
                 recv_x = (data, column_major)
 
             def received() -> None:  # what needs the rows: on the stream that completed the receive
@@ -135,7 +143,8 @@ class LowLatencyMode:
                 def hook() -> None:
                     inner()
                     received()
-            return recv_x, recv_count, handle, hook
+            out = (recv_x, recv_count, handle, hook)
+            return out if blocks is None else Outputs.of(out, blocks)
 
         (recv_x, recv_count, handle, hook), event = self._run(call, [x, topk_idx], None, async_finish, False)
         return recv_x, recv_count, handle, event, hook
@@ -156,10 +165,12 @@ class LowLatencyMode:
         ll = self._ll()
         self._check_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, self.num_ranks, torch.int64)
         mask = self._mask if self.enable_shrink else None
-        (combined, hook), event = self._run(
-            lambda: ll.combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out,
-                               use_logfmt=bool(use_logfmt), mask=mask, wait_stats=combine_wait_recv_cost_stats),
-            [x, topk_idx, topk_weights], None, async_finish, False)
+        def call():
+            result = ll.combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out,
+                                use_logfmt=bool(use_logfmt), mask=mask, wait_stats=combine_wait_recv_cost_stats)
+            return result if ll.blocks is None else Outputs.of(result, ll.blocks)
+
+        (combined, hook), event = self._run(call, [x, topk_idx, topk_weights], None, async_finish, False)
         return combined, event, hook
 
 

@@ -76,6 +76,7 @@ inprofile    | internode | 2 | 200 | $PY -m benchmarks.bench_internode --ranks 2
 inbench      | internode | 2 | 150 | $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --json $RES
 inbenchsock  | internode | 2 | 150 | $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --emulate-hosts --json $RES/bench_internode_socket_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 llgpu        | ll        | 4 | 150 | $PY -m pytest tests/gpu/test_low_latency_gpu.py -x -q -s -p no:cacheprovider
+llplant      | ll        | 2 | 240 | env PY=$PY bash scripts/plant_ll_alloc.sh
 llfault      | ll        | 2 |  60 | env COMMLIB_FAULT_LOG_DIR=$OUT/faults $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -p no:cacheprovider -k ll_bad_expert_id
 lltrace      | ll        | 2 | 120 | $PY -m benchmarks.bench_low_latency --trace --iters 20
 llbench      | ll        | 2 | 120 | $PY -m benchmarks.bench_low_latency --json $RES

@@ -125,6 +125,42 @@ class BackendContext:
     gpu_share: int = 1
 
 
+def set_stream(stream) -> None:
+    """torch.cuda.set_stream without its Python frames (host time on every call path)."""
+    torch._C._cuda_setStream(stream.stream_id, stream.device_index, stream.device_type)
+
+
+def alloc_outputs(out, back, specs: Sequence, device: torch.device, made: list) -> list:
+    """A tensor per spec ((shape, dtype), or None for no tensor) on the call's output stream ``out``
+    (the Buffer's ``ctx.out_stream``: the caller's stream, which then owns them, so a freed block is
+    reused in that stream's order, as DeepEP's outputs are, instead of after a record_stream event;
+    None: the current stream), then back on stream ``back``. Appends each tensor to ``made`` (the
+    result's ``blocks``: the Buffer records only those, for the comm stream when the call is
+    asynchronous). Separate allocations: on the host a view costs more than one."""
+    if out is not None:
+        set_stream(out)
+    try:
+        tensors = [None if sp is None else torch.empty(sp[0], dtype=sp[1], device=device) for sp in specs]
+    finally:
+        if out is not None:
+            set_stream(back)
+    made.extend(t for t in tensors if t is not None)
+    return tensors
+
+
+class Outputs(tuple):
+    """A backend call's result tuple with ``blocks``: the allocations behind its outputs made by
+    alloc_outputs (the Buffer's _leave reads it, as DispatchResult.blocks)."""
+
+    blocks: Optional[tuple] = None
+
+    @classmethod
+    def of(cls, values, blocks) -> "Outputs":
+        out = cls(values)
+        out.blocks = tuple(blocks)
+        return out
+
+
 class Backend:
     """Base class. ``ctx`` (a BackendContext) is all a backend knows of its Buffer."""
 

@@ -394,6 +394,33 @@ def case_masked_ranks(ctx):
         ref.destroy()
 
 
+def case_host_ahead_memory(ctx):
+    """A host far ahead of the GPU (DeepEP's timing loops: 50 calls, no sync) holds about one call's
+    outputs, as DeepEP does: they are allocated on the caller's stream, whose freed blocks are reused
+    in stream order. Outputs made on the comm stream and recorded for the caller's stream could be
+    reused only once the GPU reached them: one [L, R * M, H] block per call in flight (8 ranks of
+    DeepEP's test_low_latency ran out of the GPU's memory that way)."""
+    nv, _ = buffers(ctx)
+    R, s = ctx.world_size, DECODE
+    M, H, E, K = s["M"], s["H"], s["E"], s["K"]
+    x, idx, w = make_inputs(ctx, 40, M, H, E, K, T=M)
+    y = torch.zeros(E // R, R * M, H, dtype=torch.bfloat16, device=ctx.device)
+    per_call = (E // R) * R * M * H           # the FP8 rows, the largest output
+    calls = 12
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.cuda._sleep(int(4e8))               # the GPU ~0.2 s behind: every call below is issued ahead
+    for _ in range(calls):
+        rx, _, handle, _, _ = nv.low_latency_dispatch(x, idx, M, E, use_fp8=True)
+        cx, _, _ = nv.low_latency_combine(y, idx, w, handle)
+        del rx, handle, cx
+    held = torch.cuda.max_memory_allocated() - base
+    torch.cuda.synchronize()
+    assert held < 3 * per_call, (f"{calls} calls issued ahead held {held / 2**20:.0f} MiB at once, "
+                                 f"{held / per_call:.1f} calls' rows (one call: {per_call / 2**20:.0f} MiB)")
+
+
 def case_teardown(ctx):
     nv, ref = _BUFFERS.pop("ll")
     nv.destroy()

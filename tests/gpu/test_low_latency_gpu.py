@@ -30,7 +30,7 @@ from commlib.buffer import _cupy_available as _have_cupy  # noqa: E402
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not _have_cupy(), reason="needs a GPU and CuPy")
 
 CASES_2 = ["bf16", "fp8", "hooks_and_zero_copy", "two_in_flight", "cuda_graph", "decode_shape", "many_experts",
-           "logfmt", "wait_stats", "masked_ranks", "teardown"]
+           "logfmt", "wait_stats", "masked_ranks", "host_ahead_memory", "teardown"]
 CASES_4 = ["bf16", "fp8", "hooks_and_zero_copy", "two_in_flight", "cuda_graph", "logfmt", "wait_stats",
            "masked_ranks", "teardown"]
 

@@ -69,6 +69,7 @@ from commlib.config import MAX_TOPK
 from commlib.backends.low_latency.reference import (LowLatencyEngine, LowLatencyHandle, RollCall, check_combine_args,
                            check_dispatch_args, combine_half_bytes, logfmt_roundtrip)
 from commlib.backends.nvlink.peer_memory import PeerMemory
+from commlib.backends.base import alloc_outputs
 
 THREADS = 512               # kLlThreads in csrc/low_latency.cu
 CTAS_PER_SM = 2             # its __launch_bounds__: two CTAs fit an SM (64 registers a thread)
@@ -335,17 +336,25 @@ class NVLinkLowLatency(LowLatencyEngine):
         call = self._issue("dispatch", return_recv_hook)
         x = aligned_16(x)
         idx = topk_idx.contiguous()
+        # the outputs on the caller's stream (base.alloc_outputs: freed blocks are reused in its order,
+        # as DeepEP's; on the comm stream with a record_stream, a host running ahead of the GPU held
+        # one [L, R * M, H] block per call in flight until the GPU caught up)
+        made: list = []
         if use_fp8:
-            recv_data = torch.empty((L, RM, H), dtype=torch.float8_e4m3fn, device=dev)
-            recv_scales = (torch.empty((L, RM, H // (4 * BLOCK)), dtype=torch.int32, device=dev) if use_ue8m0 else
-                           torch.empty((L, RM, H // BLOCK), dtype=torch.float32, device=dev))
+            sdt, sw = (torch.int32, H // (4 * BLOCK)) if use_ue8m0 else (torch.float32, H // BLOCK)
+            recv_data, src_info, layout_range, recv_count = alloc_outputs(
+                b.out_stream, b.comm_stream, (((L, RM, H), torch.float8_e4m3fn), ((L, RM), torch.int32),
+                                              ((L, R), torch.int64), ((L,), torch.int32)), dev, made)
+            # row-major scales the kernel writes, copied column-major on the caller's side: internal
+            recv_scales = torch.empty((L, RM, sw), dtype=sdt, device=dev)
             recv_x = (recv_data, recv_scales)
         else:
-            recv_data = recv_x = torch.empty((L, RM, H), dtype=torch.bfloat16, device=dev)
+            recv_data, src_info, layout_range, recv_count = alloc_outputs(
+                b.out_stream, b.comm_stream, (((L, RM, H), torch.bfloat16), ((L, RM), torch.int32),
+                                              ((L, R), torch.int64), ((L,), torch.int32)), dev, made)
+            recv_x = recv_data
             recv_scales = None
-        src_info = torch.empty((L, RM), dtype=torch.int32, device=dev)
-        layout_range = torch.empty((L, R), dtype=torch.int64, device=dev)
-        recv_count = torch.empty(L, dtype=torch.int32, device=dev)
+        self.blocks = tuple(made)
         pos = torch.empty((T, Kk), dtype=torch.int32, device=dev)
         tail = (K.ptr(self.mem.peer_bases), K.i32(me), K.i32(R),
                 K.u64(OFF_COUNT), K.u64(OFF_DISPATCH_DONE), K.u64(OFF_ARRIVAL), K.u64(geo["off_dispatch"]),
@@ -393,7 +402,10 @@ class NVLinkLowLatency(LowLatencyEngine):
         idx = topk_idx.contiguous()
         w = topk_weights.contiguous()
         direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0 and not use_logfmt
-        result = out if direct else torch.empty((T, H), dtype=torch.bfloat16, device=dev)
+        made = []
+        result = out if direct else alloc_outputs(b.out_stream, b.comm_stream, (((T, H), torch.bfloat16),), dev,
+                                                  made)[0]
+        self.blocks = tuple(made)
         args_tail = (K.ptr(self.mem.peer_bases), K.i32(me), K.i32(R),
                      K.u64(OFF_COMBINE_DONE), K.u64(geo["off_combine"]), K.u64(geo["half_combine"]),
                      K.ptr(self.state), K.u64(self.timeout_ns), K.ptr(dmask))

@@ -255,6 +255,10 @@ class RollCall:
 class LowLatencyEngine:
     """What every low-latency engine shares: the Buffer, and the two alternating combine inputs."""
 
+    # the last call's output allocations made on the Buffer's out_stream (base.alloc_outputs), or
+    # None: the Buffer then records every output tensor for the caller's stream
+    blocks: Optional[tuple] = None
+
     def __init__(self, ctx, backend) -> None:
         self.ctx = ctx
         self.backend = backend

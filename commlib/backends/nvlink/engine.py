@@ -41,7 +41,8 @@ from commlib.layout import Layout, dispatch_layout, rows_before
 from commlib.layout import send_head as layout_send_head
 from commlib.utils.errors import is_device_failure
 from commlib.validate import CommlibError
-from commlib.backends.base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
+from commlib.backends.base import (Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult,
+                                   alloc_outputs, set_stream as _set_stream)
 from commlib.backends.nvlink.copy_engine import CopyEnginePath, StagingPool, ce_settings  # noqa: F401 - re-exported
 from commlib.backends.nvlink.peer_memory import SLOT_ALIGN, PeerMemory
 
@@ -117,11 +118,6 @@ _COMBINE_HANDLE_FIELDS = ("send_head", "rank_prefix_matrix", "channel_prefix_mat
 
 def _handle_tensors(handle: DispatchHandle, fields: tuple) -> tuple:
     return tuple((f, getattr(handle, f)) for f in fields)
-
-
-def _set_stream(stream) -> None:
-    """torch.cuda.set_stream without its Python frames (host time on every call path)."""
-    torch._C._cuda_setStream(stream.stream_id, stream.device_index, stream.device_type)
 
 
 class NVLinkBackend(CopyEnginePath, Backend):
@@ -238,19 +234,9 @@ class NVLinkBackend(CopyEnginePath, Backend):
         return self._counts_np[:words].tolist()
 
     def _alloc(self, specs: tuple) -> list:
-        """A tensor per spec ((shape, dtype), or None for no tensor), allocated on the call's output
-        stream (the Buffer's ``ctx.out_stream``: the caller's stream, so outputs need no record_stream;
-        None: the current stream). Separate allocations: on the host a view costs more than one."""
-        out, dev = self._out, self.device
-        if out is not None:
-            _set_stream(out)
-        try:
-            made = [None if sp is None else torch.empty(sp[0], dtype=sp[1], device=dev) for sp in specs]
-        finally:
-            if out is not None:
-                _set_stream(self.ctx.comm_stream)
-        self._blocks.extend(t for t in made if t is not None)
-        return made
+        """A tensor per spec on the call's output stream (``self._out``; base.alloc_outputs), recorded
+        in this call's blocks."""
+        return alloc_outputs(self._out, self.ctx.comm_stream, specs, self.device, self._blocks)
 
     def _exchange_outputs(self, C: int, L: int, worst: int) -> list:
         """A non-cached dispatch's count-exchange outputs: channel, rank and receive-channel prefix

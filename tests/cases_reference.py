@@ -141,17 +141,18 @@ def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int
     else:
         assert bytes_equal(recv2, recv_x), f"{tag} cached"
 
-    # ---- combine: rows scaled per rank so the summation order matters ----
+    # ---- combine: rows scaled per rank, half their elements (and the biases') +-2^26 (O.spread), so
+    # the summation order (DeepEP's: biases first, then rank order) shows in the bits ----
     def rows_for(r):
         o = oracles[r]
         base = O.dequant(o["recv_x"], O.dispatch_oracle(scales_all, idxs, ws, E, R, r)["recv_x"]) \
             if fp8 else o["recv_x"]
-        return (base.float() * (1 + r / 8)).to(torch.bfloat16)
+        return O.spread((base.float() * (1 + r / 8)).to(torch.bfloat16), seed * 31 + r)
     ys = [rows_for(r) for r in range(R)]
     srcs = [list(zip(oracles[r]["recv_src_rank"].tolist(), oracles[r]["recv_src_idx"].tolist())) for r in range(R)]
     T = idx.shape[0]
     g = torch.Generator().manual_seed(seed + 7 * me)
-    bias = (torch.randn(T, H, generator=g).to(torch.bfloat16), torch.randn(T, H, generator=g).to(torch.bfloat16))
+    bias = tuple(O.spread(torch.randn(T, H, generator=g).to(torch.bfloat16), seed * 37 + 2 * me + i) for i in range(2))
     for biases in ((), bias[:1], bias):
         cx, cw, _ = buf.combine(ys[me], handle, recv_w, bias=biases if biases else None, config=config)
         exp_cx = O.combine_oracle(ys, srcs, T, H, me, ranks_per_node, R, biases)

@@ -73,8 +73,8 @@ MUTANTS = {
     # multi-node combine 2% off
     "multinode_combine_2pct": (
         "backends/reference.py",
-        "        return sum_rows(packer.unpack(back1), plan[\"order1\"], T, H, K)  # node order",
-        ("        acc_y, acc_w = sum_rows(packer.unpack(back1), plan[\"order1\"], T, H, K)\n"
+        "        return sum_rows(packer.unpack(back1), plan[\"order1\"], T, H, K, start)  # node order",
+        ("        acc_y, acc_w = sum_rows(packer.unpack(back1), plan[\"order1\"], T, H, K, start)\n"
          "        return acc_y * 1.02, acc_w"),
         (PROBE, "world_routing")),
     # combine drops the top-k weights of the first source group

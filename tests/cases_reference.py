@@ -160,6 +160,16 @@ def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int
         ws_rows = [oracles[r]["recv_topk_weights"] for r in range(R)]
         exp_cw = O.combine_weights_oracle(ws_rows, srcs, T, K, me, ranks_per_node, R)
         assert torch.equal(cw, exp_cw), f"{tag} combined weights"
+    if ranks_per_node == R:  # a summation order per token (commlib's handle.sum_order), one node only
+        orders = torch.randint(-2 ** 31, 2 ** 31, (T,), generator=g, dtype=torch.int64).to(torch.int32)
+        orders[::2] = torch.tensor([sum(int(r) << (4 * i) for i, r in enumerate(torch.randperm(8, generator=g)))
+                                    for _ in range(orders[::2].numel())], dtype=torch.int64).to(torch.int32) \
+            if T else orders[::2]
+        handle.sum_order = orders
+        cx, _, _ = buf.combine(ys[me], handle, recv_w, bias=bias, config=config)
+        handle.sum_order = None
+        exp_cx = O.combine_oracle(ys, srcs, T, H, me, ranks_per_node, R, bias, sum_orders=orders.tolist())
+        assert bytes_equal(cx, exp_cx), f"{tag} combine in handle.sum_order's order"
     # combine of the unchanged rows on one node = x times the number of ranks reached
     if ranks_per_node == R and not fp8:
         cx, cw, _ = buf.combine(recv_x, handle, config=config)

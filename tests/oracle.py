@@ -24,7 +24,7 @@ def spread(t: torch.Tensor, seed: int, share: float = 0.5) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     pick = torch.rand(t.shape, generator=g) < share
     sign = torch.where(torch.rand(t.shape, generator=g) < 0.5, -1.0, 1.0)
-    return torch.where(pick, sign * BIG, t.float()).to(torch.bfloat16)
+    return torch.where(pick.to(t.device), (sign * BIG).to(t.device), t.float()).to(torch.bfloat16)
 
 
 def ranks_of_token(topk_row, num_experts: int, num_ranks: int) -> list[int]:
@@ -84,12 +84,14 @@ def dispatch_oracle(xs, topk_idxs, topk_ws, num_experts: int, num_ranks: int, me
 
 
 def combine_oracle(ys_by_rank, srcs_by_rank, num_tokens: int, hidden: int, me: int, ranks_per_node: int,
-                   num_ranks: int, biases=(), dtype=torch.bfloat16):
+                   num_ranks: int, biases=(), dtype=torch.bfloat16, sum_orders=None):
     """ys_by_rank[r]: [N_r, H] rows rank r returns; srcs_by_rank[r]: list of (src_rank, src_idx).
 
-    DeepEP's order: acc = 0 + bias0 + bias1 (float32); one node: + the rows in rank order. Several
-    nodes: per node, the rows summed from 0 in local order and rounded to bf16; + the node partials
-    in node order. Cast.
+    DeepEP's order: acc = 0 + bias0 + bias1 (float32); one node: + the rows in rank order, or in
+    sum_orders[t]'s (an int per token, commlib's DispatchHandle.sum_order: its 8 nibbles, first to
+    last, name ranks; a named rank holding a row not yet added is added; then the rest in rank
+    order). Several nodes: per node, the rows summed from 0 in local order and rounded to bf16; +
+    the node partials in node order. Cast.
     """
     num_nodes = num_ranks // ranks_per_node
     start = torch.zeros(num_tokens, hidden, dtype=torch.float32)
@@ -105,9 +107,15 @@ def combine_oracle(ys_by_rank, srcs_by_rank, num_tokens: int, hidden: int, me: i
     for t in range(num_tokens):
         acc = start[t].clone()
         if num_nodes == 1:
-            for r in range(num_ranks):
-                if t in rows[r]:
-                    acc = acc + rows[r][t]
+            seq = []
+            word = (int(sum_orders[t]) & 0xFFFFFFFF) if sum_orders is not None else 0
+            for i in range(8):
+                r = (word >> (4 * i)) & 15
+                if r < num_ranks and t in rows[r] and r not in seq:
+                    seq.append(r)
+            seq += [r for r in range(num_ranks) if t in rows[r] and r not in seq]
+            for r in seq:
+                acc = acc + rows[r][t]
         else:
             for n in range(num_nodes):
                 part = torch.zeros(hidden, dtype=torch.float32)

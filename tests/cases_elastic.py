@@ -39,7 +39,8 @@ def _inputs(seed: int, rank: int, fp8: bool = False, T: int | None = None):
     return x, idx.contiguous(), w.contiguous()
 
 
-def _rows_value(seed: int, rank: int, src: int, t: int, width: int, salt: int = 0, spread: bool = False) -> torch.Tensor:
+def _rows_value(seed: int, rank: int, src: int, t: int, width: int, salt: int = 0,
+               spread: bool = False) -> torch.Tensor:
     """A bf16 row a rank sends back for (src, t): deterministic, so the home rank can expect it.
     spread: half its elements +-2^26 (oracle.spread), so sums of such rows depend on their order."""
     key = ((seed * 97 + rank) * 131 + src) * 1009 + t * 7 + salt

@@ -733,7 +733,8 @@ class Buffer(LowLatencyMode):
             x: [N, H] bf16, rows in the order dispatch delivered them.
             handle: the dispatch handle.
             topk_weights: [N, K] float32 (summed the same way) or None.
-            bias: None, a [T, H] bf16 tensor, or a tuple of up to two, added after the sum.
+            bias: None, a [T, H] bf16 tensor, or a tuple of up to two: the float32 sum starts from
+                0 + bias0 + bias1, then adds the rows (DeepEP's order).
             finish_later: (commlib extension) return a PendingCombine in place of the two outputs;
                 its finish(), called on the consuming stream after that stream waited for the
                 event, returns them. The copy-engine path with host staging runs its sum there,
@@ -795,11 +796,17 @@ class Buffer(LowLatencyMode):
                 if tuple(b.shape) != (T, H):
                     raise ValueError(f"[commlib rank {self.rank}] bias[{i}] must have shape [{T}, {H}], "
                                      f"got {list(b.shape)}")
+        order = handle.sum_order if self.topology.num_nodes == 1 else None  # several nodes: node, rail order
+        if order is not None:
+            check_tensor("handle.sum_order", order, self.rank, dtype=torch.int32, dim=1, device=self.device)
+            if order.shape[0] != T or not order.is_contiguous():
+                raise ValueError(f"[commlib rank {self.rank}] handle.sum_order must be contiguous of shape [{T}], "
+                                 f"got {list(order.shape)} (strides {order.stride()})")
         config = self._resolve_config(config, "combine", T, H)
         # combine's rows travel on the dispatch's channels (the handle's), whatever num_sms it runs with
         rings = self._combine_rings(config, handle.num_channels)
         self._check_capacity(H * 2, rings, 0, topk_weights.shape[1] if topk_weights is not None else 0)
-        return CombineRequest(x, handle, topk_weights, biases, config)
+        return CombineRequest(x, handle, topk_weights, biases, config, sum_order=order)
 
     # DeepEP's internode entry points (its dispatch / combine call them on several nodes): the same
     # signatures and meaning as dispatch / combine here, where the backend decides the path.

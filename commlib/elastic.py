@@ -640,6 +640,8 @@ class ElasticBuffer:
             owner = torch.where(topk_idx >= 0, topk_idx // L, torch.zeros_like(topk_idx))
             dst = torch.gather(bh.send_head, 1, owner)
             dst = torch.where(topk_idx >= 0, dst, torch.full_like(dst, -1)).to(torch.int32)
+        if self.topology.num_nodes == 1:  # V2's summation order (several nodes: node, then rail order)
+            bh.sum_order = _sum_order(topk_idx, L)
         if do_expand:
             psum_e = (starts + counts).to(torch.int32)
             unaligned = counts.to(torch.int32)
@@ -683,7 +685,9 @@ class ElasticBuffer:
             handle: the dispatch's EPHandle.
             topk_weights: [N, K] float32 (non-expand) or [X] (expand) or None: each slot's weight comes
                 back from the rank owning that slot (slots of other ranks are ignored).
-            bias: None, a [T, H] bf16 tensor or a tuple of two, added to the sum.
+            bias: None, a [T, H] bf16 tensor or a tuple of two. The float32 sum starts from 0 + bias0 + bias1
+                and adds each rank's row in the order of the rank's last top-k slot (V2's order; on several
+                nodes: node, then rail order), then rounds to bf16.
             num_sms: 0 = the dispatch's. The rest as in dispatch.
         Returns:
             (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 (0 for empty slots) or None,
@@ -790,6 +794,19 @@ def _combine_rows(x: torch.Tensor, w: Optional[torch.Tensor], h: EPHandle, rows:
         if wk is not None:
             wk[:, j] = torch.where(s >= 0, w[s.clamp(min=0)], torch.zeros((), device=x.device))
     return acc.to(torch.bfloat16), wk
+
+
+def _sum_order(topk_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """[T] int32, DispatchHandle.sum_order: each token's ranks in the order of their last top-k slot
+    (V2's combine keeps each rank's highest slot and sums the slots in ascending order), nibble i =
+    the rank summed i-th."""
+    T, K = topk_idx.shape
+    rank = torch.where(topk_idx >= 0, topk_idx // num_local_experts, torch.full_like(topk_idx, -1))  # [T, K]
+    later = torch.ones(K, K, dtype=torch.bool, device=topk_idx.device).triu(1)                      # [k, k' > k]
+    again = ((rank.unsqueeze(2) == rank.unsqueeze(1)) & later).any(2)     # slot k's rank has a later slot
+    last = (rank >= 0) & ~again
+    place = torch.cumsum(last, 1) - last.to(torch.int64)                   # among the last slots, < 8 ranks
+    return torch.where(last, rank << (4 * place), torch.zeros_like(rank)).sum(1).to(torch.int32)
 
 
 def _on_stream(stream, fn):

@@ -36,6 +36,11 @@ class DispatchHandle:
     buffer_id: int = 0                        # id of the Buffer that made it
     backend: str = ""                         # name of the backend that made it
     extra: dict = dataclasses.field(default_factory=dict)  # backend-private state (hierarchical plan, ...)
+    # [T] int32 or None (rank order): the order combine sums each token's rows in, on one node (several
+    # nodes: node, then rail order). Nibble i (bits 4i .. 4i+3) names the rank summed i-th; a rank's
+    # place is its first nibble; ranks holding the token that no nibble names follow, in rank order
+    # (so 0 is rank order). ElasticBuffer sets it (DeepEP V2's order); DeepEP v1 has none.
+    sum_order: Optional[torch.Tensor] = None
 
     _POSITIONAL = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
                    "recv_src_idx", "is_token_in_rank", "send_head")

@@ -4,6 +4,8 @@
 // the host: it knows every count after the count exchange); no SM touches NVLink. What is left for
 // the SMs is local: packing a rank's outgoing rows per destination (dispatch) and summing the rows
 // that came back (combine), plus three one-warp kernels that order the copies between the ranks.
+// The combine sum is csrc/combine.cu's, bit for bit: float32 from 0, the biases first, then the rows in
+// rank order or in the handle's sum_order (DeepEP V1's and V2's orders).
 // Why: the copy engines leave the SMs to compute (measurements: docs/notes/2026-11-30_pipeline_log.md,
 // python -m experiments.bench_comm_interference).
 //
@@ -141,37 +143,42 @@ __global__ void CL_CLUSTER_DIMS __launch_bounds__(1024) pack(
     }
 }
 
-// Combine, receiver side: out[t] = bf16(0 + row of each rank r holding t, in rank order, + bias0 +
-// bias1), summed in float32 with IEEE adds (csrc/combine.cu's sum, so the result is the same bits).
-// The row of rank r is x_local[local_offset + pos[t, me]] for this rank, else row pos[t, r] of the x
-// block of region r; the weights likewise (weights block at w_block_offset of each region).
+// Combine, receiver side: out[t] = bf16(acc), acc = 0.f; acc += bias0; acc += bias1; then acc += the
+// row of each rank r holding t, in rank order or in sum_order[t]'s (DispatchHandle.sum_order, decoded
+// once per token by common.cuh sum_place), float32 IEEE adds: csrc/combine.cu's sum, so the result is
+// the same bits. The row of rank r is x_local[local_offset + pos[t, me]] for this rank, else row
+// pos[t, r] of the x block of region r; the weights likewise (weights block at w_block_offset of each
+// region), summed from 0 in the rows' order, no bias.
 __global__ void CL_CLUSTER_DIMS __launch_bounds__(512) reduce(
     const int4* __restrict__ x_local, const float* __restrict__ w_local, u64 staging, u64 region_bytes,
     u64 w_block_offset, const bool* __restrict__ is_token_in_rank, const int* __restrict__ pos, int local_offset,
-    const int4* __restrict__ bias0, const int4* __restrict__ bias1, int4* __restrict__ out, float* __restrict__ out_w,
-    int num_tokens, int hidden_int4, int num_topk, int rank, int num_ranks) {
+    const int4* __restrict__ bias0, const int4* __restrict__ bias1, const u32* __restrict__ sum_order,
+    int4* __restrict__ out, float* __restrict__ out_w, int num_tokens, int hidden_int4, int num_topk, int rank,
+    int num_ranks) {
     constexpr int U = CE_SUM_UNROLL;
     const int lane = lane_id();
     const int warps = blockDim.x >> 5;
     const int R = num_ranks, K = num_topk, H4 = hidden_int4;
     for (int t = blockIdx.x * warps + warp_id(); t < num_tokens; t += gridDim.x * warps) {
         const bool in = lane < R && is_token_in_rank[(i64)t * R + lane];
-        const u32 mask = __ballot_sync(FULL_MASK, in);
+        const int n = __popc(__ballot_sync(FULL_MASK, in));
         const int row = in ? pos[(i64)t * R + lane] : 0;
-        const int4* rows[CL_MAX_RANKS];
+        const u32 seq = sum_sequence(sum_place(sum_order != nullptr ? sum_order[t] : 0u, in, lane), lane);
+        const int4* rows[CL_MAX_RANKS];  // rows[i]: the row summed i-th
         float wsum = 0.f;
 #pragma unroll
-        for (int r = 0; r < CL_MAX_RANKS; ++r) {
+        for (int i = 0; i < CL_MAX_RANKS; ++i) {
+            rows[i] = nullptr;
+            if (i >= n) continue;
+            const int r = (seq >> (4 * i)) & 15u;
             const int p = __shfl_sync(FULL_MASK, row, r);
-            rows[r] = nullptr;
-            if (!((mask >> r) & 1u)) continue;
             const float* w;
             if (r == rank) {
-                rows[r] = x_local + (i64)(local_offset + p) * H4;
+                rows[i] = x_local + (i64)(local_offset + p) * H4;
                 w = w_local + (i64)(local_offset + p) * K;
             } else {
                 const u64 region = staging + CE_FLAG_BYTES + (u64)r * region_bytes;
-                rows[r] = reinterpret_cast<const int4*>(region) + (i64)p * H4;
+                rows[i] = reinterpret_cast<const int4*>(region) + (i64)p * H4;
                 w = reinterpret_cast<const float*>(region + w_block_offset) + (i64)p * K;
             }
             if (out_w != nullptr && lane < K) wsum = add_rn(wsum, w[lane]);
@@ -184,8 +191,8 @@ __global__ void CL_CLUSTER_DIMS __launch_bounds__(512) reduce(
             float acc[U][8];
             zero_acc<U>(acc);
 #pragma unroll
-            for (int r = 0; r < CL_MAX_RANKS + 2; ++r) {  // the ranks' rows in rank order, then the biases
-                const int4* s = r < CL_MAX_RANKS ? rows[r] : (r == CL_MAX_RANKS ? b0 : b1);
+            for (int j = 0; j < CL_MAX_RANKS + 2; ++j) {  // the biases, then the rows in order
+                const int4* s = j == 0 ? b0 : (j == 1 ? b1 : rows[j - 2]);
                 if (s != nullptr) acc_row_part<U>(acc, s, i0, H4);
             }
             store_row_part<U>(o, acc, i0, H4);

@@ -20,11 +20,13 @@
 // Sender CTA: warps 0 .. W-2 copy rows (row j of the channel's concatenated per-destination list
 // goes to warp j % (W-1) within its round); warp W-1 publishes the tails after each round.
 // Receiver CTA: warp w sums tokens start + w, start + w + W, ... (or tokens from a counter, below):
-// for token t and each rank r in rank order with send_head[t][r] >= 0, the row is
-// x[send_head[t][me]] for r = me (no copy) and
-// staging slot send_head[t][r] - rank_prefix[me - 1][r] - channel_prefix[r][c] of source r
-// otherwise; acc = 0.f; acc += row (fp32, rank order); acc += bias0; acc += bias1; cast to bf16
-// (round to nearest even). The weights are summed the same way, in fp32.
+// for token t and each rank r with send_head[t][r] >= 0, the row is x[send_head[t][me]] for
+// r = me (no copy) and staging slot send_head[t][r] - rank_prefix[me - 1][r] - channel_prefix[r][c]
+// of source r otherwise. The sum (DeepEP's order, V1 and V2): acc = 0.f; acc += bias0; acc += bias1;
+// then acc += row of each such rank (fp32 IEEE adds), in rank order, or in sum_order[t]'s order when
+// given (DispatchHandle.sum_order; common.cuh sum_place decodes it once per token into the warp's
+// table of sources, biases then rows, s_src); cast to bf16 (round to nearest even). The weights: fp32
+// from 0, the rows' order, no bias.
 // Work sharing (CL_SHARE, common.cuh): tokens come from a counter in the receiver's shared
 // memory; the sender CTA takes tokens too once its rows are published, and the receiver releases
 // COMBINE_DONE only after a cluster barrier with it.
@@ -49,7 +51,7 @@ constexpr int kCombineSumUnroll = CL_COMBINE_SUM_UNROLL;    // receiver: vectors
 struct CombineArgs {
     const int4* x; const float* topk_weights; const int* send_head;
     const int* rank_prefix_matrix; const int* channel_prefix_matrix; const int* recv_channel_prefix_matrix;
-    const int4* bias0; const int4* bias1;
+    const int4* bias0; const int4* bias1; const u32* sum_order;
     int4* combined_x; float* combined_topk_weights;
     int num_tokens, hidden_int4, num_topk;
     const u64* peer_bases; int rank, num_ranks, num_channels;
@@ -198,13 +200,13 @@ __device__ __forceinline__ void load_vectors(int4 (&v)[kCombineSumUnroll], const
 // calls it: the receiver, and (CL_SHARE) the sender once its own rounds are published. s_tok (rings
 // that wrap): this warp release-stores there the token it takes next, once the last one is summed.
 __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkItems work, int* s_tok = nullptr) {
-    __shared__ u64 s_row_all[32][CL_MAX_RANKS];  // per warp: row pointer of each rank
-    __shared__ u64 s_w_all[32][CL_MAX_RANKS];    // per warp: weights pointer of each rank
+    __shared__ u64 s_src_all[32][CL_MAX_RANKS + 2];  // per warp: the token's sources in summation order
+    __shared__ u64 s_w_all[32][CL_MAX_RANKS];        // per warp: weights pointer of the row summed i-th
     const int warp = warp_id(), lane = lane_id();
     const int R = a.num_ranks, C = a.num_channels, me = a.rank, K = a.num_topk;
     const int H4 = a.hidden_int4;
     const u64 own = a.peer_bases[me];
-    u64* s_row = s_row_all[warp];
+    u64* s_src = s_src_all[warp];
     u64* s_w = s_w_all[warp];
     int start, end;
     channel_range(a.num_tokens, C, c, &start, &end);
@@ -223,17 +225,22 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
         }
         const int h = lane < R ? __ldg(a.send_head + (i64)t * R + lane) : -1;
         const bool valid = h >= 0;
-        const u32 vmask = __ballot_sync(FULL_MASK, valid);
+        const int rows = __popc(__ballot_sync(FULL_MASK, valid));  // of the token
+        const int place = sum_place(a.sum_order != nullptr ? __ldg(a.sum_order + t) : 0u, valid, lane);
+        // s_src: the biases first (lanes 30, 31), then the rows at their places
+        const int nb = (a.bias0 != nullptr) + (a.bias1 != nullptr);
+        if (lane == 30 && a.bias0 != nullptr) s_src[0] = (u64)(a.bias0 + (i64)t * H4);
+        if (lane == 31 && a.bias1 != nullptr) s_src[nb - 1] = (u64)(a.bias1 + (i64)t * H4);
         u32 need = 0;
         if (valid) {
             if (lane == me) {
-                s_row[lane] = (u64)(a.x + (i64)h * H4);
-                s_w[lane] = (u64)(a.topk_weights + (i64)h * K);
+                s_src[nb + place] = (u64)(a.x + (i64)h * H4);
+                s_w[place] = (u64)(a.topk_weights + (i64)h * K);
             } else {
                 const int i = h - slot_base;
                 const u64 slot = combine_slot(a, own, lane, c, i);
-                s_row[lane] = slot;
-                s_w[lane] = slot + a.slot_off_weights;
+                s_src[nb + place] = slot;
+                s_w[place] = slot + a.slot_off_weights;
                 need = (u32)(i + 1);
             }
         }
@@ -246,20 +253,19 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
             if (act) ready = (u32)v;
         }
         __syncwarp();
-        // weights first: their loads overlap the rows'; summed in rank order like the rows
+        // weights first: their loads overlap the rows'; summed in the rows' order
         float wsum = 0.f;
         if (a.combined_topk_weights != nullptr && lane < K) {
             float wr[CL_MAX_RANKS];
 #pragma unroll
-            for (int r = 0; r < CL_MAX_RANKS; ++r)
-                wr[r] = ((vmask >> r) & 1u) ? __ldcg(reinterpret_cast<const float*>(s_w[r]) + lane) : 0.f;
+            for (int j = 0; j < CL_MAX_RANKS; ++j)
+                wr[j] = j < rows ? __ldcg(reinterpret_cast<const float*>(s_w[j]) + lane) : 0.f;
 #pragma unroll
-            for (int r = 0; r < CL_MAX_RANKS; ++r)
-                if ((vmask >> r) & 1u) wsum = add_rn(wsum, wr[r]);
+            for (int j = 0; j < CL_MAX_RANKS; ++j)
+                if (j < rows) wsum = add_rn(wsum, wr[j]);
         }
 
-        const int4* b0 = a.bias0 != nullptr ? a.bias0 + (i64)t * H4 : nullptr;
-        const int4* b1 = a.bias1 != nullptr ? a.bias1 + (i64)t * H4 : nullptr;
+        const int num_src = nb + rows;
         int4* out = a.combined_x + (i64)t * H4;
         for (int i = lane; i < H4; i += 32 * kCombineSumUnroll) {
             float acc[kCombineSumUnroll][8];
@@ -267,18 +273,12 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
             for (int u = 0; u < kCombineSumUnroll; ++u)
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
-            u32 m = vmask;
-            while (m) {  // two ranks at a time: their loads are in flight together; adds stay in rank order
-                const int ra = __ffs(m) - 1;
-                m &= m - 1;
+            // two sources at a time: their loads are in flight together, the adds stay in order
+            for (int j = 0; j < num_src; j += 2) {
+                const bool two = j + 1 < num_src;
                 int4 va[kCombineSumUnroll], vb[kCombineSumUnroll];
-                load_vectors(va, reinterpret_cast<const int4*>(s_row[ra]), i, H4);
-                const bool two = m != 0;
-                if (two) {
-                    const int rb = __ffs(m) - 1;
-                    m &= m - 1;
-                    load_vectors(vb, reinterpret_cast<const int4*>(s_row[rb]), i, H4);
-                }
+                load_vectors(va, reinterpret_cast<const int4*>(s_src[j]), i, H4);
+                if (two) load_vectors(vb, reinterpret_cast<const int4*>(s_src[j + 1]), i, H4);
 #pragma unroll
                 for (int u = 0; u < kCombineSumUnroll; ++u) acc_bf16x8(acc[u], va[u]);
                 if (two) {
@@ -286,24 +286,12 @@ __device__ void combine_recv_tokens(const CombineArgs& a, int c, u64 seq, WorkIt
                     for (int u = 0; u < kCombineSumUnroll; ++u) acc_bf16x8(acc[u], vb[u]);
                 }
             }
-            if (b0 != nullptr) {
-                int4 vb0[kCombineSumUnroll];
-                load_vectors(vb0, b0, i, H4);
-#pragma unroll
-                for (int u = 0; u < kCombineSumUnroll; ++u) acc_bf16x8(acc[u], vb0[u]);
-            }
-            if (b1 != nullptr) {
-                int4 vb1[kCombineSumUnroll];
-                load_vectors(vb1, b1, i, H4);
-#pragma unroll
-                for (int u = 0; u < kCombineSumUnroll; ++u) acc_bf16x8(acc[u], vb1[u]);
-            }
 #pragma unroll
             for (int u = 0; u < kCombineSumUnroll; ++u)
                 if (i + u * 32 < H4) st_na_v4(out + i + u * 32, pack_bf16x8(acc[u]));
         }
         if (a.combined_topk_weights != nullptr && lane < K) a.combined_topk_weights[(i64)t * K + lane] = wsum;
-        __syncwarp();  // s_row / s_w are rewritten by the next token
+        __syncwarp();  // s_src / s_w are rewritten by the next token
     }
     if (s_tok != nullptr && lane == 0) st_release_cta_shared(s_tok + warp, 0x7fffffff);
 }
@@ -381,14 +369,14 @@ namespace commlib::intranode {
 __global__ void CL_CLUSTER_DIMS __launch_bounds__(kCombineThreads, kCombineMinBlocks) combine(
     const int4* x, const float* topk_weights, const int* send_head,
     const int* rank_prefix_matrix, const int* channel_prefix_matrix, const int* recv_channel_prefix_matrix,
-    const int4* bias0, const int4* bias1, int4* combined_x, float* combined_topk_weights,
+    const int4* bias0, const int4* bias1, const u32* sum_order, int4* combined_x, float* combined_topk_weights,
     int num_tokens, int hidden_int4, int num_topk,
     const u64* peer_bases, int rank, int num_ranks, int num_channels,
     u64 region_offset, u64 part_bytes, u64 ring_bytes, int ring_cap, int slot_bytes, int slot_off_weights,
     int round_rows, int ring_batch, u64* seq_counters, u32* smids, u64 timeout_ns) {
     const Ring ring = {region_offset, part_bytes, ring_bytes, ring_cap, slot_bytes};
     const CombineArgs a = {x, topk_weights, send_head, rank_prefix_matrix, channel_prefix_matrix,
-                           recv_channel_prefix_matrix, bias0, bias1, combined_x, combined_topk_weights,
+                           recv_channel_prefix_matrix, bias0, bias1, sum_order, combined_x, combined_topk_weights,
                            num_tokens, hidden_int4, num_topk, peer_bases, rank, num_ranks, num_channels,
                            ring, slot_off_weights, round_rows, ring_batch, seq_counters, timeout_ns};
     __shared__ u64 s_seq;

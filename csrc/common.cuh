@@ -389,6 +389,34 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 __device__ __forceinline__ int warp_id() { return threadIdx.x >> 5; }
 __device__ __forceinline__ u32 lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
 
+// Bitwise OR of v over the warp (every lane calls it).
+__device__ __forceinline__ u32 warp_or(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.or.b32 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(FULL_MASK));
+    return r;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Combine's summation order (DispatchHandle.sum_order), decoded once per token
+// ------------------------------------------------------------------------------------------------
+// order: nibble i names the rank summed i-th; a rank's key is its first nibble, 8 + rank where no
+// nibble names it; the held ranks are summed by ascending key (order 0: rank order). Lane r (rank r,
+// `held` = it has a row of the token; every lane calls it) gets its place in the sum, -1 if not held.
+static_assert(CL_MAX_RANKS == 8, "a sum order names 8 ranks with 4 bits each in one u32; keys fit 16 bits");
+__device__ __forceinline__ int sum_place(u32 order, bool held, int lane) {
+    int key = CL_MAX_RANKS + lane;
+#pragma unroll
+    for (int i = CL_MAX_RANKS - 1; i >= 0; --i)
+        if (((order >> (4 * i)) & 15u) == (u32)lane) key = i;
+    const u32 keys = warp_or(held ? 1u << key : 0u);
+    return held ? __popc(keys & ((1u << key) - 1u)) : -1;
+}
+
+// Nibble i = the rank summed i-th, for the places sum_place gave (every lane calls it).
+__device__ __forceinline__ u32 sum_sequence(int place, int lane) {
+    return warp_or(place >= 0 ? (u32)lane << (4 * place) : 0u);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Work shared by a channel's two CTAs (CL_SHARE_WORK, needs CL_COMM_CLUSTER 2)
 // ------------------------------------------------------------------------------------------------

@@ -23,8 +23,9 @@
 //                            expert ids made local, weights of other ranks' experts zeroed
 //   recv_chan                the handle's recv_channel_prefix_matrix from the landed source indices
 //   rows                     combine: rows (bf16 y [n, H], float32 w [n, K]) packed at given rows
-//   home                     combine at home: per token, its node partials summed in node order
-//                            (float32 from +0, IEEE adds), then the biases, one bf16 rounding
+//   home                     combine at home: per token float32 from +0, IEEE adds: the biases first
+//                            (DeepEP v1's internode combine adds them there), then its node partials
+//                            in node order; one bf16 rounding
 // Integer counts come out as the torch spec in backends/internode.py computes them; the sums as
 // reference.sum_rows followed by .to(torch.bfloat16), bit for bit.
 #include "common.cuh"
@@ -377,8 +378,8 @@ __global__ void __launch_bounds__(512) rows(
     }
 }
 
-// Token t: y = bf16(sum over m ascending with slot[t, m] >= 0 of float(back row slot.y), + float(b0),
-// + float(b1)); w = the float32 sum of the rows' w (K > 0). back rows: y bf16 [H] | w float32 [K].
+// Token t: y = bf16(0 + float(b0) + float(b1), + float(back row slot.y) for m ascending with
+// slot[t, m] >= 0); w = the float32 sum of the rows' w from 0 (K > 0). back rows: y bf16 [H] | w float32 [K].
 // H even (the rows' y as bf16 pairs).
 __global__ void __launch_bounds__(512) home(
     const u8* __restrict__ back, int back_stride, const int* __restrict__ slot, int T, int M, int H, int K,
@@ -389,6 +390,8 @@ __global__ void __launch_bounds__(512) home(
         const int* sl = slot + (i64)t * M;
         for (int i = lane; i < pairs; i += 32) {
             float lo = 0.0f, hi = 0.0f;
+            if (b0) { const u32 v = b0[(i64)t * pairs + i]; lo = add_rn(lo, bf16_lo(v)); hi = add_rn(hi, bf16_hi(v)); }
+            if (b1) { const u32 v = b1[(i64)t * pairs + i]; lo = add_rn(lo, bf16_lo(v)); hi = add_rn(hi, bf16_hi(v)); }
             for (int m = 0; m < M; ++m) {
                 const int s = sl[m];
                 if (s < 0) continue;
@@ -396,8 +399,6 @@ __global__ void __launch_bounds__(512) home(
                 lo = add_rn(lo, bf16_lo(v));
                 hi = add_rn(hi, bf16_hi(v));
             }
-            if (b0) { const u32 v = b0[(i64)t * pairs + i]; lo = add_rn(lo, bf16_lo(v)); hi = add_rn(hi, bf16_hi(v)); }
-            if (b1) { const u32 v = b1[(i64)t * pairs + i]; lo = add_rn(lo, bf16_lo(v)); hi = add_rn(hi, bf16_hi(v)); }
             out_y[(i64)t * pairs + i] = pack_bf16x2(lo, hi);
         }
         for (int k = lane; k < K; k += 32) {

@@ -15,6 +15,7 @@ import itertools
 import torch
 
 import deep_ep
+import oracle as O
 from commlib.elastic import DEFAULT_NUM_DEVICE_SMS
 from worlds import expect_raises
 
@@ -38,10 +39,13 @@ def _inputs(seed: int, rank: int, fp8: bool = False, T: int | None = None):
     return x, idx.contiguous(), w.contiguous()
 
 
-def _rows_value(seed: int, rank: int, src: int, t: int, width: int, salt: int = 0) -> torch.Tensor:
-    """A bf16 row a rank sends back for (src, t): deterministic, so the home rank can expect it."""
-    g = torch.Generator().manual_seed(((seed * 97 + rank) * 131 + src) * 1009 + t * 7 + salt)
-    return torch.randn(width, generator=g).to(torch.bfloat16)
+def _rows_value(seed: int, rank: int, src: int, t: int, width: int, salt: int = 0,
+               spread: bool = False) -> torch.Tensor:
+    """A bf16 row a rank sends back for (src, t): deterministic, so the home rank can expect it.
+    spread: half its elements +-2^26 (oracle.spread), so sums of such rows depend on their order."""
+    key = ((seed * 97 + rank) * 131 + src) * 1009 + t * 7 + salt
+    v = torch.randn(width, generator=torch.Generator().manual_seed(key)).to(torch.bfloat16)
+    return O.spread(v, key + 1) if spread else v
 
 
 def _weight_value(seed: int, rank: int, src: int, t: int, j: int) -> float:
@@ -112,13 +116,16 @@ def oracle_dispatch(seed: int, R: int, me: int, scaleup: int, alignment: int, fp
     return out
 
 
-def oracle_combine(seed: int, R: int, me: int, expand: bool, bias, weights: bool, salt: int = 0, per_node: int = 0):
+def oracle_combine(seed: int, R: int, me: int, expand: bool, bias, weights: bool, salt: int = 0, per_node: int = 0,
+                   spread: bool = False, rank_order: bool = False):
     """V2's combine on rank ``me`` when every rank r sends back, for the row of (me, t), the value
-    _rows_value(seed, r, me, t) (expand: per local expert e, _rows_value(..., salt=1 + e); summed in
-    top-k order inside the rank, in float32, to bf16). Home sum: float32, bias first, then the ranks in
-    the order of their last top-k slot; bf16 at the end. Hybrid (``per_node`` ranks per scaleup domain,
-    several domains): each domain's ranks are first summed the same way (float32, last-slot order, to
-    bf16), then the domains. Weights: slot j from the rank owning it."""
+    _rows_value(seed, r, me, t, spread=spread) (expand: per local expert e, _rows_value(..., salt=1 + e);
+    summed in top-k order inside the rank, in float32, to bf16). Home sum: float32 from 0, the biases
+    first (bias0 then bias1), then the ranks in the order of their last top-k slot; bf16 at the end.
+    Hybrid (``per_node`` ranks per scaleup domain, several domains): each domain's ranks are first
+    summed the same way (float32 from 0, last-slot order, to bf16), then the domains. rank_order: ranks
+    and domains in ascending order instead (commlib on several nodes, docs/deep_ep.md). Weights: slot j
+    from the rank owning it."""
     _, idx, _ = _inputs(seed, me)
     T = idx.shape[0]
     L = E // R
@@ -127,26 +134,24 @@ def oracle_combine(seed: int, R: int, me: int, expand: bool, bias, weights: bool
     for t in range(T):
         acc = torch.zeros(H)
         if bias is not None:
-            b = bias if isinstance(bias, tuple) else (bias,)
-            acc = b[0][t].float().clone()
-            for extra in b[1:]:
-                acc = acc + extra[t].float()
+            for b in (bias if isinstance(bias, tuple) else (bias,)):
+                acc = acc + b[t].float()
         owners = [int(e) // L if int(e) >= 0 else -1 for e in idx[t]]
-        last = {r: j for j, r in enumerate(owners) if r >= 0}
+        last = {r: (r if rank_order else j) for j, r in enumerate(owners) if r >= 0}
 
         def rank_part(r):
             if not expand:
-                return _rows_value(seed, r, me, t, H, salt=salt)
+                return _rows_value(seed, r, me, t, H, salt=salt, spread=spread)
             part = torch.zeros(H)
             for j in range(K):
                 if owners[j] == r:
-                    part += _rows_value(seed, r, me, t, H, salt=1 + int(idx[t, j]) + salt).float()
+                    part += _rows_value(seed, r, me, t, H, salt=1 + int(idx[t, j]) + salt, spread=spread).float()
             return part.to(torch.bfloat16)
 
         if per_node and R > per_node:
             node_last = {}
             for r in sorted(last, key=last.get):
-                node_last[r // per_node] = last[r]
+                node_last[r // per_node] = r // per_node if rank_order else last[r]
             for d in sorted(node_last, key=node_last.get):
                 part = torch.zeros(H)
                 for r in sorted((r for r in last if r // per_node == d), key=last.get):
@@ -240,7 +245,7 @@ def _eq(name, got, want):
     assert torch.equal(got, want), f"{name} differs:\n{got}\nexpected\n{want}"
 
 
-def _combine_input(seed, R, me, handle, expand, salt=0):
+def _combine_input(seed, R, me, handle, expand, salt=0, spread=False):
     """The rows a rank sends back, built from the handle's metadata (source global index, slots)."""
     meta = handle.recv_src_metadata
     n = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
@@ -256,10 +261,10 @@ def _combine_input(seed, R, me, handle, expand, salt=0):
             for j in range(K):
                 s = int(meta[i, 2 + j])
                 if s >= 0:
-                    y[s] = _rows_value(seed, me, src, t, H, salt=1 + int(idx[t, j]) + salt)
+                    y[s] = _rows_value(seed, me, src, t, H, salt=1 + int(idx[t, j]) + salt, spread=spread)
                     w[s] = _weight_value(seed, me, src, t, j)
         else:
-            y[i] = _rows_value(seed, me, src, t, H, salt=salt)
+            y[i] = _rows_value(seed, me, src, t, H, salt=salt, spread=spread)
             for j in range(K):
                 w[i, j] = _weight_value(seed, me, src, t, j)
     return y, w
@@ -459,6 +464,34 @@ def case_modes(ctx):
         _eq(tag + " combined w", combined_w, want_w)
         no_w = buf.combine(y, h)
         assert no_w[1] is None and torch.equal(no_w[0], oracle_combine(seed, R, me, expand, None, False, per_node=P)[0]), tag
+    buf.destroy()
+
+
+def case_sum_order(ctx):
+    """The summation order, where the bits show it: rows and biases half +-2^26 (oracle.spread), top-k
+    ids with repeated ranks, bias 0 / 1 / 2, both layouts, bit for bit (torch.equal) against the oracle:
+    biases first, then V2's last-slot order on one node; on several nodes rank order (node, then rail:
+    docs/deep_ep.md)."""
+    R, me = ctx.world_size, ctx.rank
+    P = ctx.ranks_per_node
+    buf = _buffer(ctx)
+    seed = 11
+    x, idx, w = _inputs(seed, me)
+    owners = torch.where(idx >= 0, idx // (E // R), -1)
+    assert any(len(set(o.tolist()) - {-1}) < int((o >= 0).sum()) for o in owners), "no token repeats a rank"
+    T = idx.shape[0]
+    g = torch.Generator().manual_seed(200 + me)
+    biases = [O.spread(torch.randn(T, H, generator=g).to(torch.bfloat16), 300 + 2 * me + i) for i in range(2)]
+    for expand in (False, True):
+        h = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_expand=expand)[3]
+        y, yw = _combine_input(seed, R, me, h, expand, spread=True)
+        for nb in (0, 1, 2):
+            bias = None if nb == 0 else (biases[0] if nb == 1 else tuple(biases))
+            got, got_w, _ = buf.combine(y, h, topk_weights=yw, bias=bias)
+            want, want_w = oracle_combine(seed, R, me, expand, bias, True, per_node=P, spread=True,
+                                          rank_order=R > P)
+            _eq(f"expand={expand} bias={nb} combined", got, want)
+            _eq(f"expand={expand} bias={nb} combined w", got_w, want_w)
     buf.destroy()
 
 

@@ -12,6 +12,7 @@ import os
 import random
 import time
 
+import oracle as O
 import torch
 
 import commlib
@@ -102,10 +103,11 @@ def compare_round(ctx, ref, eng, seed: int, T: int, routing: str, fp8: bool, con
                                              topk_weights=w, config=config, num_worst_tokens=worst)
         r1 = getattr(buf.backend, "host_reads", 0)
         cached = buf.dispatch(xin, handle=h, config=config)[0]
-        y = ((rx[0].float() if fp8 else rx.float()) * (1.5 + me)).to(torch.bfloat16)
+        # half the elements +-2^26 (oracle.spread): the order of the sums (biases first) shows in the bits
+        y = O.spread(((rx[0].float() if fp8 else rx.float()) * (1.5 + me)).to(torch.bfloat16), seed * 13 + me)
         gb = torch.Generator().manual_seed(seed + 31 * me)
-        bias = (torch.randn(T, H, generator=gb).to(torch.bfloat16).to(dev),
-                torch.randn(T, H, generator=gb).to(torch.bfloat16).to(dev))
+        bias = tuple(O.spread(torch.randn(T, H, generator=gb).to(torch.bfloat16), seed * 17 + 2 * me + i).to(dev)
+                     for i in range(2))
         cx, cw, _ = buf.combine(y, h, rw, bias=bias, config=config)
         cx0, cw0, _ = buf.combine(y, h, config=config)
         r2 = getattr(buf.backend, "host_reads", 0)

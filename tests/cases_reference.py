@@ -141,17 +141,18 @@ def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int
     else:
         assert bytes_equal(recv2, recv_x), f"{tag} cached"
 
-    # ---- combine: rows scaled per rank so the summation order matters ----
+    # ---- combine: rows scaled per rank, half their elements (and the biases') +-2^26 (O.spread), so
+    # the summation order (DeepEP's: biases first, then rank order) shows in the bits ----
     def rows_for(r):
         o = oracles[r]
         base = O.dequant(o["recv_x"], O.dispatch_oracle(scales_all, idxs, ws, E, R, r)["recv_x"]) \
             if fp8 else o["recv_x"]
-        return (base.float() * (1 + r / 8)).to(torch.bfloat16)
+        return O.spread((base.float() * (1 + r / 8)).to(torch.bfloat16), seed * 31 + r)
     ys = [rows_for(r) for r in range(R)]
     srcs = [list(zip(oracles[r]["recv_src_rank"].tolist(), oracles[r]["recv_src_idx"].tolist())) for r in range(R)]
     T = idx.shape[0]
     g = torch.Generator().manual_seed(seed + 7 * me)
-    bias = (torch.randn(T, H, generator=g).to(torch.bfloat16), torch.randn(T, H, generator=g).to(torch.bfloat16))
+    bias = tuple(O.spread(torch.randn(T, H, generator=g).to(torch.bfloat16), seed * 37 + 2 * me + i) for i in range(2))
     for biases in ((), bias[:1], bias):
         cx, cw, _ = buf.combine(ys[me], handle, recv_w, bias=biases if biases else None, config=config)
         exp_cx = O.combine_oracle(ys, srcs, T, H, me, ranks_per_node, R, biases)
@@ -159,6 +160,16 @@ def check_full(ctx, ranks_per_node: int, routing_name: str, fp8: bool, seed: int
         ws_rows = [oracles[r]["recv_topk_weights"] for r in range(R)]
         exp_cw = O.combine_weights_oracle(ws_rows, srcs, T, K, me, ranks_per_node, R)
         assert torch.equal(cw, exp_cw), f"{tag} combined weights"
+    if ranks_per_node == R:  # a summation order per token (commlib's handle.sum_order), one node only
+        orders = torch.randint(-2 ** 31, 2 ** 31, (T,), generator=g, dtype=torch.int64).to(torch.int32)
+        orders[::2] = torch.tensor([sum(int(r) << (4 * i) for i, r in enumerate(torch.randperm(8, generator=g)))
+                                    for _ in range(orders[::2].numel())], dtype=torch.int64).to(torch.int32) \
+            if T else orders[::2]
+        handle.sum_order = orders
+        cx, _, _ = buf.combine(ys[me], handle, recv_w, bias=bias, config=config)
+        handle.sum_order = None
+        exp_cx = O.combine_oracle(ys, srcs, T, H, me, ranks_per_node, R, bias, sum_orders=orders.tolist())
+        assert bytes_equal(cx, exp_cx), f"{tag} combine in handle.sum_order's order"
     # combine of the unchanged rows on one node = x times the number of ranks reached
     if ranks_per_node == R and not fp8:
         cx, cw, _ = buf.combine(recv_x, handle, config=config)

@@ -14,6 +14,17 @@ FP8_BLOCK = 128           # channels per float32 scale
 FP8_MIN_AMAX = 1e-4       # an all-zero block's amax (its scale is MIN_AMAX / 448)
 E4M3_MIN_NORMAL = 2.0 ** -6
 E4M3_SUBNORMAL_STEP = 2.0 ** -9
+BIG = 2.0 ** 26           # exact in bf16; its float32 ulp (8) swallows any |x| < 4 added to it
+
+
+def spread(t: torch.Tensor, seed: int, share: float = 0.5) -> torch.Tensor:
+    """bf16 ``t`` with about ``share`` of its elements replaced by +-BIG. A float32 sum of such rows
+    loses the small terms it adds while a BIG is not yet cancelled, so its bf16 value depends on the
+    order of the terms (with plain randn rows every order gives the same bits: the sums are exact)."""
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.rand(t.shape, generator=g) < share
+    sign = torch.where(torch.rand(t.shape, generator=g) < 0.5, -1.0, 1.0)
+    return torch.where(pick.to(t.device), (sign * BIG).to(t.device), t.float()).to(torch.bfloat16)
 
 
 def ranks_of_token(topk_row, num_experts: int, num_ranks: int) -> list[int]:
@@ -73,13 +84,19 @@ def dispatch_oracle(xs, topk_idxs, topk_ws, num_experts: int, num_ranks: int, me
 
 
 def combine_oracle(ys_by_rank, srcs_by_rank, num_tokens: int, hidden: int, me: int, ranks_per_node: int,
-                   num_ranks: int, biases=(), dtype=torch.bfloat16):
+                   num_ranks: int, biases=(), dtype=torch.bfloat16, sum_orders=None):
     """ys_by_rank[r]: [N_r, H] rows rank r returns; srcs_by_rank[r]: list of (src_rank, src_idx).
 
-    One node: acc = sum over ranks in rank order (float32). Several nodes: per node, sum in local
-    order and round to bf16; then sum the node partials in node order. Then + biases, cast.
+    DeepEP's order: acc = 0 + bias0 + bias1 (float32); one node: + the rows in rank order, or in
+    sum_orders[t]'s (an int per token, commlib's DispatchHandle.sum_order: its 8 nibbles, first to
+    last, name ranks; a named rank holding a row not yet added is added; then the rest in rank
+    order). Several nodes: per node, the rows summed from 0 in local order and rounded to bf16; +
+    the node partials in node order. Cast.
     """
     num_nodes = num_ranks // ranks_per_node
+    start = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    for b in biases:
+        start = start + b.float()
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     # rows of each token, by rank
     rows = [dict() for _ in range(num_ranks)]
@@ -88,13 +105,18 @@ def combine_oracle(ys_by_rank, srcs_by_rank, num_tokens: int, hidden: int, me: i
             if s == me:
                 rows[r][t] = ys_by_rank[r][i].float()
     for t in range(num_tokens):
+        acc = start[t].clone()
         if num_nodes == 1:
-            acc = torch.zeros(hidden, dtype=torch.float32)
-            for r in range(num_ranks):
-                if t in rows[r]:
-                    acc = acc + rows[r][t]
+            seq = []
+            word = (int(sum_orders[t]) & 0xFFFFFFFF) if sum_orders is not None else 0
+            for i in range(8):
+                r = (word >> (4 * i)) & 15
+                if r < num_ranks and t in rows[r] and r not in seq:
+                    seq.append(r)
+            seq += [r for r in range(num_ranks) if t in rows[r] and r not in seq]
+            for r in seq:
+                acc = acc + rows[r][t]
         else:
-            acc = torch.zeros(hidden, dtype=torch.float32)
             for n in range(num_nodes):
                 part = torch.zeros(hidden, dtype=torch.float32)
                 hit = False
@@ -106,8 +128,6 @@ def combine_oracle(ys_by_rank, srcs_by_rank, num_tokens: int, hidden: int, me: i
                 if hit:
                     acc = acc + part.to(torch.bfloat16).float()
         out[t] = acc
-    for b in biases:
-        out = out + b.float()
     return out.to(dtype)
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from worlds import run_world
 
-NAMES = ["surface", "errors", "capture_error", "modes", "handle_copy", "layouts", "vllm", "sglang", "megatron"]
+NAMES = ["surface", "errors", "capture_error", "modes", "sum_order", "handle_copy", "layouts", "vllm", "sglang",
+         "megatron"]
 WORLDS = {"2x1node": (2, 2), "4x2nodes": (4, 2)}  # name: (ranks, ranks per node)
 
 
@@ -22,6 +23,12 @@ def world(request):
 @pytest.mark.parametrize("case", NAMES)
 def test_case(world, case):
     assert world[case] is None, world[case]
+
+
+def test_sum_order_4_ranks():
+    """V2's summation order with 4 ranks on one node (more orders than 2 ranks have)."""
+    res = run_world(4, "cases_elastic", ["sum_order"], ranks_per_node=4, timeout_s=300)
+    assert res["sum_order"] is None, res["sum_order"]
 
 
 def test_no_compile_keys():

@@ -73,9 +73,30 @@ MUTANTS = {
     # multi-node combine 2% off
     "multinode_combine_2pct": (
         "backends/reference.py",
-        "        return sum_rows(packer.unpack(back1), plan[\"order1\"], T, H, K)  # node order",
-        ("        acc_y, acc_w = sum_rows(packer.unpack(back1), plan[\"order1\"], T, H, K)\n"
+        "        return sum_rows(packer.unpack(back1), plan[\"order1\"], T, H, K, start)  # node order",
+        ("        acc_y, acc_w = sum_rows(packer.unpack(back1), plan[\"order1\"], T, H, K, start)\n"
          "        return acc_y * 1.02, acc_w"),
+        (PROBE, "world_routing")),
+    # combine adds the biases after the rows (commlib's order before it took DeepEP's)
+    "combine_bias_last": (
+        "backends/reference.py",
+        ("        start = bias_start(req.bias, T, H, payload.device)  # the biases first, then the rows\n"
+         "        if topo.num_nodes == 1:\n"
+         "            acc_y, acc_w = self._combine_flat(payload, packer, h, T, H, K, start, req.sum_order)\n"
+         "        else:\n"
+         "            acc_y, acc_w = self._combine_hierarchical(payload, packer, h, T, H, K, start)\n"),
+        ("        start = bias_start((), T, H, payload.device)\n"
+         "        if topo.num_nodes == 1:\n"
+         "            acc_y, acc_w = self._combine_flat(payload, packer, h, T, H, K, start, req.sum_order)\n"
+         "        else:\n"
+         "            acc_y, acc_w = self._combine_hierarchical(payload, packer, h, T, H, K, start)\n"
+         "        acc_y += bias_start(req.bias, T, H, acc_y.device)\n"),
+        (PROBE, "world_routing")),
+    # combine ignores the handle's summation order (sums in rank order)
+    "combine_ignores_sum_order": (
+        "backends/reference.py",
+        "        places = sum_places(h.is_token_in_rank.to(recv.device), sum_order) if sum_order is not None else None",
+        "        places = None",
         (PROBE, "world_routing")),
     # combine drops the top-k weights of the first source group
     "combine_drops_weights": (

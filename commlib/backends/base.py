@@ -13,11 +13,13 @@ changed, so they are bit-exact too):
     recv_topk_weights holds the weight for local experts and 0 elsewhere. With
     num_worst_tokens > 0 outputs have that many rows; rows past the received count are 0 in
     recv_x / scales, -1 in recv_topk_idx, 0 in recv_topk_weights, and the per-expert list is [].
-  combine: combined_x[t] = bf16(acc) with acc = 0.f; for r in rank order over ranks holding t:
-    acc += float(row of t on r); then acc += float(bias0[t]); acc += float(bias1[t]).
-    On several nodes the rows of one node are first reduced the same way in local-rank order
-    and cast to bf16 before crossing the network; the home rank then sums the node partials in
-    node order. combined_topk_weights likewise in float32 (no cast).
+  combine: combined_x[t] = bf16(acc) with acc = 0.f; acc += float(bias0[t]); acc += float(bias1[t])
+    (DeepEP's order: the biases first); then for r over the ranks holding t, in rank order or in
+    the handle's sum_order (one node; common.sum_places): acc += float(row of t on r).
+    On several nodes the rows of one node are first reduced from 0 in local-rank order and cast
+    to bf16 before crossing the network; the home rank then adds the node partials, in node
+    order, to its acc (biases first). combined_topk_weights likewise in float32 from 0 (no cast,
+    no bias).
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ class CombineRequest:
     bias: Sequence[torch.Tensor]             # 0 to 2 tensors [T, H] bf16
     config: Config
     finish_later: bool = False               # leave the sum to PendingCombine.finish() where a backend can
+    sum_order: Optional[torch.Tensor] = None  # [T] int32 (DispatchHandle.sum_order; None on several nodes)
 
 
 @dataclasses.dataclass

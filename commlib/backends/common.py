@@ -17,6 +17,7 @@ import torch.distributed as dist
 from commlib.validate import CommlibError
 
 HOST = torch.device("cpu")
+SUM_ORDER_SLOTS = 8   # ranks a sum order names: 4-bit names in a u32 (DispatchHandle.sum_order)
 
 # What every rank must agree on before an op moves data (the first words of its agreement row).
 SIG_FIELDS = ("op", "call", "hidden", "num_experts", "fp8", "topk", "topk_weights", "num_sms",
@@ -155,20 +156,63 @@ def check_counts(me: int, limit: int, node_excess, counts_all, worst: int) -> No
                              f"ranks receive (rank, rows): {over}")
 
 
-def sum_rows(cols: dict, orders, num_targets: int, hidden: int, topk: int):
+def bias_start(biases: Sequence[torch.Tensor], num_targets: int, hidden: int, device) -> torch.Tensor:
+    """float32 [T, H]: 0 + bias0 + bias1 (bf16 [T, H] each, IEEE adds), where every combine sum
+    starts (DeepEP's order: the biases before the rows)."""
+    acc = torch.zeros(num_targets, hidden, dtype=torch.float32, device=device)
+    for b in biases:
+        acc += b.to(device).float()
+    return acc
+
+
+def sum_places(held: torch.Tensor, sum_order: Optional[torch.Tensor]) -> torch.Tensor:
+    """[T, R] int64: the place of rank r's row in token t's sum (0 first), -1 where r holds no row.
+    ``held`` [T, R] bool; ``sum_order`` [T] int32 or None (DispatchHandle.sum_order's rule: nibble i
+    names the rank summed i-th, a rank's key is its first nibble, ranks no nibble names get 8 + rank;
+    a held rank's place = the held ranks of smaller key). None: rank order."""
+    T, R = held.shape
+    dev = held.device
+    ranks = torch.arange(R, device=dev)
+    if sum_order is None:
+        key = ranks.expand(T, R)
+    else:
+        slots = torch.arange(SUM_ORDER_SLOTS, device=dev)
+        nib = (sum_order.to(dev, torch.int64).unsqueeze(1) >> (4 * slots)) & 15              # [T, 8]
+        named = nib.unsqueeze(2) == ranks.view(1, 1, R)                                       # [T, 8, R]
+        key = torch.where(named, slots.view(1, -1, 1), SUM_ORDER_SLOTS + ranks.view(1, 1, R)).amin(1)
+    before = (key.unsqueeze(1) < key.unsqueeze(2)) & held.unsqueeze(1)                        # [T, r, r']
+    return torch.where(held, before.sum(2), torch.full_like(key, -1))
+
+
+def sum_rows(cols: dict, orders, num_targets: int, hidden: int, topk: int,
+             init_y: Optional[torch.Tensor] = None, places: Optional[torch.Tensor] = None):
     """The summation every backend reproduces: rows ``cols["y"]`` (and weights ``cols["w"]``) come
     grouped as ``orders`` lists their targets (int64 index tensors, a target at most once per group),
-    group after group; each is added in float32, starting from 0, to its target row in that group
-    order. Returns (float32 [num_targets, H], float32 [num_targets, K] or None)."""
-    device = cols["y"].device
-    acc_y = torch.zeros(num_targets, hidden, dtype=torch.float32, device=device)
+    group after group; each is added in float32 to its target row in that group order, starting
+    from ``init_y`` (float32 [num_targets, H], used in place; None: 0) for y and from 0 for the
+    weights. ``places`` [num_targets, G] (sum_places): group g's row of target t is added at place
+    places[t, g] instead (rows of one place in group order). Returns (float32 [num_targets, H],
+    float32 [num_targets, K] or None)."""
+    y, w = cols["y"], cols.get("w")
+    device = y.device
+    if places is not None:
+        tgt = torch.cat(list(orders)) if len(orders) else torch.zeros(0, dtype=torch.int64, device=device)
+        grp = torch.cat([torch.full((int(o.numel()),), g, dtype=torch.int64, device=device)
+                         for g, o in enumerate(orders)]) if len(orders) else tgt
+        at = places.to(device)[tgt, grp] if tgt.numel() else tgt
+        picks = [torch.nonzero(at == q).flatten() for q in range(places.shape[1])]
+        orders = [tgt[p] for p in picks]
+        perm = torch.cat(picks) if picks else tgt
+        y = y[perm]
+        w = w[perm] if topk else None
+    acc_y = init_y if init_y is not None else torch.zeros(num_targets, hidden, dtype=torch.float32, device=device)
     acc_w = torch.zeros(num_targets, topk, dtype=torch.float32, device=device) if topk else None
     start = 0
     for idx in orders:
         cnt = int(idx.numel())
-        acc_y.index_add_(0, idx, cols["y"][start:start + cnt].float())
+        acc_y.index_add_(0, idx, y[start:start + cnt].float())
         if topk:
-            acc_w.index_add_(0, idx, cols["w"][start:start + cnt])
+            acc_w.index_add_(0, idx, w[start:start + cnt])
         start += cnt
     return acc_y, acc_w
 
@@ -182,4 +226,5 @@ def pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
 
 
 __all__ = ["HOST", "SIG_FIELDS", "OPS", "signature", "check_agreement", "wait", "a2a_rows", "gather", "Packer",
-           "int32_columns", "check_counts", "sum_rows", "pad_rows"]
+           "int32_columns", "check_counts", "bias_start", "sum_places", "sum_rows",
+           "pad_rows", "SUM_ORDER_SLOTS"]

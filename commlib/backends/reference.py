@@ -1,12 +1,13 @@
 """Reference backend: the executable specification, on torch.distributed collectives.
 
 It runs the same algorithm as the GPU engines, hop by hop, with all_to_all_single:
-  one node:  dispatch = one exchange of rows among the ranks; combine = the reverse + a sum.
+  one node:  dispatch = one exchange of rows among the ranks; combine = the reverse + a sum
+             (float32 from 0 + the biases, then the rows in rank order or the handle's sum_order).
   M nodes:   dispatch = (1) each token crosses to a node once, to the rank with the sender's local
              rank there (the "rail" peer), then (2) that forwarder fans it out to the ranks of its
              node that hold the token's experts. Combine reverses it: the forwarder reduces the
              rows of its node (float32, local-rank order, cast to bf16) before one row per node
-             crosses back, and the home rank sums the node partials in node order.
+             crosses back, and the home rank adds the node partials in node order to 0 + the biases.
 Rows travel as raw bytes (gloo refuses bf16 / int16 in all_to_all_single), so every column of a
 token (hidden, FP8 scales, source index, top-k ids and weights) moves in one collective.
 On a gloo group with CUDA tensors the collectives run on CPU copies.
@@ -26,8 +27,8 @@ from commlib.handle import DispatchHandle
 from commlib.validate import CommlibError
 from commlib.utils.math import SORT_KEY_BIG
 from commlib.backends.base import Backend, CombineRequest, CombineResult, DispatchRequest, DispatchResult
-from commlib.backends.common import (HOST, OPS, SIG_FIELDS, Packer, a2a_rows, check_agreement, check_counts, gather,
-                                     int32_columns, pad_rows, signature, sum_rows, wait)
+from commlib.backends.common import (HOST, OPS, SIG_FIELDS, Packer, a2a_rows, bias_start, check_agreement, check_counts,
+                                     gather, int32_columns, pad_rows, signature, sum_places, sum_rows, wait)
 
 
 class ReferenceBackend(Backend):
@@ -310,25 +311,25 @@ class ReferenceBackend(Backend):
         cols = [("y", torch.bfloat16, (H,))] + ([("w", torch.float32, (K,))] if K else [])
         packer = Packer(cols)
         payload = packer.pack([self._to_comm(y)] + ([self._to_comm(w)] if K else []))
+        start = bias_start(req.bias, T, H, payload.device)  # the biases first, then the rows
         if topo.num_nodes == 1:
-            acc_y, acc_w = self._combine_flat(payload, packer, h, T, H, K)
+            acc_y, acc_w = self._combine_flat(payload, packer, h, T, H, K, start, req.sum_order)
         else:
-            acc_y, acc_w = self._combine_hierarchical(payload, packer, h, T, H, K)
-        for b in req.bias:
-            acc_y += b.to(acc_y.device).float()
+            acc_y, acc_w = self._combine_hierarchical(payload, packer, h, T, H, K, start)
         combined_x = acc_y.to(torch.bfloat16).to(out_device)
         combined_w = acc_w.to(out_device) if K else None
         return CombineResult(combined_x, combined_w)
 
-    def _combine_flat(self, payload, packer, h, T, H, K):
+    def _combine_flat(self, payload, packer, h, T, H, K, start, sum_order):
         plan = h.extra["plan"]
         order = plan["order"]
         back_counts = [int(o.numel()) for o in order]
         recv = self._a2a_rows(payload, plan["recv_counts"], back_counts)
         self._count_rows(plan["recv_counts"], intranode=True)
-        return sum_rows(packer.unpack(recv), order, T, H, K)  # rank order
+        places = sum_places(h.is_token_in_rank.to(recv.device), sum_order) if sum_order is not None else None
+        return sum_rows(packer.unpack(recv), order, T, H, K, start, places)  # rank order, or sum_order's
 
-    def _combine_hierarchical(self, payload, packer, h, T, H, K):
+    def _combine_hierarchical(self, payload, packer, h, T, H, K, start):
         plan = h.extra["plan"]
         # Undo the sort (back to arrival order), reduce inside the node: one bf16 row per (token, node).
         arrival = torch.empty_like(payload)
@@ -337,7 +338,7 @@ class ReferenceBackend(Backend):
         partial = packer.pack([part_y] + ([part_w] if K else []))
         back1 = self._network_a2a(partial, plan["recv1_counts"], plan["send1_counts"])
         self._count_rows(plan["recv1_counts"], intranode=False)
-        return sum_rows(packer.unpack(back1), plan["order1"], T, H, K)  # node order
+        return sum_rows(packer.unpack(back1), plan["order1"], T, H, K, start)  # node order
 
     def _fanout_reduce(self, arrival, packer, plan, H, K):
         """Combine's half of the fan-out: rows back to their forwarder, summed there in float32 in

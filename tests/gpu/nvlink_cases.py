@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 
+import oracle as O
 import torch
 import torch.distributed as dist
 
@@ -131,12 +132,24 @@ def as_bf16(recv_x):
     return recv_x
 
 
+def random_sum_orders(T: int, g: torch.Generator) -> torch.Tensor:
+    """[T] int32 DispatchHandle.sum_order words: a permutation of ranks 0..7 per token, or (every third
+    token) 8 random nibbles, naming ranks that hold no row, ranks twice, and leaving ranks unnamed."""
+    perm = (torch.stack([torch.randperm(8, generator=g) for _ in range(T)]) if T
+            else torch.zeros(0, 8, dtype=torch.int64))
+    nib = torch.where((torch.arange(T) % 3 == 2).unsqueeze(1), torch.randint(0, 16, (T, 8), generator=g), perm)
+    word = (nib << (4 * torch.arange(8))).sum(1)
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
 def run_case(ctx, *, routing_name="random", T=64, H=256, E=32, K=4, fp8=False, weights=True, worst=0,
              alignment=1, cfg: Config, combine_cfg: Config | None = None, num_bias=0, seed=0, cached=True,
-             key="main", token_counts=None, prepack=False):
+             key="main", token_counts=None, prepack=False, sum_order=False, spread=False):
     """Dispatch + cached dispatch + combine through both Buffers; compare everything. prepack: the
     nvlink Buffer's dispatches (both) get their rows packed ahead by Buffer.prepack, the non-cached
-    one its layout from there too, and its combine leaves its sum to PendingCombine.finish()."""
+    one its layout from there too, and its combine leaves its sum to PendingCombine.finish().
+    sum_order: both handles get the same random DispatchHandle.sum_order before combine. spread: the
+    combine rows and biases are half +-2^26 (oracle.spread), so a sum in another order shows in the bits."""
     R, me, dev = ctx.world_size, ctx.rank, ctx.device
     combine_cfg = combine_cfg or cfg
     nv, ref = buffers(ctx, key)
@@ -149,7 +162,11 @@ def run_case(ctx, *, routing_name="random", T=64, H=256, E=32, K=4, fp8=False, w
     idx, w = idx.to(dev), w.to(dev)
     x, x_bf = make_x(T, H, fp8, g, dev)
     biases = tuple(torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev) for _ in range(num_bias))
-    tag = f"[{routing_name} T={T} H={H} E={E} K={K} fp8={fp8} w={weights} worst={worst} sms={cfg.num_sms}]"
+    if spread:
+        biases = tuple(O.spread(b, seed * 41 + 2 * me + i) for i, b in enumerate(biases))
+    orders = random_sum_orders(T, g).to(dev) if sum_order else None
+    tag = (f"[{routing_name} T={T} H={H} E={E} K={K} fp8={fp8} w={weights} worst={worst} sms={cfg.num_sms} "
+           f"bias={num_bias} order={sum_order} spread={spread}]")
     out = {}
     for name, buf in (("nvlink", nv), ("reference", ref)):
         ahead = prepack and name == "nvlink"
@@ -177,6 +194,10 @@ def run_case(ctx, *, routing_name="random", T=64, H=256, E=32, K=4, fp8=False, w
             res["cached"] = buf.dispatch(x2, handle=handle, config=cfg, **({"prepacked": tok2} if ahead else {}))[0]
         y = as_bf16(rx)
         y = (y.float() * (1.0 + 0.25 * me)).to(torch.bfloat16)
+        if spread:
+            y = O.spread(y, seed * 43 + me)
+        if orders is not None:
+            handle.sum_order = orders
         if ahead:  # with the sum left to the caller's stream (host staging) or handed over finished
             os.environ["COMMLIB_CE_DEFER_SUM"] = "1"
             try:
@@ -359,6 +380,27 @@ def case_options(ctx):
     run_case(ctx, cfg=cfg, combine_cfg=default_cfg(num_sms=6), T=200, H=512, E=32, K=4, seed=65)
     # many rounds per channel (send chunk 8), few channels
     run_case(ctx, cfg=default_cfg(num_sms=4, send=8, recv=256), T=500, H=256, E=32, K=4, seed=66)
+
+
+def case_sum_order(ctx):
+    """Combine's summation order where the bits show it (rows and biases half +-2^26): biases 0 / 1 / 2
+    first, then the rows in rank order or in random per-token sum orders (DispatchHandle.sum_order),
+    with rings that hold the call, rings that wrap, fewer combine SMs, num_worst_tokens and the V3
+    shape; bit for bit with the reference."""
+    R = ctx.world_size
+    small = R > 2  # several processes per GPU: time-sliced, few SMs each
+    cfg = default_cfg(num_sms=4, send=8, recv=64) if small else default_cfg()
+    for i in ((1, 3, 5) if small else range(6)):
+        run_case(ctx, cfg=cfg, T=(40 if small else 120) + i, H=512, E=8 * R, K=6, seed=700 + i, num_bias=i % 3,
+                 sum_order=i >= 3, spread=True, routing_name="some_empty" if i % 2 else "random")
+    run_case(ctx, cfg=cfg, combine_cfg=default_cfg(num_sms=2 if small else 6), T=90, H=256, E=8 * R, K=4,
+             worst=120 * R, seed=710, num_bias=2, sum_order=True, spread=True)
+    tiny = Config(4, 1, 8) if small else _RING_CFGS["rings_tiny"][0]   # rings that wrap
+    run_case(ctx, cfg=tiny, T=3 * _ring_unit(tiny) + 1, H=256, E=8 * R, K=4, seed=711, key="rings_tiny", num_bias=1,
+             sum_order=True, spread=True)
+    if not small:
+        run_case(ctx, routing_name="group_limited", cfg=default_cfg(recv=128), T=300, H=7168, E=256, K=8, seed=712,
+                 num_bias=2, sum_order=True, spread=True)
 
 
 def case_bad_ids(ctx):

@@ -23,7 +23,7 @@ from commlib.buffer import _cupy_available as _have_cupy  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not _have_cupy(), reason="needs a GPU and CuPy")
 
-SUITE = ["surface", "errors", "modes", "handle_copy", "layouts", "vllm", "sglang", "megatron"]
+SUITE = ["surface", "errors", "modes", "sum_order", "handle_copy", "layouts", "vllm", "sglang", "megatron"]
 CASES = ["suite", "graph_cached", "graph_no_sync", "no_host_sync", "no_recompile", "capture_error"]
 
 

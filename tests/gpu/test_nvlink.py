@@ -31,8 +31,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not _have_cupy(
                                 reason="needs CUDA GPUs and CuPy")
 
 CASES_2 = ["smoke", "replays", "routings_bf16", "routings_fp8", "odd_hidden", "v3_shape", "options", "bad_ids",
-           "rejected_input", "cuda_graph", "smid", "pressure", "rings", "rings_graph", "rings_random"]
-CASES_MANY = ["smoke", "many_ranks", "bad_ids", "rings"]
+           "rejected_input", "cuda_graph", "smid", "pressure", "rings", "rings_graph", "rings_random", "sum_order"]
+CASES_MANY = ["smoke", "many_ranks", "bad_ids", "rings", "sum_order"]
 
 
 def _env_for_worlds() -> None:
@@ -108,7 +108,7 @@ def test_two_ranks(world2, name):
 
 
 CASES_CE = ["copy_engines", "ce_prepack", "smoke", "routings_bf16", "routings_fp8", "odd_hidden", "v3_shape", "options",
-            "bad_ids", "rejected_input", "pressure"]
+            "bad_ids", "rejected_input", "pressure", "sum_order"]
 CE_BYTES = str(256 << 20)  # 2 regions of 128 MB: every case's rows fit
 
 
@@ -132,7 +132,8 @@ def test_two_ranks_copy_engines(world2_ce, name):
     assert world2_ce[name] is None, world2_ce[name]
 
 
-CASES_CE_HOST = ["copy_engines", "ce_prepack", "smoke", "routings_bf16", "routings_fp8", "v3_shape", "pressure"]
+CASES_CE_HOST = ["copy_engines", "ce_prepack", "smoke", "routings_bf16", "routings_fp8", "v3_shape", "pressure",
+                 "sum_order"]
 
 
 @pytest.fixture(scope="module")

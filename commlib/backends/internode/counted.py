@@ -6,7 +6,8 @@ Dispatch: the exchange row (exchange.exchange_row), one all-gather, one host rea
 the send rows packed once per (token, destination node) in chunk-major order with their final rows
 on every rank there; per chunk the network step, then the node step lands them at their final row
 (so no sort). Combine mirrors it: per chunk the node step sums the rows of the node, the partial
-crosses back, and the home rank sums the node partials in node order.
+crosses back, and the home rank adds the node partials in node order to 0 + the biases (DeepEP
+v1's internode combine adds its biases at home, before the node partials).
 
 Legend: T tokens here, H hidden, K top-k, R ranks, M nodes, P ranks per node, me = (node, loc),
 E experts, Lx experts per rank, W bytes of a packed row, S send rows.
@@ -17,7 +18,7 @@ import torch
 
 from commlib import layout as L
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
-from commlib.backends.common import sum_rows
+from commlib.backends.common import bias_start, sum_rows
 from commlib.backends.internode.exchange import N_SIG, exchange_digest, exchange_row
 from commlib.backends.internode.geometry import Plan, geometry, send_order
 from commlib.backends.internode.network import stream
@@ -146,7 +147,7 @@ def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResu
 
 def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     """Combine of a counted handle on the torch steps: per chunk the node partial (node step), the
-    network step back, then the node partials summed at home in node order, then the biases."""
+    network step back, then at home 0 + the biases + the node partials in node order."""
     h, dev = req.handle, w.device
     T, H = h.num_tokens, req.x.shape[1]
     n = plan.num_recv
@@ -167,14 +168,13 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
                                     out=back[ss[k]:ss[k + 1]]), "combine", before=before)
     w.count_rows(plan)
     tok = plan.send_tok.index_select(0, plan.home)   # home: node partials in node order
-    acc_y, acc_w = sum_rows(packer.unpack(back.index_select(0, plan.home)), tok.split(plan.home_lens), T, H, K)
-    return finish(w, req, acc_y, acc_w, K)
+    acc_y, acc_w = sum_rows(packer.unpack(back.index_select(0, plan.home)), tok.split(plan.home_lens), T, H, K,
+                            bias_start(req.bias, T, H, dev))
+    return finish(req, acc_y, acc_w, K)
 
 
-def finish(w: Wiring, req: CombineRequest, acc_y: torch.Tensor, acc_w, K: int) -> CombineResult:
-    """The home sum plus the biases, in bf16 (weights float32) on the caller's device."""
-    for b in req.bias:
-        acc_y += b.to(w.device).float()
+def finish(req: CombineRequest, acc_y: torch.Tensor, acc_w, K: int) -> CombineResult:
+    """The home sum (biases included) in bf16 (weights float32) on the caller's device."""
     out_device = req.x.device
     return CombineResult(acc_y.to(torch.bfloat16).to(out_device), acc_w.to(out_device) if K else None)
 

@@ -240,7 +240,7 @@ def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResu
 def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     """Combine on the kernels: this rank's rows gathered per landed row (one rank per node) or
     published into its area and summed by the forwarder per chunk, the partials back over the
-    network chunk by chunk, the home sum (node order, then the biases) in one launch."""
+    network chunk by chunk, the home sum (the biases, then node order) in one launch."""
     h, dev, node, probe = req.handle, w.device, w.node, w.probe
     n, T = plan.num_recv, h.num_tokens
     y = rows_on(req.x, n, dev)

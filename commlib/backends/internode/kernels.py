@@ -211,8 +211,8 @@ def rows(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int) -> Non
 
 
 def home(back: torch.Tensor, slot: torch.Tensor, biases: list, out_y: torch.Tensor, out_w, *, H: int, K: int) -> None:
-    """Combine at home: per token the node partials (``back`` rows at ``slot`` [T, M]) summed in node
-    order, then the (bf16, [T, H]) biases, into bf16 ``out_y`` [T, H] and float32 ``out_w`` [T, K]."""
+    """Combine at home: per token 0 + the (bf16, [T, H]) biases, then the node partials (``back`` rows
+    at ``slot`` [T, M]) in node order, into bf16 ``out_y`` [T, H] and float32 ``out_w`` [T, K]."""
     T, M = slot.shape
     if not (H % 2 == 0 and out_y.dtype == torch.bfloat16 and out_y.is_contiguous()):
         _fail("out_y: contiguous bf16, H even")

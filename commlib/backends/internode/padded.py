@@ -20,6 +20,7 @@ import torch
 
 from commlib import layout as L
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
+from commlib.backends.common import bias_start
 from commlib.backends.internode.counted import exchange, expert_columns, finish
 from commlib.backends.internode.exchange import N_SIG
 from commlib.backends.internode.geometry import Plan, padded_plan
@@ -115,7 +116,7 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     """Combine of a num_worst_tokens handle: the dispatch's steps backwards with the same fixed sizes.
     Each rank of a node gives every forwarder its rows for that forwarder's landed rows (zeros where
     it has none), the forwarder sums them in local-rank order, the partial goes back over the
-    network to its slot, and the home rank sums its node partials in node order. Adding a zero row
+    network to its slot, and the home rank adds its node partials in node order to 0 + the biases. Adding a zero row
     changes no float32 sum here (a sum of rows never becomes -0.0), so this equals the counted
     path's sums of only the rows that exist."""
     topo, dev = w.topology, w.device
@@ -139,7 +140,7 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     stream(w.network, nch, lambda k: w.network.post(partials.pop(k), [crows] * M, [crows] * M,
                                                     out=back[k * per:(k + 1) * per]), "combine", before=before)
     parts = packer.unpack(back)
-    acc_y = torch.zeros(T, H, dtype=torch.float32, device=dev)
+    acc_y = bias_start(req.bias, T, H, dev)   # the biases first, as the counted path
     acc_w = torch.zeros(T, K, dtype=torch.float32, device=dev)
     for m in range(M):   # node partials in node order; pairs not sent read the zero dump slot
         slot = plan.slot[:, m]
@@ -147,7 +148,7 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
         if K:
             acc_w += parts["w"].index_select(0, slot)
     w.count_padded(plan)
-    return finish(w, req, acc_y, acc_w, K)
+    return finish(req, acc_y, acc_w, K)
 
 
 __all__ = ["dispatch", "move", "dispatch_cached", "combine"]

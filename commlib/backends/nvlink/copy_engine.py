@@ -305,9 +305,10 @@ class CopyEnginePath:
         self._ce_sync(CE_SYNC_DONE)
         self._ce_packs.events[slot] = self._ce_event()  # a prepack reusing the buffer waits for it
 
-    def ce_combine(self, x, w, h, biases, out, out_w, num_sms: int, later: bool = False):
+    def ce_combine(self, x, w, h, biases, sum_order, out, out_w, num_sms: int, later: bool = False):
         """Combine through the copy engines: push the rows of each source rank back into its region for
-        this rank, then sum every token's rows in rank order (csrc/ce.cu ce_reduce_kernel). Host
+        this rank, then sum every token's biases and rows, the rows in rank order or ``sum_order``'s
+        (csrc/ce.cu ce_reduce_kernel). Host
         staging: the rows land in a device buffer first, and with ``later`` the sum is left to the
         returned PendingCombine (run on the consumer's stream, every SM); else returns None."""
         R, me = self.num_ranks, self.rank
@@ -340,7 +341,7 @@ class CopyEnginePath:
                 K.launch("ce", "ce_reduce_kernel", grid, 512,
                          (K.ptr(x), K.ptr(w), K.u64(staging), K.u64(self.ce_region_bytes), K.u64(offs[1]),
                           K.ptr(h.is_token_in_rank), K.ptr(h.extra["ce_pos"]), K.i32(first[me]),
-                          K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(out), K.ptr(out_w),
+                          K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(sum_order), K.ptr(out), K.ptr(out_w),
                           K.i32(T), K.i32(row // 16), K.i32(Kk), K.i32(me), K.i32(R)))
 
         if slot is None:

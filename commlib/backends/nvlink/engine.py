@@ -113,7 +113,8 @@ class FullPlan:
 
 # the handle tensors a cached dispatch's / a combine's kernel arguments point at (their launch order)
 _DISPATCH_HANDLE_FIELDS = ("is_token_in_rank", "rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix")
-_COMBINE_HANDLE_FIELDS = ("send_head", "rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix")
+_COMBINE_HANDLE_FIELDS = ("send_head", "rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                          "sum_order")
 
 
 def _handle_tensors(handle: DispatchHandle, fields: tuple) -> tuple:
@@ -812,14 +813,14 @@ class NVLinkBackend(CopyEnginePath, Backend):
         out, out_w = self._alloc((((T, H), torch.bfloat16), ((T, Kk), torch.float32) if w is not None else None))
         num_sms = req.config.num_sms
         if use_ce:
-            pending = self.ce_combine(x, w, h, biases, out, out_w, num_sms,
+            pending = self.ce_combine(x, w, h, biases, req.sum_order, out, out_w, num_sms,
                                       later=req.finish_later and env.ce_defer_sum())
             self._count(h.extra.get("recv_counts"))
             return CombineResult(out, out_w, pending)
         self._drain_if_moved(C)
         args = (K.ptr(x), K.ptr(w), K.ptr(h.send_head),
                   K.ptr(h.rank_prefix_matrix), K.ptr(h.channel_prefix_matrix), K.ptr(h.recv_channel_prefix_matrix),
-                  K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(out), K.ptr(out_w),
+                  K.ptr(biases[0]), K.ptr(biases[1]), K.ptr(req.sum_order), K.ptr(out), K.ptr(out_w),
                   K.i32(T), K.i32(hidden_bytes // 16), K.i32(Kk),
                   K.ptr(self.peer_bases), K.i32(me), K.i32(R), K.i32(C),
                   K.u64(CONTROL_BYTES), K.u64(self.part_bytes), K.u64(ring_bytes), K.i32(cap), K.i32(slot_bytes),

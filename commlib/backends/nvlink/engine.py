@@ -117,6 +117,10 @@ _COMBINE_HANDLE_FIELDS = ("send_head", "rank_prefix_matrix", "channel_prefix_mat
                           "sum_order")
 
 
+# combine_kernel's arguments: x, w, send_head, the three prefix matrices, bias0, bias1, sum_order, out, out_w
+_COMBINE_OUT_SLOT = 9
+
+
 def _handle_tensors(handle: DispatchHandle, fields: tuple) -> tuple:
     return tuple((f, getattr(handle, f)) for f in fields)
 
@@ -831,7 +835,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
         if not req.bias and self._smids is None and dev.type == "cuda":
             self._keep_plan(h, ("combine", Kk), CachedPlan(
                 self, x, req.config, C, K.replay("combine", "combine_kernel", num_sms, K.threads("combine"), args),
-                (((T, H), torch.bfloat16), ((T, Kk), torch.float32) if w is not None else None), 8,
+                (((T, H), torch.bfloat16), ((T, Kk), torch.float32) if w is not None else None), _COMBINE_OUT_SLOT,
                 h.extra.get("recv_counts"), w, _handle_tensors(h, _COMBINE_HANDLE_FIELDS)))
         self._count(h.extra.get("recv_counts"))
         return CombineResult(out, out_w, blocks=tuple(self._blocks))

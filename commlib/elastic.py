@@ -20,6 +20,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from commlib.backends.common import bias_start
 from commlib.buffer import Buffer
 from commlib.config import Config
 from commlib.handle import DispatchHandle
@@ -134,8 +135,10 @@ class ElasticBuffer:
         allow_hybrid_mode: V2's logical domain: (nodes, ranks per node) if True and on several nodes,
             else (1, R). commlib's engines choose their own path; this sets the domain attributes and
             psum_num_recv_tokens_per_scaleup_rank's length.
-        allow_multiple_reduction, prefer_overlap_with_compute: as V2's get_theoretical_num_sms uses
-            them; the reduction itself is commlib's (docs/deep_ep.md).
+        allow_multiple_reduction: False: an expanded combine sums every expanded row once, at home
+            (V2's single reduction; one transport combine per top-k slot, docs/deep_ep.md); the
+            non-expanded combine is the same either way.
+        prefer_overlap_with_compute: as V2's get_theoretical_num_sms uses it.
         sl_idx, num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs: InfiniBand service
             level, queue pairs and V2's timeouts; accepted and recorded (commlib's waits time out after
             COMMLIB_TIMEOUT_S). num_qps above num_allocated_qps is refused, as in V2.
@@ -679,15 +682,18 @@ class ElasticBuffer:
 
         Args:
             x: [N, H] bf16 (non-expand: one row per received token, summed over its local experts by the
-                caller) or [X, H] (expand: one row per (token, local expert); summed per token here in
-                top-k order, in float32, to bf16, before it travels). Fewer rows than the handle holds
-                are padded with zeros.
+                caller) or [X, H] (expand: one row per (token, local expert); with allow_multiple_reduction
+                summed per token here in top-k order, in float32, to bf16, before it travels; without it
+                every row travels as it is). Fewer rows than the handle holds are padded with zeros.
             handle: the dispatch's EPHandle.
             topk_weights: [N, K] float32 (non-expand) or [X] (expand) or None: each slot's weight comes
-                back from the rank owning that slot (slots of other ranks are ignored).
+                back from the rank owning that slot (slots of other ranks are ignored). Refused for an
+                expanded combine with allow_multiple_reduction=False (V2's kernel asserts there).
             bias: None, a [T, H] bf16 tensor or a tuple of two. The float32 sum starts from 0 + bias0 + bias1
                 and adds each rank's row in the order of the rank's last top-k slot (V2's order; on several
-                nodes: node, then rail order), then rounds to bf16.
+                nodes: node, then rail order), then rounds to bf16. Expanded with
+                allow_multiple_reduction=False: it adds each top-k slot's expanded row in slot order
+                instead (empty slots add nothing), on every topology.
             num_sms: 0 = the dispatch's. The rest as in dispatch.
         Returns:
             (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 (0 for empty slots) or None,
@@ -703,6 +709,13 @@ class ElasticBuffer:
         if x.shape[0] > rows:
             raise ValueError(f"{_where(me)}.combine: x has {x.shape[0]} rows, the handle holds {rows}")
         N, K = handle.recv_topk_idx.shape
+        per_slot = handle.do_expand and not self.allow_multiple_reduction
+        if per_slot and topk_weights is not None:
+            raise ValueError(f"{_where(me)}.combine: topk_weights must be None for an expanded combine with "
+                             "allow_multiple_reduction=False (the expanded rows travel unreduced and carry no "
+                             "weights; V2's kernel stops on a device assert there); build the buffer with "
+                             "allow_multiple_reduction=True to get the weights back")
+        biases = self._check_bias(bias, handle.buffer_handle.num_tokens, x.shape[1]) if per_slot else ()
         if topk_weights is not None:
             shape = (rows,) if handle.do_expand else (rows, K)
             check_tensor("topk_weights", topk_weights, me, dtype=torch.float32, dim=len(shape), device=self.buffer.device)
@@ -718,24 +731,61 @@ class ElasticBuffer:
                 comm.wait_event(prev.event)
             else:
                 comm.wait_stream(compute)
+            for t in (x, *biases):  # read on the comm stream, maybe after the caller dropped them
+                t.record_stream(comm)
 
-        def prepare():
-            return _combine_rows(x, topk_weights, handle, rows)
-
-        y, w = _on_stream(comm, prepare)
-        ev0 = None
-        if comm is not None:
-            ev0 = EventOverlap(torch.cuda.Event())
-            ev0.event.record(comm)
-            for t in (y, w):
+        def made_on_comm(fn):
+            """fn()'s tensors, made on the comm stream, and an EventOverlap after them (None on CPU)."""
+            out = _on_stream(comm, fn)
+            if comm is None:
+                return out, None
+            ev = EventOverlap(torch.cuda.Event())
+            ev.event.record(comm)
+            for t in out:
                 if t is not None:
                     t.record_stream(compute)
-        combined, combined_w, ev = self.buffer.combine(
-            y, handle.buffer_handle, topk_weights=w, bias=bias, config=self._config("combine", num_sms),
-            previous_event=ev0, async_finish=True)
-        (combined, combined_w), event = self._epilogue(lambda: (combined, combined_w),
-                                                       previous_event_before_epilogue, async_with_compute_stream)
+            return out, ev
+
+        config = self._config("combine", num_sms)
+        if per_slot:
+            # one transport combine per top-k slot j, non-zero only from the slot's owner: the sum of one
+            # row and zeros is that row (-0.0 arrives as +0.0, the same to a sum that starts at +0.0)
+            slots = handle.expanded_slots
+            parts = []
+            for j in range(K):
+                (y,), ev0 = made_on_comm(lambda: (_slot_rows(x, slots[:, j]),))
+                parts.append(self.buffer.combine(y, handle.buffer_handle, config=config, previous_event=ev0,
+                                                 async_finish=True)[0])
+
+            def home():
+                acc = bias_start(biases, handle.buffer_handle.num_tokens, x.shape[1], x.device)
+                for part in parts:  # slot order; an empty slot's part is +0.0
+                    acc += part.float()
+                return acc.to(torch.bfloat16), None
+        else:
+            (y, w), ev0 = made_on_comm(lambda: _combine_rows(x, topk_weights, handle, rows))
+            combined, combined_w, _ = self.buffer.combine(y, handle.buffer_handle, topk_weights=w, bias=bias,
+                                                          config=config, previous_event=ev0, async_finish=True)
+
+            def home():
+                return combined, combined_w
+        (combined, combined_w), event = self._epilogue(home, previous_event_before_epilogue,
+                                                       async_with_compute_stream)
         return combined, combined_w, event
+
+    def _check_bias(self, bias, num_tokens: int, hidden: int) -> tuple:
+        """The bias tensors (0, 1 or 2) a combine that sums here adds, checked as the transport checks them."""
+        if bias is None:
+            return ()
+        biases = (bias,) if isinstance(bias, torch.Tensor) else tuple(b for b in bias if b is not None)
+        if len(biases) > 2:
+            raise ValueError(f"{_where(self.rank_idx)}.combine: bias takes at most two tensors, got {len(biases)}")
+        for i, b in enumerate(biases):
+            check_tensor(f"bias[{i}]", b, self.rank_idx, dtype=torch.bfloat16, dim=2, device=self.buffer.device)
+            if tuple(b.shape) != (num_tokens, hidden):
+                raise ValueError(f"{_where(self.rank_idx)}.combine: bias[{i}] must have shape "
+                                 f"[{num_tokens}, {hidden}], got {list(b.shape)}")
+        return biases
 
 
 # ---------------------------------------------------------------------- tensor helpers (device work, no host read)
@@ -762,6 +812,15 @@ def _scatter_weights(w: torch.Tensor, slots: torch.Tensor, X: int) -> torch.Tens
         s = slots[:, j].to(torch.int64)
         out.index_copy_(0, torch.where(s >= 0, s, scratch), w[:, j].contiguous())
     return out[:X]
+
+
+def _slot_rows(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[N, H]: row i is x[slots[i]], or zeros where slots[i] < 0 or past x's rows (the padding)."""
+    ok = (slots >= 0) & (slots < x.shape[0])
+    if x.shape[0] == 0:
+        return x.new_zeros((slots.shape[0], x.shape[1]))
+    rows = x.index_select(0, torch.where(ok, slots, torch.zeros_like(slots)))
+    return rows.masked_fill_(~ok.unsqueeze(1), 0)
 
 
 def _tma_column_major(sf: torch.Tensor) -> torch.Tensor:

@@ -168,6 +168,28 @@ def oracle_combine(seed: int, R: int, me: int, expand: bool, bias, weights: bool
     return out, w_out
 
 
+def oracle_combine_single(seed: int, R: int, me: int, bias, spread: bool = False) -> torch.Tensor:
+    """V2's expanded combine with allow_multiple_reduction=False on rank ``me`` (its reference with no
+    reduction before home, as test_ep.py runs it for that mode), when every rank sends back, for the
+    expanded row of (me, t, expert e), _rows_value(seed, rank, me, t, salt=1 + e, spread=spread): per
+    token, float32 bias0 + bias1 (0 without a bias), then for each top-k slot in slot order the
+    expanded row of that slot's expert as float32 (slots of -1 add nothing), bf16 once."""
+    _, idx, _ = _inputs(seed, me)
+    biases = () if bias is None else (bias if isinstance(bias, tuple) else (bias,))
+    L = E // R
+    out = torch.empty(idx.shape[0], H, dtype=torch.bfloat16)
+    for t in range(idx.shape[0]):
+        acc = torch.zeros(H)
+        if biases:
+            acc = biases[0][t].float() if len(biases) == 1 else biases[0][t].float() + biases[1][t].float()
+        for j in range(K):
+            e = int(idx[t, j])
+            if e >= 0:
+                acc = acc + _rows_value(seed, e // L, me, t, H, salt=1 + e, spread=spread).float()
+        out[t] = acc.to(torch.bfloat16)
+    return out
+
+
 # ------------------------------------------------------------------ helpers
 # Where the buffers run: the CPU suite uses the reference backend; tests/gpu/test_elastic_gpu.py sets
 # DEVICE to the rank's GPU and BACKEND to None (auto: the NVLink engine) and runs the same cases.
@@ -492,6 +514,49 @@ def case_sum_order(ctx):
                                           rank_order=R > P)
             _eq(f"expand={expand} bias={nb} combined", got, want)
             _eq(f"expand={expand} bias={nb} combined w", got_w, want_w)
+    buf.destroy()
+
+
+def case_nomr(ctx):
+    """allow_multiple_reduction=False: the expanded combine adds every expanded row once, at home, after
+    the biases, in top-k slot order (oracle_combine_single), bit for bit with rows whose sums show their
+    order (oracle.spread), on every topology; CPU sync or not, alignment 1 / 4, bias 0 / 1 / 2, fewer
+    rows than the handle holds; expanded topk_weights refused. The non-expanded combine is the one of
+    allow_multiple_reduction=True."""
+    R, me = ctx.world_size, ctx.rank
+    P = ctx.ranks_per_node
+    buf = _buffer(ctx, allow_multiple_reduction=False)
+    seed = 13
+    x, idx, w = _inputs(seed, me)
+    owners = torch.where(idx >= 0, idx // (E // R), -1)
+    assert any(len(set(o.tolist()) - {-1}) < int((o >= 0).sum()) for o in owners), "no rank holds two slots of a token"
+    assert (idx < 0).any() and (idx >= 0).all(1).any(), "want tokens with and without empty slots"
+    T = idx.shape[0]
+    g = torch.Generator().manual_seed(400 + me)
+    biases = [O.spread(torch.randn(T, H, generator=g).to(torch.bfloat16), 500 + 2 * me + i) for i in range(2)]
+    for cpu_sync, alignment in ((True, 1), (False, 4)):
+        tag = f"cpu_sync={cpu_sync} alignment={alignment}"
+        h = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=alignment,
+                         do_cpu_sync=cpu_sync, do_expand=True)[3]
+        y, yw = _combine_input(seed, R, me, h, True, spread=True)
+        for nb in (0, 1, 2):
+            bias = None if nb == 0 else (biases[0] if nb == 1 else tuple(biases))
+            got, got_w, _ = buf.combine(y, h, bias=bias)
+            assert got_w is None, tag
+            _eq(f"{tag} bias={nb} combined", got, oracle_combine_single(seed, R, me, bias, spread=True))
+        n = int(h.psum_num_recv_tokens_per_expert[-1])  # the filled rows' end (SGLang passes no more)
+        _eq(f"{tag} {n} rows", buf.combine(y[:n].contiguous(), h)[0], oracle_combine_single(seed, R, me, None, spread=True))
+        expect_raises(ValueError, [f"rank {me}]", "topk_weights must be None", "allow_multiple_reduction=False"],
+                      lambda: buf.combine(y, h, topk_weights=yw))
+        expect_raises(ValueError, [f"rank {me}]", "bias[1]", f"[{T}, {H}]"],
+                      lambda: buf.combine(y, h, bias=(biases[0], biases[1][:-1])))
+    # not expanded: the same sum as with allow_multiple_reduction=True (weights come back too)
+    h = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)[3]
+    y, yw = _combine_input(seed, R, me, h, False, spread=True)
+    got, got_w, _ = buf.combine(y, h, topk_weights=yw, bias=tuple(biases))
+    want, want_w = oracle_combine(seed, R, me, False, tuple(biases), True, per_node=P, spread=True, rank_order=R > P)
+    _eq("not expanded combined", got, want)
+    _eq("not expanded combined w", got_w, want_w)
     buf.destroy()
 
 

@@ -146,7 +146,7 @@ def test_v2_envs_world(tmp_path, ranks_per_node):
 
 
 @pytest.mark.skipif(not STAGED.is_dir(), reason="DeepEP V2's tests not staged (scripts/stage_deepep_v2_tests.sh)")
-@pytest.mark.parametrize("run", ["v2ep", "v2ep_nosync"])
+@pytest.mark.parametrize("run", ["v2ep", "v2ep_nosync", "v2ep_nomr"])
 def test_v2_test_ep_on_cpu_ranks(tmp_path, run):
     """V2's test_ep.py, unchanged, on 2 CPU ranks: its first mode (fp8, expert_alignment=128, handle
     copy) at a small shape, against V2's own reference (refs.py). The whole file at this shape (144

@@ -9,8 +9,8 @@ import pytest
 
 from worlds import run_world
 
-NAMES = ["surface", "errors", "capture_error", "modes", "sum_order", "handle_copy", "layouts", "vllm", "sglang",
-         "megatron"]
+NAMES = ["surface", "errors", "capture_error", "modes", "sum_order", "nomr", "handle_copy", "layouts", "vllm",
+         "sglang", "megatron"]
 WORLDS = {"2x1node": (2, 2), "4x2nodes": (4, 2)}  # name: (ranks, ranks per node)
 
 

@@ -23,8 +23,8 @@ from commlib.buffer import _cupy_available as _have_cupy  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not _have_cupy(), reason="needs a GPU and CuPy")
 
-SUITE = ["surface", "errors", "modes", "sum_order", "handle_copy", "layouts", "vllm", "sglang", "megatron"]
-CASES = ["suite", "graph_cached", "graph_no_sync", "no_host_sync", "no_recompile", "capture_error"]
+SUITE = ["surface", "errors", "modes", "sum_order", "nomr", "handle_copy", "layouts", "vllm", "sglang", "megatron"]
+CASES = ["suite", "graph_cached", "graph_no_sync", "graph_nomr", "no_host_sync", "no_recompile", "capture_error"]
 
 
 def _suite_on_gpu():
@@ -136,6 +136,43 @@ def case_graph_no_sync(ctx):
             assert torch.equal(_valid(h_e, rx_g), _valid(h_e, rx_e)), (expand, it)
             assert torch.equal(_valid(h_e, rw_g), _valid(h_e, rw_e)), (expand, it)
             assert torch.equal(cx_g, cx_e) and torch.equal(cw_g, cw_e), (expand, it)
+    buf.destroy()
+
+
+def case_graph_nomr(ctx):
+    """allow_multiple_reduction=False: the sync-free expanded dispatch and its combine (one transport
+    combine per top-k slot, the sum at home) captured once, replayed with new routing and x: equal to
+    the eager calls; and that combine makes no host sync."""
+    from commlib.utils.timing import capture_graph
+    c = _suite_on_gpu()
+    buf = _buffer(ctx, allow_multiple_reduction=False)
+    x, idx, _ = _inputs(7, ctx.rank)
+    bias = torch.randn(x.shape[0], c.H, device=c.DEVICE).to(torch.bfloat16)
+    x_s, idx_s = x.clone(), idx.clone()
+
+    def step():
+        rx, _, _, h, _ = buf.dispatch(x_s, topk_idx=idx_s, num_experts=c.E, do_cpu_sync=False, do_expand=True)
+        return buf.combine((rx.float() * 2).to(torch.bfloat16), h, bias=bias)[0]
+
+    graph, cx_g = capture_graph(step, capture_error_mode="thread_local")
+    for it in range(2):
+        nx, nidx, _ = _inputs(20 + it, ctx.rank)  # a rank's token count depends on the rank only
+        x_s.copy_(nx)
+        idx_s.copy_(nidx)
+        graph.replay()
+        torch.cuda.synchronize()
+        cx_e = step()
+        torch.cuda.synchronize()
+        assert torch.equal(cx_g, cx_e), it
+    h = buf.dispatch(x, topk_idx=idx, num_experts=c.E, do_expand=True)[3]
+    y = torch.randn(h.num_expanded_tokens, c.H, device=c.DEVICE).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        buf.combine(y, h, bias=bias)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
     buf.destroy()
 
 

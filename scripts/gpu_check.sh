@@ -99,8 +99,8 @@ elastic      | peers     | 4 | 300 | env COMMLIB_TIMEOUT_S=60 $PY -m pytest test
 megatron     | peers     | 2 | 240 | bash -c megatron_moe
 memprobe     | peers     | 16t | 200 | $PY -m benchmarks.mem_probe --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 memll        | peers     | 8 | 200 | $PY -m benchmarks.mem_probe --low-latency --json $RES/mem_probe_ll_$(gpu_tag)_$(date +%Y%m%d)_$C.json
-peerbuild    | peers     | 0 | 420 | env PYTHON=$PY bash benchmarks/peers/build_deepep.sh
-peerbench    | peers     | 4 | 540 | env PYTHON=$PY bash benchmarks/peers/bench_peers.sh $RES ${PEER_ARGS:-}
+peerbuild    | peers     | 0 | 300 | bash -c peer_build
+peerbench    | peers     | 4 | 420 | $PY -m benchmarks.peers.bench_peers --json $RES ${PEER_ARGS:-}
 v1intranode  | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests intranode
 v1ll         | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll
 v1llexp      | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_expseg
@@ -215,8 +215,22 @@ megatron_moe() {
   $PY -m pip install -q --no-deps --no-index --no-compile --disable-pip-version-check "${wheels[@]}" || return 1
   $PY -m benchmarks.megatron_moe --json "$RES" ${MEGATRON_ARGS:-}
 }
-export -f env_info compile_kernels wheel_check megatron_moe
-export REPO RES
+# DeepEP v1's extension for peerbench (benchmarks/peers), built by .peers/build_deepep.sh: the repository
+# holds no recipe that builds fetched code (docs/peers.md), so the carried .peers/ brings its own.
+# The .so is also copied to $OUT/peers, to be carried back as .peers/prebuilt/ (then nothing builds).
+# PEERS_DIR: another .peers (the CPU test's).
+peer_build() {
+  local peers=${PEERS_DIR:-$REPO/.peers} recipe=${PEERS_DIR:-$REPO/.peers}/build_deepep.sh
+  if [[ ! -f $recipe ]]; then
+    echo "peerbuild: no $recipe: DeepEP's build recipe is kept out of the repository by policy; carry a .peers" \
+         "that has one (docs/peers.md). peerbench still runs commlib HEAD against 917fdc0."
+    return 2
+  fi
+  PYTHON=$PY bash "$recipe" "$peers/DeepEP" "$REPO/.peers_build/DeepEP" "$PEER_SO_OUT"
+}
+export -f env_info compile_kernels wheel_check megatron_moe peer_build
+PEER_SO_OUT="$OUT/peers"
+export REPO RES PEER_SO_OUT
 export PY
 
 # CUDA MPS: started before the first stage that needs it, always stopped on exit.

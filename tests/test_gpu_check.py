@@ -151,14 +151,36 @@ def test_mps_for_shared_gpu_stages_and_timeouts(tmp_path):
 
 
 def test_peers_stages_dry_run(tmp_path):
-    """The DeepEP-beside-commlib stages: the build alone (no ranks, no MPS) and the build + bench
-    (4 ranks on one GPU: under MPS), writing JSON to the run's results folder."""
+    """The DeepEP-beside-commlib stages: the build alone (no ranks, no MPS; its recipe lives in the
+    carried .peers/, never in the repository) and the bench (4 ranks on one GPU: under MPS), writing
+    JSON to the run's results folder."""
     stages = {s[0]: s for s in dry_stages(tmp_path, "peerbuild,peerbench")}
     assert list(stages) == ["peerbuild", "peerbench"]
     _, group, ranks, mps, argv = stages["peerbuild"]
-    assert (group, ranks, mps) == ("peers", 0, 0) and argv[-2:] == ["bash", "benchmarks/peers/build_deepep.sh"]
+    assert (group, ranks, mps) == ("peers", 0, 0) and argv[-3:] == ["bash", "-c", "peer_build"]
     _, group, ranks, mps, argv = stages["peerbench"]
     assert (group, ranks, mps) == ("peers", 4, 1)
-    assert argv[-3:] == ["bash", "benchmarks/peers/bench_peers.sh", str(tmp_path / "out" / "results")]
+    assert argv[-4:] == ["-m", "benchmarks.peers.bench_peers", "--json", str(tmp_path / "out" / "results")]
     extra = {s[0]: s for s in dry_stages(tmp_path, "peers")}
     assert {"peerbuild", "peerbench"} <= set(extra)
+
+
+def test_peer_build_calls_the_carried_recipe_or_says_it_is_missing(tmp_path):
+    """peerbuild runs .peers/build_deepep.sh with the source, the build folder and $OUT/peers; with
+    no recipe there it fails with a line that says where the recipe is kept."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/bash\necho 'GPU 0: Fake (UUID: GPU-0)'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    env = {"PATH": f"{fake}:{os.environ['PATH']}", "PEERS_DIR": str(peers)}
+    proc = run_script(tmp_path / "none", "peerbuild", dry=False, extra_env=env)
+    log = (tmp_path / "none" / "logs" / "peerbuild.log").read_text()
+    assert proc.returncode == 1 and "kept out of the repository by policy" in log, log
+    (peers / "build_deepep.sh").write_text('echo "recipe args: $*"; echo "python: $PYTHON"\n')
+    proc = run_script(tmp_path / "out", "peerbuild", dry=False, extra_env=env)
+    log = (tmp_path / "out" / "logs" / "peerbuild.log").read_text()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"recipe args: {peers}/DeepEP {ROOT}/.peers_build/DeepEP {tmp_path}/out/peers" in log, log
+    assert f"python: {sys.executable}" in log, log

@@ -1,7 +1,9 @@
 """benchmarks/peers on CPU: the argument parsing, the checks against the oracle (each fed a planted
-wrong row), the ratios and the JSON, the path imports (a fake DeepEP build beside commlib's own
-deep_ep, commlib at the pre-rings commit beside HEAD), build_deepep.sh against a fake setup.py, and
-one 2-rank CPU world of the whole benchmark with HEAD and 917fdc0 (reference backends)."""
+wrong row), the sweep's pick, the ratios and the JSON (rewritten after each world), the path imports
+(a fake DeepEP build beside commlib's own deep_ep, commlib at the pre-rings commit beside HEAD), and
+one 2-rank CPU world of the whole benchmark (reference backends) with HEAD, 917fdc0 and a fake DeepEP
+build (commlib's Buffer under DeepEP's names) that returns a wrong element at one send chunk.
+DeepEP's build recipe is not in the repository (docs/peers.md): nothing here builds."""
 from __future__ import annotations
 
 import importlib.machinery
@@ -16,6 +18,8 @@ import pytest
 import torch
 
 from benchmarks.peers import bench_peers as bp
+from benchmarks.peers import calls as pcalls
+from benchmarks.peers import checks as pc
 from benchmarks.peers import engines as pe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,9 +30,15 @@ def test_parse_args_defaults_and_refusals():
     a = bp.parse_args([])
     assert (a.world_sizes, a.sms_list, a.engine_names) == ([2, 4], [20, 24], ["head", "917fdc0", "deepep"])
     assert (a.tokens, a.hidden, a.experts, a.topk) == (4096, 7168, 256, 8)
-    a = bp.parse_args(["--world", "2", "--sms", "24", "--engines", "deepep,head", "--json"])
+    assert (a.tune_sms, a.tune_chunk_list, a.tune_combine_list) == (24, [4, 8, 12, 16, 20, 24, 28, 32],
+                                                                     [1, 2, 4, 6, 8, 10, 12, 16])
+    assert a.deepep_so_places == [str(ROOT / ".peers_build" / "DeepEP"), str(ROOT / ".peers" / "prebuilt")]
+    assert a.deepep == str(ROOT / ".peers" / "DeepEP")
+    a = bp.parse_args(["--world", "2", "--sms", "24", "--engines", "deepep,head", "--json", "--deepep-so", "/x.so"])
     assert (a.world_sizes, a.sms_list, a.engine_names, a.json) == ([2], [24], ["deepep", "head"], "auto")
-    for bad in (["--engines", "nccl"], ["--sms", "21"], ["--world", "0"], ["--engines", ""]):
+    assert a.deepep_so_places == ["/x.so"]
+    for bad in (["--engines", "nccl"], ["--sms", "21"], ["--world", "0"], ["--engines", ""], ["--tune-sms", "23"],
+                ["--tune-chunks", "0,8"], ["--tune-combine-chunks", "256"], ["--tune-chunks", ""]):
         with pytest.raises(SystemExit):
             bp.parse_args(bad)
 
@@ -49,23 +59,23 @@ def test_rows_compare_up_to_row_order_and_catch_a_planted_row():
     want, src_rank, src_idx = _rows()
     perm = torch.randperm(want.shape[0], generator=torch.Generator().manual_seed(3))
     got, got_rank, got_idx = want[perm], src_rank[perm], src_idx[perm]
-    assert bp.wrong_up_to_row_order(got, got_rank, got_idx, want) == 0     # another row order: equal
+    assert pc.wrong_up_to_row_order(got, got_rank, got_idx, want) == 0     # another row order: equal
     planted = got.clone()
     planted[5, 3] += 1.0                                                    # one element
-    assert bp.wrong_up_to_row_order(planted, got_rank, got_idx, want) == 1
+    assert pc.wrong_up_to_row_order(planted, got_rank, got_idx, want) == 1
     planted = got.clone()
     planted[7] = torch.randn(want.shape[1]).to(torch.bfloat16)              # one row
-    assert bp.wrong_up_to_row_order(planted, got_rank, got_idx, want) == want.shape[1]
+    assert pc.wrong_up_to_row_order(planted, got_rank, got_idx, want) == want.shape[1]
     swapped = got_idx.clone()
     swapped[[2, 9]] = swapped[[9, 2]]                                       # rows under the wrong tokens
-    assert bp.wrong_up_to_row_order(got, got_rank, swapped, want) > 0
+    assert pc.wrong_up_to_row_order(got, got_rank, swapped, want) > 0
     dup = got_idx.clone()
     dup[1] = dup[0]
     dup_rank = got_rank.clone()
     dup_rank[1] = dup_rank[0]
-    assert bp.wrong_up_to_row_order(got, dup_rank, dup, want) == want.numel()   # two rows, one token
-    assert bp.wrong_up_to_row_order(got[1:], got_rank[1:], got_idx[1:], want) == want.numel()
-    assert bp.wrong_up_to_row_order(None, got_rank, got_idx, want) == want.numel()
+    assert pc.wrong_up_to_row_order(got, dup_rank, dup, want) == want.numel()   # two rows, one token
+    assert pc.wrong_up_to_row_order(got[1:], got_rank[1:], got_idx[1:], want) == want.numel()
+    assert pc.wrong_up_to_row_order(None, got_rank, got_idx, want) == want.numel()
 
 
 def test_rows_through_a_handle_bf16_and_fp8():
@@ -74,28 +84,28 @@ def test_rows_through_a_handle_bf16_and_fp8():
     counts = torch.bincount(src_rank, minlength=R)
     rpm = torch.zeros(R, R, dtype=torch.int32)
     rpm[:, me] = torch.cumsum(counts, 0).to(torch.int32)
-    assert torch.equal(bp.source_of_rows(rpm, me), src_rank)
+    assert torch.equal(pc.source_of_rows(rpm, me), src_rank)
     handle = (rpm, None, None, src_idx.to(torch.int32), None, None)
-    assert bp.wrong_rows(want, handle, me, want) == 0
+    assert pc.wrong_rows(want, handle, me, want) == 0
     scales = torch.rand(10, 2)
     data = want.float().to(torch.float8_e4m3fn)
-    assert bp.wrong_rows((data, scales), handle, me, (data, scales)) == 0
+    assert pc.wrong_rows((data, scales), handle, me, (data, scales)) == 0
     bad = scales.clone()
     bad[4, 1] = 7.0
-    assert bp.wrong_rows((data, bad), handle, me, (data, scales)) == 1
-    assert bp.wrong_rows(data, handle, me, (data, scales)) == data.numel() + scales.numel()
+    assert pc.wrong_rows((data, bad), handle, me, (data, scales)) == 1
+    assert pc.wrong_rows(data, handle, me, (data, scales)) == data.numel() + scales.numel()
 
 
 def test_combined_within_bf16_rounding_and_a_planted_row():
     x = torch.randn(8, 32).to(torch.bfloat16)
     tir = torch.ones(8, 2, dtype=torch.bool)
     want = (x.float() * 2).to(torch.bfloat16)
-    assert bp.wrong_combined(want.clone(), want, x, tir) == 0
+    assert pc.wrong_combined(want.clone(), want, x, tir) == 0
     ulp = (want.float() * (1 + 2.0 ** -8)).to(torch.bfloat16)   # a different rounding: within bound
-    assert bp.wrong_combined(ulp, want, x, tir) == 0
+    assert pc.wrong_combined(ulp, want, x, tir) == 0
     planted = want.clone()
     planted[3] = x[3]                                            # one rank's row left out
-    assert bp.wrong_combined(planted, want, x, tir) > 16
+    assert pc.wrong_combined(planted, want, x, tir) > 16
 
 
 # ------------------------------------------------------------------------------ ratios, labels, JSON
@@ -127,24 +137,58 @@ def test_mode_labels():
 
 def test_json_document(tmp_path, capsys):
     rows = [_row("deepep", "combine", 300.0, 60.0), _row("head", "combine", 200.0, 30.0, wrong=3)]
+    tuning = [{"engine": "deepep", "op": "combine", "num_sms": 24, "chunk": c, "ring": 256, "gpu_us": t,
+               "wrong": bad, "best": c == 4, "world": 2, "mode": "HBM loopback under MPS"}
+              for c, t, bad in ((2, 9.0, 0), (4, 7.0, 0), (6, 5.0, 12))]
     result = {"rows": rows, "ratios": bp.ratios(rows), "engines": {"head": {"label": "commlib HEAD"}},
-              "errors": {2: {}}, "modes": {2: "HBM loopback under MPS"}, "device": "cpu",
+              "tuning": tuning, "errors": {2: {}}, "modes": {2: "HBM loopback under MPS"}, "device": "cpu",
               "args": {"tokens": 64, "hidden": 32, "topk": 4, "experts": 16}}
     path = bp.write_json(result, str(tmp_path / "peers.json"), ["--world", "2"])
     doc = json.loads(path.read_text())
     assert doc["tool"] == "bench_peers" and doc["command"].endswith("--world 2")
     assert doc["rows"][1]["wrong"] == 3 and doc["ratios"][0]["x_deepep"] == pytest.approx(1.5)
     assert doc["modes"] == {"2": "HBM loopback under MPS"} and "NVSHMEM" in doc["low_latency"]
-    assert all(r["mode"] == "HBM loopback under MPS" for r in doc["rows"])
+    assert all(r["mode"] == "HBM loopback under MPS" for r in doc["rows"] + doc["tuning"])
+    assert [t["chunk"] for t in doc["tuning"] if t["best"]] == [4]
     named = bp.write_json(result, str(tmp_path), [])
     assert named.parent == tmp_path and named.name.startswith("bench_peers_") and named.suffix == ".json"
     bp.print_report(result)
     out = capsys.readouterr().out
     assert "HBM loopback under MPS" in out and "Out of bounds values : 3 FAILED" in out
+    assert "# [sweep] EP2 deepep combine at 24 SMs, ring 256" in out and "2:9.0 4:7.0* 6:5.0!" in out
+
+
+def test_sweep_picks_the_fastest_right_candidate():
+    assert pcalls.best_index([5.0, 3.0, 4.0], [0, 0, 0]) == 1
+    assert pcalls.best_index([5.0, 3.0, 4.0], [0, 7, 0]) == 2          # the fastest is wrong: not picked
+    assert pcalls.best_index([5.0, 3.0, 3.0], [0, 0, 0]) == 1          # a tie: the first
+    assert pcalls.best_index([5.0, 3.0], [1, 1]) == 1                  # none right: the fastest (its rows fail)
+
+
+def test_json_rewritten_after_each_world(tmp_path, monkeypatch):
+    """A later world that dies keeps the earlier world's figures in the JSON and its own finished
+    engines (the rank-0 partial file), with the world's error."""
+    row = _row("head", "combine", 200.0, 30.0)
+
+    def fake_launch(world, worker, a, **kw):
+        if world == 2:
+            return {"rows": [row], "tuning": [], "errors": {}, "engines": {"head": {"label": "x"}}, "device": "cpu"}
+        with open(a["partial"], "a") as f:
+            f.write(json.dumps({"rows": [{**row, "world": 4}], "tuning": [], "engine": {"head": {}}}) + "\n")
+        raise RuntimeError("rank 3 timed out")
+
+    monkeypatch.setattr(bp.launch, "parallel_launch", fake_launch)
+    seen = []
+    out = tmp_path / "p.json"
+    result = bp.run(bp.parse_args(["--world", "2,4", "--json", str(out)]),
+                    lambda r: seen.append(json.loads(bp.write_json(r, str(out), []).read_text())))
+    assert [len(d["rows"]) for d in seen] == [1, 2]
+    assert seen[0]["rows"][0]["world"] == 2 and seen[1]["errors"]["4"]["world"].endswith("rank 3 timed out")
+    assert result["rows"][1]["world"] == 4 and result["errors"][2] == {}
 
 
 # ------------------------------------------------------------------------------ path imports
-def _fake_deepep(tmp: Path) -> Path:
+def _fake_so(tmp: Path) -> Path:
     pkg = tmp / "build" / "deep_ep"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("from .buffer import Buffer\nfrom deep_ep_cpp import Config, topk_idx_t\n")
@@ -163,9 +207,11 @@ def _fake_deepep(tmp: Path) -> Path:
 def test_deepep_loads_by_path_beside_commlibs_deep_ep(tmp_path, monkeypatch):
     import deep_ep as commlib_deep_ep
 
-    so = _fake_deepep(tmp_path)
-    with pytest.raises(ImportError, match="build_deepep.sh"):
-        pe.import_extension("deep_ep_cpp", tmp_path)          # no extension there
+    so = _fake_so(tmp_path)
+    with pytest.raises(ImportError, match="kept out of the repository"):
+        pe.import_extension("deep_ep_cpp", [tmp_path, tmp_path / "nothing"])      # no extension there
+    assert pe.extension_files("deep_ep_cpp", [tmp_path / "nothing", tmp_path / "build"]) == [so.resolve()]
+    assert pe.extension_files("deep_ep_cpp", [so, tmp_path / "build"]) == [so.resolve(), so.resolve()]
     ext = types.ModuleType("deep_ep_cpp")                     # stands in for the compiled module
     ext.__file__ = str(so)
     ext.topk_idx_t = torch.int64
@@ -179,12 +225,14 @@ def test_deepep_loads_by_path_beside_commlibs_deep_ep(tmp_path, monkeypatch):
     for name in [n for n in sys.modules if n.startswith(pe.DEEPEP_ALIAS)]:
         monkeypatch.delitem(sys.modules, name)
     try:
-        eng = pe.deepep_engine(tmp_path / "build", 2)
+        with pytest.raises(ImportError, match="already loaded"):
+            pe.import_extension("deep_ep_cpp", [Path(__file__)])   # a file, but another one
+        eng = pe.deepep_engine(tmp_path / "build", so, 2)      # the package beside, the .so by its path
         assert eng.module.__name__ == pe.DEEPEP_ALIAS and eng.module.Buffer.__module__ == "deep_ep_v1.buffer"
         assert sys.modules["deep_ep"] is commlib_deep_ep and commlib_deep_ep.__implementation__ == "commlib"
         assert eng.config("dispatch", 24, 4096).fields == (24, 24, 256, 6, 128)   # its table, 24 SMs
         assert eng.config("combine", 24, 4096).fields == (24, 10, 256, 6, 128)
-        assert eng.config("tuned_dispatch", 20, 4096).fields == (20, 24, 256, 6, 128)
+        assert eng.candidate(24, 12, 256).fields == (24, 12, 256, 6, 128)         # the sweep's Configs
         assert pe.import_package(pe.DEEPEP_ALIAS, tmp_path / "build" / "deep_ep") is eng.module   # once
         other = tmp_path / "other"
         (other / "deep_ep").mkdir(parents=True)
@@ -222,88 +270,80 @@ def test_old_commit_imports_beside_head(old_tree):
     assert sys.modules["commlib"] is commlib
     cfg = eng.config("dispatch", 20, 4096)
     assert (cfg.num_sms, cfg.num_max_nvl_chunked_recv_tokens) == (20, 410)   # a channel's whole share
-    assert eng.config("tuned_combine", 20, 4096) is None
+    assert eng.candidate is None                                              # tuned: config=None
 
 
-def test_cpu_world_head_and_old_commit(old_tree, tmp_path, capsys):
-    """The whole benchmark on 2 CPU ranks (reference backends), tiny V3-like shape: every row
-    compared with the oracle and right; DeepEP asked for from an empty folder is reported, not run."""
-    out = tmp_path / "peers.json"
-    rc = bp.main(["--world", "2", "--engines", "head,917fdc0,deepep", "--old", str(old_tree),
-                  "--deepep", str(tmp_path / "none"), "--tokens", "48", "--hidden", "256", "--experts", "16",
-                  "--groups", "4", "--topk-groups", "2", "--topk", "4", "--sms", "20",
-                  "--warmup", "0", "--iters", "1", "--host-iters", "1", "--json", str(out)])
-    text = capsys.readouterr().out
-    doc = json.loads(out.read_text())
-    assert rc == 1 and "# [failed] EP2 deepep: load: ImportError" in text   # DeepEP missing fails the run
-    rows = doc["rows"]
-    assert {r["engine"] for r in rows} == {"head", bp.OLD_COMMIT}
-    assert len(rows) == 2 * 2 * len(bp.OPS)   # engines x (sms20, tuned) x ops
-    assert all(r["checked"] and r["wrong"] == 0 for r in rows), [r for r in rows if r["wrong"]]
-    assert all(r["size_bytes"] > 0 and r["gpu_us"] > 0 for r in rows)
-    assert any(q["x_old"] for q in doc["ratios"] if q["engine"] == "head")
-    assert "Out of bounds values : 0 OK" in text
+# A DeepEP build for CPU ranks: commlib's Buffer under DeepEP's names, its "extension" a Python file.
+# PEERS_FAKE_BAD_CHUNK: a dispatch whose Config has that send chunk returns one byte flipped.
+FAKE_EXTENSION = "import torch\nfrom commlib import Config\ntopk_idx_t = torch.int64\n"
+FAKE_BUFFER = '''import os
+
+import deep_ep_cpp  # noqa: F401 - the extension, by the name DeepEP's package imports it
+import torch
+
+import commlib
 
 
-# ------------------------------------------------------------------------------ the build script
-FAKE_SETUP = r'''
-import importlib.util, os, sys, sysconfig
-assert importlib.util.find_spec("nvidia.nvshmem") is None, "NVSHMEM visible to setup.py"
-assert "NVSHMEM_DIR" not in os.environ
-import torch.utils.cpp_extension as ce
-assert ce.CUDAExtension.__name__ == "extension", "no device-link step"
-assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0" and os.environ["MAX_JOBS"] == "16"
-assert sys.argv[1:] == ["build_ext", "--inplace"], sys.argv
-with open("deep_ep_cpp" + sysconfig.get_config_var("EXT_SUFFIX"), "w") as f:
-    f.write("fake")
-with open(os.environ["FAKE_BUILD_LOG"], "a") as f:
-    f.write("built\n")
+class Buffer(commlib.Buffer):
+    def dispatch(self, x, *args, config=None, **kwargs):
+        out = super().dispatch(x, *args, config=config, **kwargs)
+        bad = int(os.environ.get("PEERS_FAKE_BAD_CHUNK", "0"))
+        rows = out[0][0] if isinstance(out[0], tuple) else out[0]
+        if config is not None and config.num_max_nvl_chunked_send_tokens == bad and rows.shape[0]:
+            rows.view(-1).view(torch.uint8)[0] ^= 1
+        return out
 '''
 
 
-def test_build_script_hides_nvshmem_and_reuses_its_build(tmp_path):
-    src = tmp_path / "DeepEP"
-    for f in ("csrc/deep_ep.cpp", "csrc/kernels/intranode.cu", "deep_ep/buffer.py"):
-        (src / f).parent.mkdir(parents=True, exist_ok=True)
-        (src / f).write_text("// source\n")
-    (src / "setup.py").write_text(FAKE_SETUP)
-    nv = tmp_path / "site" / "nvidia" / "nvshmem"    # a pip NVSHMEM the build must not see
-    nv.mkdir(parents=True)
-    (nv / "__init__.py").write_text("")
-    (nv.parent / "__init__.py").write_text("")
-    log = tmp_path / "builds.log"
-    env = dict(os.environ, PYTHON=sys.executable, FAKE_BUILD_LOG=str(log), NVSHMEM_DIR="/opt/nvshmem",
-               DEEPEP_IMPORT_CHECK="0",
-               PYTHONPATH=f"{tmp_path / 'site'}:{ROOT}", MAX_JOBS="16")
-    build = tmp_path / "out" / "DeepEP"
-
-    def run():
-        proc = subprocess.run(["bash", str(ROOT / "benchmarks/peers/build_deepep.sh"), str(src), str(build)],
-                              capture_output=True, text=True, env=env, timeout=120)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return proc.stdout
-
-    first = run()
-    assert "[deepep-build] built in" in first and first.strip().endswith(f"ok {build}")
-    assert "reused" in run() and log.read_text() == "built\n"
-    (src / "csrc/kernels/intranode.cu").write_text("// changed\n")
-    assert "built in" in run() and log.read_text() == "built\nbuilt\n"
-    (src / "setup.py").write_text(FAKE_SETUP.replace('"9.0"', '"8.0"'))   # a failing build fails the script
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks/peers/build_deepep.sh"), str(src), str(build)],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode != 0
-    missing = subprocess.run(["bash", str(ROOT / "benchmarks/peers/build_deepep.sh"), str(tmp_path / "none")],
-                             capture_output=True, text=True, env=env, timeout=60)
-    assert missing.returncode != 0
+def _fake_build(tmp: Path) -> Path:
+    build = tmp / "fake_deepep"
+    (build / "deep_ep").mkdir(parents=True)
+    (build / "deep_ep" / "__init__.py").write_text("from .buffer import Buffer\n"
+                                                   "from deep_ep_cpp import Config, topk_idx_t\n")
+    (build / "deep_ep" / "buffer.py").write_text(FAKE_BUFFER)
+    (build / "deep_ep_cpp.py").write_text(FAKE_EXTENSION)
+    (build / "COMMIT").write_text("fake0123\n")
+    return build
 
 
-def test_setup_runner_adds_the_device_link_only_where_needed():
-    from benchmarks.peers import deepep_setup
+def test_missing_deepep_build_is_named(tmp_path):
+    args = bp.parse_args(["--deepep", str(tmp_path), "--deepep-so", str(tmp_path / "none")])
+    with pytest.raises(ImportError, match="build_deepep.sh, kept out of the repository"):
+        bp._load("deepep", args, 2)
 
-    seen = []
-    make = deepep_setup.with_device_link(lambda name, sources, **kw: seen.append(kw) or name)
-    make("deep_ep_cpp", ["a.cu"], extra_compile_args={"cxx": [], "nvcc": ["-O3", "-rdc=true"]})
-    make("deep_ep_cpp", ["a.cu"], extra_compile_args={"nvcc": ["-O3"]})                     # no rdc: none
-    make("deep_ep_cpp", ["a.cu"], extra_compile_args={"nvcc": ["-rdc=true"], "nvcc_dlink": ["-dlink", "-lx"]})
-    assert [kw["extra_compile_args"].get("nvcc_dlink") for kw in seen] == [["-dlink"], None, ["-dlink", "-lx"]]
-    assert seen[0]["extra_compile_args"]["nvcc"] == ["-O3", "-rdc=true"]   # DeepEP's flags untouched
+
+def test_cpu_world_three_engines(old_tree, tmp_path, capsys, monkeypatch):
+    """The whole benchmark on 2 CPU ranks (reference backends), tiny V3-like shape, the fake DeepEP
+    wrong at send chunk 24 (its table's dispatch chunk at EP2): its sms20 dispatch rows are caught, the
+    sweep flags chunk 24 and picks another, every other row is right; the run fails."""
+    build = _fake_build(tmp_path)
+    monkeypatch.setenv("PEERS_FAKE_BAD_CHUNK", "24")
+    out = tmp_path / "peers.json"
+    rc = bp.main(["--world", "2", "--engines", "head,917fdc0,deepep", "--old", str(old_tree),
+                  "--deepep", str(build), "--deepep-so", str(build / "deep_ep_cpp.py"),
+                  "--tokens", "48", "--hidden", "256", "--experts", "16", "--groups", "4", "--topk-groups", "2",
+                  "--topk", "4", "--sms", "20", "--tune-chunks", "8,24", "--tune-combine-chunks", "4,8",
+                  "--warmup", "0", "--iters", "1", "--host-iters", "1", "--tune-iters", "1", "--json", str(out)])
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert rc == 1 and "FAILED" in text, text[-2000:]
+    assert {r["engine"] for r in rows} == {"head", bp.OLD_COMMIT, "deepep"} and not doc["errors"]["2"]
+    assert len(rows) == 3 * 2 * len(bp.OPS)   # engines x (sms20, tuned) x ops
+    wrong = {(r["engine"], r["setting"], r["op"]) for r in rows if r["wrong"]}
+    assert wrong == {("deepep", "sms20", op) for op in bp.OPS if op != "combine"}, wrong
+    assert all(r["checked"] and r["size_bytes"] > 0 and r["gpu_us"] > 0 for r in rows)
+    assert doc["engines"]["deepep"]["source"] == "fake0123"
+    assert doc["engines"]["deepep"]["extension"] == str((build / "deep_ep_cpp.py").resolve())
+    sweep = {(t["engine"], t["op"], t["chunk"]): t for t in doc["tuning"]}
+    assert len(sweep) == 2 * 3 * 2                   # engines with a sweep x ops x chunks
+    assert sweep[("deepep", "cached_bf16", 24)]["wrong"] > 0 and not sweep[("deepep", "cached_bf16", 24)]["best"]
+    assert sweep[("deepep", "cached_bf16", 8)]["best"] and sweep[("deepep", "cached_fp8", 8)]["best"]
+    assert not sweep[("head", "cached_bf16", 24)]["wrong"]
+    tuned = {(r["engine"], r["op"]): r for r in rows if r["setting"] == "tuned"}
+    assert tuned[("deepep", "cached_bf16")]["config"]["num_max_nvl_chunked_send_tokens"] == 8
+    assert tuned[("deepep", "combine")]["num_sms"] == 24 and tuned[(bp.OLD_COMMIT, "combine")]["config"] is None
+    assert {t["mode"] for t in doc["tuning"]} == {r["mode"] for r in rows} == {doc["modes"]["2"]}
+    x = {(q["engine"], q["setting"], q["op"]): q for q in doc["ratios"]}
+    assert x[("head", "tuned", "combine")]["x_deepep"] > 0 and x[("head", "sms20", "combine")]["x_old"] > 0
+    assert "# [sweep] EP2 deepep cached_bf16 at 24 SMs" in text and "# [low-latency] not run" in text

@@ -2,10 +2,11 @@
 
 Three packages share DeepEP v1's ``Buffer`` API: commlib at this checkout (``import commlib``),
 commlib at an older commit (an exported tree, loaded as ``commlib_<commit>``) and DeepEP v1 built
-from source (loaded as ``deep_ep_v1`` with its extension ``deep_ep_cpp``). commlib ships a
+on the GPU machine (loaded as ``deep_ep_v1`` with its extension ``deep_ep_cpp``). commlib ships a
 top-level ``deep_ep`` of its own, so DeepEP's package is never imported under that name and
 nothing is installed: ``import_package`` executes a package folder under an alias (its relative
-imports resolve inside the alias), ``import_extension`` a compiled module from a build folder.
+imports resolve inside the alias), ``import_extension`` a compiled module from a file or folder.
+DeepEP's build recipe is not in this repository (docs/peers.md).
 
 Legend: none (no tensors here).
 """
@@ -50,22 +51,44 @@ def import_package(alias: str, package_dir: str | Path) -> ModuleType:
     return module
 
 
-def import_extension(name: str, folder: str | Path) -> ModuleType:
-    """Load the compiled module ``name`` (``name*.so`` / ``.pyd``) from ``folder`` as ``name``."""
-    folder = Path(folder).resolve()
-    found = sorted(p for suffix in importlib.machinery.EXTENSION_SUFFIXES for p in folder.glob(name + suffix))
+def extension_files(name: str, places) -> list:
+    """The compiled modules ``name*.so`` (any extension suffix) that ``places`` hold: each place a
+    file (taken as it is when it exists) or a folder (searched, not recursively), in order."""
+    found = []
+    for place in places:
+        place = Path(place)
+        if place.is_file():
+            found.append(place.resolve())
+        elif place.is_dir():
+            found += sorted(p.resolve() for suffix in importlib.machinery.EXTENSION_SUFFIXES
+                            for p in place.glob(name + suffix))
+    return found
+
+
+def import_extension(name: str, places) -> ModuleType:
+    """Load the module ``name`` from the first file ``extension_files(name, places)`` finds (a
+    compiled ``.so``; the loader follows the file's suffix) as ``name``. ``places``: a path or a list."""
+    places = [places] if isinstance(places, (str, Path)) else list(places)
+    found = extension_files(name, places)
     if not found:
-        raise ImportError(f"import_extension: no {name}{importlib.machinery.EXTENSION_SUFFIXES[0]} in {folder} "
-                          "(build it with benchmarks/peers/build_deepep.sh)")
+        raise ImportError(f"import_extension: no {name}{importlib.machinery.EXTENSION_SUFFIXES[0]} in "
+                          f"{', '.join(str(p) for p in places)} (DeepEP is built on the GPU machine by "
+                          ".peers/build_deepep.sh, kept out of the repository: docs/peers.md)")
     have = sys.modules.get(name)
     if have is not None:
         if Path(getattr(have, "__file__", "") or "").resolve() == found[0]:
             return have
         raise ImportError(f"import_extension: {name!r} is already loaded from {getattr(have, '__file__', have)!r}")
     spec = importlib.util.spec_from_file_location(name, found[0])
+    if spec is None:
+        raise ImportError(f"import_extension: {found[0]} is not a module file")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module
 
 
@@ -75,66 +98,58 @@ class Engine:
     name: str                 # "head", "917fdc0", "deepep"
     label: str                # what the tables print
     module: Any               # the package
-    # Config for (kind, num_sms, num_tokens), or None for the engine's own choice (its default table,
-    # tuning cache ...); kind: "dispatch" | "combine" | "tuned_dispatch" | "tuned_combine"
+    # Config for (kind, num_sms, num_tokens) at a fixed SM count; kind: "dispatch" | "combine"
     config: Callable[[str, int, int], Any]
-    passes_config_none: bool = True   # config=None is accepted (the engine picks)
+    # Config(num_sms, send chunk, ring) of the tuning sweep, or None: in the tuned setting the engine
+    # gets config=None (its own pick)
+    candidate: Optional[Callable[[int, int, int], Any]] = None
 
 
-def _ring_config(module, table: Callable[[int], Any], R: int):
-    """Config(num_sms, send chunk, ring, ...) from ``table(R)``'s chunk and ring sizes."""
+def _table_config(module, R: int) -> Callable[[str, int, int], Any]:
+    """Config(num_sms, chunk, ring, ...) with the chunk and ring sizes of ``module.Buffer``'s tables for R."""
     def make(kind: str, num_sms: int, num_tokens: int):
-        base = table(R)
+        base = (module.Buffer.get_dispatch_config if kind == "dispatch" else module.Buffer.get_combine_config)(R)
         return module.Config(num_sms, base.num_max_nvl_chunked_send_tokens, base.num_max_nvl_chunked_recv_tokens,
                              base.num_max_rdma_chunked_send_tokens, base.num_max_rdma_chunked_recv_tokens)
     return make
 
 
-def deepep_engine(build_dir: str | Path, R: int) -> Engine:
-    """DeepEP v1 from its build folder (``deep_ep/`` and ``deep_ep_cpp*.so`` side by side). Fixed SM
-    settings use its own tables' chunk and ring sizes at that SM count; "tuned" is
-    ``Buffer.get_dispatch_config / get_combine_config(R)`` as they stand."""
+def _candidate(module, R: int) -> Callable[[int, int, int], Any]:
+    """Config(num_sms, chunk, ring) with the RDMA fields of the dispatch table (unused intranode)."""
+    def make(num_sms: int, chunk: int, ring: int):
+        base = module.Buffer.get_dispatch_config(R)
+        return module.Config(num_sms, chunk, ring, base.num_max_rdma_chunked_send_tokens,
+                             base.num_max_rdma_chunked_recv_tokens)
+    return make
+
+
+def deepep_engine(package_dir: str | Path, extension, R: int) -> Engine:
+    """DeepEP v1: its extension from ``extension`` (a built ``deep_ep_cpp*.so``, or a list of files
+    and folders to look in: ``import_extension``) and its Python package from ``package_dir/deep_ep``.
+    Fixed SM settings use its own tables' chunk and ring sizes at that SM count; the tuned setting
+    sweeps chunk sizes (bench_peers)."""
     import torch  # noqa: F401 - deep_ep_cpp links against libtorch: torch must be loaded first
 
-    build_dir = Path(build_dir)
-    import_extension(DEEPEP_EXTENSION, build_dir)
-    mod = import_package(DEEPEP_ALIAS, build_dir / "deep_ep")
-    disp = _ring_config(mod, mod.Buffer.get_dispatch_config, R)
-    comb = _ring_config(mod, mod.Buffer.get_combine_config, R)
-
-    def config(kind: str, num_sms: int, num_tokens: int):
-        if kind == "tuned_dispatch":
-            return mod.Buffer.get_dispatch_config(R)
-        if kind == "tuned_combine":
-            return mod.Buffer.get_combine_config(R)
-        return (disp if kind == "dispatch" else comb)(kind, num_sms, num_tokens)
-    return Engine("deepep", "DeepEP v1", mod, config, passes_config_none=False)
+    import_extension(DEEPEP_EXTENSION, extension)
+    mod = import_package(DEEPEP_ALIAS, Path(package_dir) / "deep_ep")
+    return Engine("deepep", "DeepEP v1", mod, _table_config(mod, R), _candidate(mod, R))
 
 
 def commlib_engine(R: int) -> Engine:
-    """commlib at this checkout. Fixed SM settings: the chunk and ring sizes of DeepEP's tables (the
-    same Config for both engines); "tuned": config=None, commlib's own choice."""
+    """commlib at this checkout, with the same Configs as DeepEP (its tables are DeepEP's) and the
+    same tuning sweep."""
     import commlib
 
-    disp = _ring_config(commlib, commlib.Buffer.get_dispatch_config, R)
-    comb = _ring_config(commlib, commlib.Buffer.get_combine_config, R)
-
-    def config(kind: str, num_sms: int, num_tokens: int):
-        if kind.startswith("tuned"):
-            return None
-        return (disp if kind == "dispatch" else comb)(kind, num_sms, num_tokens)
-    return Engine("head", "commlib HEAD", commlib, config)
+    return Engine("head", "commlib HEAD", commlib, _table_config(commlib, R), _candidate(commlib, R))
 
 
 def old_commlib_engine(tree: str | Path, commit: str) -> Engine:
     """commlib at ``commit`` from an exported tree (``commlib/`` and ``csrc/``), as ``commlib_<commit>``.
     Before the streaming rings a channel had to hold all of its tokens: fixed SM settings get a
-    capacity of ceil(tokens / channels) (its own benchmark's rule), "tuned" its default table."""
+    capacity of ceil(tokens / channels) (its own benchmark's rule); tuned: config=None (its table)."""
     mod = import_package(f"commlib_{commit}", Path(tree) / "commlib")
 
     def config(kind: str, num_sms: int, num_tokens: int):
-        if kind.startswith("tuned"):
-            return None
         chunk = 32
         cap = max(chunk, -(-num_tokens // (num_sms // 2)))
         return mod.Config(num_sms, chunk, cap, 64, 1024)

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Lays out the ignored folder .peers/ that bench_peers needs on the GPU machine (carry it whole):
-#   .peers/DeepEP            DeepEP v1's build inputs (setup.py, csrc/, deep_ep/, LICENSE) at DEEPEP_COMMIT
+# Stages the sources bench_peers needs into the ignored folder .peers/ (carry it whole to the GPU
+# machine); it builds nothing:
+#   .peers/DeepEP            DeepEP v1's source (setup.py, csrc/, deep_ep/, LICENSE) at DEEPEP_COMMIT
 #   .peers/commlib_917fdc0   commlib/ and csrc/ of this repository at the pre-rings commit
-#   .peers/wheels/           a ninja wheel (the build compiles in parallel with it), when pip can get one
+#   .peers/wheels/           a ninja wheel, for a build on a machine without ninja, when pip can get one
 #
 #   bash benchmarks/peers/prepare.sh DEEPEP_GIT_DIR      # a clone (or bare mirror) of deepseek-ai/DeepEP
 #
 # DEEPEP_COMMIT (default 567632dd, DeepEP's last commit before V2 replaced the v1 layout on main).
-# Nothing here is committed: .peers/ is gitignored.
+# The build recipe, .peers/build_deepep.sh, is not in the repository (docs/peers.md): it is added to
+# .peers/ by hand, and kept (with .peers/prebuilt/) when this runs again. Nothing here is committed.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 DEEPEP_GIT=${1:?usage: prepare.sh DEEPEP_GIT_DIR}

@@ -347,3 +347,46 @@ def test_cpu_world_three_engines(old_tree, tmp_path, capsys, monkeypatch):
     x = {(q["engine"], q["setting"], q["op"]): q for q in doc["ratios"]}
     assert x[("head", "tuned", "combine")]["x_deepep"] > 0 and x[("head", "sms20", "combine")]["x_old"] > 0
     assert "# [sweep] EP2 deepep cached_bf16 at 24 SMs" in text and "# [low-latency] not run" in text
+
+
+def test_config_fields_of_a_config_without_attributes():
+    """DeepEP's pybind Config has no readable fields: its table's arguments are read by watching its own
+    getter build them, and every Config made here reports the arguments it was made with."""
+    import types
+
+    from benchmarks.peers import engines
+
+    class OpaqueConfig:          # like deep_ep_cpp.Config: built from positions, nothing to read back
+        def __init__(self, *args):
+            self._hidden = args
+
+    home = types.ModuleType("fake_deepep_buffer")
+    home.Config = OpaqueConfig
+
+    class Buffer:
+        num_sms = 20
+
+        @staticmethod
+        def get_dispatch_config(R):
+            table = {2: home.Config(Buffer.num_sms, 24, 256, 6, 128), 4: home.Config(Buffer.num_sms, 6, 256, 6, 128)}
+            return table[R]
+
+        @staticmethod
+        def get_combine_config(R):
+            table = {2: home.Config(Buffer.num_sms, 10, 256, 6, 128), 4: home.Config(Buffer.num_sms, 9, 256, 6, 128)}
+            return table[R]
+
+    Buffer.__module__ = home.__name__
+    home.Buffer = Buffer
+    sys.modules[home.__name__] = home
+    try:
+        mod = types.SimpleNamespace(Buffer=Buffer, Config=OpaqueConfig)
+        make = engines._table_config(mod, 4)
+        assert engines.config_fields(make("dispatch", 24, 4096)) == dict(zip(engines.CONFIG_FIELDS, (24, 6, 256, 6, 128)))
+        assert engines.config_fields(make("combine", 20, 4096))["num_max_nvl_chunked_send_tokens"] == 9
+        cand = engines._candidate(mod, 2)(24, 28, 256)
+        assert engines.config_fields(cand) == dict(zip(engines.CONFIG_FIELDS, (24, 28, 256, 6, 128)))
+        assert home.Config is OpaqueConfig   # the watch is undone
+        assert engines.config_fields(None) is None
+    finally:
+        del sys.modules[home.__name__]

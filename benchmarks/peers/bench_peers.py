@@ -196,19 +196,12 @@ def run_engine(eng: peer_engines.Engine, args, ctx, x, xq, idx, w, oracle) -> tu
                 cfg = cfgs["combine" if op == "combine" else op.split("_")[1]]
                 rows.append({"engine": eng.name, "label": eng.label, "world": R, "setting": setting, "op": op,
                              "tokens": T, "num_sms": cfg.num_sms if cfg is not None else None,
-                             "config": _config_fields(cfg), "size_bytes": size, "gpu_us": gpu,
+                             "config": peer_engines.config_fields(cfg), "size_bytes": size, "gpu_us": gpu,
                              "algbw": size / gpu / 1e3, "host_us": host_us, "cpu_us": cpu_us,
                              **results.checked_fields(wrong)})
     finally:
         buf.destroy()
     return rows, [{**r, "world": R} for r in records]
-
-
-def _config_fields(cfg) -> dict | None:
-    if cfg is None:
-        return None   # the engine's own choice
-    names = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens")
-    return {n: int(getattr(cfg, n)) for n in names}
 
 
 def worker(ctx, a: dict):

@@ -105,21 +105,67 @@ class Engine:
     candidate: Optional[Callable[[int, int, int], Any]] = None
 
 
+# DeepEP's Config (a pybind class) exposes no fields: every Config made here is kept with the arguments
+# it was built from, by id (the object kept alive beside them), for the tables and the JSON
+_ARGS: dict = {}
+CONFIG_FIELDS = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                 "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
+
+
+def make_config(module, *args: int):
+    """``module.Config(*args)``, its arguments remembered for ``config_fields``."""
+    cfg = module.Config(*args)
+    _ARGS[id(cfg)] = (cfg, tuple(int(a) for a in args))
+    return cfg
+
+
+def config_fields(cfg) -> Optional[dict]:
+    """The fields of a Config made here, or read from one that has them; None for None (the engine's pick)."""
+    if cfg is None:
+        return None
+    kept = _ARGS.get(id(cfg))
+    if kept is not None and kept[0] is cfg:
+        return dict(zip(CONFIG_FIELDS, kept[1]))
+    return {n: int(getattr(cfg, n)) for n in CONFIG_FIELDS if hasattr(cfg, n)}
+
+
+def _table_args(module, kind: str, R: int) -> tuple:
+    """The arguments ``module.Buffer``'s own table builds its Config for R with: read as attributes where
+    the Config has them (commlib), else by watching the table's getter build it (DeepEP's pybind Config)."""
+    getter = module.Buffer.get_dispatch_config if kind == "dispatch" else module.Buffer.get_combine_config
+    home = sys.modules[module.Buffer.__module__]
+    real, built = getattr(home, "Config", None), []
+    if real is None:
+        return tuple(int(getattr(getter(R), n)) for n in CONFIG_FIELDS)
+
+    def watch(*args):
+        cfg = real(*args)
+        built.append((cfg, args))
+        return cfg
+
+    home.Config = watch
+    try:
+        base = getter(R)
+    finally:
+        home.Config = real
+    for cfg, args in built:
+        if cfg is base:
+            return tuple(int(a) for a in args)
+    return tuple(int(getattr(base, n)) for n in CONFIG_FIELDS)
+
+
 def _table_config(module, R: int) -> Callable[[str, int, int], Any]:
     """Config(num_sms, chunk, ring, ...) with the chunk and ring sizes of ``module.Buffer``'s tables for R."""
     def make(kind: str, num_sms: int, num_tokens: int):
-        base = (module.Buffer.get_dispatch_config if kind == "dispatch" else module.Buffer.get_combine_config)(R)
-        return module.Config(num_sms, base.num_max_nvl_chunked_send_tokens, base.num_max_nvl_chunked_recv_tokens,
-                             base.num_max_rdma_chunked_send_tokens, base.num_max_rdma_chunked_recv_tokens)
+        return make_config(module, num_sms, *_table_args(module, kind, R)[1:])
     return make
 
 
 def _candidate(module, R: int) -> Callable[[int, int, int], Any]:
     """Config(num_sms, chunk, ring) with the RDMA fields of the dispatch table (unused intranode)."""
     def make(num_sms: int, chunk: int, ring: int):
-        base = module.Buffer.get_dispatch_config(R)
-        return module.Config(num_sms, chunk, ring, base.num_max_rdma_chunked_send_tokens,
-                             base.num_max_rdma_chunked_recv_tokens)
+        rdma = _table_args(module, "dispatch", R)[3:]
+        return make_config(module, num_sms, chunk, ring, *rdma)
     return make
 
 

@@ -14,7 +14,8 @@
 #              DeepEP V2's files (TESTS_DIR from scripts/stage_deepep_v2_tests.sh, default
 #              .deepep_v2_tests), 2 ranks, not in the default: v2ep (test_ep.py, CPU sync, every mode),
 #              v2ep_nosync (--do-cpu-sync 0), v2ep_det (--deterministic), v2ep_perf (with its kineto
-#              timing), v2ep_nomr (--allow-multiple-reduction 0), v2barrier, v2gate (one process),
+#              timing), v2ep_nomr (--allow-multiple-reduction 0), v2ep_masked (--masked-ratio 0.2),
+#              v2ep_nohybrid (--allow-hybrid-mode 0), v2barrier, v2gate (one process),
 #              v2agrs, v2engram, v2pp. DEEPEP_V2_ARGS is appended to the arguments of every V2 test but test_barrier.
 #
 # v1: every run at the tests' default sizes and process counts (8 per launch), under `timeout`; the
@@ -172,6 +173,10 @@ for run in "${WANT[@]}"; do
     v2ep_perf) run_one v2ep_perf "$LIMIT" 0 "" tests/elastic/test_ep.py --num-processes 2 --test-first-only $V2ARGS ;;
     v2ep_nomr) run_one v2ep_nomr "$LIMIT" 0 "" tests/elastic/test_ep.py --num-processes 2 --skip-perf-test \
                  --allow-multiple-reduction 0 $V2ARGS ;;
+    v2ep_masked) run_one v2ep_masked "$LIMIT" 0 "" tests/elastic/test_ep.py --num-processes 2 --skip-perf-test \
+                   --masked-ratio 0.2 $V2ARGS ;;
+    v2ep_nohybrid) run_one v2ep_nohybrid "$LIMIT" 0 "" tests/elastic/test_ep.py --num-processes 2 --skip-perf-test \
+                     --allow-hybrid-mode 0 $V2ARGS ;;
     # test_barrier takes no size arguments: DEEPEP_V2_ARGS (test_ep's) are not passed to it
     v2barrier) run_one v2barrier "$LIMIT" 0 "" tests/elastic/test_barrier.py --num-processes 2 ;;
     v2gate) run_one v2gate "$LIMIT" 0 "" tests/utils/test_gate.py $V2ARGS ;;
@@ -195,7 +200,7 @@ for run in "${WANT[@]}"; do
       wait_all "$LIMIT" $!
       verdict mem_ll "$log" 0 ;;
     *) echo "$run: unknown run (intranode, ll, ll_expseg, ll_logfmt, ll_shrink, ll_pressure, internode, mem, mem_ll, v2ep, v2ep_nosync," \
-            "v2ep_det, v2ep_perf, v2ep_nomr, v2barrier, v2gate, v2agrs, v2engram, v2pp)" | tee -a "$SUMMARY" ;;
+            "v2ep_det, v2ep_perf, v2ep_nomr, v2ep_masked, v2ep_nohybrid, v2barrier, v2gate, v2agrs, v2engram, v2pp)" | tee -a "$SUMMARY" ;;
   esac
 done
 cat "$SUMMARY"

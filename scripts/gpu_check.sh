@@ -110,6 +110,7 @@ v1pressure   | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v
 v1internode  | peers     | 16t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests internode
 v2ep         | peers     | 2 | 570 | env DEEPEP_TIMEOUT_S=540 bash scripts/deepep_tests.sh $OUT/deepep_v2 $REPO/.deepep_harness $REPO/.deepep_v2_tests v2ep
 v2modes      | peers     | 2 | 570 | env DEEPEP_TIMEOUT_S=170 DEEPEP_V2_ARGS="--num-tokens 1024" bash scripts/deepep_tests.sh $OUT/deepep_v2_modes $REPO/.deepep_harness $REPO/.deepep_v2_tests v2ep_nosync,v2ep_det,v2barrier
+v2more       | peers     | 2 | 200 | env DEEPEP_TIMEOUT_S=90 DEEPEP_V2_ARGS="--num-tokens 1024" bash scripts/deepep_tests.sh $OUT/deepep_v2_more $REPO/.deepep_harness $REPO/.deepep_v2_tests v2ep_masked,v2ep_nohybrid
 v2nomr       | peers     | 2 | 200 | env DEEPEP_TIMEOUT_S=180 bash scripts/deepep_tests.sh $OUT/deepep_v2_nomr $REPO/.deepep_harness $REPO/.deepep_v2_tests v2ep_nomr
 v2unserved   | peers     | 2 | 400 | env DEEPEP_TIMEOUT_S=90 bash scripts/deepep_tests.sh $OUT/deepep_v2_unserved $REPO/.deepep_harness $REPO/.deepep_v2_tests v2ep_perf,v2agrs,v2engram,v2pp
 v2gate       | peers     | 1 | 300 | env DEEPEP_TIMEOUT_S=280 bash scripts/deepep_tests.sh $OUT/deepep_v2_gate $REPO/.deepep_harness $REPO/.deepep_v2_tests v2gate

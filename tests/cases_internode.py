@@ -189,6 +189,31 @@ def case_worst_no_read(ctx):
             eng.destroy()
 
 
+def case_worst_kernel_route(ctx):
+    """CPU only: the num_worst_tokens kernel route (padded.py: pack at the slots, the forwarder into
+    the areas, land straight into the outputs, the padding set in place; the rows kernel, the
+    forwarder's sums, home) on CPU stand-ins of its kernels and forwarder (tests/padded_standins.py),
+    against the reference bit for bit, the areas holding earlier calls' bytes. On a GPU the real
+    kernels and forwarder run these calls in worst_no_read."""
+    import padded_standins as S
+    R = ctx.world_size
+    rpn = topologies(R)[-1]
+    if ctx.device.type != "cpu" or rpn == 1:
+        return
+    with S.installed():
+        for chunks, config in ((4, None), (3, TINY), (64, Config(2, 4, 8, 1, 6))):
+            ref, eng = _buffers(ctx, rpn, chunks)
+            S.use_forwarder(eng)
+            S.CALLS.clear()
+            for j, (T, cap) in enumerate(((7, 7), (5, 9), (0, 4), (13, 13))):
+                T = 0 if (ctx.rank == 1 and j == 1) else T            # a silent rank
+                compare_round(ctx, ref, eng, 5000 + 10 * j + chunks, T, ROUTINGS[j % len(ROUTINGS)],
+                              j % 2 == 1, config, R // rpn, worst=cap * R)
+            assert S.CALLS.get("land", 0) == 8 and S.CALLS.get("home", 0) == 8, S.CALLS   # the route ran
+            ref.destroy()
+            eng.destroy()
+
+
 def case_worst_over_cap(ctx):
     """num_worst_tokens with more than num_worst_tokens // R tokens on one rank: that rank raises
     naming the cap, the others (CPU: they read the exchange) that it refused; the Buffer still works.

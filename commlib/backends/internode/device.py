@@ -130,7 +130,7 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
     # one stream record where the Buffer hands them to the caller's stream
     n_land = 0 if w.node.in_area else plan.recv_starts[-1]
     rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, recv_src_idx, land_all = int32_views(
-        dev, (R, R), (R, C), (R, C), (T, R), (T, M), (num_recv,), (n_land,))
+        dev, (R, R), (R, C), (R, C), (T, R), (T, M), (num_recv,), (n_land,), alloc=w.alloc)
     IK.pack(g, send, slot, send_head, x, scales, topk, wts, me=me, M=M, P=P, Kc=Kc, ring=ring, n_sig=N_SIG,
             tir=tir, before=before, spos=spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix)
     probe.op("launches")
@@ -140,11 +140,9 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
     # ---- 4. network chunks (and the forwarder), 5. land ----
     landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer, cached=False)
     probe.mark("network")
-    recv_x = torch.empty(num_recv, H, dtype=x.dtype, device=dev)
-    recv_scales = torch.empty(num_recv, scales.shape[1], dtype=torch.float32, device=dev) \
-        if scales is not None else None
-    recv_topk_idx = torch.empty(num_recv, K, dtype=torch.int64, device=dev) if K else None
-    recv_topk_w = torch.empty(num_recv, K, dtype=torch.float32, device=dev) if wts is not None else None
+    recv_x, recv_scales, recv_topk_idx, recv_topk_w = w.alloc(
+        ((num_recv, H), x.dtype), ((num_recv, scales.shape[1]), torch.float32) if scales is not None else None,
+        ((num_recv, K), torch.int64) if K else None, ((num_recv, K), torch.float32) if wts is not None else None)
     if not w.node.in_area:   # combine gathers its rows by where each landed row went
         plan.land_all = land_all
     probe.mark("outputs")
@@ -170,7 +168,8 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
         extra={"plan": plan, "num_recv": num_recv})
     a = req.expert_alignment
     per_expert_list = expert_counts if a == 1 else [align_up(c, a) for c in expert_counts]
-    return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle)
+    return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle,
+                          blocks=w.take_blocks(keep=out == dev))
 
 
 def send_and_landing(w: Wiring, plan: Plan, W: int) -> tuple:
@@ -225,8 +224,8 @@ def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResu
     landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer, cached=True)
     probe.mark("network")
     n = plan.num_recv
-    recv_x = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
-    recv_scales = torch.empty(n, scales.shape[1], dtype=torch.float32, device=dev) if scales is not None else None
+    recv_x, recv_scales = w.alloc(((n, x.shape[1]), x.dtype),
+                                  ((n, scales.shape[1]), torch.float32) if scales is not None else None)
     IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales)
     probe.op("launches")
     del landed   # held until the land kernel read it
@@ -234,7 +233,7 @@ def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResu
     out = req.x.device
     if out != dev:
         recv_x, recv_scales = recv_x.to(out), recv_scales.to(out) if scales is not None else None
-    return DispatchResult(recv_x, recv_scales, None, None, None, h)
+    return DispatchResult(recv_x, recv_scales, None, None, None, h, blocks=w.take_blocks(keep=out == dev))
 
 
 def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
@@ -264,15 +263,14 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
                                                     out=back[ss[k]:ss[k + 1]]), "combine", before=before)
     w.count_rows(plan)
     probe.mark("network")
-    out_y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-    out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if K else None
+    out_y, out_w = w.alloc(((T, H), torch.bfloat16), ((T, K), torch.float32) if K else None)
     IK.home(back, plan.slot, [here(b, dev) for b in req.bias] if req.bias else [], out_y, out_w, H=H, K=K)
     probe.op("launches")
     probe.mark("home")
     out = req.x.device
     if out != dev:
         out_y, out_w = out_y.to(out), out_w.to(out) if K else None
-    return CombineResult(out_y, out_w)
+    return CombineResult(out_y, out_w, blocks=w.take_blocks(keep=out == dev))
 
 
 __all__ = ["HeadRow", "Scratch", "fits", "dispatch", "send_and_landing", "move", "dispatch_cached", "combine"]

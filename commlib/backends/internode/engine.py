@@ -105,7 +105,7 @@ class InternodeBackend(Backend):
         self.wiring = Wiring(topology=topo, device=self.comm_device, nccl=self.nccl, network=self.network,
                              node=self.node, probe=self.probe, counters=self.counters, max_chunks=self.max_chunks,
                              max_nodes=ctx.max_nodes_per_token, gather=self._gather, gather_into=self._gather_into,
-                             phase=self._set_phase)
+                             phase=self._set_phase, ctx=ctx)
         self.head = device.HeadRow()
         self.scratch = device.Scratch()
 
@@ -225,6 +225,7 @@ class InternodeBackend(Backend):
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         with self.probe.call("cached dispatch" if req.handle is not None else "dispatch"):
             self.probe.mark("buffer")
+            self.wiring.blocks.clear()   # what a call that raised had allocated
             if req.handle is not None:
                 return self._dispatch_cached(req)
             x, E = req.x, req.num_experts
@@ -237,7 +238,8 @@ class InternodeBackend(Backend):
             if self.device_steps and device.fits(req):
                 return device.dispatch(self.wiring, self.head, self.scratch, req, sig, ring, self.name)
             if req.num_worst_tokens:
-                return padded.dispatch(self.wiring, req, sig, ring, self.name)
+                return padded.dispatch(self.wiring, req, sig, ring, self.name,
+                                       kernels=self.device_steps and padded.fits(self.wiring, req))
             return counted.dispatch(self.wiring, req, sig, ring, self.name)
 
     def _dispatch_cached(self, req: DispatchRequest) -> DispatchResult:
@@ -253,6 +255,7 @@ class InternodeBackend(Backend):
     def combine(self, req: CombineRequest) -> CombineResult:
         with self.probe.call("combine"):
             self.probe.mark("buffer")
+            self.wiring.blocks.clear()
             h = req.handle
             plan = self._plan(h)
             has_w = req.topk_weights is not None

@@ -98,11 +98,14 @@ def typed_views(device, *parts) -> list:
     return out
 
 
-def int32_views(device, *shapes) -> list:
-    """int32 tensors of ``shapes``, views of one allocation (one allocator call, one stream record)."""
+def int32_views(device, *shapes, alloc=None) -> list:
+    """int32 tensors of ``shapes``, views of one allocation (one allocator call, one stream record);
+    ``alloc``: where it comes from (``Wiring.alloc``, the call's output stream), else the current stream."""
     sizes = [math.prod(s) for s in shapes]
+    block = alloc(((sum(sizes),), torch.int32))[0] if alloc is not None else \
+        torch.empty(sum(sizes), dtype=torch.int32, device=device)
     # one operation for all (split_with_sizes: Tensor.split's Python wrapper costs more than the split)
-    parts = torch.empty(sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+    parts = block.split_with_sizes(sizes)
     return [p if len(s) == 1 else p.view(s) for p, s in zip(parts, shapes)]
 
 

@@ -195,12 +195,13 @@ def _dispatch_kernels(w: Wiring, req: DispatchRequest, plan: Plan, topk, is_tir:
     plan.slot = torch.where(plan.slot < plan.slots, plan.slot, -1).to(i32)   # -1: the pair is not sent
     packer = dispatch_packer(x, scales, K, wts is not None)
     plan.area_row = area_row(packer, H, K)
-    recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx, rp, cp, rcp, sh = w.alloc(
-        ((N, H), x.dtype), ((N, scales.shape[1]), torch.float32) if scales is not None else None,
+    send, recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx, rp, cp, rcp, sh = w.alloc(
+        _send_spec(w, plan, packer), ((N, H), x.dtype),
+        ((N, scales.shape[1]), torch.float32) if scales is not None else None,
         ((N, K), torch.int64) if K else None, ((N, K), torch.float32) if wts is not None else None,
         ((N,), i32), ((R, R), i32), ((R, C), i32), ((R, C), i32), ((T, R), i32))
     sh.copy_(send_head)
-    addr, stride = _move_kernels(w, plan, packer, x, scales, topk, wts, sh, cached=False)
+    addr, stride = _move_kernels(w, plan, packer, send, x, scales, topk, wts, sh, cached=False)
     IK.land(addr, N, stride, -1, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w, K=K,
             expert_lo=me * Lx, num_local=Lx)
     _pad(plan, (recv_x, 0), (recv_scales, 0), (recv_src_idx, -1), (recv_topk_idx, -1), (recv_topk_w, 0))
@@ -222,15 +223,20 @@ def _dispatch_kernels(w: Wiring, req: DispatchRequest, plan: Plan, topk, is_tir:
                           blocks=w.take_blocks(keep=not moved))
 
 
-def _move_kernels(w: Wiring, plan: Plan, packer, x, scales, topk, wts, send_head: torch.Tensor,
+def _send_spec(w: Wiring, plan: Plan, packer) -> tuple:
+    """The allocation of a call's send rows: every slot [slots, W + 4 P]."""
+    return (plan.slots, packer.row_bytes + 4 * w.topology.ranks_per_node), torch.uint8
+
+
+def _move_kernels(w: Wiring, plan: Plan, packer, send: torch.Tensor, x, scales, topk, wts, send_head: torch.Tensor,
                   cached: bool) -> tuple:
-    """Pack every (token, node) row at its slot, run the network chunks with the forwarder: the rows
-    end at their final rows of this rank's area. Returns (its address, its row stride)."""
+    """Pack every (token, node) row at its slot of ``send`` (``_send_spec``), run the network chunks
+    with the forwarder: the rows end at their final rows of this rank's area. Returns (its address,
+    its row stride)."""
     topo = w.topology
     M, P = topo.num_nodes, topo.ranks_per_node
     W, crows = packer.row_bytes, plan.crows
     per = M * crows
-    send = torch.empty(plan.slots, W + 4 * P, dtype=torch.uint8, device=w.device)
     send[:, W:] = 0xFF   # slots no pair fills: no position on any local rank (the forwarder skips them)
     IK.pack(None, send, plan.slot, send_head, x, scales, topk, wts, me=topo.rank, M=M, P=P, Kc=w.max_chunks, ring=1)
     w.node.dispatch_begin(plan, W, packer)
@@ -266,10 +272,10 @@ def _cached_kernels(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResu
     x = here(req.x, dev)
     scales = here(req.x_scales, dev) if req.x_scales is not None else None
     N = plan.num_recv
-    recv_x, recv_scales = w.alloc(((N, x.shape[1]), x.dtype),
-                                  ((N, scales.shape[1]), torch.float32) if scales is not None else None)
-    addr, stride = _move_kernels(w, plan, dispatch_packer(x, scales, 0, False), x, scales, None, None,
-                                 here(h.send_head, dev), cached=True)
+    packer = dispatch_packer(x, scales, 0, False)
+    send, recv_x, recv_scales = w.alloc(_send_spec(w, plan, packer), ((N, x.shape[1]), x.dtype),
+                                        ((N, scales.shape[1]), torch.float32) if scales is not None else None)
+    addr, stride = _move_kernels(w, plan, packer, send, x, scales, None, None, here(h.send_head, dev), cached=True)
     IK.land(addr, N, stride, -1, recv_x, recv_scales)
     _pad(plan, (recv_x, 0), (recv_scales, 0))
     out = req.x.device
@@ -292,14 +298,15 @@ def _combine_kernels(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResul
     crows = plan.crows
     per = M * crows
     node.combine_begin(lambda addr, stride: IK.rows(None, N, y, wts, addr, stride), plan, 2 * H + 4 * K)
-    # the node partials this rank sends and the partials that come back: views of one allocation
-    partial, back = torch.empty(2 * plan.slots, 2 * H + 4 * K, dtype=torch.uint8, device=dev).split(plan.slots)
+    # the node partials this rank sends and the partials that come back (views of one block), the outputs
+    both, out_y, out_w = w.alloc(((2 * plan.slots, 2 * H + 4 * K), torch.uint8), ((T, H), torch.bfloat16),
+                                 ((T, K), torch.float32) if K else None)
+    partial, back = both.split(plan.slots)
     stream(w.network, plan.num_chunks,
            lambda k: w.network.post(partial[k * per:(k + 1) * per], [crows] * M, [crows] * M,
                                     out=back[k * per:(k + 1) * per]),
            "combine", before=lambda k: node.combine_chunk(k, plan, None, H, K, out=partial[k * per:(k + 1) * per]))
     w.count_padded(plan)
-    out_y, out_w = w.alloc(((T, H), torch.bfloat16), ((T, K), torch.float32) if K else None)
     IK.home(back, plan.slot, [here(b, dev) for b in req.bias] if req.bias else [], out_y, out_w, H=H, K=K)
     out = req.x.device
     if out != dev:

@@ -98,7 +98,7 @@ defdev       | peers     | 4 | 200 | $PY -m pytest tests/gpu/test_default_device
 llhooks      | ll        | 2 | 120 | $PY -m pytest tests/gpu/test_ll_hooks_gpu.py -x -q -p no:cacheprovider
 elastic      | peers     | 4 | 300 | env COMMLIB_TIMEOUT_S=60 $PY -m pytest tests/gpu/test_elastic_gpu.py -x -q -p no:cacheprovider
 megatron     | peers     | 2 | 240 | bash -c megatron_moe
-memprobe     | peers     | 16t | 200 | $PY -m benchmarks.mem_probe --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
+memprobe     | peers     | 16t | 200 | $PY -m benchmarks.mem_probe --require-fit --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 memll        | peers     | 8 | 200 | $PY -m benchmarks.mem_probe --low-latency --json $RES/mem_probe_ll_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 peerbuild    | peers     | 0 | 420 | env PYTHON=$PY bash benchmarks/peers/build_deepep.sh
 peerbench    | peers     | 4 | 540 | env PYTHON=$PY bash benchmarks/peers/bench_peers.sh $RES ${PEER_ARGS:-}

@@ -146,7 +146,8 @@ class InternodeBackend(Backend):
             options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
             self.node_group = self._node_groups(world_ranks, pg_options=options)
         if forwarder:
-            return NODE_STEPS["kernel"](side, self.comm_device, self.nccl_ctas, self.ctx.timeout_s, self.probe)
+            return NODE_STEPS["kernel"](side, self.comm_device, self.nccl_ctas, self.ctx.timeout_s, self.probe,
+                                        budget=self.ctx.num_nvl_bytes)
         return NODE_STEPS["nccl"](self.node_group, topo.local_rank, topo.ranks_per_node, self.comm_device,
                                   self._wait_for)
 

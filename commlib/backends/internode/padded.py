@@ -195,13 +195,13 @@ def _dispatch_kernels(w: Wiring, req: DispatchRequest, plan: Plan, topk, is_tir:
     plan.slot = torch.where(plan.slot < plan.slots, plan.slot, -1).to(i32)   # -1: the pair is not sent
     packer = dispatch_packer(x, scales, K, wts is not None)
     plan.area_row = area_row(packer, H, K)
-    send, recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx, rp, cp, rcp, sh = w.alloc(
-        _send_spec(w, plan, packer), ((N, H), x.dtype),
+    rows, recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx, rp, cp, rcp, sh = w.alloc(
+        _rows_spec(w, plan, packer), ((N, H), x.dtype),
         ((N, scales.shape[1]), torch.float32) if scales is not None else None,
         ((N, K), torch.int64) if K else None, ((N, K), torch.float32) if wts is not None else None,
         ((N,), i32), ((R, R), i32), ((R, C), i32), ((R, C), i32), ((T, R), i32))
     sh.copy_(send_head)
-    addr, stride = _move_kernels(w, plan, packer, send, x, scales, topk, wts, sh, cached=False)
+    addr, stride = _move_kernels(w, plan, packer, rows, x, scales, topk, wts, sh, cached=False)
     IK.land(addr, N, stride, -1, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w, K=K,
             expert_lo=me * Lx, num_local=Lx)
     _pad(plan, (recv_x, 0), (recv_scales, 0), (recv_src_idx, -1), (recv_topk_idx, -1), (recv_topk_w, 0))
@@ -223,20 +223,21 @@ def _dispatch_kernels(w: Wiring, req: DispatchRequest, plan: Plan, topk, is_tir:
                           blocks=w.take_blocks(keep=not moved))
 
 
-def _send_spec(w: Wiring, plan: Plan, packer) -> tuple:
-    """The allocation of a call's send rows: every slot [slots, W + 4 P]."""
-    return (plan.slots, packer.row_bytes + 4 * w.topology.ranks_per_node), torch.uint8
+def _rows_spec(w: Wiring, plan: Plan, packer) -> tuple:
+    """The allocation of a call's send rows and landing rows, every slot of each: [2 slots, W + 4 P]."""
+    return (2 * plan.slots, packer.row_bytes + 4 * w.topology.ranks_per_node), torch.uint8
 
 
-def _move_kernels(w: Wiring, plan: Plan, packer, send: torch.Tensor, x, scales, topk, wts, send_head: torch.Tensor,
+def _move_kernels(w: Wiring, plan: Plan, packer, rows: torch.Tensor, x, scales, topk, wts, send_head: torch.Tensor,
                   cached: bool) -> tuple:
-    """Pack every (token, node) row at its slot of ``send`` (``_send_spec``), run the network chunks
-    with the forwarder: the rows end at their final rows of this rank's area. Returns (its address,
-    its row stride)."""
+    """Pack every (token, node) row at its slot of the send rows, run the network chunks into the
+    landing rows (both ``rows``: ``_rows_spec``) with the forwarder: the rows end at their final rows
+    of this rank's area. Returns (its address, its row stride)."""
     topo = w.topology
     M, P = topo.num_nodes, topo.ranks_per_node
     W, crows = packer.row_bytes, plan.crows
     per = M * crows
+    send, landing = rows.split(plan.slots)
     send[:, W:] = 0xFF   # slots no pair fills: no position on any local rank (the forwarder skips them)
     IK.pack(None, send, plan.slot, send_head, x, scales, topk, wts, me=topo.rank, M=M, P=P, Kc=w.max_chunks, ring=1)
     w.node.dispatch_begin(plan, W, packer)
@@ -245,7 +246,9 @@ def _move_kernels(w: Wiring, plan: Plan, packer, send: torch.Tensor, x, scales, 
         w.phase(f"dispatch (fan-out of chunk {k})")
         w.node.dispatch_chunk(k, landed, plan, W, cached)
 
-    stream(w.network, plan.num_chunks, lambda k: w.network.post(send[k * per:(k + 1) * per], [crows] * M, [crows] * M),
+    stream(w.network, plan.num_chunks,
+           lambda k: w.network.post(send[k * per:(k + 1) * per], [crows] * M, [crows] * M,
+                                    out=landing[k * per:(k + 1) * per]),
            "dispatch", after=fan_out)
     w.node.finish_forward()
     w.count_padded(plan)
@@ -273,9 +276,9 @@ def _cached_kernels(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResu
     scales = here(req.x_scales, dev) if req.x_scales is not None else None
     N = plan.num_recv
     packer = dispatch_packer(x, scales, 0, False)
-    send, recv_x, recv_scales = w.alloc(_send_spec(w, plan, packer), ((N, x.shape[1]), x.dtype),
+    rows, recv_x, recv_scales = w.alloc(_rows_spec(w, plan, packer), ((N, x.shape[1]), x.dtype),
                                         ((N, scales.shape[1]), torch.float32) if scales is not None else None)
-    addr, stride = _move_kernels(w, plan, packer, send, x, scales, None, None, here(h.send_head, dev), cached=True)
+    addr, stride = _move_kernels(w, plan, packer, rows, x, scales, None, None, here(h.send_head, dev), cached=True)
     IK.land(addr, N, stride, -1, recv_x, recv_scales)
     _pad(plan, (recv_x, 0), (recv_scales, 0))
     out = req.x.device

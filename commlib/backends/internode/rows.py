@@ -100,7 +100,7 @@ def typed_views(device, *parts) -> list:
 
 def int32_len(*shapes) -> tuple:
     """The shape of one int32 block that holds tensors of ``shapes`` (``int32_views``)."""
-    return (sum(math.prod(s) for s in shapes),)
+    return (sum([math.prod(s) for s in shapes]),)
 
 
 def int32_views(device, *shapes, block=None) -> list:

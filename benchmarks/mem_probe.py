@@ -16,12 +16,12 @@ commlib kernel family loaded). Then the world, per rank:
   inputs     the test's inputs: x and a random x in BF16 and FP8, scores, top-k ids and weights
   dispatch   BF16 dispatch with top-k (the test's Config)
   worst      the same with num_worst_tokens = tokens x ranks (the call test_internode ran out in)
-  combine    combine of the dispatch with the test's two biases, and the float32 check it keeps
+  combine    combine of the dispatch with the test's two biases
   cached     a cached dispatch of that handle and its combine
-  fp8        what the test holds at its heaviest (``--no-test-load`` skips it): FP8 dispatch with
-             top-k cast back to BF16, then the FP8 num_worst_tokens dispatch cast back (a copy of the
-             FP8 rows, their float32 values, the scaled float32 and the BF16 result at once), the
-             BF16 results of the checks before still held
+  fp8        what the test holds at its heaviest (``--no-test-load`` skips it): the float32 check it
+             keeps after a combine, an FP8 dispatch with top-k cast back to BF16, then the FP8
+             num_worst_tokens dispatch cast back (a copy of the FP8 rows, their float32 values, the
+             scaled float32 and the BF16 result at once), the BF16 results of the checks before held
   idle       outputs dropped, gc
 (``--low-latency``: DeepEP's test_low_latency.py shape, 8 ranks of one node, a low-latency Buffer
 of ``get_low_latency_rdma_size_hint`` bytes; stages init, buffer, inputs, dispatch / combine (BF16),
@@ -29,14 +29,14 @@ cached (FP8 dispatch and its combine), idle.)
 Per rank and stage (GiB):
   torch_alloc / torch_resv   torch's caching allocator: bytes in tensors / bytes it holds
   peak_alloc                 the most bytes in tensors since the stage before (a call's transients)
-  peak_resv                  the most bytes torch has held so far
+  peak_resv                  the most bytes torch held since the stage before
   peer_ipc                   bytes in commlib's IPC buffers (every live PeerMemory of this process)
   cupy_pool                  bytes CuPy's memory pool holds (0 when CuPy is not loaded)
   process                    this process's device memory as NVML reports it ("-" without pynvml)
   other                      process - torch_resv - peer_ipc - cupy_pool: CUDA context, modules, NCCL
 Device used (total - free) is printed once per stage: every rank sharing a GPU counts there. The
 summary splits ``other`` into context, modules and NCCL; takes each rank at its peak (the most of
-other + peer_ipc + cupy_pool, plus peak_resv); says whether all ranks at their peaks fit the
+other + peer_ipc + cupy_pool, plus the most peak_resv); says whether all ranks at their peaks fit the
 device they share; and compares commlib's own memory (its IPC buffers and the most a call held
 beyond its outputs) with num_nvl_bytes + num_rdma_bytes. Each sample is also appended to a file
 per rank, so a world that fails (out of memory) still reports the stages it reached.

@@ -162,6 +162,11 @@ for run in "${WANT[@]}"; do
       start "$log.node1" "WORLD_SIZE=2 RANK=1 COMMLIB_RANKS_PER_NODE=8" test_internode.py --num-processes 8
       wait_all "$LIMIT" "$p0" "$LAST_PID"
       cat "$log.node0" "$log.node1" >"$log"
+      # how far it got: its correctness checks (local rank 0 of each node prints one line per check;
+      # 32 per node), the tuning sweeps after them, ranks out of memory
+      echo "# internode: checks passed $(grep -c ' passed' "$log.node0") / $(grep -c ' passed' "$log.node1") of 32" \
+           "(node 0 / 1); tuning lines $(grep -c '^\[tuning\]' "$log"); out of memory on" \
+           "$(grep -c 'memwatch rank .* raised OutOfMemoryError' "$log") ranks" | tee -a "$SUMMARY"
       verdict internode "$log" 0 ;;
     # DeepEP V2 (one node, 2 ranks): test_ep's kineto timing looks for V2's kernel names, so the
     # correctness runs pass --skip-perf-test (v2ep_perf keeps it, to show what it does here)

@@ -70,13 +70,14 @@ fanout       | internode | 4 | 240 | $PY -m pytest tests/gpu/test_fanout_gpu.py 
 inworst      | internode | 2 | 120 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k worst_mode
 inworlds     | internode | 4 | 420 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k "not worst_mode"
 inplant      | internode | 2 | 200 | env PY=$PY bash scripts/plant_internode_kernels.sh
+inalloc      | internode | 4 | 240 | env PY=$PY bash scripts/plant_alloc.sh internode
 inhost       | internode | 2 | 150 | $PY -m benchmarks.bench_internode --host --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 --iters 20 --warmup 3 --json $RES/bench_internode_host_2x1_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 inhost4      | internode | 4 | 200 | $PY -m benchmarks.bench_internode --host --ranks 4 --ranks-per-node 2 --emulate-hosts --chunks 1,4 --iters 10 --warmup 2 --json $RES/bench_internode_host_2x2_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 inprofile    | internode | 2 | 200 | $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 --iters 10 --warmup 3 --profile
 inbench      | internode | 2 | 150 | $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --json $RES
 inbenchsock  | internode | 2 | 150 | $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --emulate-hosts --json $RES/bench_internode_socket_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 llgpu        | ll        | 4 | 150 | $PY -m pytest tests/gpu/test_low_latency_gpu.py -x -q -s -p no:cacheprovider
-llplant      | ll        | 2 | 240 | env PY=$PY bash scripts/plant_ll_alloc.sh
+llplant      | ll        | 2 | 240 | env PY=$PY bash scripts/plant_alloc.sh ll
 llfault      | ll        | 2 |  60 | env COMMLIB_FAULT_LOG_DIR=$OUT/faults $PY -m pytest tests/gpu/test_gpu_reliability.py -q -s -p no:cacheprovider -k ll_bad_expert_id
 lltrace      | ll        | 2 | 120 | $PY -m benchmarks.bench_low_latency --trace --iters 20
 llbench      | ll        | 2 | 120 | $PY -m benchmarks.bench_low_latency --json $RES
@@ -97,7 +98,7 @@ defdev       | peers     | 4 | 200 | $PY -m pytest tests/gpu/test_default_device
 llhooks      | ll        | 2 | 120 | $PY -m pytest tests/gpu/test_ll_hooks_gpu.py -x -q -p no:cacheprovider
 elastic      | peers     | 4 | 300 | env COMMLIB_TIMEOUT_S=60 $PY -m pytest tests/gpu/test_elastic_gpu.py -x -q -p no:cacheprovider
 megatron     | peers     | 2 | 240 | bash -c megatron_moe
-memprobe     | peers     | 16t | 200 | $PY -m benchmarks.mem_probe --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
+memprobe     | peers     | 16t | 200 | $PY -m benchmarks.mem_probe --require-fit --json $RES/mem_probe_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 memll        | peers     | 8 | 200 | $PY -m benchmarks.mem_probe --low-latency --json $RES/mem_probe_ll_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 peerbuild    | peers     | 0 | 300 | bash -c peer_build
 peerbench    | peers     | 4 | 420 | $PY -m benchmarks.peers.bench_peers --json $RES ${PEER_ARGS:-}

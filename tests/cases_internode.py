@@ -189,6 +189,31 @@ def case_worst_no_read(ctx):
             eng.destroy()
 
 
+def case_worst_kernel_route(ctx):
+    """CPU only: the num_worst_tokens kernel route (padded.py: pack at the slots, the forwarder into
+    the areas, land straight into the outputs, the padding set in place; the rows kernel, the
+    forwarder's sums, home) on CPU stand-ins of its kernels and forwarder (tests/padded_standins.py),
+    against the reference bit for bit, the areas holding earlier calls' bytes. On a GPU the real
+    kernels and forwarder run these calls in worst_no_read."""
+    import padded_standins as S
+    R = ctx.world_size
+    rpn = topologies(R)[-1]
+    if ctx.device.type != "cpu" or rpn == 1:
+        return
+    with S.installed():
+        for chunks, config in ((4, None), (3, TINY), (64, Config(2, 4, 8, 1, 6))):
+            ref, eng = _buffers(ctx, rpn, chunks)
+            S.use_forwarder(eng)
+            S.CALLS.clear()
+            for j, (T, cap) in enumerate(((7, 7), (5, 9), (0, 4), (13, 13))):
+                T = 0 if (ctx.rank == 1 and j == 1) else T            # a silent rank
+                compare_round(ctx, ref, eng, 5000 + 10 * j + chunks, T, ROUTINGS[j % len(ROUTINGS)],
+                              j % 2 == 1, config, R // rpn, worst=cap * R)
+            assert S.CALLS.get("land", 0) == 8 and S.CALLS.get("home", 0) == 8, S.CALLS   # the route ran
+            ref.destroy()
+            eng.destroy()
+
+
 def case_worst_over_cap(ctx):
     """num_worst_tokens with more than num_worst_tokens // R tokens on one rank: that rank raises
     naming the cap, the others (CPU: they read the exchange) that it refused; the Buffer still works.
@@ -398,6 +423,53 @@ def case_no_host_sync(ctx):
     assert rx.shape[0] == worst and lst == []
     torch.cuda.synchronize()
     ref.destroy()
+    eng.destroy()
+
+
+def case_host_ahead_memory(ctx):
+    """CUDA only: a host far ahead of the GPU (DeepEP's timing loops issue calls without a sync) holds
+    about one call's memory at a time: the kernel paths allocate their outputs and transients on
+    the caller's stream (Wiring.alloc), whose freed blocks are reused in stream order. Made on the
+    comm stream and recorded for the caller's, each would stay until the GPU reached the call.
+    Cached dispatch + combine (device path); with the forwarder (a node of several ranks) also
+    num_worst_tokens dispatch + combine (the padded kernel route)."""
+    if ctx.device.type != "cuda":
+        return
+    R, dev = ctx.world_size, ctx.device
+    rpn = topologies(R)[-1]
+    eng = commlib.Buffer(ctx.group, NVL, 0, ranks_per_node=rpn, backend="internode")
+    T, HB, E = 512, 2048, E_PER_RANK * R
+    g = torch.Generator().manual_seed(77 + ctx.rank)
+    x = torch.randn(T, HB, generator=g).to(torch.bfloat16).to(dev)
+    w, idx = torch.rand(T, E, generator=g).topk(K, dim=1)
+    idx, w = idx.to(dev), w.to(dev)
+    lay = eng.get_dispatch_layout(idx, E)
+    args = dict(num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
+                num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w)
+    _, _, _, _, h, _ = eng.dispatch(x, **args)
+    rounds = [("cached dispatch + combine", lambda: eng.combine(eng.dispatch(x, handle=h)[0], h)[0])]
+    if eng.backend.node.in_area:
+        def worst_round():
+            rx, _, rw, _, wh, _ = eng.dispatch(x, **args, num_worst_tokens=T * R)
+            return eng.combine(rx, wh, rw)[0]
+        rounds.append(("num_worst_tokens dispatch + combine", worst_round))
+    calls = 16
+    for what, call in rounds:
+        call()   # warm: first-call growth (the forwarder's areas)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        call()
+        torch.cuda.synchronize()
+        per_call = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda._sleep(int(4e8))               # the GPU ~0.2 s behind: every call below is issued ahead
+        for _ in range(calls):
+            call()
+        held = torch.cuda.max_memory_allocated() - base
+        torch.cuda.synchronize()
+        assert held < 3 * per_call, (f"{what}: {calls} calls issued ahead held {held / 2**20:.1f} MiB at once, "
+                                     f"{held / per_call:.1f} calls' worth (one call: {per_call / 2**20:.1f} MiB)")
     eng.destroy()
 
 

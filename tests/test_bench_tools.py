@@ -715,3 +715,46 @@ def test_bench_host_counts_and_runs_on_cpu_ranks(tmp_path, capsys):
     assert any(sh[0] == 32 and dt == "torch.uint8" for sh, dt in full["floor_allocs"]), full["floor_allocs"]
     assert "host time per call" in capsys.readouterr().out
     assert not dist.is_initialized()
+
+
+def _mem_stage(alloc, resv, ipc, process, peak_alloc=None, total=10 << 30, **extra):
+    return dict(torch_alloc=alloc, torch_resv=resv, peak_alloc=peak_alloc if peak_alloc is not None else alloc,
+                torch_peak_resv=resv, peer_ipc=ipc, cupy_pool=0, process=process, device_used=0, device_total=total,
+                **extra)
+
+
+def test_mem_probe_says_whether_the_ranks_fit_and_what_commlib_holds(tmp_path):
+    """mem_probe's summary: each rank at its peak (other + IPC, the most of any stage, + torch's peak
+    reserved), whether all ranks at their peaks fit the device, commlib's own memory against the
+    Buffer's sizes; a failed world reported from the ranks' sample files."""
+    import argparse
+    import json
+
+    from benchmarks import mem_probe as M
+    G = 1 << 30
+    a = argparse.Namespace(low_latency=False, ranks=2, ranks_per_node=1, tokens=8, hidden=128, experts=4, topk=2,
+                           nvl_bytes=1.0 * G, rdma_bytes=0.5 * G)
+
+    def rank(resv_peak, ipc, held):
+        # other = process - resv - ipc = 1 GiB at every stage; the worst call held `held` beyond its outputs
+        out = {k: _mem_stage(G, 2 * G, ipc, 3 * G + ipc) for k in M.STAGES}
+        out["worst"] = _mem_stage(G, resv_peak, ipc, 1 * G + resv_peak + ipc, peak_alloc=G + held)
+        return out
+    big = [rank(4 * G, G // 2, G // 4), rank(3 * G, G // 2, 0)]
+    assert M.rank_peaks(big) == [G + G // 2 + 4 * G, G + G // 2 + 3 * G]
+    assert M.fit(big, before=G) == (11 * G, 10 * G)
+    lines = M.summary(big, a, before=G)
+    assert any("does NOT fit" in line for line in lines), lines
+    assert any("commlib's own" in line and "within" in line for line in lines), lines
+    small = [rank(2 * G, G // 2, 5 * G // 4), rank(2 * G, G // 2, 0)]
+    lines = M.summary(small, a, before=0)
+    assert any("fit:" in line and "fits" in line and "NOT" not in line for line in lines), lines
+    assert any("commlib's own" in line and "OVER" in line for line in lines), lines   # 0.5 + 1.25 > 1.5
+    # a world that failed: what each rank's file holds
+    for r, stages in enumerate((["init", "group"], ["init"])):
+        with open(tmp_path / f"rank{r}.jsonl", "w") as f:
+            for st in stages:
+                f.write(json.dumps({"stage": st, **_mem_stage(0, G, 0, 2 * G)}) + "\n")
+    got = M._read_logs(str(tmp_path), 3)
+    assert sorted(got[0]) == ["group", "init"] and sorted(got[1]) == ["init"] and got[2] is None
+    assert M.rank_peaks([g for g in got if g]) == [2 * G, 2 * G]

@@ -7,7 +7,8 @@ from worlds import case_tests
 CASES = {
     2: ["matches_reference", "chunk_boundaries", "without_topk", "worst_no_read", "device_ops", "default_device_meta"],
     4: ["matches_reference", "chunk_boundaries", "random_stalls", "random_routings", "bad_expert_ids",
-        "worst_no_read", "worst_over_cap", "mismatched_calls", "device_ops", "default_device_meta", "network_timeout"],
+        "worst_no_read", "worst_kernel_route", "worst_over_cap", "mismatched_calls", "device_ops",
+        "default_device_meta", "network_timeout"],
     8: ["matches_reference", "random_stalls", "without_topk", "worst_no_read", "network_timeout"],
 }
 

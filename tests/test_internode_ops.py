@@ -47,8 +47,10 @@ class _LoopNet(NetworkStep):
 class _Fan:
     """NodeFanout's host side with nothing behind it (the launches are counted by ForwarderNode)."""
 
+    capacity, local_rank = 0, 0
+
     def reserve(self, rows, row_bytes):
-        pass
+        self.capacity = max(self.capacity, rows * row_bytes)
 
     def barrier(self):
         pass
@@ -97,6 +99,7 @@ def _wiring(M: int, P: int, Kc: int, probe) -> Wiring:
     else:
         node = ForwarderNode.__new__(ForwarderNode)
         node.fan, node.P, node.device, node.probe, node.Wd = _Fan(), P, torch.device("cpu"), probe, 0
+        node.budget, node._told = 1 << 40, False
 
     def gather(row, out=None):   # every rank's row equal to this one (a symmetric world)
         probe.op("collectives")
@@ -191,3 +194,19 @@ def test_kernel_path_names_every_device(kernels, P):
     """The kernel path under ``torch.set_default_device("meta")``: a tensor it made without naming its
     device would land on meta and fail (DeepEP's tests run with a CUDA default device)."""
     assert _calls(2, P, 2, ONE_ROW_RING, default_device="meta") == _calls(2, P, 2, ONE_ROW_RING)
+
+
+def test_forwarder_area_beyond_num_nvl_bytes_warns_once():
+    """The forwarder's landing areas stand for the Buffer's num_nvl_bytes: growing past it warns, once."""
+    from commlib.backends.internode.geometry import Plan
+    node = ForwarderNode.__new__(ForwarderNode)
+    node.fan, node.P, node.device, node.probe, node.Wd = _Fan(), 2, torch.device("cpu"), RecordingProbe(), 0
+    node.budget, node._told = 1000, False
+    import warnings
+    told = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for rows in (10, 20, 40):   # 960 bytes fit; 1920 and 3840 do not
+            node._reserve(Plan(path="device", num_chunks=1, num_recv=rows, area_row=96, node_rows=rows))
+            told.append(sum("exceeds the Buffer's num_nvl_bytes" in str(w.message) for w in seen))
+    assert told == [0, 1, 1], told

@@ -147,7 +147,7 @@ def alloc_outputs(out, back, specs: Sequence, device: torch.device, made: list) 
     finally:
         if out is not None:
             set_stream(back)
-    made.extend(t for t in tensors if t is not None)
+    made.extend([t for t in tensors if t is not None])
     return tensors
 
 

@@ -18,7 +18,8 @@ from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import N_SIG, row_len
 from commlib.backends.internode.geometry import Plan, geometry
 from commlib.backends.internode.network import stream
-from commlib.backends.internode.rows import area_row, dispatch_packer, here, int32_views, rows_on, typed_views
+from commlib.backends.internode.rows import (area_row, dispatch_packer, here, int32_len, int32_views, rows_on,
+                                             typed_views)
 from commlib.backends.common import HOST, int32_columns
 from commlib.backends.internode.wiring import Wiring
 from commlib.handle import DispatchHandle
@@ -125,12 +126,17 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
     # ---- 3. pack: the send rows and the handle's matrices ----
     packer = dispatch_packer(x, scales, K, wts is not None)
     W = packer.row_bytes
-    send, recv = send_and_landing(w, plan, W)
-    # the handle's int32 tensors (and the plan's) are views of one allocation: one allocation, and
-    # one stream record where the Buffer hands them to the caller's stream
+    # one allocator call on the output stream (Wiring.alloc) for the send and landing rows, the handle's
+    # (and the plan's) int32 tensors as views of one block, and the outputs
     n_land = 0 if w.node.in_area else plan.recv_starts[-1]
+    ints = ((R, R), (R, C), (R, C), (T, R), (T, M), (num_recv,), (n_land,))
+    rows, block, recv_x, recv_scales, recv_topk_idx, recv_topk_w = w.alloc(
+        rows_spec(w, plan, W), (int32_len(*ints), torch.int32), ((num_recv, H), x.dtype),
+        ((num_recv, scales.shape[1]), torch.float32) if scales is not None else None,
+        ((num_recv, K), torch.int64) if K else None, ((num_recv, K), torch.float32) if wts is not None else None)
+    send, recv = send_and_landing(plan, rows)
     rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, recv_src_idx, land_all = int32_views(
-        dev, (R, R), (R, C), (R, C), (T, R), (T, M), (num_recv,), (n_land,))
+        dev, *ints, block=block)
     IK.pack(g, send, slot, send_head, x, scales, topk, wts, me=me, M=M, P=P, Kc=Kc, ring=ring, n_sig=N_SIG,
             tir=tir, before=before, spos=spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix)
     probe.op("launches")
@@ -140,17 +146,12 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
     # ---- 4. network chunks (and the forwarder), 5. land ----
     landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer, cached=False)
     probe.mark("network")
-    recv_x = torch.empty(num_recv, H, dtype=x.dtype, device=dev)
-    recv_scales = torch.empty(num_recv, scales.shape[1], dtype=torch.float32, device=dev) \
-        if scales is not None else None
-    recv_topk_idx = torch.empty(num_recv, K, dtype=torch.int64, device=dev) if K else None
-    recv_topk_w = torch.empty(num_recv, K, dtype=torch.float32, device=dev) if wts is not None else None
     if not w.node.in_area:   # combine gathers its rows by where each landed row went
         plan.land_all = land_all
     probe.mark("outputs")
     IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w, K=K,
             expert_lo=me * Lx, num_local=Lx, pos_out=plan.land_all)
-    del landed   # its memory may be reused now: the launches above read it first (stream order)
+    del landed   # (its block is the call's: held until the Buffer has the result, see Wiring.alloc)
     IK.recv_chan(recv_src_idx, g, recv_chan_prefix, n_sig=N_SIG, me=me)
     probe.op("launches", 2)
     probe.mark("land")
@@ -170,23 +171,26 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
         extra={"plan": plan, "num_recv": num_recv})
     a = req.expert_alignment
     per_expert_list = expert_counts if a == 1 else [align_up(c, a) for c in expert_counts]
-    return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle)
+    return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle,
+                          blocks=w.take_blocks(keep=out == dev))
 
 
-def send_and_landing(w: Wiring, plan: Plan, W: int) -> tuple:
-    """The send rows [S, W + 4 P] and the landing rows of every chunk [J, W + 4 P]: views of one
-    allocation."""
-    P, S = w.topology.ranks_per_node, plan.send_starts[-1]
-    both = torch.empty(S + plan.recv_starts[-1], W + 4 * P, dtype=torch.uint8, device=w.device)
-    return both[:S], both[S:]
+def rows_spec(w: Wiring, plan: Plan, W: int) -> tuple:
+    """The allocation of a call's send rows [S, W + 4 P] and landing rows of every chunk [J, W + 4 P]."""
+    return (plan.send_starts[-1] + plan.recv_starts[-1], W + 4 * w.topology.ranks_per_node), torch.uint8
+
+
+def send_and_landing(plan: Plan, rows: torch.Tensor) -> tuple:
+    """The send rows and the landing rows: views of ``rows`` (``rows_spec``)."""
+    S = plan.send_starts[-1]
+    return rows[:S], rows[S:]
 
 
 def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer, cached: bool) -> tuple:
     """The network chunks. One rank per node: every chunk lands in one buffer (rows carry their final
     row at byte W); with the forwarder, chunk k fans out while k + 1 is on the wire and the rows sit
     at their final rows of this rank's area. Returns (the landing buffer or None, address, row
-    stride, position byte or -1, rows) of what ``IK.land`` reads: the caller holds the buffer until
-    the land kernel is launched, or the allocator could hand its memory to the outputs."""
+    stride, position byte or -1, rows) of what ``IK.land`` reads."""
     P = w.topology.ranks_per_node
     nch, ss, rs = plan.num_chunks, plan.send_starts, plan.recv_starts
     w.count_rows(plan)
@@ -217,24 +221,24 @@ def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResu
     scales = here(req.x_scales, dev) if req.x_scales is not None else None
     packer = dispatch_packer(x, scales, 0, False)
     W = packer.row_bytes
-    send, recv = send_and_landing(w, plan, W)
+    n = plan.num_recv
+    rows, recv_x, recv_scales = w.alloc(rows_spec(w, plan, W), ((n, x.shape[1]), x.dtype),
+                                        ((n, scales.shape[1]), torch.float32) if scales is not None else None)
+    send, recv = send_and_landing(plan, rows)
     IK.pack(None, send, plan.slot, here(h.send_head, dev), x, scales, None, None, me=topo.rank,
             M=topo.num_nodes, P=topo.ranks_per_node, Kc=w.max_chunks, ring=1)
     probe.op("launches")
     probe.mark("pack")
     landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer, cached=True)
     probe.mark("network")
-    n = plan.num_recv
-    recv_x = torch.empty(n, x.shape[1], dtype=x.dtype, device=dev)
-    recv_scales = torch.empty(n, scales.shape[1], dtype=torch.float32, device=dev) if scales is not None else None
     IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales)
     probe.op("launches")
-    del landed   # held until the land kernel read it
+    del landed
     probe.mark("land")
     out = req.x.device
     if out != dev:
         recv_x, recv_scales = recv_x.to(out), recv_scales.to(out) if scales is not None else None
-    return DispatchResult(recv_x, recv_scales, None, None, None, h)
+    return DispatchResult(recv_x, recv_scales, None, None, None, h, blocks=w.take_blocks(keep=out == dev))
 
 
 def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
@@ -249,8 +253,11 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     K = wts.shape[1] if wts is not None else 0
     Wc = 2 * H + 4 * K
     nch, ss, rs = plan.num_chunks, plan.send_starts, plan.recv_starts
-    # the node partials this rank sends and the partials that come back: views of one allocation
-    partial, back = torch.empty(rs[-1] + ss[-1], Wc, dtype=torch.uint8, device=dev).split_with_sizes([rs[-1], ss[-1]])
+    # the node partials this rank sends and the partials that come back (views of one block) and the
+    # outputs: one allocator call on the output stream
+    both, out_y, out_w = w.alloc(((rs[-1] + ss[-1], Wc), torch.uint8), ((T, H), torch.bfloat16),
+                                 ((T, K), torch.float32) if K else None)
+    partial, back = both.split_with_sizes([rs[-1], ss[-1]])
     before = None
     if not node.in_area:
         IK.rows(plan.land_all, rs[-1], y, wts, partial.data_ptr(), Wc)
@@ -264,15 +271,14 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
                                                     out=back[ss[k]:ss[k + 1]]), "combine", before=before)
     w.count_rows(plan)
     probe.mark("network")
-    out_y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-    out_w = torch.empty(T, K, dtype=torch.float32, device=dev) if K else None
     IK.home(back, plan.slot, [here(b, dev) for b in req.bias] if req.bias else [], out_y, out_w, H=H, K=K)
     probe.op("launches")
     probe.mark("home")
     out = req.x.device
     if out != dev:
         out_y, out_w = out_y.to(out), out_w.to(out) if K else None
-    return CombineResult(out_y, out_w)
+    return CombineResult(out_y, out_w, blocks=w.take_blocks(keep=out == dev))
 
 
-__all__ = ["HeadRow", "Scratch", "fits", "dispatch", "send_and_landing", "move", "dispatch_cached", "combine"]
+__all__ = ["HeadRow", "Scratch", "fits", "dispatch", "rows_spec", "send_and_landing", "move", "dispatch_cached",
+           "combine"]

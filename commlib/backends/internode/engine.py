@@ -85,19 +85,14 @@ class InternodeBackend(Backend):
         # One SM budget: the network step and the node step run at once, so NCCL's CTAs for each are
         # capped at half of the Buffer's SM budget when the groups are made.
         self.nccl_ctas = max(1, ctx.num_sms() // 2) if self.nccl else 0
-        # one options object per group kind: torch writes a group's name and ranks into the one it is given
         rail_options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
-        node_options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
         world_ranks = dist.get_process_group_ranks(self.group)
         self.rail_group = self.node_group = None
         for loc in range(topo.ranks_per_node):   # every rank creates every group, in the same order
             g = dist.new_group([world_ranks[r] for r in topo.rail_ranks(loc)], pg_options=rail_options)
             self.rail_group = g if loc == topo.local_rank else self.rail_group
-        for n in range(topo.num_nodes):
-            g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)], pg_options=node_options)
-            self.node_group = g if n == topo.node else self.node_group
         self.network = NETWORK_STEPS["rail"](self.rail_group, self._wait_for, self.probe, self.nccl, topo.rank)
-        self.node = self._choose_node_step()
+        self.node = self._choose_node_step(world_ranks)
         # the per-token steps as kernels (device.py) where rows go straight to their rows: one rank per
         # node, or the forwarder kernel (COMMLIB_INTERNODE_KERNELS=0: the torch steps, for comparison)
         self.device_steps = (self.nccl and self.comm_device.type == "cuda" and cupy_available()
@@ -105,7 +100,7 @@ class InternodeBackend(Backend):
         self.wiring = Wiring(topology=topo, device=self.comm_device, nccl=self.nccl, network=self.network,
                              node=self.node, probe=self.probe, counters=self.counters, max_chunks=self.max_chunks,
                              max_nodes=ctx.max_nodes_per_token, gather=self._gather, gather_into=self._gather_into,
-                             phase=self._set_phase)
+                             phase=self._set_phase, ctx=ctx)
         self.head = device.HeadRow()
         self.scratch = device.Scratch()
 
@@ -115,22 +110,44 @@ class InternodeBackend(Backend):
         if hasattr(self.node, "probe"):
             self.node.probe = probe
 
-    def _choose_node_step(self):
+    def _node_groups(self, world_ranks: list, **kw):
+        """This rank's node group; every rank creates every node's, in the same order."""
+        topo, mine = self.topology, None
+        for n in range(topo.num_nodes):
+            g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)], **kw)
+            mine = g if n == topo.node else mine
+        return mine
+
+    def _choose_node_step(self, world_ranks: list):
         """The IPC forwarder kernel where the node's GPUs map each other's memory (NCCL, CUDA, CuPy,
-        COMMLIB_NODE_FANOUT=kernel); the node group's all-to-all otherwise; nothing with one rank per node."""
+        COMMLIB_NODE_FANOUT=kernel): its node group carries only IPC handles and barriers, so it is a
+        gloo group (no NCCL communicator, no device memory). Else the node group's all-to-all (an NCCL
+        group on NCCL, made only where some node needs it); nothing with one rank per node."""
         topo = self.topology
         if topo.ranks_per_node == 1:
             return NODE_STEPS["local"](None, 0, 1, self.comm_device, self._wait_for)
-        if self.nccl and self.comm_device.type == "cuda":
-            mode = _same_everywhere(env.node_fanout(), self.group, "COMMLIB_NODE_FANOUT", topo.rank, topo.num_ranks)
-            if mode == "kernel" and cupy_available():
+        forwarder, side = False, None
+        if self.nccl and self.comm_device.type == "cuda" and _same_everywhere(
+                env.node_fanout(), self.group, "COMMLIB_NODE_FANOUT", topo.rank, topo.num_ranks) == "kernel":
+            side = self._node_groups(world_ranks, backend="gloo")
+            if cupy_available():
                 facts = [None] * topo.ranks_per_node
-                dist.all_gather_object(facts, local_facts(self.comm_device), group=self.node_group)
-                if share_memory(facts):
-                    return NODE_STEPS["kernel"](self.node_group, self.comm_device, self.nccl_ctas, self.ctx.timeout_s,
-                                                self.probe)
-                warnings.warn(f"commlib rank {topo.rank}: the ranks of node {topo.node} cannot map each other's "
-                              "GPU memory (other hosts, or no peer access); the node step uses NCCL")
+                dist.all_gather_object(facts, local_facts(self.comm_device), group=side)
+                forwarder = share_memory(facts)
+                if not forwarder:
+                    warnings.warn(f"commlib rank {topo.rank}: the ranks of node {topo.node} cannot map each other's "
+                                  "GPU memory (other hosts, or no peer access); the node step uses NCCL")
+            everyone = [None] * topo.num_ranks
+            dist.all_gather_object(everyone, forwarder, group=self.group)
+            need_groups = not all(everyone)
+        else:
+            need_groups = True
+        if need_groups:   # some node runs the node step on its group
+            options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
+            self.node_group = self._node_groups(world_ranks, pg_options=options)
+        if forwarder:
+            return NODE_STEPS["kernel"](side, self.comm_device, self.nccl_ctas, self.ctx.timeout_s, self.probe,
+                                        budget=self.ctx.num_nvl_bytes)
         return NODE_STEPS["nccl"](self.node_group, topo.local_rank, topo.ranks_per_node, self.comm_device,
                                   self._wait_for)
 
@@ -225,6 +242,7 @@ class InternodeBackend(Backend):
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         with self.probe.call("cached dispatch" if req.handle is not None else "dispatch"):
             self.probe.mark("buffer")
+            self.wiring.blocks.clear()   # what a call that raised had allocated
             if req.handle is not None:
                 return self._dispatch_cached(req)
             x, E = req.x, req.num_experts
@@ -237,7 +255,8 @@ class InternodeBackend(Backend):
             if self.device_steps and device.fits(req):
                 return device.dispatch(self.wiring, self.head, self.scratch, req, sig, ring, self.name)
             if req.num_worst_tokens:
-                return padded.dispatch(self.wiring, req, sig, ring, self.name)
+                return padded.dispatch(self.wiring, req, sig, ring, self.name,
+                                       kernels=self.device_steps and padded.fits(self.wiring, req))
             return counted.dispatch(self.wiring, req, sig, ring, self.name)
 
     def _dispatch_cached(self, req: DispatchRequest) -> DispatchResult:
@@ -253,6 +272,7 @@ class InternodeBackend(Backend):
     def combine(self, req: CombineRequest) -> CombineResult:
         with self.probe.call("combine"):
             self.probe.mark("buffer")
+            self.wiring.blocks.clear()
             h = req.handle
             plan = self._plan(h)
             has_w = req.topk_weights is not None

@@ -77,10 +77,12 @@ class Plan:
     # device path: each (token, node) pair's send row [T, M]; padded path: its fixed slot [T, M]
     slot: Optional[torch.Tensor] = None
     land_all: Optional[torch.Tensor] = None   # device path, one rank per node: output row per landed row
-    # padded path: rows per chunk and (rank, node) stream, send slots in all, rows received (device)
+    # padded path: rows per chunk and (rank, node) stream, send slots in all, rows received (device),
+    # whether its calls run on the kernels (then ``slot`` is int32, -1 for pairs not sent)
     crows: int = 0
     slots: int = 0
     num_recv_dev: Optional[torch.Tensor] = None
+    kernels: bool = False
     row_counts: Optional[tuple] = None        # ((counter, rows), ...) one call adds (Wiring.count_rows)
 
 

@@ -15,6 +15,7 @@ of a row (each landed row carries int32 [P] final rows after them), Wd the areas
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -164,17 +165,30 @@ class ForwarderNode(NodeStep):
     name = "kernel"
     in_area = True
 
-    def __init__(self, group, device, num_ctas: int, timeout_s: float, probe: Probe) -> None:
+    def __init__(self, group, device, num_ctas: int, timeout_s: float, probe: Probe, budget: int = 0) -> None:
         with torch.cuda.device(device):
             self.fan = NodeFanout(group, device, num_ctas=num_ctas, timeout_s=timeout_s)
         self.P = self.fan.num_local
         self.device = device
         self.probe = probe
         self.Wd = 0
+        self.budget = budget   # the Buffer's num_nvl_bytes: the areas count against it
+        self._told = False
+
+    def _reserve(self, plan) -> None:
+        """Room for the plan's rows in every area (collective on the node; free when they fit), and a
+        warning, once, when the area outgrows the Buffer's num_nvl_bytes."""
+        self.fan.reserve(plan.node_rows, plan.area_row)
+        if self.fan.capacity > self.budget and not self._told:
+            self._told = True
+            warnings.warn(f"commlib rank {self.fan.local_rank} of its node: the internode forwarder's landing area "
+                          f"({self.fan.capacity / 2**20:.0f} MiB: the node's most rows a rank receives, "
+                          f"num_worst_tokens with it, x {plan.area_row} bytes) exceeds the Buffer's num_nvl_bytes "
+                          f"({self.budget / 2**20:.0f} MiB), which it stands for")
 
     def dispatch_begin(self, plan, W, packer):
         self.Wd = align_up(W, 16)
-        self.fan.reserve(plan.node_rows, plan.area_row)
+        self._reserve(plan)
         self.fan.barrier()
         self.probe.op("launches")
         if plan.path == "padded":   # rows past the received count read as padding
@@ -210,7 +224,7 @@ class ForwarderNode(NodeStep):
         every rank's rows are there after). ``rows``: uint8 [n, row_bytes], or a callable that writes
         them given the areas' address and row stride (a kernel)."""
         self.Wd = align_up(row_bytes, 16)
-        self.fan.reserve(plan.node_rows, plan.area_row)   # free: the dispatch reserved room for these rows
+        self._reserve(plan)   # free: the dispatch reserved room for these rows
         self.fan.barrier()
         if callable(rows):
             rows(self.fan.data_address(), self.Wd)

@@ -11,8 +11,17 @@ that go there, and the node step P x the landed rows. Errors (ranks disagreeing,
 range, too many nodes per token) are found on the device: on CPU ranks every rank raises as usual;
 on a GPU a device-side assert stops the process (there is no host read to raise from).
 
+Two routes. The kernels (``fits``: the node step is the forwarder kernel, a row of x whole 4-byte
+words): the pack kernel writes every (token, node) row at its slot, the forwarder stores the landed
+rows at their final rows of the node's areas, and the land kernel copies them straight into the
+outputs, allocated on the caller's stream (``Wiring.alloc``); rows past the received count are
+then set to the padding. Combine: the rows kernel writes this rank's rows into its area, the
+forwarder sums them per chunk, the home kernel adds the node partials. Nothing of the size of the
+outputs is made beside them. The torch steps (CPU ranks, the node group's all-to-all, one rank per
+node): the same rows through ``Packer`` and the node step's own landing buffer.
+
 Legend: T tokens here, H hidden, K top-k, R ranks, M nodes, P ranks per node, W bytes of a packed
-row, per = M x rows per chunk (the rows of one chunk).
+row, per = M x rows per chunk (the rows of one chunk), N = num_worst_tokens (rows out).
 """
 from __future__ import annotations
 
@@ -21,17 +30,25 @@ import torch
 from commlib import layout as L
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from commlib.backends.common import bias_start
+from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.counted import exchange, expert_columns, finish
 from commlib.backends.internode.exchange import N_SIG
 from commlib.backends.internode.geometry import Plan, padded_plan
 from commlib.backends.internode.network import stream
-from commlib.backends.internode.rows import area_row, combine_packer, payload, rows_on
+from commlib.backends.internode.rows import area_row, combine_packer, dispatch_packer, here, payload, rows_on
 from commlib.backends.internode.wiring import Wiring
 from commlib.handle import DispatchHandle
 
 
-def dispatch(w: Wiring, req: DispatchRequest, sig: list, ring: int, name: str) -> DispatchResult:
-    """A dispatch with ``num_worst_tokens`` rows out: one collective for the counts, no host read."""
+def fits(w: Wiring, req: DispatchRequest) -> bool:
+    """Whether a num_worst_tokens dispatch (and its handle's calls) runs on the kernels: rows land in
+    the forwarder's areas, and a row of x is whole 4-byte words (H % 4 == 0, as ``device.fits``)."""
+    return w.node.in_area and req.x.shape[1] % 4 == 0
+
+
+def dispatch(w: Wiring, req: DispatchRequest, sig: list, ring: int, name: str, kernels: bool = False) -> DispatchResult:
+    """A dispatch with ``num_worst_tokens`` rows out: one collective for the counts, no host read.
+    ``kernels``: the kernel route (``fits``; the engine also asks for CuPy and COMMLIB_INTERNODE_KERNELS)."""
     topo = w.topology
     me, R = topo.rank, topo.num_ranks
     x, scales = req.x, req.x_scales
@@ -60,6 +77,8 @@ def dispatch(w: Wiring, req: DispatchRequest, sig: list, ring: int, name: str) -
     plan = padded_plan(in_node, spos, worst, R, ring, w.max_chunks)
     plan.node_rows = worst
     plan.num_recv_dev = rank_prefix[-1, me].to(torch.int64)
+    if kernels:
+        return _dispatch_kernels(w, req, plan, topk, is_tir, rank_prefix, chan_prefix, send_head, g, name)
     packer, tensors = payload(x, scales, topk, req.topk_weights, dev)
     plan.area_row = area_row(packer, H, K)
     cols = packer.unpack(move(w, packer, tensors, send_head, plan, cached=False))
@@ -104,6 +123,8 @@ def move(w: Wiring, packer, tensors: list, send_head: torch.Tensor, plan: Plan, 
 
 
 def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResult:
+    if plan.kernels:
+        return _cached_kernels(w, req, plan)
     h = req.handle
     x, scales = req.x, req.x_scales
     packer, tensors = payload(x, scales, None, None, w.device)
@@ -119,6 +140,8 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     network to its slot, and the home rank adds its node partials in node order to 0 + the biases. Adding a zero row
     changes no float32 sum here (a sum of rows never becomes -0.0), so this equals the counted
     path's sums of only the rows that exist."""
+    if plan.kernels:
+        return _combine_kernels(w, req, plan)
     topo, dev = w.topology, w.device
     M = topo.num_nodes
     h = req.handle
@@ -151,4 +174,147 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     return finish(req, acc_y, acc_w, K)
 
 
-__all__ = ["dispatch", "move", "dispatch_cached", "combine"]
+# ---------------------------------------------------------------------------- the kernel route
+def _dispatch_kernels(w: Wiring, req: DispatchRequest, plan: Plan, topk, is_tir: torch.Tensor,
+                      rank_prefix: torch.Tensor, chan_prefix: torch.Tensor, send_head: torch.Tensor,
+                      g: torch.Tensor, name: str) -> DispatchResult:
+    """The rest of a num_worst_tokens dispatch on the kernels (module docstring): the outputs and the
+    handle's tensors are allocated once, on the call's output stream, and written in place."""
+    topo, dev = w.topology, w.device
+    me, R = topo.rank, topo.num_ranks
+    x = here(req.x, dev)
+    scales = here(req.x_scales, dev) if req.x_scales is not None else None
+    T, H = x.shape
+    E, N, C = req.num_experts, plan.num_recv, req.config.num_channels
+    K = topk.shape[1] if topk is not None else 0
+    wts = here(req.topk_weights, dev) if K and req.topk_weights is not None else None
+    topk = here(topk, dev) if K else None
+    Lx = E // R
+    i32 = torch.int32
+    plan.kernels = True
+    plan.slot = torch.where(plan.slot < plan.slots, plan.slot, -1).to(i32)   # -1: the pair is not sent
+    packer = dispatch_packer(x, scales, K, wts is not None)
+    plan.area_row = area_row(packer, H, K)
+    rows, recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx, rp, cp, rcp, sh = w.alloc(
+        _rows_spec(w, plan, packer), ((N, H), x.dtype),
+        ((N, scales.shape[1]), torch.float32) if scales is not None else None,
+        ((N, K), torch.int64) if K else None, ((N, K), torch.float32) if wts is not None else None,
+        ((N,), i32), ((R, R), i32), ((R, C), i32), ((R, C), i32), ((T, R), i32))
+    sh.copy_(send_head)
+    addr, stride = _move_kernels(w, plan, packer, rows, x, scales, topk, wts, sh, cached=False)
+    IK.land(addr, N, stride, -1, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w, K=K,
+            expert_lo=me * Lx, num_local=Lx)
+    _pad(plan, (recv_x, 0), (recv_scales, 0), (recv_src_idx, -1), (recv_topk_idx, -1), (recv_topk_w, 0))
+    rp.copy_(rank_prefix)
+    cp.copy_(chan_prefix)
+    rcp.copy_(L.recv_channel_prefix(recv_src_idx, rank_prefix[:, me], g[:, -1], C))
+    out = req.x.device
+    moved = out != dev
+    if moved:   # inputs on another device than the engine's: the outputs and the handle go back there
+        recv_x, recv_scales, recv_topk_idx, recv_topk_w, recv_src_idx, rp, cp, rcp, sh, is_tir = [
+            None if t is None else t.to(out) for t in (recv_x, recv_scales, recv_topk_idx, recv_topk_w,
+                                                       recv_src_idx, rp, cp, rcp, sh, is_tir)]
+    handle = DispatchHandle(
+        rank_prefix_matrix=rp, channel_prefix_matrix=cp, recv_channel_prefix_matrix=rcp, recv_src_idx=recv_src_idx,
+        is_token_in_rank=is_tir, send_head=sh, topology=topo, num_tokens=T, hidden=H, num_experts=E,
+        num_channels=C, num_recv_tokens=None, num_worst_tokens=N, backend=name,
+        extra={"plan": plan, "num_recv": N})
+    return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, [], handle,
+                          blocks=w.take_blocks(keep=not moved))
+
+
+def _rows_spec(w: Wiring, plan: Plan, packer) -> tuple:
+    """The allocation of a call's send rows and landing rows, every slot of each: [2 slots, W + 4 P]."""
+    return (2 * plan.slots, packer.row_bytes + 4 * w.topology.ranks_per_node), torch.uint8
+
+
+def _move_kernels(w: Wiring, plan: Plan, packer, rows: torch.Tensor, x, scales, topk, wts, send_head: torch.Tensor,
+                  cached: bool) -> tuple:
+    """Pack every (token, node) row at its slot of the send rows, run the network chunks into the
+    landing rows (both ``rows``: ``_rows_spec``) with the forwarder: the rows end at their final rows
+    of this rank's area. Returns (its address, its row stride)."""
+    topo = w.topology
+    M, P = topo.num_nodes, topo.ranks_per_node
+    W, crows = packer.row_bytes, plan.crows
+    per = M * crows
+    send, landing = rows.split(plan.slots)
+    send[:, W:] = 0xFF   # slots no pair fills: no position on any local rank (the forwarder skips them)
+    IK.pack(None, send, plan.slot, send_head, x, scales, topk, wts, me=topo.rank, M=M, P=P, Kc=w.max_chunks, ring=1)
+    w.node.dispatch_begin(plan, W, packer)
+
+    def fan_out(k, landed):
+        w.phase(f"dispatch (fan-out of chunk {k})")
+        w.node.dispatch_chunk(k, landed, plan, W, cached)
+
+    stream(w.network, plan.num_chunks,
+           lambda k: w.network.post(send[k * per:(k + 1) * per], [crows] * M, [crows] * M,
+                                    out=landing[k * per:(k + 1) * per]),
+           "dispatch", after=fan_out)
+    w.node.finish_forward()
+    w.count_padded(plan)
+    return w.node.address()
+
+
+def _pad(plan: Plan, *outs) -> None:
+    """Rows at or past the received count (known on the device only) set to the padding:
+    (tensor [N, ...] or None, value) pairs, in place. Float tensors are set through their bytes."""
+    N = plan.num_recv
+    pad = None
+    for t, value in outs:
+        if t is None or not N:
+            continue
+        if pad is None:
+            pad = torch.arange(N, device=t.device) >= plan.num_recv_dev
+        rows = t.view(torch.uint8) if t.is_floating_point() else t
+        rows.masked_fill_(pad.view(-1, *([1] * (rows.dim() - 1))), value)
+
+
+def _cached_kernels(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResult:
+    """Cached dispatch of a padded handle on the kernels: x (and scales) only."""
+    h, dev = req.handle, w.device
+    x = here(req.x, dev)
+    scales = here(req.x_scales, dev) if req.x_scales is not None else None
+    N = plan.num_recv
+    packer = dispatch_packer(x, scales, 0, False)
+    rows, recv_x, recv_scales = w.alloc(_rows_spec(w, plan, packer), ((N, x.shape[1]), x.dtype),
+                                        ((N, scales.shape[1]), torch.float32) if scales is not None else None)
+    addr, stride = _move_kernels(w, plan, packer, rows, x, scales, None, None, here(h.send_head, dev), cached=True)
+    IK.land(addr, N, stride, -1, recv_x, recv_scales)
+    _pad(plan, (recv_x, 0), (recv_scales, 0))
+    out = req.x.device
+    if out != dev:
+        recv_x, recv_scales = recv_x.to(out), recv_scales.to(out) if scales is not None else None
+    return DispatchResult(recv_x, recv_scales, None, None, None, h, blocks=w.take_blocks(keep=out == dev))
+
+
+def _combine_kernels(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
+    """Combine of a padded handle on the kernels: this rank's N rows into its area (rows kernel), the
+    forwarder's node partials per chunk, back over the network to their slots, the home sum (the
+    biases, then the node partials in node order) in one launch into the outputs."""
+    h, dev, node = req.handle, w.device, w.node
+    M = w.topology.num_nodes
+    N, T = plan.num_recv, h.num_tokens
+    y = rows_on(req.x, N, dev)
+    H = y.shape[1]
+    wts = rows_on(req.topk_weights, N, dev) if req.topk_weights is not None else None
+    K = wts.shape[1] if wts is not None else 0
+    crows = plan.crows
+    per = M * crows
+    node.combine_begin(lambda addr, stride: IK.rows(None, N, y, wts, addr, stride), plan, 2 * H + 4 * K)
+    # the node partials this rank sends and the partials that come back (views of one block), the outputs
+    both, out_y, out_w = w.alloc(((2 * plan.slots, 2 * H + 4 * K), torch.uint8), ((T, H), torch.bfloat16),
+                                 ((T, K), torch.float32) if K else None)
+    partial, back = both.split(plan.slots)
+    stream(w.network, plan.num_chunks,
+           lambda k: w.network.post(partial[k * per:(k + 1) * per], [crows] * M, [crows] * M,
+                                    out=back[k * per:(k + 1) * per]),
+           "combine", before=lambda k: node.combine_chunk(k, plan, None, H, K, out=partial[k * per:(k + 1) * per]))
+    w.count_padded(plan)
+    IK.home(back, plan.slot, [here(b, dev) for b in req.bias] if req.bias else [], out_y, out_w, H=H, K=K)
+    out = req.x.device
+    if out != dev:
+        out_y, out_w = out_y.to(out), out_w.to(out) if K else None
+    return CombineResult(out_y, out_w, blocks=w.take_blocks(keep=out == dev))
+
+
+__all__ = ["fits", "dispatch", "move", "dispatch_cached", "combine"]

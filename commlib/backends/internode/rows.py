@@ -98,11 +98,19 @@ def typed_views(device, *parts) -> list:
     return out
 
 
-def int32_views(device, *shapes) -> list:
-    """int32 tensors of ``shapes``, views of one allocation (one allocator call, one stream record)."""
+def int32_len(*shapes) -> tuple:
+    """The shape of one int32 block that holds tensors of ``shapes`` (``int32_views``)."""
+    return (sum([math.prod(s) for s in shapes]),)
+
+
+def int32_views(device, *shapes, block=None) -> list:
+    """int32 tensors of ``shapes``, views of one allocation (one allocator call, one stream record):
+    ``block`` (int32 of ``int32_len(*shapes)``, made with other tensors in one call), else a new one."""
     sizes = [math.prod(s) for s in shapes]
+    if block is None:
+        block = torch.empty(sum(sizes), dtype=torch.int32, device=device)
     # one operation for all (split_with_sizes: Tensor.split's Python wrapper costs more than the split)
-    parts = torch.empty(sum(sizes), dtype=torch.int32, device=device).split_with_sizes(sizes)
+    parts = block.split_with_sizes(sizes)
     return [p if len(s) == 1 else p.view(s) for p, s in zip(parts, shapes)]
 
 
@@ -111,5 +119,5 @@ def with_positions(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, pos.contiguous().view(torch.uint8).view(-1, 4 * pos.shape[1])], dim=1)
 
 
-__all__ = ["dispatch_packer", "combine_packer", "payload", "area_row", "fill_ids", "here", "rows_on", "typed_views", "int32_views",
-           "with_positions"]
+__all__ = ["dispatch_packer", "combine_packer", "payload", "area_row", "fill_ids", "here", "rows_on", "typed_views",
+           "int32_len", "int32_views", "with_positions"]

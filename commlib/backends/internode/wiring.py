@@ -1,5 +1,6 @@
 """What the internode data paths share of the engine: the topology, the two seams (network step,
-node step), the probe, the row counters, the count exchange's collective and its one host read.
+node step), the probe, the row counters, the count exchange's collective and its one host read, and
+where a call's outputs are allocated.
 The engine builds one ``Wiring`` in __init__; the paths (counted.py, device.py, padded.py) take it.
 
 Legend: R ranks, M nodes, P ranks per node, Kc the most chunks a call may use, E experts.
@@ -7,10 +8,11 @@ Legend: R ranks, M nodes, P ranks per node, Kc the most chunks a call may use, E
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch
 
+from commlib.backends.base import alloc_outputs
 from commlib.backends.common import HOST
 from commlib.backends.internode.exchange import check_exchange, parse_digest
 from commlib.backends.internode.geometry import Plan
@@ -35,6 +37,22 @@ class Wiring:
     gather_into: Callable           # gather_into(row, out): the same into out (contiguous [R * n]), nothing made
     phase: Callable                 # phase(what): names the step a timeout reports
     reads: list = dataclasses.field(default_factory=lambda: [0])   # host reads (tests: one per dispatch)
+    ctx: Any = None                 # the Backend's BackendContext (out_stream, comm_stream); None: current stream
+    blocks: list = dataclasses.field(default_factory=list)         # this call's ``alloc`` tensors
+
+    def alloc(self, *specs) -> list:
+        """A call's outputs ((shape, dtype) per spec, None for none) on its output stream: the caller's,
+        where the Buffer says so (base.alloc_outputs: freed blocks go back to the caller's pool, in its
+        stream order), else the current one; kept in ``blocks`` for the result."""
+        ctx = self.ctx
+        out, back = (ctx.out_stream, ctx.comm_stream) if ctx is not None else (None, None)
+        return alloc_outputs(out, back, specs, self.device, self.blocks)
+
+    def take_blocks(self, keep: bool = True) -> Optional[tuple]:
+        """The result's ``blocks`` (what ``alloc`` made since the last call), and a fresh list; None
+        where ``keep`` is false (outputs moved elsewhere: the Buffer then records what it finds)."""
+        made, self.blocks = self.blocks, []
+        return tuple(made) if keep else None
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """A device -> host read (the probe makes and may time the copy)."""

@@ -7,9 +7,11 @@
 //   [data_offset, ...)                             rows (the landing buffer of this rank)
 //
 // Kernels (commlib::fanout::; the loader's names fanout_<name>_kernel):
-//   barrier   all P local ranks meet (device side, CUDA-graph replayable)
-//   forward   dispatch: each landed row -> its final row on every local rank that gets it
-//   reduce    combine: per landed row, the sum (ascending p) of the local ranks' rows
+//   notify    the barrier: all P local ranks meet (device side, CUDA-graph replayable)
+//   dispatch  the forward step: each landed row -> its final row on every local rank that gets it
+//   combine   the reduce step: per landed row, the sum (ascending p) of the local ranks' rows
+// (named as DeepEP's kernels, so profilers and DeepEP's tests that read kernel names find
+// `::notify`, `::dispatch` and `::combine` in an internode call)
 //
 // The protocol that makes plain stores and loads safe is in the Python module's docstring.
 #include "common.cuh"
@@ -37,7 +39,7 @@ namespace commlib::fanout {
 // ">=" never confuses two epochs. Nothing host-side changes between calls: graph replays advance
 // the epoch like eager calls.
 // ------------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(32) barrier(const u64* peer_bases, int local_rank, int P,
+__global__ void __launch_bounds__(32) notify(const u64* peer_bases, int local_rank, int P,
                                               u64 signal_offset, u64 timeout_ns) {
     if (threadIdx.x >= 32 || blockIdx.x != 0) return;  // whole warps / CTAs leave
     const int lane = lane_id();
@@ -110,7 +112,7 @@ __device__ __forceinline__ void forward_rows(const u8* landed, int J, int row_st
     }
 }
 
-__global__ void __launch_bounds__(1024) forward(const u8* landed, int J, int row_stride, int W,
+__global__ void __launch_bounds__(1024) dispatch(const u8* landed, int J, int row_stride, int W,
                                                 int P, const u64* peer_bases, u64 data_offset,
                                                 int dst_stride) {
     u64 bits = (u64)W | (u64)row_stride | (u64)dst_stride | reinterpret_cast<u64>(landed) | data_offset;
@@ -209,7 +211,7 @@ __device__ __forceinline__ void reduce_rows(const int* pos, int J, int P, const 
     }
 }
 
-__global__ void __launch_bounds__(1024) reduce(const int* pos, int J, int P,
+__global__ void __launch_bounds__(1024) combine(const int* pos, int J, int P,
                                                const u64* peer_bases, u64 data_offset,
                                                int src_stride, int H, int K, u8* out,
                                                int out_stride) {

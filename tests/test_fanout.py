@@ -107,3 +107,16 @@ def test_closed_refuses(fan):
     fan.close()  # twice is fine
     with pytest.raises(RuntimeError, match="closed"):
         fan.barrier()
+
+
+def test_internode_kernel_names_read_as_deepeps():
+    """DeepEP's test_internode profiles a cached dispatch and a combine and needs exactly one kernel
+    whose name contains "dispatch" (resp. "combine") and one containing "notify" (its bench_kineto): the
+    internode engine's kernels (the per-token steps and the forwarder) name them once each."""
+    names = [loader.kernel_name(f, n) for f in ("internode", "fanout") for n in loader.FAMILIES[f]]
+    for word, want in (("dispatch", "commlib::fanout::dispatch"), ("combine", "commlib::fanout::combine"),
+                       ("notify", "commlib::fanout::notify")):
+        assert [n for n in names if word in n] == [want], (word, names)
+    source = (loader.CSRC / "fanout.cu").read_text()
+    for kernel in ("notify", "dispatch", "combine"):   # the names the loader asks NVRTC for exist
+        assert f") {kernel}(" in source

@@ -155,7 +155,9 @@ LOW_LATENCY = {"dispatch": ("low_latency", "ll_dispatch_kernel"), "combine": ("l
 def test_dispatch_and_combine_names_as_deepeps(compiled):
     """A profiler shows the normal and the low-latency dispatch / combine kernels with ``::dispatch``
     / ``::combine`` in their demangled names (DeepEP's bench_kineto picks trace events that way), and
-    no other kernel's name has ``dispatch`` / ``combine`` in it (its table check wants one line each).
+    so do the internode forwarder's (``commlib::fanout::dispatch`` / ``combine``); no other kernel's
+    name has ``dispatch`` / ``combine`` in it (its table check wants one line each, and one call runs
+    one engine's kernels).
     Names from the compiled cubins where a compiler runs, else from the declarations in csrc/."""
     if compiled is not None:
         by_family = {}
@@ -170,7 +172,8 @@ def test_dispatch_and_combine_names_as_deepeps(compiled):
             cxx = loader.kernel_name(family, name)
             assert cxx in by_family[family] and f"::{op}" in cxx and cxx.startswith("commlib::"), (family, cxx)
     for op in ("dispatch", "combine"):
-        assert {n for n in every if op in n} == {loader.kernel_name(*NORMAL[op]), loader.kernel_name(*LOW_LATENCY[op])}
+        assert {n for n in every if op in n} == {loader.kernel_name(*NORMAL[op]), loader.kernel_name(*LOW_LATENCY[op]),
+                                                  f"commlib::fanout::{op}"}
     assert all(n.startswith("commlib::") for n in every), sorted(every)
 
 

@@ -108,8 +108,8 @@ FAMILIES = {
     "moe_rows": {"slot_sum_bf16": "commlib::moe::slot_sum_bf16"},  # commlib.training.moe's expert stage
     "ce": {"ce_sync_kernel": "commlib::copy_engine::sync", "ce_pack_kernel": "commlib::copy_engine::pack",
            "ce_reduce_kernel": "commlib::copy_engine::reduce"},  # the copy-engine data path
-    "fanout": {"fanout_barrier_kernel": "commlib::fanout::barrier", "fanout_forward_kernel": "commlib::fanout::forward",
-               "fanout_reduce_kernel": "commlib::fanout::reduce"},  # internode fan-out (IPC)
+    "fanout": {"fanout_barrier_kernel": "commlib::fanout::notify", "fanout_forward_kernel": "commlib::fanout::dispatch",
+               "fanout_reduce_kernel": "commlib::fanout::combine"},  # internode fan-out (IPC)
     "internode": {"inter_meta_kernel": "commlib::internode::meta", "inter_digest_kernel": "commlib::internode::digest",
                   "inter_pack_kernel": "commlib::internode::pack", "inter_land_kernel": "commlib::internode::land",
                   "inter_recv_chan_kernel": "commlib::internode::recv_chan",

@@ -19,6 +19,8 @@ python, and cpp where the C++ call path loads: Buffer.set_call_path, csrc/callpa
             event record / wait, a small copy, one blocking read where the op has one) issued in the
             same order of magnitude and timed in the same run, in the same mode as the op; host /
             floor is the ratio to beat. One floor per op (the Python path's counts), on both its rows.
+  cpp_calls (path cpp) how many of the timed calls the C++ path ran: all --iters of them, or the row
+            is not the C++ path's figure.
   gpu_us    the call's device time (CUDA events, L2 flushed); for the full dispatch also the cached
             call and the notify kernel, so gpu_us - cached - notify is the time the GPU waits for the
             host inside a full call.
@@ -107,8 +109,12 @@ def worker(ctx, a: dict):
             buf.set_call_path(path)
             for _ in range(args.warmup):
                 fn()
+            kind = op.split("_")[0]   # layout, dispatch, cached, combine: what the C++ engine counts
+            before = buf._cpp.served[kind] if path == "cpp" else 0
             t = host_times(fn, args.iters, ahead=not reads, group=group,
                            wait_ns=(lambda: buf.backend.last_wait_ns) if reads and wait_ns is not None else None)
+            if path == "cpp":   # the timed calls the C++ path ran (all of them, or the row is not its figure)
+                t["cpp_calls"] = buf._cpp.served[kind] - before
             counts = count_device_ops(fn)
             if floor is None:   # the primitives of the Python path's call (the C++ one issues the same)
                 shapes = allocations(fn)
@@ -193,7 +199,11 @@ def main(argv=None) -> int:
     print(f"# bench_host: {note}; tokens {args.tokens}, hidden {args.hidden}, {args.experts} experts, "
           f"{args.num_sms} SMs; device {device}")
     print_table(rows)
-    print(f"# calls the C++ call path served, per world: {served}")
+    cpp_rows = [r for r in rows if r.get("path") == "cpp"]
+    if cpp_rows:
+        short = [f"{r['world']}:{r['op']} {r['cpp_calls']}" for r in cpp_rows if r["cpp_calls"] != args.iters]
+        print("# C++ path: " + (f"every timed call ran in C++ (calls served, per world: {served})" if not short
+                                else f"NOT every timed call ran in C++: {short} of {args.iters}"))
     if args.json:
         doc = results.result_document("bench_host", "python -m benchmarks.bench_host " + shlex.join(sys.argv[1:]
                                       if argv is None else argv), rows, world_size=max(r["world"] for r in rows),

@@ -4,7 +4,8 @@
     python -m benchmarks.bench_host --world 2 --json benchmarks/results --profile
 
 Workload: DeepSeek-V3 (hidden 7168, top-8 of 256 experts, group-limited routing), --tokens per rank,
-20 SMs, the NVLink engine (or the reference backend on CPU ranks). Per op, on every rank:
+20 SMs, the NVLink engine (or the reference backend on CPU ranks). Per op and call path (``path``:
+python, and cpp where the C++ call path loads: Buffer.set_call_path, csrc/callpath.cpp), on every rank:
   host_us   wall time from call to return, median of --iters back-to-back calls. Cached dispatch,
             combine and the layout run with the host ahead of the device (a long device sleep queued
             first, so the call never waits for the GPU); the full dispatch must read its counts, so
@@ -17,7 +18,9 @@ Workload: DeepSeek-V3 (hidden 7168, top-8 of 256 experts, group-limited routing)
   floor_us  those bare primitives (a torch launch, torch.empty of the shapes the call allocates, an
             event record / wait, a small copy, one blocking read where the op has one) issued in the
             same order of magnitude and timed in the same run, in the same mode as the op; host /
-            floor is the ratio to beat.
+            floor is the ratio to beat. One floor per op (the Python path's counts), on both its rows.
+  cpp_calls (path cpp) how many of the timed calls the C++ path ran: all --iters of them, or the row
+            is not the C++ path's figure.
   gpu_us    the call's device time (CUDA events, L2 flushed); for the full dispatch also the cached
             call and the notify kernel, so gpu_us - cached - notify is the time the GPU waits for the
             host inside a full call.
@@ -95,55 +98,69 @@ def worker(ctx, a: dict):
            "cached_fp8": lambda: buf.dispatch(xq, handle=handle, config=cfg),
            "combine": lambda: buf.combine(y, handle, config=ccfg)}
     wait_ns = getattr(buf.backend, "last_wait_ns", None)
+    # every rank measures the same paths: the C++ one where it loaded on all of them (the minimum over ranks)
+    everyone_cpp = -slowest([-float(buf.call_path == "cpp")], group)[0] > 0
+    paths = ["python", "cpp"] if everyone_cpp else ["python"]
     rows, profiles = [], []
     for op, fn in ops.items():
-        for _ in range(args.warmup):
-            fn()
         reads = 1 if op.startswith("dispatch") else 0
-        t = host_times(fn, args.iters, ahead=not reads, group=group,
-                       wait_ns=(lambda: buf.backend.last_wait_ns) if reads and wait_ns is not None else None)
-        counts = count_device_ops(fn)
-        shapes = allocations(fn)
-        floor = floor_fn(counts, dev, reads, shapes)
-        for _ in range(args.warmup):
-            floor()
-        f = host_times(floor, args.iters, ahead=not reads, group=group)
-        row = {"op": op, "tokens": T, "world": R, **t, "ops": counts, "floor_us": f["host_us"],
-               "floor_allocs": [[list(sh), str(dt)] for sh, dt in shapes[:counts["alloc"]]]}
-        if cuda:
-            row["gpu_us"] = bench_cuda(fn, warmup=3, iters=20)["median_us"]
-            if reads:
-                with K.record_launches(sleep_cycles=0) as rec:
-                    for _ in range(5):
-                        fn()
-                    torch.cuda.synchronize()
-                notify = [s.elapsed_time(e) * 1e3 for n, s, e in rec if n == "notify_kernel"]
-                row["notify_us"] = statistics.median(notify) if notify else None
-        if args.profile:   # every rank (the calls are collective); rank 0's is printed
-            text = cprofile(op, fn, args.iters)
-            if me == 0:
-                profiles.append(text)
-        rows.append(row)
+        floor = None
+        for path in paths:
+            buf.set_call_path(path)
+            for _ in range(args.warmup):
+                fn()
+            kind = op.split("_")[0]   # layout, dispatch, cached, combine: what the C++ engine counts
+            before = buf._cpp.served[kind] if path == "cpp" else 0
+            t = host_times(fn, args.iters, ahead=not reads, group=group,
+                           wait_ns=(lambda: buf.backend.last_wait_ns) if reads and wait_ns is not None else None)
+            if path == "cpp":   # the timed calls the C++ path ran (all of them, or the row is not its figure)
+                t["cpp_calls"] = buf._cpp.served[kind] - before
+            counts = count_device_ops(fn)
+            if floor is None:   # the primitives of the Python path's call (the C++ one issues the same)
+                shapes = allocations(fn)
+                floor_run = floor_fn(counts, dev, reads, shapes)
+                for _ in range(args.warmup):
+                    floor_run()
+                floor = (host_times(floor_run, args.iters, ahead=not reads, group=group)["host_us"],
+                         [[list(sh), str(dt)] for sh, dt in shapes[:counts["alloc"]]])
+            row = {"op": op, "path": path, "tokens": T, "world": R, **t, "ops": counts, "floor_us": floor[0],
+                   "floor_allocs": floor[1]}
+            if cuda:
+                row["gpu_us"] = bench_cuda(fn, warmup=3, iters=20)["median_us"]
+                if reads:
+                    with K.record_launches(sleep_cycles=0) as rec:   # launches through Python while recording
+                        for _ in range(5):
+                            fn()
+                        torch.cuda.synchronize()
+                    notify = [s.elapsed_time(e) * 1e3 for n, s, e in rec if n == "notify_kernel"]
+                    row["notify_us"] = statistics.median(notify) if notify else None
+            if args.profile and path == "python":   # every rank (the calls are collective); rank 0's is printed
+                text = cprofile(op, fn, args.iters)
+                if me == 0:
+                    profiles.append(text)
+            rows.append(row)
+    served = dict(buf._cpp.served) if buf._cpp is not None else {}
     buf.destroy()
     # the slowest rank's figures
     keys = ["host_us", "cpu_us", "floor_us", "own_us", "wait_us", "gpu_us", "notify_us"]
     for row in rows:
         vals = slowest([float(row.get(k) or 0.0) for k in keys], group)
         row.update({k: v for k, v in zip(keys, vals) if row.get(k) is not None})
-    return {"rows": rows, "profiles": profiles, "device": str(dev)}
+    return {"rows": rows, "profiles": profiles, "device": str(dev), "served": served}
 
 
 def _finish(rows: list) -> list:
-    """Ratios and the target checks, per world."""
-    by = {(r["world"], r["op"]): r for r in rows}
+    """Ratios and the target checks, per world and call path."""
+    by = {(r["world"], r["op"], r.get("path", "python")): r for r in rows}
     for r in rows:
+        path = r.get("path", "python")
         r["host_over_floor"] = r.get("own_us", r["host_us"]) / r["floor_us"] if r["floor_us"] else None
         if r["op"].endswith("fp8"):
-            bf = by.get((r["world"], r["op"].replace("fp8", "bf16")))
+            bf = by.get((r["world"], r["op"].replace("fp8", "bf16"), path))
             if bf:
                 r["fp8_extra_us"] = r.get("own_us", r["host_us"]) - bf.get("own_us", bf["host_us"])
         if r["op"].startswith("dispatch") and r.get("gpu_us") is not None:
-            cached = by.get((r["world"], r["op"].replace("dispatch", "cached")))
+            cached = by.get((r["world"], r["op"].replace("dispatch", "cached"), path))
             if cached and cached.get("gpu_us") is not None and r.get("notify_us") is not None:
                 r["gpu_gap_us"] = r["gpu_us"] - cached["gpu_us"] - r["notify_us"]
     return rows
@@ -151,14 +168,15 @@ def _finish(rows: list) -> list:
 
 def print_table(rows: list) -> None:
     print("# host time per call (us); ops = device operations issued (launch/copy/alloc/record/wait/sync/coll)")
-    print(f"# {'world':>5} {'op':>14} {'host':>8} {'own':>8} {'wait':>8} {'cpu':>8} {'floor':>8} "
+    print(f"# {'world':>5} {'op':>14} {'path':>6} {'host':>8} {'own':>8} {'wait':>8} {'cpu':>8} {'floor':>8} "
           f"{'own/floor':>9} {'ops':>5}  {'breakdown':<22} {'gpu':>8} {'gap':>7}")
     for r in rows:
         o = r["ops"]
         brk = "/".join(str(o[c]) for c in CATEGORIES)
         fmt = (lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else f"{'-':>8}")
         ratio = r.get("host_over_floor")
-        print(f"  {r['world']:>5} {r['op']:>14} {fmt(r['host_us'])} {fmt(r.get('own_us'))} {fmt(r.get('wait_us'))} "
+        print(f"  {r['world']:>5} {r['op']:>14} {r.get('path', 'python'):>6} {fmt(r['host_us'])} "
+              f"{fmt(r.get('own_us'))} {fmt(r.get('wait_us'))} "
               f"{fmt(r['cpu_us'])} {fmt(r['floor_us'])} {ratio if ratio is None else round(ratio, 2):>9} "
               f"{o['total']:>5}  {brk:<22} {fmt(r.get('gpu_us'))} {fmt(r.get('gpu_gap_us'))[1:]}")
 
@@ -167,11 +185,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from commlib.utils.launch import parallel_launch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    rows, device = [], "cpu"
+    rows, device, served = [], "cpu", {}
     for world in (int(w) for w in args.world.split(",") if w):
         out = parallel_launch(world, worker, vars(args), use_gpu=gpus > 0, timeout_s=900)
         rows += out["rows"]
         device = out["device"]
+        served[world] = out["served"]
         for p in out["profiles"]:
             print(p)
     rows = _finish(rows)
@@ -180,6 +199,11 @@ def main(argv=None) -> int:
     print(f"# bench_host: {note}; tokens {args.tokens}, hidden {args.hidden}, {args.experts} experts, "
           f"{args.num_sms} SMs; device {device}")
     print_table(rows)
+    cpp_rows = [r for r in rows if r.get("path") == "cpp"]
+    if cpp_rows:
+        short = [f"{r['world']}:{r['op']} {r['cpp_calls']}" for r in cpp_rows if r["cpp_calls"] != args.iters]
+        print("# C++ path: " + (f"every timed call ran in C++ (calls served, per world: {served})" if not short
+                                else f"NOT every timed call ran in C++: {short} of {args.iters}"))
     if args.json:
         doc = results.result_document("bench_host", "python -m benchmarks.bench_host " + shlex.join(sys.argv[1:]
                                       if argv is None else argv), rows, world_size=max(r["world"] for r in rows),

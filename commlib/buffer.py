@@ -28,6 +28,7 @@ from commlib.layout import Layout
 from commlib.utils.event import EventHandle, EventOverlap
 from commlib.topology import DEFAULT_MAX_NODES_PER_TOKEN, Topology, gpu_share, local_facts
 from commlib.tuning import cache as tuning_cache
+from commlib.cuda import callpath
 from commlib.cuda.loader import cupy_available as _cupy_available
 from commlib.low_latency_mode import LowLatencyMode, Runtime
 from commlib.validate import (CommlibError, check_layout, check_num_experts, check_routing, check_tensor,
@@ -140,6 +141,12 @@ class Buffer(LowLatencyMode):
         self.backend: Backend = self._make_backend(self.backend_name)
         # backends that keep plans of cached dispatches and combines (NVLinkBackend.plan_for) replay them
         self._replays = self.comm_stream is not None and hasattr(self.backend, "plan_for")
+        # the C++ call path (commlib.cuda.callpath) of those backends where it loads; _cp: the one in use
+        self._cpp = (callpath.engine(buffer_type=Buffer, comm_stream=self.comm_stream, entry_event=self._entry_event,
+                                     device_index=self.device.index, rank=self.rank, num_ranks=self.num_ranks,
+                                     timeout_ns=self.backend.timeout_ns)
+                     if self._replays and getattr(self.backend, "_twins", False) else None)
+        self._cp = self._cpp
         # the GPU engines check expert ids on the device: a non-cached dispatch's argument checks read
         # no values, so a signature that passed them once passes again (_prepare_dispatch)
         self._memo_checks = self.device.type == "cuda" and self.backend_name != "reference"
@@ -256,6 +263,23 @@ class Buffer(LowLatencyMode):
     def get_comm_stream(self):
         """The communication stream (a torch.cuda.Stream; None on CPU ranks, which have no stream)."""
         return self.comm_stream
+
+    @property
+    def call_path(self) -> str:
+        """(commlib extension) "cpp" while repeated calls run through the C++ call path
+        (csrc/callpath.cpp, COMMLIB_CALLPATH), else "python"."""
+        return "cpp" if self._cp is not None else "python"
+
+    def set_call_path(self, path: str) -> None:
+        """(commlib extension) Run this Buffer's later calls through the C++ call path ("cpp") or the
+        Python one ("python"); both give the same results (benchmarks and tests compare them).
+        ValueError for "cpp" where it did not load (COMMLIB_CALLPATH=python, no compiler, CPU ranks)."""
+        if path not in ("cpp", "python"):
+            raise ValueError(f"[commlib rank {self.rank}] set_call_path: expected 'cpp' or 'python', got {path!r}")
+        if path == "cpp" and self._cpp is None:
+            why = callpath.why_unavailable or f"the {self.backend_name} backend has no C++ call path"
+            raise ValueError(f"[commlib rank {self.rank}] the C++ call path is unavailable here: {why}")
+        self._cp = self._cpp if path == "cpp" else None
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
@@ -423,6 +447,15 @@ class Buffer(LowLatencyMode):
         blocks = (first,) if second_out is None else (first, second_out)
         return first, second_out, self._leave(compute, None, blocks, inputs, async_finish, on_compute)
 
+    def _in_cpp(self, call, *args):
+        """``call(self, *args)`` of the C++ call path: its result (None where it did not take the call);
+        a CUDA failure retires the Buffer, as in _run."""
+        try:
+            return call(self, *args)
+        except RuntimeError as e:
+            self._retire_on_device_failure(e)
+            raise
+
     def _current_stream(self) -> "torch.cuda.Stream":
         """torch's current stream on the buffer's device, through a raw-pointer cache (host-cheap)."""
         idx = self.device.index
@@ -445,6 +478,11 @@ class Buffer(LowLatencyMode):
             (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None on one
             node, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)
         """
+        cp = self._cp
+        if cp is not None and previous_event is None and not async_finish and not allocate_on_comm_stream:
+            out = self._in_cpp(cp.layout, topk_idx, num_experts)   # a layout like an earlier one: in C++
+            if out is not None:
+                return out
         self._alive()
         check_num_experts(num_experts, self.num_ranks, self.rank)
         check_tensor("topk_idx", topk_idx, self.rank, dtype=torch.int64, dim=2, device=self.device)
@@ -498,18 +536,37 @@ class Buffer(LowLatencyMode):
             (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)
             recv_x: [N, H] bf16 or (fp8 [N, H], scales [N, S] of x's scales dtype); rows grouped by source rank.
         """
+        cp = self._cp
         if (handle is not None and topk_idx is None and topk_weights is None and prepacked is None
-                and not num_worst_tokens and type(expert_alignment) is int and expert_alignment > 0
-                and self._replays and type(handle) is DispatchHandle and handle.buffer_id == self.buffer_id):
-            data, scales = (x, None) if isinstance(x, torch.Tensor) else (x if type(x) is tuple and len(x) == 2
-                                                                            else (None, None))
-            if isinstance(data, torch.Tensor) and data.dim() == 2 and (config is None or isinstance(config, Config)):
-                cfg = self._resolve_config(config, "dispatch", data.shape[0], data.shape[1],
-                                           "bf16" if scales is None else "fp8")
-                out = self._replay(handle, ("dispatch", data.dtype), data, scales, cfg, previous_event, async_finish,
-                                   allocate_on_comm_stream, (data, scales))
+                and not num_worst_tokens):
+            if cp is not None:   # the C++ call path: the whole replayed call (None: the full path below)
+                out = self._in_cpp(cp.cached_dispatch, x, handle, expert_alignment, config, previous_event,
+                                   async_finish, allocate_on_comm_stream)
                 if out is not None:
-                    return ((out[0] if scales is None else (out[0], out[1])), None, None, None, handle, out[2])
+                    return out
+            elif (type(expert_alignment) is int and expert_alignment > 0 and self._replays
+                    and type(handle) is DispatchHandle and handle.buffer_id == self.buffer_id):
+                data, scales = (x, None) if isinstance(x, torch.Tensor) else (x if type(x) is tuple and len(x) == 2
+                                                                                else (None, None))
+                if (isinstance(data, torch.Tensor) and data.dim() == 2
+                        and (config is None or isinstance(config, Config))):
+                    cfg = self._resolve_config(config, "dispatch", data.shape[0], data.shape[1],
+                                               "bf16" if scales is None else "fp8")
+                    out = self._replay(handle, ("dispatch", data.dtype), data, scales, cfg, previous_event,
+                                       async_finish, allocate_on_comm_stream, (data, scales))
+                    if out is not None:
+                        return ((out[0] if scales is None else (out[0], out[1])), None, None, None, handle, out[2])
+        elif cp is not None and handle is None and prepacked is None and topk_idx is not None:
+            try:   # a non-cached dispatch like one the path below ran: in C++ (None: the path below)
+                out = cp.dispatch(self, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                  num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                  config, previous_event, async_finish, allocate_on_comm_stream)
+            except RuntimeError as e:
+                if not isinstance(e, CommlibError) and is_device_failure(e):   # as the backend's dispatch does
+                    raise self.backend._device_failure("dispatch", e) from e
+                raise
+            if out is not None:
+                return out
         self._alive()
         try:
             if prepacked is not None:
@@ -550,6 +607,12 @@ class Buffer(LowLatencyMode):
 
         res, event = self._run(call, inputs, previous_event, async_finish, allocate_on_comm_stream)
         res.handle.buffer_id = self.buffer_id
+        if cp is not None and handle is None and prepacked is None and topk_idx is not None:
+            full = getattr(self.backend, "last_full_plan", None)
+            if full is not None and full.cpp is not None:   # the next call like this one runs in C++
+                cp.keep_dispatch(x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                 config, full.cpp, res.handle)
         per_expert = res.num_recv_tokens_per_expert_list
         if handle is None and req.topk_idx is None and not getattr(self.backend, "counts_experts_without_topk", False):
             # no top-k to count: the per-expert list comes from the senders' num_tokens_per_expert (as DeepEP)
@@ -744,7 +807,13 @@ class Buffer(LowLatencyMode):
             (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event);
             finish_later: (PendingCombine, None, event)
         """
-        if (bias is None and not finish_later and self._replays and type(handle) is DispatchHandle
+        cp = self._cp
+        if bias is None and not finish_later and cp is not None:   # the whole replayed call in C++
+            out = self._in_cpp(cp.combine, x, handle, topk_weights, config, previous_event, async_finish,
+                               allocate_on_comm_stream)
+            if out is not None:
+                return out
+        elif (bias is None and not finish_later and self._replays and type(handle) is DispatchHandle
                 and handle.buffer_id == self.buffer_id and isinstance(x, torch.Tensor) and x.dim() == 2
                 and (config is None or isinstance(config, Config))
                 and (topk_weights is None or isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2)):

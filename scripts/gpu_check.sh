@@ -44,7 +44,7 @@ C=${COMMLIB_GIT_COMMIT:-local}
 # To add a stage: add its line; GPU_CHECK_ONLY=<name> runs it, and its group's preset picks it up.
 STAGES='
 env          | setup     | 0 |  60 | bash -c env_info
-compile      | setup     | 1 |  90 | bash -c compile_kernels
+compile      | setup     | 1 | 150 | bash -c compile_kernels
 wheel        | setup     | 2 | 200 | bash -c wheel_check
 cpu          | setup     | 0 |  60 | $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k "imports or assemble or nvrtc"
 smoke        | nvlink    | 2 |  90 | env COMMLIB_TEST_CASES=smoke $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k two_ranks
@@ -53,6 +53,9 @@ tests2plain  | nvlink    | 2 | 120 | env COMMLIB_TEST_KERNEL_VARIANT=COMM_CLUSTE
 tests2noshare| nvlink    | 2 | 120 | env COMMLIB_TEST_KERNEL_VARIANT=SHARE_WORK=0 $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k two_ranks
 tests2half   | nvlink    | 2 | 120 | env COMMLIB_TEST_KERNEL_VARIANT=DISPATCH_THREADS=512,COMBINE_THREADS=512,DISPATCH_MIN_BLOCKS=2,COMBINE_MIN_BLOCKS=2 $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k two_ranks
 tests2trace  | nvlink    | 2 | 120 | env COMMLIB_TEST_KERNEL_VARIANT=COMM_TRACE=1 $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k two_ranks
+tests2py     | nvlink    | 2 | 200 | env COMMLIB_CALLPATH=python $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k "two_ranks and not callpath"
+callpath     | nvlink    | 2 | 150 | env COMMLIB_CALLPATH=cpp COMMLIB_TEST_CASES=callpath,replays,options,bad_ids,rejected_input,cuda_graph $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k two_ranks
+cpplant      | nvlink    | 2 | 300 | env PY=$PY bash scripts/plant_callpath.sh
 shared       | nvlink    | 8 | 150 | $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k shared_gpus
 rings        | nvlink    | 2 | 200 | $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k rings
 timeout      | nvlink    | 2 |  90 | $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k device_timeout
@@ -189,12 +192,16 @@ EOF
 compile_kernels() {
   $PY - <<'EOF'
 import time, torch
-from commlib.cuda import loader as kernels
+from commlib.cuda import callpath, loader as kernels
 torch.cuda.init()
 for plain in (False, True):
     t0 = time.perf_counter()
     kernels.compile_all(plain)
     print(f"[compile] plain={plain}: {len(kernels.FAMILIES)} families in {time.perf_counter() - t0:.2f} s")
+t0 = time.perf_counter()   # the C++ call path, built once here for the later stages (COMMLIB_CALLPATH)
+mod = callpath.load()
+print(f"[compile] C++ call path: {'loaded' if mod else 'UNAVAILABLE: ' + callpath.why_unavailable} in "
+      f"{time.perf_counter() - t0:.2f} s (compiler: {callpath.build_seconds or 'cached'})")
 EOF
 }
 

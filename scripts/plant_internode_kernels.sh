@@ -5,10 +5,9 @@
 # plant must make it fail. The file is restored after each plant. GPU machine only (scripts/gpu_check.sh inplant).
 set -u
 cd "$(dirname "$0")/.."
-SRC=csrc/internode.cu
 PY=${PY:-python3}
-cp "$SRC" /tmp/internode.cu.orig
-trap 'cp /tmp/internode.cu.orig "$SRC"' EXIT
+source scripts/plant_lib.sh
+plant_begin csrc/internode.cu
 # name @ text in the kernel @ its planted replacement [@ digest]  ('@': the kernel's text has '|')
 PLANTS=(
   "digest: this rank's first expert total one too many@o_expert[i] = s;@o_expert[i] = s + (i == 0);"
@@ -35,13 +34,7 @@ echo "[plant] no plant: ${base#RESULT }"
 missed=0
 for p in "${PLANTS[@]}"; do
   IFS='@' read -r name from to which <<<"$p"
-  cp /tmp/internode.cu.orig "$SRC"
-  FROM="$from" TO="$to" $PY - "$SRC" <<'PYEOF'
-import os, sys
-p = sys.argv[1]; s = open(p).read()
-assert s.count(os.environ["FROM"]) == 1, f"plant text not found once: {os.environ['FROM']!r}"
-open(p, "w").write(s.replace(os.environ["FROM"], os.environ["TO"]))
-PYEOF
+  plant_apply "$from" "$to" || exit 98
   if [[ "${which:-}" == digest ]]; then
     out=$($PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k digest 2>&1)
     if [[ $? -ne 0 ]] && echo "$out" | grep -q "AssertionError"; then line="RESULT failed: $(echo "$out" | grep -m1 "^E ")"

@@ -33,7 +33,7 @@ def wheel(tmp_path_factory):
     return whl
 
 
-CUDA_SOURCES = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh"))
+CUDA_SOURCES = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh", ".cpp"))
 
 
 def test_wheel_has_every_module_and_cuda_source(wheel):
@@ -41,7 +41,7 @@ def test_wheel_has_every_module_and_cuda_source(wheel):
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "commlib").rglob("*.py")
                if "__pycache__" not in p.parts}
     sources = {f"commlib/_csrc/{n}" for n in CUDA_SOURCES}
-    assert any(s.endswith(".cu") for s in sources) and any(s.endswith(".cuh") for s in sources)
+    assert all(any(s.endswith(ext) for s in sources) for ext in (".cu", ".cuh", ".cpp"))
     missing = sorted((modules | sources) - names)
     assert not missing, f"not in the wheel: {missing}"
     assert not any(n.startswith(("tests/", "benchmarks/", "experiments/", "csrc/")) for n in names)
@@ -60,10 +60,12 @@ def test_installed_loader_reads_every_source_from_its_copy(wheel, tmp_path):
     code = f"""
 import json, sys
 import commlib.cuda.loader as L
-files = {{p.name: p.read_text() for p in L.CSRC.iterdir() if p.suffix in (".cu", ".cuh")}}
+files = {{p.name: p.read_text() for p in L.CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".cpp")}}
 texts = {{f: L.source(f) for f in L.FAMILIES}}
 sigs = {{f"{{f}}.{{n}}": L.kernel_signature(f, n) for f, names in L.FAMILIES.items() for n in names}}
-print(json.dumps({{"csrc": str(L.CSRC), "loader": L.__file__, "files": files, "texts": texts, "sigs": sigs}}))
+import commlib.cuda.callpath as C
+print(json.dumps({{"csrc": str(L.CSRC), "loader": L.__file__, "files": files, "texts": texts, "sigs": sigs,
+                  "callpath": str(C.source_path())}}))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                           env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=300)
@@ -76,3 +78,4 @@ print(json.dumps({{"csrc": str(L.CSRC), "loader": L.__file__, "files": files, "t
     for family, text in out["texts"].items():
         assert f"{marker} {family}.cu" in text and f"{marker} common.cuh" in text, family
     assert all(out["sigs"].values()), out["sigs"]  # every kernel's declaration parsed from the copy
+    assert Path(out["callpath"]).is_relative_to(site), out["callpath"]   # the C++ call path builds from the copy

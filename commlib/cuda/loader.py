@@ -396,9 +396,13 @@ _C_TYPES = {"int": "i", "i32": "i", "unsigned": "I", "u32": "I", "unsigned int":
             "float": "f", "double": "d"}
 
 
-def kernel_signature(family: str, name: str) -> str:
-    """struct codes of the parameters of kernel ``name`` (a launch name) in csrc/<family>.cu: its
+def kernel_params(family: str, name: str) -> list:
+    """(name, struct code) of each parameter of kernel ``name`` (a launch name) in csrc/<family>.cu: its
     ``__global__ void ... kernel(...)`` inside ``namespace commlib::<namespace> {``."""
+    key = (family, name)
+    hit = _params.get(key)
+    if hit is not None:
+        return list(hit)
     import re
 
     text = (CSRC / f"{family}.cu").read_text()
@@ -414,19 +418,37 @@ def kernel_signature(family: str, name: str) -> str:
         depth += {"(": 1, ")": -1}.get(text[i], 0)
         i += 1
     params = re.sub(r"//[^\n]*|/\*.*?\*/", " ", text[m.end():i - 1], flags=re.S)
-    codes = []
+    out = []
     for p in (q.strip() for q in params.split(",")):
         if not p:
             continue
+        pname = re.findall(r"\w+", p)[-1]
         if "*" in p:
-            codes.append("Q")
+            out.append((pname, "Q"))
             continue
         words = [w for w in p.replace("const", " ").replace("__restrict__", " ").split()][:-1]
         ctype = " ".join(words)
         if ctype not in _C_TYPES:
             raise RuntimeError(f"csrc/{family}.cu {short}: parameter {p!r} has a type the loader cannot pass")
-        codes.append(_C_TYPES[ctype])
-    return "".join(codes)
+        out.append((pname, _C_TYPES[ctype]))
+    _params[key] = tuple(out)
+    return out
+
+
+_params: dict = {}  # (family, launch name) -> its kernel's ((parameter name, struct code), ...)
+
+
+def kernel_signature(family: str, name: str) -> str:
+    """struct codes of the parameters of kernel ``name`` (a launch name) in csrc/<family>.cu."""
+    return "".join(code for _, code in kernel_params(family, name))
+
+
+def param_index(family: str, name: str, param: str) -> int:
+    """Position of parameter ``param`` in kernel ``name``'s argument list (csrc/<family>.cu)."""
+    for i, (pname, _) in enumerate(kernel_params(family, name)):
+        if pname == param:
+            return i
+    raise ValueError(f"kernel {family}/{name} has no parameter {param!r}")
 
 
 def param_offsets(codes: str) -> list:
@@ -453,7 +475,7 @@ def cu_function_handle(fn) -> int:
 class _Launcher:
     """One kernel on one device: its CUfunction, argument layout and a reusable argument buffer."""
 
-    __slots__ = ("fn", "handle", "fmt", "count", "buf", "params", "np_types")
+    __slots__ = ("fn", "handle", "fmt", "count", "buf", "params", "np_types", "codes", "names", "offsets")
 
     def __init__(self, family: str, name: str, plain: bool, device: int, vkey: Optional[tuple] = None) -> None:
         import ctypes
@@ -461,12 +483,14 @@ class _Launcher:
 
         self.fn = _function(family, name, plain, device, vkey)
         self.handle = cu_function_handle(self.fn)
-        codes = kernel_signature(family, name)
+        self.names = tuple(p for p, _ in kernel_params(family, name))
+        self.codes = codes = kernel_signature(family, name)
         self.fmt = struct.Struct("@" + codes)
         self.count = len(codes)
+        self.offsets = tuple(param_offsets(codes))
         self.buf = ctypes.create_string_buffer(max(self.fmt.size, 8))
         base = ctypes.addressof(self.buf)
-        self.params = (ctypes.c_void_p * max(1, len(codes)))(*[base + o for o in param_offsets(codes)])
+        self.params = (ctypes.c_void_p * max(1, len(codes)))(*[base + o for o in self.offsets])
         self.np_types = [{"i": np.int32, "I": np.uint32, "q": np.int64, "Q": np.uint64, "f": np.float32,
                           "d": np.float64}[c] for c in codes]
 

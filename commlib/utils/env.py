@@ -10,7 +10,11 @@ Variables:
   COMMLIB_FAST_LAUNCH      0: launch kernels through CuPy instead of cuLaunchKernel via ctypes (default 1)
   COMMLIB_TUNING_CACHE     path of the tuning cache JSON file
   COMMLIB_AUTOTUNE         1: tune on first use when no cached config exists
-  COMMLIB_KERNEL_CACHE     folder for compiled kernels (CuPy's cache by default)
+  COMMLIB_KERNEL_CACHE     folder for compiled code: the C++ call path's builds go to its callpath/ (default
+                           $XDG_CACHE_HOME/commlib or ~/.cache/commlib); NVRTC kernels stay in CuPy's cache
+  COMMLIB_CALLPATH         auto | cpp | python: the NVLink engine's repeated calls through csrc/callpath.cpp (built at
+                           first use; auto falls back to the Python call path with a warning where it cannot be built
+                           or loaded, cpp raises there) or through Python (default auto)
   COMMLIB_GIT_COMMIT       commit to record in results where the tree has no .git (device runs)
   COMMLIB_ISSUE_ORDER      auto | comm_first | compute_first: issue order of the dual pipeline's pairs
   COMMLIB_SM_CARVEOUT      auto | off | N: SMs the dual pipeline keeps GEMMs off while it overlaps (default auto)
@@ -139,6 +143,21 @@ def autotune() -> bool:
 
 def kernel_cache() -> str | None:
     return _get("COMMLIB_KERNEL_CACHE")
+
+
+def callpath() -> str:
+    v = (_get("COMMLIB_CALLPATH", "") or "auto").strip().lower()
+    if v not in ("auto", "cpp", "python"):
+        raise ValueError(f"COMMLIB_CALLPATH={v!r}: expected auto, cpp or python")
+    return v
+
+
+def callpath_cache_dir() -> str:
+    """Where builds of the C++ call path are kept: COMMLIB_KERNEL_CACHE/callpath, else
+    $XDG_CACHE_HOME/commlib/callpath (~/.cache/commlib/callpath)."""
+    root = kernel_cache() or os.path.join(_get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                                          "commlib")
+    return os.path.join(root, "callpath")
 
 
 def git_commit() -> str | None:

@@ -330,6 +330,120 @@ def case_replays(ctx):
     check_same(a[1], b[1], "[replays] changed config scales")
 
 
+def _same_call(got, want, tag: str) -> None:
+    """Two paths' outputs of one call (a tuple as the Buffer returns it), bit for bit; handles field by field."""
+    assert type(got) is type(want) and (not isinstance(got, tuple) or len(got) == len(want)), \
+        f"{tag}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(got, tuple):
+        for i, (a, b) in enumerate(zip(got, want)):
+            _same_call(a, b, f"{tag}[{i}]")
+    elif isinstance(got, torch.Tensor):
+        check_same(got, want, tag)
+    elif hasattr(got, "rank_prefix_matrix"):   # a DispatchHandle
+        for nm in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                   "is_token_in_rank", "send_head"):
+            check_same(getattr(got, nm), getattr(want, nm), f"{tag}.{nm}")
+        for nm in ("num_tokens", "hidden", "num_experts", "num_channels", "num_recv_tokens", "num_worst_tokens"):
+            assert getattr(got, nm) == getattr(want, nm), f"{tag}.{nm}: {getattr(got, nm)} != {getattr(want, nm)}"
+    elif isinstance(got, list):
+        assert got == want, f"{tag}: {got} != {want}"
+    elif got is not None and not hasattr(got, "current_stream_wait"):   # events differ by nature
+        assert got == want, f"{tag}: {got!r} != {want!r}"
+
+
+def _callpath_pass(buf, me, idx, w, T, H, E, fp8, worst, cfg, check) -> list:
+    """case_callpath's calls through ``buf``: per round (alignments 1, 1, 2, 2) a layout, a non-cached
+    dispatch, and twice a cached dispatch and a combine on its handle (a handle's first lays the
+    plan); the last round's calls asynchronous after a previous_event, outputs on the comm stream.
+    ``check(round, index, outputs)`` sees each call's outputs as soon as they are complete."""
+    dev = idx.device
+
+    def overlap(on):
+        return dict(previous_event=buf.capture(), async_finish=True, allocate_on_comm_stream=True) if on else {}
+
+    calls = []
+    for rep, alignment in enumerate((1, 1, 2, 2)):
+        last = rep == 3
+        outs = [buf.get_dispatch_layout(idx, E)]
+        check(rep, 0, outs[0])
+        lay = outs[0]
+        x, _ = make_x(T, H, fp8, torch.Generator().manual_seed(31 * rep + me), dev)
+        full = buf.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],
+                            num_tokens_per_expert=lay[2], topk_idx=idx, topk_weights=w, expert_alignment=alignment,
+                            num_worst_tokens=worst, config=cfg, **overlap(last))
+        full[5].current_stream_wait()
+        outs.append(full)
+        check(rep, 1, full)
+        h = full[4]
+        weights = full[2] if rep % 2 else None
+        for again in (0, 1):
+            x2, _ = make_x(T, H, fp8, torch.Generator().manual_seed(77 + 13 * rep + 5 * again + me), dev)
+            cached = buf.dispatch(x2, handle=h, config=cfg, **overlap(last and again))
+            cached[5].current_stream_wait()
+            outs.append(cached)
+            check(rep, len(outs) - 1, cached)
+            y = torch.randn(h.recv_src_idx.shape[0], H,
+                            generator=torch.Generator().manual_seed(99 + rep + 7 * again + me))
+            comb = buf.combine(y.to(torch.bfloat16).to(dev), h, topk_weights=weights, config=cfg,
+                               **overlap(last and again))
+            comb[2].current_stream_wait()
+            outs.append(comb)
+            check(rep, len(outs) - 1, comb)
+        calls.append(outs)
+    return calls
+
+
+def case_callpath(ctx):
+    """Every op through the C++ call path (csrc/callpath.cpp), through the Python path of the same
+    Buffer and through the reference backend: bit for bit, replays included. Per dtype (BF16, FP8) and
+    num_worst_tokens (0, or padded): layouts, non-cached dispatches (two per alignment: the second runs
+    in C++), cached dispatches and combines (with and without weights; a handle's second of each runs
+    in C++), the last round asynchronous after a previous_event with outputs on the comm stream; a
+    handle the C++ path made combines through the Python path too. Each C++ call is compared as soon as
+    it returns (a planted fault raises on every rank before it feeds a later call). The C++ engine must
+    have served every op."""
+    from commlib.cuda import callpath
+
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    nv, ref = buffers(ctx)
+    assert nv._cpp is not None, f"the C++ call path did not load: {callpath.why_unavailable}"
+    T, H, E, K = 96, 512, 32, 4
+    cfg = default_cfg()
+    g = torch.Generator().manual_seed(5150 + me)
+    idx, w = make_routing("random", T, E, K, me, R, g)
+    idx, w = idx.to(dev), w.to(dev)
+    served = dict(nv._cpp.served)
+    names = ("layout", "dispatch", "cached dispatch", "combine", "cached dispatch again", "combine again")
+    try:
+        for fp8 in (False, True):
+            for worst in (0, T * R + 8):
+                tag = f"[callpath fp8={fp8} worst={worst}"
+                runs = {"reference": _callpath_pass(ref, me, idx, w, T, H, E, fp8, worst, cfg, lambda *a: None)}
+                nv.set_call_path("python")
+                runs["python"] = _callpath_pass(nv, me, idx, w, T, H, E, fp8, worst, cfg, lambda *a: None)
+                nv.set_call_path("cpp")
+
+                def check(rep, i, out):
+                    for other in ("python", "reference"):
+                        _same_call(out, runs[other][rep][i], f"{tag} call {rep}] cpp vs {other} {names[i]}")
+
+                cpp = _callpath_pass(nv, me, idx, w, T, H, E, fp8, worst, cfg, check)
+                # a handle the C++ path made (round 1's dispatch), combined through both paths
+                h_cpp = cpp[1][1][4]
+                y = torch.randn(h_cpp.recv_src_idx.shape[0], H, generator=torch.Generator().manual_seed(7 + me))
+                y = y.to(torch.bfloat16).to(dev)
+                nv.set_call_path("python")
+                a = nv.combine(y, h_cpp, config=cfg)[0]
+                nv.set_call_path("cpp")
+                b = nv.combine(y, h_cpp, config=cfg)[0]
+                check_same(a, b, f"{tag}] the C++ path's handle: Python vs C++ combine")
+    finally:
+        nv.set_call_path("cpp")
+    done = {op: nv._cpp.served[op] - served[op] for op in served}
+    # per (dtype, worst): 4 layouts, 2 of 4 dispatches, the second cached dispatch and combine of each round
+    assert done["layout"] >= 16 and done["dispatch"] >= 8 and done["cached"] >= 16 and done["combine"] >= 16, done
+
+
 def default_cfg(num_sms=20, send=32, recv=256) -> Config:
     return Config(num_sms, send, recv, 64, 1024)
 

@@ -30,8 +30,9 @@ from commlib.buffer import _cupy_available as _have_cupy  # noqa: E402
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not _have_cupy(),
                                 reason="needs CUDA GPUs and CuPy")
 
-CASES_2 = ["smoke", "replays", "routings_bf16", "routings_fp8", "odd_hidden", "v3_shape", "options", "bad_ids",
-           "rejected_input", "cuda_graph", "smid", "pressure", "rings", "rings_graph", "rings_random", "sum_order"]
+CASES_2 = ["smoke", "replays", "callpath", "routings_bf16", "routings_fp8", "odd_hidden", "v3_shape", "options",
+           "bad_ids", "rejected_input", "cuda_graph", "smid", "pressure", "rings", "rings_graph", "rings_random",
+           "sum_order"]
 CASES_MANY = ["smoke", "many_ranks", "bad_ids", "rings", "sum_order"]
 
 

@@ -34,7 +34,7 @@ import torch
 
 from commlib.utils import env
 from commlib.utils.math import align_up, aligned_16
-from commlib.cuda import loader as K
+from commlib.cuda import callpath, loader as K
 from commlib.config import CONTROL_BYTES
 from commlib.handle import DispatchHandle
 from commlib.layout import Layout, dispatch_layout, rows_before
@@ -102,13 +102,15 @@ class CachedPlan:
 class FullPlan:
     """A non-cached dispatch's two launches (count exchange, rows), kept per shape and Config: a
     later dispatch of that shape sets its tensors' addresses, its sequence word and its row count,
-    and replays them."""
+    and replays them. ``cpp``: their twin for the C++ call path (commlib.cuda.callpath), or None."""
 
-    __slots__ = ("notify", "dispatch", "sig", "local_experts", "channels", "num_experts")
+    __slots__ = ("notify", "dispatch", "sig", "local_experts", "channels", "num_experts", "cpp")
 
-    def __init__(self, notify, dispatch, sig, local_experts, channels, num_experts) -> None:
+    def __init__(self, notify, dispatch, sig, local_experts, channels, num_experts, twins: bool) -> None:
         self.notify, self.dispatch, self.sig = notify, dispatch, sig
         self.local_experts, self.channels, self.num_experts = local_experts, channels, num_experts
+        self.cpp = (callpath.full_twin(notify, dispatch, sig, local_experts, channels, num_experts)
+                    if twins and notify is not None and dispatch is not None else None)
 
 
 # the handle tensors a cached dispatch's / a combine's kernel arguments point at (their launch order)
@@ -130,6 +132,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
 
     name = "nvlink"
     gpu_share = 1               # ranks of the group on this GPU (set in __init__ from the Buffer's context)
+    _twins = False              # kept launches get C++ twins (commlib.cuda.callpath; set in __init__)
     _warned_residency = False
 
     def __init__(self, ctx) -> None:
@@ -167,6 +170,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
         self._layout_scratch: dict = {}  # per stream: [ticket, error word] int32
         self._layout_plans: dict = {}     # (stream, T, K, E) -> (loader.Replay of its launch, its partials)
         self._full_plans: dict = {}       # a non-cached dispatch's shape and Config -> FullPlan
+        self.last_full_plan: Optional[FullPlan] = None  # the FullPlan the last dispatch ran or made (Buffer keeps it)
         self.init_host_words(K.notify_slot_words(self.num_ranks), pinned=True)
         # per kind and slot (one slot per launch, round robin over COMMLIB_DEBUG_SMID_SLOTS): %smid of up
         # to 256 CTAs, then (kernel variant COMM_TRACE=1) 3 u64 trace points per CTA
@@ -185,6 +189,8 @@ class NVLinkBackend(CopyEnginePath, Backend):
             K.fit_shared_gpu(self.gpu_share, max(int(ctx.num_sms()), 24), self.sm_count)
         self._warned_residency = False
         K.compile_all()  # compile (or load) now, not inside the first call or a graph capture
+        # kept launches get C++ twins where the C++ call path loads (built now, not inside a call)
+        self._twins = callpath.load() is not None
         self._mem.all_opened(self.group, self.rank, self.num_ranks)
 
     # ------------------------------------------------------------------ lifecycle
@@ -229,14 +235,22 @@ class NVLinkBackend(CopyEnginePath, Backend):
                 try:
                     done = stream is not None and stream.query()
                 except Exception as e:  # noqa: BLE001 - RuntimeError / torch.AcceleratorError: sticky CUDA error
-                    raise self._device_failure("dispatch count exchange", e) from e
+                    self.count_wait_failed(seq, e, False)
                 if (done and flag[0] != seq) or time.perf_counter_ns() - t0 > self.timeout_ns + 5_000_000_000:
-                    self.failed = "dispatch count exchange: no counts"
-                    raise CommlibError(f"[commlib rank {self.rank}] dispatch count exchange: the notify kernel "
-                                       f"{'finished' if done else 'ran past COMMLIB_TIMEOUT_S'} without raising "
-                                       f"its host flag (call {seq}, flag {int(flag[0])})")
+                    self.count_wait_failed(seq, None, done)
         self.last_wait_ns = time.perf_counter_ns() - t0
         return self._counts_np[:words].tolist()
+
+    def count_wait_failed(self, seq: int, error: Optional[BaseException], done: bool) -> None:
+        """Raise what a wait for the counts of call ``seq`` ends with (the C++ call path raises through
+        this too): the comm stream's CUDA ``error``, or no flag although the notify kernel finished
+        (``done``) or ran past COMMLIB_TIMEOUT_S."""
+        if error is not None:
+            raise self._device_failure("dispatch count exchange", error) from error
+        self.failed = "dispatch count exchange: no counts"
+        raise CommlibError(f"[commlib rank {self.rank}] dispatch count exchange: the notify kernel "
+                           f"{'finished' if done else 'ran past COMMLIB_TIMEOUT_S'} without raising "
+                           f"its host flag (call {seq}, flag {int(self._flag_np[0])})")
 
     def _alloc(self, specs: tuple) -> list:
         """A tensor per spec on the call's output stream (``self._out``; base.alloc_outputs), recorded
@@ -377,7 +391,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
             if plan is not None:
                 if len(self._layout_plans) >= 16:
                     self._layout_plans.clear()
-                self._layout_plans[key] = (plan, partials)
+                self._layout_plans[key] = (plan, partials, callpath.layout_plan(plan) if self._twins else None)
         return Layout(ntpr, None, ntpe, tir)
 
     # ------------------------------------------------------------------ geometry
@@ -444,6 +458,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         self._alive()
         self._blocks = []  # what _alloc makes for this call (DispatchResult.blocks)
+        self.last_full_plan = None
         try:
             return self._dispatch(req)
         except RuntimeError as e:  # only CUDA failures that poison the context retire the backend
@@ -487,6 +502,7 @@ class NVLinkBackend(CopyEnginePath, Backend):
             plan = self._full_plans.get(plan_key)
             if (plan is not None and plan.notify.current() and plan.dispatch.current()
                     and self._ring_channels == C and not torch._C._cuda_isCurrentStreamCapturing()):
+                self.last_full_plan = plan
                 return self._dispatch_replayed(plan, req, x, scales, topk, weights, tir)
         prepacked = self.ce_take_prepacked(req, use_ce)
         off_scales = align_up(hidden_bytes)
@@ -585,11 +601,12 @@ class NVLinkBackend(CopyEnginePath, Backend):
             if plan_key is not None and self._ring_channels == C:
                 plan = FullPlan(K.replay("notify", "notify_kernel", 1, K.NOTIFY_THREADS, notify_args),
                                 K.replay("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"), args, vkey),
-                                sig, L, C, E)
+                                sig, L, C, E, self._twins)
                 if plan.notify is not None and plan.dispatch is not None:
                     if len(self._full_plans) >= 16:
                         self._full_plans.clear()
                     self._full_plans[plan_key] = plan
+                    self.last_full_plan = plan
             if cached and self._smids is None and dev.type == "cuda":
                 self._keep_plan(h, ("dispatch", x.dtype), CachedPlan(
                     self, x, req.config, C, K.replay("dispatch", "dispatch_kernel", num_sms, K.threads("dispatch"),
@@ -726,6 +743,13 @@ class NVLinkBackend(CopyEnginePath, Backend):
         it (Buffer's fast path): no eligible plan without the driver's launch path, or while capturing."""
         if plan.replay is not None and self._ring_channels == plan.channels:
             handle.extra.setdefault("plans", {})[key] = plan
+            if self._twins and plan.config_key is not None:
+                twins = handle.extra.get("cpp_plans")
+                if twins is None:
+                    twins = handle.extra["cpp_plans"] = callpath.plan_set()
+                twins.add(callpath.cached_plan(self, plan.replay, key[0], plan.dtype, plan.shape, plan.second_shape,
+                                               plan.outputs, plan.config_key, plan.channels, plan.handle_tensors,
+                                               plan.local_rows, plan.remote_rows))
 
     def plan_for(self, handle: DispatchHandle, key: tuple, x: torch.Tensor, config, second) -> Optional["CachedPlan"]:
         """The kept plan for a call with these arguments (``config``: the resolved Config; ``second``:

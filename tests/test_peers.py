@@ -275,23 +275,64 @@ def test_old_commit_imports_beside_head(old_tree):
 
 # A DeepEP build for CPU ranks: commlib's Buffer under DeepEP's names, its "extension" a Python file.
 # PEERS_FAKE_BAD_CHUNK: a dispatch whose Config has that send chunk returns one byte flipped.
-FAKE_EXTENSION = "import torch\nfrom commlib import Config\ntopk_idx_t = torch.int64\n"
+FAKE_EXTENSION = '''import torch
+
+import commlib
+
+topk_idx_t = torch.int64
+
+
+class Config:
+    """Like DeepEP's pybind Config: built from positions, no field to read back."""
+    __slots__ = ("_real",)
+
+    def __init__(self, *args):
+        self._real = commlib.Config(*args)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return self._real.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return self._real.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)
+'''
 FAKE_BUFFER = '''import os
 
 import deep_ep_cpp  # noqa: F401 - the extension, by the name DeepEP's package imports it
 import torch
 
 import commlib
+from deep_ep_cpp import Config
+
+
+def _real(config):
+    return None if config is None else config._real
+
+
+def _table(c):
+    return Config(c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+                  c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens)
 
 
 class Buffer(commlib.Buffer):
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        return _table(commlib.Buffer.get_dispatch_config(num_ranks))
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        return _table(commlib.Buffer.get_combine_config(num_ranks))
+
     def dispatch(self, x, *args, config=None, **kwargs):
-        out = super().dispatch(x, *args, config=config, **kwargs)
+        real = _real(config)
+        out = super().dispatch(x, *args, config=real, **kwargs)
         bad = int(os.environ.get("PEERS_FAKE_BAD_CHUNK", "0"))
         rows = out[0][0] if isinstance(out[0], tuple) else out[0]
-        if config is not None and config.num_max_nvl_chunked_send_tokens == bad and rows.shape[0]:
+        if real is not None and real.num_max_nvl_chunked_send_tokens == bad and rows.shape[0]:
             rows.view(-1).view(torch.uint8)[0] ^= 1
         return out
+
+    def combine(self, *args, config=None, **kwargs):
+        return super().combine(*args, config=_real(config), **kwargs)
 '''
 
 

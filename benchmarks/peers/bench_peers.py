@@ -193,10 +193,10 @@ def run_engine(eng: peer_engines.Engine, args, ctx, x, xq, idx, w, oracle) -> tu
                                      if dist.get_backend(group) == "nccl" else torch.device("cpu"))
                 dist.all_reduce(sizes, group=group)
                 size = float(sizes.item()) / R * 2 * H * (FP8_ROW if op.endswith("fp8") else 1.0)
-                cfg = cfgs["combine" if op == "combine" else op.split("_")[1]]
+                fields = peer_engines.config_fields(cfgs["combine" if op == "combine" else op.split("_")[1]])
                 rows.append({"engine": eng.name, "label": eng.label, "world": R, "setting": setting, "op": op,
-                             "tokens": T, "num_sms": cfg.num_sms if cfg is not None else None,
-                             "config": peer_engines.config_fields(cfg), "size_bytes": size, "gpu_us": gpu,
+                             "tokens": T, "num_sms": fields["num_sms"] if fields else None,
+                             "config": fields, "size_bytes": size, "gpu_us": gpu,
                              "algbw": size / gpu / 1e3, "host_us": host_us, "cpu_us": cpu_us,
                              **results.checked_fields(wrong)})
     finally:

@@ -779,7 +779,12 @@ struct Engine {
       return py::none();
     LayoutPlan& p = *py::cast<LayoutPlan*>(py::handle(PyTuple_GET_ITEM(kept, 2)));
     if (!p.launch->current()) return py::none();
-    at::Tensor ntpr = empty({R}, at::kInt), ntpe = empty({E}, at::kInt), tir = empty({t.size(0), R}, at::kBool);
+    // one allocation, three views (is_token_in_rank first, the counts at 16-byte offsets): one device
+    // operation instead of three
+    const i64 T = t.size(0), o_ntpr = (T * R + 15) / 16 * 16, o_ntpe = o_ntpr + (R * 4 + 15) / 16 * 16;
+    at::Tensor block = empty({o_ntpe + (E * 4 + 15) / 16 * 16}, at::kByte);
+    at::Tensor tir = block.narrow(0, 0, T * R).view(at::kBool).view({T, R});
+    at::Tensor ntpr = block.narrow(0, o_ntpr, R * 4).view(at::kInt), ntpe = block.narrow(0, o_ntpe, E * 4).view(at::kInt);
     Launch& l = *p.launch;
     l.set(p.topk, address(t));
     l.set(p.ntpr, address(ntpr));

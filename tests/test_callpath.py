@@ -470,7 +470,11 @@ def test_layout_runs_as_the_python_path(rig, monkeypatch):
            ((2,), torch.int32, (E,), torch.int32, (T, 2), torch.bool)
     recorded = ops(rig.ext)
     (launch,) = launches(recorded)
-    assert [op[0] for op in recorded] == ["alloc", "alloc", "alloc", "launch"] and launch[2] == COMPUTE
+    # one block for the three outputs (is_token_in_rank first, the counts at 16-byte offsets)
+    assert [op[0] for op in recorded] == ["alloc", "launch"] and launch[2] == COMPUTE
+    base = tir.data_ptr()
+    assert (ntpr.data_ptr() - base, ntpe.data_ptr() - base) == (-(-T * 2 // 16) * 16, -(-T * 2 // 16) * 16 + 16)
+    assert all(t.is_contiguous() for t in (ntpr, ntpe, tir))
     assert launch[3:6] == (2, K.LAYOUT_THREADS, (2 + E) * 4)
     lay = be.get_dispatch_layout(topk, E)   # the Python path's replay of the same plan
     (_, stream, py_args), = rig.issued

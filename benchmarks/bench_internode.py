@@ -195,8 +195,14 @@ def _host_us(buf, fn, reps: int, busy: bool = False, steady: bool = False) -> tu
     calls (a call with a host read still waits in it, and that wait is not counted).
     Returns (that, the median of the part spent inside torch.distributed's collective calls and
     waits, {"cpu_us", "voluntary", "involuntary"}: medians of the calling thread's CPU time and
-    context switches per call, the read's excluded: wall well above CPU means blocked or preempted)."""
-    probe = attach_probe(buf)
+    context switches per call, the read's excluded: wall well above CPU means blocked or preempted).
+    The collectives' share is what the engine's probe timed where the backend reports to one (it may
+    issue them without torch.distributed's wrappers), else what wrapping those functions saw."""
+    probe = RecordingProbe(timing=True)
+    probed = hasattr(buf.backend, "set_probe")
+    if probed:
+        buf.backend.set_probe(probe)
+    spent = (lambda: probe.collective_s) if probed else (lambda: clock.seconds)
     times, inside, cpu, vol, invol, mallocs = [], [], [], [], [], []
     cuda = buf.device.type == "cuda"
     # device memory the caching allocator had to ask the driver for (cudaMalloc), per call
@@ -206,7 +212,7 @@ def _host_us(buf, fn, reps: int, busy: bool = False, steady: bool = False) -> tu
     with _CollectiveClock() as clock:
         for _ in range(reps):
             _idle_or_busy(buf, busy, steady)
-            blocked, c0, r0, s0 = probe.read_s, clock.seconds, probe.read_usage, segments()
+            blocked, c0, r0, s0 = probe.read_s, spent(), probe.read_usage, segments()
             u0 = thread_usage()
             t0 = time.perf_counter()
             fn()
@@ -214,7 +220,8 @@ def _host_us(buf, fn, reps: int, busy: bool = False, steady: bool = False) -> tu
             u1, r1 = thread_usage(), probe.read_usage
             mallocs.append(segments() - s0)
             times.append((t1 - t0 - (probe.read_s - blocked)) * 1e6)
-            inside.append((clock.seconds - c0) * 1e6)
+            inside.append((spent() - c0) * 1e6)
+            probe.take_collectives()   # (kept only to replay them bare: not here)
             cpu.append(((u1[0] - u0[0]) - (r1[0] - r0[0])) * 1e6)
             vol.append((u1[1] - u0[1]) - (r1[1] - r0[1]))
             invol.append((u1[2] - u0[2]) - (r1[2] - r0[2]))
@@ -513,6 +520,101 @@ def host_verdicts(r: dict) -> list:
     return out
 
 
+# the caching allocator's counters read around each traced call: retries (a malloc that freed cached
+# blocks, a device sync, and tried again), cudaMalloc / cudaFree calls, segments, syncs of all streams
+ALLOC_STATS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "segment.all.allocated",
+               "num_sync_all_streams", "num_ooms")
+HOST_PROBE_ALLOCS, HOST_PROBE_LOOP = 50, 5000
+
+
+def _host_probe(dev) -> float:
+    """us of a fixed host workload (small allocations on ``dev``, a pure-Python loop): timed right after
+    a call returns, beside the same on a quiet device, it shows whether what runs beside the host
+    (NCCL's socket threads moving the call's rows) slows the host's own work down."""
+    t0 = time.perf_counter()
+    for _ in range(HOST_PROBE_ALLOCS):
+        torch.empty(64, dtype=torch.int32, device=dev)
+    acc = 0
+    for i in range(HOST_PROBE_LOOP):
+        acc += i & 7
+    return (time.perf_counter() - t0) * 1e6
+
+
+def _step_trace(buf, fn, iters: int, ahead: bool, group, quiet: bool = False) -> dict:
+    """Where one op's host time goes, called as the --host timing calls it (back to back; ``ahead``:
+    behind running work; ``quiet``: each call on an idle device, after the last one's rows landed):
+    per step of the engine's probe marks ('buffer': the Buffer's own work before the engine;
+    'return': after the engine's last mark), the median us per call of wall and of the calling
+    thread's CPU time, the count read's wait taken out; per call the allocator's ALLOC_STATS (median
+    and max); and ``host_probe_us`` (median) after each call against ``host_probe_quiet_us`` on a
+    quiet device."""
+    from benchmarks import host_timing as HT
+    probe = RecordingProbe(tracing=True)
+    buf.backend.set_probe(probe)
+    cuda = buf.device.type == "cuda"
+    stats = (lambda: torch.cuda.memory_stats(buf.device)) if cuda else (lambda: {})
+    quiet = []
+    for _ in range(5):
+        if cuda:
+            torch.cuda.synchronize(buf.device)
+        quiet.append(_host_probe(buf.device))
+    if cuda:
+        torch.cuda.synchronize(buf.device)
+    dist.barrier(group=group)
+    if ahead:
+        HT.device_busy(iters * 4000.0)
+    steps, allocs, after = {}, {k: [] for k in ALLOC_STATS}, []
+    for _ in range(iters):
+        if quiet and cuda:
+            torch.cuda.synchronize(buf.device)
+        s0 = stats()
+        probe.marks = []
+        probe.mark("call")
+        fn()
+        probe.mark("return")
+        after.append(_host_probe(buf.device))
+        s1 = stats()
+        for k in ALLOC_STATS:
+            allocs[k].append(s1.get(k, 0) - s0.get(k, 0))
+        for (_, t0, r0, u0, q0), (step, t1, r1, u1, q1) in zip(probe.marks, probe.marks[1:]):
+            wall, cpu = ((t1 - t0) - (r1 - r0)) * 1e6, ((u1[0] - u0[0]) - (q1[0] - q0[0])) * 1e6
+            w0, c0 = steps.get(step, ([], []))
+            steps.setdefault(step, (w0, c0))
+            w0.append(wall)
+            c0.append(cpu)
+    if cuda:
+        torch.cuda.synchronize(buf.device)
+    med = statistics.median
+    return {"steps": {step: [round(med(w), 1), round(med(c), 1)] for step, (w, c) in steps.items()},
+            "alloc": {k: [med(v), max(v)] for k, v in allocs.items()},
+            "host_probe_us": round(med(after), 1), "host_probe_quiet_us": round(med(quiet), 1)}
+
+
+def print_steps(traces: list, ops: list) -> None:
+    """``traces`` [rank] {op: _step_trace(...)}: per rank, the steps of ``ops`` side by side (wall/cpu
+    us per call), then each op's allocator counters per call and the host probe."""
+    for rank, mine in enumerate(traces):
+        have = [op for op in ops if op in mine]
+        print(f"# rank {rank}: host us per step (median per call, wall/cpu, the count read's wait taken out; "
+              "'buffer': the Buffer's own before the engine, 'return': after the engine's last mark)")
+        print(f"#   {'step':>14} " + " ".join(f"{op:>21}" for op in have))
+        names = []
+        for op in have:
+            names += [st for st in mine[op]["steps"] if st not in names]
+        for st in names + ["total"]:
+            cells = []
+            for op in have:
+                v = [sum(c[i] for c in mine[op]["steps"].values()) for i in range(2)] if st == "total" \
+                    else mine[op]["steps"].get(st)
+                cells.append(f"{v[0]:>10.0f}/{v[1]:<10.0f}" if v else f"{'':>21}")
+            print(f"#   {st:>14} " + " ".join(cells))
+        for op in have:
+            t = mine[op]
+            print(f"#   {op}: allocator per call (median/max) " + ", ".join(f"{k} {a:g}/{b:g}" for k, (a, b)
+                                                                          in t["alloc"].items())
+                  + f"; host probe {t['host_probe_us']:.0f} us after a call, {t['host_probe_quiet_us']:.0f} us quiet")
+
+
 def _bare_collective(c):
     """A call issuing probe Collective ``c`` again on the stream it was issued on, and waiting as the
     engine does (the stream waits: NCCL; the host: gloo)."""
@@ -548,6 +650,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
                "cached_bf16": lambda: buf.dispatch(x, handle=handle), "cached_fp8": lambda: buf.dispatch(xq, handle=handle),
                "combine": lambda: buf.combine(y, handle, topk_weights=recv_w)}
         K = handle.extra["plan"].num_chunks
+        traces = {}
         for op, fn in ops.items():
             reads = op.startswith("dispatch")
             for _ in range(warmup):
@@ -575,6 +678,9 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
             t = HT.host_times(fn, iters, ahead=not reads, group=group, wait_ns=read_ns if reads else None,
                               excluded_ns=coll_ns)
             backend_us = statistics.median(backend) if backend else 0.0
+            traces[op] = _step_trace(buf, fn, iters, not reads, group)
+            if reads:   # the same calls each on an idle device: no earlier call's rows on the wire beside them
+                traces[op + " quiet"] = _step_trace(buf, fn, iters, False, group, quiet=True)
             buf.backend.set_probe(RecordingProbe())
             n = len(last)
             nccl = []
@@ -604,6 +710,12 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
                          "nccl_us": t.get("excluded_us", 0.0), "nccl_calls": n, "nccl": nccl, "ops": counts,
                          "probe_ops": probe_ops, "probe_ops_again": probe_again, "floor_us": fl["host_us"],
                          "nccl_floor_us": sum(c["floor_us"] for c in nccl)})
+        everyone = [None] * R
+        dist.all_gather_object(everyone, traces, group=group)
+        for r in rows[-len(ops):]:
+            r["steps_by_rank"] = [e[r["op"]] for e in everyone]
+            if r["op"] + " quiet" in traces:
+                r["steps_quiet_by_rank"] = [e[r["op"] + " quiet"] for e in everyone]
         buf.destroy()
     # the slowest rank's figures
     keys = ["host_us", "cpu_us", "wait_us", "own_us", "total_us", "nccl_us", "backend_us", "floor_us", "nccl_floor_us"]
@@ -651,6 +763,14 @@ def host_main(a, gpus: int) -> int:
               f"{r['nccl_calls']:>5}  {'PASS' if r['met'] else 'FAIL'}")
         for i, c in enumerate(r["nccl"]):
             print(f"#   {r['op']} NCCL call {i}: {c['name']} {c['bytes']} B, {c['host_us']:.1f} us, bare {c['floor_us']:.1f} us")
+    for cap in caps:
+        mine = [r for r in rows if r["chunk_cap"] == cap]
+        if mine and mine[0].get("steps_by_rank"):
+            print(f"# chunk cap {cap}, K = {mine[0]['chunks']}:")
+            quiet = [r for r in mine if r.get("steps_quiet_by_rank")]
+            print_steps([{**{r["op"]: r["steps_by_rank"][rank] for r in mine},
+                          **{r["op"] + " quiet": r["steps_quiet_by_rank"][rank] for r in quiet}} for rank in range(a.ranks)],
+                        [r["op"] for r in mine] + [r["op"] + " quiet" for r in quiet])
     for r in rows:
         for t in r["targets"]:
             print(f"# target {t['target']} [cap {r['chunk_cap']}]: {t['value']} (needs <= {t['limit']}): "

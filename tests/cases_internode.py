@@ -110,17 +110,37 @@ def compare_round(ctx, ref, eng, seed: int, T: int, routing: str, fp8: bool, con
                      for i in range(2))
         cx, cw, _ = buf.combine(y, h, rw, bias=bias, config=config)
         cx0, cw0, _ = buf.combine(y, h, config=config)
+        again = (cached, cx0)
+        if name == "eng" and dev.type == "cuda" and not worst:
+            again = _replays(buf, h, xin, y, config)
         r2 = getattr(buf.backend, "host_reads", 0)
         reads.append((r1 - r0, r2 - r1))
         outs[name] = {"recv_x": rx, "recv_topk_idx": ri, "recv_topk_weights": rw, "per_expert": lst,
                       "cached": cached, "combined_x": cx, "combined_w": cw, "combined_x_no_w": cx0,
-                      "combined_w_none": cw0, "num_recv": h.num_recv_tokens,
-                      **{f: getattr(h, f) for f in HANDLE_FIELDS}}
+                      "combined_w_none": cw0, "num_recv": h.num_recv_tokens, "cached_again": again[0],
+                      "combined_again": again[1], **{f: getattr(h, f) for f in HANDLE_FIELDS}}
     for key, val in outs["ref"].items():
         same(outs["eng"][key], val, f"{tag} {key}")
     if check_reads:
         want = (0 if worst else 1, 0)
         assert reads[1] == want, f"{tag} host reads (dispatch, cached + combines) = {reads[1]}, expected {want}"
+
+
+def _replays(buf, h, xin, y, config) -> tuple:
+    """The Buffer's kept replays (device): the handle's cached dispatch and combine (no weights) again,
+    on copies of x and y while the originals are zeroed, so a replay that read or wrote the first
+    call's tensors would differ. Returns (recv_x, combined_x) of the replays."""
+    def moved(t):
+        c = t.clone()
+        t.view(torch.uint8).zero_()
+        return c
+    xb = tuple(moved(t) for t in xin) if isinstance(xin, tuple) else moved(xin)
+    yb = moved(y)
+    before = buf.backend.replayed
+    cached = buf.dispatch(xb, handle=h, config=config)[0]
+    combined = buf.combine(yb, h, config=config)[0]
+    assert buf.backend.replayed == before + 2, f"{buf.backend.replayed - before} of 2 calls replayed"
+    return cached, combined
 
 
 def _buffers(ctx, rpn: int, chunks: int):
@@ -319,6 +339,7 @@ def case_network_timeout(ctx):
     x, idx, w = make_inputs(1, ctx.rank, R, R // rpn, 8, "random", ctx.device)
     lay = eng.get_dispatch_layout(idx, E_PER_RANK * R)
     if ctx.rank == 1:
+        eng.backend.network.stall_ms = 1.0   # stalls on (the step calls stall() only then), each 8 s
         eng.backend.network.stall = lambda: time.sleep(8)
     try:
         eng.dispatch(x, num_tokens_per_rank=lay[0], num_tokens_per_rdma_rank=lay[1], is_token_in_rank=lay[3],

@@ -40,14 +40,19 @@ from commlib.topology import Topology
 
 
 class Fakes:
-    """The patched launches and collectives, and the seconds spent in them (``spent``)."""
+    """The patched launches and collectives, and the seconds spent in them (``spent``). ``trace``
+    (a list, or None): each launch (name, grid, block, args, shared memory) and network chunk
+    ("a2a", out address, send address, out splits, in splits) as issued."""
 
     def __init__(self, g: torch.Tensor, digest: torch.Tensor) -> None:
         self.g, self.digest, self.spent, self.launches, self.collectives = g, digest, 0.0, 0, 0
+        self.trace = None
 
     def launch(self, family, name, grid, block, args, shared_mem=0, variant_key=None):
         t0 = time.perf_counter()
         self.launches += 1
+        if self.trace is not None:
+            self.trace.append((name, grid, block, tuple(args), shared_mem))
         if name == "inter_digest_kernel":   # the one launch whose result the host reads
             ctypes.memmove(args[-1], self.digest.data_ptr(), self.digest.numel() * 8)
         self.spent += time.perf_counter() - t0
@@ -61,6 +66,8 @@ class Fakes:
 
     def all_to_all(self, out, send, out_splits=None, in_splits=None, group=None, async_op=False):
         self.collectives += 1
+        if self.trace is not None:
+            self.trace.append(("a2a", out.data_ptr(), send.data_ptr(), tuple(out_splits), tuple(in_splits)))
         return _Work(self)
 
 
@@ -89,12 +96,13 @@ class _HostFan(fanout.NodeFanout):
         return self.area[fanout.DATA_OFFSET:fanout.DATA_OFFSET + n * row_bytes].view(n, row_bytes)
 
 
-def world_rows(M: int, P: int, T: int, H: int, E: int, K: int, cfg: Config, Kc: int, max_nodes: int) -> list:
-    """Every rank's exchange row (the torch spec) for group-limited routings of T tokens."""
+def world_rows(M: int, P: int, T: int, H: int, E: int, K: int, cfg: Config, Kc: int, max_nodes: int,
+               seed: int = 100) -> list:
+    """Every rank's routing and layout (group-limited routings of T tokens, drawn from ``seed``)."""
     R = M * P
     rows, inputs = [], []
     for r in range(R):
-        gen = torch.Generator().manual_seed(100 + r)
+        gen = torch.Generator().manual_seed(seed + r)
         idx, w = routing.group_limited_topk(torch.sigmoid(torch.randn(T, E, generator=gen)), M, min(M, max_nodes), K)
         topo = Topology(rank=r, num_ranks=R, ranks_per_node=P)
         lay = L.dispatch_layout(idx, E, topo)
@@ -103,17 +111,18 @@ def world_rows(M: int, P: int, T: int, H: int, E: int, K: int, cfg: Config, Kc: 
     return inputs
 
 
-def build(M: int, P: int, T: int, H: int, E: int, K: int, max_chunks: int = 1):
-    """(engine, fakes, rank 0's inputs): an InternodeBackend on the device path with fake groups."""
+def build(M: int, P: int, T: int, H: int, E: int, K: int, max_chunks: int = 1, cfg: Config = None, seed: int = 100):
+    """(engine, fakes, rank 0's inputs, Config): an InternodeBackend on the device path with fake groups."""
     R = M * P
     topo = Topology(rank=0, num_ranks=R, ranks_per_node=P)
-    cfg = Config(20, 6, 256, 6, 128)
+    cfg = cfg or Config(20, 6, 256, 6, 128)
     ctx = types.SimpleNamespace(topology=topo, group=None, timeout_s=60.0, max_nodes_per_token=M, probe=NULL_PROBE,
-                                device=torch.device("cpu"), num_sms=lambda: 20)
+                                device=torch.device("cpu"), num_sms=lambda: 20, comm_stream=None)
     be = object.__new__(E_.InternodeBackend)
     Backend.__init__(be, ctx)
     be.group, be.nccl, be.comm_device, be.probe = None, True, torch.device("cpu"), NULL_PROBE
     be.calls, be.failed, be._phase, be._last_num_experts, be.max_chunks = 0, None, "", 0, max_chunks
+    be.replayed, be._gather_direct = 0, None
     be.rail_group = be.node_group = None
     be.network = RailStep(None, be._wait_for, NULL_PROBE, True, 0)
     if P == 1:
@@ -130,7 +139,7 @@ def build(M: int, P: int, T: int, H: int, E: int, K: int, max_chunks: int = 1):
                        gather=be._gather, phase=be._set_phase, **extra)
     be.head = device.HeadRow()
     be.scratch = device.Scratch() if hasattr(device, "Scratch") else None
-    inputs = world_rows(M, P, T, H, E, K, cfg, max_chunks, M)
+    inputs = world_rows(M, P, T, H, E, K, cfg, max_chunks, M, seed)
     ring = max(1, cfg.num_channels * cfg.num_max_rdma_chunked_recv_tokens // 2)
     sig = be.signature(1, H, E, False, K, True, cfg)
     rows = []
@@ -166,7 +175,8 @@ def patched(fakes: Fakes):
 
 
 def calls_of(be, H: int, inp, cfg: Config, fp8: bool = False) -> dict:
-    """The engine calls of one rank: dispatch (BF16 or FP8), its cached dispatch, combine."""
+    """The engine calls of one rank: dispatch (BF16 or FP8), its cached dispatch, combine, and the
+    Buffer's replays of the last two (``plan_for`` / ``run_plan``, as Buffer._replay calls them)."""
     from commlib.fp8 import per_token_cast_to_fp8
     idx, w, lay = inp
     T = idx.shape[0]
@@ -177,9 +187,21 @@ def calls_of(be, H: int, inp, cfg: Config, fp8: bool = False) -> dict:
     res = be.dispatch(req(xq, sq))
     h = res.handle
     y = torch.zeros(h.num_recv_tokens, H, dtype=torch.bfloat16)
-    return {"dispatch": lambda: be.dispatch(req(xq, sq)),
-            "cached": lambda: be.dispatch(DispatchRequest(xq, sq, None, None, None, h, 0, 1, 0, cfg)),
-            "combine": lambda: be.combine(CombineRequest(y, h, res.recv_topk_weights, [], cfg))}
+    wts = res.recv_topk_weights
+    cached = lambda: be.dispatch(DispatchRequest(xq, sq, None, None, None, h, 0, 1, 0, cfg))
+    combine = lambda: be.combine(CombineRequest(y, h, wts, [], cfg))
+    cached()
+    combine()   # the kept calls the replays below find
+
+    def replay(key, a, b):
+        def run():
+            kept = be.plan_for(h, key, a, cfg, b)
+            assert kept is not None, f"no kept call for {key}"
+            return be.run_plan(kept, a, b, 0)
+        return run
+    return {"dispatch": lambda: be.dispatch(req(xq, sq)), "cached": cached, "combine": combine,
+            "cached_replay": replay(("dispatch", xq.dtype), xq, sq),
+            "combine_replay": replay(("combine", wts.shape[1]), y, wts)}
 
 
 class _Counter:
@@ -232,11 +254,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     print(f"# internode device path on the CPU, fakes for launches and collectives: {a.nodes} x {a.per_node}, "
           f"{a.tokens} tokens, hidden {a.hidden}, {a.experts} experts, chunk cap {a.chunks}")
-    print(f"# {'op':>16} {'us/call':>9} {'python':>7} {'C':>6}")
+    print(f"# {'op':>22} {'us/call':>9} {'python':>7} {'C':>6}")
     for fp8 in (False, True):
         out = run(a.nodes, a.per_node, a.tokens, a.hidden, a.experts, 8, a.reps, fp8, a.chunks)
         for name, r in out.items():
-            print(f"  {name + ('_fp8' if fp8 else '_bf16'):>16} {r['us']:>9.1f} {r['python_calls']:>7} {r['c_calls']:>6}")
+            print(f"  {name + ('_fp8' if fp8 else '_bf16'):>22} {r['us']:>9.1f} {r['python_calls']:>7} {r['c_calls']:>6}")
     return 0
 
 

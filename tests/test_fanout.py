@@ -18,7 +18,7 @@ from commlib.cuda import loader
 def fan(monkeypatch):
     """A NodeFanout of local rank 1 of 4 on the CPU with a fake buffer; launches are recorded."""
     launches = []
-    monkeypatch.setattr(loader, "launch", lambda family, name, grid, block, args: launches.append(
+    monkeypatch.setattr(loader, "launch", lambda family, name, grid, block, args, shared_mem=0: launches.append(
         (family, name, grid, block, tuple(args))))
     f = object.__new__(F.NodeFanout)
     f.group, f.local_rank, f.num_local = None, 1, 4
@@ -64,6 +64,26 @@ def test_launch_arguments_match_the_kernels(fan):
                                      2 * 7168 + 36, 7168, 9, out.data_ptr(), out.stride(0)))
     assert r2[4][5] == 14384
     assert F.DATA_OFFSET % 128 == 0 and F.DATA_OFFSET >= 8 * (loader.MAX_RANKS + 1)
+
+
+def test_kept_slots_name_their_tensors(fan):
+    """forward_spec / reduce_spec: the slots a kept call sets per call hold landed's and out's addresses,
+    and the spec is what forward / reduce launch."""
+    W, P = 1036, 4
+    landed = torch.zeros(40, W + 4 * P, dtype=torch.uint8)
+    spec = fan.forward_spec(landed, W, 1040)
+    assert spec[4][F.FORWARD_LANDED] == landed.data_ptr()
+    fan.forward(landed, W, 1040)
+    assert fan.launches[-1] == spec[:4] + (tuple(spec[4]),)
+    pos = torch.full((5, P), -1, dtype=torch.int32)
+    out = torch.zeros(5, 2 * 7168 + 4 * 9, dtype=torch.uint8)
+    spec = fan.reduce_spec(pos, 7168, 9, out)
+    assert spec[4][F.REDUCE_OUT] == out.data_ptr()
+    fan.reduce(pos, 7168, 9, out)
+    assert fan.launches[-1] == spec[:4] + (tuple(spec[4]),)
+    spec = fan.barrier_spec()
+    fan.barrier()
+    assert fan.launches[-1] == spec[:4] + (tuple(spec[4]),)
 
 
 def test_empty_chunks_launch_nothing(fan):

@@ -1,26 +1,198 @@
 """The internode engine's per-call host work on the device path, counted on the CPU with fake
 launches and collectives (tests/internode_host.py): the Python and C calls a call makes stay within
 what the kept scratch and plans leave, and a non-cached dispatch of one shape reuses its scratch."""
+import pytest
+import torch
+
 import internode_host as IH
+from commlib import Config
 
 
 def test_calls_per_op_stay_within_budget():
-    """Python / C calls per call at 2 x 1 and 2 x 2 (with the kept scratch and digest arguments: 2 x 1
-    dispatch 185 / 131, cached 77 / 36, combine 63 / 36; 2 x 2 217 / 152, 106 / 51, 89 / 54; before:
-    196 / 177 and 228 / 198 for the dispatch). A budget a few calls above, so an added per-call step shows."""
-    budget = {1: {"dispatch": (192, 138), "cached": (82, 40), "combine": (68, 40)},
-              2: {"dispatch": (224, 160), "cached": (112, 56), "combine": (94, 58)}}
+    """Python / C calls per call at 2 x 1 and 2 x 2 (T 64): the full paths and the Buffer's replays of a
+    cached dispatch and a combine (plan_for / run_plan). 2 x 1: dispatch 70 / 82, cached 41 / 22, combine
+    42 / 25, their replays 25 / 14 and 25 / 18 (before kept launches: 149 / 133, 68 / 33, 54 / 36); 2 x 2:
+    102 / 104, 61 / 31, 62 / 34, replays 37 / 21 and 37 / 25 (before: 183 / 154, 97 / 48, 81 / 54). A
+    budget a few calls above, so an added per-call step shows."""
+    budget = {1: {"dispatch": (74, 86), "cached": (45, 25), "combine": (46, 28), "cached_replay": (28, 17),
+                  "combine_replay": (28, 21)},
+              2: {"dispatch": (106, 108), "cached": (65, 34), "combine": (66, 37), "cached_replay": (40, 24),
+                  "combine_replay": (40, 28)}}
     for P, limits in budget.items():
         got = IH.run(2, P, 64, 256, 64, 4, reps=3)
         for op, (py, c) in limits.items():
             assert got[op]["python_calls"] <= py and got[op]["c_calls"] <= c, (P, op, got[op])
 
 
-def test_dispatch_keeps_its_scratch_for_one_shape():
+def test_dispatch_keeps_its_scratch_and_launches_per_shape():
+    """A non-cached dispatch of a shape seen before reuses its scratch and its kept launches (the same
+    objects, nothing rebuilt); another shape (FP8 x) gets its own, and the first is still there."""
     be, fakes, inp, cfg = IH.build(2, 1, 64, 256, 64, 4)
     with IH.patched(fakes):
         ops = IH.calls_of(be, 256, inp, cfg)
-        first, args = be.scratch.parts, be.scratch.digest_args
+        (key, f), = be.scratch.shapes.items()
+        kept = (f.row, f.g, f.dig, f.meta, f.digest, f.pack, f.land, f.recv_chan)
+        assert all(k is not None for k in kept)
         ops["dispatch"]()
-        again = be.scratch.parts
-    assert all(a is b for a, b in zip(first, again)) and be.scratch.digest_args is args and fakes.launches > 0
+        assert be.scratch.shapes == {key: f}
+        assert all(a is b for a, b in zip(kept, (f.row, f.g, f.dig, f.meta, f.digest, f.pack, f.land, f.recv_chan)))
+        IH.calls_of(be, 256, inp, cfg, fp8=True)["dispatch"]()
+        assert len(be.scratch.shapes) == 2 and be.scratch.shapes[key] is f and fakes.launches > 0
+
+
+def _traced(fakes, fn, inputs, held: list) -> list:
+    """What one call issues (launches, network chunks), each address named by the tensor it points
+    into: ``inputs`` by name (a dict, or a callable giving it after the call), the call's outputs, its
+    other allocations by order; other addresses (the handle's and the plan's tensors,
+    kept across calls) as they are. Every allocation is held in ``held``, so no address of this call
+    can be one an earlier traced call had."""
+    made, real = [], torch.empty
+
+    def spy(*a, **k):
+        t = real(*a, **k)
+        made.append(t)
+        return t
+    fakes.trace = []
+    torch.empty = spy
+    try:
+        out = fn()
+    finally:
+        torch.empty = real
+    trace, fakes.trace = fakes.trace, None
+    held.append((made, out))
+    outs = [t for t in (out if isinstance(out, tuple) else (out.recv_x, out.recv_x_scales) if hasattr(out, "recv_x")
+                        else (out.combined_x, out.combined_topk_weights)) if t is not None]
+    if callable(inputs):   # tensors the call made and kept (named after it)
+        inputs = inputs()
+    named = [(f"in {k}", t) for k, t in inputs.items() if t is not None] + [(f"out {i}", t) for i, t in enumerate(outs)]
+    storages = {t.untyped_storage().data_ptr() for _, t in named}
+    named += [(f"alloc {i}", t) for i, t in enumerate(t for t in made if t.untyped_storage().data_ptr() not in storages)]
+
+    def name(v):
+        if type(v) is int and v > 1 << 16:
+            for label, t in named:
+                lo = t.data_ptr()
+                if lo <= v < lo + max(1, t.numel() * t.element_size()) and t.numel():
+                    return (label, v - lo)
+        return v
+    return [tuple(name(v) if not isinstance(v, tuple) else tuple(map(name, v)) for v in entry) for entry in trace]
+
+
+@pytest.mark.parametrize("P,chunks,fp8", [(1, 1, False), (1, 1, True), (2, 3, False), (2, 3, True)])
+def test_replays_issue_what_the_full_path_issues(P, chunks, fp8):
+    """A replayed cached dispatch and combine (plan_for / run_plan on new inputs) issue the launches and
+    network chunks of the full path, argument for argument, with every address in its place: the
+    inputs', the outputs', the scratch's (at its offsets), the plan's."""
+    be, fakes, inp, cfg = IH.build(2, P, 64, 256, 64, 4, chunks, Config(2, 4, 8, 1, 2))   # ring of 2 rows
+    with IH.patched(fakes):
+        from commlib.backends.base import CombineRequest, DispatchRequest
+        from commlib.fp8 import per_token_cast_to_fp8
+        idx, w, lay = inp
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        xq, sq = per_token_cast_to_fp8(x) if fp8 else (x, None)
+        res = be.dispatch(DispatchRequest(xq, sq, idx, w, lay, None, 64, 1, 0, cfg))
+        h, wts = res.handle, res.recv_topk_weights
+        assert h.extra["plan"].num_chunks == (chunks if P > 1 else 1)
+        y = torch.randn(h.num_recv_tokens, 256).to(torch.bfloat16)
+        held = []
+        full = _traced(fakes, lambda: be.dispatch(DispatchRequest(xq, sq, None, None, None, h, 0, 1, 0, cfg)),
+                       {"x": xq, "scales": sq}, held)
+        x2, s2 = xq.clone(), (sq.clone() if sq is not None else None)   # other addresses
+        kept = be.plan_for(h, ("dispatch", xq.dtype), x2, cfg, s2)
+        assert kept is not None and be.plan_for(h, ("dispatch", xq.dtype), x2[:-1], cfg, s2) is None
+        again = _traced(fakes, lambda: be.run_plan(kept, x2, s2, 0), {"x": x2, "scales": s2}, held)
+        assert again == full and len(full) >= 3
+        full = _traced(fakes, lambda: be.combine(CombineRequest(y, h, wts, [], cfg)), {"y": y, "w": wts}, held)
+        y2, w2 = y.clone(), wts.clone()
+        kept = be.plan_for(h, ("combine", wts.shape[1]), y2, cfg, w2)
+        assert kept is not None and be.plan_for(h, ("combine", wts.shape[1]), y2, cfg, None) is None
+        again = _traced(fakes, lambda: be.run_plan(kept, y2, w2, 0), {"y": y2, "w": w2}, held)
+        assert again == full and len(full) >= 3
+
+
+def _handle_names(h) -> dict:
+    """The tensors of a dispatch's handle and plan, by name (what its later calls' launches point at)."""
+    plan = h.extra["plan"]
+    out = {f: getattr(h, f) for f in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                                      "recv_src_idx", "send_head")}
+    out.update({"slot": plan.slot, "land_all": plan.land_all})
+    out.update({f"landed_pos {k}": t for k, t in enumerate(plan.landed_pos)})
+    return out
+
+
+@pytest.mark.parametrize("P,chunks", [(1, 1), (2, 3)])
+def test_kept_launches_issue_what_first_ones_issue(P, chunks):
+    """A dispatch, its cached dispatch and its combine on the launches kept from the calls of another
+    routing's handle (the shared per-shape launches) issue what an engine's first such calls issue for
+    the same calls, argument for argument (addresses named: inputs, the kept scratch, the handle's and
+    plan's tensors, the calls' allocations and outputs; the row counts)."""
+    from commlib.backends.base import CombineRequest, DispatchRequest
+    cfg = Config(2, 4, 8, 1, 2)
+    (a, fa, inp_a, _), (b, fb, inp_b, _) = (IH.build(2, P, 64, 256, 64, 4, chunks, cfg, seed=s) for s in (100, 300))
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    req = lambda inp: DispatchRequest(x, None, inp[0], inp[1], inp[2], None, 64, 1, 0, cfg)
+    cached = lambda be, h: be.dispatch(DispatchRequest(x, None, None, None, None, h, 0, 1, 0, cfg))
+    ys = {}
+
+    def combine(be, res):
+        y = ys.setdefault(res.handle.num_recv_tokens, torch.randn(res.handle.num_recv_tokens, 256).to(torch.bfloat16))
+        return be.combine(CombineRequest(y, res.handle, res.recv_topk_weights, [], cfg))
+
+    def named(be, inp, res=None):
+        (f,) = be.scratch.shapes.values()
+        fan = getattr(be.node, "fan", None)   # the forwarder's: the peers' addresses and this rank's area
+        out = {"x": x, "tir": inp[2].is_token_in_rank, "topk": inp[0], "w": inp[1], "head": be.head._head[0],
+               "row": f.row, "g": f.g, "dig": f.dig, "before": f.before, "spos": f.spos,
+               "peers": fan and fan.peer_bases, "area": fan and fan.area}
+        if res is not None:
+            out.update(_handle_names(res.handle), y=ys.get(res.handle.num_recv_tokens), rw=res.recv_topk_weights)
+        return out
+    held, got = [], {}
+    with IH.patched(fa):
+        res_a = a.dispatch(req(inp_a))          # the shape's launches, kept
+        cached(a, res_a.handle)
+        combine(a, res_a)
+        assert fa.digest[2] != fb.digest[2]     # the other routing lands another number of rows here
+        fa.g, fa.digest = fb.g, fb.digest       # the peers' rows of the other routing
+        a.head.busy = True                      # as if a call were in flight: a new head row
+        res = []
+        got["kept"] = [_traced(fa, lambda: res.append(a.dispatch(req(inp_b))) or res[0], lambda: named(a, inp_b),
+                               held)]
+        got["kept"] += [_traced(fa, fn, lambda: named(a, inp_b, res[0]), held)
+                        for fn in (lambda: cached(a, res[0].handle), lambda: combine(a, res[0]))]
+    with IH.patched(fb):
+        res = []
+        got["first"] = [_traced(fb, lambda: res.append(b.dispatch(req(inp_b))) or res[0], lambda: named(b, inp_b),
+                                held)]
+        got["first"] += [_traced(fb, fn, lambda: named(b, inp_b, res[0]), held)
+                         for fn in (lambda: cached(b, res[0].handle), lambda: combine(b, res[0]))]
+    for op, kept, first in zip(("dispatch", "cached dispatch", "combine"), got["kept"], got["first"]):
+        assert len(kept) >= 3 and kept == first, f"{op}: kept launches issued other launches than first ones"
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_dispatch_launches_point_at_the_handle_and_outputs(P):
+    """The slots a dispatch sets in its kept launches hold the addresses of the tensors it returns: the
+    handle's matrices and indices, the plan's slots and landed positions, the outputs (the second
+    dispatch of the shape, on the kept launches)."""
+    from commlib.backends.base import DispatchRequest
+    from commlib.backends.internode import kernels as IK
+    be, fakes, inp, cfg = IH.build(2, P, 64, 256, 64, 4)
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    with IH.patched(fakes):
+        be.dispatch(DispatchRequest(x, None, inp[0], inp[1], inp[2], None, 64, 1, 0, cfg))
+        fakes.trace = []
+        res = be.dispatch(DispatchRequest(x, None, inp[0], inp[1], inp[2], None, 64, 1, 0, cfg))
+    h = res.handle
+    plan = h.extra["plan"]
+    issued = {e[0]: e[3] for e in fakes.trace if e[0] != "a2a"}
+    ptr = lambda t: t.data_ptr()
+    pack, land, chan = issued["inter_pack_kernel"], issued["inter_land_kernel"], issued["inter_recv_chan_kernel"]
+    assert (pack[IK.PACK_SLOT], pack[IK.PACK_SEND_HEAD], pack[IK.PACK_RANK_PREFIX], pack[IK.PACK_CHAN_PREFIX],
+            pack[IK.PACK_X], pack[IK.PACK_TIR], pack[IK.PACK_TOPK], pack[IK.PACK_W]) == \
+        tuple(map(ptr, (plan.slot, h.send_head, h.rank_prefix_matrix, h.channel_prefix_matrix, x,
+                        inp[2].is_token_in_rank, inp[0], inp[1])))
+    assert (land[IK.LAND_X], land[IK.LAND_SRC], land[IK.LAND_TOPK], land[IK.LAND_W], land[IK.LAND_N_OUT]) == \
+        (ptr(res.recv_x), ptr(h.recv_src_idx), ptr(res.recv_topk_idx), ptr(res.recv_topk_weights), h.num_recv_tokens)
+    assert land[IK.LAND_POS] == (ptr(plan.land_all) if P == 1 else 0)
+    assert (chan[IK.RECV_CHAN_SRC], chan[IK.RECV_CHAN_OUT]) == (ptr(h.recv_src_idx), ptr(h.recv_channel_prefix_matrix))

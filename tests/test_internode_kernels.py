@@ -91,6 +91,62 @@ def test_every_launch_matches_its_kernel(launches):
     assert launches[9][2:4] == (1, IK.DIGEST_THREADS) and launches[9][4][0] == g.data_ptr()
 
 
+def test_kept_slots_name_their_tensors():
+    """The argument slots a kept call sets per call (kernels.PACK_X, ...) hold those tensors' addresses
+    in the specs (every tensor a distinct allocation), and each spec is what its launcher launches."""
+    tir, topk, x, scales, w = _inputs()
+    W = 2 * H + 4 * (H // 128) + 4
+    send = torch.zeros(50, W + 4 * P, dtype=torch.uint8)
+    slot, send_head = torch.zeros(T, M, dtype=torch.int32), torch.zeros(T, R, dtype=torch.int32)
+    pack = IK.pack_spec(None, send, slot, send_head, x, scales, None, None, me=5, M=M, P=P, Kc=Kc, ring=1)
+    assert (pack[4][IK.PACK_X], pack[4][IK.PACK_SCALES], pack[4][IK.PACK_SEND]) == \
+        (x.data_ptr(), scales.data_ptr(), send.data_ptr())
+    rx, rs = torch.zeros(30, H, dtype=torch.bfloat16), torch.zeros(30, H // 128)
+    land = IK.land_spec(send.data_ptr() + 4 * (W + 4 * P), 30, W + 4 * P, W, rx, rs)
+    assert (land[4][IK.LAND_ROWS], land[4][IK.LAND_X], land[4][IK.LAND_SCALES]) == \
+        (send.data_ptr() + 4 * (W + 4 * P), rx.data_ptr(), rs.data_ptr())
+    y, ws = torch.zeros(30, H, dtype=torch.bfloat16), torch.zeros(30, K)
+    part = torch.zeros(30, 2 * H + 4 * K, dtype=torch.uint8)
+    rows = IK.rows_spec(None, 30, y, ws, part.data_ptr(), 2 * H + 4 * K)
+    assert (rows[4][IK.ROWS_Y], rows[4][IK.ROWS_W], rows[4][IK.ROWS_OUT]) == (y.data_ptr(), ws.data_ptr(),
+                                                                             part.data_ptr())
+    oy, ow = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, K)
+    home = IK.home_spec(part, slot, [], oy, ow, H=H, K=K)
+    assert (home[4][IK.HOME_BACK], home[4][IK.HOME_Y], home[4][IK.HOME_W]) == (part.data_ptr(), oy.data_ptr(),
+                                                                              ow.data_ptr())
+    # a non-cached dispatch's: meta, the fresh pack, land with every output, recv_chan
+    head, row = torch.zeros(12, dtype=torch.int64), torch.zeros(12 + R + 2 + M + M * Kc * P + E + 1, dtype=torch.int64)
+    before, spos = torch.zeros(T, R, dtype=torch.int32), torch.zeros(T, M, dtype=torch.int32)
+    meta = IK.meta_spec(tir, topk, None, head, row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=3, max_nodes=2)
+    experts = torch.zeros(E, dtype=torch.int32)
+    meta2 = IK.meta_spec(tir, None, experts, head, row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=3, max_nodes=2)
+    assert (meta[4][IK.META_TIR], meta[4][IK.META_TOPK], meta[4][IK.META_HEAD], meta2[4][IK.META_EXPERTS]) == \
+        (tir.data_ptr(), topk.data_ptr(), head.data_ptr(), experts.data_ptr())
+    g = torch.zeros(R, row.numel(), dtype=torch.int64)
+    Wf = W + 12 * K
+    fsend = torch.zeros(50, Wf + 4 * P, dtype=torch.uint8)
+    rp, cp = torch.zeros(R, R, dtype=torch.int32), torch.zeros(R, C, dtype=torch.int32)
+    fresh = IK.pack_spec(g, fsend, slot, send_head, x, scales, topk, w, me=5, M=M, P=P, Kc=Kc, ring=3, n_sig=12,
+                         tir=tir, before=before, spos=spos, rank_prefix=rp, chan_prefix=cp)
+    assert [fresh[4][i] for i in (IK.PACK_TIR, IK.PACK_SLOT, IK.PACK_SEND_HEAD, IK.PACK_RANK_PREFIX,
+                                  IK.PACK_CHAN_PREFIX, IK.PACK_X, IK.PACK_SCALES, IK.PACK_TOPK, IK.PACK_W,
+                                  IK.PACK_SEND)] == \
+        [t.data_ptr() for t in (tir, slot, send_head, rp, cp, x, scales, topk, w, fsend)]
+    src, ids, pos = torch.zeros(30, dtype=torch.int32), torch.zeros(30, K, dtype=torch.int64), torch.zeros(30, dtype=torch.int32)
+    full = IK.land_spec(fsend.data_ptr(), 29, Wf + 4 * P, Wf, rx, rs, src, ids, ws, K=K, expert_lo=8, num_local=8,
+                        pos_out=pos)
+    assert [full[4][i] for i in (IK.LAND_ROWS, IK.LAND_N, IK.LAND_N_OUT, IK.LAND_X, IK.LAND_SCALES, IK.LAND_SRC,
+                                 IK.LAND_TOPK, IK.LAND_W, IK.LAND_POS)] == \
+        [fsend.data_ptr(), 29, 30] + [t.data_ptr() for t in (rx, rs, src, ids, ws, pos)]
+    out = torch.zeros(R, C, dtype=torch.int32)
+    chan = IK.recv_chan_spec(src, g, out, n_sig=12, me=5)
+    assert (chan[4][IK.RECV_CHAN_SRC], chan[4][IK.RECV_CHAN_OUT]) == (src.data_ptr(), out.data_ptr())
+    for spec in (pack, land, rows, home, meta, meta2, fresh, full, chan):
+        assert spec[0] == IK.FAMILY
+        _packs(spec[1], spec[4])
+    assert IK.land_spec(0, 0, W, W, rx[:0]) is None and IK.rows_spec(None, 0, y, ws, 0, 2 * H + 4 * K) is None
+
+
 def test_bad_inputs_are_refused_before_a_launch(launches):
     tir, topk, x, scales, w = _inputs()
     head = torch.zeros(12, dtype=torch.int64)
@@ -130,6 +186,24 @@ def test_dispatches_the_kernels_cannot_move_take_the_torch_steps():
     assert device.fits(req(7168)) and device.fits(req(256))
     assert not device.fits(req(37)) and not device.fits(req(258))
     assert not device.fits(req(7168, worst=64))
+
+
+def test_one_chunk_geometry_is_the_chunked_one():
+    """geometry's one-chunk shortcut (the splits are the counts) gives the plan the chunked geometry
+    gives, for streams that fit one chunk of ring / chunk cap (the digest's count is then 1)."""
+    import random
+
+    from commlib.backends.internode.geometry import chunk_rows, chunked, geometry
+    rng = random.Random(5)
+    for _ in range(300):
+        M, P, Kc, ring = rng.choice((2, 3, 4)), rng.choice((1, 2)), rng.choice((1, 2, 4)), rng.choice((1, 3, 8, 64))
+        streams = [[rng.choice((0, 1, 2, 5, 9, 40, 200)) for _ in range(M)] for _ in range(2)]
+        if max(-(-c // chunk_rows(c, ring, Kc)) for c in streams[0] + streams[1]) != 1:
+            continue   # the digest would count more chunks (or none)
+        counts = {"num_chunks": 1, "mine": streams[0], "rail_in": streams[1], "num_recv": 17, "node_rows": 23,
+                  "fan_send": [[rng.randrange(9) for _ in range(P)] for _ in range(Kc)],
+                  "fan_recv": [[rng.randrange(9) for _ in range(P)] for _ in range(Kc)]}
+        assert geometry("device", counts, ring, Kc) == chunked("device", counts, ring, Kc), counts
 
 
 def test_int32_views_share_one_allocation_without_overlap():

@@ -7,18 +7,22 @@ one more per extra network chunk (one rank per node); with the forwarder kernel 
 barriers, the forward / reduce launches and the landed positions come on top."""
 from __future__ import annotations
 
+import ctypes
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from commlib import Config, layout as L
 from commlib.backends.base import CombineRequest, DispatchRequest
-from commlib.backends.internode import device, kernels as IK
+from commlib.backends.internode import device
 from commlib.backends.internode.exchange import N_SIG, exchange_digest, exchange_row
 from commlib.backends.internode.network import NetworkStep
 from commlib.backends.internode.node import ForwarderNode, LocalNode
 from commlib.backends.internode.wiring import Wiring
 from commlib.backends.probe import RecordingProbe
+from commlib.cuda import loader
 from commlib.topology import Topology
 
 T, H, K, E_PER_RANK = 64, 256, 4, 4
@@ -64,31 +68,51 @@ class _Fan:
     def data_address(self):
         return 0
 
+    # the launch specs kept calls issue (through the patched loader.launch): a spec per launch
+    def barrier_spec(self):
+        return ("fanout", "barrier", 1, 32, [0] * 5, 0)
 
-def _hidden(fn):
-    """A kernel stand-in whose own torch work the count does not see."""
-    def run(*a, **k):
-        with _disable_current_modes():
-            fn(*a, **k)
-    return run
+    def forward_spec(self, landed, W, row_bytes):
+        return ("fanout", "forward", 1, 32, [0] * 8, 0) if landed.shape[0] else None
+
+    def reduce_spec(self, pos, H, K, out, row_bytes):
+        return ("fanout", "reduce", 1, 32, [0] * 10, 0) if pos.shape[0] else None
+
+    def grid(self, J):
+        return 1
+
+
+def _at(addr: int, shape: tuple, dtype) -> torch.Tensor:
+    """The host tensor at a kernel argument's address (what a stand-in reads and writes)."""
+    n = math.prod(shape) * dtype.itemsize
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer((ctypes.c_byte * n).from_address(addr), dtype=dtype).view(shape)
+
+
+def _launch(family, name, grid, block, args, shared_mem=0, variant_key=None):
+    """The kernels' launches: their torch specs where the host reads what they write (meta's row, the
+    digest), nothing elsewhere; their own torch work hidden from the count."""
+    with _disable_current_modes():
+        if name == "inter_meta_kernel":
+            tir, topk, experts_in, head, n_head, T, R, M, P, E, K, Kc, ring, max_nodes, row, _, _ = args
+            row_t = exchange_row(_at(head, (n_head,), torch.int64), _at(tir, (T, R), torch.bool),
+                                 _at(topk, (T, K), torch.int64) if topk else None,
+                                 _at(experts_in, (E,), torch.int32) if experts_in else None,
+                                 M=M, P=P, E=E, Kc=Kc, ring=ring, max_nodes=max_nodes)[0]
+            _at(row, (row_t.numel(),), torch.int64).copy_(row_t)
+        elif name == "inter_digest_kernel":
+            g, n_row, n_sig, me, node, loc, R, M, P, Kc, ring, Lx, out = args
+            d = exchange_digest(_at(g, (R, n_row), torch.int64), n_sig=n_sig, me=me, node=node, loc=loc, M=M, P=P,
+                                Kc=Kc, ring=ring, Lx=Lx)
+            _at(out, (d.numel(),), torch.int64).copy_(d)
 
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """The kernels as their torch specs where the host reads what they write (meta's row, the digest),
-    no-ops elsewhere."""
-    def meta(tir, topk, experts_in, head, row, before, spos, *, M, P, E, Kc, ring, max_nodes):
-        row.copy_(exchange_row(head, tir, topk, experts_in, M=M, P=P, E=E, Kc=Kc, ring=ring, max_nodes=max_nodes)[0])
-
-    def digest(g, out, **kw):
-        out.copy_(exchange_digest(g, **kw))
-    monkeypatch.setattr(IK, "meta", _hidden(meta))
-    monkeypatch.setattr(IK, "digest", _hidden(digest))
-    # the device path keeps the digest's arguments (device.Scratch) and launches them
-    monkeypatch.setattr(IK, "digest_args", lambda g, out, **kw: (g, out, kw))
-    monkeypatch.setattr(IK, "launch_digest", _hidden(lambda args: digest(args[0], args[1], **args[2])))
-    for name in ("pack", "land", "recv_chan", "rows", "home"):
-        monkeypatch.setattr(IK, name, lambda *a, **k: None)
+    """Every launch through the stand-in (``_launch``): the engine's kept launches (kept.keep) issue
+    through loader.launch where there is no driver."""
+    monkeypatch.setattr(loader, "launch", _launch)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # no CUDA here
 
 

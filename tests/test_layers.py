@@ -28,7 +28,7 @@ LAYERS = [
 INSIDE = {
     "commlib.backends.internode": ["exchange", "geometry", "rows", "kernels", "fanout",   # engine-free
                                    "network", "node", "wiring",                            # the seams
-                                   "counted", "padded", "device",                          # the data paths
+                                   "counted", "padded", "kept", "device",                  # the data paths
                                    "engine"],
 }
 

@@ -28,7 +28,9 @@ _NULL_CONTEXT = contextlib.nullcontext()
 
 
 class Probe:
-    """The null probe: every report is free and ignored; ``read`` is a plain synchronous copy."""
+    """The null probe: every report is free and ignored; ``read`` is a plain synchronous copy. A
+    backend may skip its reports (``call``, ``mark``, ``op``, ``collective``, ``wait``) to a probe whose
+    ``recording`` is False, so a probe that wants them sets it; ``read`` is always called."""
 
     recording = False
 

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 from commlib.utils.launch import SAFE_ENV, free_port
 
@@ -84,3 +85,29 @@ def group_from_comm(comm: Any) -> "dist.ProcessGroup":
     if len(ranks) == dist.get_world_size():
         return dist.group.WORLD
     return dist.new_group(sorted(ranks))
+
+
+# torch.distributed's function -> (the ProcessGroup methods it calls, newest name first; its options class)
+_DIRECT = {"all_to_all_single": (("all_to_all_single", "alltoall_base"), "AllToAllOptions"),
+           "all_gather_single": (("all_gather_single", "_allgather_base"), "AllgatherOptions")}
+
+
+def direct_collective(group, name: str):
+    """``(fn, opts)``: the C++ method of process group ``group`` that torch.distributed's ``name``
+    ("all_to_all_single" or "all_gather_single") calls, and its options with asyncOp set, so that
+    ``fn(out, in, [out_splits, in_splits,] opts)`` issues the same collective and returns its work
+    without the Python wrapper's frames (a hot path issues it every call). None where ``group`` is
+    None (the default group) or this torch has no such method."""
+    if group is None:
+        return None
+    methods, options = _DIRECT[name]
+    fn = next((getattr(group, m) for m in methods if hasattr(group, m)), None)
+    cls = getattr(_c10d, options, None)
+    if fn is None or cls is None:
+        return None
+    opts = cls()
+    try:
+        opts.asyncOp = True   # torch versions whose wrappers set it; the work is returned either way
+    except AttributeError:
+        pass
+    return fn, opts

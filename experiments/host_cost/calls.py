@@ -30,6 +30,8 @@ from experiments import write_json
 class _StepProbe(Probe):
     """The engine's probe: each ``mark`` ends a step of the counter (``mark``'s own calls count too)."""
 
+    recording = True   # the engine reports steps only to a recording probe
+
     def __init__(self, counter) -> None:
         self.counter = counter
 

@@ -4,7 +4,8 @@ The torch steps (counted.py) are their specification; the device tests hold both
 
 Dispatch: meta (the exchange row, scans: one launch), the one all-gather, the digest (one launch)
 and its one host read, pack (send rows and the handle's matrices), the network chunks (and the
-forwarder), land (the outputs' columns), recv_chan. Cached dispatch and combine read no counts.
+forwarder), land (the outputs' columns), recv_chan. Cached dispatch and combine read no counts;
+they run as kept calls (kept.py), which the Buffer replays for later calls of the same handle.
 
 Legend: T tokens here, H hidden, K top-k, R ranks, M nodes, P ranks per node, C channels, E
 experts, Lx experts per rank, W bytes of a packed row, Wc bytes of a combine row.
@@ -17,6 +18,7 @@ from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest
 from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import N_SIG, row_len
 from commlib.backends.internode.geometry import Plan, geometry
+from commlib.backends.internode.kept import first_combine, first_dispatch, keep, raw_stream
 from commlib.backends.internode.network import stream
 from commlib.backends.internode.rows import (area_row, dispatch_packer, here, int32_len, int32_views, rows_on,
                                              typed_views)
@@ -48,33 +50,56 @@ class HeadRow:
         self.busy = False   # the stream is past every kernel before a host read: the head row was read
 
 
+class Fresh:
+    """A non-cached dispatch's scratch and launches for one shape of its inputs, kept between calls
+    (``Scratch``). The scratch: the exchange row, the gathered rows, their digest and the scans
+    (views of one allocation). Safe to reuse: every kernel and collective that touches them is
+    issued in the call, on the Buffer's comm stream (NCCL's stream waits for it at the issue), and
+    the host read of the digest has shown the stream past the previous call's readers of all but
+    ``g``, which only the pack and recv_chan launches of that call read, in stream order before the
+    next meta. Such a dispatch reads counts on the host, so it is never inside a CUDA graph capture.
+    The launches (meta, digest, pack, land, recv_chan; kept.keep): made with every check of their
+    launchers by the first dispatch of the shape (land: the first that lands rows); every dispatch
+    sets the argument slots that change (its tensors' addresses, its row counts)."""
+
+    def __init__(self, w: Wiring, T: int, E: int, ring: int, C: int) -> None:
+        topo = w.topology
+        R, M, P, Kc = topo.num_ranks, topo.num_nodes, topo.ranks_per_node, w.max_chunks
+        Lx = E // R
+        n_row = row_len(R, M, P, Kc, E)
+        self.row, self.g_flat, self.dig, self.before, self.spos = typed_views(
+            w.device, (torch.int64, (n_row,)), (torch.int64, (R * n_row,)), (torch.int64, (IK.digest_len(M, P, Kc, Lx),)),
+            (torch.int32, (T, R)), (torch.int32, (T, M)))
+        self.g = self.g_flat.view(R, n_row)
+        self.digest = keep(IK.digest_spec(self.g, self.dig, n_sig=N_SIG, me=topo.rank, node=topo.node,
+                                          loc=topo.local_rank, M=M, P=P, Kc=Kc, ring=ring, Lx=Lx))
+        self.meta = self.pack = self.land = self.recv_chan = self.packer = None
+        self.area_row = 0
+        # the handle's int32 tensors, views of one allocation (int32_views): these shapes, then the
+        # received rows' source indices [N] and (one rank per node) the landed rows' output rows
+        self.shapes = ((R, R), (R, C), (R, C), (T, R), (T, M))
+        ends = [0]
+        for a, b in self.shapes:
+            ends.append(ends[-1] + 4 * a * b)
+        self.ends = ends   # byte offsets: rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, recv_src_idx
+        self.me, self.Lx = topo.rank, Lx
+
+
 class Scratch:
-    """A non-cached dispatch's scratch, kept between calls of one shape: the exchange row, the
-    gathered rows, their digest and the scans (views of one allocation, made once per shape). Safe
-    to reuse: every kernel and collective that touches them is issued in the call, on the Buffer's
-    comm stream (NCCL's stream waits for it at the issue), and the host read of the digest has
-    shown the stream past the previous call's readers of all but ``g``, which only the pack and
-    recv_chan launches of that call read, in stream order before the next meta. Such a dispatch
-    reads counts on the host, so it is never inside a CUDA graph capture."""
+    """A non-cached dispatch's kept state (``Fresh``) per shape of its inputs, for the last few shapes."""
+
+    MAX_SHAPES = 16
 
     def __init__(self) -> None:
-        self._key, self.parts, self.digest_args = None, None, None
+        self.shapes: dict = {}
 
-    def get(self, w: Wiring, T: int, n_row: int, n_dig: int, ring: int, Lx: int) -> tuple:
-        """(row [n_row], g [R * n_row], g as [R, n_row], digest [n_dig], before [T, R], spos [T, M]) on
-        the engine's device, and ``digest_args``: the digest launch's arguments for them."""
-        key = (T, n_row, n_dig, ring, Lx)
-        if key != self._key:
-            topo = w.topology
-            R, M, P = topo.num_ranks, topo.num_nodes, topo.ranks_per_node
-            row, g, dig, before, spos = typed_views(w.device, (torch.int64, (n_row,)), (torch.int64, (R * n_row,)),
-                                                    (torch.int64, (n_dig,)), (torch.int32, (T, R)),
-                                                    (torch.int32, (T, M)))
-            g2 = g.view(R, n_row)
-            self.digest_args = IK.digest_args(g2, dig, n_sig=N_SIG, me=topo.rank, node=topo.node, loc=topo.local_rank,
-                                              M=M, P=P, Kc=w.max_chunks, ring=ring, Lx=Lx)
-            self.parts, self._key = (row, g, g2, dig, before, spos), key
-        return self.parts
+    def get(self, w: Wiring, key: tuple, T: int, E: int, ring: int, C: int) -> Fresh:
+        f = self.shapes.get(key)
+        if f is None:
+            if len(self.shapes) >= self.MAX_SHAPES:
+                self.shapes.clear()
+            f = self.shapes[key] = Fresh(w, T, E, ring, C)
+        return f
 
 
 def fits(req: DispatchRequest) -> bool:
@@ -85,51 +110,65 @@ def fits(req: DispatchRequest) -> bool:
 
 def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, sig: list, ring: int,
              name: str) -> DispatchResult:
-    topo, probe = w.topology, w.probe
-    me, R, M, P = topo.rank, topo.num_ranks, topo.num_nodes, topo.ranks_per_node
-    Kc, dev = w.max_chunks, w.device
+    probe, dev, Kc = w.probe, w.device, w.max_chunks
+    rec = probe.recording
     x = here(req.x, dev)
     scales = here(req.x_scales, dev) if req.x_scales is not None else None
     T, H = x.shape
     E = req.num_experts
-    Lx = E // R
     K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
     C = req.config.num_channels
     tir = here(req.layout.is_token_in_rank, dev)
     topk = here(req.topk_idx, dev) if K else None
     wts = here(req.topk_weights, dev) if K and req.topk_weights is not None else None
     experts_in = None if K else req.layout.num_tokens_per_expert.to(dev, torch.int32).contiguous()
-    probe.mark("inputs")
+    if rec:
+        probe.mark("inputs")
+    # the shape: everything the kept launches' checks read (the rest is the engine's, fixed)
+    f = scratch.get(w, (T, H, E, K, C, ring, x.dtype, -1 if scales is None else scales.shape[1], scales is None or
+                        scales.dtype, tir.dtype, topk is None or topk.dtype, wts is None or wts.dtype), T, E, ring, C)
+    raw = raw_stream(dev)
 
     # ---- 1. metadata: one launch ----
-    # the exchange row, the gathered rows, their digest and the scans: kept between calls (Scratch)
-    row, g_flat, g, dig, before, spos = scratch.get(w, T, row_len(R, M, P, Kc, E), IK.digest_len(M, P, Kc, Lx),
-                                                    ring, Lx)
-    IK.meta(tir, topk, experts_in, head.get(sig), row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=ring,
-            max_nodes=w.max_nodes)
-    probe.op("launches")
-    probe.mark("meta")
+    h = head.get(sig)
+    if f.meta is None:
+        topo = w.topology
+        f.meta = keep(IK.meta_spec(tir, topk, experts_in, h, f.row, f.before, f.spos, M=topo.num_nodes,
+                                   P=topo.ranks_per_node, E=E, Kc=Kc, ring=ring, max_nodes=w.max_nodes))
+    a = f.meta.args
+    a[IK.META_TIR], a[IK.META_HEAD] = tir.data_ptr(), h.data_ptr()
+    a[IK.META_TOPK] = 0 if topk is None else topk.data_ptr()
+    a[IK.META_EXPERTS] = 0 if experts_in is None else experts_in.data_ptr()
+    f.meta.issue(raw)
+    if rec:
+        probe.op("launches")
+        probe.mark("meta")
 
     # ---- 2. one collective, one host read (of the gathered rows' digest) ----
-    w.phase("dispatch (agreement + count exchange)")
-    w.gather_into(row, g_flat)
-    probe.mark("exchange")
-    IK.launch_digest(scratch.digest_args)
-    probe.op("launches")
-    counts = w.read_counts(g, dig, sig, E)
+    w.gather_into(f.row, f.g_flat)
+    if rec:
+        probe.mark("exchange")
+    f.digest.issue(raw)
+    counts = w.read_counts(f.g, f.dig, sig, E)
     head.released()
     num_recv, expert_counts = counts["num_recv"], counts["experts"]
-    probe.mark("read")
+    if rec:
+        probe.op("launches")
+        probe.mark("read")
     plan = geometry("device", counts, ring, Kc)
-    probe.mark("geometry")
+    if rec:
+        probe.mark("geometry")
 
     # ---- 3. pack: the send rows and the handle's matrices ----
-    packer = dispatch_packer(x, scales, K, wts is not None)
+    if f.packer is None:
+        f.packer = dispatch_packer(x, scales, K, wts is not None)
+        f.area_row = area_row(f.packer, H, K)
+    packer = f.packer
     W = packer.row_bytes
     # one allocator call on the output stream (Wiring.alloc) for the send and landing rows, the handle's
     # (and the plan's) int32 tensors as views of one block, and the outputs
-    n_land = 0 if w.node.in_area else plan.recv_starts[-1]
-    ints = ((R, R), (R, C), (R, C), (T, R), (T, M), (num_recv,), (n_land,))
+    in_area = w.node.in_area
+    ints = (*f.shapes, (num_recv,), (0 if in_area else plan.recv_starts[-1],))
     rows, block, recv_x, recv_scales, recv_topk_idx, recv_topk_w = w.alloc(
         rows_spec(w, plan, W), (int32_len(*ints), torch.int32), ((num_recv, H), x.dtype),
         ((num_recv, scales.shape[1]), torch.float32) if scales is not None else None,
@@ -137,24 +176,58 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
     send, recv = send_and_landing(plan, rows)
     rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, recv_src_idx, land_all = int32_views(
         dev, *ints, block=block)
-    IK.pack(g, send, slot, send_head, x, scales, topk, wts, me=me, M=M, P=P, Kc=Kc, ring=ring, n_sig=N_SIG,
-            tir=tir, before=before, spos=spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix)
-    probe.op("launches")
-    plan.slot, plan.area_row = slot, area_row(packer, H, K)
-    probe.mark("pack")
+    if f.pack is None:
+        topo = w.topology
+        f.pack = keep(IK.pack_spec(f.g, send, slot, send_head, x, scales, topk, wts, me=f.me, M=topo.num_nodes,
+                                   P=topo.ranks_per_node, Kc=Kc, ring=ring, n_sig=N_SIG, tir=tir, before=f.before,
+                                   spos=f.spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix))
+    b, ends = rank_prefix.data_ptr(), f.ends
+    a = f.pack.args
+    a[IK.PACK_TIR], a[IK.PACK_X], a[IK.PACK_SEND] = tir.data_ptr(), x.data_ptr(), send.data_ptr()
+    a[IK.PACK_RANK_PREFIX], a[IK.PACK_CHAN_PREFIX], a[IK.PACK_SEND_HEAD], a[IK.PACK_SLOT] = \
+        b, b + ends[1], b + ends[3], b + ends[4]
+    a[IK.PACK_SCALES] = 0 if scales is None else scales.data_ptr()
+    a[IK.PACK_TOPK] = 0 if topk is None else topk.data_ptr()
+    a[IK.PACK_W] = 0 if wts is None else wts.data_ptr()
+    f.pack.issue(raw)
+    plan.slot, plan.area_row = slot, f.area_row
+    if rec:
+        probe.op("launches")
+        probe.mark("pack")
 
     # ---- 4. network chunks (and the forwarder), 5. land ----
-    landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer, cached=False)
-    probe.mark("network")
-    if not w.node.in_area:   # combine gathers its rows by where each landed row went
+    landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer)
+    if rec:
+        probe.mark("network")
+    if not in_area:   # combine gathers its rows by where each landed row went
         plan.land_all = land_all
-    probe.mark("outputs")
-    IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w, K=K,
-            expert_lo=me * Lx, num_local=Lx, pos_out=plan.land_all)
+    if rec:
+        probe.mark("outputs")
+    if f.land is None and n_rows:
+        f.land = keep(IK.land_spec(addr, n_rows, stride, pos_off, recv_x, recv_scales, recv_src_idx, recv_topk_idx,
+                                   recv_topk_w, K=K, expert_lo=f.me * f.Lx, num_local=f.Lx, pos_out=plan.land_all))
+    launches = 1
+    if n_rows:
+        land = f.land
+        a = land.args
+        a[IK.LAND_ROWS], a[IK.LAND_N], a[IK.LAND_N_OUT], a[IK.LAND_X] = addr, n_rows, num_recv, recv_x.data_ptr()
+        a[IK.LAND_SRC] = b + ends[5]
+        a[IK.LAND_SCALES] = 0 if recv_scales is None else recv_scales.data_ptr()
+        a[IK.LAND_TOPK] = 0 if recv_topk_idx is None else recv_topk_idx.data_ptr()
+        a[IK.LAND_W] = 0 if recv_topk_w is None else recv_topk_w.data_ptr()
+        a[IK.LAND_POS] = 0 if in_area else b + ends[5] + 4 * num_recv
+        land.grid = IK.grid(n_rows)
+        land.issue(raw)
+        launches += 1
     del landed   # (its block is the call's: held until the Buffer has the result, see Wiring.alloc)
-    IK.recv_chan(recv_src_idx, g, recv_chan_prefix, n_sig=N_SIG, me=me)
-    probe.op("launches", 2)
-    probe.mark("land")
+    if f.recv_chan is None:
+        f.recv_chan = keep(IK.recv_chan_spec(recv_src_idx, f.g, recv_chan_prefix, n_sig=N_SIG, me=f.me))
+    a = f.recv_chan.args
+    a[IK.RECV_CHAN_SRC], a[IK.RECV_CHAN_OUT] = b + ends[5], b + ends[2]
+    f.recv_chan.issue(raw)
+    if rec:
+        probe.op("launches", launches)
+        probe.mark("land")
 
     out = req.x.device
     if out != dev:   # inputs on another device than the engine's: the outputs and the handle go back there
@@ -166,7 +239,7 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
         rank_prefix_matrix=rank_prefix, channel_prefix_matrix=chan_prefix,
         recv_channel_prefix_matrix=recv_chan_prefix, recv_src_idx=recv_src_idx,
         is_token_in_rank=tir, send_head=send_head,
-        topology=topo, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
+        topology=w.topology, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
         num_recv_tokens=num_recv, num_worst_tokens=0, backend=name,
         extra={"plan": plan, "num_recv": num_recv})
     a = req.expert_alignment
@@ -186,7 +259,7 @@ def send_and_landing(plan: Plan, rows: torch.Tensor) -> tuple:
     return rows[:S], rows[S:]
 
 
-def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer, cached: bool) -> tuple:
+def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer) -> tuple:
     """The network chunks. One rank per node: every chunk lands in one buffer (rows carry their final
     row at byte W); with the forwarder, chunk k fans out while k + 1 is on the wire and the rows sit
     at their final rows of this rank's area. Returns (the landing buffer or None, address, row
@@ -207,78 +280,44 @@ def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer, cached
 
     stream(w.network, nch, post, "dispatch", after=fan_out)
     w.node.finish_forward()
-    if not cached:   # the landed rows' positions on every local rank: the forwarder's combine sources
-        plan.landed_pos = list(int32_columns(recv, W, W + 4 * P).split([rs[k + 1] - rs[k] for k in range(nch)]))
+    # the landed rows' positions on every local rank: the forwarder's combine sources
+    plan.landed_pos = list(int32_columns(recv, W, W + 4 * P).split([rs[k + 1] - rs[k] for k in range(nch)]))
     addr, stride = w.node.address()
     return recv, addr, stride, -1, plan.num_recv
 
 
 def dispatch_cached(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResult:
-    """Cached dispatch on the kernels: pack by the plan's slots and the handle's send_head, the
-    network chunks, land (no routing columns)."""
-    topo, dev, h, probe = w.topology, w.device, req.handle, w.probe
+    """Cached dispatch on the kernels (kept.KeptDispatch: pack by the plan's slots and the handle's
+    send_head, the network chunks, land), kept on the plan for the Buffer's replays of this call."""
+    dev, h = w.device, req.handle
     x = here(req.x, dev)
     scales = here(req.x_scales, dev) if req.x_scales is not None else None
-    packer = dispatch_packer(x, scales, 0, False)
-    W = packer.row_bytes
-    n = plan.num_recv
-    rows, recv_x, recv_scales = w.alloc(rows_spec(w, plan, W), ((n, x.shape[1]), x.dtype),
-                                        ((n, scales.shape[1]), torch.float32) if scales is not None else None)
-    send, recv = send_and_landing(plan, rows)
-    IK.pack(None, send, plan.slot, here(h.send_head, dev), x, scales, None, None, me=topo.rank,
-            M=topo.num_nodes, P=topo.ranks_per_node, Kc=w.max_chunks, ring=1)
-    probe.op("launches")
-    probe.mark("pack")
-    landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer, cached=True)
-    probe.mark("network")
-    IK.land(addr, n_rows, stride, pos_off, recv_x, recv_scales)
-    probe.op("launches")
-    del landed
-    probe.mark("land")
+    kept, (recv_x, recv_scales) = first_dispatch(w, plan, h, x, scales, req.config)
     out = req.x.device
     if out != dev:
         recv_x, recv_scales = recv_x.to(out), recv_scales.to(out) if scales is not None else None
+    else:
+        plan.kept[("dispatch", x.dtype)] = kept
     return DispatchResult(recv_x, recv_scales, None, None, None, h, blocks=w.take_blocks(keep=out == dev))
 
 
 def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
-    """Combine on the kernels: this rank's rows gathered per landed row (one rank per node) or
+    """Combine on the kernels (kept.KeptCombine: this rank's rows gathered per landed row, or
     published into its area and summed by the forwarder per chunk, the partials back over the
-    network chunk by chunk, the home sum (the biases, then node order) in one launch."""
-    h, dev, node, probe = req.handle, w.device, w.node, w.probe
-    n, T = plan.num_recv, h.num_tokens
+    network chunk by chunk, the home sum: the biases, then node order), kept on the plan for the
+    Buffer's replays where it has no bias."""
+    dev, n = w.device, plan.num_recv
     y = rows_on(req.x, n, dev)
-    H = y.shape[1]
     wts = rows_on(req.topk_weights, n, dev) if req.topk_weights is not None else None
-    K = wts.shape[1] if wts is not None else 0
-    Wc = 2 * H + 4 * K
-    nch, ss, rs = plan.num_chunks, plan.send_starts, plan.recv_starts
-    # the node partials this rank sends and the partials that come back (views of one block) and the
-    # outputs: one allocator call on the output stream
-    both, out_y, out_w = w.alloc(((rs[-1] + ss[-1], Wc), torch.uint8), ((T, H), torch.bfloat16),
-                                 ((T, K), torch.float32) if K else None)
-    partial, back = both.split_with_sizes([rs[-1], ss[-1]])
-    before = None
-    if not node.in_area:
-        IK.rows(plan.land_all, rs[-1], y, wts, partial.data_ptr(), Wc)
-        probe.op("launches")
-    else:   # this rank's rows written by a kernel straight into its area, summed per chunk by the forwarder
-        node.combine_begin(lambda addr, stride: IK.rows(None, n, y, wts, addr, stride), plan, Wc)
-        probe.op("launches")
-        before = lambda k: node.combine_chunk(k, plan, None, H, K, out=partial[rs[k]:rs[k + 1]])
-    probe.mark("rows")
-    stream(w.network, nch, lambda k: w.network.post(partial[rs[k]:rs[k + 1]], plan.recv_splits[k], plan.send_splits[k],
-                                                    out=back[ss[k]:ss[k + 1]]), "combine", before=before)
-    w.count_rows(plan)
-    probe.mark("network")
-    IK.home(back, plan.slot, [here(b, dev) for b in req.bias] if req.bias else [], out_y, out_w, H=H, K=K)
-    probe.op("launches")
-    probe.mark("home")
+    biases = [here(b, dev) for b in req.bias] if req.bias else []
+    kept, (out_y, out_w) = first_combine(w, plan, req.handle, y, wts, biases, req.config)
     out = req.x.device
     if out != dev:
-        out_y, out_w = out_y.to(out), out_w.to(out) if K else None
+        out_y, out_w = out_y.to(out), out_w.to(out) if wts is not None else None
+    elif not biases:   # a kept call holds no bias (the Buffer replays only combines without one)
+        plan.kept[("combine", wts.shape[1] if wts is not None else 0)] = kept
     return CombineResult(out_y, out_w, blocks=w.take_blocks(keep=out == dev))
 
 
-__all__ = ["HeadRow", "Scratch", "fits", "dispatch", "rows_spec", "send_and_landing", "move", "dispatch_cached",
+__all__ = ["HeadRow", "Fresh", "Scratch", "fits", "dispatch", "rows_spec", "send_and_landing", "move", "dispatch_cached",
            "combine"]

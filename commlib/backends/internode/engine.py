@@ -21,13 +21,18 @@ from commlib.backends.common import OPS, gather, signature, wait
 from commlib.backends.internode import counted, device, padded
 from commlib.backends.internode.exchange import INTERNODE_SIG_FIELDS, check_exchange, row_len
 from commlib.backends.internode.geometry import Plan, ring_rows
+from commlib.backends.internode.kept import replay
 from commlib.backends.internode.network import NETWORK_STEPS
 from commlib.backends.internode.node import NODE_STEPS
 from commlib.backends.internode.wiring import Wiring
 from commlib.cuda.loader import cupy_available
 from commlib.topology import local_facts, share_memory
 from commlib.utils import env
+from commlib.utils.dist import direct_collective
 from commlib.validate import CommlibError
+
+
+_PATHS = {"device": device, "padded": padded, "counted": counted}   # Plan.path -> its module
 
 
 def _same_everywhere(value, group, what: str, rank: int, size: int):
@@ -71,9 +76,12 @@ class InternodeBackend(Backend):
         self.group = ctx.group
         self.nccl = dist.get_backend(self.group) == "nccl"
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        # NCCL: the count exchange through the group's own all-gather (no torch.distributed frames)
+        self._gather_direct = direct_collective(self.group, "all_gather_single") if self.nccl else None
         self.comm_device = ctx.device if self.nccl else torch.device("cpu")
         self.probe = ctx.probe
         self.calls = 0          # ops issued on this Buffer; identical on every rank unless ranks diverge
+        self.replayed = 0       # cached dispatches and combines served from a kept call (plan_for / run_plan)
         self.failed = None
         self._phase = ""
         self._last_num_experts = 0   # E of the last dispatch: the row length a refused call sends
@@ -172,8 +180,12 @@ class InternodeBackend(Backend):
         if what is not None:
             self._phase = what
         if self.nccl:
-            self.probe.wait(work)
-            self.probe.op("event_ops")
+            probe = self.probe
+            if probe.recording:
+                probe.wait(work)
+                probe.op("event_ops")
+            else:
+                work.wait()
             return
         wait(work, self.ctx.timeout_s, self.topology.rank, self._phase, self.calls, self._fail)
 
@@ -186,6 +198,12 @@ class InternodeBackend(Backend):
     def _gather_into(self, row: torch.Tensor, out: torch.Tensor) -> None:
         """The count exchange of the device path: ``row`` (contiguous, on the engine's device) from every
         rank into ``out`` [R * n] (kept by the caller): no view, no new tensor, no lookup per call."""
+        direct = self._gather_direct
+        if direct is not None:
+            probe = self.probe
+            self._wait_for(probe.collective(direct[0], out, row, direct[1]) if probe.recording
+                           else direct[0](out, row, direct[1]))
+            return
         self._wait_for(self.probe.collective(self._all_gather, out, row, group=self.group, async_op=True))
 
     def _row_len(self, num_experts: int) -> int:
@@ -239,25 +257,33 @@ class InternodeBackend(Backend):
                                f"not {self.name!r}")
         return plan
 
-    def dispatch(self, req: DispatchRequest) -> DispatchResult:
-        with self.probe.call("cached dispatch" if req.handle is not None else "dispatch"):
+    def _probed(self, name: str, fn, *args):
+        """``fn(*args)`` as the recording probe's call ``name`` (the null probe: called, nothing else)."""
+        with self.probe.call(name):
             self.probe.mark("buffer")
-            self.wiring.blocks.clear()   # what a call that raised had allocated
-            if req.handle is not None:
-                return self._dispatch_cached(req)
-            x, E = req.x, req.num_experts
-            K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
-            self.calls += 1
-            self._last_num_experts = E
-            sig = self.signature(1, x.shape[1], E, req.x_scales is not None, K, req.topk_weights is not None,
-                                 req.config)
-            ring = ring_rows(req.config)
-            if self.device_steps and device.fits(req):
-                return device.dispatch(self.wiring, self.head, self.scratch, req, sig, ring, self.name)
-            if req.num_worst_tokens:
-                return padded.dispatch(self.wiring, req, sig, ring, self.name,
-                                       kernels=self.device_steps and padded.fits(self.wiring, req))
-            return counted.dispatch(self.wiring, req, sig, ring, self.name)
+            return fn(*args)
+
+    def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        if self.probe.recording:
+            return self._probed("cached dispatch" if req.handle is not None else "dispatch", self._dispatch, req)
+        return self._dispatch(req)
+
+    def _dispatch(self, req: DispatchRequest) -> DispatchResult:
+        self.wiring.blocks.clear()   # what a call that raised had allocated
+        if req.handle is not None:
+            return self._dispatch_cached(req)
+        x, E = req.x, req.num_experts
+        K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+        self.calls += 1
+        self._last_num_experts = E
+        sig = self.signature(1, x.shape[1], E, req.x_scales is not None, K, req.topk_weights is not None, req.config)
+        ring = ring_rows(req.config)
+        if self.device_steps and device.fits(req):
+            return device.dispatch(self.wiring, self.head, self.scratch, req, sig, ring, self.name)
+        if req.num_worst_tokens:
+            return padded.dispatch(self.wiring, req, sig, ring, self.name,
+                                   kernels=self.device_steps and padded.fits(self.wiring, req))
+        return counted.dispatch(self.wiring, req, sig, ring, self.name)
 
     def _dispatch_cached(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle
@@ -266,24 +292,44 @@ class InternodeBackend(Backend):
         if not self.nccl:
             self._agree(self.signature(2, req.x.shape[1], h.num_experts, req.x_scales is not None, 0, False,
                                        req.config), h.num_experts)
-        path = {"device": device, "padded": padded, "counted": counted}[plan.path]
-        return path.dispatch_cached(self.wiring, req, plan)
+        return _PATHS[plan.path].dispatch_cached(self.wiring, req, plan)
+
+    # ------------------------------------------------------------------ kept calls (the Buffer's fast path)
+    def plan_for(self, handle, key: tuple, x: torch.Tensor, config, second):
+        """The kept call (internode/kept.py) of ``handle`` for a cached dispatch (``key`` ("dispatch",
+        x dtype), ``second``: FP8 scales) or a combine (("combine", K), ``second``: weights) with these
+        arguments, or None when anything differs from the call it was made from, or while a CUDA graph
+        is captured: then the call takes the full path, which checks it as always."""
+        plan = handle.extra.get("plan")
+        kept = plan.kept.get(key) if type(plan) is Plan else None
+        if (kept is None or self.failed or self.node is None or not kept.fits(handle, x, second, config)
+                or (self.comm_device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing())):
+            return None
+        return kept
+
+    def run_plan(self, kept, x: torch.Tensor, second, comm_raw: int, switch=None) -> tuple:
+        """The kept call on new tensors (kept.replay: outputs where ``switch`` says, the rest on the comm
+        stream). Returns (first output, second output or None)."""
+        self.calls += 1
+        self.replayed += 1
+        if self.probe.recording:
+            return self._probed(kept.op, replay, kept, x, second, self.ctx.comm_stream, comm_raw, switch)
+        return replay(kept, x, second, self.ctx.comm_stream, comm_raw, switch)
 
     def combine(self, req: CombineRequest) -> CombineResult:
-        with self.probe.call("combine"):
-            self.probe.mark("buffer")
-            self.wiring.blocks.clear()
-            h = req.handle
-            plan = self._plan(h)
-            has_w = req.topk_weights is not None
-            K = req.topk_weights.shape[1] if has_w else 0
-            self.calls += 1
-            if not self.nccl:
-                self._agree(self.signature(3, req.x.shape[1], h.num_experts, False, K, has_w, req.config),
-                            h.num_experts)
-            self._phase = "combine"
-            path = {"device": device, "padded": padded, "counted": counted}[plan.path]
-            return path.combine(self.wiring, req, plan)
+        return self._probed("combine", self._combine, req) if self.probe.recording else self._combine(req)
+
+    def _combine(self, req: CombineRequest) -> CombineResult:
+        self.wiring.blocks.clear()   # what a call that raised had allocated
+        h = req.handle
+        plan = self._plan(h)
+        has_w = req.topk_weights is not None
+        K = req.topk_weights.shape[1] if has_w else 0
+        self.calls += 1
+        if not self.nccl:
+            self._agree(self.signature(3, req.x.shape[1], h.num_experts, False, K, has_w, req.config), h.num_experts)
+        self._phase = "combine"
+        return _PATHS[plan.path].combine(self.wiring, req, plan)
 
 
 __all__ = ["InternodeBackend"]

@@ -62,6 +62,8 @@ DATA_OFFSET = align_up(SIGNAL_BYTES, SLOT_ALIGN)
 BARRIER_THREADS = 32         # one warp (csrc/fanout.cu: lane q speaks for local rank q)
 THREADS = 512                # forward / reduce: a warp per row
 GROWTH_ALIGN = 2 << 20       # data areas grow in 2 MiB steps, by at least half their size
+# argument slots of forward_spec / reduce_spec a kept launch sets per call (with its grid)
+FORWARD_LANDED, FORWARD_J, REDUCE_POS, REDUCE_J, REDUCE_OUT = 0, 1, 0, 1, 8
 assert SIGNAL_BYTES >= 8 * (loader.MAX_RANKS + 1)
 
 
@@ -153,18 +155,30 @@ class NodeFanout:
     # ------------------------------------------------------------------ kernels
     def barrier(self) -> None:
         """All local ranks meet (device side, on the current stream; CUDA-graph capturable)."""
-        self._alive()
-        loader.launch(FAMILY, "fanout_barrier_kernel", 1, BARRIER_THREADS,
-                 (loader.ptr(self.peer_bases), loader.i32(self.local_rank), loader.i32(self.num_local), loader.u64(SIGNAL_OFFSET),
-                  loader.u64(self.timeout_ns)))
+        loader.launch(*self.barrier_spec())
 
-    def _grid(self, J: int) -> int:
+    def barrier_spec(self) -> tuple:
+        """``barrier``'s launch as a spec (family, name, grid, block, args, shared memory): it never
+        changes while this object lives (the peers' addresses are read from ``peer_bases``)."""
+        self._alive()
+        return (FAMILY, "fanout_barrier_kernel", 1, BARRIER_THREADS,
+                [self.peer_bases.data_ptr(), self.local_rank, self.num_local, SIGNAL_OFFSET, self.timeout_ns], 0)
+
+    def grid(self, J: int) -> int:
+        """CTAs of forward / reduce for J rows (a warp per row, at most num_ctas)."""
         return max(1, min(self.num_ctas, -(-J // (THREADS // 32))))
 
     def forward(self, landed: torch.Tensor, W: int, row_bytes: int | None = None) -> None:
         """Store the W payload bytes of every landed row at its final row on each local rank that gets
         it (``landed``: uint8 [J, >= W + 4 P], see the module docstring). ``row_bytes``: the row stride
         of the data areas (default W). W, the strides and landed's address: multiples of 4."""
+        spec = self.forward_spec(landed, W, row_bytes)
+        if spec is not None:
+            loader.launch(*spec)
+
+    def forward_spec(self, landed: torch.Tensor, W: int, row_bytes: int | None = None):
+        """``forward``'s checks, then its launch as a spec (None: no rows); argument FORWARD_LANDED is
+        landed's address."""
         self._alive()
         P = self.num_local
         dst_stride = int(W if row_bytes is None else row_bytes)
@@ -173,7 +187,7 @@ class NodeFanout:
                              f"{tuple(landed.shape)} {landed.dtype} on {landed.device}")
         J = landed.shape[0]
         if J == 0:
-            return
+            return None
         if landed.shape[1] < W + 4 * P or (landed.shape[1] > 1 and landed.stride(1) != 1):
             raise ValueError(f"NodeFanout.forward: landed rows must hold W + 4 P = {W + 4 * P} contiguous bytes, got "
                              f"shape {tuple(landed.shape)} strides {landed.stride()}")
@@ -183,14 +197,20 @@ class NodeFanout:
                              f"({dst_stride}) and landed's address must be positive multiples of 4")
         if dst_stride < W:
             raise ValueError(f"NodeFanout.forward: row_bytes ({dst_stride}) < W ({W})")
-        loader.launch(FAMILY, "fanout_forward_kernel", self._grid(J), THREADS,
-                 (loader.ptr(landed), loader.i32(J), loader.i32(row_stride), loader.i32(W), loader.i32(P), loader.ptr(self.peer_bases),
-                  loader.u64(DATA_OFFSET), loader.i32(dst_stride)))
+        return (FAMILY, "fanout_forward_kernel", self.grid(J), THREADS,
+                [landed.data_ptr(), J, row_stride, W, P, self.peer_bases.data_ptr(), DATA_OFFSET, dst_stride], 0)
 
     def reduce(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, row_bytes: int | None = None) -> None:
         """out[j] = the local ranks' rows pos[j, p] summed in ascending p (module docstring): bf16 [H]
         then float32 [K] packed into the uint8 row out[j] (``out``: uint8 [J, >= 2 H + 4 K], row
         stride even). ``pos``: int32 [J, P]; ``row_bytes``: the data areas' row stride (default 2 H + 4 K)."""
+        spec = self.reduce_spec(pos.contiguous(), H, K, out, row_bytes)
+        if spec is not None:
+            loader.launch(*spec)
+
+    def reduce_spec(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, row_bytes: int | None = None):
+        """``reduce``'s checks, then its launch as a spec (None: no rows); argument REDUCE_OUT is out's
+        address. ``pos`` (contiguous) must stay alive while the spec is used (its address is in it)."""
         self._alive()
         P = self.num_local
         W = 2 * H + 4 * K
@@ -207,11 +227,12 @@ class NodeFanout:
             raise ValueError(f"NodeFanout.reduce: H ({H}), K ({K}), row_bytes ({src_stride} >= {W}), out's row "
                              "stride and address must be even")
         if J == 0:
-            return
-        pos = pos.contiguous()
-        loader.launch(FAMILY, "fanout_reduce_kernel", self._grid(J), THREADS,
-                 (loader.ptr(pos), loader.i32(J), loader.i32(P), loader.ptr(self.peer_bases), loader.u64(DATA_OFFSET), loader.i32(src_stride),
-                  loader.i32(H), loader.i32(K), loader.ptr(out), loader.i32(out.stride(0))))
+            return None
+        if not pos.is_contiguous():
+            raise ValueError(f"NodeFanout.reduce: pos must be contiguous, got strides {pos.stride()}")
+        return (FAMILY, "fanout_reduce_kernel", self.grid(J), THREADS,
+                [pos.data_ptr(), J, P, self.peer_bases.data_ptr(), DATA_OFFSET, src_stride, H, K, out.data_ptr(),
+                 out.stride(0)], 0)
 
     # ------------------------------------------------------------------ lifetime
     def _alive(self) -> None:

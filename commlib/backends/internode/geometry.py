@@ -84,12 +84,26 @@ class Plan:
     num_recv_dev: Optional[torch.Tensor] = None
     kernels: bool = False
     row_counts: Optional[tuple] = None        # ((counter, rows), ...) one call adds (Wiring.count_rows)
+    # device path: the kept cached dispatches and combines of this handle, by the Buffer's replay key
+    # (("dispatch", x dtype) / ("combine", K): internode/kept.py)
+    kept: dict = dataclasses.field(default_factory=dict)
 
 
 def geometry(path: str, counts: dict, ring: int, max_chunks: int) -> Plan:
     """The chunk geometry every rank derives alike from the exchange digest's ``counts``
     (``exchange.read_counts``): rows per chunk to and from every rail peer and, in the node, to and
     from every forwarder, with each chunk's first row in the send rows and in the landed rows."""
+    if counts["num_chunks"] == 1:   # every stream fits one chunk (the digest's count is the most any needs)
+        mine, rail_in = counts["mine"], counts["rail_in"]
+        S, J = sum(mine), sum(rail_in)
+        return Plan(path=path, num_chunks=1, num_recv=counts["num_recv"], node_rows=counts["node_rows"],
+                    send_splits=[list(mine)], recv_splits=[list(rail_in)], send_starts=[0, S], recv_starts=[0, J],
+                    fan_send=counts["fan_send"][:1], fan_recv=counts["fan_recv"][:1], home_lens=list(mine))
+    return chunked(path, counts, ring, max_chunks)
+
+
+def chunked(path: str, counts: dict, ring: int, max_chunks: int) -> Plan:
+    """``geometry`` for any number of chunks (each stream cut into chunks of ``chunk_rows``)."""
     num_chunks, mine = counts["num_chunks"], counts["mine"]
     M = len(mine)
     rows_of = [chunk_rows(c, ring, max_chunks) for c in mine]
@@ -136,4 +150,4 @@ def padded_plan(in_node: torch.Tensor, spos: torch.Tensor, worst: int, num_ranks
     return Plan(path="padded", num_chunks=nch, num_recv=worst, crows=crows, slots=slots, slot=slot)
 
 
-__all__ = ["chunk_rows", "clip", "ring_rows", "compact", "Plan", "geometry", "send_order", "padded_plan"]
+__all__ = ["chunk_rows", "clip", "ring_rows", "compact", "Plan", "geometry", "chunked", "send_order", "padded_plan"]

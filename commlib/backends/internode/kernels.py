@@ -2,7 +2,10 @@
 instead of tens of torch ops; internode/device.py calls them).
 
 Each function takes tensors and host ints, checks what the kernel relies on (dtype, contiguity,
-4-byte row geometry) and launches on torch's current stream. Nothing here reads the device.
+4-byte row geometry) and launches on torch's current stream. Nothing here reads the device. The
+row-moving steps also come as ``*_spec``: the same checks, then the launch as a ``Spec`` (family,
+name, grid, block, argument list, shared memory) for a caller that keeps it and replays it with
+new tensors at the argument slots named below (internode/kept.py).
 The kernels' contracts are in the .cu file's comments; the torch steps of internode/counted.py are
 their specification, and the device tests compare the engine's outputs and handles with the
 reference backend's, bit for bit.
@@ -25,11 +28,28 @@ def _fail(what: str) -> None:
     raise ValueError(f"commlib internode kernels: {what}")
 
 
-def _grid(n: int) -> int:
+def grid(n: int) -> int:
+    """CTAs of the row kernels (pack, land, rows, home) for ``n`` rows: a warp per row."""
     return max(1, min(MAX_CTAS, -(-n // (THREADS // 32))))
 
 
-_ptr_or_zero = loader.ptr   # 0 for None: one Python frame per argument, not two
+def launch(spec) -> None:
+    """Launch a ``*_spec`` result (nothing for None: a step with no rows)."""
+    if spec is not None:
+        loader.launch(*spec)
+
+
+# Argument slots of the specs that a kept launch sets per call (tests/test_internode_kernels.py
+# checks each names its tensor's address or its count): meta's inputs; pack's inputs, send rows and
+# the handle's matrices; land's rows, row counts and outputs; recv_chan's source indices and out;
+# rows' positions, count, y, weights and out; home's back rows, slots, out_y and out_w.
+META_TIR, META_TOPK, META_EXPERTS, META_HEAD = 0, 1, 2, 3
+PACK_TIR, PACK_SLOT, PACK_SEND_HEAD, PACK_RANK_PREFIX, PACK_CHAN_PREFIX = 11, 14, 15, 16, 17
+PACK_X, PACK_SCALES, PACK_TOPK, PACK_W, PACK_SEND = 18, 20, 22, 23, 25
+LAND_ROWS, LAND_N, LAND_N_OUT, LAND_X, LAND_SCALES, LAND_SRC, LAND_TOPK, LAND_W, LAND_POS = 0, 1, 4, 5, 7, 9, 10, 11, 16
+RECV_CHAN_SRC, RECV_CHAN_OUT = 0, 7
+ROWS_POS, ROWS_N, ROWS_Y, ROWS_W, ROWS_OUT = 0, 1, 2, 4, 6
+HOME_BACK, HOME_SLOT, HOME_Y, HOME_W = 0, 2, 9, 10
 
 
 def meta(tir: torch.Tensor, topk, experts_in, head: torch.Tensor, row: torch.Tensor, before: torch.Tensor,
@@ -37,6 +57,13 @@ def meta(tir: torch.Tensor, topk, experts_in, head: torch.Tensor, row: torch.Ten
     """The count exchange's row (``row``: int64, ``head`` copied to its start) and the scans ``before``
     [T, R] and ``spos`` [T, M] (int32) from is_token_in_rank ``tir`` [T, R] (bool) and ``topk`` [T, K]
     int64 (or, without top-k, ``experts_in``: int32 [E] tokens per expert)."""
+    launch(meta_spec(tir, topk, experts_in, head, row, before, spos, M=M, P=P, E=E, Kc=Kc, ring=ring,
+                     max_nodes=max_nodes))
+
+
+def meta_spec(tir: torch.Tensor, topk, experts_in, head: torch.Tensor, row: torch.Tensor, before: torch.Tensor,
+              spos: torch.Tensor, *, M: int, P: int, E: int, Kc: int, ring: int, max_nodes: int) -> tuple:
+    """``meta``'s checks, then its launch."""
     T, R = tir.shape
     K = topk.shape[1] if topk is not None else 0
     if not (tir.dtype == torch.bool and tir.is_contiguous()):
@@ -51,12 +78,10 @@ def meta(tir: torch.Tensor, topk, experts_in, head: torch.Tensor, row: torch.Ten
         _fail("the exchange row and its head are int64")
     if not (before.dtype == torch.int32 and spos.dtype == torch.int32):
         _fail("before / spos are int32")
-    shared = 4 * max(E, Kc * P, 1)
-    loader.launch(FAMILY, "inter_meta_kernel", R + M + 1, META_THREADS,
-                  (loader.ptr(tir), _ptr_or_zero(topk), _ptr_or_zero(experts_in), loader.ptr(head),
-                   loader.i32(head.numel()), loader.i32(T), loader.i32(R), loader.i32(M), loader.i32(P),
-                   loader.i32(E), loader.i32(K), loader.i32(Kc), loader.i32(ring), loader.i32(max_nodes),
-                   loader.ptr(row), loader.ptr(before), loader.ptr(spos)), shared_mem=shared)
+    return (FAMILY, "inter_meta_kernel", R + M + 1, META_THREADS,
+            [tir.data_ptr(), 0 if topk is None else topk.data_ptr(), 0 if experts_in is None else experts_in.data_ptr(),
+             head.data_ptr(), head.numel(), T, R, M, P, E, K, Kc, ring, max_nodes, row.data_ptr(), before.data_ptr(),
+             spos.data_ptr()], 4 * max(E, Kc * P, 1))
 
 
 DIGEST_THREADS = 256
@@ -71,17 +96,12 @@ def digest(g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int, node: int
            Kc: int, ring: int, Lx: int) -> None:
     """What the host needs of the gathered exchange ``g`` [R, row_len] (int64) into ``out`` (int64
     [digest_len]): the same vector as ``exchange_digest``."""
-    launch_digest(digest_args(g, out, n_sig=n_sig, me=me, node=node, loc=loc, M=M, P=P, Kc=Kc, ring=ring, Lx=Lx))
+    launch(digest_spec(g, out, n_sig=n_sig, me=me, node=node, loc=loc, M=M, P=P, Kc=Kc, ring=ring, Lx=Lx))
 
 
-def launch_digest(args: tuple) -> None:
-    """The digest launch with arguments from ``digest_args`` (kept by a caller whose g and out stay)."""
-    loader.launch(FAMILY, "inter_digest_kernel", 1, DIGEST_THREADS, args)
-
-
-def digest_args(g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int, node: int, loc: int, M: int, P: int,
+def digest_spec(g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int, node: int, loc: int, M: int, P: int,
                 Kc: int, ring: int, Lx: int) -> tuple:
-    """``digest``'s checks, then the launch's arguments."""
+    """``digest``'s checks, then its launch (for a caller whose g and out stay: nothing to set per call)."""
     R, row_len = g.shape
     if not (g.dtype == torch.int64 and g.is_contiguous()):
         _fail("g must be the contiguous int64 gathered exchange")
@@ -89,9 +109,8 @@ def digest_args(g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int, node
         _fail(f"rank {me} is not (node {node}, local rank {loc}) " f"of {M} x {P}")
     if not (out.dtype == torch.int64 and out.is_contiguous() and out.numel() == digest_len(M, P, Kc, Lx)):
         _fail(f"out must be contiguous int64 [{digest_len(M, P, Kc, Lx)}]")
-    return (loader.ptr(g), loader.i32(row_len), loader.i32(n_sig), loader.i32(me), loader.i32(node),
-            loader.i32(loc), loader.i32(R), loader.i32(M), loader.i32(P), loader.i32(Kc), loader.i32(ring),
-            loader.i32(Lx), loader.ptr(out))
+    return (FAMILY, "inter_digest_kernel", 1, DIGEST_THREADS,
+            [g.data_ptr(), row_len, n_sig, me, node, loc, R, M, P, Kc, ring, Lx, out.data_ptr()], 0)
 
 
 def _row_parts(x: torch.Tensor, scales, topk, w) -> tuple:
@@ -120,6 +139,14 @@ def pack(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor, x: 
     gathered exchange [R, row_len] int64): also writes ``slot`` [T, M], ``send_head`` [T, R],
     ``rank_prefix`` [R, R] and ``chan_prefix`` [R, C] (int32). Cached (``g`` None): reads slot and
     send_head."""
+    launch(pack_spec(g, send, slot, send_head, x, scales, topk, w, me=me, M=M, P=P, Kc=Kc, ring=ring, n_sig=n_sig,
+                     tir=tir, before=before, spos=spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix))
+
+
+def pack_spec(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor, x: torch.Tensor, scales, topk, w, *,
+              me: int, M: int, P: int, Kc: int, ring: int, n_sig: int = 0, tir=None, before=None, spos=None,
+              rank_prefix=None, chan_prefix=None):
+    """``pack``'s checks, then its launch (None: nothing to pack)."""
     T = x.shape[0]
     R = send_head.shape[1]
     K = topk.shape[1] if topk is not None else 0
@@ -139,15 +166,15 @@ def pack(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor, x: 
             _fail("a fresh pack needs tir, before, spos and the matrices")
         C = chan_prefix.shape[1]
     if T == 0 and g is None:   # a fresh pack still writes the matrices
-        return
-    shared = 4 * (R + Kc * M + M)
-    loader.launch(FAMILY, "inter_pack_kernel", _grid(T), THREADS,
-                  (_ptr_or_zero(g), loader.i32(g.shape[1] if g is not None else 0), loader.i32(n_sig), loader.i32(me),
-                   loader.i32(T), loader.i32(R), loader.i32(M), loader.i32(P), loader.i32(Kc), loader.i32(ring),
-                   loader.i32(C), _ptr_or_zero(tir), _ptr_or_zero(before), _ptr_or_zero(spos), loader.ptr(slot),
-                   loader.ptr(send_head), _ptr_or_zero(rank_prefix), _ptr_or_zero(chan_prefix), loader.ptr(x),
-                   loader.i32(x_bytes), _ptr_or_zero(scales), loader.i32(s_bytes), _ptr_or_zero(topk), _ptr_or_zero(w),
-                   loader.i32(K), loader.ptr(send), loader.i32(send.shape[1])), shared_mem=shared)
+        return None
+    fresh = g is not None
+    return (FAMILY, "inter_pack_kernel", grid(T), THREADS,
+            [g.data_ptr() if fresh else 0, g.shape[1] if fresh else 0, n_sig, me, T, R, M, P, Kc, ring, C,
+             tir.data_ptr() if fresh else 0, before.data_ptr() if fresh else 0, spos.data_ptr() if fresh else 0,
+             slot.data_ptr(), send_head.data_ptr(), rank_prefix.data_ptr() if fresh else 0,
+             chan_prefix.data_ptr() if fresh else 0, x.data_ptr(), x_bytes, 0 if scales is None else scales.data_ptr(),
+             s_bytes, 0 if topk is None else topk.data_ptr(), 0 if w is None else w.data_ptr(), K, send.data_ptr(),
+             send.shape[1]], 4 * (R + Kc * M + M))
 
 
 def land(rows_addr: int, n: int, row_stride: int, pos_off: int, x_out: torch.Tensor, s_out=None,
@@ -158,6 +185,14 @@ def land(rows_addr: int, n: int, row_stride: int, pos_off: int, x_out: torch.Ten
     row's index). The rows carry scales exactly when ``s_out`` is given; expert ids are made local
     ([expert_lo, expert_lo + num_local) -> 0.., else -1), weights of other ranks' experts 0.
     ``pos_out`` (int32 [n]) gets each row's output row. The row layout is the dispatch packer's."""
+    launch(land_spec(rows_addr, n, row_stride, pos_off, x_out, s_out, src_out, topk_out, w_out, K=K,
+                     expert_lo=expert_lo, num_local=num_local, pos_out=pos_out))
+
+
+def land_spec(rows_addr: int, n: int, row_stride: int, pos_off: int, x_out: torch.Tensor, s_out=None,
+              src_out=None, topk_out=None, w_out=None, *, K: int = 0, expert_lo: int = 0, num_local: int = 0,
+              pos_out=None):
+    """``land``'s checks, then its launch (None: no rows)."""
     if not (x_out.is_contiguous() and x_out.dim() == 2):
         _fail("x_out must be contiguous [N, H]")
     x_bytes = x_out.shape[1] * x_out.element_size()
@@ -171,28 +206,36 @@ def land(rows_addr: int, n: int, row_stride: int, pos_off: int, x_out: torch.Ten
     if not (w_out is None or (w_out.dtype == torch.float32 and w_out.is_contiguous())):
         _fail("weights out: float32")
     if n == 0:
-        return
-    loader.launch(FAMILY, "inter_land_kernel", _grid(n), THREADS,
-                  (int(rows_addr), loader.i32(n), loader.i32(row_stride), loader.i32(pos_off),
-                   loader.i32(x_out.shape[0]), loader.ptr(x_out), loader.i32(x_bytes), _ptr_or_zero(s_out),
-                   loader.i32(s_bytes), _ptr_or_zero(src_out), _ptr_or_zero(topk_out), _ptr_or_zero(w_out),
-                   loader.i32(K), loader.i32(int(w_out is not None)), loader.i32(expert_lo), loader.i32(num_local),
-                   _ptr_or_zero(pos_out)))
+        return None
+    return (FAMILY, "inter_land_kernel", grid(n), THREADS,
+            [int(rows_addr), n, row_stride, pos_off, x_out.shape[0], x_out.data_ptr(), x_bytes,
+             0 if s_out is None else s_out.data_ptr(), s_bytes, 0 if src_out is None else src_out.data_ptr(),
+             0 if topk_out is None else topk_out.data_ptr(), 0 if w_out is None else w_out.data_ptr(), K,
+             int(w_out is not None), expert_lo, num_local, 0 if pos_out is None else pos_out.data_ptr()], 0)
 
 
 def recv_chan(src_idx: torch.Tensor, g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int) -> None:
     """The handle's recv_channel_prefix_matrix ``out`` [R, C] int32 from the landed source indices."""
+    launch(recv_chan_spec(src_idx, g, out, n_sig=n_sig, me=me))
+
+
+def recv_chan_spec(src_idx: torch.Tensor, g: torch.Tensor, out: torch.Tensor, *, n_sig: int, me: int) -> tuple:
+    """``recv_chan``'s checks, then its launch."""
     R, C = out.shape
     if not (src_idx.dtype == torch.int32 and out.dtype == torch.int32 and out.is_contiguous()):
         _fail("int32 in and out")
-    loader.launch(FAMILY, "inter_recv_chan_kernel", 1, RECV_CHAN_THREADS,
-                  (loader.ptr(src_idx), loader.ptr(g), loader.i32(g.shape[1]), loader.i32(n_sig), loader.i32(me),
-                   loader.i32(R), loader.i32(C), loader.ptr(out)))
+    return (FAMILY, "inter_recv_chan_kernel", 1, RECV_CHAN_THREADS,
+            [src_idx.data_ptr(), g.data_ptr(), g.shape[1], n_sig, me, R, C, out.data_ptr()], 0)
 
 
 def rows(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int) -> None:
     """Combine rows at device address ``out_addr`` (stride ``out_stride``): row j = y row pos[j] | w row
     pos[j] (``pos`` None: row j)."""
+    launch(rows_spec(pos, n, y, w, out_addr, out_stride))
+
+
+def rows_spec(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int):
+    """``rows``' checks, then its launch (None: no rows)."""
     if not (y.dtype == torch.bfloat16 and y.is_contiguous()):
         _fail("combine x must be contiguous bf16")
     K = w.shape[1] if w is not None else 0
@@ -204,15 +247,20 @@ def rows(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int) -> Non
     if not (pos is None or (pos.dtype == torch.int32 and pos.is_contiguous())):
         _fail("pos must be contiguous int32")
     if n == 0:
-        return
-    loader.launch(FAMILY, "inter_rows_kernel", _grid(n), THREADS,
-                  (_ptr_or_zero(pos), loader.i32(n), loader.ptr(y), loader.i32(2 * y.shape[1]), _ptr_or_zero(w),
-                   loader.i32(K), int(out_addr), loader.i32(out_stride)))
+        return None
+    return (FAMILY, "inter_rows_kernel", grid(n), THREADS,
+            [0 if pos is None else pos.data_ptr(), n, y.data_ptr(), 2 * y.shape[1], 0 if w is None else w.data_ptr(),
+             K, int(out_addr), out_stride], 0)
 
 
 def home(back: torch.Tensor, slot: torch.Tensor, biases: list, out_y: torch.Tensor, out_w, *, H: int, K: int) -> None:
     """Combine at home: per token 0 + the (bf16, [T, H]) biases, then the node partials (``back`` rows
     at ``slot`` [T, M]) in node order, into bf16 ``out_y`` [T, H] and float32 ``out_w`` [T, K]."""
+    launch(home_spec(back, slot, biases, out_y, out_w, H=H, K=K))
+
+
+def home_spec(back: torch.Tensor, slot: torch.Tensor, biases: list, out_y: torch.Tensor, out_w, *, H: int, K: int):
+    """``home``'s checks, then its launch (None: no tokens)."""
     T, M = slot.shape
     if not (H % 2 == 0 and out_y.dtype == torch.bfloat16 and out_y.is_contiguous()):
         _fail("out_y: contiguous bf16, H even")
@@ -222,9 +270,8 @@ def home(back: torch.Tensor, slot: torch.Tensor, biases: list, out_y: torch.Tens
     if not (back.stride(0) % 4 == 0 and back.data_ptr() % 4 == 0):
         _fail("4-byte aligned back rows")
     if T == 0:
-        return
+        return None
     b = list(biases) + [None, None]
-    loader.launch(FAMILY, "inter_home_kernel", _grid(T), THREADS,
-                  (loader.ptr(back), loader.i32(back.stride(0)), loader.ptr(slot), loader.i32(T), loader.i32(M),
-                   loader.i32(H), loader.i32(K), _ptr_or_zero(b[0]), _ptr_or_zero(b[1]), loader.ptr(out_y),
-                   _ptr_or_zero(out_w)))
+    return (FAMILY, "inter_home_kernel", grid(T), THREADS,
+            [back.data_ptr(), back.stride(0), slot.data_ptr(), T, M, H, K, 0 if b[0] is None else b[0].data_ptr(),
+             0 if b[1] is None else b[1].data_ptr(), out_y.data_ptr(), 0 if out_w is None else out_w.data_ptr()], 0)

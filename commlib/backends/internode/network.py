@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from commlib.backends.probe import Probe
 from commlib.utils import env
+from commlib.utils.dist import direct_collective
 
 
 class NetworkStep:
@@ -50,6 +51,9 @@ class RailStep(NetworkStep):
         self.ordered = nccl   # NCCL runs a group's collectives in order
         self.stall_ms = env.debug_network_stall_ms()
         self._rng = random.Random(1000 + rank)
+        # NCCL: the group's own all-to-all and kept options (the same collective as torch.distributed's
+        # all_to_all_single, without its Python frames); gloo keeps the torch.distributed call
+        self._direct = direct_collective(group, "all_to_all_single") if nccl else None
 
     def stall(self) -> None:
         if self.stall_ms:
@@ -57,16 +61,22 @@ class RailStep(NetworkStep):
 
     def post(self, send, send_splits, recv_splits, out=None):
         """Post one chunk; ``out``: where the rows land (contiguous, sum(recv_splits) rows), else a new tensor."""
-        self.stall()
+        if self.stall_ms:
+            self.stall()
         if out is None:
             out = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype, device=send.device)
-        work = self.probe.collective(dist.all_to_all_single, out, send, recv_splits, send_splits, group=self.group,
-                                     async_op=True)
+        direct, probe = self._direct, self.probe
+        if direct is not None:
+            return out, (probe.collective(direct[0], out, send, recv_splits, send_splits, direct[1]) if probe.recording
+                         else direct[0](out, send, recv_splits, send_splits, direct[1]))
+        work = probe.collective(dist.all_to_all_single, out, send, recv_splits, send_splits, group=self.group,
+                                async_op=True)
         return out, work
 
     def land(self, posted, what):
         out, work = posted
-        self.stall()
+        if self.stall_ms:
+            self.stall()
         self.wait(work, what)
         return out
 

@@ -219,6 +219,33 @@ class ForwarderNode(NodeStep):
         """(address, row stride) of this rank's area: where ``dispatch_end``'s rows are."""
         return self.fan.data_address(), self.Wd
 
+    # ---- a kept call's pieces (internode/kept.py): the same launches as the methods above ----
+    def kept_begin(self, plan, row_bytes: int) -> int:
+        """Room for the plan's rows of ``row_bytes`` (as dispatch_begin / combine_begin: collective
+        where the areas grow, so only a call's full path makes it); returns the areas' row stride Wd."""
+        self.Wd = align_up(row_bytes, 16)
+        self._reserve(plan)
+        return self.Wd
+
+    def barrier_spec(self) -> tuple:
+        return self.fan.barrier_spec()
+
+    def area_address(self) -> int:
+        """This rank's area (it moves where another call grew the areas: read it per call)."""
+        return self.fan.data_address()
+
+    def grid(self, J: int) -> int:
+        """CTAs of a forward / reduce of J rows."""
+        return self.fan.grid(J)
+
+    def forward_spec(self, landed: torch.Tensor, W: int, Wd: int):
+        """``dispatch_chunk``'s forward of ``landed`` into rows of stride Wd, as a launch spec."""
+        return self.fan.forward_spec(landed, W, Wd)
+
+    def reduce_spec(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, Wd: int):
+        """``combine_chunk``'s reduce of the rows at ``pos`` into ``out`` (areas' stride Wd), as a launch spec."""
+        return self.fan.reduce_spec(pos, H, K, out, Wd)
+
     def combine_begin(self, rows, plan, row_bytes):
         """This rank's rows into its area, between barriers (peers are past their reads of it before,
         every rank's rows are there after). ``rows``: uint8 [n, row_bytes], or a callable that writes

@@ -39,6 +39,13 @@ class Wiring:
     reads: list = dataclasses.field(default_factory=lambda: [0])   # host reads (tests: one per dispatch)
     ctx: Any = None                 # the Backend's BackendContext (out_stream, comm_stream); None: current stream
     blocks: list = dataclasses.field(default_factory=list)         # this call's ``alloc`` tensors
+    kept: dict = dataclasses.field(default_factory=dict)           # kept.Launches per kind and shape
+    # the topology's ints the calls read (its properties cost a Python call each)
+    my_node: int = dataclasses.field(init=False)
+    my_local_rank: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.my_node, self.my_local_rank = self.topology.node, self.topology.local_rank
 
     def alloc(self, *specs) -> list:
         """A call's outputs ((shape, dtype) per spec, None for none) on its output stream: the caller's,
@@ -71,8 +78,8 @@ class Wiring:
         lists (exchange.parse_digest). When it flags an error, the whole ``g`` is read too (a second
         read, on the error path only) and the checks raise alike on every rank."""
         topo = self.topology
-        M, P, Lx = topo.num_nodes, topo.ranks_per_node, E // topo.num_ranks
-        counts = parse_digest(self.read(digest).tolist(), M, P, self.max_chunks, Lx)
+        P = topo.ranks_per_node
+        counts = parse_digest(self.read(digest).tolist(), topo.num_ranks // P, P, self.max_chunks, E // topo.num_ranks)
         if counts["error"]:
             self.check(self.read(g), sig, E)
             raise RuntimeError(f"[commlib rank {topo.rank}] the count exchange flagged an error that its checks "
@@ -85,14 +92,15 @@ class Wiring:
 
     def count_rows(self, plan: Plan) -> None:
         """Rows moved by a counted call (``plan``'s geometry): over the network, inside the node."""
-        topo, c = self.topology, self.counters
+        c = self.counters
         if plan.row_counts is None:   # the geometry is the plan's for good: sum it once
             moved = {"local_rows": 0, "internode_rows": 0, "intranode_rows": 0}
+            node, loc = self.my_node, self.my_local_rank
             for m, n in enumerate(plan.home_lens):
-                moved["local_rows" if m == topo.node else "internode_rows"] += n
+                moved["local_rows" if m == node else "internode_rows"] += n
             for k in range(plan.num_chunks):
                 for p, n in enumerate(plan.fan_send[k]):
-                    moved["local_rows" if p == topo.local_rank else "intranode_rows"] += n
+                    moved["local_rows" if p == loc else "intranode_rows"] += n
             plan.row_counts = tuple(moved.items())
         for key, n in plan.row_counts:
             c[key] += n

@@ -27,7 +27,7 @@ LAYERS = [
 # The order inside a folder of one layer: a module imports only modules listed before it (or itself).
 INSIDE = {
     "commlib.backends.internode": ["exchange", "geometry", "rows", "kernels", "fanout",   # engine-free
-                                   "network", "node", "wiring",                            # the seams
+                                   "network", "node", "groups", "wiring",                  # the seams
                                    "counted", "padded", "kept", "device",                  # the data paths
                                    "engine"],
 }

@@ -1,16 +1,14 @@
 """Internode engine: each token crosses the network once per node, in chunks, then fans out in the node.
 
-The engine builds the groups (a rail per local rank, a group per node), chooses its two seams once
-(the network step: network.NETWORK_STEPS; the node step: node.NODE_STEPS) and, per call, a path:
-the kernels (device.py) where they fit, the num_worst_tokens path (padded.py), else the torch
-steps (counted.py). docs/internode.md describes the protocol; outputs and handles are the
+The engine builds the groups (groups.py: a rail per local rank, a group per node), chooses its two
+seams once (the network step: network.NETWORK_STEPS; the node step: groups.choose_node_step) and,
+per call, a path: the kernels (device.py) where they fit, the num_worst_tokens path (padded.py),
+else the torch steps (counted.py). docs/internode.md describes the protocol; outputs and handles are the
 reference backend's bit for bit (backends/base.py states the contract).
 
 Legend: R ranks, M nodes, P ranks per node, Kc the most network chunks a call may use, E experts.
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,40 +19,17 @@ from commlib.backends.common import OPS, gather, signature, wait
 from commlib.backends.internode import counted, device, padded
 from commlib.backends.internode.exchange import INTERNODE_SIG_FIELDS, check_exchange, row_len
 from commlib.backends.internode.geometry import Plan, ring_rows
+from commlib.backends.internode.groups import capped_nccl_options, choose_node_step, rail_group, same_everywhere
 from commlib.backends.internode.kept import replay
 from commlib.backends.internode.network import NETWORK_STEPS
-from commlib.backends.internode.node import NODE_STEPS
 from commlib.backends.internode.wiring import Wiring
 from commlib.cuda.loader import cupy_available
-from commlib.topology import local_facts, share_memory
 from commlib.utils import env
 from commlib.utils.dist import direct_collective
 from commlib.validate import CommlibError
 
 
 _PATHS = {"device": device, "padded": padded, "counted": counted}   # Plan.path -> its module
-
-
-def _same_everywhere(value, group, what: str, rank: int, size: int):
-    theirs = [None] * size
-    dist.all_gather_object(theirs, value, group=group)
-    if any(t != value for t in theirs):
-        raise ValueError(f"[commlib rank {rank}] {what} differs between ranks: {theirs}")
-    return value
-
-
-def _capped_nccl_options(max_ctas: int):
-    """NCCL communicator options with at most ``max_ctas`` CTAs; None (and a warning) where this
-    torch / NCCL build has no such knob."""
-    try:
-        options = dist.ProcessGroupNCCL.Options()
-        options.config.min_ctas = 1
-        options.config.max_ctas = max_ctas
-        return options
-    except AttributeError:
-        warnings.warn("commlib: this torch/NCCL cannot cap NCCL's CTAs; the internode engine's collectives are "
-                      "not held to the SM budget")
-        return None
 
 
 class InternodeBackend(Backend):
@@ -86,21 +61,18 @@ class InternodeBackend(Backend):
         self._phase = ""
         self._last_num_experts = 0   # E of the last dispatch: the row length a refused call sends
         R = topo.num_ranks
-        self.max_chunks = _same_everywhere(env.network_chunks(), self.group, "COMMLIB_NETWORK_CHUNKS", topo.rank, R)
+        self.max_chunks = same_everywhere(env.network_chunks(), self.group, "COMMLIB_NETWORK_CHUNKS", topo.rank, R)
         if topo.ranks_per_node == 1:
             # chunks pay only where the node step of chunk k overlaps chunk k + 1 on the wire
             self.max_chunks = 1
         # One SM budget: the network step and the node step run at once, so NCCL's CTAs for each are
         # capped at half of the Buffer's SM budget when the groups are made.
         self.nccl_ctas = max(1, ctx.num_sms() // 2) if self.nccl else 0
-        rail_options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
         world_ranks = dist.get_process_group_ranks(self.group)
-        self.rail_group = self.node_group = None
-        for loc in range(topo.ranks_per_node):   # every rank creates every group, in the same order
-            g = dist.new_group([world_ranks[r] for r in topo.rail_ranks(loc)], pg_options=rail_options)
-            self.rail_group = g if loc == topo.local_rank else self.rail_group
+        self.node_group = None
+        self.rail_group = rail_group(topo, world_ranks, capped_nccl_options(self.nccl_ctas) if self.nccl else None)
         self.network = NETWORK_STEPS["rail"](self.rail_group, self._wait_for, self.probe, self.nccl, topo.rank)
-        self.node = self._choose_node_step(world_ranks)
+        self.node = choose_node_step(self, world_ranks)
         # the per-token steps as kernels (device.py) where rows go straight to their rows: one rank per
         # node, or the forwarder kernel (COMMLIB_INTERNODE_KERNELS=0: the torch steps, for comparison)
         self.device_steps = (self.nccl and self.comm_device.type == "cuda" and cupy_available()
@@ -117,47 +89,6 @@ class InternodeBackend(Backend):
         self.probe = self.wiring.probe = self.network.probe = probe
         if hasattr(self.node, "probe"):
             self.node.probe = probe
-
-    def _node_groups(self, world_ranks: list, **kw):
-        """This rank's node group; every rank creates every node's, in the same order."""
-        topo, mine = self.topology, None
-        for n in range(topo.num_nodes):
-            g = dist.new_group([world_ranks[r] for r in topo.node_ranks(n)], **kw)
-            mine = g if n == topo.node else mine
-        return mine
-
-    def _choose_node_step(self, world_ranks: list):
-        """The IPC forwarder kernel where the node's GPUs map each other's memory (NCCL, CUDA, CuPy,
-        COMMLIB_NODE_FANOUT=kernel): its node group carries only IPC handles and barriers, so it is a
-        gloo group (no NCCL communicator, no device memory). Else the node group's all-to-all (an NCCL
-        group on NCCL, made only where some node needs it); nothing with one rank per node."""
-        topo = self.topology
-        if topo.ranks_per_node == 1:
-            return NODE_STEPS["local"](None, 0, 1, self.comm_device, self._wait_for)
-        forwarder, side = False, None
-        if self.nccl and self.comm_device.type == "cuda" and _same_everywhere(
-                env.node_fanout(), self.group, "COMMLIB_NODE_FANOUT", topo.rank, topo.num_ranks) == "kernel":
-            side = self._node_groups(world_ranks, backend="gloo")
-            if cupy_available():
-                facts = [None] * topo.ranks_per_node
-                dist.all_gather_object(facts, local_facts(self.comm_device), group=side)
-                forwarder = share_memory(facts)
-                if not forwarder:
-                    warnings.warn(f"commlib rank {topo.rank}: the ranks of node {topo.node} cannot map each other's "
-                                  "GPU memory (other hosts, or no peer access); the node step uses NCCL")
-            everyone = [None] * topo.num_ranks
-            dist.all_gather_object(everyone, forwarder, group=self.group)
-            need_groups = not all(everyone)
-        else:
-            need_groups = True
-        if need_groups:   # some node runs the node step on its group
-            options = _capped_nccl_options(self.nccl_ctas) if self.nccl else None
-            self.node_group = self._node_groups(world_ranks, pg_options=options)
-        if forwarder:
-            return NODE_STEPS["kernel"](side, self.comm_device, self.nccl_ctas, self.ctx.timeout_s, self.probe,
-                                        budget=self.ctx.num_nvl_bytes)
-        return NODE_STEPS["nccl"](self.node_group, topo.local_rank, topo.ranks_per_node, self.comm_device,
-                                  self._wait_for)
 
     def destroy(self) -> None:
         """Free the node step's IPC area (collective-free, as the nvlink engine: safe from __del__)."""

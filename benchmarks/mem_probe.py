@@ -38,8 +38,10 @@ Device used (total - free) is printed once per stage: every rank sharing a GPU c
 summary splits ``other`` into context, modules and NCCL; takes each rank at its peak (the most of
 other + peer_ipc + cupy_pool, plus the most peak_resv); says whether all ranks at their peaks fit the
 device they share; and compares commlib's own memory (its IPC buffers and the most a call held
-beyond its outputs) with num_nvl_bytes + num_rdma_bytes. Each sample is also appended to a file
-per rank, so a world that fails (out of memory) still reports the stages it reached.
+beyond its outputs) with num_nvl_bytes + num_rdma_bytes, and the forwarder's area (peer_ipc) at the
+worst stage with the dispatch stage's: a num_worst_tokens dispatch lands its rows in windows within
+what the dispatch reserved (``--require-fit`` also fails where it grew). Each sample is also appended
+to a file per rank, so a world that fails (out of memory) still reports the stages it reached.
 """
 from __future__ import annotations
 
@@ -316,6 +318,10 @@ def summary(results: list, a, solo_out=None, before=None) -> list:
     failed = [(i, r[k]["error"]) for i, r in enumerate(ranks) for k in STAGES if k in r and r[k].get("error")]
     if failed:
         lines.append(f"# out of memory on {len(failed)} rank(s), e.g. rank {failed[0][0]}: {failed[0][1]}")
+    grew = worst_area_grew(ranks)
+    if grew is not None:
+        lines.append(f"# forwarder area (peer_ipc): dispatch {_fmt(grew[1])}, worst {_fmt(grew[2])} GiB (the most of any "
+                     f"rank): {'GREW at the num_worst_tokens dispatch' if grew[0] else 'worst within dispatch'}")
     calls = [k for k in CALLS if k in first]
     if calls:
         held = max(r[k]["peak_alloc"] - r[k]["torch_alloc"] for r in ranks for k in calls if k in r)
@@ -325,6 +331,16 @@ def summary(results: list, a, solo_out=None, before=None) -> list:
                      f"{_fmt(ipc + held)} GiB; Buffer's num_nvl_bytes + num_rdma_bytes {_fmt(budget)} GiB: "
                      f"{'within' if ipc + held <= budget else 'OVER'}")
     return lines
+
+
+def worst_area_grew(ranks: list):
+    """(whether any rank's IPC bytes at the worst stage exceed its dispatch stage's, the most at
+    dispatch, the most at worst), or None where no rank reached both stages."""
+    both = [r for r in ranks if r and "dispatch" in r and "worst" in r]
+    if not both:
+        return None
+    return (any(r["worst"]["peer_ipc"] > r["dispatch"]["peer_ipc"] for r in both),
+            max(r["dispatch"]["peer_ipc"] for r in both), max(r["worst"]["peer_ipc"] for r in both))
 
 
 def rank_peaks(ranks: list) -> list:
@@ -395,7 +411,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-test-load", dest="test_load", action="store_false",
                    help="skip the fp8 stage (what test_internode holds at its heaviest)")
     p.add_argument("--require-fit", action="store_true",
-                   help="exit 2 when the ranks at their peaks do not fit the device (a check stage)")
+                   help="exit 2 when the ranks at their peaks do not fit the device, or the forwarder's area grew at "
+                        "the num_worst_tokens dispatch (a check stage)")
     p.add_argument("--timeout-s", type=float, default=540)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -436,7 +453,8 @@ def main(argv=None) -> int:
     if failure is not None:
         return 1
     need, total = fit(results, before)
-    return 2 if a.require_fit and total and need > total else 0
+    grew = worst_area_grew([r for r in results if r])
+    return 2 if a.require_fit and ((total and need > total) or (grew and grew[0])) else 0
 
 
 if __name__ == "__main__":

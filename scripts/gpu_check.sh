@@ -70,8 +70,11 @@ a2aplot      | nvlink    | 0 |  60 | $PY -m benchmarks.plot $RES/alltoall_perf_*
 tune         | nvlink    | 2 | 200 | $PY -m benchmarks.bench_tune ${TUNE_ARGS:-} --json $RES
 host         | nvlink    | 2 | 150 | $PY -m benchmarks.bench_host --world 1,2 --json $RES
 fanout       | internode | 4 | 240 | $PY -m pytest tests/gpu/test_fanout_gpu.py -x -q -p no:cacheprovider
+fanwin       | internode | 4 | 150 | env COMMLIB_TEST_CASES=forward_windows $PY -m pytest tests/gpu/test_fanout_gpu.py -x -q -p no:cacheprovider
+fanplant     | internode | 2 | 240 | env PY=$PY bash scripts/plant_fanout_windows.sh
 inworst      | internode | 2 | 120 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k worst_mode
-inworlds     | internode | 4 | 420 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k "not worst_mode"
+inworlds     | internode | 4 | 420 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k "not worst_mode and not worst_windows"
+inwin        | internode | 4 | 240 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k worst_windows
 inplant      | internode | 2 | 200 | env PY=$PY bash scripts/plant_internode_kernels.sh
 inalloc      | internode | 4 | 240 | env PY=$PY bash scripts/plant_alloc.sh internode
 inhost       | internode | 2 | 150 | $PY -m benchmarks.bench_internode --host --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 --iters 20 --warmup 3 --json $RES/bench_internode_host_2x1_$(gpu_tag)_$(date +%Y%m%d)_$C.json

@@ -221,17 +221,54 @@ def case_worst_kernel_route(ctx):
     if ctx.device.type != "cpu" or rpn == 1:
         return
     with S.installed():
-        for chunks, config in ((4, None), (3, TINY), (64, Config(2, 4, 8, 1, 6))):
+        # window rows 0: one window per dispatch; 5: a few final rows per window, the areas' halves in turn
+        for (chunks, config), window in zip(((4, None), (3, TINY), (64, Config(2, 4, 8, 1, 6)), (3, TINY)), (0, 0, 0, 5)):
             ref, eng = _buffers(ctx, rpn, chunks)
-            S.use_forwarder(eng)
+            fw = S.use_forwarder(eng, window)
             S.CALLS.clear()
             for j, (T, cap) in enumerate(((7, 7), (5, 9), (0, 4), (13, 13))):
                 T = 0 if (ctx.rank == 1 and j == 1) else T            # a silent rank
-                compare_round(ctx, ref, eng, 5000 + 10 * j + chunks, T, ROUTINGS[j % len(ROUTINGS)],
+                compare_round(ctx, ref, eng, 5000 + 10 * j + chunks + window, T, ROUTINGS[j % len(ROUTINGS)],
                               j % 2 == 1, config, R // rpn, worst=cap * R)
-            assert S.CALLS.get("land", 0) == 8 and S.CALLS.get("home", 0) == 8, S.CALLS   # the route ran
+            assert S.CALLS.get("home", 0) == 8, S.CALLS   # the route ran
+            # a dispatch and its cached dispatch per round: one land each, or one per window of 5 rows
+            lands = 8 if not window else sum(2 * -(-cap * R // window) for cap in (7, 9, 4, 13))
+            assert S.CALLS.get("land", 0) == lands, (S.CALLS, lands)
             ref.destroy()
             eng.destroy()
+
+
+def case_worst_windows(ctx):
+    """CUDA, a node of several ranks (the forwarder kernel): num_worst_tokens dispatches (and their
+    cached dispatches) whose rows land a few final rows per window (COMMLIB_FANOUT_WINDOW_ROWS=5: many
+    windows, the areas' two halves in turn; fanout.py, Windows) against the reference bit for bit,
+    padded rows included, the areas holding earlier calls' bytes; combine of those handles too."""
+    R = ctx.world_size
+    rpn = topologies(R)[-1]
+    if ctx.device.type != "cuda" or rpn == 1:
+        return
+    os.environ["COMMLIB_FANOUT_WINDOW_ROWS"] = "5"
+    try:
+        ref, eng = _buffers(ctx, rpn, 3)
+    finally:
+        del os.environ["COMMLIB_FANOUT_WINDOW_ROWS"]
+    node = eng.backend.node
+    if node.name != "kernel":   # no IPC between this node's processes: no forwarder to window
+        return
+    assert node.window_rows == 5, node.window_rows
+    ats, forward = [], node.dispatch_window
+
+    def counted(landed, W, lo, hi, at):
+        ats.append(at)
+        forward(landed, W, lo, hi, at)
+    node.dispatch_window = counted
+    for j, (T, cap) in enumerate(((7, 7), (5, 9), (0, 4), (13, 13), (3, 21))):
+        T = 0 if (ctx.rank == 1 and j == 1) else T            # a silent rank
+        compare_round(ctx, ref, eng, 7000 + 10 * j, T, ROUTINGS[j % len(ROUTINGS)], j % 2 == 1, TINY, R // rpn,
+                      worst=cap * R)
+    assert 0 in ats and 5 in ats, f"the windows used area rows {sorted(set(ats))}: expected both halves"
+    ref.destroy()
+    eng.destroy()
 
 
 def case_worst_over_cap(ctx):

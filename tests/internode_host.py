@@ -130,7 +130,7 @@ def build(M: int, P: int, T: int, H: int, E: int, K: int, max_chunks: int = 1, c
     else:
         be.node = object.__new__(node.ForwarderNode)
         be.node.fan, be.node.P, be.node.device, be.node.probe, be.node.Wd = _HostFan(P, 0), P, be.comm_device, NULL_PROBE, 0
-        be.node.budget, be.node._told = 1 << 40, False
+        be.node.budget, be.node._told, be.node.window_rows = 1 << 40, False, 0
     be.device_steps = True
     # (gather_into where the engine has it: the harness also times the engine as it was before)
     extra = {"gather_into": be._gather_into} if "gather_into" in Wiring.__dataclass_fields__ else {}

@@ -41,9 +41,13 @@ def _word(row: torch.Tensor, at: int, dtype) -> torch.Tensor:
 
 
 def _rows_at(addr: int, n: int, stride: int) -> torch.Tensor:
-    area = _AREAS[addr]
-    assert n * stride <= area.numel(), (n, stride, area.numel())
-    return area[:n * stride].view(n, stride)
+    """``n`` rows of ``stride`` bytes at ``addr``, inside one of the areas (a window's rows start past
+    its first byte)."""
+    base = next((b for b, a in _AREAS.items() if b <= addr < b + max(1, a.numel())), None)
+    assert base is not None, f"address {addr} is in no area"
+    area, at = _AREAS[base], addr - base
+    assert at + n * stride <= area.numel(), (at, n, stride, area.numel())
+    return area[at:at + n * stride].view(n, stride)
 
 
 def pack(g, send, slot, send_head, x, scales, topk, w, *, me, M, P, Kc, ring, **_):
@@ -139,16 +143,20 @@ class Forwarder:
     """node.ForwarderNode's contract on CPU ranks: each local rank's landed chunk reaches every rank
     of the node (the node group's all-gather), which stores the rows whose position for it is set at
     that row of its area; combine sums, per landed row, the local ranks' rows at its positions in
-    ascending local rank from +0 (float32, one bf16 rounding; weights float32)."""
+    ascending local rank from +0 (float32, one bf16 rounding; weights float32). A windowed dispatch
+    (``window_rows`` > 0 and fewer than the rows to land): the area holds 2 x window_rows rows, and a
+    window [lo, hi) stores only positions in it, at area row at + pos - lo."""
 
     name = "kernel"
     in_area = True
 
-    def __init__(self, group, loc: int, P: int) -> None:
+    def __init__(self, group, loc: int, P: int, window_rows: int = 0) -> None:
         self.group, self.loc, self.P = group, loc, P
         self.area = torch.empty(0, dtype=torch.uint8)
         self.Wd = 16
         self._peers = None
+        self.window_rows = window_rows
+        self.windows = 0   # windows landed since made (a case checks that several ran)
 
     def _reserve(self, rows: int, row_bytes: int) -> None:
         if rows * row_bytes > self.area.numel():
@@ -165,16 +173,33 @@ class Forwarder:
         self.Wd = -(-W // 16) * 16
         self._reserve(plan.node_rows, plan.area_row)
 
-    def dispatch_chunk(self, k, landed, plan, W, cached):
+    def windows_begin(self, plan, W):
+        self.Wd = -(-W // 16) * 16
+        n, win = plan.num_recv, self.window_rows
+        if not win or win >= n:
+            self._reserve(plan.node_rows, plan.area_row)
+            return max(n, 1)
+        self._reserve(2 * win, self.Wd)
+        return win
+
+    def dispatch_chunk(self, k, landed, plan, W, cached, hi=None):
         P = self.P
         if not cached:
             plan.landed_pos.append(landed[:, W:W + 4 * P].clone().view(torch.int32))
+        self._store(landed, W, 0, hi, 0)
+
+    def dispatch_window(self, landed, W, lo, hi, at):
+        self._store(landed, W, lo, hi, at)
+
+    def _store(self, landed, W, lo, hi, at):
         area = self.area[:(self.area.numel() // self.Wd) * self.Wd].view(-1, self.Wd)
+        self.windows += 1
         for got in self._gather(landed):
             pos = got[:, W + 4 * self.loc:W + 4 * self.loc + 4].clone().view(torch.int32).flatten()
             for j in range(got.shape[0]):
-                if pos[j] >= 0:
-                    area[int(pos[j]), :W] = got[j, :W]
+                d = int(pos[j])
+                if d >= lo and (hi is None or d < hi):
+                    area[at + d - lo, :W] = got[j, :W]
 
     def finish_forward(self) -> None:
         pass
@@ -226,13 +251,13 @@ def installed():
             setattr(IK, name, fn)
 
 
-def use_forwarder(buf) -> Forwarder:
+def use_forwarder(buf, window_rows: int = 0) -> Forwarder:
     """Give ``buf``'s internode engine the stand-in forwarder on its node group, with its kernel
     steps on (a CPU world has neither): only num_worst_tokens calls may follow (the other paths'
-    kernels have no stand-ins)."""
+    kernels have no stand-ins). ``window_rows``: rows per window of a dispatch (0: one window)."""
     be = buf.backend
     topo = be.topology
-    fw = Forwarder(be.node_group, topo.local_rank, topo.ranks_per_node)
+    fw = Forwarder(be.node_group, topo.local_rank, topo.ranks_per_node, window_rows)
     be.node = be.wiring.node = fw
     be.device_steps = True
     return fw

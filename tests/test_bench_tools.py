@@ -726,7 +726,8 @@ def _mem_stage(alloc, resv, ipc, process, peak_alloc=None, total=10 << 30, **ext
 def test_mem_probe_says_whether_the_ranks_fit_and_what_commlib_holds(tmp_path):
     """mem_probe's summary: each rank at its peak (other + IPC, the most of any stage, + torch's peak
     reserved), whether all ranks at their peaks fit the device, commlib's own memory against the
-    Buffer's sizes; a failed world reported from the ranks' sample files."""
+    Buffer's sizes, whether the forwarder's area grew at the num_worst_tokens dispatch; a failed world
+    reported from the ranks' sample files."""
     import argparse
     import json
 
@@ -750,6 +751,13 @@ def test_mem_probe_says_whether_the_ranks_fit_and_what_commlib_holds(tmp_path):
     lines = M.summary(small, a, before=0)
     assert any("fit:" in line and "fits" in line and "NOT" not in line for line in lines), lines
     assert any("commlib's own" in line and "OVER" in line for line in lines), lines   # 0.5 + 1.25 > 1.5
+    # the forwarder's area at the num_worst_tokens dispatch against the dispatch's: within, then grown
+    assert M.worst_area_grew(small) == (False, G // 2, G // 2)
+    assert any("forwarder area" in line and "worst within dispatch" in line for line in lines), lines
+    small[1]["worst"]["peer_ipc"] = G
+    assert M.worst_area_grew(small) == (True, G // 2, G)
+    assert any("GREW" in line for line in M.summary(small, a, before=0))
+    assert M.worst_area_grew([{"init": small[0]["init"]}]) is None
     # a world that failed: what each rank's file holds
     for r, stages in enumerate((["init", "group"], ["init"])):
         with open(tmp_path / f"rank{r}.jsonl", "w") as f:

@@ -55,10 +55,11 @@ def test_launch_arguments_match_the_kernels(fan):
     b, f1, f2, r1, r2 = fan.launches
     assert b[2:4] == (1, F.BARRIER_THREADS)
     assert b[4] == (fan.peer_bases.data_ptr(), 1, 4, F.SIGNAL_OFFSET, 7_000_000_000)
-    # (landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride); 40 rows, 16 warps per CTA: 3 CTAs
+    # (landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride, lo, hi); 40 rows, 16 warps per
+    # CTA: 3 CTAs; no window: every final row, from the area's first row
     assert f1[2:] == (3, F.THREADS, (landed.data_ptr(), 40, W + 4 * P + 12, W, P, fan.peer_bases.data_ptr(),
-                                     F.DATA_OFFSET, W))
-    assert f2[4][-1] == 1040
+                                     F.DATA_OFFSET, W, 0, F.FORWARD_ALL))
+    assert f2[4][7] == 1040
     # (pos, J, P, peer_bases, data_offset, src_stride, H, K, out, out_stride); 5 rows: 1 CTA
     assert r1[2:] == (1, F.THREADS, (pos.data_ptr(), 5, P, fan.peer_bases.data_ptr(), F.DATA_OFFSET,
                                      2 * 7168 + 36, 7168, 9, out.data_ptr(), out.stride(0)))
@@ -84,6 +85,43 @@ def test_kept_slots_name_their_tensors(fan):
     spec = fan.barrier_spec()
     fan.barrier()
     assert fan.launches[-1] == spec[:4] + (tuple(spec[4]),)
+
+
+def test_forward_window_arguments(fan):
+    """A window (lo, hi, at): lo and hi passed, the area's first row ``at`` folded into data_offset;
+    a window whose rows from ``at`` pass the data area (1 MiB here) is refused before any launch."""
+    W, P = 1036, 4
+    landed = torch.zeros(40, W + 4 * P, dtype=torch.uint8)
+    fan.forward(landed, W, 1040, (100, 150, 50))
+    args = fan.launches[-1][4]
+    assert args[6:] == (F.DATA_OFFSET + 50 * 1040, 1040, 100, 150)
+    assert fan.forward_spec(landed, W, 1040, (100, 150, 50))[4] == list(args)
+    rows = (1 << 20) // 1040
+    fan.forward(landed, W, 1040, (0, rows, 0))                      # exactly the area
+    for bad in ((0, rows + 1, 0), (0, rows, 1), (5, 5, 0), (-1, 3, 0), (0, 3, -1), (0, 1 << 31, 0)):
+        with pytest.raises(ValueError, match="window"):
+            fan.forward(landed, W, 1040, bad)
+    assert len(fan.launches) == 2
+
+
+def test_forwarder_windows():
+    """ForwarderNode.window: one window where the rows fit the areas as they are; else windows of half
+    the areas (no growth), or where the areas are small, of a quarter of the rows' bytes (at most 8
+    windows) but never below WINDOW_FLOOR; COMMLIB_FANOUT_WINDOW_ROWS caps it."""
+    from commlib.backends.internode import node as N
+    fwd = object.__new__(N.ForwarderNode)
+    fwd.fan, fwd.window_rows = SimpleNamespace(capacity=0), 0
+    Wd = 14448
+    # the test_internode shape: 65,536 rows after a dispatch that reserved 26,880 rows
+    fwd.fan.capacity = 26_880 * Wd
+    assert fwd.window(65_536, Wd) == 13_440
+    assert fwd.window(26_880, Wd) == 26_880 and fwd.window(100, Wd) == 100
+    fwd.fan.capacity = 0   # a first call: a quarter of the bytes, two halves of an eighth
+    assert fwd.window(65_536, Wd) == 8192
+    assert fwd.window(1000, Wd) == 1000   # within WINDOW_FLOOR: one window
+    assert fwd.window(0, Wd) == 0
+    fwd.window_rows = 5
+    assert fwd.window(65_536, Wd) == 5 and fwd.window(5, Wd) == 5 and fwd.window(3, Wd) == 3
 
 
 def test_empty_chunks_launch_nothing(fan):

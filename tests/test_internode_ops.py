@@ -59,7 +59,7 @@ class _Fan:
     def barrier(self):
         pass
 
-    def forward(self, landed, W, row_bytes):
+    def forward(self, landed, W, row_bytes, window=None):
         pass
 
     def reduce(self, pos, H, K, out, row_bytes):
@@ -72,8 +72,8 @@ class _Fan:
     def barrier_spec(self):
         return ("fanout", "barrier", 1, 32, [0] * 5, 0)
 
-    def forward_spec(self, landed, W, row_bytes):
-        return ("fanout", "forward", 1, 32, [0] * 8, 0) if landed.shape[0] else None
+    def forward_spec(self, landed, W, row_bytes, window=None):
+        return ("fanout", "forward", 1, 32, [0] * 10, 0) if landed.shape[0] else None
 
     def reduce_spec(self, pos, H, K, out, row_bytes):
         return ("fanout", "reduce", 1, 32, [0] * 10, 0) if pos.shape[0] else None

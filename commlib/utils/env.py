@@ -34,6 +34,8 @@ Variables:
                            NVLink); host: pinned host memory shared by the ranks' processes, so rows cross PCIe
                            twice (the path of GPUs without peer access, and of a NIC's DMA)
   COMMLIB_NETWORK_CHUNKS   internode engine: most network chunks a dispatch / combine streams in (default 4)
+  COMMLIB_FANOUT_WINDOW_ROWS  internode engine's forwarder: N > 0 lands a num_worst_tokens dispatch N rows per
+                           window at most (tests; default 0: windows only where its rows would outgrow the areas)
   COMMLIB_DEBUG_NETWORK_STALL_MS  internode engine: N > 0 sleeps a random 0..N ms before each network chunk is
                            posted and landed (tests of the chunk protocol; default 0)
   COMMLIB_DEEP_EP_QUIET    1: ``import deep_ep`` (commlib's compatibility package) logs nothing (default: one
@@ -229,6 +231,13 @@ def network_chunks() -> int:
     n = _int("COMMLIB_NETWORK_CHUNKS", 4)
     if not 1 <= n <= 64:
         raise ValueError(f"COMMLIB_NETWORK_CHUNKS={n} must be in 1 .. 64")
+    return n
+
+
+def fanout_window_rows() -> int:
+    n = _int("COMMLIB_FANOUT_WINDOW_ROWS", 0)
+    if n < 0:
+        raise ValueError(f"COMMLIB_FANOUT_WINDOW_ROWS={n} must be >= 0")
     return n
 
 

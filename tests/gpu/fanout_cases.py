@@ -12,8 +12,9 @@ checks its own results bit for bit against an oracle written here in plain torch
             replayed 3 times with new contents in the same tensors, then an eager round again.
 The oracles share no code with commlib (reference.sum_rows included).
 
-What the checks catch (planted by hand): a forward that skips p = P - 1 leaves rank P - 1's rows at
-the sentinel; a reduce that sums in descending p (or starts from the first row instead of +0.0, or
+What the checks catch (planted by hand; the window plants: scripts/plant_fanout_windows.sh): a
+forward that skips p = P - 1 leaves rank P - 1's rows at the sentinel; a window bound off by one
+stores a row outside the window's rows or skips one; a reduce that sums in descending p (or starts from the first row instead of +0.0, or
 flushes subnormals) differs in the float32 weights of rows with three or more contributors (the
 4-rank world), in -0.0 inputs and in the subnormal values planted below.
 """
@@ -195,6 +196,55 @@ def case_forward(ctx):
         for i in range(3):
             run_forward_round(ctx, fan, errors, 200 + i, 1024, "align16", None)
         assert fan.capacity == caps[-1]
+    finally:
+        finish(fan)
+    raise_errors(ctx, errors)
+
+
+# ------------------------------------------------------------------ windows
+# (seed, W, rows per window): the 16-byte path with windows of 7 rows, the 4-byte path with windows of
+# 3, DeepSeek-sized rows in windows of 50 (a window or two past every rank's rows)
+WINDOW_ROUNDS = [(800, 1040, 7), (801, 12, 3), (802, 2 * 7168 + 36, 50)]
+
+
+def case_forward_windows(ctx):
+    """Windowed forwards (fanout.py, Windows: the num_worst_tokens route's): every rank's landed chunks
+    forwarded window by window, final rows [lo, lo + win) into area rows [at, at + win), at = 0 and win
+    in turn, up to the most rows any rank has (windows past a rank's rows store nothing there). After
+    each window, every rank's two halves are the sentinel but for that window's rows at ``at``: the
+    oracle's rows lo .. lo + win - 1 (sentinel where no landed row names one). A bound off by one
+    stores a row into the other half or skips one; a position not rebased stores past the window."""
+    P, me, dev = ctx.world_size, ctx.rank, ctx.device
+    errors: list = []
+    fan = NodeFanout(ctx.group, ctx.device, num_ctas=3, timeout_s=TIMEOUT_S)
+    try:
+        for seed, W, win in WINDOW_ROUNDS:
+            g = torch.Generator().manual_seed(seed)
+            sizes = chunk_sizes(g, P, 3)
+            pos, N = positions(g, P, sizes)
+            payloads = [[torch.randint(0, 256, (J, W), dtype=torch.uint8, generator=g) for J in row] for row in sizes]
+            mine = [landed_chunk(payloads[me][k], pos[me][k], _stride(W, P, 0), dev) for k in range(len(sizes[me]))]
+            every = forward_oracle(payloads, pos, me, N[me], W, W)
+            fan.reserve(2 * win, W)
+            own = fan.rows(2 * win, W)
+            for i, lo in enumerate(range(0, max(N) + win, win)):
+                at = (i % 2) * win
+                fan.barrier()           # peers are done reading my rows
+                own.fill_(SENTINEL)
+                fan.barrier()           # my rows are filled before any peer forwards into them
+                for chunk in mine:
+                    fan.forward(chunk, W, None, (lo, lo + win, at))
+                fan.barrier()
+                want = torch.full((2 * win, W), SENTINEL, dtype=torch.uint8)
+                rows = every[lo:lo + win]
+                want[at:at + rows.shape[0]] = rows
+                expect_equal(errors, own.cpu(), want, f"window seed {seed} W {W} rows [{lo}, {lo + win}) at {at}")
+        # a window past the data area is refused on the host (every rank alike)
+        try:
+            fan.forward(mine[0], W, None, (0, fan.capacity, 1))
+            errors.append("a window past the data area was not refused")
+        except ValueError:
+            pass
     finally:
         finish(fan)
     raise_errors(ctx, errors)

@@ -40,6 +40,16 @@ def test_internode_matches_reference(world_size):
     assert not failed, "\n".join(f"{k}:\n{v}" for k, v in failed.items())
 
 
+def test_internode_worst_windows():
+    """num_worst_tokens dispatches landed a few final rows per forwarder window (2 x 2: the forwarder
+    kernel between the two local ranks; cases_internode.worst_windows) against the reference."""
+    from worlds import run_world
+    os.environ.setdefault("COMMLIB_TIMEOUT_S", "120")
+    results = run_world(4, "cases_internode", ["worst_windows"], use_gpu=True, group_backend="nccl",
+                        emulate_hosts=True, ranks_per_node=1, timeout_s=300, case_timeout_s=240)
+    assert results["worst_windows"] is None, results["worst_windows"]
+
+
 def test_internode_worst_mode_stops_on_bad_ids(capfd):
     """num_worst_tokens (no host read) with an expert id out of range on one rank: every rank stops on
     the engine's device-side assert (the NCCL watchdog then ends the process), nothing hangs and no

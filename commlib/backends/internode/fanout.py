@@ -16,7 +16,10 @@ The kernels:
             timeout with "[commlib] rank L fanout barrier: waited for local rank q (epoch e, seen s)".
   forward   a landed chunk (uint8 [J, >= W + 4 P]: W payload bytes, then P int32 = the row's final row
             on local rank p, -1 where p does not get it): the payload of row j is stored straight into
-            local rank p's data area at row pos[j, p] (row stride ``row_bytes``, default W).
+            local rank p's data area at row pos[j, p] (row stride ``row_bytes``, default W). With a
+            window [lo, hi) of final rows and a first area row ``at``: only the pairs with
+            lo <= pos[j, p] < hi are stored, at area row at + pos[j, p] - lo (no window: lo 0, hi
+            unbounded, at 0); a row none of whose positions is in the window is not even read.
   reduce    combine mirror: out row j = bf16(sum in ascending p over the p with pos[j, p] >= 0 of
             float(peer p's row pos[j, p]).y), then the float32 sum of the .w parts, from +0.0 with
             IEEE adds: ``common.sum_rows`` (index_add_ per local rank, in rank order, into zeros)
@@ -36,7 +39,24 @@ Protocol (every local rank makes the same calls in the same order, on one stream
              reduce per chunk   loads from the peers' data areas
 The next call's first barrier keeps a peer from overwriting rows still being read. Nothing here
 checks that a position is below the rows reserved (that would need a host sync): the caller's
-plan does (positions are final output rows, < the rows it reserved).
+plan does (positions are final output rows, < the rows it reserved). A windowed forward is bounded
+by construction: it stores only into area rows [at, at + hi - lo), which ``forward`` checks.
+
+Windows (a dispatch whose rows would outgrow the areas, node.py ``ForwarderNode.window``,
+the num_worst_tokens route): the final rows [0, N) are landed win rows at a time, window i = rows
+[i win, (i + 1) win) into area rows [(i % 2) win, + win) (two alternating halves of 2 win rows):
+  window 0   barrier, forward per chunk as it lands (window [0, win)), barrier, read own half 0
+  window i   forward every landed row (window i, half i % 2), barrier, read own half i % 2
+One barrier per window suffices: window i's stores go to half i % 2, which a peer q last read in
+window i - 2 (or in an earlier call, before this call's first barrier); q's read of window i - 2
+precedes on q's stream its forward of window i - 1 and the barrier after it, which this rank has
+passed (it needs q's arrival) before it issues window i's forward; the other half, which q may
+still be reading, is not written. The window count depends only on host values the local ranks
+share (N, the row stride, the areas' capacity, the knob), so every local rank makes the same
+barriers; one window is the unwindowed dispatch, launch for launch.
+Combine has no windows: its reduce sums a landed row's local-rank rows in ascending p, each read at
+its final row on p, and a window of final rows would split one row's sum across windows (another
+order of float adds). Its area holds every row the rank sends back (N rows of 2 H + 4 K bytes).
 
 Memory: ``reserve(rows, row_bytes)`` before a call, collective on the node group with the same values
 on every rank; it grows the buffers when they are too small (device sync, group barrier, new
@@ -64,6 +84,7 @@ THREADS = 512                # forward / reduce: a warp per row
 GROWTH_ALIGN = 2 << 20       # data areas grow in 2 MiB steps, by at least half their size
 # argument slots of forward_spec / reduce_spec a kept launch sets per call (with its grid)
 FORWARD_LANDED, FORWARD_J, REDUCE_POS, REDUCE_J, REDUCE_OUT = 0, 1, 0, 1, 8
+FORWARD_ALL = (1 << 31) - 1  # hi of the window of every final row
 assert SIGNAL_BYTES >= 8 * (loader.MAX_RANKS + 1)
 
 
@@ -168,20 +189,28 @@ class NodeFanout:
         """CTAs of forward / reduce for J rows (a warp per row, at most num_ctas)."""
         return max(1, min(self.num_ctas, -(-J // (THREADS // 32))))
 
-    def forward(self, landed: torch.Tensor, W: int, row_bytes: int | None = None) -> None:
+    def forward(self, landed: torch.Tensor, W: int, row_bytes: int | None = None, window: tuple | None = None) -> None:
         """Store the W payload bytes of every landed row at its final row on each local rank that gets
         it (``landed``: uint8 [J, >= W + 4 P], see the module docstring). ``row_bytes``: the row stride
-        of the data areas (default W). W, the strides and landed's address: multiples of 4."""
-        spec = self.forward_spec(landed, W, row_bytes)
+        of the data areas (default W). W, the strides and landed's address: multiples of 4.
+        ``window`` (lo, hi, at): only final rows lo <= pos < hi, stored at area row at + pos - lo
+        (module docstring); the area must hold at + hi - lo rows."""
+        spec = self.forward_spec(landed, W, row_bytes, window)
         if spec is not None:
             loader.launch(*spec)
 
-    def forward_spec(self, landed: torch.Tensor, W: int, row_bytes: int | None = None):
+    def forward_spec(self, landed: torch.Tensor, W: int, row_bytes: int | None = None, window: tuple | None = None):
         """``forward``'s checks, then its launch as a spec (None: no rows); argument FORWARD_LANDED is
         landed's address."""
         self._alive()
         P = self.num_local
         dst_stride = int(W if row_bytes is None else row_bytes)
+        lo, hi, at = (0, FORWARD_ALL, 0) if window is None else (int(v) for v in window)
+        if window is not None and not (0 <= lo < hi <= FORWARD_ALL and at >= 0
+                                       and (at + hi - lo) * dst_stride <= self.capacity):
+            raise ValueError(f"[commlib local rank {self.local_rank}] NodeFanout.forward: window (lo {lo}, hi {hi}, at "
+                             f"{at}) must have 0 <= lo < hi and its {hi - lo} rows of {dst_stride} bytes from area row "
+                             f"{at} within the data area ({self.capacity} bytes)")
         if landed.dtype != torch.uint8 or landed.dim() != 2 or landed.device != self.device:
             raise ValueError(f"NodeFanout.forward: landed must be a 2-D uint8 tensor on {self.device}, got "
                              f"{tuple(landed.shape)} {landed.dtype} on {landed.device}")
@@ -198,7 +227,8 @@ class NodeFanout:
         if dst_stride < W:
             raise ValueError(f"NodeFanout.forward: row_bytes ({dst_stride}) < W ({W})")
         return (FAMILY, "fanout_forward_kernel", self.grid(J), THREADS,
-                [landed.data_ptr(), J, row_stride, W, P, self.peer_bases.data_ptr(), DATA_OFFSET, dst_stride], 0)
+                [landed.data_ptr(), J, row_stride, W, P, self.peer_bases.data_ptr(), DATA_OFFSET + at * dst_stride,
+                 dst_stride, lo, hi], 0)
 
     def reduce(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, row_bytes: int | None = None) -> None:
         """out[j] = the local ranks' rows pos[j, p] summed in ascending p (module docstring): bf16 [H]

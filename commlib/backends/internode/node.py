@@ -25,7 +25,14 @@ from commlib.backends.internode.fanout import NodeFanout
 from commlib.backends.internode.geometry import Plan, compact
 from commlib.backends.internode.rows import fill_ids
 from commlib.backends.probe import Probe
+from commlib.utils import env
 from commlib.utils.math import align_up
+
+# a windowed dispatch may grow the areas to 2 / MAX_WINDOWS of its rows' bytes (two halves of a window)
+# where they hold less (a first call), so it takes at most about MAX_WINDOWS windows; and to
+# WINDOW_FLOOR bytes (small calls land in one window whatever the areas held before)
+MAX_WINDOWS = 8
+WINDOW_FLOOR = 16 << 20
 
 
 class NodeStep:
@@ -160,12 +167,16 @@ class LocalNode(GroupNode):
 
 class ForwarderNode(NodeStep):
     """The IPC forwarder kernel (fanout.NodeFanout): landed rows stored straight into the local
-    ranks' areas at their final rows; combine sums the local ranks' rows from their areas."""
+    ranks' areas at their final rows; combine sums the local ranks' rows from their areas.
+    ``window_rows``: the most rows a windowed dispatch lands per window (``window``; None:
+    COMMLIB_FANOUT_WINDOW_ROWS, 0: only where the rows would outgrow the areas), the same on every
+    local rank (checked at creation, collective on ``group`` as the NodeFanout is)."""
 
     name = "kernel"
     in_area = True
 
-    def __init__(self, group, device, num_ctas: int, timeout_s: float, probe: Probe, budget: int = 0) -> None:
+    def __init__(self, group, device, num_ctas: int, timeout_s: float, probe: Probe, budget: int = 0,
+                 window_rows: int | None = None) -> None:
         with torch.cuda.device(device):
             self.fan = NodeFanout(group, device, num_ctas=num_ctas, timeout_s=timeout_s)
         self.P = self.fan.num_local
@@ -174,16 +185,27 @@ class ForwarderNode(NodeStep):
         self.Wd = 0
         self.budget = budget   # the Buffer's num_nvl_bytes: the areas count against it
         self._told = False
+        self.window_rows = int(env.fanout_window_rows() if window_rows is None else window_rows)
+        theirs = [None] * self.P
+        torch.distributed.all_gather_object(theirs, self.window_rows, group=group)
+        if self.window_rows < 0 or any(t != self.window_rows for t in theirs):
+            raise ValueError(f"[commlib local rank {self.fan.local_rank}] the forwarder's window rows "
+                             f"(COMMLIB_FANOUT_WINDOW_ROWS) must be >= 0 and the same on every rank of the node, got "
+                             f"{theirs}")
 
-    def _reserve(self, plan) -> None:
-        """Room for the plan's rows in every area (collective on the node; free when they fit), and a
-        warning, once, when the area outgrows the Buffer's num_nvl_bytes."""
-        self.fan.reserve(plan.node_rows, plan.area_row)
+    def _reserve(self, plan, row_bytes: int | None = None) -> None:
+        """Room for the plan's rows (of ``row_bytes``, default the plan's area row) in every area
+        (collective on the node; free when they fit), and a warning, once, when the area outgrows the
+        Buffer's num_nvl_bytes."""
+        self._grow(plan.node_rows, plan.area_row if row_bytes is None else row_bytes)
+
+    def _grow(self, rows: int, row_bytes: int) -> None:
+        self.fan.reserve(rows, row_bytes)
         if self.fan.capacity > self.budget and not self._told:
             self._told = True
             warnings.warn(f"commlib rank {self.fan.local_rank} of its node: the internode forwarder's landing area "
-                          f"({self.fan.capacity / 2**20:.0f} MiB: the node's most rows a rank receives, "
-                          f"num_worst_tokens with it, x {plan.area_row} bytes) exceeds the Buffer's num_nvl_bytes "
+                          f"({self.fan.capacity / 2**20:.0f} MiB: the node's most rows a rank receives, or a "
+                          f"num_worst_tokens combine's rows, x {row_bytes} bytes) exceeds the Buffer's num_nvl_bytes "
                           f"({self.budget / 2**20:.0f} MiB), which it stands for")
 
     def dispatch_begin(self, plan, W, packer):
@@ -195,10 +217,11 @@ class ForwarderNode(NodeStep):
             self._pad = torch.zeros(1, W, dtype=torch.uint8, device=self.device)
             fill_ids(self._pad, packer)
 
-    def dispatch_chunk(self, k, landed, plan, W, cached):
+    def dispatch_chunk(self, k, landed, plan, W, cached, hi=None):
+        """Chunk k's rows into the areas (``hi``: window [0, hi) of a windowed dispatch)."""
         if not cached:
             plan.landed_pos.append(int32_columns(landed, W, W + 4 * self.P))   # combine's sources
-        self.fan.forward(landed, W, self.Wd)
+        self.fan.forward(landed, W, self.Wd, None if hi is None else (0, hi, 0))
         self.probe.op("launches")
 
     def finish_forward(self) -> None:
@@ -218,6 +241,40 @@ class ForwarderNode(NodeStep):
     def address(self) -> tuple:
         """(address, row stride) of this rank's area: where ``dispatch_end``'s rows are."""
         return self.fan.data_address(), self.Wd
+
+    # ---- a windowed dispatch (padded.py's kernel route; fanout.py's module docstring, Windows) ----
+    def window(self, n: int, Wd: int) -> int:
+        """Rows per window for landing final rows [0, n) of stride Wd: n (one window: today's dispatch)
+        where they fit the bound, else half of it. The bound: the areas as they are (what earlier
+        calls reserved, so no growth), at least 2 / MAX_WINDOWS of the rows' bytes and WINDOW_FLOOR (a
+        first call grows the areas that far); ``window_rows`` caps it. Host values the local ranks
+        share only."""
+        if self.window_rows:
+            return n if n <= self.window_rows else self.window_rows
+        need = n * Wd
+        bound = max(self.fan.capacity, min(need, max(WINDOW_FLOOR, -(-2 * need // MAX_WINDOWS))))
+        return n if need <= bound else max(1, bound // Wd // 2)
+
+    def windows_begin(self, plan, W: int) -> int:
+        """``dispatch_begin`` of a windowed dispatch of ``plan.num_recv`` final rows of W bytes: room
+        for them all, or for two halves of windows (collective where the areas grow), the first
+        barrier. Rows are counted at the handle's widest (``plan.area_row``: one window leaves room
+        for its combine, as an unwindowed dispatch). Returns rows per window (>= num_recv: one)."""
+        self.Wd = align_up(W, 16)
+        row = max(self.Wd, plan.area_row)
+        n = plan.num_recv
+        win = self.window(n, row)
+        self._grow(n if win >= n else 2 * win, row)
+        self.fan.barrier()
+        self.probe.op("launches")
+        return max(win, 1)
+
+    def dispatch_window(self, landed: torch.Tensor, W: int, lo: int, hi: int, at: int) -> None:
+        """Window [lo, hi) of ``landed``'s rows stored at area rows [at, at + hi - lo) of their local
+        ranks, then the barrier after which they are there (``windows_begin``'s areas)."""
+        self.fan.forward(landed, W, self.Wd, (lo, hi, at))
+        self.fan.barrier()
+        self.probe.op("launches", 2)
 
     # ---- a kept call's pieces (internode/kept.py): the same launches as the methods above ----
     def kept_begin(self, plan, row_bytes: int) -> int:
@@ -251,7 +308,7 @@ class ForwarderNode(NodeStep):
         every rank's rows are there after). ``rows``: uint8 [n, row_bytes], or a callable that writes
         them given the areas' address and row stride (a kernel)."""
         self.Wd = align_up(row_bytes, 16)
-        self._reserve(plan)   # free: the dispatch reserved room for these rows
+        self._reserve(plan, self.Wd)   # free but after a windowed dispatch: it reserved room for these rows
         self.fan.barrier()
         if callable(rows):
             rows(self.fan.data_address(), self.Wd)

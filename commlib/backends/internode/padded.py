@@ -15,7 +15,9 @@ Two routes. The kernels (``fits``: the node step is the forwarder kernel, a row 
 words): the pack kernel writes every (token, node) row at its slot, the forwarder stores the landed
 rows at their final rows of the node's areas, and the land kernel copies them straight into the
 outputs, allocated on the caller's stream (``Wiring.alloc``); rows past the received count are
-then set to the padding. Combine: the rows kernel writes this rank's rows into its area, the
+then set to the padding. The host does not know the received count, so N rows would be reserved in
+the areas: where they exceed what the areas hold (``ForwarderNode.window``), the forwarder lands
+them a window of final rows at a time, re-reading the landed rows per window (fanout.py, Windows). Combine: the rows kernel writes this rank's rows into its area, the
 forwarder sums them per chunk, the home kernel adds the node partials. Nothing of the size of the
 outputs is made beside them. The torch steps (CPU ranks, the node group's all-to-all, one rank per
 node): the same rows through ``Packer`` and the node step's own landing buffer.
@@ -201,9 +203,10 @@ def _dispatch_kernels(w: Wiring, req: DispatchRequest, plan: Plan, topk, is_tir:
         ((N, K), torch.int64) if K else None, ((N, K), torch.float32) if wts is not None else None,
         ((N,), i32), ((R, R), i32), ((R, C), i32), ((R, C), i32), ((T, R), i32))
     sh.copy_(send_head)
-    addr, stride = _move_kernels(w, plan, packer, rows, x, scales, topk, wts, sh, cached=False)
-    IK.land(addr, N, stride, -1, recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w, K=K,
-            expert_lo=me * Lx, num_local=Lx)
+    outs = (recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_w)
+    _move_kernels(w, plan, packer, rows, x, scales, topk, wts, sh, cached=False,
+                  land=lambda addr, stride, lo, hi: IK.land(addr, hi - lo, stride, -1, *_window(outs, lo, hi, N), K=K,
+                                                            expert_lo=me * Lx, num_local=Lx))
     _pad(plan, (recv_x, 0), (recv_scales, 0), (recv_src_idx, -1), (recv_topk_idx, -1), (recv_topk_w, 0))
     rp.copy_(rank_prefix)
     cp.copy_(chan_prefix)
@@ -228,31 +231,47 @@ def _rows_spec(w: Wiring, plan: Plan, packer) -> tuple:
     return (2 * plan.slots, packer.row_bytes + 4 * w.topology.ranks_per_node), torch.uint8
 
 
+def _window(outs: tuple, lo: int, hi: int, N: int) -> list:
+    """The outputs' rows [lo, hi) (None stays None; the whole tensors for one window of N rows)."""
+    if lo == 0 and hi == N:
+        return list(outs)
+    return [None if t is None else t[lo:hi] for t in outs]
+
+
 def _move_kernels(w: Wiring, plan: Plan, packer, rows: torch.Tensor, x, scales, topk, wts, send_head: torch.Tensor,
-                  cached: bool) -> tuple:
+                  cached: bool, land) -> None:
     """Pack every (token, node) row at its slot of the send rows, run the network chunks into the
-    landing rows (both ``rows``: ``_rows_spec``) with the forwarder: the rows end at their final rows
-    of this rank's area. Returns (its address, its row stride)."""
+    landing rows (both ``rows``: ``_rows_spec``) with the forwarder, window by window (one where the
+    areas hold all N rows): the rows of window [lo, hi) end at their final rows - lo from area row
+    ``at``, then ``land(address there, row stride, lo, hi)`` copies them into the outputs' rows."""
     topo = w.topology
     M, P = topo.num_nodes, topo.ranks_per_node
-    W, crows = packer.row_bytes, plan.crows
+    W, crows, N = packer.row_bytes, plan.crows, plan.num_recv
     per = M * crows
     send, landing = rows.split(plan.slots)
     send[:, W:] = 0xFF   # slots no pair fills: no position on any local rank (the forwarder skips them)
     IK.pack(None, send, plan.slot, send_head, x, scales, topk, wts, me=topo.rank, M=M, P=P, Kc=w.max_chunks, ring=1)
-    w.node.dispatch_begin(plan, W, packer)
+    node = w.node
+    win = node.windows_begin(plan, W)
+    first = win if win < N else None   # window [0, win) as the chunks land (None: every row, one window)
 
     def fan_out(k, landed):
         w.phase(f"dispatch (fan-out of chunk {k})")
-        w.node.dispatch_chunk(k, landed, plan, W, cached)
+        node.dispatch_chunk(k, landed, plan, W, cached, hi=first)
 
     stream(w.network, plan.num_chunks,
            lambda k: w.network.post(send[k * per:(k + 1) * per], [crows] * M, [crows] * M,
                                     out=landing[k * per:(k + 1) * per]),
            "dispatch", after=fan_out)
-    w.node.finish_forward()
+    node.finish_forward()
     w.count_padded(plan)
-    return w.node.address()
+    addr, stride = node.address()
+    land(addr, stride, 0, min(win, N))
+    for i, lo in enumerate(range(win, N, win), 1):   # the areas' two halves in turn (fanout.py, Windows)
+        hi, at = min(lo + win, N), (i % 2) * win
+        w.phase(f"dispatch (window {i} of the forwarder)")
+        node.dispatch_window(landing, W, lo, hi, at)
+        land(addr + at * stride, stride, lo, hi)
 
 
 def _pad(plan: Plan, *outs) -> None:
@@ -278,8 +297,9 @@ def _cached_kernels(w: Wiring, req: DispatchRequest, plan: Plan) -> DispatchResu
     packer = dispatch_packer(x, scales, 0, False)
     rows, recv_x, recv_scales = w.alloc(_rows_spec(w, plan, packer), ((N, x.shape[1]), x.dtype),
                                         ((N, scales.shape[1]), torch.float32) if scales is not None else None)
-    addr, stride = _move_kernels(w, plan, packer, rows, x, scales, None, None, here(h.send_head, dev), cached=True)
-    IK.land(addr, N, stride, -1, recv_x, recv_scales)
+    outs = (recv_x, recv_scales)
+    _move_kernels(w, plan, packer, rows, x, scales, None, None, here(h.send_head, dev), cached=True,
+                  land=lambda addr, stride, lo, hi: IK.land(addr, hi - lo, stride, -1, *_window(outs, lo, hi, N)))
     _pad(plan, (recv_x, 0), (recv_scales, 0))
     out = req.x.device
     if out != dev:

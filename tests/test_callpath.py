@@ -225,6 +225,42 @@ def test_buffer_call_path_switch():
     assert b.call_path == "cpp" and b._cp is b._cpp
 
 
+@pytest.mark.parametrize("op", ["layout", "cached_dispatch", "combine"])
+def test_buffer_retires_on_a_device_failure_in_cpp(op):
+    """A CUDA failure inside a C++ call retires the Buffer as in Buffer._run (CommlibError, backend.failed);
+    a host-side error raises as itself; what the C++ call returns is the Buffer's result."""
+    calls = []
+
+    class FakeEngine:
+        def __init__(self, result):
+            self.result = result
+
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append((name, args[0]))
+                if isinstance(self.result, Exception):
+                    raise self.result
+                return self.result
+            return call
+
+    b = Buffer.__new__(Buffer)
+    b.rank, b.backend = 0, types.SimpleNamespace(failed=None)
+    h = handle_of()
+    run = {"layout": lambda: b.get_dispatch_layout(torch.zeros(4, 2, dtype=torch.int64), 8),
+           "cached_dispatch": lambda: b.dispatch(torch.zeros(8, 256), handle=h),
+           "combine": lambda: b.combine(torch.zeros(5, 256), h)}[op]
+    b._cp = FakeEngine(("out",))
+    assert run() == ("out",) and calls == [(op, b)]
+    b._cp = FakeEngine(RuntimeError("host-side"))
+    with pytest.raises(RuntimeError, match="host-side"):
+        run()
+    assert b.backend.failed is None
+    b._cp = FakeEngine(KernelLaunchError("cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED (719)", 719))
+    with pytest.raises(CommlibError, match="unusable"):
+        run()
+    assert "CUDA error during a call" in b.backend.failed
+
+
 # ------------------------------------------------------------------------------------------------
 # twins: the packed arguments and the named slots
 # ------------------------------------------------------------------------------------------------

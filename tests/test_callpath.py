@@ -310,7 +310,7 @@ def test_python_path_slots_are_the_named_parameters():
 def check_carved(mine: dict, theirs: dict, offsets: dict) -> None:
     """Outputs carved from one allocation (csrc/callpath.cpp carve): each as the Python path's own tensor
     (shape, strides, dtype, contiguous, not a view of another tensor), at its byte offset in one storage
-    that each of them holds (so any one of them keeps it alive)."""
+    that each of them holds (so any one of them keeps it alive). Empties ``mine``: pass the only references."""
     storage = next(iter(mine.values())).untyped_storage()
     base = storage.data_ptr()
     for k, t in mine.items():

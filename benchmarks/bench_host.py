@@ -21,6 +21,8 @@ python, and cpp where the C++ call path loads: Buffer.set_call_path, csrc/callpa
             floor is the ratio to beat. One floor per op (the Python path's counts), on both its rows.
   cpp_calls (path cpp) how many of the timed calls the C++ path ran: all --iters of them, or the row
             is not the C++ path's figure.
+  phases_us (path cpp) rank 0's median host time per phase of the C++ call (csrc/callpath.cpp Phases),
+            over --iters more calls timed per phase; what the sum leaves of host_us is Python's part.
   gpu_us    the call's device time (CUDA events, L2 flushed); for the full dispatch also the cached
             call and the notify kernel, so gpu_us - cached - notify is the time the GPU waits for the
             host inside a full call.
@@ -69,6 +71,7 @@ def worker(ctx, a: dict):
     args = argparse.Namespace(**a)
     from commlib import routing
     from commlib.buffer import Buffer
+    from commlib.cuda import callpath
     from commlib.cuda import loader as K
     from commlib.fp8 import per_token_cast_to_fp8
 
@@ -115,6 +118,9 @@ def worker(ctx, a: dict):
                            wait_ns=(lambda: buf.backend.last_wait_ns) if reads and wait_ns is not None else None)
             if path == "cpp":   # the timed calls the C++ path ran (all of them, or the row is not its figure)
                 t["cpp_calls"] = buf._cpp.served[kind] - before
+                callpath.phases(True)   # where the C++ call's time goes: the same calls again, timed per phase
+                host_times(fn, args.iters, ahead=not reads, group=group)
+                t["phases_us"] = callpath.phases(False)
             counts = count_device_ops(fn)
             if floor is None:   # the primitives of the Python path's call (the C++ one issues the same)
                 shapes = allocations(fn)
@@ -200,6 +206,11 @@ def main(argv=None) -> int:
           f"{args.num_sms} SMs; device {device}")
     print_table(rows)
     cpp_rows = [r for r in rows if r.get("path") == "cpp"]
+    for r in cpp_rows:
+        if r.get("phases_us"):
+            parts = " ".join(f"{k.split('.', 1)[1]} {v:.2f}" for k, v in r["phases_us"].items())
+            print(f"# phases (rank 0, median us) world {r['world']} {r['op']}: {parts} "
+                  f"(sum {sum(r['phases_us'].values()):.1f})")
     if cpp_rows:
         short = [f"{r['world']}:{r['op']} {r['cpp_calls']}" for r in cpp_rows if r["cpp_calls"] != args.iters]
         print("# C++ path: " + (f"every timed call ran in C++ (calls served, per world: {served})" if not short

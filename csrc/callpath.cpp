@@ -53,7 +53,6 @@ struct Globals {
   PyObject* event_base = nullptr;    // torch._C._CudaEventBase (None without CUDA)
   PyObject* raw_stream = nullptr;    // torch._C._cuda_getCurrentRawStream
   PyObject* capturing = nullptr;     // torch._C._cuda_isCurrentStreamCapturing
-  PyObject* get_device = nullptr;    // torch._C._cuda_getDevice
   int hc_bad_me = 1, hc_bad_rank = 2, hc_sent = 4, hc_recv = 12, hc_sig_rank = 20, hc_expert = 28;
   bool ready = false;
 };
@@ -129,6 +128,24 @@ py::object wrap(at::Tensor t) { return py::reinterpret_steal<py::object>(THPVari
 u64 address(const at::Tensor& t) { return reinterpret_cast<u64>(t.data_ptr()); }
 bool same_shape(const at::Tensor& t, const Shape& s) { return t.sizes() == c10::IntArrayRef(s); }
 
+// A contiguous ``shape`` tensor of ``dtype`` over ``block``'s storage from byte ``offset`` (a multiple
+// of its item size): its own TensorImpl holding the storage, made without the dispatcher (view ops
+// through it cost more host time than the allocation), not an autograd view, as at::empty's are not.
+at::Tensor carve(const at::Tensor& block, i64 offset, c10::IntArrayRef shape, at::ScalarType dtype) {
+  auto keys = c10::DispatchKeySet(block.is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU);
+  caffe2::TypeMeta meta = c10::scalarTypeToTypeMeta(dtype);
+  const i64 size = static_cast<i64>(meta.itemsize());
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(block.storage()), keys, meta);
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(shape);
+  impl->set_storage_offset(offset / size);
+  TORCH_CHECK(offset % size == 0 && offset + t.numel() * size <= static_cast<i64>(block.storage().nbytes()),
+              "commlib callpath: an output carved past its allocation (a bug in csrc/callpath.cpp)");
+  return t;
+}
+
+i64 align_up(i64 n, i64 to) { return (n + to - 1) / to * to; }
+
 // A new instance of a plain Python class, its __init__ skipped: the caller sets every attribute it has.
 py::object bare_instance(PyObject* cls) {
   PyObject* o = PyType_GenericNew(reinterpret_cast<PyTypeObject*>(cls), nullptr, nullptr);
@@ -192,6 +209,39 @@ inline void cpu_pause() {
   asm volatile("yield");
 #endif
 }
+
+// ------------------------------------------------------------------------------------------------
+// Opt-in per-phase host timing (_phases: benchmarks.bench_host prints it): off, a mark is one branch
+// ------------------------------------------------------------------------------------------------
+
+struct PhaseTimes {
+  const char* op;
+  const char* name;
+  std::vector<u64> ns;  // one per mark
+};
+bool phases_on = false;
+std::vector<PhaseTimes> phase_times;
+
+// The time since the previous mark (or the call's start) is one sample of phase ``name`` of ``op``.
+struct Phases {
+  const char* op;
+  Clock::time_point last;
+  explicit Phases(const char* op_) : op(op_) {
+    if (phases_on) last = Clock::now();
+  }
+  void mark(const char* name) {
+    if (!phases_on) return;
+    auto now = Clock::now();
+    u64 ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
+    last = now;
+    for (auto& p : phase_times)
+      if (p.op == op && p.name == name) {
+        if (p.ns.size() < 100000) p.ns.push_back(ns);
+        return;
+      }
+    phase_times.push_back({op, name, {ns}});
+  }
+};
 
 // ------------------------------------------------------------------------------------------------
 // Launch: one kept kernel launch, its packed argument block patched in place per call
@@ -285,6 +335,7 @@ struct CachedPlan {
   at::ScalarType dtype;
   Shape shape, second_shape, out_shape, out2_shape;
   bool has_second;
+  i64 out2_offset = 0, out2_bytes = 0;  // the second output's place in the outputs' one allocation
   at::ScalarType out_dtype;
   i64 cfg[3];       // num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens
   i64 channels;
@@ -435,7 +486,8 @@ struct Engine {
   std::vector<std::shared_ptr<FullEntry>> full;
   u64 test_stream = 1;       // tests: the caller's (current) stream
   u64 alloc_stream = 0;      // tests: the stream allocations are made on (0: the current one)
-  py::dict served;           // calls served here, per op
+  enum Op { kLayout, kCached, kCombine, kDispatch, kOps };
+  i64 served_n[kOps] = {0, 0, 0, 0};  // calls served here, per op (``served``)
 
   explicit Engine(py::dict s) {
     if (!G.ready) throw std::runtime_error("callpath: _setup was not called");
@@ -448,7 +500,6 @@ struct Engine {
     new_event = s["new_event"];
     comm_obj = s["comm_stream"];
     entry_event = reinterpret_cast<void*>(s["entry_event"].cast<u64>());
-    for (PyObject* op : {N->layout, N->cached, N->combine, N->dispatch}) served[py::handle(op)] = 0;
     if (test) {
       comm.raw = s["comm_raw"].cast<u64>();
       return;
@@ -484,9 +535,7 @@ struct Engine {
 
   bool on_device() const {
     if (test) return true;
-    py::object r = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(G.get_device));
-    if (!r) throw py::error_already_set();
-    return as_int(r) == dev;
+    return impl->getDevice().index() == dev;   // what torch.cuda.current_device() reads, with no Python call
   }
 
   void event_record(void* ev, const Stream& s) {
@@ -637,16 +686,25 @@ struct Engine {
     return exact_int(attr(backend, N->_ring_channels), &c) && c == channels;
   }
 
-  void count_call(py::handle backend, PyObject* op, i64 local, i64 remote) {
+  py::dict served() const {
+    py::dict d;
+    PyObject* names[kOps] = {N->layout, N->cached, N->combine, N->dispatch};
+    for (int i = 0; i < kOps; ++i) d[py::handle(names[i])] = served_n[i];
+    return d;
+  }
+
+  // The backend's counts of a replayed call (replayed, counters; a zero count left as it is).
+  void count_call(py::handle backend, Op op, i64 local, i64 remote) {
     set_attr(backend, N->replayed, int_obj(as_int(attr(backend, N->replayed)) + 1));
+    ++served_n[op];
+    if (!local && !remote) return;
     py::object counters = attr(backend, N->counters);
     for (auto [key, add] : {std::pair<PyObject*, i64>{N->local_rows, local}, {N->intranode_rows, remote}}) {
+      if (!add) continue;
       PyObject* cur = PyDict_GetItem(counters.ptr(), key);
       if (!cur) throw py::key_error("counters");
       if (PyDict_SetItem(counters.ptr(), key, int_obj(as_int(cur) + add).ptr()) < 0) throw py::error_already_set();
     }
-    PyObject* n = PyDict_GetItem(served.ptr(), op);
-    if (!n || PyDict_SetItem(served.ptr(), op, int_obj(as_int(n) + 1).ptr()) < 0) throw py::key_error("served");
   }
 
   // The calls' common gate (Buffer._replay): previous_event an EventOverlap or None, allocate_on_comm_stream
@@ -689,34 +747,45 @@ struct Engine {
 
   // engine.py run_plan + Buffer._leave. Returns (first output, second output or None, EventOverlap).
   py::tuple run_cached(py::handle backend, CachedPlan& p, py::handle xo, py::handle second, py::handle prev,
-                       bool async_finish, bool alloc_on_comm) {
+                       bool async_finish, bool alloc_on_comm, Phases& ph) {
     Stream compute = current();
     bool on_compute = enter(compute, prev, alloc_on_comm);
+    ph.mark("enter");
     std::vector<at::Tensor> blocks;
+    at::Tensor out1, out2;
     {
       AllocOn guard(*this, comm, !on_compute);
-      blocks.push_back(empty(p.out_shape, p.out_dtype));
-      if (p.has_second) blocks.push_back(empty(p.out2_shape, at::kFloat));
+      if (p.has_second) {  // one allocation, the second output at the first 256-byte boundary past the first
+        blocks.push_back(empty({p.out2_offset + p.out2_bytes}, at::kByte));
+        out1 = carve(blocks[0], 0, p.out_shape, p.out_dtype);
+        out2 = carve(blocks[0], p.out2_offset, p.out2_shape, at::kFloat);
+      } else {
+        out1 = blocks.emplace_back(empty(p.out_shape, p.out_dtype));
+      }
     }
+    ph.mark("alloc");
     Launch& l = *p.launch;
     l.set(p.x_slot, address(tensor(xo)));
-    l.set(p.out_slot, address(blocks[0]));
+    l.set(p.out_slot, address(out1));
     if (p.has_second) {
       l.set(p.second_slot, address(tensor(second)));
-      l.set(p.out2_slot, address(blocks[1]));
+      l.set(p.out2_slot, address(out2));
     }
     l.issue(comm.raw);
-    count_call(backend, p.kind ? N->combine : N->cached, p.local_rows, p.remote_rows);
+    ph.mark("launch");
+    count_call(backend, p.kind ? kCombine : kCached, p.local_rows, p.remote_rows);
+    ph.mark("count");
     std::vector<py::handle> inputs{xo};
     if (!second.is_none()) inputs.push_back(second);
     py::object overlap = leave(compute, blocks, inputs, async_finish, on_compute);
-    py::object out2 = p.has_second ? wrap(blocks[1]) : py::none();
-    return py::make_tuple(wrap(blocks[0]), out2, overlap);
+    ph.mark("leave");
+    return py::make_tuple(wrap(std::move(out1)), p.has_second ? wrap(std::move(out2)) : py::none(), overlap);
   }
 
   // Buffer.dispatch(x, handle=handle, ...) replayed: the 6-tuple it returns, or None.
   py::object cached_dispatch(py::handle buffer, py::handle x, py::handle handle, py::handle alignment,
                              py::handle config, py::handle prev, bool async_finish, bool alloc_on_comm) {
+    Phases ph("cached");
     i64 al;
     if (!exact_int(alignment, &al) || al <= 0) return py::none();
     if (Py_TYPE(handle.ptr()) != reinterpret_cast<PyTypeObject*>(G.handle)) return py::none();
@@ -736,14 +805,18 @@ struct Engine {
     if (!cfg) return py::none();
     CachedPlan* p = plan_for(backend, handle, 0, static_cast<i64>(d.scalar_type()), d, cfg, scales);
     if (!p || !stream_args_ok(prev, async_finish, alloc_on_comm)) return py::none();
-    py::tuple out = run_cached(backend, *p, data, scales, prev, async_finish, alloc_on_comm);
+    ph.mark("checks");
+    py::tuple out = run_cached(backend, *p, data, scales, prev, async_finish, alloc_on_comm, ph);
     py::object recv = scales.is_none() ? py::object(out[0]) : py::object(py::make_tuple(out[0], out[1]));
-    return py::make_tuple(recv, py::none(), py::none(), py::none(), handle, out[2]);
+    py::object result = py::make_tuple(recv, py::none(), py::none(), py::none(), handle, out[2]);
+    ph.mark("result");
+    return result;
   }
 
   // Buffer.combine(x, handle, topk_weights, ...) replayed (no bias, finish_later False): its 3-tuple, or None.
   py::object combine(py::handle buffer, py::handle x, py::handle handle, py::handle weights, py::handle config,
                      py::handle prev, bool async_finish, bool alloc_on_comm) {
+    Phases ph("combine");
     if (Py_TYPE(handle.ptr()) != reinterpret_cast<PyTypeObject*>(G.handle) || !is_tensor(x)) return py::none();
     const at::Tensor& xt = tensor(x);
     if (xt.dim() != 2 || !config_type_ok(config)) return py::none();
@@ -760,39 +833,52 @@ struct Engine {
     if (!cfg) return py::none();
     CachedPlan* p = plan_for(backend, handle, 1, Kk, xt, cfg, weights);
     if (!p || !stream_args_ok(prev, async_finish, alloc_on_comm)) return py::none();
-    return run_cached(backend, *p, x, weights, prev, async_finish, alloc_on_comm);
+    ph.mark("checks");
+    py::tuple out = run_cached(backend, *p, x, weights, prev, async_finish, alloc_on_comm, ph);
+    ph.mark("result");
+    return out;
   }
 
   // ---------------------------------------------------------------- layout
   // Buffer.get_dispatch_layout(topk_idx, num_experts) on the caller's stream, replayed: its 5-tuple, or None.
   py::object layout(py::handle buffer, py::handle topk, py::handle experts) {
+    Phases ph("layout");
     i64 E;
     if (!exact_int(experts, &E) || E <= 0 || E % R || (R + E) * 4 > 48 * 1024 || !is_tensor(topk)) return py::none();
     const at::Tensor& t = tensor(topk);
     if (t.scalar_type() != at::kLong || t.dim() != 2 || t.get_device() != dev || !t.is_contiguous()) return py::none();
     py::object backend = live_backend(buffer);
     if (!backend) return py::none();
+    ph.mark("args");
     u64 stream = current_raw();
+    ph.mark("stream");
     py::object key = py::make_tuple(stream, t.size(0), t.size(1), E);
     PyObject* kept = PyDict_GetItem(attr(backend, N->_layout_plans).ptr(), key.ptr());
     if (!kept || !PyTuple_Check(kept) || PyTuple_GET_SIZE(kept) < 3 || PyTuple_GET_ITEM(kept, 2) == Py_None)
       return py::none();
     LayoutPlan& p = *py::cast<LayoutPlan*>(py::handle(PyTuple_GET_ITEM(kept, 2)));
     if (!p.launch->current()) return py::none();
-    // one allocation, three views (is_token_in_rank first, the counts at 16-byte offsets): one device
-    // operation instead of three
-    const i64 T = t.size(0), o_ntpr = (T * R + 15) / 16 * 16, o_ntpe = o_ntpr + (R * 4 + 15) / 16 * 16;
-    at::Tensor block = empty({o_ntpe + (E * 4 + 15) / 16 * 16}, at::kByte);
-    at::Tensor tir = block.narrow(0, 0, T * R).view(at::kBool).view({T, R});
-    at::Tensor ntpr = block.narrow(0, o_ntpr, R * 4).view(at::kInt), ntpe = block.narrow(0, o_ntpe, E * 4).view(at::kInt);
+    ph.mark("plan");
+    // one allocation, three tensors over it (is_token_in_rank first, the counts at 16-byte offsets):
+    // one device operation instead of three
+    const i64 T = t.size(0), o_ntpr = align_up(T * R, 16), o_ntpe = o_ntpr + align_up(R * 4, 16);
+    at::Tensor block = empty({o_ntpe + align_up(E * 4, 16)}, at::kByte);
+    ph.mark("alloc");
+    at::Tensor tir = carve(block, 0, {T, R}, at::kBool);
+    at::Tensor ntpr = carve(block, o_ntpr, {R}, at::kInt), ntpe = carve(block, o_ntpe, {E}, at::kInt);
+    ph.mark("views");
     Launch& l = *p.launch;
     l.set(p.topk, address(t));
     l.set(p.ntpr, address(ntpr));
     l.set(p.ntpe, address(ntpe));
     l.set(p.tir, address(tir));
     l.issue(stream);
-    count_call(backend, N->layout, 0, 0);
-    return py::make_tuple(wrap(ntpr), py::none(), wrap(ntpe), wrap(tir), make_overlap(py::none(), py::none()));
+    ph.mark("launch");
+    count_call(backend, kLayout, 0, 0);
+    ph.mark("count");
+    py::object out = py::make_tuple(wrap(ntpr), py::none(), wrap(ntpe), wrap(tir), make_overlap(py::none(), py::none()));
+    ph.mark("result");
+    return out;
   }
 
   // ---------------------------------------------------------------- non-cached dispatch
@@ -1076,7 +1162,7 @@ struct Engine {
         per_expert.append(e.alignment == 1 ? c : (c + e.alignment - 1) / e.alignment * e.alignment);
       }
     }
-    count_call(backend, N->dispatch, local, remote);
+    count_call(backend, kDispatch, local, remote);
     py::object h = bare_instance(G.handle);
     py::dict fields = py::reinterpret_steal<py::dict>(PyDict_Copy(e.handle_template.ptr()));
     fields[N->rank_prefix_matrix] = wrap(rpm);
@@ -1119,6 +1205,11 @@ std::shared_ptr<CachedPlan> make_cached_plan(py::handle owner, LaunchP launch, c
   p->key = combine ? (p->has_second ? p->second_shape.at(1) : 0) : static_cast<i64>(dtype);
   p->out_shape = std::move(out_shape);
   p->out_dtype = out_dtype;
+  i64 n1 = c10::elementSize(out_dtype), n2 = 4;
+  for (i64 d : p->out_shape) n1 *= d;
+  for (i64 d : p->out2_shape) n2 *= d;
+  p->out2_offset = align_up(n1, 256);
+  p->out2_bytes = n2;
   std::copy(cfg.begin(), cfg.end(), p->cfg);
   p->channels = channels;
   for (py::handle f : fields) {
@@ -1152,7 +1243,6 @@ void setup(py::dict s) {
   G.event_base = keep(s["event_base"]);
   G.raw_stream = keep(s["raw_stream"]);
   G.capturing = keep(s["capturing"]);
-  G.get_device = keep(s["get_device"]);
   py::dict hc = s["host_counts"];
   G.hc_bad_me = hc["bad_me"].cast<int>();
   G.hc_bad_rank = hc["bad_rank"].cast<int>();
@@ -1183,6 +1273,18 @@ PYBIND11_MODULE(_commlib_callpath, m) {
     }
     recorder_launch_rc = launch_rc;
   }, py::arg("on"), py::arg("launch_rc") = 0, "tests: record device operations instead of issuing them");
+  m.def("_phases", [](bool on) {
+    py::dict out;
+    for (auto& p : phase_times) {
+      py::str key(std::string(p.op) + "." + p.name);
+      py::list ns = out.contains(key) ? py::list(out[key]) : py::list();
+      for (u64 v : p.ns) ns.append(v);
+      out[key] = ns;
+    }
+    phase_times.clear();
+    phases_on = on;
+    return out;
+  }, py::arg("on"), "per-phase host timing on or off; returns {op.phase: [ns per mark]} since the last call");
   m.def("_recorded", []() {
     py::list out = recorder ? *recorder : py::list();
     if (recorder) *recorder = py::list();
@@ -1211,7 +1313,7 @@ PYBIND11_MODULE(_commlib_callpath, m) {
            py::arg("sig"), py::arg("L"), py::arg("C"), py::arg("E"));
   py::class_<Engine>(m, "Engine", py::module_local())
       .def(py::init<py::dict>())
-      .def_readonly("served", &Engine::served)
+      .def_property_readonly("served", &Engine::served)
       .def_readwrite("test_stream", &Engine::test_stream)
       .def("kept_dispatches", [](const Engine& e) { return e.full.size(); })
       .def("layout", [](Engine& e, py::handle buffer, py::handle topk, py::handle experts) {

@@ -55,7 +55,7 @@ tests2half   | nvlink    | 2 | 120 | env COMMLIB_TEST_KERNEL_VARIANT=DISPATCH_TH
 tests2trace  | nvlink    | 2 | 120 | env COMMLIB_TEST_KERNEL_VARIANT=COMM_TRACE=1 $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k two_ranks
 tests2py     | nvlink    | 2 | 200 | env COMMLIB_CALLPATH=python $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k "two_ranks and not callpath"
 callpath     | nvlink    | 2 | 150 | env COMMLIB_CALLPATH=cpp COMMLIB_TEST_CASES=callpath,replays,options,bad_ids,rejected_input,cuda_graph $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k two_ranks
-cpplant      | nvlink    | 2 | 300 | env PY=$PY bash scripts/plant_callpath.sh
+cpplant      | nvlink    | 2 | 360 | env PY=$PY bash scripts/plant_callpath.sh
 shared       | nvlink    | 8 | 150 | $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k shared_gpus
 rings        | nvlink    | 2 | 200 | $PY -m pytest tests/gpu/test_nvlink.py -q -p no:cacheprovider -k rings
 timeout      | nvlink    | 2 |  90 | $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k device_timeout

@@ -225,6 +225,42 @@ def test_buffer_call_path_switch():
     assert b.call_path == "cpp" and b._cp is b._cpp
 
 
+@pytest.mark.parametrize("op", ["layout", "cached_dispatch", "combine"])
+def test_buffer_retires_on_a_device_failure_in_cpp(op):
+    """A CUDA failure inside a C++ call retires the Buffer as in Buffer._run (CommlibError, backend.failed);
+    a host-side error raises as itself; what the C++ call returns is the Buffer's result."""
+    calls = []
+
+    class FakeEngine:
+        def __init__(self, result):
+            self.result = result
+
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append((name, args[0]))
+                if isinstance(self.result, Exception):
+                    raise self.result
+                return self.result
+            return call
+
+    b = Buffer.__new__(Buffer)
+    b.rank, b.backend = 0, types.SimpleNamespace(failed=None)
+    h = handle_of()
+    run = {"layout": lambda: b.get_dispatch_layout(torch.zeros(4, 2, dtype=torch.int64), 8),
+           "cached_dispatch": lambda: b.dispatch(torch.zeros(8, 256), handle=h),
+           "combine": lambda: b.combine(torch.zeros(5, 256), h)}[op]
+    b._cp = FakeEngine(("out",))
+    assert run() == ("out",) and calls == [(op, b)]
+    b._cp = FakeEngine(RuntimeError("host-side"))
+    with pytest.raises(RuntimeError, match="host-side"):
+        run()
+    assert b.backend.failed is None
+    b._cp = FakeEngine(KernelLaunchError("cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED (719)", 719))
+    with pytest.raises(CommlibError, match="unusable"):
+        run()
+    assert "CUDA error during a call" in b.backend.failed
+
+
 # ------------------------------------------------------------------------------------------------
 # twins: the packed arguments and the named slots
 # ------------------------------------------------------------------------------------------------
@@ -271,6 +307,27 @@ def test_python_path_slots_are_the_named_parameters():
 # cached dispatch and combine
 # ------------------------------------------------------------------------------------------------
 
+def check_carved(mine: dict, theirs: dict, offsets: dict) -> None:
+    """Outputs carved from one allocation (csrc/callpath.cpp carve): each as the Python path's own tensor
+    (shape, strides, dtype, contiguous, not a view of another tensor), at its byte offset in one storage
+    that each of them holds (so any one of them keeps it alive). Empties ``mine``: pass the only references."""
+    storage = next(iter(mine.values())).untyped_storage()
+    base = storage.data_ptr()
+    for k, t in mine.items():
+        py = theirs[k]
+        assert (t.shape, t.stride(), t.dtype, t.is_contiguous(), t._base) == \
+               (py.shape, py.stride(), py.dtype, py.is_contiguous(), None), k
+        assert t.untyped_storage().data_ptr() == base and t.data_ptr() - base == offsets[k], k
+        assert t.storage_offset() * t.element_size() == offsets[k], k
+        assert storage.nbytes() >= offsets[k] + t.numel() * t.element_size(), k
+    del t
+    # one reference per output (and one for ``storage`` here); the last one left still holds it
+    assert torch._C._storage_Use_Count(storage._cdata) == len(mine) + 1
+    last = mine.popitem()[1]
+    mine.clear()
+    assert torch._C._storage_Use_Count(storage._cdata) == 2 and last.untyped_storage().data_ptr() == base
+
+
 def _sync_ops(launch, allocs, exit_event) -> list:
     """Buffer._enter / _leave of a synchronous call whose outputs belong to the caller's stream."""
     return [("record", ENTRY, COMPUTE), ("wait", ENTRY, COMM), *allocs, launch, ("record", exit_event, COMM),
@@ -293,7 +350,8 @@ def test_cached_dispatch_runs_as_the_python_path(rig, fp8):
     assert (rs.shape, rs.dtype) == ((5, 2), torch.float32) if fp8 else rs is None
     recorded = ops(rig.ext)
     (launch,) = launches(recorded)
-    allocs = [("alloc", [5, 256], x.dtype, COMPUTE)] + ([("alloc", [5, 2], torch.float32, COMPUTE)] if fp8 else [])
+    # FP8: one allocation for recv_x and its scales, those at the first 256-byte boundary past recv_x
+    allocs = [("alloc", [1280 + 5 * 2 * 4], torch.uint8, COMPUTE)] if fp8 else [("alloc", [5, 256], x.dtype, COMPUTE)]
     assert recorded == _sync_ops(launch, allocs, recorded[-1][1])
     assert ev.event is not None and id(ev.event) == recorded[-1][1] and ev.extra_tensors is None
     assert launch[2] == COMM and launch[3:6] == (4, 1024, 0)
@@ -310,6 +368,12 @@ def test_cached_dispatch_runs_as_the_python_path(rig, fp8):
         assert cpp["x_scales"] == py["x_scales"] == s.data_ptr()
     assert {k: v for k, v in cpp.items() if not k.startswith("recv_x")} == \
            {k: v for k, v in py.items() if not k.startswith("recv_x")}
+    if fp8:
+        mine = {"x": rx, "scales": rs}
+        del out, recv, rx, rs
+        check_carved(mine, {"x": first, "scales": second}, {"x": 0, "scales": 1280})
+    else:
+        assert (rx.stride(), rx.storage_offset(), rx._base) == (first.stride(), 0, None)
     # both count the rows and the replay alike
     assert be.replayed == 2 and be.counters["local_rows"] == 6 and be.counters["intranode_rows"] == 4
     assert rig.eng.served["cached"] == 1
@@ -338,6 +402,14 @@ def test_combine_runs_as_the_python_path(rig, Kk):
         assert cpp["topk_weights"] == w.data_ptr()
     own = ("combined_x", "combined_topk_weights")
     assert {k: v for k, v in cpp.items() if k not in own} == {k: v for k, v in py.items() if k not in own}
+    allocs = [op for op in recorded if op[0] == "alloc"]
+    if Kk:   # one allocation: combined_x [8, 256] bf16, the weights at the next 256-byte boundary
+        assert allocs == [("alloc", [4096 + 8 * Kk * 4], torch.uint8, COMPUTE)]
+        mine = {"x": cx, "w": cw}
+        del out, cx, cw
+        check_carved(mine, {"x": first, "w": second}, {"x": 0, "w": 4096})
+    else:
+        assert allocs == [("alloc", [8, 256], torch.bfloat16, COMPUTE)]
     assert be.counters["local_rows"] == 8 and be.counters["intranode_rows"] == 2 and rig.eng.served["combine"] == 1
 
 
@@ -456,12 +528,17 @@ def test_launch_failure_raises_as_the_python_path(rig):
 # layout
 # ------------------------------------------------------------------------------------------------
 
-def test_layout_runs_as_the_python_path(rig, monkeypatch):
-    be, T, Kk, E = rig.be, 300, 4, 16
+def keep_layout(rig, monkeypatch, T: int, Kk: int, E: int) -> None:
+    """What the engine keeps after a layout on stream COMPUTE (engine.py _layout_plans)."""
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: COMPUTE, raising=False)
     args = kernel_args("layout", "layout_kernel", num_tokens=T, num_topk=Kk, num_experts=E, num_ranks=2)
     rep = K.replay("layout", "layout_kernel", 2, K.LAYOUT_THREADS, args, shared_mem=(2 + E) * 4)
-    be._layout_plans[(COMPUTE, T, Kk, E)] = (rep, None, callpath.layout_plan(rep))
+    rig.be._layout_plans[(COMPUTE, T, Kk, E)] = (rep, None, callpath.layout_plan(rep))
+
+
+def test_layout_runs_as_the_python_path(rig, monkeypatch):
+    be, T, Kk, E = rig.be, 300, 4, 16
+    keep_layout(rig, monkeypatch, T, Kk, E)
     topk = torch.randint(-1, E, (T, Kk))
     out = rig.eng.layout(rig.buf, topk, E)
     ntpr, nrr, ntpe, tir, ev = out
@@ -487,12 +564,41 @@ def test_layout_runs_as_the_python_path(rig, monkeypatch):
         assert cpp[k] == mine[k].data_ptr() and py[k] == theirs[k].data_ptr()
     assert {k: v for k, v in cpp.items() if k not in mine} == {k: v for k, v in py.items() if k not in mine}
     assert cpp["topk_idx"] == topk.data_ptr() and stream == COMPUTE and be.replayed == 2
+    o_ntpr = -(-T * 2 // 16) * 16
+    del out, ntpr, ntpe, tir
+    check_carved(mine, theirs, {"is_token_in_rank": 0, "num_tokens_per_rank": o_ntpr,
+                                "num_tokens_per_expert": o_ntpr + 16})
     for bad in (topk.int(), topk[:, :2], topk.t(), topk[None]):
         assert rig.eng.layout(rig.buf, bad, E) is None
     for experts in (E + 1, True, 32, -2):
         assert rig.eng.layout(rig.buf, topk, experts) is None
     rig.eng.test_stream = 5   # another stream: its own plan
     assert rig.eng.layout(rig.buf, topk, E) is None
+
+
+def test_phases_are_timed_only_when_asked(rig, monkeypatch):
+    """callpath.phases: off, nothing is timed; on, each C++ call's phases, one sample per call."""
+    keep_layout(rig, monkeypatch, 64, 4, 16)
+    h = handle_of()
+    keep_cached(rig.be, h, fp8=True)
+    topk = torch.randint(-1, 16, (64, 4))
+    x, s = torch.zeros(8, 256, dtype=torch.float8_e4m3fn), torch.ones(8, 2)
+    assert callpath.phases(False) == {}
+    rig.eng.layout(rig.buf, topk, 16)
+    assert callpath.phases(True) == {}
+    for _ in range(3):
+        assert rig.eng.layout(rig.buf, topk, 16) is not None
+        assert rig.eng.cached_dispatch(rig.buf, (x, s), h, 1, CFG, None, False, False) is not None
+    raw = rig.ext._phases(True)   # nanoseconds per call, and on again
+    assert set(raw) == {f"layout.{p}" for p in ("args", "stream", "plan", "alloc", "views", "launch", "count",
+                                                "result")} | \
+           {f"cached.{p}" for p in ("checks", "enter", "alloc", "launch", "count", "leave", "result")}, raw
+    assert all(len(v) == 3 and min(v) >= 0 for v in raw.values()), raw
+    rig.eng.layout(rig.buf, topk, 16)
+    got = callpath.phases(False)   # the medians, in microseconds
+    assert set(got) == {k for k in raw if k.startswith("layout.")} and all(v >= 0 for v in got.values()), got
+    rig.eng.layout(rig.buf, topk, 16)
+    assert callpath.phases(False) == {}
 
 
 # ------------------------------------------------------------------------------------------------

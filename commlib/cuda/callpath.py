@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -132,7 +133,6 @@ def import_built(path: Path):
         "event_base": getattr(torch._C, "_CudaEventBase", None),
         "raw_stream": getattr(torch._C, "_cuda_getCurrentRawStream", None),
         "capturing": getattr(torch._C, "_cuda_isCurrentStreamCapturing", None),
-        "get_device": getattr(torch._C, "_cuda_getDevice", None),
         "host_counts": dict(K.HOST_COUNTS)})
     return mod
 
@@ -159,6 +159,12 @@ def load():
                                       f"call path runs instead (COMMLIB_CALLPATH=python silences this): "
                                       f"{why_unavailable}", RuntimeWarning, stacklevel=2)
     return _module or None
+
+
+def phases(on: bool) -> dict:
+    """Opt-in per-phase host timing of the C++ calls (benchmarks.bench_host): turn it on or off; returns
+    {"op.phase": median microseconds} of the calls made since the last phases() call."""
+    return {k: statistics.median(v) / 1e3 for k, v in load()._phases(on).items()}
 
 
 def reset() -> None:

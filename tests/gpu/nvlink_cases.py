@@ -330,15 +330,17 @@ def case_replays(ctx):
     check_same(a[1], b[1], "[replays] changed config scales")
 
 
-def _same_call(got, want, tag: str) -> None:
-    """Two paths' outputs of one call (a tuple as the Buffer returns it), bit for bit; handles field by field."""
+def _same_call(got, want, tag: str, strides: bool = False) -> None:
+    """Two paths' outputs of one call (a tuple as the Buffer returns it), bit for bit; handles field by field.
+    ``strides``: the output tensors' strides too (the C++ path carves some from one allocation)."""
     assert type(got) is type(want) and (not isinstance(got, tuple) or len(got) == len(want)), \
         f"{tag}: {type(got).__name__} != {type(want).__name__}"
     if isinstance(got, tuple):
         for i, (a, b) in enumerate(zip(got, want)):
-            _same_call(a, b, f"{tag}[{i}]")
+            _same_call(a, b, f"{tag}[{i}]", strides)
     elif isinstance(got, torch.Tensor):
         check_same(got, want, tag)
+        assert not strides or got.stride() == want.stride(), f"{tag}: strides {got.stride()} != {want.stride()}"
     elif hasattr(got, "rank_prefix_matrix"):   # a DispatchHandle
         for nm in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
                    "is_token_in_rank", "send_head"):
@@ -425,7 +427,8 @@ def case_callpath(ctx):
 
                 def check(rep, i, out):
                     for other in ("python", "reference"):
-                        _same_call(out, runs[other][rep][i], f"{tag} call {rep}] cpp vs {other} {names[i]}")
+                        _same_call(out, runs[other][rep][i], f"{tag} call {rep}] cpp vs {other} {names[i]}",
+                                   strides=other == "python")
 
                 cpp = _callpath_pass(nv, me, idx, w, T, H, E, fp8, worst, cfg, check)
                 # a handle the C++ path made (round 1's dispatch), combined through both paths

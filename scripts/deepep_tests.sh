@@ -71,7 +71,7 @@ unset DEEPEP_HARNESS_WORKAROUND_CPU_DEFAULT   # a diagnostic that hides a commli
 
 MPS_STARTED=0
 if [ "${DEEPEP_NO_MPS:-0}" != 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
-  if ! pgrep -u "$(id -u)" -x nvidia-cuda-mps-control >/dev/null; then
+  if ! pgrep -u "$(id -u)" -f "^nvidia-cuda-mps-control" >/dev/null; then
     MPS_DIR=$(mktemp -d /tmp/deepep_mps.XXXXXX)   # pipes and sockets: not in LOGDIR
     export CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_DIR/log"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"

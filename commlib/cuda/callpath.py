@@ -47,6 +47,10 @@ why_unavailable = ""    # why load() returned None
 build_seconds: Optional[float] = None  # how long this process spent compiling it (None: taken from the cache)
 
 
+def header_path() -> Path:
+    return K.CSRC / "callpath.h"
+
+
 def source_path() -> Path:
     return K.CSRC / SOURCE_NAME
 
@@ -82,6 +86,7 @@ def build_command(src: Path, out: Path, cxx: Optional[str] = None) -> list:
 def build_key(src: Path, cxx: str) -> str:
     """The cache folder's name: the source, torch (version, build, location), the Python ABI, the command."""
     h = hashlib.sha256(src.read_bytes())
+    h.update(header_path().read_bytes() if header_path().is_file() else b"")   # csrc/callpath.h, which it includes
     for part in (torch.__version__, str(torch.version.cuda), sys.implementation.cache_tag,
                  sysconfig.get_config_var("EXT_SUFFIX") or "", *build_command(src, Path("OUT"), cxx)):
         h.update(b"\0" + str(part).encode())

@@ -21,7 +21,7 @@ python, and cpp where the C++ call path loads: Buffer.set_call_path, csrc/callpa
             floor is the ratio to beat. One floor per op (the Python path's counts), on both its rows.
   cpp_calls (path cpp) how many of the timed calls the C++ path ran: all --iters of them, or the row
             is not the C++ path's figure.
-  phases_us (path cpp) rank 0's median host time per phase of the C++ call (csrc/callpath.cpp Phases),
+  phases_us (path cpp) rank 0's median host time per phase of the C++ call (csrc/callpath.h Phases),
             over --iters more calls timed per phase; what the sum leaves of host_us is Python's part.
   gpu_us    the call's device time (CUDA events, L2 flushed); for the full dispatch also the cached
             call and the notify kernel, so gpu_us - cached - notify is the time the GPU waits for the

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import row_len as exchange_row_len
-from commlib.backends.probe import RecordingProbe
+from commlib.backends.probe import NULL_PROBE, RecordingProbe
 from commlib.bench import main as B
 from commlib.bench import results
 from commlib.utils.timing import slowest, thread_usage
@@ -630,7 +630,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
 
     R, me, group = ctx.world_size, ctx.rank, ctx.group
     nvl, rdma = B.buffer_bytes(w.hidden, R, rpn, R // rpn)
-    rows = []
+    rows, cpp_rows = [], []
     for cap in chunk_caps:
         os.environ["COMMLIB_NETWORK_CHUNKS"] = str(cap)
         os.environ["COMMLIB_INTERNODE_KERNELS"] = "1"
@@ -710,6 +710,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
                          "nccl_us": t.get("excluded_us", 0.0), "nccl_calls": n, "nccl": nccl, "ops": counts,
                          "probe_ops": probe_ops, "probe_ops_again": probe_again, "floor_us": fl["host_us"],
                          "nccl_floor_us": sum(c["floor_us"] for c in nccl)})
+        cpp_rows += _cpp_rows(buf, ops, iters, warmup, group, cap, K, HT)
         everyone = [None] * R
         dist.all_gather_object(everyone, traces, group=group)
         for r in rows[-len(ops):]:
@@ -725,7 +726,54 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
         r.update({k: v for k, v in zip(keys, vals) if r.get(k) is not None})
         for j, c in enumerate(r["nccl"]):
             c["host_us"], c["floor_us"] = vals[len(keys) + 2 * j], vals[len(keys) + 2 * j + 1]
-    return {"rows": rows, "device": str(dev)}
+    for r in cpp_rows:
+        keys = ["host_us", "cpu_us", "nccl_us", "own_us"]
+        r.update(zip(keys, slowest([float(r[k]) for k in keys], group)))
+        r["cpp_calls"] = -slowest([-float(r["cpp_calls"])], group)[0]   # the fewest of any rank
+    return {"rows": rows, "cpp_rows": cpp_rows, "device": str(dev)}
+
+
+def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, HT) -> list:
+    """The cached dispatches and the combine through the internode C++ call path
+    (csrc/callpath_internode.cpp), where it loaded on every rank: host wall / CPU us per call with the
+    host ahead, ``nccl_us`` (the engine's own clock around its NCCL calls and waits), ``own_us`` (the
+    rest: the Buffer's checks and the engine's work, both in C++), ``cpp_calls`` (timed calls it ran)."""
+    everyone = -slowest([-float(buf.call_path == "cpp")], group)[0] > 0
+    if not everyone:
+        return []
+    buf.backend.set_probe(NULL_PROBE)   # a recording probe sends calls to the Python path
+    out = []
+    for op, fn in ops.items():
+        kind = op.split("_")[0]
+        if kind not in ("cached", "combine"):
+            continue
+        for _ in range(warmup):
+            fn()
+        mark = {"ns": buf._cpp.nccl_ns}
+
+        def nccl_ns():
+            v, mark["ns"] = buf._cpp.nccl_ns - mark["ns"], buf._cpp.nccl_ns
+            return v
+        before = buf._cpp.served[kind]
+        t = HT.host_times(fn, iters, ahead=True, group=group, excluded_ns=nccl_ns)
+        out.append({"op": op + "_cpp", "chunk_cap": cap, "chunks": K, "host_us": t["host_us"], "cpu_us": t["cpu_us"],
+                    "nccl_us": t.get("excluded_us", 0.0), "own_us": t["host_us"] - t.get("excluded_us", 0.0),
+                    "cpp_calls": buf._cpp.served[kind] - before, "iters": iters})
+    return out
+
+
+def cpp_verdicts(r: dict) -> list:
+    """The host-time targets a C++ call path row speaks to (own: the Buffer's and the engine's, outside NCCL)."""
+    kind = r["op"].split("_")[0]
+    out = [{"target": f"{r['op']}: own host time (us, the Buffer's and the engine's, outside NCCL calls)",
+            "value": round(r["own_us"], 1), "limit": HOST_TARGETS[f"{kind}_own_us"]},
+           {"target": f"{r['op']}: timed calls the C++ path ran", "value": r["iters"] - r["cpp_calls"], "limit": 0}]
+    if r["chunks"] == 1:
+        out.append({"target": f"{r['op']}: whole call's host time at K = 1 (us)", "value": round(r["host_us"], 1),
+                    "limit": HOST_TARGETS[f"{kind}_total_us_k1"]})
+    for t in out:
+        t["met"] = t["value"] <= t["limit"]
+    return out
 
 
 def host_main(a, gpus: int) -> int:
@@ -763,6 +811,18 @@ def host_main(a, gpus: int) -> int:
               f"{r['nccl_calls']:>5}  {'PASS' if r['met'] else 'FAIL'}")
         for i, c in enumerate(r["nccl"]):
             print(f"#   {r['op']} NCCL call {i}: {c['name']} {c['bytes']} B, {c['host_us']:.1f} us, bare {c['floor_us']:.1f} us")
+    cpp_rows = out.get("cpp_rows", [])
+    if cpp_rows:
+        print(f"# C++ call path (csrc/callpath_internode.cpp), host ahead: {'op':>12} {'cap':>3} {'K':>2} {'host':>8} "
+              f"{'nccl':>8} {'own':>8} {'cpu':>8} {'calls':>5}  verdict")
+    for r in cpp_rows:
+        r["targets"] = cpp_verdicts(r)
+        r["met"] = all(t["met"] for t in r["targets"])
+        print(f"  {r['op']:>14} {r['chunk_cap']:>3} {r['chunks']:>2} {r['host_us']:8.1f} {r['nccl_us']:8.1f} "
+              f"{r['own_us']:8.1f} {r['cpu_us']:8.1f} {int(r['cpp_calls']):>5}  {'PASS' if r['met'] else 'FAIL'}")
+        for t in r["targets"]:
+            print(f"# target {t['target']} [cap {r['chunk_cap']}]: {t['value']} (needs <= {t['limit']}): "
+                  + ("PASS" if t["met"] else "FAIL"))
     for cap in caps:
         mine = [r for r in rows if r["chunk_cap"] == cap]
         if mine and mine[0].get("steps_by_rank"):
@@ -781,7 +841,7 @@ def host_main(a, gpus: int) -> int:
           + ("" if gpus else " (CPU ranks: not the targets' setting)"))
     if a.json is not None:
         cmd = "python -m benchmarks.bench_internode " + " ".join(shlex.quote(v) for v in a.argv)
-        doc = results.result_document("bench_internode_host", cmd.strip(), rows, world_size=a.ranks,
+        doc = results.result_document("bench_internode_host", cmd.strip(), rows + cpp_rows, world_size=a.ranks,
                                       targets=HOST_TARGETS, mode=note, passed=passed)
         print(f"# wrote {results.write_result(doc, a.json)}")
     return 0

@@ -142,11 +142,16 @@ class Buffer(LowLatencyMode):
         # backends that keep plans of cached dispatches and combines (NVLinkBackend.plan_for) replay them
         self._replays = self.comm_stream is not None and hasattr(self.backend, "plan_for")
         # the C++ call path (commlib.cuda.callpath) of those backends where it loads; _cp: the one in use
+        # (the internode engine's: csrc/callpath_internode.cpp, its twins made through backend.cpp_twin)
         self._cpp = (callpath.engine(buffer_type=Buffer, comm_stream=self.comm_stream, entry_event=self._entry_event,
                                      device_index=self.device.index, rank=self.rank, num_ranks=self.num_ranks,
-                                     timeout_ns=self.backend.timeout_ns)
+                                     timeout_ns=self.backend.timeout_ns,
+                                     make_twin=getattr(self.backend, "cpp_twin", None))
                      if self._replays and getattr(self.backend, "_twins", False) else None)
         self._cp = self._cpp
+        # a cached dispatch or combine the internode C++ path declines (a recording probe, no twin) may
+        # still be a Python replay
+        self._replay_after_cpp = self._cpp is not None and hasattr(self.backend, "cpp_twin")
         # the GPU engines check expert ids on the device: a non-cached dispatch's argument checks read
         # no values, so a signature that passed them once passes again (_prepare_dispatch)
         self._memo_checks = self.device.type == "cuda" and self.backend_name != "reference"
@@ -543,7 +548,8 @@ class Buffer(LowLatencyMode):
                     raise
                 if out is not None:
                     return out
-            elif (type(expert_alignment) is int and expert_alignment > 0 and self._replays
+            if ((cp is None or self._replay_after_cpp) and type(expert_alignment) is int and expert_alignment > 0
+                    and self._replays
                     and type(handle) is DispatchHandle and handle.buffer_id == self.buffer_id):
                 data, scales = (x, None) if isinstance(x, torch.Tensor) else (x if type(x) is tuple and len(x) == 2
                                                                                 else (None, None))
@@ -816,7 +822,8 @@ class Buffer(LowLatencyMode):
                 raise
             if out is not None:
                 return out
-        elif (bias is None and not finish_later and self._replays and type(handle) is DispatchHandle
+        if (bias is None and not finish_later and (cp is None or self._replay_after_cpp) and self._replays
+                and type(handle) is DispatchHandle
                 and handle.buffer_id == self.buffer_id and isinstance(x, torch.Tensor) and x.dim() == 2
                 and (config is None or isinstance(config, Config))
                 and (topk_weights is None or isinstance(topk_weights, torch.Tensor) and topk_weights.dim() == 2)):

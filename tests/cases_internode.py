@@ -168,6 +168,47 @@ def _one_call_setup(ctx, chunks: int, seed: int, T: int, routing: str):
     return ref, eng, x, idx, w, eng.get_dispatch_layout(idx, E_PER_RANK * R)
 
 
+def case_callpath(ctx):
+    """The C++ call path (csrc/callpath_internode.cpp) against the Python path and the reference: per
+    topology, one chunk and three, BF16 / FP8, a handle's cached dispatch and combine (weights and
+    none) replayed in C++ (every call counted as served there) equal the Python replays and the
+    reference bit for bit, on copies of the inputs with the originals zeroed."""
+    R, me, dev = ctx.world_size, ctx.rank, ctx.device
+    for i, rpn in enumerate(topologies(R)):
+        for chunks, config in ((1, None), (3, TINY)):
+            ref, eng = _buffers(ctx, rpn, chunks)
+            why = commlib.cuda.callpath.why_unavailable
+            assert eng.call_path == "cpp", f"the internode C++ call path did not load: {why}"
+            for fp8 in (False, True):
+                seed = 700 + 10 * i + chunks + fp8
+                x, idx, w = make_inputs(seed, me, R, R // rpn, 24, "random", dev)
+                xin = per_token_cast_to_fp8(x) if fp8 else x
+                outs = {}
+                for name, buf in (("ref", ref), ("eng", eng)):
+                    ntr, nrr, nte, tir, _ = buf.get_dispatch_layout(idx, E_PER_RANK * R)
+                    rx, _, rw, _, h, _ = buf.dispatch(xin, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr,
+                                                      is_token_in_rank=tir, num_tokens_per_expert=nte, topk_idx=idx,
+                                                      topk_weights=w, config=config)
+                    y = ((rx[0].float() if fp8 else rx.float()) * (1.5 + me)).to(torch.bfloat16)
+                    calls = [lambda: buf.dispatch(xin, handle=h, config=config)[0],
+                             lambda: buf.combine(y, h, rw, config=config)[:2],
+                             lambda: buf.combine(y, h, config=config)[0]]
+                    outs[name] = [c() for c in calls]   # the full paths (kept calls made)
+                    if name == "eng":
+                        for path in ("python", "cpp", "cpp"):   # the second cpp call: on the twins it made
+                            buf.set_call_path(path)
+                            served = dict(buf._cpp.served)
+                            outs[f"{path} again"] = [c() for c in calls]
+                            got = {k: buf._cpp.served[k] - served[k] for k in served}
+                            assert got == ({"cached": 1, "combine": 2} if path == "cpp" else {"cached": 0, "combine": 0}), \
+                                f"[rpn={rpn} chunks={chunks} fp8={fp8}] {path}: served {got}"
+                        torch.cuda.synchronize()
+                for key in ("eng", "python again", "cpp again"):
+                    same(outs[key], outs["ref"], f"[rpn={rpn} chunks={chunks} fp8={fp8}] {key}")
+            ref.destroy()
+            eng.destroy()
+
+
 def case_matches_reference(ctx):
     """Every topology, routing, BF16 / FP8, one chunk and many (chunk rows 1, 2, 3, ...), zero rows.
     Every host read is the count exchange's digest, not the gathered rows (its size does not grow

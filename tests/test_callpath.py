@@ -32,6 +32,7 @@ from commlib.handle import DispatchHandle
 from commlib.utils.errors import KernelLaunchError, is_device_failure
 from commlib.utils.event import EventOverlap
 from commlib.validate import CommlibError
+from carved import check_carved
 from nvlink_fakes import fake_backend
 
 BUFFER_ID, ENTRY, COMPUTE, COMM = 77, 0xE0, 1, 2
@@ -306,27 +307,6 @@ def test_python_path_slots_are_the_named_parameters():
 # ------------------------------------------------------------------------------------------------
 # cached dispatch and combine
 # ------------------------------------------------------------------------------------------------
-
-def check_carved(mine: dict, theirs: dict, offsets: dict) -> None:
-    """Outputs carved from one allocation (csrc/callpath.cpp carve): each as the Python path's own tensor
-    (shape, strides, dtype, contiguous, not a view of another tensor), at its byte offset in one storage
-    that each of them holds (so any one of them keeps it alive). Empties ``mine``: pass the only references."""
-    storage = next(iter(mine.values())).untyped_storage()
-    base = storage.data_ptr()
-    for k, t in mine.items():
-        py = theirs[k]
-        assert (t.shape, t.stride(), t.dtype, t.is_contiguous(), t._base) == \
-               (py.shape, py.stride(), py.dtype, py.is_contiguous(), None), k
-        assert t.untyped_storage().data_ptr() == base and t.data_ptr() - base == offsets[k], k
-        assert t.storage_offset() * t.element_size() == offsets[k], k
-        assert storage.nbytes() >= offsets[k] + t.numel() * t.element_size(), k
-    del t
-    # one reference per output (and one for ``storage`` here); the last one left still holds it
-    assert torch._C._storage_Use_Count(storage._cdata) == len(mine) + 1
-    last = mine.popitem()[1]
-    mine.clear()
-    assert torch._C._storage_Use_Count(storage._cdata) == 2 and last.untyped_storage().data_ptr() == base
-
 
 def _sync_ops(launch, allocs, exit_event) -> list:
     """Buffer._enter / _leave of a synchronous call whose outputs belong to the caller's stream."""

@@ -40,16 +40,24 @@ from commlib.utils.event import EventOverlap
 
 MODULE = "_commlib_callpath"
 SOURCE_NAME = "callpath.cpp"
+# the internode engine's call path (csrc/callpath_internode.cpp): a module of its own, the same header
+INTERNODE_MODULE = "_commlib_callpath_internode"
+INTERNODE_SOURCE_NAME = "callpath_internode.cpp"
 BUILD_TIMEOUT_S = 900
 
 _lock = threading.Lock()
 _module = None          # the loaded extension, False once it could not be, None before the first try
-why_unavailable = ""    # why load() returned None
+_internode = None       # the same for the internode module (load_internode)
+why_unavailable = ""    # why load() (or load_internode()) returned None
 build_seconds: Optional[float] = None  # how long this process spent compiling it (None: taken from the cache)
 
 
-def source_path() -> Path:
-    return K.CSRC / SOURCE_NAME
+def header_path() -> Path:
+    return K.CSRC / "callpath.h"
+
+
+def source_path(name: str = SOURCE_NAME) -> Path:
+    return K.CSRC / name
 
 
 def compiler() -> str:
@@ -83,21 +91,23 @@ def build_command(src: Path, out: Path, cxx: Optional[str] = None) -> list:
 def build_key(src: Path, cxx: str) -> str:
     """The cache folder's name: the source, torch (version, build, location), the Python ABI, the command."""
     h = hashlib.sha256(src.read_bytes())
+    h.update(header_path().read_bytes() if header_path().is_file() else b"")   # csrc/callpath.h, which it includes
     for part in (torch.__version__, str(torch.version.cuda), sys.implementation.cache_tag,
                  sysconfig.get_config_var("EXT_SUFFIX") or "", *build_command(src, Path("OUT"), cxx)):
         h.update(b"\0" + str(part).encode())
     return h.hexdigest()[:20]
 
 
-def build(src: Optional[Path] = None, cache_dir: Optional[str] = None) -> Path:
-    """The extension built from ``src`` (default csrc/callpath.cpp), compiled now unless the cache has it."""
+def build(src: Optional[Path] = None, cache_dir: Optional[str] = None, module: str = MODULE) -> Path:
+    """The extension ``module`` built from ``src`` (default csrc/callpath.cpp), compiled now unless the
+    cache has it."""
     global build_seconds
     src = src or source_path()
     if not src.is_file():
         raise RuntimeError(f"{src} is missing")
     cxx = compiler()
     folder = Path(cache_dir or env.callpath_cache_dir()) / build_key(src, cxx)
-    target = folder / (MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    target = folder / (module + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
@@ -105,7 +115,7 @@ def build(src: Optional[Path] = None, cache_dir: Optional[str] = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)   # one rank builds, the others wait and take its result
         if target.is_file():
             return target
-        tmp = folder / f"{MODULE}.{os.getpid()}.partial.so"
+        tmp = folder / f"{module}.{os.getpid()}.partial.so"
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(build_command(src, tmp, cxx), capture_output=True, text=True,
@@ -122,9 +132,9 @@ def build(src: Optional[Path] = None, cache_dir: Optional[str] = None) -> Path:
     return target
 
 
-def import_built(path: Path):
-    """Import the extension at ``path`` and hand it the Python objects it works with."""
-    spec = importlib.util.spec_from_file_location(MODULE, path)
+def import_built(path: Path, module: str = MODULE):
+    """Import the extension ``module`` at ``path`` and hand it the Python objects it works with."""
+    spec = importlib.util.spec_from_file_location(module, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod._setup({
@@ -140,24 +150,8 @@ def import_built(path: Path):
 def load():
     """The extension, or None for the Python call path (COMMLIB_CALLPATH=python, or, with auto, a
     build or import that failed: then one RuntimeWarning says why). Tried once per process."""
-    global _module, why_unavailable
     if _module is None:
-        with _lock:
-            if _module is None:
-                mode = env.callpath()
-                if mode == "python":
-                    why_unavailable, _module = "COMMLIB_CALLPATH=python", False
-                else:
-                    try:
-                        _module = import_built(build())
-                    except Exception as e:  # noqa: BLE001 - any failure means the Python path
-                        why_unavailable, _module = f"{type(e).__name__}: {e}", False
-                        if mode == "cpp":
-                            raise RuntimeError("COMMLIB_CALLPATH=cpp, but the C++ call path (csrc/callpath.cpp) "
-                                               f"is unavailable: {why_unavailable}") from e
-                        warnings.warn("commlib: the C++ call path (csrc/callpath.cpp) is unavailable, the Python "
-                                      f"call path runs instead (COMMLIB_CALLPATH=python silences this): "
-                                      f"{why_unavailable}", RuntimeWarning, stacklevel=2)
+        _load("_module", MODULE, SOURCE_NAME)
     return _module or None
 
 
@@ -167,22 +161,51 @@ def phases(on: bool) -> dict:
     return {k: statistics.median(v) / 1e3 for k, v in load()._phases(on).items()}
 
 
+def load_internode():
+    """The internode engine's extension (csrc/callpath_internode.cpp), as ``load``."""
+    if _internode is None:
+        _load("_internode", INTERNODE_MODULE, INTERNODE_SOURCE_NAME)
+    return _internode or None
+
+
+def _load(slot: str, module: str, source: str) -> None:
+    global why_unavailable
+    with _lock:
+        if globals()[slot] is not None:
+            return
+        mode = env.callpath()
+        if mode == "python":
+            why_unavailable, globals()[slot] = "COMMLIB_CALLPATH=python", False
+            return
+        try:
+            globals()[slot] = import_built(build(source_path(source), module=module), module)
+        except Exception as e:  # noqa: BLE001 - any failure means the Python path
+            why_unavailable, globals()[slot] = f"{type(e).__name__}: {e}", False
+            if mode == "cpp":
+                raise RuntimeError(f"COMMLIB_CALLPATH=cpp, but the C++ call path (csrc/{source}) "
+                                   f"is unavailable: {why_unavailable}") from e
+            warnings.warn(f"commlib: the C++ call path (csrc/{source}) is unavailable, the Python "
+                          f"call path runs instead (COMMLIB_CALLPATH=python silences this): "
+                          f"{why_unavailable}", RuntimeWarning, stacklevel=3)
+
+
 def reset() -> None:
     """Forget what load() found (tests: COMMLIB_CALLPATH or the compiler changed)."""
-    global _module, why_unavailable
+    global _module, _internode, why_unavailable
     with _lock:
-        _module, why_unavailable = None, ""
+        _module, _internode, why_unavailable = None, None, ""
 
 
 # ------------------------------------------------------------------------------------------------
 # Twins of the backend's kept launches (commlib.cuda.loader.Replay)
 # ------------------------------------------------------------------------------------------------
 
-def launch_of(replay):
+def launch_of(replay, mod=None):
     """The C++ twin of a ``loader.Replay``: its kernel, grid, block, shared memory and packed arguments,
-    the parameter names and offsets from the kernel's C signature, the build it was made under."""
+    the parameter names and offsets from the kernel's C signature, the build it was made under.
+    ``mod``: the extension whose Launch it is (default: the NVLink engine's)."""
     lau = replay.lau
-    return load().Launch(lau.handle, replay.grid, replay.block, replay.shared_mem, lau.codes, list(lau.names),
+    return (mod or load()).Launch(lau.handle, replay.grid, replay.block, replay.shared_mem, lau.codes, list(lau.names),
                          list(lau.offsets), lau.fmt.pack(*replay.args), replay.variant, replay.plain)
 
 
@@ -211,18 +234,43 @@ def full_twin(notify, dispatch, sig: list, local_experts: int, channels: int, nu
     return load().FullTwin(launch_of(notify), launch_of(dispatch), list(sig), local_experts, channels, num_experts)
 
 
+# ------------------------------------------------------------------------------------------------
+# The internode engine's twins (backends/internode/kept.py twin_on)
+# ------------------------------------------------------------------------------------------------
+
+# where a per-call slot of an internode twin's launch takes its value (csrc/callpath_internode.cpp Source)
+IN_X, IN_SECOND, IN_OUT0, IN_OUT1, IN_SCRATCH, IN_AREA = range(6)
+
+
+def in_step(replay, fixed: list, per_call: list, grid=None) -> tuple:
+    """One launch of an internode twin: ``replay``'s twin with ``fixed`` [(position, value)] set for good
+    and ``per_call`` [(position, IN_* source, byte offset)] set by every call; ``grid``: its own."""
+    return (launch_of(replay, load_internode()), list(fixed), list(per_call), grid)
+
+
+def in_plan(fields: dict):
+    """The internode twin of a kept cached dispatch or combine (csrc/callpath_internode.cpp InPlan)."""
+    return load_internode().InPlan(fields)
+
+
+def in_plan_set():
+    """The container of an internode handle's twins (``handle.extra["cpp_internode"]``)."""
+    return load_internode().InPlanSet()
+
+
 def engine(*, buffer_type, comm_stream, entry_event, device_index: int, rank: int, num_ranks: int,
-           timeout_ns: int, test: bool = False, comm_raw: int = 0):
+           timeout_ns: int, test: bool = False, comm_raw: int = 0, make_twin=None):
     """A Buffer's C++ engine: its comm stream, the kept entry event (recorded once here so that it
     exists), exit events made on demand. ``test``: no device (tests/test_callpath.py), a recorder
-    takes the device operations and ``comm_stream`` is a stand-in."""
+    takes the device operations and ``comm_stream`` is a stand-in. ``make_twin``: the internode
+    backend's ``cpp_twin`` (then the engine is csrc/callpath_internode.cpp's)."""
     global why_unavailable
-    mod = load()
+    mod = load() if make_twin is None else load_internode()
     if mod is None:
         return None
     try:
         return _engine(mod, buffer_type, comm_stream, entry_event, device_index, rank, num_ranks, timeout_ns, test,
-                       comm_raw)
+                       comm_raw, make_twin)
     except Exception as e:  # noqa: BLE001 - as a failed build: the Python path (auto) or an error (cpp)
         why_unavailable = f"{type(e).__name__}: {e}"
         if env.callpath() == "cpp":
@@ -232,7 +280,8 @@ def engine(*, buffer_type, comm_stream, entry_event, device_index: int, rank: in
         return None
 
 
-def _engine(mod, buffer_type, comm_stream, entry_event, device_index, rank, num_ranks, timeout_ns, test, comm_raw):
+def _engine(mod, buffer_type, comm_stream, entry_event, device_index, rank, num_ranks, timeout_ns, test, comm_raw,
+            make_twin):
     if test:
         def new_event():
             ev = object()
@@ -248,4 +297,5 @@ def _engine(mod, buffer_type, comm_stream, entry_event, device_index, rank, num_
             return ev, ev.cuda_event
     return mod.Engine({"test": test, "device_index": device_index, "rank": rank, "num_ranks": num_ranks,
                        "timeout_ns": int(timeout_ns), "buffer_type": buffer_type, "new_event": new_event,
-                       "comm_stream": comm_stream, "entry_event": int(entry), "comm_raw": comm_raw})
+                       "comm_stream": comm_stream, "entry_event": int(entry), "comm_raw": comm_raw,
+                       "make_twin": make_twin})

@@ -10,6 +10,8 @@ Legend: R ranks, M nodes, P ranks per node, Kc the most network chunks a call ma
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -20,9 +22,10 @@ from commlib.backends.internode import counted, device, padded
 from commlib.backends.internode.exchange import INTERNODE_SIG_FIELDS, check_exchange, row_len
 from commlib.backends.internode.geometry import Plan, ring_rows
 from commlib.backends.internode.groups import capped_nccl_options, choose_node_step, rail_group, same_everywhere
-from commlib.backends.internode.kept import replay
+from commlib.backends.internode.kept import NoTwin, replay, twin_on
 from commlib.backends.internode.network import NETWORK_STEPS
 from commlib.backends.internode.wiring import Wiring
+from commlib.cuda import callpath
 from commlib.cuda.loader import cupy_available
 from commlib.utils import env
 from commlib.utils.dist import direct_collective
@@ -83,6 +86,9 @@ class InternodeBackend(Backend):
                              phase=self._set_phase, ctx=ctx)
         self.head = device.HeadRow()
         self.scratch = device.Scratch()
+        # the Buffer's C++ call path replays kept calls through twins (cpp_twin; csrc/callpath_internode.cpp)
+        self._twins = self.device_steps and callpath.load_internode() is not None
+        self.timeout_ns = int(float(ctx.timeout_s) * 1e9)
 
     def set_probe(self, probe) -> None:
         """Report to ``probe`` from now on (benchmarks and experiments; ctx.probe at construction)."""
@@ -246,6 +252,24 @@ class InternodeBackend(Backend):
         if self.probe.recording:
             return self._probed(kept.op, replay, kept, x, second, self.ctx.comm_stream, comm_raw, switch)
         return replay(kept, x, second, self.ctx.comm_stream, comm_raw, switch)
+
+    def cpp_twin(self, handle, kind: int, x: torch.Tensor, config, second):
+        """The C++ call path's twin (kept.twin_on) of the kept call plan_for gives for a cached dispatch
+        (``kind`` 0) or a combine (1) with these arguments, made on the handle's first call the C++
+        engine sees; None: the call takes the Python path (and, where no twin can be made, from now on)."""
+        key = ("dispatch", x.dtype) if kind == 0 else ("combine", 0 if second is None else second.shape[1])
+        kept = self.plan_for(handle, key, x, config, second)
+        if kept is None or not self._twins:
+            return None
+        try:
+            return twin_on(self.wiring, kept, handle, self)
+        except NoTwin:   # this call (a launch mode, a debug network): the Python replay
+            return None
+        except (RuntimeError, TypeError, ValueError) as e:   # for good: the Python replay serves every later call
+            self._twins = False
+            warnings.warn(f"commlib rank {self.topology.rank}: the internode C++ call path cannot replay "
+                          f"{kept.op}s, the Python path does: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+            return None
 
     def combine(self, req: CombineRequest) -> CombineResult:
         return self._probed("combine", self._combine, req) if self.probe.recording else self._combine(req)

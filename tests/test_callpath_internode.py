@@ -1,0 +1,283 @@
+"""The internode engine's C++ call path (csrc/callpath_internode.cpp) without a GPU.
+
+Its engine runs in test mode (a recorder in place of the device) on the CPU stand-in of the
+internode engine's device path (tests/internode_host.py, fakes for launches and collectives), with
+loader.replay making driver Replays of fake launchers, so the Python path's kept calls and their C++
+twins exist. A cached dispatch or combine the C++ engine replays issues what the Python replay
+(plan_for / run_plan) issues for the same call: the same launches, argument for argument (this
+call's tensors named: inputs, outputs, scratch at its offsets), the same network chunks, the same
+allocations but that two outputs are carved from one; it counts the same; a call that differs in anything the Python replay checks returns
+None. The C++ collective (torch's c10d ProcessGroup from C++) runs on a one-rank gloo group.
+What runs on the GPU: tests/gpu/test_internode_gpu.py test_callpath_matches_python (bit for bit).
+"""
+from __future__ import annotations
+
+import struct
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import internode_host as IH
+from carved import check_carved
+from commlib.backends.base import CombineRequest, DispatchRequest
+from commlib.backends.probe import NULL_PROBE, RecordingProbe
+from commlib.buffer import Buffer
+from commlib.config import Config
+from commlib.cuda import callpath
+from commlib.cuda import loader as K
+from commlib.fp8 import per_token_cast_to_fp8
+
+BUFFER_ID, ENTRY, COMPUTE, COMM = 91, 0xE0, 1, 2
+CFG = Config(2, 4, 8, 1, 2)   # a ring of 2 rows: several chunks where the cap allows
+
+
+@pytest.fixture(scope="module")
+def ext():
+    mod = callpath.load_internode()
+    assert mod is not None, f"the internode C++ call path did not build or load: {callpath.why_unavailable}"
+    return mod
+
+
+class _Launcher:
+    """What loader.Replay and its C++ twin read of a loader._Launcher (from the kernel's C signature)."""
+
+    ids: dict = {}
+
+    def __init__(self, family: str, name: str) -> None:
+        self.family, self.name = family, name
+        self.handle = self.ids.setdefault(name, 0xF000 + 16 * len(self.ids))
+        self.names = tuple(p for p, _ in K.kernel_params(family, name))
+        self.codes = K.kernel_signature(family, name)
+        self.fmt = struct.Struct("@" + self.codes)
+        self.offsets = tuple(K.param_offsets(self.codes))
+        self.count = len(self.codes)
+
+
+@pytest.fixture
+def rig(ext, monkeypatch):
+    """Builds a rig per (P, chunks): the engine stand-in with Replays that trace into its fakes, the
+    C++ engine in test mode, a Buffer stand-in."""
+    names = {}
+
+    def replay(family, name, grid, block, args, variant_key=None, shared_mem=0):
+        lau = _Launcher(family, name)
+        names[lau.handle] = lau
+        lau.fmt.pack(*args)
+        return K.Replay(lau, grid, block, list(args), shared_mem)
+
+    monkeypatch.setattr(K, "replay", replay)
+    made = []
+
+    def build(P: int, chunks: int):
+        be, fakes, inp, _ = IH.build(2, P, 64, 256, 64, 4, chunks, CFG)
+        be._twins, be.timeout_ns = True, 10**9
+        fakes.waits = 0
+
+        def wait(work, *a, **k):
+            fakes.waits += 1
+            return True
+        monkeypatch.setattr(IH._Work, "wait", wait)
+        monkeypatch.setattr(K.Replay, "issue", lambda self, stream: fakes.launch(
+            self.lau.family, self.lau.name, self.grid, self.block, self.args, self.shared_mem))   # traced there
+        eng = callpath.engine(buffer_type=Buffer, comm_stream=types.SimpleNamespace(), entry_event=ENTRY,
+                              device_index=-1, rank=0, num_ranks=2 * P, timeout_ns=10**9, test=True, comm_raw=COMM,
+                              make_twin=be.cpp_twin)
+        eng.test_stream = COMPUTE
+        buf = types.SimpleNamespace(_destroyed=False, backend=be, buffer_id=BUFFER_ID, _configs={})
+        cm = IH.patched(fakes)
+        cm.__enter__()
+        made.append(cm)
+        return types.SimpleNamespace(be=be, fakes=fakes, inp=inp, eng=eng, buf=buf, names=names)
+    ext._record(True)
+    yield build
+    ext._record(False)
+    for cm in made:
+        cm.__exit__(None, None, None)
+
+
+def _dispatch(r, fp8: bool):
+    """A non-cached dispatch (its handle) and the cached dispatch's and combine's full paths (their
+    kept calls): (x, scales, handle, y, weights)."""
+    idx, w, lay = r.inp
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    xq, sq = per_token_cast_to_fp8(x) if fp8 else (x, None)
+    res = r.be.dispatch(DispatchRequest(xq, sq, idx, w, lay, None, 64, 1, 0, CFG))
+    h = res.handle
+    h.buffer_id = BUFFER_ID
+    y = torch.randn(h.num_recv_tokens, 256).to(torch.bfloat16)
+    r.be.dispatch(DispatchRequest(xq, sq, None, None, None, h, 0, 1, 0, CFG))
+    r.be.combine(CombineRequest(y, h, res.recv_topk_weights, [], CFG))
+    return xq, sq, h, y, res.recv_topk_weights
+
+
+def _python(r, key, a, b, h) -> tuple:
+    """The Python replay of a call (plan_for / run_plan): (trace, outputs, scratch)."""
+    made, real = [], torch.empty
+
+    def spy(*args, **kw):
+        t = real(*args, **kw)
+        made.append(t)
+        return t
+    kept = r.be.plan_for(h, key, a, CFG, b)
+    assert kept is not None
+    r.fakes.trace = []
+    torch.empty = spy
+    try:
+        outs = r.be.run_plan(kept, a, b, 0)
+    finally:
+        torch.empty = real
+    trace, r.fakes.trace = r.fakes.trace, None
+    return trace, [o for o in outs if o is not None], made[-1], len(made)   # (run: outputs, then its scratch)
+
+
+def _cpp(r, ext, recorded) -> tuple:
+    """The C++ call's recorded operations as the Python trace's entries: (trace, scratch (address, bytes),
+    allocations, the other operations)."""
+    trace, scratch, allocs, other = [], None, 0, []
+    for op in recorded:
+        if op[0] == "launch":
+            lau = r.names[op[1]]
+            args = lau.fmt.unpack(op[6][:lau.fmt.size])
+            trace.append((lau.name, op[3], op[4], tuple(args), op[5]))
+            assert op[2] == COMM
+        elif op[0] == "a2a":
+            trace.append(tuple(op))
+        elif op[0] == "scratch":
+            scratch = (op[1], op[2])
+        elif op[0] == "alloc":
+            allocs += 1
+        else:
+            other.append(op[0])
+    return trace, scratch, allocs, other
+
+
+def _named(trace, named: list) -> list:
+    def name(v):
+        if type(v) is int and v > 1 << 16:
+            for label, lo, n in named:
+                if lo <= v < lo + max(1, n):
+                    return (label, v - lo)
+        return v
+    return [tuple(name(v) if not isinstance(v, tuple) else tuple(map(name, v)) for v in e) for e in trace]
+
+
+def _region(t) -> tuple:
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("P,chunks,fp8", [(1, 1, False), (1, 1, True), (2, 3, False), (2, 3, True)])
+def test_cpp_replays_issue_what_python_replays_issue(rig, ext, P, chunks, fp8):
+    r = rig(P, chunks)
+    xq, sq, h, y, wts = _dispatch(r, fp8)
+    if P > 1:
+        assert h.extra["plan"].num_chunks == chunks
+    # another handle's calls between: they move the shared per-shape launches' slots to its tensors
+    r.be.head.busy = True   # as if a call were in flight: a new head row (tests/test_internode_host.py)
+    other = _dispatch(r, fp8)[2]
+    assert other.send_head.data_ptr() != h.send_head.data_ptr()
+    for op in ("cached", "combine"):
+        a, b = (xq.clone(), sq.clone() if sq is not None else None) if op == "cached" else (y.clone(), wts.clone())
+        ext._recorded()
+        if op == "cached":
+            out = r.eng.cached_dispatch(r.buf, a if b is None else (a, b), h, 1, CFG, None, False, False)
+            assert out is not None and out[4] is h and out[1:4] == (None, None, None)
+            outs = [out[0]] if b is None else list(out[0])
+            key = ("dispatch", a.dtype)
+        else:
+            out = r.eng.combine(r.buf, a, h, b, CFG, None, False, False)
+            assert out is not None and out[1] is not None
+            outs, key = [out[0], out[1]], ("combine", b.shape[1])
+        got, scratch, allocs, other_ops = _cpp(r, ext, ext._recorded())
+        w0 = r.fakes.waits
+        want, p_outs, p_scratch, p_allocs = _python(r, key, a, b, h)
+        p_waits = r.fakes.waits - w0
+        ins = [("in a", *_region(a))] + ([("in b", *_region(b))] if b is not None else [])
+        cpp_named = _named(got, ins + [(f"out {i}", *_region(t)) for i, t in enumerate(outs)] + [("scratch", *scratch)])
+        py_named = _named(want, ins + [(f"out {i}", *_region(t)) for i, t in enumerate(p_outs)]
+                          + [("scratch", *_region(p_scratch))])
+        assert cpp_named == py_named and len(got) >= 3, op
+        assert p_scratch.numel() and all(t.numel() for t in outs)   # rows to move: every launch and chunk runs
+        # two outputs (FP8 scales, combined weights): one allocation, the second at a 256-byte boundary
+        assert allocs == p_allocs - (len(outs) - 1) and scratch[1] == p_scratch.numel()
+        assert [tuple(t.shape) for t in outs] == [tuple(t.shape) for t in p_outs]
+        assert [t.dtype for t in outs] == [t.dtype for t in p_outs]
+        waits = other_ops.count("a2a_wait")
+        assert waits == p_waits >= 1, (waits, p_waits)   # the comm stream's waits for the network chunks
+        assert [o for o in other_ops if o != "a2a_wait"] == ["record", "wait", "record", "wait"]   # _enter, _leave
+        if len(outs) == 2:
+            mine = dict(enumerate(outs))
+            del out, outs
+            first = p_outs[0].numel() * p_outs[0].element_size()
+            check_carved(mine, dict(enumerate(p_outs)), {0: 0, 1: -(-first // 256) * 256})
+    assert r.eng.served["cached"] == 1 and r.eng.served["combine"] == 1
+
+
+def test_cpp_counts_as_python(rig, ext):
+    """Rows counted, calls and replays: a C++ replay adds what a Python replay adds."""
+    r = rig(2, 3)
+    xq, sq, h, y, wts = _dispatch(r, False)
+    deltas = []
+    for run in (lambda: r.eng.cached_dispatch(r.buf, xq, h, 1, CFG, None, False, False),
+                lambda: r.be.run_plan(r.be.plan_for(h, ("dispatch", xq.dtype), xq, CFG, None), xq, None, 0)):
+        c0, n0 = dict(r.be.counters), (r.be.calls, r.be.replayed)
+        assert run() is not None
+        deltas.append(({k: r.be.counters[k] - c0[k] for k in c0}, r.be.calls - n0[0], r.be.replayed - n0[1]))
+    assert deltas[0] == deltas[1] and deltas[0][1:] == (1, 1) and sum(deltas[0][0].values()) > 0
+
+
+def test_calls_that_differ_take_the_python_path(rig, ext):
+    r = rig(2, 1)
+    xq, sq, h, y, wts = _dispatch(r, False)
+    eng, buf = r.eng, r.buf
+    run = lambda *a, **k: eng.cached_dispatch(buf, *a, **k)
+    assert run(xq, h, 1, CFG, None, False, False) is not None
+    assert run(xq[:-1], h, 1, CFG, None, False, False) is None                       # another shape
+    assert run(xq.float(), h, 1, CFG, None, False, False) is None                    # another dtype
+    assert run(xq.t().contiguous().t(), h, 1, CFG, None, False, False) is None       # not contiguous
+    assert run(xq, h, 1, Config(4, 4, 8, 1, 2), None, False, False) is None          # another Config
+    assert run(xq, h, 1, Config(2, 4, 8, 1, 2), None, False, False) is not None      # an equal one
+    assert run(xq, h, 0, CFG, None, False, False) is None                            # bad alignment: its error
+    assert run(xq, h, 1, CFG, None, False, True) is None                             # allocate_on_comm without event
+    assert run((xq, torch.ones(64, 2)), h, 1, CFG, None, False, False) is None       # scales the kept call had not
+    send_head = h.send_head
+    h.send_head = send_head.clone()
+    assert run(xq, h, 1, CFG, None, False, False) is None                            # another send_head
+    h.send_head = send_head
+    h.buffer_id = 5
+    assert run(xq, h, 1, CFG, None, False, False) is None                            # another Buffer's handle
+    h.buffer_id = BUFFER_ID
+    r.be.set_probe(RecordingProbe())
+    assert run(xq, h, 1, CFG, None, False, False) is None                            # a recording probe: Python
+    r.be.set_probe(NULL_PROBE)
+    r.be.failed = "boom"
+    assert run(xq, h, 1, CFG, None, False, False) is None
+    r.be.failed = None
+    comb = lambda yy, ww: eng.combine(buf, yy, h, ww, CFG, None, False, False)
+    assert comb(y, wts) is not None
+    assert comb(y, None) is None and comb(y[:-1], wts[:-1]) is None and comb(y, wts[:, :-1].contiguous()) is None
+    h.num_tokens += 1
+    assert comb(y, wts) is None
+    h.num_tokens -= 1
+    buf._destroyed = True
+    assert comb(y, wts) is None
+
+
+def test_c10d_alltoall_from_cpp(ext):
+    """The collective the engine issues (torch's c10d ProcessGroup op from C++, waited for) on a
+    one-rank gloo group: the rows arrive as torch.distributed's all_to_all_single puts them."""
+    from torch.distributed import HashStore
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=HashStore())
+    try:
+        g = dist.new_group([0])
+        x = torch.arange(24, dtype=torch.uint8).view(6, 4)
+        out, ref = torch.zeros_like(x), torch.zeros_like(x)
+        ext._alltoall(g, out, x, [6], [6])
+        dist.all_to_all_single(ref, x, [6], [6], group=g)
+        assert torch.equal(out, ref) and torch.equal(out, x)
+    finally:
+        if made:
+            dist.destroy_process_group()

@@ -115,7 +115,7 @@ v1llexp      | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v
 v1logfmt     | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_logfmt
 v1shrink     | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_shrink
 v1pressure   | peers     | 8  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests ll_pressure
-v1internode  | peers     | 16t | 570 | env DEEPEP_NO_MPS=1 bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests internode
+v1internode  | peers     | 16  | 570 | bash scripts/deepep_tests.sh $OUT/deepep_v1 $REPO/.deepep_harness $REPO/.deepep_tests internode
 v2ep         | peers     | 2 | 570 | env DEEPEP_TIMEOUT_S=540 bash scripts/deepep_tests.sh $OUT/deepep_v2 $REPO/.deepep_harness $REPO/.deepep_v2_tests v2ep
 v2modes      | peers     | 2 | 570 | env DEEPEP_TIMEOUT_S=170 DEEPEP_V2_ARGS="--num-tokens 1024" bash scripts/deepep_tests.sh $OUT/deepep_v2_modes $REPO/.deepep_harness $REPO/.deepep_v2_tests v2ep_nosync,v2ep_det,v2barrier
 v2more       | peers     | 2 | 200 | env DEEPEP_TIMEOUT_S=90 DEEPEP_V2_ARGS="--num-tokens 1024" bash scripts/deepep_tests.sh $OUT/deepep_v2_more $REPO/.deepep_harness $REPO/.deepep_v2_tests v2ep_masked,v2ep_nohybrid

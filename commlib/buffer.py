@@ -20,7 +20,8 @@ from commlib.utils import env
 from commlib.utils.dist import group_from_comm
 from commlib.utils.errors import is_device_failure
 from commlib.backends import make_backend, make_low_latency
-from commlib.backends.base import Backend, BackendContext, CombineRequest, DispatchRequest, PendingCombine
+from commlib.backends.base import (Backend, BackendContext, CombineRequest, DispatchRequest, PendingCombine,
+                                   set_stream as _set_stream)
 from commlib.config import Config, default_combine_config, default_dispatch_config, slot_bytes
 from commlib.fp8 import BLOCK
 from commlib.handle import DispatchHandle
@@ -362,15 +363,17 @@ class Buffer(LowLatencyMode):
         comm = self.comm_stream
         outputs_on_compute = self._enter(compute, previous_event, allocate_on_comm_stream)
         ctx = self._ctx
-        if compute.device == self.device and torch._C._cuda_getDevice() == self.device.index:
+        index = self.device.index
+        if compute.device_index == index and torch._C._cuda_getDevice() == index:
             ctx.out_stream = compute if outputs_on_compute else None
             # set_stream rather than the stream context manager: same effect on the buffer's own
-            # device, a fraction of the host time (the context manager re-queries both devices)
-            torch.cuda.set_stream(comm)
+            # device, a fraction of the host time (the context manager re-queries both devices);
+            # base.set_stream: torch.cuda.set_stream without its Python frames
+            _set_stream(comm)
             try:
                 result = fn()
             finally:
-                torch.cuda.set_stream(compute)
+                _set_stream(compute)
                 ctx.out_stream = None
         else:
             outputs_on_compute = False

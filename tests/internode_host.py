@@ -33,7 +33,7 @@ from commlib.backends.internode import engine as E_
 from commlib.backends.internode.exchange import N_SIG, exchange_digest, exchange_row, head_words
 from commlib.backends.internode.network import RailStep
 from commlib.backends.internode.wiring import Wiring
-from commlib.backends.probe import NULL_PROBE
+from commlib.backends.probe import NULL_PROBE, Probe
 from commlib.config import Config
 from commlib.cuda import loader
 from commlib.topology import Topology
@@ -234,6 +234,50 @@ def measure(fn, fakes: Fakes, reps: int) -> dict:
     return {"us": statistics.median(times), "python_calls": counter.py, "c_calls": counter.c}
 
 
+COLD_BYTES = 128 << 20   # more than the host's last-level cache
+
+
+class StepProbe(Probe):
+    """A probe that records only the engine's step marks: (step, the thread's CPU ns, the fakes' seconds).
+    CPU time rather than wall time: on a shared host, time the thread spent preempted is not the step's."""
+
+    recording = True
+
+    def __init__(self, fakes: Fakes) -> None:
+        self.fakes, self.marks = fakes, []
+
+    def mark(self, step: str) -> None:
+        self.marks.append((step, time.thread_time_ns(), self.fakes.spent))
+
+
+def steps(M: int, P: int, T: int, H: int, E: int, K: int, reps: int, fp8: bool = False, op: str = "dispatch",
+          cold: bool = False) -> dict:
+    """Median CPU us per step of one op (the fakes' time taken out; 'buffer': the engine's entry up to
+    its first mark, 'return': after its last mark until it returns). ``cold``: the caches flushed
+    before each call (as on a GPU host whose NCCL threads just moved the last call's rows)."""
+    flush = torch.empty(COLD_BYTES, dtype=torch.uint8) if cold else None
+    be, fakes, inp, cfg = build(M, P, T, H, E, K)
+    probe = StepProbe(fakes)
+    be.set_probe(probe)
+    with patched(fakes):
+        fn = calls_of(be, H, inp, cfg, fp8)[op]
+        per: dict = {}
+        for i in range(reps + 5):
+            if flush is not None:
+                flush.add_(1)
+            probe.marks = [("call", time.thread_time_ns(), fakes.spent)]
+            res = fn()
+            probe.mark("return")
+            del res   # (its tensors freed outside the timed call)
+            if i < 5:
+                continue
+            for (_, t0, s0), (step, t1, s1) in zip(probe.marks, probe.marks[1:]):
+                per.setdefault(step, []).append((t1 - t0) / 1e3 - (s1 - s0) * 1e6)
+    out = {step: statistics.median(v) for step, v in per.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
 def run(M: int, P: int, T: int, H: int, E: int, K: int, reps: int, fp8: bool = False, chunks: int = 1) -> dict:
     be, fakes, inp, cfg = build(M, P, T, H, E, K, chunks)
     with patched(fakes):
@@ -250,8 +294,19 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--chunks", type=int, default=1)
+    p.add_argument("--steps", action="store_true", help="a non-cached dispatch's us per step (BF16, FP8)")
+    p.add_argument("--cold", action="store_true", help="with --steps: the caches flushed before each call")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
+    if a.steps:
+        got = [steps(a.nodes, a.per_node, a.tokens, a.hidden, a.experts, 8, a.reps, fp8, cold=a.cold)
+               for fp8 in (False, True)]
+        print(f"# non-cached dispatch, CPU us per step (median of {a.reps}{', caches flushed' if a.cold else ''}): "
+              f"{a.nodes} x {a.per_node}, {a.tokens} tokens")
+        print(f"# {'step':>10} {'bf16':>8} {'fp8':>8}")
+        for step in got[0]:
+            print(f"  {step:>10} {got[0][step]:>8.1f} {got[1].get(step, 0.0):>8.1f}")
+        return 0
     print(f"# internode device path on the CPU, fakes for launches and collectives: {a.nodes} x {a.per_node}, "
           f"{a.tokens} tokens, hidden {a.hidden}, {a.experts} experts, chunk cap {a.chunks}")
     print(f"# {'op':>22} {'us/call':>9} {'python':>7} {'C':>6}")

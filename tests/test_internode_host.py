@@ -6,6 +6,8 @@ import torch
 
 import internode_host as IH
 from commlib import Config
+from commlib.backends.internode import kernels as IK
+from commlib.backends.internode.exchange import N_SIG
 
 
 def test_calls_per_op_stay_within_budget():
@@ -38,6 +40,47 @@ def test_dispatch_keeps_its_scratch_and_launches_per_shape():
         assert all(a is b for a, b in zip(kept, (f.row, f.g, f.dig, f.meta, f.digest, f.pack, f.land, f.recv_chan)))
         IH.calls_of(be, 256, inp, cfg, fp8=True)["dispatch"]()
         assert len(be.scratch.shapes) == 2 and be.scratch.shapes[key] is f and fakes.launches > 0
+
+
+def test_meta_reads_the_calls_signature():
+    """The meta launch's head row (pinned host memory the engine writes in place) holds [0] + this
+    call's signature at the address and length the launch names, call after call, and in a fresh row
+    when the last one may still be read (busy)."""
+    be, fakes, inp, cfg = IH.build(2, 1, 64, 256, 64, 4)
+    with IH.patched(fakes):
+        ops = IH.calls_of(be, 256, inp, cfg)
+        rows = set()
+        for busy in (False, False, True, False):
+            be.head.busy = busy
+            fakes.trace = []
+            ops["dispatch"]()
+            meta, = [e for e in fakes.trace if e[0] == "inter_meta_kernel"]
+            fakes.trace = None
+            head = be.head._head[0]
+            sig = be.signature(1, 256, 64, False, 4, True, cfg)
+            assert meta[3][IK.META_HEAD] == head.data_ptr() and meta[3][4] == head.numel() == 1 + len(sig)
+            assert head.tolist() == [0] + sig, (head.tolist(), sig)
+            rows.add(head.data_ptr())
+        assert len(rows) == 2   # the busy call made a new row, kept from then on
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_dispatch_network_chunk_moves_the_exchanged_counts(P):
+    """A one-chunk dispatch's all-to-all sends this rank's rows per node and receives, from each rail
+    peer, that peer's rows for this node, as the gathered exchange rows say (read from the rows
+    themselves, not from the digest the engine reads)."""
+    be, fakes, inp, cfg = IH.build(2, P, 64, 256, 64, 4)
+    with IH.patched(fakes):
+        ops = IH.calls_of(be, 256, inp, cfg)
+        fakes.trace = []
+        ops["dispatch"]()
+        a2a = [e for e in fakes.trace if e[0] == "a2a"]
+        fakes.trace = None
+    M, R = 2, 2 * P
+    width = N_SIG + R + 2 + M   # the row up to its rows per destination node [M] (exchange.py)
+    send1 = fakes.g[:, width - M:width].tolist()
+    (_, _, _, out_splits, in_splits), = a2a
+    assert list(in_splits) == send1[0] and list(out_splits) == [send1[m * P][0] for m in range(M)], (a2a, send1)
 
 
 def _traced(fakes, fn, inputs, held: list) -> list:
@@ -176,7 +219,6 @@ def test_dispatch_launches_point_at_the_handle_and_outputs(P):
     handle's matrices and indices, the plan's slots and landed positions, the outputs (the second
     dispatch of the shape, on the kept launches)."""
     from commlib.backends.base import DispatchRequest
-    from commlib.backends.internode import kernels as IK
     be, fakes, inp, cfg = IH.build(2, P, 64, 256, 64, 4)
     x = torch.randn(64, 256).to(torch.bfloat16)
     with IH.patched(fakes):

@@ -12,13 +12,15 @@ experts, Lx experts per rank, W bytes of a packed row, Wc bytes of a combine row
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import N_SIG, row_len
 from commlib.backends.internode.geometry import Plan, geometry
-from commlib.backends.internode.kept import first_combine, first_dispatch, keep, raw_stream
+from commlib.backends.internode.kept import first_combine, first_dispatch, keep
 from commlib.backends.internode.network import stream
 from commlib.backends.internode.rows import (area_row, dispatch_packer, here, int32_len, int32_views, rows_on,
                                              typed_views)
@@ -31,16 +33,18 @@ from commlib.utils.math import align_up
 class HeadRow:
     """[0] + signature (int64) for the meta kernel, in pinned host memory it reads through the mapped
     address (no copy, no allocation per call). Kept between calls; rewritten only when a host read
-    has shown the stream past its meta kernel (``released``), else a fresh one is made."""
+    has shown the stream past its meta kernel (``released``), else a fresh one is made. Written
+    through a ctypes array over the tensor's memory (ctypes' code is the launches' own: on a host
+    whose caches the last call's rows flushed, numpy's assignment costs several times more)."""
 
     def __init__(self) -> None:
         self._head, self.busy = None, False
 
     def get(self, sig: list) -> torch.Tensor:
         n = 1 + len(sig)
-        if self._head is None or self._head[0].numel() != n or self.busy:
+        if self._head is None or len(self._head[1]) != n or self.busy:
             t = torch.zeros(n, dtype=torch.int64, device=HOST).pin_memory()
-            self._head = (t, t.numpy())
+            self._head = (t, (ctypes.c_int64 * n).from_address(t.data_ptr()))   # the tensor keeps the memory
         t, arr = self._head
         arr[1:] = sig
         self.busy = True
@@ -127,7 +131,7 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
     # the shape: everything the kept launches' checks read (the rest is the engine's, fixed)
     f = scratch.get(w, (T, H, E, K, C, ring, x.dtype, -1 if scales is None else scales.shape[1], scales is None or
                         scales.dtype, tir.dtype, topk is None or topk.dtype, wts is None or wts.dtype), T, E, ring, C)
-    raw = raw_stream(dev)
+    raw = torch._C._cuda_getCurrentRawStream(w.dev_index) if w.cuda else 0   # (kept.raw_stream, no device reads)
 
     # ---- 1. metadata: one launch ----
     h = head.get(sig)
@@ -267,8 +271,11 @@ def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer) -> tup
     P = w.topology.ranks_per_node
     nch, ss, rs = plan.num_chunks, plan.send_starts, plan.recv_starts
     w.count_rows(plan)
-    post = lambda k: w.network.post(send[ss[k]:ss[k + 1]], plan.send_splits[k], plan.recv_splits[k],
-                                    out=recv[rs[k]:rs[k + 1]])
+    if nch == 1:   # one chunk: the whole send and landing rows (no view per call)
+        post = lambda k: w.network.post(send, plan.send_splits[0], plan.recv_splits[0], out=recv)
+    else:
+        post = lambda k: w.network.post(send[ss[k]:ss[k + 1]], plan.send_splits[k], plan.recv_splits[k],
+                                        out=recv[rs[k]:rs[k + 1]])
     if not w.node.in_area:
         stream(w.network, nch, post, "dispatch")
         return recv, recv.data_ptr(), W + 4 * P, W, rs[-1]

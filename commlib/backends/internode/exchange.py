@@ -86,12 +86,14 @@ def exchange_digest(g: torch.Tensor, *, n_sig: int, me: int, node: int, loc: int
 
 def parse_digest(d: list, M: int, P: int, Kc: int, Lx: int) -> dict:
     """The digest (host ints, ``exchange_digest``'s order) by name."""
-    i = 4 + 2 * M
-    per_chunk = (lambda at: [d[at:at + P]]) if Kc == 1 else \
-        (lambda at: [d[at + k * P:at + (k + 1) * P] for k in range(Kc)])
+    i, j = 4 + 2 * M, 4 + 2 * M + Kc * P
+    if Kc == 1:
+        fan_send, fan_recv = [d[i:j]], [d[j:j + P]]
+    else:
+        fan_send = [d[i + k * P:i + (k + 1) * P] for k in range(Kc)]
+        fan_recv = [d[j + k * P:j + (k + 1) * P] for k in range(Kc)]
     return {"error": d[0], "num_chunks": d[1], "num_recv": d[2], "node_rows": d[3], "mine": d[4:4 + M],
-            "rail_in": d[4 + M:i], "fan_send": per_chunk(i), "fan_recv": per_chunk(i + Kc * P),
-            "experts": d[i + 2 * Kc * P:i + 2 * Kc * P + Lx]}
+            "rail_in": d[4 + M:i], "fan_send": fan_send, "fan_recv": fan_recv, "experts": d[j + Kc * P:j + Kc * P + Lx]}
 
 
 def check_exchange(gh, sig: list, *, me: int, R: int, E: int, max_nodes: int) -> None:

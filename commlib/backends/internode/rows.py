@@ -106,12 +106,26 @@ def int32_len(*shapes) -> tuple:
 def int32_views(device, *shapes, block=None) -> list:
     """int32 tensors of ``shapes``, views of one allocation (one allocator call, one stream record):
     ``block`` (int32 of ``int32_len(*shapes)``, made with other tensors in one call), else a new one."""
-    sizes = [math.prod(s) for s in shapes]
     if block is None:
-        block = torch.empty(sum(sizes), dtype=torch.int32, device=device)
-    # one operation for all (split_with_sizes: Tensor.split's Python wrapper costs more than the split)
-    parts = block.split_with_sizes(sizes)
-    return [p if len(s) == 1 else p.view(s) for p, s in zip(parts, shapes)]
+        block = torch.empty(int32_len(*shapes), dtype=torch.int32, device=device)
+    # one view operation per tensor, each of the same kind (a split then a view per 2-D tensor is two
+    # kinds and more calls: on a host whose caches a call's rows flushed, each kind costs its code)
+    out, at = [], block.storage_offset()
+    for s in shapes:
+        d = len(s)
+        if d == 2:
+            out.append(block.as_strided(s, (s[1], 1), at))
+            at += s[0] * s[1]
+        elif d == 1:
+            out.append(block.as_strided(s, (1,), at))
+            at += s[0]
+        else:
+            strides = [1]
+            for n in reversed(s[1:]):
+                strides.append(strides[-1] * n)
+            out.append(block.as_strided(s, strides[::-1], at))
+            at += math.prod(s)
+    return out
 
 
 def with_positions(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

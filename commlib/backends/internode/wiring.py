@@ -40,12 +40,17 @@ class Wiring:
     ctx: Any = None                 # the Backend's BackendContext (out_stream, comm_stream); None: current stream
     blocks: list = dataclasses.field(default_factory=list)         # this call's ``alloc`` tensors
     kept: dict = dataclasses.field(default_factory=dict)           # kept.Launches per kind and shape
-    # the topology's ints the calls read (its properties cost a Python call each)
+    # the topology's ints the calls read (its properties cost a Python call each), and the device's
+    # (torch.device.type builds a string per read): whether it is a GPU, its index (-1: the current)
     my_node: int = dataclasses.field(init=False)
     my_local_rank: int = dataclasses.field(init=False)
+    cuda: bool = dataclasses.field(init=False)
+    dev_index: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.my_node, self.my_local_rank = self.topology.node, self.topology.local_rank
+        self.cuda = self.device.type == "cuda"
+        self.dev_index = self.device.index if self.cuda and self.device.index is not None else -1
 
     def alloc(self, *specs) -> list:
         """A call's outputs ((shape, dtype) per spec, None for none) on its output stream: the caller's,

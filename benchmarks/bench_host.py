@@ -39,7 +39,8 @@ import sys
 
 import torch
 
-from benchmarks.host_timing import CATEGORIES, allocations, count_device_ops, cprofile, floor_fn, host_times
+from benchmarks.host_timing import (CATEGORIES, allocations, count_device_ops, cprofile, floor_fn, host_times,
+                                    phases_line)
 from commlib.bench import results
 from commlib.utils.timing import bench_cuda, slowest
 
@@ -208,9 +209,7 @@ def main(argv=None) -> int:
     cpp_rows = [r for r in rows if r.get("path") == "cpp"]
     for r in cpp_rows:
         if r.get("phases_us"):
-            parts = " ".join(f"{k.split('.', 1)[1]} {v:.2f}" for k, v in r["phases_us"].items())
-            print(f"# phases (rank 0, median us) world {r['world']} {r['op']}: {parts} "
-                  f"(sum {sum(r['phases_us'].values()):.1f})")
+            print(phases_line(f"world {r['world']} {r['op']}", r["phases_us"]))
     if cpp_rows:
         short = [f"{r['world']}:{r['op']} {r['cpp_calls']}" for r in cpp_rows if r["cpp_calls"] != args.iters]
         print("# C++ path: " + (f"every timed call ran in C++ (calls served, per world: {served})" if not short

@@ -23,6 +23,9 @@ allocator's cudaMalloc calls (``host_mallocs_by_rank``), each a median per call,
 operations one call issues (``device_ops``: launches, copies, allocations, event ops, collectives,
 counted by the engine's probe, backends/probe.py); ``--profile``
 prints the same wall / CPU split per step of the engine's call.
+``--host`` times the host alone (bench_host's JSON shape); where the internode C++ call path
+(csrc/callpath_internode.cpp) loaded on every rank, its rows (``*_cpp``) carry ``phases_us``, rank 0's
+median us per phase of the C++ call, also printed as ``# phases (rank 0, median us) ...`` lines.
 ``--emulate-hosts`` gives every rank its own NCCL_HOSTID (NCCL's socket transport between them,
 and processes may share a GPU: host times are then meaningful, device times are not).
 On one machine the "network" is not InfiniBand: 2 GPUs as 2 nodes x 1 send the network hop over
@@ -48,6 +51,7 @@ from commlib.backends.internode.exchange import row_len as exchange_row_len
 from commlib.backends.probe import NULL_PROBE, RecordingProbe
 from commlib.bench import main as B
 from commlib.bench import results
+from commlib.cuda import callpath
 from commlib.utils.timing import slowest, thread_usage
 
 OPS = ["dispatch_bf16", "dispatch_bf16_cached", "dispatch_fp8", "combine"]
@@ -737,7 +741,9 @@ def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, 
     """The cached dispatches and the combine through the internode C++ call path
     (csrc/callpath_internode.cpp), where it loaded on every rank: host wall / CPU us per call with the
     host ahead, ``nccl_us`` (the engine's own clock around its NCCL calls and waits), ``own_us`` (the
-    rest: the Buffer's checks and the engine's work, both in C++), ``cpp_calls`` (timed calls it ran)."""
+    rest: the Buffer's checks and the engine's work, both in C++), ``cpp_calls`` (timed calls it ran),
+    ``phases_us`` (this rank's median us per phase of the same calls timed once more with the C++
+    engine's per-phase marks on: commlib.cuda.callpath.phases)."""
     everyone = -slowest([-float(buf.call_path == "cpp")], group)[0] > 0
     if not everyone:
         return []
@@ -756,9 +762,12 @@ def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, 
             return v
         before = buf._cpp.served[kind]
         t = HT.host_times(fn, iters, ahead=True, group=group, excluded_ns=nccl_ns)
+        served = buf._cpp.served[kind] - before
+        callpath.phases(True)   # where the C++ call's time goes: the same calls again, timed per phase
+        HT.host_times(fn, iters, ahead=True, group=group)
         out.append({"op": op + "_cpp", "chunk_cap": cap, "chunks": K, "host_us": t["host_us"], "cpu_us": t["cpu_us"],
                     "nccl_us": t.get("excluded_us", 0.0), "own_us": t["host_us"] - t.get("excluded_us", 0.0),
-                    "cpp_calls": buf._cpp.served[kind] - before, "iters": iters})
+                    "cpp_calls": served, "iters": iters, "phases_us": callpath.phases(False)})
     return out
 
 
@@ -778,6 +787,7 @@ def cpp_verdicts(r: dict) -> list:
 
 def host_main(a, gpus: int) -> int:
     """--host: the host-time figures and their targets (module docstring of bench_host for the method)."""
+    from benchmarks import host_timing as HT
     from commlib.utils.launch import parallel_launch
 
     w = B.Workload(a.tokens, a.hidden, a.experts, a.topk, a.groups, a.topk_groups, a.seed)
@@ -823,6 +833,10 @@ def host_main(a, gpus: int) -> int:
         for t in r["targets"]:
             print(f"# target {t['target']} [cap {r['chunk_cap']}]: {t['value']} (needs <= {t['limit']}): "
                   + ("PASS" if t["met"] else "FAIL"))
+    for r in cpp_rows:
+        if r.get("phases_us"):
+            print(HT.phases_line(f"{a.ranks // a.ranks_per_node} x {a.ranks_per_node} {r['op']} cap {r['chunk_cap']}",
+                                 r["phases_us"]))
     for cap in caps:
         mine = [r for r in rows if r["chunk_cap"] == cap]
         if mine and mine[0].get("steps_by_rank"):

@@ -63,6 +63,12 @@ def device_busy(us: float) -> None:
         torch.cuda._sleep(int(us * 2000))   # ~2 cycles per ns at the H200's clocks: busy well past the loop
 
 
+def phases_line(label: str, phases_us: dict) -> str:
+    """The printed line of a C++ call's per-phase medians (commlib.cuda.callpath.phases: {"op.phase": us})."""
+    parts = " ".join(f"{k.split('.', 1)[1]} {v:.2f}" for k, v in phases_us.items())
+    return f"# phases (rank 0, median us) {label}: {parts} (sum {sum(phases_us.values()):.1f})"
+
+
 def host_times(fn, iters: int, ahead: bool, group, wait_ns=None, excluded_ns=None) -> dict:
     """Median wall / CPU us per call of ``iters`` back-to-back calls; ``ahead``: the device is kept
     busy so no call waits for it; else (calls that read counts) ``wait_ns()`` reports the time each

@@ -471,6 +471,7 @@ struct Engine : Core {
         py::error_already_set raised;
         err = raised.value();
       }
+      ++py_ops.call;
       backend.attr(N->count_wait_failed)(seq, err, status == 1);
       throw std::runtime_error("count_wait_failed returned");  // it raises
     }

@@ -80,13 +80,22 @@ void intern_names() {
 #undef CALLPATH_INTERN
 }
 
+// The Python C-API work of the C++ calls (tests count it per call, tests/test_callpath_internode.py):
+// attribute reads and writes, calls into Python, and (while _py_ops turned it on) object allocations.
+struct PyOps {
+  u64 get = 0, set = 0, call = 0, alloc = 0;
+};
+PyOps py_ops;
+
 py::object attr(py::handle o, PyObject* name) {
+  ++py_ops.get;
   PyObject* r = PyObject_GetAttr(o.ptr(), name);
   if (!r) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(r);
 }
 
 void set_attr(py::handle o, PyObject* name, py::handle value) {
+  ++py_ops.set;
   if (PyObject_SetAttr(o.ptr(), name, value.ptr()) < 0) throw py::error_already_set();
 }
 
@@ -261,18 +270,40 @@ struct PhaseTimes {
 bool phases_on = false;
 std::vector<PhaseTimes> phase_times;
 
-// The time since the previous mark (or the call's start) is one sample of phase ``name`` of ``op``.
+// The time since the previous mark (or the call's start) goes to phase ``name`` of ``op``; a name marked
+// more than once in a call (a launch per chunk) sums, so each call is one sample per phase it marked.
 struct Phases {
+  static constexpr int kMax = 24;
   const char* op;
   Clock::time_point last;
+  int n = 0;
+  const char* names[kMax];
+  u64 sums[kMax];
   explicit Phases(const char* op_) : op(op_) {
     if (phases_on) last = Clock::now();
   }
+  Phases(const Phases&) = delete;
+  Phases& operator=(const Phases&) = delete;
   void mark(const char* name) {
     if (!phases_on) return;
     auto now = Clock::now();
     u64 ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
     last = now;
+    for (int i = 0; i < n; ++i)
+      if (names[i] == name) {
+        sums[i] += ns;
+        return;
+      }
+    if (n == kMax) return;
+    names[n] = name;
+    sums[n++] = ns;
+  }
+  ~Phases() {
+    for (int i = 0; i < n; ++i) add(names[i], sums[i]);
+  }
+
+ private:
+  void add(const char* name, u64 ns) const {
     for (auto& p : phase_times)
       if (p.op == op && p.name == name) {
         if (p.ns.size() < 100000) p.ns.push_back(ns);
@@ -393,6 +424,7 @@ struct CachedArgs {
   const at::Tensor* x = nullptr;
   py::object backend, cfg;   // the live backend, the resolved Config
   i64 key = 0;               // the plan's key: a dispatch's dtype, a combine's weight columns
+  i64 T = -1;                // a combine's handle.num_tokens (read once)
 };
 
 // One Buffer's comm stream and events: what Buffer._enter / _leave and the calls' common gates do.
@@ -450,6 +482,7 @@ struct Core {
 
   u64 current_raw() const {
     if (test) return test_stream;
+    ++py_ops.call;
     py::object r = py::reinterpret_steal<py::object>(PyObject_CallOneArg(G.raw_stream, int_obj(dev).ptr()));
     if (!r) throw py::error_already_set();
     return static_cast<u64>(as_int(r));
@@ -457,6 +490,7 @@ struct Core {
 
   bool capturing() const {
     if (test) return false;
+    ++py_ops.call;
     py::object r = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(G.capturing));
     if (!r) throw py::error_already_set();
     return truthy(r);
@@ -535,6 +569,7 @@ struct Core {
         return {pool[i].first, reinterpret_cast<void*>(pool[i].second)};
       }
     }
+    ++py_ops.call;
     py::tuple made = new_event();
     py::object ev = made[0];
     u64 raw = made[1].cast<u64>();
@@ -553,7 +588,8 @@ struct Core {
           u64 raw = static_cast<u64>(as_int(attr(ev, N->cuda_event)));
           if (raw) event_wait(reinterpret_cast<void*>(raw), comm);  // an event never recorded: nothing to wait for
         } else {
-          comm_obj.attr("wait_event")(ev);
+          ++py_ops.call;
+          comm_obj.attr(N->wait_event)(ev);
         }
         return false;
       }
@@ -678,9 +714,8 @@ struct Core {
     }
     a.backend = live_backend(buffer);
     if (!a.backend || !attr(handle, N->buffer_id).equal(attr(buffer, N->buffer_id))) return false;
-    i64 T;
-    if (!exact_int(attr(handle, N->num_tokens), &T)) return false;
-    a.cfg = resolve_config(buffer, config, N->combine, T, a.x->size(1), N->bf16);
+    if (!exact_int(attr(handle, N->num_tokens), &a.T)) return false;
+    a.cfg = resolve_config(buffer, config, N->combine, a.T, a.x->size(1), N->bf16);
     return static_cast<bool>(a.cfg);
   }
 
@@ -712,7 +747,33 @@ void setup_globals(py::dict s) {
   G.ready = true;
 }
 
-// The tests' recorder (_record, _recorded), per-phase timing (_phases) and Launch, in module ``m``.
+// _py_ops's object-allocation count: the object allocator wrapped while it is on.
+PyMemAllocatorEx counted_from{};
+bool allocs_counted = false;
+void* counted_malloc(void* ctx, size_t n) {
+  ++py_ops.alloc;
+  return counted_from.malloc(counted_from.ctx, n);
+}
+void* counted_calloc(void* ctx, size_t k, size_t n) {
+  ++py_ops.alloc;
+  return counted_from.calloc(counted_from.ctx, k, n);
+}
+void* counted_realloc(void* ctx, void* p, size_t n) { return counted_from.realloc(counted_from.ctx, p, n); }
+void counted_free(void* ctx, void* p) { counted_from.free(counted_from.ctx, p); }
+
+void count_allocs(bool on) {
+  if (on == allocs_counted) return;
+  if (on) {
+    PyMem_GetAllocator(PYMEM_DOMAIN_OBJ, &counted_from);
+    PyMemAllocatorEx mine{nullptr, counted_malloc, counted_calloc, counted_realloc, counted_free};
+    PyMem_SetAllocator(PYMEM_DOMAIN_OBJ, &mine);
+  } else {
+    PyMem_SetAllocator(PYMEM_DOMAIN_OBJ, &counted_from);
+  }
+  allocs_counted = on;
+}
+
+// The tests' recorder (_record, _recorded, _py_ops), per-phase timing (_phases) and Launch, in module ``m``.
 void def_common(py::module_& m) {
   m.def("_record", [](bool on, int launch_rc) {
     if (on && !recorder) recorder = new py::list();
@@ -727,6 +788,19 @@ void def_common(py::module_& m) {
     if (recorder) *recorder = py::list();
     return out;
   });
+  m.def("_py_ops", [](bool count_allocations) {
+    PyOps now = py_ops;   // read before the dict below allocates
+    py::dict out;
+    out["get"] = now.get;
+    out["set"] = now.set;
+    out["call"] = now.call;
+    out["alloc"] = now.alloc;
+    count_allocs(count_allocations);
+    py_ops = PyOps();
+    return out;
+  }, py::arg("count_allocations") = false,
+     "tests: the Python C-API work since the last call ({get, set, call, alloc}); counts object allocations "
+     "from now while count_allocations");
   m.def("_phases", [](bool on) {
     py::dict out;
     for (auto& p : phase_times) {

@@ -102,12 +102,11 @@ using InPlanP = std::shared_ptr<InPlan>;
 
 using InPlanSet = PlanSetOf<InPlan>;
 
-const char* const kConfigFields[5] = {"num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
-                                      "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"};
-
 bool config_fields(py::handle config, i64* out) {
+  PyObject* const fields[5] = {N->num_sms, N->num_max_nvl_chunked_send_tokens, N->num_max_nvl_chunked_recv_tokens,
+                               N->num_max_rdma_chunked_send_tokens, N->num_max_rdma_chunked_recv_tokens};
   for (int i = 0; i < 5; ++i)
-    if (!exact_int(config.attr(kConfigFields[i]), &out[i])) return false;
+    if (!exact_int(attr(config, fields[i]), &out[i])) return false;
   return true;
 }
 
@@ -205,21 +204,23 @@ struct InEngine : Core {
   // The kept call's twin for this call (engine.py plan_for), made through the hook where the handle
   // has none that fits yet; null where the call takes the Python path.
   InPlan* plan_for(py::handle backend, py::handle handle, int kind, i64 key, const at::Tensor& x, py::handle xo,
-                   py::handle second, py::handle cfg) {
+                   py::handle second, py::handle cfg, i64 T) {
     py::object extra = attr(handle, N->extra);
     if (!PyDict_Check(extra.ptr())) return nullptr;
     PyObject* set = PyDict_GetItem(extra.ptr(), NI->cpp_internode);
     InPlan* p = set ? py::cast<InPlanSet*>(py::handle(set))->find(kind, key) : nullptr;
-    if (p && fits(*p, backend, handle, x, second, cfg)) return p;
+    if (p && fits(*p, backend, handle, x, second, cfg, T)) return p;
+    ++py_ops.call;
     py::object made = make_twin(handle, kind, xo, cfg, second);   // the Python kept call's checks (plan_for)
     if (made.is_none()) return nullptr;
     p = made.cast<InPlan*>();
-    return p->kind == kind && p->key == key && fits(*p, backend, handle, x, second, cfg) ? p : nullptr;
+    return p->kind == kind && p->key == key && fits(*p, backend, handle, x, second, cfg, T) ? p : nullptr;
   }
 
   // kept.py _Kept.fits and its subclasses', and what the launches read of the inputs.
+  // ``T``: a combine's handle.num_tokens (combine_args read it).
   bool fits(const InPlan& p, py::handle backend, py::handle handle, const at::Tensor& x, py::handle second,
-            py::handle cfg) const {
+            py::handle cfg, i64 T) const {
     if (p.owner != backend.ptr() || (!test && !p.group)) return false;
     if (x.scalar_type() != p.dtype || !same_shape(x, p.shape) || x.get_device() != dev || !x.is_contiguous())
       return false;
@@ -230,9 +231,8 @@ struct InEngine : Core {
     }
     if (p.kind == 0) {
       if (attr(handle, N->send_head).ptr() != p.send_head.ptr()) return false;
-    } else {
-      i64 T;
-      if (!exact_int(attr(handle, N->num_tokens), &T) || T != p.T) return false;
+    } else if (T != p.T) {
+      return false;
     }
     if (!p.launches_current()) return false;
     if (!p.has_second) return second.is_none();
@@ -242,17 +242,22 @@ struct InEngine : Core {
            s.is_contiguous();
   }
 
-  void issue(const std::vector<Step>& steps, const u64* src) {
+  // ``steps``' launches on the comm stream with this call's addresses; their time is phase ``phase``.
+  void issue(const std::vector<Step>& steps, const u64* src, Phases& ph, const char* phase) {
+    if (steps.empty()) return;
     for (const Step& s : steps) {
       Launch& l = *s.launch;
       for (auto& sl : s.slots) l.set(static_cast<int>(sl[0]), src[sl[1]] + static_cast<u64>(sl[2]));
       l.issue(comm.raw);
     }
+    ph.mark(phase);
   }
 
   // One network chunk: the rail all-to-all of its rows (NCCL on the current stream, the comm stream).
   c10::intrusive_ptr<c10d::Work> post(InPlan& p, Chunk& c, at::Tensor& scratch) {
-    at::Tensor send = scratch.narrow(0, c.send_row, c.send_rows), out = scratch.narrow(0, c.out_row, c.out_rows);
+    // the chunk's rows as tensors carved without the dispatcher (what scratch.narrow(0, row, rows) views)
+    at::Tensor send = carve(scratch, c.send_row * p.width, {c.send_rows, p.width}, at::kByte),
+               out = carve(scratch, c.out_row * p.width, {c.out_rows, p.width}, at::kByte);
     if (test)
       record(py::make_tuple("a2a", address(out), address(send), py::tuple(py::cast(c.out_splits)),
                             py::tuple(py::cast(c.in_splits))));
@@ -284,41 +289,48 @@ struct InEngine : Core {
       AllocOn guard(*this, comm, !on_compute);
       std::tie(out1, out2) = outputs(p.out, blocks);
     }
+    ph.mark("alloc");
     set_attr(backend, NI->calls, int_obj(as_int(attr(backend, NI->calls)) + 1));
     set_attr(backend, N->replayed, int_obj(as_int(attr(backend, N->replayed)) + 1));
+    ph.mark("count");
     {
       AllocOn on_comm(*this, comm, true);   // the comm stream current: the scratch's and NCCL's stream
       at::Tensor scratch = empty({p.rows, p.width}, at::kByte);
-      ph.mark("alloc");
+      ph.mark("scratch");
       u64 src[kNumSources] = {address(tensor(xo)), second.is_none() ? 0 : address(tensor(second)), address(out1),
                               p.out.two ? address(out2) : 0, address(scratch), 0};
       if (test) record(py::make_tuple("scratch", src[kScratch], p.rows * p.width));
       if (p.uses_area) {
-        py::object a = attr(backend, NI->node).attr(NI->area_address)();
+        ++py_ops.call;
+        py::object a = attr(attr(backend, NI->node), NI->area_address)();
         src[kArea] = static_cast<u64>(as_int(a));
+        ph.mark("area");
       }
-      issue(p.pre, src);
+      issue(p.pre, src, ph, "pre");
       const size_t n = p.chunks.size();
       c10::intrusive_ptr<c10d::Work> posted;
       for (size_t k = 0; k < n; ++k) {   // network.py stream(): chunk k + 1 on the wire before chunk k lands
-        if (!p.node_after) issue(p.chunks[k].node, src);
+        if (!p.node_after) issue(p.chunks[k].node, src, ph, "node");
         auto work = post(p, p.chunks[k], scratch);
+        ph.mark("a2a");
         if (k && (p.node_after || !p.ordered)) {
           land(posted);
-          if (p.node_after) issue(p.chunks[k - 1].node, src);
+          ph.mark("wait");
+          if (p.node_after) issue(p.chunks[k - 1].node, src, ph, "node");
         }
         posted = std::move(work);
       }
       if (n) {
         land(posted);
-        if (p.node_after) issue(p.chunks[n - 1].node, src);
+        ph.mark("wait");
+        if (p.node_after) issue(p.chunks[n - 1].node, src, ph, "node");
       }
-      issue(p.post, src);
+      issue(p.post, src, ph, "post");
     }
-    ph.mark("network");
     py::object counters = attr(backend, N->counters);
     for (auto& [key, add] : p.row_counts) add_count(counters, key.ptr(), add);
     ++served_n[p.kind ? kCombine : kCached];
+    ph.mark("count");
     std::vector<py::handle> inputs{xo};
     if (!second.is_none()) inputs.push_back(second);
     py::object overlap = leave(compute, blocks, inputs, async_finish, on_compute);
@@ -332,10 +344,13 @@ struct InEngine : Core {
     Phases ph("in_cached");
     CachedArgs a;
     if (!dispatch_args(buffer, x, handle, alignment, config, a)) return py::none();
-    InPlan* p = plan_for(a.backend, handle, 0, a.key, *a.x, a.data, a.second, a.cfg);
+    InPlan* p = plan_for(a.backend, handle, 0, a.key, *a.x, a.data, a.second, a.cfg, a.T);
     if (!p || !stream_args_ok(prev, async_finish, alloc_on_comm)) return py::none();
     ph.mark("checks");
-    return dispatch_result(run(a.backend, *p, a.data, a.second, prev, async_finish, alloc_on_comm, ph), a, handle);
+    py::object result =
+        dispatch_result(run(a.backend, *p, a.data, a.second, prev, async_finish, alloc_on_comm, ph), a, handle);
+    ph.mark("result");
+    return result;
   }
 
   // Buffer.combine(x, handle, topk_weights, ...) replayed (no bias, finish_later False): its 3-tuple, or None.
@@ -344,10 +359,12 @@ struct InEngine : Core {
     Phases ph("in_combine");
     CachedArgs a;
     if (!combine_args(buffer, x, handle, weights, config, a)) return py::none();
-    InPlan* p = plan_for(a.backend, handle, 1, a.key, *a.x, x, weights, a.cfg);
+    InPlan* p = plan_for(a.backend, handle, 1, a.key, *a.x, x, weights, a.cfg, a.T);
     if (!p || !stream_args_ok(prev, async_finish, alloc_on_comm)) return py::none();
     ph.mark("checks");
-    return run(a.backend, *p, x, weights, prev, async_finish, alloc_on_comm, ph);
+    py::tuple out = run(a.backend, *p, x, weights, prev, async_finish, alloc_on_comm, ph);
+    ph.mark("result");
+    return out;
   }
 };
 

@@ -581,6 +581,20 @@ def test_phases_are_timed_only_when_asked(rig, monkeypatch):
     assert callpath.phases(False) == {}
 
 
+def test_python_work_per_cached_dispatch(rig):
+    """The Python C-API work of one replayed cached dispatch, counted (_py_ops; the internode engine's
+    beside it: tests/test_callpath_internode.py): attribute reads and writes, no call into Python."""
+    h = handle_of()
+    keep_cached(rig.be, h, fp8=False)
+    x = torch.zeros(8, 256, dtype=torch.bfloat16)
+    for _ in range(2):
+        assert rig.eng.cached_dispatch(rig.buf, x, h, 1, CFG, None, False, False) is not None
+    rig.ext._py_ops(False)
+    assert rig.eng.cached_dispatch(rig.buf, x, h, 1, CFG, None, False, False) is not None
+    got = rig.ext._py_ops(False)
+    assert (got["get"], got["set"], got["call"], got["alloc"]) == (18, 3, 0, 0), got
+
+
 # ------------------------------------------------------------------------------------------------
 # non-cached dispatch
 # ------------------------------------------------------------------------------------------------

@@ -281,3 +281,94 @@ def test_c10d_alltoall_from_cpp(ext):
     finally:
         if made:
             dist.destroy_process_group()
+
+
+PHASES = ("checks", "enter", "alloc", "count", "scratch", "pre", "a2a", "wait", "post", "leave", "result")
+
+
+@pytest.mark.parametrize("P,chunks", [(1, 1), (2, 3)])
+def test_phases_of_the_internode_calls(rig, ext, P, chunks):
+    """callpath.phases reads the internode module too: off, nothing; on, one sample per call and phase
+    (a phase marked once per chunk, the network's, summed), the forwarder's area read and node steps
+    where there are some."""
+    r = rig(P, chunks)
+    xq, sq, h, y, wts = _dispatch(r, False)
+    calls = {"in_cached": lambda: r.eng.cached_dispatch(r.buf, xq, h, 1, CFG, None, False, False),
+             "in_combine": lambda: r.eng.combine(r.buf, y, h, wts, CFG, None, False, False)}
+    callpath.phases(False)
+    for f in calls.values():
+        assert f() is not None
+    assert callpath.phases(True) == {}
+    for _ in range(3):
+        for f in calls.values():
+            assert f() is not None
+    raw = ext._phases(True)
+    want = set(PHASES) | ({"area", "node"} if P > 1 else set())
+    for op in calls:
+        assert {k.split(".")[1] for k in raw if k.startswith(op + ".")} == want, (op, sorted(raw))
+    assert all(len(v) == 3 and min(v) >= 0 for v in raw.values()), raw
+    assert calls["in_cached"]() is not None
+    got = callpath.phases(False)   # medians in microseconds
+    assert set(got) == {f"in_cached.{p}" for p in want} and all(v >= 0 for v in got.values()), got
+    assert calls["in_cached"]() is not None and callpath.phases(False) == {}
+
+
+@pytest.mark.parametrize("P,chunks", [(1, 1), (2, 3)])
+def test_python_work_and_device_operations_per_call(rig, ext, P, chunks):
+    """What one replayed call costs the host besides its device work, counted (the same on every call):
+    Python attribute reads and writes, calls into Python (the forwarder's area address only), and the
+    device operations: the entry and exit event pairs, two allocations (the outputs in one block, the
+    scratch), one all-to-all and one wait per chunk, the kept launches. The NVLink cached dispatch
+    (tests/test_callpath.py) reads 18 attributes, writes 3, calls nothing."""
+    r = rig(P, chunks)
+    xq, sq, h, y, wts = _dispatch(r, True)
+    calls = {"cached": lambda: r.eng.cached_dispatch(r.buf, (xq, sq), h, 1, CFG, None, False, False),
+             "combine": lambda: r.eng.combine(r.buf, y, h, wts, CFG, None, False, False)}
+    K = h.extra["plan"].num_chunks
+    for op, f in calls.items():
+        seen = []
+        for _ in range(3):
+            f()
+            ext._recorded()
+            ext._py_ops(True)
+            out = f()
+            ops = ext._py_ops(False)
+            kinds = [o[0] for o in ext._recorded()]
+            assert out is not None
+            del out
+            seen.append((ops, kinds))
+        assert all(s == seen[0] for s in seen), seen
+        ops, kinds = seen[0]
+        # reads: Buffer (2), live backend (6), handle (2: extra, send_head / num_tokens), calls, replayed, counters,
+        # the forwarder's node and its area_address method; writes: calls, replayed, the EventOverlap's two
+        assert (ops["get"], ops["set"], ops["call"]) == (14 + 2 * (P > 1), 4, int(P > 1)), (op, ops)
+        assert ops["alloc"] > 0
+        assert kinds.count("alloc") == 2 and kinds.count("a2a") == K and kinds.count("a2a_wait") >= 1, kinds
+        assert [k for k in kinds if k in ("record", "wait")] == ["record", "wait", "record", "wait"], kinds
+        assert len(kinds) == 2 + 2 + 1 + kinds.count("launch") + K + kinds.count("a2a_wait") + 2, kinds
+
+
+def test_bench_internode_cpp_rows_carry_phases(rig, ext, capsys):
+    """bench_internode --host's C++ rows: each timed once more with the phases on, its medians in the row
+    (the JSON) and printed as bench_host prints its own."""
+    from benchmarks import bench_internode as BI
+    from benchmarks import host_timing as HT
+    r = rig(1, 1)
+    xq, sq, h, y, wts = _dispatch(r, False)
+    buf = types.SimpleNamespace(call_path="cpp", _cpp=r.eng, backend=r.be)
+
+    def host_times(fn, iters, ahead, group, excluded_ns=None):
+        for _ in range(iters):
+            fn()
+            ext._recorded()
+        return {"host_us": 10.0, "cpu_us": 9.0, **({"excluded_us": excluded_ns() / 1e3} if excluded_ns else {})}
+    ops = {"cached_bf16": lambda: r.eng.cached_dispatch(r.buf, xq, h, 1, CFG, None, False, False),
+           "combine": lambda: r.eng.combine(r.buf, y, h, wts, CFG, None, False, False),
+           "dispatch_bf16": lambda: pytest.fail("a non-cached dispatch has no C++ row")}
+    rows = BI._cpp_rows(buf, ops, 4, 1, None, 4, 1, types.SimpleNamespace(host_times=host_times))
+    assert [x["op"] for x in rows] == ["cached_bf16_cpp", "combine_cpp"]
+    for row, op in zip(rows, ("in_cached", "in_combine")):
+        assert row["cpp_calls"] == 4 and set(row["phases_us"]) == {f"{op}.{p}" for p in PHASES}, row
+        line = HT.phases_line("2 x 1 " + row["op"], row["phases_us"])
+        assert line.startswith("# phases (rank 0, median us) 2 x 1 " + row["op"] + ": checks ") and "(sum " in line
+    assert callpath.phases(False) == {}   # left off

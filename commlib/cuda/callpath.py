@@ -156,9 +156,15 @@ def load():
 
 
 def phases(on: bool) -> dict:
-    """Opt-in per-phase host timing of the C++ calls (benchmarks.bench_host): turn it on or off; returns
-    {"op.phase": median microseconds} of the calls made since the last phases() call."""
-    return {k: statistics.median(v) / 1e3 for k, v in load()._phases(on).items()}
+    """Opt-in per-phase host timing of the C++ calls (benchmarks.bench_host, bench_internode --host): turn
+    it on or off in every loaded module (the NVLink engine's, the internode engine's); returns {"op.phase":
+    median microseconds per call} of the calls made since the last phases() call (the internode engine's
+    ops are named in_cached and in_combine). Builds nothing."""
+    out = {}
+    for mod in (_module, _internode):
+        if mod:
+            out.update({k: statistics.median(v) / 1e3 for k, v in mod._phases(on).items()})
+    return out
 
 
 def load_internode():

@@ -482,6 +482,7 @@ struct Engine : Core {
 
   // Buffer.dispatch(x, num_tokens_per_rank=..., topk_idx=..., ...) run here: its 6-tuple, or None.
   py::object dispatch(py::handle buffer, DispatchArgs a, py::handle prev, bool async_finish, bool alloc_on_comm) {
+    Phases ph("dispatch");
     if (full.empty() || !split(a)) return py::none();
     std::shared_ptr<FullEntry> found = find_full(a);   // held: a keep_dispatch may drop it from ``full``
     if (!found) return py::none();
@@ -493,12 +494,14 @@ struct Engine : Core {
     if (!backend || !tw.notify->current() || !tw.dispatch->current() || !ring_is(backend, tw.C)) return py::none();
     if (e.worst == 0 && !attr(backend, N->_ce).is_none()) return py::none();  // the copy engines take it
     if (!stream_args_ok(prev, async_finish, alloc_on_comm)) return py::none();
+    ph.mark("checks");
 
     const i64 T = e.T, H = e.H, L = tw.L, C = tw.C, worst = e.worst;
     const at::Tensor& tir = tensor(a.tir);
     const at::Tensor& topk = tensor(a.topk);
     Stream compute = current();
     bool on_compute = enter(compute, prev, alloc_on_comm);
+    ph.mark("enter");
     std::vector<at::Tensor> blocks;
     at::Tensor cpm, rpm, rcp, counts;
     {
@@ -508,6 +511,7 @@ struct Engine : Core {
       rcp = blocks.emplace_back(empty({R, C}, at::kInt));
       if (worst) counts = blocks.emplace_back(empty({G.hc_expert + L}, at::kInt));
     }
+    ph.mark("alloc");
     Launch& n = *tw.notify;
     n.set(tw.n_tir, address(tir));
     n.set(tw.n_ntpr, address(tensor(a.ntpr)));
@@ -525,6 +529,7 @@ struct Engine : Core {
       n.set(tw.n_seq, seq);
     }
     n.issue(comm.raw);
+    ph.mark("notify");
     std::vector<int32_t> host;
     i64 rows = worst;
     if (!worst) {
@@ -532,6 +537,7 @@ struct Engine : Core {
       if (host[G.hc_bad_me] != 0 || host[G.hc_bad_rank] >= 0 || host[G.hc_sig_rank] >= 0)
         backend.attr(N->_raise_bad_ids)(py::cast(host), tw.sig);  // raises where the exchange found a fault
       rows = host[0];
+      ph.mark("wait");   // the count poll: notify's flag (the device's earlier work, the peers)
     }
     at::Tensor recv_x, recv_scales, src, send_head, recv_topk, recv_w;
     {
@@ -543,6 +549,7 @@ struct Engine : Core {
       recv_topk = blocks.emplace_back(empty({rows, e.Kk}, at::kLong));
       if (!a.w.is_none()) recv_w = blocks.emplace_back(empty({rows, e.Kk}, at::kFloat));
     }
+    ph.mark("alloc_out");
     Launch& d = *tw.dispatch;
     d.set(tw.d_x, address(x));
     d.set(tw.d_scales, a.x_tuple ? address(tensor(a.scales)) : 0);
@@ -561,6 +568,7 @@ struct Engine : Core {
     d.set_i32(tw.d_rows, static_cast<int32_t>(rows));
     d.set(tw.d_abort, worst ? address(counts) + 4 * static_cast<u64>(G.hc_bad_rank) : 0);
     d.issue(comm.raw);
+    ph.mark("launch");
 
     // engine.py _dispatch_result: the handle, the per-expert counts, the rows moved
     py::list per_expert;
@@ -592,12 +600,17 @@ struct Engine : Core {
     fields[N->num_recv_tokens] = worst ? py::none() : int_obj(rows);
     fields[N->extra] = extra;
     set_attr(h, N->__dict__, fields);
+    ph.mark("handle");
     std::vector<py::handle> inputs{a.data};
     for (py::handle o : {a.scales, a.topk, a.w, a.tir})
       if (!o.is_none()) inputs.push_back(o);
     py::object overlap = leave(compute, blocks, inputs, async_finish, on_compute);
+    ph.mark("leave");
     py::object recv = a.x_tuple ? py::object(py::make_tuple(wrap(recv_x), wrap(recv_scales))) : wrap(recv_x);
-    return py::make_tuple(recv, wrap(recv_topk), a.w.is_none() ? py::none() : wrap(recv_w), per_expert, h, overlap);
+    py::object out = py::make_tuple(recv, wrap(recv_topk), a.w.is_none() ? py::none() : wrap(recv_w), per_expert, h,
+                                    overlap);
+    ph.mark("result");
+    return out;
   }
 };
 

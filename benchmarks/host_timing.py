@@ -66,15 +66,37 @@ def device_busy(us: float) -> None:
 def phases_line(label: str, phases_us: dict) -> str:
     """The printed line of a C++ call's per-phase medians (commlib.cuda.callpath.phases: {"op.phase": us})."""
     parts = " ".join(f"{k.split('.', 1)[1]} {v:.2f}" for k, v in phases_us.items())
-    return f"# phases (rank 0, median us) {label}: {parts} (sum {sum(phases_us.values()):.1f})"
+    total = sum(phases_us.values())
+    wait = phases_us.get("dispatch.wait", 0.0)   # the full dispatch's count poll (not the host's own time)
+    own = f", own {total - wait:.1f} without wait" if wait else ""
+    return f"# phases (rank 0, median us) {label}: {parts} (sum {total:.1f}{own})"
 
 
-def host_times(fn, iters: int, ahead: bool, group, wait_ns=None, excluded_ns=None) -> dict:
+QUANTILES = (10, 50, 90)
+
+
+def percentiles(values, qs=QUANTILES) -> list:
+    """The ``qs`` percentiles of ``values``, interpolated linearly between the sorted values (numpy's
+    default); a single value is every percentile of itself."""
+    v = sorted(values)
+    if not v:
+        raise ValueError("percentiles: no values")
+    out = []
+    for q in qs:
+        pos = (len(v) - 1) * q / 100.0
+        lo = int(pos)
+        hi = min(lo + 1, len(v) - 1)
+        out.append(v[lo] + (v[hi] - v[lo]) * (pos - lo))
+    return out
+
+
+def host_times(fn, iters: int, ahead: bool, group, wait_ns=None, excluded_ns=None, samples=False) -> dict:
     """Median wall / CPU us per call of ``iters`` back-to-back calls; ``ahead``: the device is kept
     busy so no call waits for it; else (calls that read counts) ``wait_ns()`` reports the time each
     call spent blocked in its count read (on the device's earlier work, the notify kernel, the peers).
     ``excluded_ns()``: time of the call just made spent in code that is not the caller's own (the
-    collectives' issue and wait): its median is ``excluded_us``, and ``own_us`` leaves it out too."""
+    collectives' issue and wait): its median is ``excluded_us``, and ``own_us`` leaves it out too.
+    ``samples``: also ``samples_us``, each call's figures ({wall, cpu[, wait, own]}: a list each)."""
     walls, cpus, waits, excluded = [], [], [], []
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -98,6 +120,10 @@ def host_times(fn, iters: int, ahead: bool, group, wait_ns=None, excluded_ns=Non
     if excluded_ns is not None:
         out.update(total_us=statistics.median([w - x for w, x in zip(walls, waits)]),
                    excluded_us=statistics.median(excluded))
+    if samples:
+        out["samples_us"] = {"wall": walls, "cpu": cpus}
+        if wait_ns is not None or excluded_ns is not None:
+            out["samples_us"].update(wait=waits, own=own)
     return out
 
 

@@ -17,6 +17,7 @@ import ctypes
 import dataclasses
 import re
 import struct
+import time
 import types
 import warnings
 
@@ -724,6 +725,42 @@ def test_dispatch_runs_as_the_python_path(rig, monkeypatch, fp8, weights, alignm
         assert cpp[k] == K.ptr(mine) and py[k] == K.ptr(theirs), k
     assert cpp["num_out_rows"] == 7 and cpp["x"] == data.data_ptr()
     assert {k: v for k, v in cpp.items() if k not in own_d} == {k: v for k, v in py.items() if k not in own_d}
+
+
+DISPATCH_PHASES = ("checks", "enter", "alloc", "notify", "wait", "alloc_out", "launch", "handle", "leave", "result")
+
+
+@pytest.mark.parametrize("worst", [0, 16])
+def test_dispatch_phases(rig, monkeypatch, worst):
+    """callpath.phases of the full dispatch: one sample per call of each phase, the count poll its own
+    phase (wait: none where num_worst_tokens reads no counts); a call the C++ path declines times nothing."""
+    be = rig.be
+    plan, args = _full_setup(rig, worst=worst)
+    slow = []
+
+    def raise_bad_ids(host, sig):   # inside the poll's phase: a fault check that takes 20 ms and passes
+        time.sleep(0.02)
+        slow.append(host)
+
+    monkeypatch.setattr(be, "_raise_bad_ids", raise_bad_ids, raising=False)
+    assert callpath.phases(True) == {}
+    for i in range(3):
+        if not worst:   # call i's words (the second with a peer's fault flagged)
+            _counts(be, be._host_seq % 0x7FFFFFFF + 1, 7, [4, 3], [6, 1], [5, 0, 2, 9],
+                    **({"bad_rank": 1} if i == 1 else {}))
+        t0 = time.perf_counter_ns()
+        assert rig.eng.dispatch(rig.buf, *args, None, False, False) is not None
+        wall = time.perf_counter_ns() - t0
+    declined = (torch.zeros(9, 256, dtype=torch.bfloat16),) + args[1:]
+    assert rig.eng.dispatch(rig.buf, *declined, None, False, False) is None
+    raw = rig.ext._phases(False)
+    want = [p for p in DISPATCH_PHASES if p != "wait" or not worst]
+    assert list(raw) == [f"dispatch.{p}" for p in want], raw
+    assert all(len(v) == 3 and min(v) >= 0 for v in raw.values()), raw
+    assert sum(v[2] for v in raw.values()) <= wall   # the last call's phases lie within it
+    if not worst:
+        assert len(slow) == 1 and raw["dispatch.wait"][1] >= 20e6, raw["dispatch.wait"]
+        assert all(v[1] < 20e6 for k, v in raw.items() if k != "dispatch.wait"), raw
 
 
 def _handle_like(be, T=8, R=2, C=2) -> DispatchHandle:

@@ -26,6 +26,14 @@ python, and cpp where the C++ call path loads: Buffer.set_call_path, csrc/callpa
   gpu_us    the call's device time (CUDA events, L2 flushed); for the full dispatch also the cached
             call and the notify kernel, so gpu_us - cached - notify is the time the GPU waits for the
             host inside a full call.
+  dist_us   each rank's p10 / p50 / p90 of the calls' figures ({wall, cpu[, wait, own]: [[p10, p50,
+            p90] per rank]}); printed as `# dist` lines for the full dispatch (its phases, the C++
+            path's full dispatch included: dispatch.wait is the count poll, so own = sum - wait).
+  repeats   (--repeat N: the whole measurement N times in one process, the op counts once) each
+            repeat's figures (slowest rank), cpp_calls, phases_us and dist_us; the row's figures are
+            the median over repeats of those (phases_us: each phase's; cpp_calls: the fewest; dist_us:
+            all repeats' calls), and the targets (TARGETS; targets_missed per row, printed for the
+            client's path) are judged on them.
 With two ranks on one GPU under CUDA MPS the device figures are "HBM loopback": the peers' rows move
 through the GPU's own memory, not NVLink. Without MPS the ranks are time-sliced: host times are then
 not the host's.

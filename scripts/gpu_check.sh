@@ -68,7 +68,7 @@ main         | nvlink    | 2 | 120 | $PY -m commlib.bench --json $RES
 a2a          | nvlink    | 2 | 150 | env NP=2 PYTHON=$PY bash scripts/launch_mpirun.sh -m benchmarks.alltoall_perf -b 512 -e 8K -f 2 --fp8 --json $RES
 a2aplot      | nvlink    | 0 |  60 | $PY -m benchmarks.plot $RES/alltoall_perf_*.json --out $RES
 tune         | nvlink    | 2 | 200 | $PY -m benchmarks.bench_tune ${TUNE_ARGS:-} --json $RES
-host         | nvlink    | 2 | 150 | $PY -m benchmarks.bench_host --world 1,2 --json $RES
+host         | nvlink    | 2 | 150 | $PY -m benchmarks.bench_host --world 1,2 --repeat 3 --json $RES
 fanout       | internode | 4 | 240 | $PY -m pytest tests/gpu/test_fanout_gpu.py -x -q -p no:cacheprovider
 fanwin       | internode | 4 | 150 | env COMMLIB_TEST_CASES=forward_windows $PY -m pytest tests/gpu/test_fanout_gpu.py -x -q -p no:cacheprovider
 fanplant     | internode | 2 | 240 | env PY=$PY bash scripts/plant_fanout_windows.sh

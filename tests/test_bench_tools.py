@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import types
@@ -702,8 +703,9 @@ def test_bench_host_counts_and_runs_on_cpu_ranks(tmp_path, capsys):
     assert made == [((4, 2), torch.int32), ((8,), torch.float32)] and torch.empty is not None
     assert torch.empty.__module__ != BH.__name__                      # the spy is gone afterwards
     assert BH.main(["--world", "1", "--tokens", "32", "--hidden", "256", "--experts", "16", "--iters", "3",
-                    "--warmup", "1", "--json", str(tmp_path / "h.json")]) == 0
+                    "--warmup", "1", "--repeat", "2", "--json", str(tmp_path / "h.json")]) == 0
     doc = json.loads((tmp_path / "h.json").read_text())
+    assert doc["repeat"] == 2 and doc["targets_judged_on"] == "the median of 2 repeats' medians"
     ops = {r["op"] for r in doc["rows"]}
     assert ops == {"layout", "dispatch_bf16", "dispatch_fp8", "cached_bf16", "cached_fp8", "combine"}, ops
     for r in doc["rows"]:
@@ -713,8 +715,68 @@ def test_bench_host_counts_and_runs_on_cpu_ranks(tmp_path, capsys):
     # the floor allocates the call's own shapes (the reference's packed rows among them)
     assert 0 < len(full["floor_allocs"]) <= full["ops"]["alloc"], full
     assert any(sh[0] == 32 and dt == "torch.uint8" for sh, dt in full["floor_allocs"]), full["floor_allocs"]
-    assert "host time per call" in capsys.readouterr().out
+    for r in doc["rows"]:   # each repeat's figures; the row's: their median; the calls' spread per rank
+        assert len(r["repeats"]) == 2 and r["host_us"] == pytest.approx(sum(f["host_us"] for f in r["repeats"]) / 2)
+        assert [len(f["dist_us"]["wall"]) for f in r["repeats"]] == [1, 1] and len(r["dist_us"]["wall"]) == 1
+        p10, p50, p90 = r["dist_us"]["wall"][0]
+        assert 0 < p10 <= p50 <= p90 and isinstance(r["targets_missed"], list), r
+    out = capsys.readouterr().out
+    assert "host time per call" in out and "# repeats:" in out
+    assert "# targets (judged on the median of 2 repeats' medians" in out, out
+    dists = [line for line in out.splitlines() if line.startswith("# dist (p10/p50/p90 us per call) world 1 dispatch")]
+    assert len(dists) == 4 and all("rank 0 wall " in line for line in dists), dists
     assert not dist.is_initialized()
+    with pytest.raises(SystemExit, match="--repeat and --iters take a count >= 1, got 0"):
+        BH.main(["--world", "1", "--repeat", "0"])
+
+
+def test_bench_host_repeats_spread_and_targets():
+    """bench_host's figures across --repeat: per repeat the slowest rank's medians and each rank's
+    p10/p50/p90 of the calls (numpy's percentiles as the oracle), the row the median over repeats, the
+    spread of all calls pooled, each phase's median; the targets judged on the row's figures."""
+    np = pytest.importorskip("numpy")
+    from benchmarks import bench_host as BH
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 5, 50):
+        v = (torch.rand(n, generator=g) * 100).tolist()
+        assert BH.percentiles(v) == pytest.approx(np.percentile(v, [10, 50, 90]).tolist()), v
+    with pytest.raises(ValueError, match="no values"):
+        BH.percentiles([])
+    own = [[90.0, 88.0, 160.0, 87.0], [150.0, 155.0, 149.0, 151.0], [120.0, 121.0, 119.0, 300.0]]
+    reps = []
+    for i, o in enumerate(own):
+        wait = [5.0 + i, 6.0, 7.0, 8.0]
+        samples = {"wall": [a + b for a, b in zip(o, wait)], "wait": wait, "own": o}
+        row = {"op": "dispatch_bf16", "path": "cpp", "world": 2, "ops": {"total": 20}, "floor_us": 110.0,
+               "host_us": statistics.median(samples["wall"]), "own_us": statistics.median(o),
+               "wait_us": statistics.median(wait), "cpu_us": 1.0, "cpp_calls": 4 - (i == 1),
+               "phases_us": {"dispatch.alloc": 3.0 * (i + 1), "dispatch.wait": 2.0}}
+        reps.append([(row, samples)])
+    (row,) = BH.combine_repeats(reps, None)
+    assert [f["own_us"] for f in row["repeats"]] == [89.0, 150.5, 120.5] and row["own_us"] == 120.5
+    assert row["host_us"] == statistics.median(f["host_us"] for f in row["repeats"]) and row["floor_us"] == 110.0
+    assert row["cpp_calls"] == 3 and row["phases_us"] == {"dispatch.alloc": 6.0, "dispatch.wait": 2.0}
+    for f, o in zip(row["repeats"], own):
+        assert f["dist_us"]["own"] == [pytest.approx(np.percentile(o, [10, 50, 90]).tolist())]
+    pooled = [x for o in own for x in o]
+    assert row["dist_us"]["own"] == [pytest.approx(np.percentile(pooled, [10, 50, 90]).tolist())]
+    assert set(row["dist_us"]) == {"wall", "wait", "own"} and row["ops"] == {"total": 20}
+    line = BH.dist_line(row, row["repeats"][1]["dist_us"], " repeat 2/3")
+    assert line.startswith("# dist (p10/p50/p90 us per call) world 2 dispatch_bf16 cpp repeat 2/3: rank 0 wall ")
+    assert " own 149.3/150.5/153.8" in line, line
+    # the targets: on the median of the repeats (120.5 meets 150 where the second repeat alone did not)
+    cached = {"op": "cached_bf16", "path": "cpp", "world": 2, "ops": {"total": 5}, "host_us": 41.0, "floor_us": 40.0}
+    py = {"op": "cached_bf16", "path": "python", "world": 2, "ops": {"total": 5}, "host_us": 90.0, "floor_us": 40.0}
+    rows = BH._finish([row, cached, py])
+    BH.judge(rows)
+    assert row["targets_missed"] == [] and row["host_over_floor"] == pytest.approx(120.5 / 110)
+    assert cached["targets_missed"] == ["cached_us 41 > 40"], cached
+    assert py["targets_missed"] == ["host_over_floor 2.25 > 1.5", "cached_us 90 > 40"]
+    assert BH.judged_rows(rows) == [row, cached]
+    row["own_us"] = 150.5
+    BH.judge([row])
+    assert row["targets_missed"] == ["dispatch_own_us 150.5 > 150"], row
 
 
 def _mem_stage(alloc, resv, ipc, process, peak_alloc=None, total=10 << 30, **extra):

@@ -181,6 +181,7 @@ InPlanP make_in_plan(py::dict d) {
 // Made by device.full_twin after a Python dispatch, only with COMMLIB_CALLPATH_INTERNODE_DISPATCH=1.
 struct InFull {
   PyObject* owner = nullptr;  // the backend that made it (identity only)
+  py::object fresh;           // device.py Fresh: holds the scratch whose addresses the launches carry
   LaunchP meta, digest, pack, land, recv_chan;
   std::vector<i64> sig;       // the signature words of the call it was made from (word 1: the call count)
   i64 E = 0;
@@ -197,6 +198,7 @@ using InFullP = std::shared_ptr<InFull>;
 InFullP make_in_full(py::dict d) {
   auto f = std::make_shared<InFull>();
   f->owner = d["owner"].ptr();
+  f->fresh = d["fresh"];
   f->meta = d["meta"].cast<LaunchP>();
   f->digest = d["digest"].cast<LaunchP>();
   f->pack = d["pack"].cast<LaunchP>();

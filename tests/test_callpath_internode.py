@@ -12,8 +12,10 @@ What runs on the GPU: tests/gpu/test_internode_gpu.py test_callpath_matches_pyth
 """
 from __future__ import annotations
 
+import gc
 import struct
 import types
+import weakref
 
 import pytest
 import torch
@@ -316,6 +318,13 @@ def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
     assert run(*_full_args(r, x)) is None and eng.full_found == 2   # a recording probe: the Python path
     r.be.set_probe(NULL_PROBE)
     assert run(*_full_args(r, x)) is None and eng.full_found == 3
+    # the twin holds the per-shape scratch its launches point into, past the Scratch's own
+    alive = weakref.ref(f)
+    del f
+    r.be.scratch.shapes.clear()
+    r.be.scratch.last = None
+    gc.collect()
+    assert alive() is not None
     # the forwarder (2 x 2): no twin yet
     r2 = rig(2, 1)
     r2.be._full_twins = True

@@ -268,7 +268,7 @@ def full_twin(w: Wiring, scratch: Scratch, res: DispatchResult, sig: list, num_e
     if any(r is not None and (type(r) is not loader.Replay or not r.current()) for r in launches) or f.meta is None:
         return None
     try:
-        return callpath.in_full(owner, *launches, sig, num_experts)
+        return callpath.in_full(owner, f, *launches, sig, num_experts)
     except NoTwin:
         return None
 

@@ -86,52 +86,11 @@ struct FullTwin {
   }
 };
 
-// What Buffer._check_dispatch reads of a tensor argument (buffer.py _tensor_signature).
-struct Sig {
-  bool present = false;
-  at::ScalarType dtype = at::kByte;
-  Shape shape;
-  bool contiguous = false;
-  i64 device = -1;
-};
-
-Sig sig_of(py::handle o) {
-  Sig s;
-  if (o.is_none()) return s;
-  const at::Tensor& t = tensor(o);
-  s.present = true;
-  s.dtype = t.scalar_type();
-  s.shape = t.sizes().vec();
-  s.contiguous = t.is_contiguous();
-  s.device = t.get_device();
-  return s;
-}
-
-// ``o`` has signature ``s`` (None for an absent one; else exactly a torch.Tensor). ``strides``: compare
-// contiguity too (FP8 scales take any strides).
-bool matches(const Sig& s, py::handle o, bool strides = true) {
-  if (!s.present) return o.is_none();
-  if (!is_exact_tensor(o)) return false;
-  const at::Tensor& t = tensor(o);
-  return t.scalar_type() == s.dtype && t.sizes() == c10::IntArrayRef(s.shape) &&
-         (!strides || t.is_contiguous() == s.contiguous) && t.get_device() == s.device;
-}
-
 // A non-cached dispatch the Python path ran: its arguments' signature and the launches it kept.
-struct FullEntry {
-  bool x_tuple;
-  Sig x, scales, ntpr, nrr, tir, ntpe, topk, w;
-  i64 alignment, worst;
-  py::object config;  // the Config, or None (then num_sms: Buffer.num_sms)
-  i64 cfg[5] = {0, 0, 0, 0, 0};
-  i64 num_sms = -1;
+struct FullEntry : FullKey {
   std::shared_ptr<FullTwin> twin;
   i64 T, H, S, Kk;
-  py::object handle_template;  // the handle's __dict__ with the per-call fields cleared
 };
-
-const char* const kHandleCallFields[] = {"rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
-                                         "recv_src_idx", "is_token_in_rank", "send_head", "num_recv_tokens", "extra"};
 
 // ------------------------------------------------------------------------------------------------
 // Engine: one Buffer's comm stream, events and kept non-cached dispatches
@@ -299,58 +258,9 @@ struct Engine : Core {
   }
 
   // ---------------------------------------------------------------- non-cached dispatch
-  struct DispatchArgs {
-    py::handle x, data, scales, ntpr, nrr, tir, ntpe, topk, w, alignment, worst, config;
-    bool x_tuple;
-  };
-
-  // The arguments' parts, or false where they are not what the C++ path takes (topk_idx given, x a
-  // tensor or a (tensor, tensor) tuple, exact ints).
-  static bool split(DispatchArgs& a) {
-    if (is_tensor(a.x)) {
-      a.data = a.x;
-      a.scales = py::none();
-      a.x_tuple = false;
-    } else {
-      if (!PyTuple_CheckExact(a.x.ptr()) || PyTuple_GET_SIZE(a.x.ptr()) != 2) return false;
-      a.data = PyTuple_GET_ITEM(a.x.ptr(), 0);
-      a.scales = PyTuple_GET_ITEM(a.x.ptr(), 1);
-      a.x_tuple = true;
-      if (!is_exact_tensor(a.scales)) return false;
-    }
-    i64 v;
-    return is_exact_tensor(a.data) && !a.topk.is_none() && exact_int(a.alignment, &v) && exact_int(a.worst, &v);
-  }
-
-  bool config_matches(const FullEntry& e, py::handle config) const {
-    if (config.is_none()) {
-      i64 n;
-      return e.config.is_none() && exact_int(attr(buffer_type, N->num_sms), &n) && n == e.num_sms;
-    }
-    if (config.ptr() != e.config.ptr()) return false;
-    PyObject* fields[5] = {N->num_sms, N->num_max_nvl_chunked_send_tokens, N->num_max_nvl_chunked_recv_tokens,
-                           N->num_max_rdma_chunked_send_tokens, N->num_max_rdma_chunked_recv_tokens};
-    for (int i = 0; i < 5; ++i) {
-      i64 v;
-      if (!exact_int(attr(config, fields[i]), &v) || v != e.cfg[i]) return false;
-    }
-    return true;
-  }
-
   std::shared_ptr<FullEntry> find_full(const DispatchArgs& a) {
-    for (auto& e : full) {
-      if (e->x_tuple != a.x_tuple || !matches(e->x, a.data)) continue;
-      if (a.x_tuple && !matches(e->scales, a.scales, false)) continue;
-      i64 al, worst;
-      exact_int(a.alignment, &al);
-      exact_int(a.worst, &worst);
-      if (al != e->alignment || worst != e->worst) continue;
-      if (!matches(e->ntpr, a.ntpr) || !matches(e->nrr, a.nrr) || !matches(e->tir, a.tir) ||
-          !matches(e->ntpe, a.ntpe) || !matches(e->topk, a.topk) || !matches(e->w, a.w))
-        continue;
-      if (!config_matches(*e, a.config)) continue;
-      return e;
-    }
+    for (auto& e : full)
+      if (e->fits(a, buffer_type)) return e;
     return nullptr;
   }
 
@@ -358,17 +268,10 @@ struct Engine : Core {
   // (``twin``; ``handle``: the handle it returned), so the next call like it runs here. False where the
   // call is not one the C++ path takes.
   bool keep_full(DispatchArgs a, std::shared_ptr<FullTwin> twin, py::handle handle) {
-    if (!split(a)) return false;
-    for (py::handle o : {a.ntpr, a.tir, a.ntpe, a.topk})
-      if (!is_exact_tensor(o) || !tensor(o).is_contiguous()) return false;
-    for (py::handle o : {a.nrr, a.w})
-      if (!o.is_none() && (!is_exact_tensor(o) || !tensor(o).is_contiguous())) return false;
-    if (!a.config.is_none() && Py_TYPE(a.config.ptr()) != reinterpret_cast<PyTypeObject*>(G.config)) return false;
-    const at::Tensor& d = tensor(a.data);
-    if (d.dim() != 2 || !d.is_contiguous()) return false;
     auto e = std::make_shared<FullEntry>();
-    e->x_tuple = a.x_tuple;
-    e->x = sig_of(a.data);
+    if (!e->capture(a, buffer_type)) return false;
+    const at::Tensor& d = tensor(a.data);
+    if (d.dim() != 2) return false;
     e->T = d.size(0);
     e->H = d.size(1);
     e->S = 0;
@@ -376,53 +279,14 @@ struct Engine : Core {
       const at::Tensor& s = tensor(a.scales);
       // the float32 [T, H / 128] scales the transports move as they are (validate.scales_carrier)
       if (s.scalar_type() != at::kFloat || s.dim() != 2 || s.size(1) != e->H / 128 || !s.is_contiguous()) return false;
-      e->scales = sig_of(a.scales);
       e->S = s.size(1);
     }
-    e->ntpr = sig_of(a.ntpr);
-    e->nrr = sig_of(a.nrr);
-    e->tir = sig_of(a.tir);
-    e->ntpe = sig_of(a.ntpe);
-    e->topk = sig_of(a.topk);
-    e->w = sig_of(a.w);
     e->Kk = tensor(a.topk).size(1);
-    exact_int(a.alignment, &e->alignment);
-    exact_int(a.worst, &e->worst);
-    e->config = py::reinterpret_borrow<py::object>(a.config);
-    if (a.config.is_none()) {
-      if (!exact_int(attr(buffer_type, N->num_sms), &e->num_sms)) return false;
-    } else {
-      PyObject* fields[5] = {N->num_sms, N->num_max_nvl_chunked_send_tokens, N->num_max_nvl_chunked_recv_tokens,
-                             N->num_max_rdma_chunked_send_tokens, N->num_max_rdma_chunked_recv_tokens};
-      for (int i = 0; i < 5; ++i)
-        if (!exact_int(attr(a.config, fields[i]), &e->cfg[i])) return false;
-    }
     if (e->ntpe.shape.size() != 1 || twin->E != e->ntpe.shape[0] || e->tir.shape.size() != 2 || e->tir.shape[1] != R)
       return false;
     e->twin = std::move(twin);
-    py::dict tpl = py::reinterpret_steal<py::dict>(PyDict_Copy(attr(handle, N->__dict__).ptr()));
-    for (const char* f : kHandleCallFields) tpl[f] = py::none();
-    e->handle_template = tpl;
-    for (auto& old : full)
-      if (same_signature(*old, *e)) {
-        old = e;
-        return true;
-      }
-    if (full.size() >= 16) full.clear();
-    full.push_back(std::move(e));
+    keep_entry(full, std::move(e), handle);
     return true;
-  }
-
-  static bool same_sig(const Sig& a, const Sig& b) {
-    return a.present == b.present && a.dtype == b.dtype && a.shape == b.shape && a.contiguous == b.contiguous &&
-           a.device == b.device;
-  }
-
-  static bool same_signature(const FullEntry& a, const FullEntry& b) {
-    return a.x_tuple == b.x_tuple && same_sig(a.x, b.x) && same_sig(a.scales, b.scales) && same_sig(a.ntpr, b.ntpr) &&
-           same_sig(a.nrr, b.nrr) && same_sig(a.tir, b.tir) && same_sig(a.ntpe, b.ntpe) && same_sig(a.topk, b.topk) &&
-           same_sig(a.w, b.w) && a.alignment == b.alignment && a.worst == b.worst && a.config.ptr() == b.config.ptr() &&
-           a.num_sms == b.num_sms && std::equal(a.cfg, a.cfg + 5, b.cfg);
   }
 
   // The host words of the count exchange once notify raised the flag to ``seq`` (engine.py _wait_counts).
@@ -483,7 +347,7 @@ struct Engine : Core {
   // Buffer.dispatch(x, num_tokens_per_rank=..., topk_idx=..., ...) run here: its 6-tuple, or None.
   py::object dispatch(py::handle buffer, DispatchArgs a, py::handle prev, bool async_finish, bool alloc_on_comm) {
     Phases ph("dispatch");
-    if (full.empty() || !split(a)) return py::none();
+    if (full.empty() || !split_dispatch(a)) return py::none();
     std::shared_ptr<FullEntry> found = find_full(a);   // held: a keep_dispatch may drop it from ``full``
     if (!found) return py::none();
     FullEntry& e = *found;
@@ -704,7 +568,7 @@ PYBIND11_MODULE(_commlib_callpath, m) {
                           py::handle ntpe, py::handle topk, py::handle w, py::handle alignment, py::handle worst,
                           py::handle config, py::handle prev, bool async_finish, bool alloc_on_comm) {
         CALLPATH_ENTRY(
-            Engine::DispatchArgs a{x, py::none(), py::none(), ntpr, nrr, tir, ntpe, topk, w, alignment, worst,
+            DispatchArgs a{x, py::none(), py::none(), ntpr, nrr, tir, ntpe, topk, w, alignment, worst,
                                    config, false};
             return e.dispatch(buffer, a, prev, async_finish, alloc_on_comm);)
       })
@@ -712,7 +576,7 @@ PYBIND11_MODULE(_commlib_callpath, m) {
                                py::handle ntpe, py::handle topk, py::handle w, py::handle alignment, py::handle worst,
                                py::handle config, std::shared_ptr<FullTwin> twin, py::handle handle) {
         CALLPATH_ENTRY(
-            Engine::DispatchArgs a{x, py::none(), py::none(), ntpr, nrr, tir, ntpe, topk, w, alignment, worst,
+            DispatchArgs a{x, py::none(), py::none(), ntpr, nrr, tir, ntpe, topk, w, alignment, worst,
                                    config, false};
             return e.keep_full(a, std::move(twin), handle);)
       });

@@ -427,6 +427,158 @@ struct CachedArgs {
   i64 T = -1;                // a combine's handle.num_tokens (read once)
 };
 
+// What Buffer._check_dispatch reads of a tensor argument (buffer.py _tensor_signature).
+struct Sig {
+  bool present = false;
+  at::ScalarType dtype = at::kByte;
+  Shape shape;
+  bool contiguous = false;
+  i64 device = -1;
+};
+
+Sig sig_of(py::handle o) {
+  Sig s;
+  if (o.is_none()) return s;
+  const at::Tensor& t = tensor(o);
+  s.present = true;
+  s.dtype = t.scalar_type();
+  s.shape = t.sizes().vec();
+  s.contiguous = t.is_contiguous();
+  s.device = t.get_device();
+  return s;
+}
+
+// ``o`` has signature ``s`` (None for an absent one; else exactly a torch.Tensor). ``strides``: compare
+// contiguity too (FP8 scales take any strides).
+bool matches(const Sig& s, py::handle o, bool strides = true) {
+  if (!s.present) return o.is_none();
+  if (!is_exact_tensor(o)) return false;
+  const at::Tensor& t = tensor(o);
+  return t.scalar_type() == s.dtype && t.sizes() == c10::IntArrayRef(s.shape) &&
+         (!strides || t.is_contiguous() == s.contiguous) && t.get_device() == s.device;
+}
+
+bool same_sig(const Sig& a, const Sig& b) {
+  return a.present == b.present && a.dtype == b.dtype && a.shape == b.shape && a.contiguous == b.contiguous &&
+         a.device == b.device;
+}
+
+// A DispatchHandle's fields that every non-cached dispatch sets anew (the rest: a kept call's template).
+const char* const kHandleCallFields[] = {"rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                                         "recv_src_idx", "is_token_in_rank", "send_head", "num_recv_tokens", "extra"};
+
+// A non-cached Buffer.dispatch's arguments (x split into data and scales by split_dispatch).
+struct DispatchArgs {
+  py::handle x, data, scales, ntpr, nrr, tir, ntpe, topk, w, alignment, worst, config;
+  bool x_tuple;
+};
+
+// The arguments' parts, or false where they are not what a C++ path takes (topk_idx given, x a
+// tensor or a (tensor, tensor) tuple, exact ints).
+bool split_dispatch(DispatchArgs& a) {
+  if (is_tensor(a.x)) {
+    a.data = a.x;
+    a.scales = py::none();
+    a.x_tuple = false;
+  } else {
+    if (!PyTuple_CheckExact(a.x.ptr()) || PyTuple_GET_SIZE(a.x.ptr()) != 2) return false;
+    a.data = PyTuple_GET_ITEM(a.x.ptr(), 0);
+    a.scales = PyTuple_GET_ITEM(a.x.ptr(), 1);
+    a.x_tuple = true;
+    if (!is_exact_tensor(a.scales)) return false;
+  }
+  i64 v;
+  return is_exact_tensor(a.data) && !a.topk.is_none() && exact_int(a.alignment, &v) && exact_int(a.worst, &v);
+}
+
+// The signature of a non-cached dispatch the Python path ran (what a later call must match to run in
+// C++ from what that call kept): every argument's Sig, the ints, the Config (or the Buffer's num_sms).
+struct FullKey {
+  bool x_tuple = false;
+  Sig x, scales, ntpr, nrr, tir, ntpe, topk, w;
+  i64 alignment = 0, worst = 0;
+  py::object config;  // the Config, or None (then num_sms: Buffer.num_sms)
+  i64 cfg[5] = {0, 0, 0, 0, 0};
+  i64 num_sms = -1;
+  py::object handle_template;  // the handle's __dict__ with the per-call fields cleared (keep_entry)
+
+  static bool config_fields(py::handle config, i64* out) {
+    PyObject* fields[5] = {N->num_sms, N->num_max_nvl_chunked_send_tokens, N->num_max_nvl_chunked_recv_tokens,
+                           N->num_max_rdma_chunked_send_tokens, N->num_max_rdma_chunked_recv_tokens};
+    for (int i = 0; i < 5; ++i)
+      if (!exact_int(attr(config, fields[i]), &out[i])) return false;
+    return true;
+  }
+
+  // Takes the signature of ``a`` (split_dispatch'ed here); false where the call is not one a C++ path takes.
+  bool capture(DispatchArgs& a, py::handle buffer_type) {
+    if (!split_dispatch(a)) return false;
+    for (py::handle o : {a.ntpr, a.tir, a.ntpe, a.topk})
+      if (!is_exact_tensor(o) || !tensor(o).is_contiguous()) return false;
+    for (py::handle o : {a.nrr, a.w})
+      if (!o.is_none() && (!is_exact_tensor(o) || !tensor(o).is_contiguous())) return false;
+    if (!a.config.is_none() && Py_TYPE(a.config.ptr()) != reinterpret_cast<PyTypeObject*>(G.config)) return false;
+    if (!tensor(a.data).is_contiguous()) return false;
+    x_tuple = a.x_tuple;
+    x = sig_of(a.data);
+    if (a.x_tuple) scales = sig_of(a.scales);
+    ntpr = sig_of(a.ntpr);
+    nrr = sig_of(a.nrr);
+    tir = sig_of(a.tir);
+    ntpe = sig_of(a.ntpe);
+    topk = sig_of(a.topk);
+    w = sig_of(a.w);
+    exact_int(a.alignment, &alignment);
+    exact_int(a.worst, &worst);
+    config = py::reinterpret_borrow<py::object>(a.config);
+    if (a.config.is_none()) return exact_int(attr(buffer_type, N->num_sms), &num_sms);
+    return config_fields(a.config, cfg);
+  }
+
+  // A split call ``a`` has this signature.
+  bool fits(const DispatchArgs& a, py::handle buffer_type) const {
+    if (x_tuple != a.x_tuple || !matches(x, a.data)) return false;
+    if (a.x_tuple && !matches(scales, a.scales, false)) return false;
+    i64 al, wo;
+    exact_int(a.alignment, &al);
+    exact_int(a.worst, &wo);
+    if (al != alignment || wo != worst) return false;
+    if (!matches(ntpr, a.ntpr) || !matches(nrr, a.nrr) || !matches(tir, a.tir) || !matches(ntpe, a.ntpe) ||
+        !matches(topk, a.topk) || !matches(w, a.w))
+      return false;
+    if (a.config.is_none()) {
+      i64 n;
+      return config.is_none() && exact_int(attr(buffer_type, N->num_sms), &n) && n == num_sms;
+    }
+    if (a.config.ptr() != config.ptr()) return false;
+    i64 v[5];
+    return config_fields(a.config, v) && std::equal(v, v + 5, cfg);
+  }
+
+  bool same(const FullKey& b) const {
+    return x_tuple == b.x_tuple && same_sig(x, b.x) && same_sig(scales, b.scales) && same_sig(ntpr, b.ntpr) &&
+           same_sig(nrr, b.nrr) && same_sig(tir, b.tir) && same_sig(ntpe, b.ntpe) && same_sig(topk, b.topk) &&
+           same_sig(w, b.w) && alignment == b.alignment && worst == b.worst && config.ptr() == b.config.ptr() &&
+           num_sms == b.num_sms && std::equal(cfg, cfg + 5, b.cfg);
+  }
+};
+
+// Keeps ``e`` (a FullKey with its twin) among an engine's kept non-cached dispatches, with ``handle``'s
+// fields as its template: in place of one with the same signature, else added (at most 16).
+template <class Entry>
+void keep_entry(std::vector<std::shared_ptr<Entry>>& full, std::shared_ptr<Entry> e, py::handle handle) {
+  py::dict tpl = py::reinterpret_steal<py::dict>(PyDict_Copy(attr(handle, N->__dict__).ptr()));
+  for (const char* f : kHandleCallFields) tpl[f] = py::none();
+  e->handle_template = tpl;
+  for (auto& old : full)
+    if (old->same(*e)) {
+      old = std::move(e);
+      return;
+    }
+  if (full.size() >= 16) full.clear();
+  full.push_back(std::move(e));
+}
+
 // One Buffer's comm stream and events: what Buffer._enter / _leave and the calls' common gates do.
 struct Core {
   enum Op { kLayout, kCached, kCombine, kDispatch, kOps };

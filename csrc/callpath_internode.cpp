@@ -102,13 +102,8 @@ using InPlanP = std::shared_ptr<InPlan>;
 
 using InPlanSet = PlanSetOf<InPlan>;
 
-bool config_fields(py::handle config, i64* out) {
-  PyObject* const fields[5] = {N->num_sms, N->num_max_nvl_chunked_send_tokens, N->num_max_nvl_chunked_recv_tokens,
-                               N->num_max_rdma_chunked_send_tokens, N->num_max_rdma_chunked_recv_tokens};
-  for (int i = 0; i < 5; ++i)
-    if (!exact_int(attr(config, fields[i]), &out[i])) return false;
-  return true;
-}
+using ::FullKey;
+constexpr auto config_fields = &FullKey::config_fields;
 
 Step make_step(py::handle spec) {
   // (Launch, [(position, value)] set now, [(position, source, offset)] set per call, grid or None)
@@ -181,6 +176,45 @@ InPlanP make_in_plan(py::dict d) {
   return p;
 }
 
+// A non-cached dispatch's kept launches on the device path (device.py Fresh, at one network chunk and
+// one rank per node): meta, digest, pack, land (null where the first call landed no rows), recv_chan.
+// Made by device.full_twin after a Python dispatch, only with COMMLIB_CALLPATH_INTERNODE_DISPATCH=1.
+struct InFull {
+  PyObject* owner = nullptr;  // the backend that made it (identity only)
+  py::object fresh;           // device.py Fresh: holds the scratch whose addresses the launches carry
+  LaunchP meta, digest, pack, land, recv_chan;
+  std::vector<i64> sig;       // the signature words of the call it was made from (word 1: the call count)
+  i64 E = 0;
+
+  bool launches_current() const {
+    for (const LaunchP& l : {meta, digest, pack, recv_chan})
+      if (!l->current()) return false;
+    return !land || land->current();
+  }
+};
+
+using InFullP = std::shared_ptr<InFull>;
+
+InFullP make_in_full(py::dict d) {
+  auto f = std::make_shared<InFull>();
+  f->owner = d["owner"].ptr();
+  f->fresh = d["fresh"];
+  f->meta = d["meta"].cast<LaunchP>();
+  f->digest = d["digest"].cast<LaunchP>();
+  f->pack = d["pack"].cast<LaunchP>();
+  if (!d["land"].is_none()) f->land = d["land"].cast<LaunchP>();
+  f->recv_chan = d["recv_chan"].cast<LaunchP>();
+  f->sig = d["sig"].cast<std::vector<i64>>();
+  f->E = d["num_experts"].cast<i64>();
+  if (f->sig.size() < 2) throw std::invalid_argument("InFull: the signature has no call word");
+  return f;
+}
+
+// A non-cached dispatch the Python path ran (its arguments' signature) and its kept launches.
+struct InFullEntry : FullKey {
+  InFullP twin;
+};
+
 // ------------------------------------------------------------------------------------------------
 // InEngine: one Buffer's replays of internode cached dispatches and combines
 // ------------------------------------------------------------------------------------------------
@@ -188,6 +222,8 @@ InPlanP make_in_plan(py::dict d) {
 struct InEngine : Core {
   py::object make_twin;   // backend.cpp_twin(handle, kind, x, config, second): the handle's twin, or None
   i64 nccl_ns = 0;        // host time inside the NCCL calls (issue and the stream's wait), for the benchmarks
+  std::vector<std::shared_ptr<InFullEntry>> full;   // kept non-cached dispatches (opt-in, see InFull)
+  i64 full_found = 0;     // non-cached dispatches that matched a kept one (tests: the replay is not built yet)
 
   explicit InEngine(py::dict s) : Core(s, {kCached, kCombine}), make_twin(s["make_twin"]) {}
 
@@ -338,6 +374,42 @@ struct InEngine : Core {
     return py::make_tuple(wrap(std::move(out1)), p.out.two ? wrap(std::move(out2)) : py::none(), overlap);
   }
 
+  // Buffer.dispatch keeps a non-cached dispatch it ran on the device path (``twin``: its launches,
+  // ``handle``: the handle it returned), so the next call like it can run here. False where the call
+  // is not one the C++ path takes.
+  bool keep_dispatch(DispatchArgs a, InFullP twin, py::handle handle) {
+    auto e = std::make_shared<InFullEntry>();
+    if (!twin || !e->capture(a, buffer_type)) return false;
+    const at::Tensor& d = tensor(a.data);
+    if (d.dim() != 2 || e->ntpe.shape.size() != 1 || e->ntpe.shape[0] != twin->E || e->tir.shape.size() != 2 ||
+        e->tir.shape[1] != R || e->tir.shape[0] != d.size(0))
+      return false;
+    e->twin = std::move(twin);
+    keep_entry(full, std::move(e), handle);
+    return true;
+  }
+
+  // Buffer.dispatch(x, num_tokens_per_rank=..., topk_idx=..., ...) like a kept one: the checks that let
+  // it run here. The steps themselves (meta, the count all-gather, digest and its host read, geometry,
+  // pack, the rail all-to-all, land, recv_chan, the handle) are not built yet: None, the Python path.
+  py::object dispatch(py::handle buffer, DispatchArgs a, py::handle prev, bool async_finish, bool alloc_on_comm) {
+    if (full.empty() || !split_dispatch(a)) return py::none();
+    std::shared_ptr<InFullEntry> found;
+    for (auto& e : full)
+      if (e->fits(a, buffer_type)) {
+        found = e;
+        break;
+      }
+    if (!found) return py::none();
+    const at::Tensor& x = tensor(a.data);
+    if (!x.is_contiguous() || x.get_device() != dev) return py::none();
+    py::object backend = live_backend(buffer);
+    if (!backend || backend.ptr() != found->twin->owner || !found->twin->launches_current()) return py::none();
+    if (!stream_args_ok(prev, async_finish, alloc_on_comm)) return py::none();
+    ++full_found;
+    return py::none();
+  }
+
   // Buffer.dispatch(x, handle=handle, ...) replayed: the 6-tuple it returns, or None.
   py::object cached_dispatch(py::handle buffer, py::handle x, py::handle handle, py::handle alignment,
                              py::handle config, py::handle prev, bool async_finish, bool alloc_on_comm) {
@@ -386,6 +458,16 @@ PYBIND11_MODULE(_commlib_callpath_internode, m) {
       .def(py::init(&make_in_plan))
       .def_readonly("kind", &InPlan::kind)
       .def_readonly("key", &InPlan::key);
+  py::class_<InFull, InFullP>(m, "InFull", py::module_local())
+      .def(py::init(&make_in_full))
+      .def("launches", [](const InFull& f) {   // tests: each kept launch's kernel handle and packed arguments
+        py::list out;
+        for (const LaunchP& l : {f.meta, f.digest, f.pack, f.land, f.recv_chan})
+          out.append(l ? py::object(py::make_tuple(l->fn, l->grid, l->block, l->smem,
+                                                   py::bytes(reinterpret_cast<const char*>(l->store.data()), l->nbytes)))
+                       : py::none());
+        return out;
+      });
   py::class_<InPlanSet, std::shared_ptr<InPlanSet>>(m, "InPlanSet", py::module_local())
       .def(py::init<>())
       .def("add", &InPlanSet::add)
@@ -396,7 +478,21 @@ PYBIND11_MODULE(_commlib_callpath_internode, m) {
       .def_readonly("nccl_ns", &InEngine::nccl_ns)
       .def_readwrite("test_stream", &InEngine::test_stream)
       .def("layout", [](InEngine&, py::handle, py::handle, py::handle) { return py::none(); })
-      .def("dispatch", [](InEngine&, py::args) { return py::none(); }, "non-cached dispatch: the Python path")
+      .def_readonly("full_found", &InEngine::full_found)
+      .def("dispatch", [](InEngine& e, py::handle buffer, py::handle x, py::handle ntpr, py::handle nrr, py::handle tir,
+                          py::handle ntpe, py::handle topk, py::handle w, py::handle alignment, py::handle worst,
+                          py::handle config, py::handle prev, bool async_finish, bool alloc_on_comm) {
+        CALLPATH_ENTRY(
+            DispatchArgs a{x, py::none(), py::none(), ntpr, nrr, tir, ntpe, topk, w, alignment, worst, config, false};
+            return e.dispatch(buffer, a, prev, async_finish, alloc_on_comm);)
+      })
+      .def("keep_dispatch", [](InEngine& e, py::handle x, py::handle ntpr, py::handle nrr, py::handle tir,
+                               py::handle ntpe, py::handle topk, py::handle w, py::handle alignment, py::handle worst,
+                               py::handle config, InFullP twin, py::handle handle) {
+        CALLPATH_ENTRY(
+            DispatchArgs a{x, py::none(), py::none(), ntpr, nrr, tir, ntpe, topk, w, alignment, worst, config, false};
+            return py::bool_(e.keep_dispatch(a, std::move(twin), handle));)
+      })
       .def("cached_dispatch", [](InEngine& e, py::handle buffer, py::handle x, py::handle handle, py::handle alignment,
                                  py::handle config, py::handle prev, bool async_finish, bool alloc_on_comm) {
         CALLPATH_ENTRY(

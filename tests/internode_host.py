@@ -123,6 +123,7 @@ def build(M: int, P: int, T: int, H: int, E: int, K: int, max_chunks: int = 1, c
     be.group, be.nccl, be.comm_device, be.probe = None, True, torch.device("cpu"), NULL_PROBE
     be.calls, be.failed, be._phase, be._last_num_experts, be.max_chunks = 0, None, "", 0, max_chunks
     be.replayed, be._gather_direct = 0, None
+    be._full_twins, be.last_full_plan = False, None
     be.rail_group = be.node_group = None
     be.network = RailStep(None, be._wait_for, NULL_PROBE, True, 0)
     if P == 1:

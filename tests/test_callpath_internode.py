@@ -12,8 +12,10 @@ What runs on the GPU: tests/gpu/test_internode_gpu.py test_callpath_matches_pyth
 """
 from __future__ import annotations
 
+import gc
 import struct
 import types
+import weakref
 
 import pytest
 import torch
@@ -93,7 +95,7 @@ def rig(ext, monkeypatch):
     ext._record(True)
     yield build
     ext._record(False)
-    for cm in made:
+    for cm in reversed(made):   # (nested patches: the last made restores first)
         cm.__exit__(None, None, None)
 
 
@@ -262,6 +264,73 @@ def test_calls_that_differ_take_the_python_path(rig, ext):
     h.num_tokens -= 1
     buf._destroyed = True
     assert comb(y, wts) is None
+
+
+def _full_args(r, x0, **change) -> tuple:
+    """A non-cached Buffer.dispatch's arguments as the C++ engine's dispatch / keep_dispatch take them."""
+    idx, w, lay = r.inp
+    a = dict(x=x0, ntpr=lay.num_tokens_per_rank, nrr=lay.num_tokens_per_rdma_rank, tir=lay.is_token_in_rank,
+             ntpe=lay.num_tokens_per_expert, topk=idx, w=w, alignment=1, worst=0, config=CFG)
+    a.update(change)
+    return tuple(a.values())
+
+
+def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
+    """COMMLIB_CALLPATH_INTERNODE_DISPATCH=1 (experimental): a non-cached dispatch on the device path at
+    one chunk and one rank per node leaves its kept launches for the C++ engine, which keeps them with
+    the call's signature and finds them for a later call with that signature only; its steps are not
+    built yet, so every call still returns None (the Python path)."""
+    from commlib.utils import env
+    monkeypatch.setenv("COMMLIB_CALLPATH_INTERNODE_DISPATCH", "1")
+    assert env.callpath_internode_dispatch()
+    monkeypatch.delenv("COMMLIB_CALLPATH_INTERNODE_DISPATCH")
+    assert not env.callpath_internode_dispatch()   # off by default
+    r = rig(1, 1)
+    idx, w, lay = r.inp
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    req = DispatchRequest(x, None, idx, w, lay, None, 64, 1, 0, CFG)
+    r.be.dispatch(req)
+    assert r.be.last_full_plan is None   # the knob off: nothing kept
+    r.be._full_twins = True
+    res = r.be.dispatch(req)
+    twin = r.be.last_full_plan.cpp
+    f = r.be.scratch.last
+    # the twin's launches are the Python path's kept ones, argument for argument
+    want = [(p.lau.handle, p.grid, p.block, p.shared_mem, p.lau.fmt.pack(*p.args))
+            for p in (f.meta, f.digest, f.pack, f.land, f.recv_chan)]
+    assert all(wl is not None for wl in want) and twin.launches() == want
+    eng, buf = r.eng, r.buf
+    assert eng.keep_dispatch(*_full_args(r, x), twin, res.handle)
+    assert not eng.keep_dispatch(*_full_args(r, x, topk=None), twin, res.handle)   # no top-k: not taken
+    run = lambda *a, prev=None, af=False, alloc=False: eng.dispatch(buf, *a, prev, af, alloc)
+    assert run(*_full_args(r, x)) is None and eng.full_found == 1   # found; the steps are the Python path's
+    assert run(*_full_args(r, x.clone())) is None and eng.full_found == 2   # other tensors, same signature
+    for change in (dict(x=x[:-1]), dict(x=x.float()), dict(x=x.t().contiguous().t()), dict(topk=idx.int()),
+                   dict(w=None), dict(w=w.double()), dict(tir=lay.is_token_in_rank.int()), dict(alignment=2),
+                   dict(worst=64), dict(config=Config(2, 4, 8, 1, 2)), dict(config=Config(4, 4, 8, 1, 2)),
+                   dict(ntpe=lay.num_tokens_per_expert[:-1])):
+        assert run(*_full_args(r, x, **change)) is None and eng.full_found == 2, list(change)
+    assert run(*_full_args(r, x), alloc=True) is None and eng.full_found == 2   # allocate_on_comm without event
+    r.be.failed = "boom"
+    assert run(*_full_args(r, x)) is None and eng.full_found == 2
+    r.be.failed = None
+    r.be.set_probe(RecordingProbe())
+    assert run(*_full_args(r, x)) is None and eng.full_found == 2   # a recording probe: the Python path
+    r.be.set_probe(NULL_PROBE)
+    assert run(*_full_args(r, x)) is None and eng.full_found == 3
+    # the twin holds the per-shape scratch its launches point into, past the Scratch's own
+    alive = weakref.ref(f)
+    del f
+    r.be.scratch.shapes.clear()
+    r.be.scratch.last = None
+    gc.collect()
+    assert alive() is not None
+    # the forwarder (2 x 2): no twin yet
+    r2 = rig(2, 1)
+    r2.be._full_twins = True
+    idx2, w2, lay2 = r2.inp
+    r2.be.dispatch(DispatchRequest(x, None, idx2, w2, lay2, None, 64, 1, 0, CFG))
+    assert r2.be.last_full_plan is None
 
 
 def test_c10d_alltoall_from_cpp(ext):

@@ -259,6 +259,15 @@ def in_plan(fields: dict):
     return load_internode().InPlan(fields)
 
 
+def in_full(owner, fresh, meta, digest, pack, land, recv_chan, sig: list, num_experts: int):
+    """The twin of a non-cached internode dispatch's kept launches (csrc/callpath_internode.cpp InFull;
+    ``fresh``: what holds their scratch; ``land``: None where the call landed no rows)."""
+    mod = load_internode()
+    return mod.InFull({"owner": owner, "fresh": fresh, "meta": launch_of(meta, mod), "digest": launch_of(digest, mod),
+                       "pack": launch_of(pack, mod), "land": None if land is None else launch_of(land, mod),
+                       "recv_chan": launch_of(recv_chan, mod), "sig": list(sig), "num_experts": num_experts})
+
+
 def in_plan_set():
     """The container of an internode handle's twins (``handle.extra["cpp_internode"]``)."""
     return load_internode().InPlanSet()

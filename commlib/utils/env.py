@@ -15,6 +15,8 @@ Variables:
   COMMLIB_CALLPATH         auto | cpp | python: the NVLink engine's repeated calls through csrc/callpath.cpp (built at
                            first use; auto falls back to the Python call path with a warning where it cannot be built
                            or loaded, cpp raises there) or through Python (default auto)
+  COMMLIB_CALLPATH_INTERNODE_DISPATCH  1: (experimental, not yet checked on a GPU) the internode engine keeps its
+                           non-cached dispatches' launches for the C++ call path (default 0)
   COMMLIB_GIT_COMMIT       commit to record in results where the tree has no .git (device runs)
   COMMLIB_ISSUE_ORDER      auto | comm_first | compute_first: issue order of the dual pipeline's pairs
   COMMLIB_SM_CARVEOUT      auto | off | N: SMs the dual pipeline keeps GEMMs off while it overlaps (default auto)
@@ -152,6 +154,10 @@ def callpath() -> str:
     if v not in ("auto", "cpp", "python"):
         raise ValueError(f"COMMLIB_CALLPATH={v!r}: expected auto, cpp or python")
     return v
+
+
+def callpath_internode_dispatch() -> bool:
+    return _flag("COMMLIB_CALLPATH_INTERNODE_DISPATCH")
 
 
 def callpath_cache_dir() -> str:

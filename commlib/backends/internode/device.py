@@ -20,11 +20,12 @@ from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest
 from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import N_SIG, row_len
 from commlib.backends.internode.geometry import Plan, geometry
-from commlib.backends.internode.kept import first_combine, first_dispatch, keep
+from commlib.backends.internode.kept import NoTwin, first_combine, first_dispatch, keep
 from commlib.backends.internode.network import stream
 from commlib.backends.internode.rows import (area_row, dispatch_packer, here, int32_len, int32_views, rows_on,
                                              typed_views)
 from commlib.backends.common import HOST, int32_columns
+from commlib.cuda import callpath, loader
 from commlib.backends.internode.wiring import Wiring
 from commlib.handle import DispatchHandle
 from commlib.utils.math import align_up
@@ -96,6 +97,7 @@ class Scratch:
 
     def __init__(self) -> None:
         self.shapes: dict = {}
+        self.last: Fresh | None = None   # the last dispatch's (full_twin)
 
     def get(self, w: Wiring, key: tuple, T: int, E: int, ring: int, C: int) -> Fresh:
         f = self.shapes.get(key)
@@ -103,6 +105,7 @@ class Scratch:
             if len(self.shapes) >= self.MAX_SHAPES:
                 self.shapes.clear()
             f = self.shapes[key] = Fresh(w, T, E, ring, C)
+        self.last = f
         return f
 
 
@@ -250,6 +253,24 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
     per_expert_list = expert_counts if a == 1 else [align_up(c, a) for c in expert_counts]
     return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle,
                           blocks=w.take_blocks(keep=out == dev))
+
+
+def full_twin(w: Wiring, scratch: Scratch, res: DispatchResult, sig: list, num_experts: int, owner):
+    """The C++ call path's twin of the non-cached dispatch just run (csrc/callpath_internode.cpp InFull:
+    its Fresh's launches), or None where that path cannot take it: more than one network chunk, the
+    forwarder, a network that is not the NCCL rail all-to-all, a launch off the driver's path."""
+    f, plan = scratch.last, res.handle.extra.get("plan")
+    net = w.network
+    if (f is None or plan is None or plan.num_chunks != 1 or w.node.in_area or not w.nccl
+            or getattr(net, "stall_ms", 0) or not hasattr(net, "group")):
+        return None
+    launches = (f.meta, f.digest, f.pack, f.land, f.recv_chan)
+    if any(r is not None and (type(r) is not loader.Replay or not r.current()) for r in launches) or f.meta is None:
+        return None
+    try:
+        return callpath.in_full(owner, f, *launches, sig, num_experts)
+    except NoTwin:
+        return None
 
 
 def rows_spec(w: Wiring, plan: Plan, W: int) -> tuple:

@@ -11,6 +11,7 @@ Legend: R ranks, M nodes, P ranks per node, Kc the most network chunks a call ma
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,11 @@ from commlib.validate import CommlibError
 
 
 _PATHS = {"device": device, "padded": padded, "counted": counted}   # Plan.path -> its module
+
+
+class FullTwin(NamedTuple):
+    """The last non-cached dispatch's C++ twin, as Buffer.dispatch reads it (``backend.last_full_plan.cpp``)."""
+    cpp: object
 
 
 class InternodeBackend(Backend):
@@ -88,6 +94,9 @@ class InternodeBackend(Backend):
         self.scratch = device.Scratch()
         # the Buffer's C++ call path replays kept calls through twins (cpp_twin; csrc/callpath_internode.cpp)
         self._twins = self.device_steps and callpath.load_internode() is not None
+        # the C++ call path's non-cached dispatch (experimental, opt-in): the last dispatch's twin for the Buffer
+        self._full_twins = self._twins and env.callpath_internode_dispatch()
+        self.last_full_plan = None
         self.timeout_ns = int(float(ctx.timeout_s) * 1e9)
 
     def set_probe(self, probe) -> None:
@@ -215,8 +224,13 @@ class InternodeBackend(Backend):
         self._last_num_experts = E
         sig = self.signature(1, x.shape[1], E, req.x_scales is not None, K, req.topk_weights is not None, req.config)
         ring = ring_rows(req.config)
+        self.last_full_plan = None
         if self.device_steps and device.fits(req):
-            return device.dispatch(self.wiring, self.head, self.scratch, req, sig, ring, self.name)
+            res = device.dispatch(self.wiring, self.head, self.scratch, req, sig, ring, self.name)
+            if self._full_twins:
+                twin = device.full_twin(self.wiring, self.scratch, res, sig, E, self)
+                self.last_full_plan = None if twin is None else FullTwin(twin)
+            return res
         if req.num_worst_tokens:
             return padded.dispatch(self.wiring, req, sig, ring, self.name,
                                    kernels=self.device_steps and padded.fits(self.wiring, req))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Plants a bug in csrc/callpath.cpp at a time and runs the device test that exists for it
+# Plants a bug in csrc/callpath.cpp (or its header) at a time and runs the device test that exists for it
 # (tests/gpu/nvlink_cases.py case_callpath: 2 ranks, the C++ call path against the Python path and the
 # reference backend, bit for bit): every plant must make it fail with an AssertionError (a mismatch,
 # not a crash). Each plant is its own build (a changed source is a new cache entry). The file is
@@ -8,12 +8,12 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 source scripts/plant_lib.sh
-plant_begin csrc/callpath.cpp
+plant_begin csrc/callpath.cpp csrc/callpath.h
 # name @ text in the source @ its planted replacement
 PLANTS=(
   "cached dispatch: the kept x address replayed, not this call's@    l.set(p.x_slot, address(tensor(xo)));@    (void)xo;"
   "layout: num_tokens_per_expert written into num_tokens_per_rank@    l.set(p.ntpe, address(ntpe));@    l.set(p.ntpe, address(ntpr));"
-  "cached FP8 dispatch: the scales carved over recv_x (offset 0 in the outputs' one allocation)@  p->out2_offset = align_up(n1, 256);@  p->out2_offset = 0;"
+  "cached FP8 dispatch: the scales carved over recv_x (offset 0 in the outputs' one allocation)@    offset2 = two ? align_up(nbytes(shape, dtype), 256) : 0;@    offset2 = 0;"
   "dispatch: per-expert counts not rounded to the alignment@        per_expert.append(e.alignment == 1 ? c : (c + e.alignment - 1) / e.alignment * e.alignment);@        per_expert.append(c);"
 )
 cat >/tmp/plant_callpath_run.py <<PYEOF
@@ -26,16 +26,4 @@ if __name__ == "__main__":
     kind = "mismatch" if err and "AssertionError" in err else "error"
     print("RESULT", "passed" if err is None else f"failed ({kind}): " + err.strip().splitlines()[-1][:300])
 PYEOF
-base=$($PY /tmp/plant_callpath_run.py 2>&1 | grep "^RESULT" | tail -1)
-echo "[plant] no plant: ${base#RESULT }"
-[[ "$base" == "RESULT passed" ]] || { echo "[plant] the unplanted call path must pass first"; exit 99; }
-missed=0
-for p in "${PLANTS[@]}"; do
-  IFS='@' read -r name from to <<<"$p"
-  plant_apply "$from" "$to" || exit 98
-  out=$($PY /tmp/plant_callpath_run.py 2>&1)
-  line=$(echo "$out" | grep "^RESULT" | tail -1)
-  if [[ "$line" == "RESULT failed (mismatch)"* ]]; then echo "[plant] $name: caught (${line#RESULT })"
-  else echo "[plant] $name: NOT caught (${line:-no result: $(echo "$out" | tail -3)})"; missed=$((missed + 1)); fi
-done
-exit $missed
+plant_loop /tmp/plant_callpath_run.py "RESULT failed (mismatch)"

@@ -1,18 +1,24 @@
 # Sourced by the plant scripts: each plant replaces one text of one source file (found there exactly
 # once) before its check runs; the original comes back before the next plant and on exit.
-plant_begin() {   # plant_begin FILE: keep FILE's original
-  PLANT_SRC=$1
-  PLANT_ORIG=$(mktemp /tmp/plant_orig.XXXXXX)
-  cp "$PLANT_SRC" "$PLANT_ORIG"
-  trap 'cp "$PLANT_ORIG" "$PLANT_SRC"' EXIT
+plant_begin() {   # plant_begin FILE [FILE...]: keep the files' originals (a plant's text is found in one of them)
+  PLANT_SRCS=("$@")
+  PLANT_ORIG=$(mktemp -d /tmp/plant_orig.XXXXXX)
+  local f
+  for f in "${PLANT_SRCS[@]}"; do mkdir -p "$PLANT_ORIG/$(dirname "$f")"; cp "$f" "$PLANT_ORIG/$f"; done
+  trap 'plant_restore' EXIT
 }
-plant_apply() {   # plant_apply FROM TO: the original with FROM replaced by TO
-  cp "$PLANT_ORIG" "$PLANT_SRC"
-  FROM="$1" TO="$2" "${PY:-python3}" - "$PLANT_SRC" <<'PYEOF'
+plant_restore() {
+  local f
+  for f in "${PLANT_SRCS[@]}"; do cp "$PLANT_ORIG/$f" "$f"; done
+}
+plant_apply() {   # plant_apply FROM TO: the originals, with FROM (found exactly once in all of them) replaced by TO
+  plant_restore
+  FROM="$1" TO="$2" "${PY:-python3}" - "${PLANT_SRCS[@]}" <<'PYEOF'
 import os, sys
-p = sys.argv[1]; s = open(p).read()
-assert s.count(os.environ["FROM"]) == 1, f"plant text not found once: {os.environ['FROM']!r}"
-open(p, "w").write(s.replace(os.environ["FROM"], os.environ["TO"]))
+texts = {p: open(p).read() for p in sys.argv[1:]}
+hits = [p for p, s in texts.items() for _ in range(s.count(os.environ["FROM"]))]
+assert len(hits) == 1, f"plant text not found once in {sys.argv[1:]}: {os.environ['FROM']!r}"
+open(hits[0], "w").write(texts[hits[0]].replace(os.environ["FROM"], os.environ["TO"]))
 PYEOF
 }
 plant_loop() {   # plant_loop RUNNER CAUGHT: runs RUNNER (python; prints "RESULT passed" / "RESULT failed...")

@@ -621,9 +621,11 @@ def print_steps(traces: list, ops: list) -> None:
 
 def _bare_collective(c):
     """A call issuing probe Collective ``c`` again on the stream it was issued on, and waiting as the
-    engine does (the stream waits: NCCL; the host: gloo)."""
+    engine does (the stream waits: NCCL; the host: gloo; nothing: a collective on the current stream)."""
     def run():
-        c.fn(*c.args, **c.kwargs).wait()
+        work = c.fn(*c.args, **c.kwargs)
+        if work is not None:
+            work.wait()
     return run
 
 

@@ -18,19 +18,21 @@ from commlib import Config, layout as L
 from commlib.backends.base import CombineRequest, DispatchRequest
 from commlib.backends.internode import device
 from commlib.backends.internode.exchange import N_SIG, exchange_digest, exchange_row
-from commlib.backends.internode.network import NetworkStep
+from commlib.backends.internode.network import NetworkStep, RailStep, stream
 from commlib.backends.internode.node import ForwarderNode, LocalNode
 from commlib.backends.internode.wiring import Wiring
 from commlib.backends.probe import RecordingProbe
 from commlib.cuda import loader
 from commlib.topology import Topology
+from commlib.utils.dist import direct_collective
 
 T, H, K, E_PER_RANK = 64, 256, 4, 4
 SIG = list(range(1, N_SIG))
 
 
 class _LoopNet(NetworkStep):
-    """NCCL's grouped all-to-all as the engine sees it: one collective per post, one stream wait per land."""
+    """NCCL's grouped all-to-all as the engine sees it (RailStep): one collective per post, one stream
+    wait per land, none where ``stream`` let the chunks run on the current stream (``sync``)."""
 
     ordered = True
 
@@ -44,7 +46,8 @@ class _LoopNet(NetworkStep):
         return out
 
     def land(self, posted, what):
-        self.probe.op("event_ops")
+        if not self.sync:
+            self.probe.op("event_ops")
         return posted
 
 
@@ -125,9 +128,8 @@ def _wiring(M: int, P: int, Kc: int, probe) -> Wiring:
         node.fan, node.P, node.device, node.probe, node.Wd = _Fan(), P, torch.device("cpu"), probe, 0
         node.budget, node._told = 1 << 40, False
 
-    def gather(row, out=None):   # every rank's row equal to this one (a symmetric world)
+    def gather(row, out=None):   # every rank's row equal to this one (a symmetric world); on the current stream
         probe.op("collectives")
-        probe.op("event_ops")
         with _disable_current_modes():
             out = out.view(topo.num_ranks, -1)
             out.copy_(row.view(1, -1).expand_as(out))
@@ -203,14 +205,18 @@ def test_each_extra_chunk_costs_one_collective(kernels):
 
 def test_forwarder_path_counts(kernels):
     """2 x 2 through the forwarder: the same budget at one chunk (the two barriers and the forward /
-    reduce launch inside it); per extra chunk the collective, its stream wait (dispatch) and one
-    forward (dispatch) or reduce (combine) launch."""
+    reduce launch inside it, the collective on the current stream); with more chunks, each on the
+    group's stream so that the node step of one overlaps the next on the wire: per extra chunk the
+    collective, its stream wait (dispatch) and one forward (dispatch) or reduce (combine) launch,
+    and one stream wait more than at one chunk (the first chunk's; combine: the last one's)."""
     one, three = _calls(2, 2, 1, ONE_ROW_RING), _calls(2, 2, 3, ONE_ROW_RING)
     assert one["chunks"] == 1 and three["chunks"] == 3
     assert one["dispatch"]["total"] <= 20, one["dispatch"]
     assert one["cached dispatch"]["total"] <= 10 and one["combine"]["total"] <= 10, one
+    for op in ("dispatch", "cached dispatch", "combine"):
+        assert one[op]["event_ops"] == 0, (op, one[op])
     for op, per_chunk in (("dispatch", 3), ("cached dispatch", 3), ("combine", 2)):
-        assert three[op]["total"] - one[op]["total"] == 2 * per_chunk, (op, one[op], three[op])
+        assert three[op]["total"] - one[op]["total"] == 2 * per_chunk + 1, (op, one[op], three[op])
 
 
 @pytest.mark.parametrize("P", [1, 2])
@@ -234,3 +240,43 @@ def test_forwarder_area_beyond_num_nvl_bytes_warns_once():
             node._reserve(Plan(path="device", num_chunks=1, num_recv=rows, area_row=96, node_rows=rows))
             told.append(sum("exceeds the Buffer's num_nvl_bytes" in str(w.message) for w in seen))
     assert told == [0, 1, 1], told
+
+
+class _Group:
+    """A process group's all-to-all as ``direct_collective`` finds it (loopback rows): records each
+    call's asyncOp; an async call returns a work whose waits are counted, a sync one none (torch's
+    NCCL runs it on the current stream)."""
+
+    def __init__(self) -> None:
+        self.modes, self.waits = [], 0
+
+    def alltoall_base(self, out, inp, out_splits, in_splits, opts):
+        self.modes.append(opts.asyncOp)
+        out.copy_(inp)
+        if not opts.asyncOp:
+            return None
+        group = self
+
+        class _Work:
+            def wait(self) -> None:
+                group.waits += 1
+        return _Work()
+
+
+@pytest.mark.parametrize("n, node_step, sync", [(1, "after", True), (3, None, True), (3, "after", False),
+                                                (3, "before", False), (1, "before", True)])
+def test_rail_chunks_on_the_current_stream_where_nothing_overlaps(n, node_step, sync):
+    """The rail all-to-all runs on the current stream (no work, no wait) where no node step would
+    overlap a chunk on the wire; else on the group's stream, each chunk waited for as the node step
+    needs it (``before``: the last only, NCCL being ordered)."""
+    group = _Group()
+    if direct_collective(group, "all_to_all_single", async_op=False) is None:
+        pytest.skip("this torch's AllToAllOptions has no asyncOp")
+    net = RailStep(group, lambda work, what: work.wait(), RecordingProbe(), True, 0)
+    send = torch.arange(12, dtype=torch.float32).view(6, 2)
+    landed = []
+    hooks = {"after": dict(after=lambda k, rows: landed.append(k)), "before": dict(before=lambda k: None)}
+    stream(net, n, lambda k: net.post(send, [3, 3], [3, 3]), "dispatch", **hooks.get(node_step, {}))
+    assert group.modes == [not sync] * n
+    assert group.waits == (0 if sync else n if node_step == "after" else 1)
+    assert landed == (list(range(n)) if node_step == "after" else [])

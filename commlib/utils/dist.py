@@ -92,12 +92,15 @@ _DIRECT = {"all_to_all_single": (("all_to_all_single", "alltoall_base"), "AllToA
            "all_gather_single": (("all_gather_single", "_allgather_base"), "AllgatherOptions")}
 
 
-def direct_collective(group, name: str):
+def direct_collective(group, name: str, async_op: bool = True):
     """``(fn, opts)``: the C++ method of process group ``group`` that torch.distributed's ``name``
-    ("all_to_all_single" or "all_gather_single") calls, and its options with asyncOp set, so that
-    ``fn(out, in, [out_splits, in_splits,] opts)`` issues the same collective and returns its work
-    without the Python wrapper's frames (a hot path issues it every call). None where ``group`` is
-    None (the default group) or this torch has no such method."""
+    ("all_to_all_single" or "all_gather_single") calls, and its options, so that ``fn(out, in,
+    [out_splits, in_splits,] opts)`` issues the same collective without the Python wrapper's frames
+    (a hot path issues it every call). ``async_op``: True, on the group's own stream, returning its
+    work; False (NCCL in torch versions that have asyncOp), on the current stream, ordered with what
+    follows there, returning no work (None; an older torch returns one, to be waited for as usual).
+    None where ``group`` is None (the default group), this torch has no such method, or a
+    synchronous collective is asked of a torch whose options cannot say so."""
     if group is None:
         return None
     methods, options = _DIRECT[name]
@@ -107,7 +110,8 @@ def direct_collective(group, name: str):
         return None
     opts = cls()
     try:
-        opts.asyncOp = True   # torch versions whose wrappers set it; the work is returned either way
+        opts.asyncOp = async_op
     except AttributeError:
-        pass
+        if not async_op:
+            return None
     return fn, opts

@@ -60,8 +60,9 @@ class InternodeBackend(Backend):
         self.group = ctx.group
         self.nccl = dist.get_backend(self.group) == "nccl"
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        # NCCL: the count exchange through the group's own all-gather (no torch.distributed frames)
-        self._gather_direct = direct_collective(self.group, "all_gather_single") if self.nccl else None
+        # NCCL: the count exchange through the group's own all-gather (no torch.distributed frames), on
+        # the current stream (the comm stream: the digest launch follows it there, no event between)
+        self._gather_direct = direct_collective(self.group, "all_gather_single", async_op=False) if self.nccl else None
         self.comm_device = ctx.device if self.nccl else torch.device("cpu")
         self.probe = ctx.probe
         self.calls = 0          # ops issued on this Buffer; identical on every rank unless ranks diverge
@@ -122,9 +123,12 @@ class InternodeBackend(Backend):
 
     def _wait_for(self, work, what=None) -> None:
         """NCCL: the current stream waits for the collective, the host does not (NCCL's watchdog bounds
-        it). gloo: a host wait with COMMLIB_TIMEOUT_S; a timeout poisons the Buffer."""
+        it). gloo: a host wait with COMMLIB_TIMEOUT_S; a timeout poisons the Buffer. None: a collective
+        issued on the current stream (sync), ordered there: nothing to wait for."""
         if what is not None:
             self._phase = what
+        if work is None:
+            return
         if self.nccl:
             probe = self.probe
             if probe.recording:

@@ -25,10 +25,13 @@ from commlib.utils.dist import direct_collective
 class NetworkStep:
     """One chunk to and from every rail peer. ``post`` starts it and returns a token; ``land`` makes
     the current stream wait for it (or the host, with a deadline) and returns the landed rows.
-    ``ordered``: chunks complete in the order posted, so waiting for the last covers all."""
+    ``ordered``: chunks complete in the order posted, so waiting for the last covers all. ``sync``:
+    nothing overlaps the chunks on the current stream (``stream`` sets it), so a step may issue them
+    there, in its order, and skip the waits."""
 
     name = "base"
     ordered = False
+    sync = False   # set by ``stream`` per call: chunks may run on the current stream, in its order
 
     def post(self, send: torch.Tensor, send_splits: list, recv_splits: list, out: Optional[torch.Tensor] = None):
         raise NotImplementedError
@@ -52,8 +55,10 @@ class RailStep(NetworkStep):
         self.stall_ms = env.debug_network_stall_ms()
         self._rng = random.Random(1000 + rank)
         # NCCL: the group's own all-to-all and kept options (the same collective as torch.distributed's
-        # all_to_all_single, without its Python frames); gloo keeps the torch.distributed call
+        # all_to_all_single, without its Python frames), on its stream or (``sync``) on the current
+        # one, which then needs no event to wait for it; gloo keeps the torch.distributed call
         self._direct = direct_collective(group, "all_to_all_single") if nccl else None
+        self._direct_sync = direct_collective(group, "all_to_all_single", async_op=False) if nccl else None
 
     def stall(self) -> None:
         if self.stall_ms:
@@ -65,7 +70,7 @@ class RailStep(NetworkStep):
             self.stall()
         if out is None:
             out = torch.empty(sum(recv_splits), *send.shape[1:], dtype=send.dtype, device=send.device)
-        direct, probe = self._direct, self.probe
+        direct, probe = self._direct_sync if self.sync and self._direct_sync else self._direct, self.probe
         if direct is not None:
             return out, (probe.collective(direct[0], out, send, recv_splits, send_splits, direct[1]) if probe.recording
                          else direct[0](out, send, recv_splits, send_splits, direct[1]))
@@ -77,7 +82,8 @@ class RailStep(NetworkStep):
         out, work = posted
         if self.stall_ms:
             self.stall()
-        self.wait(work, what)
+        if work is not None:   # None: issued on the current stream (sync), already ordered there
+            self.wait(work, what)
         return out
 
 
@@ -90,7 +96,10 @@ def stream(net: NetworkStep, n: int, post: Callable, what: str, before: Optional
     combine's reduce), ``post(k)`` (a NetworkStep.post), and once it landed ``after(k, rows)`` (a
     node step on what landed: dispatch's fan-out). Chunk k + 1 is on the wire before chunk k is
     waited for, so the node step of one chunk overlaps the network step of the next. Without
-    ``after`` on an ordered network, only the last chunk is waited for."""
+    ``after`` on an ordered network, only the last chunk is waited for. Where no node step would
+    overlap a chunk on the wire (one chunk, or no ``before`` / ``after``), the chunks may run on the
+    current stream (``net.sync``)."""
+    net.sync = n == 1 or (before is None and after is None)
     posted = None
     for k in range(n):
         if before is not None:

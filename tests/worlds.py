@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import os
+import time
 import traceback
 
 import torch.distributed as dist
@@ -36,7 +38,9 @@ def _worker(ctx, module_name: str, names: list[str], case_timeout_s: float, fail
     module = importlib.import_module(module_name)
     R, me = ctx.world_size, ctx.rank
     results = {}
+    times = os.environ.get("COMMLIB_TEST_CASE_TIMES")   # a file: rank 0 appends each case's seconds
     for i, name in enumerate(names):
+        t0 = time.perf_counter()
         try:
             getattr(module, f"case_{name}")(ctx)
             err = None
@@ -56,6 +60,9 @@ def _worker(ctx, module_name: str, names: list[str], case_timeout_s: float, fail
         errs = [ctx.store.get(k).decode() for k in keys]
         errs = [e for e in errs if e]
         results[name] = "\n".join(errs) if errs else None
+        if times and me == 0:
+            with open(times, "a") as f:
+                f.write(f"{module_name} {R} {name} {time.perf_counter() - t0:.1f}\n")
     return results
 
 

@@ -682,12 +682,13 @@ struct InEngine : Core {
       p.issue(comm.raw);
       ph.mark("pack");
       // ---- 5. the network chunk (the rail all-to-all), then land and recv_chan
-      if (d.num_chunks == 1) {
-        if (test) record(py::make_tuple("a2a", address(recv), address(send), py::tuple(py::cast(d.rail_in)),
-                                        py::tuple(py::cast(d.mine))));
+      if (d.num_chunks == 1) {   // rows from each rail peer, rows to each (what the test records is what runs)
+        std::vector<i64>&out_splits = d.rail_in, &in_splits = d.mine;
+        if (test) record(py::make_tuple("a2a", address(recv), address(send), py::tuple(py::cast(out_splits)),
+                                        py::tuple(py::cast(in_splits))));
         if (t.rail) {
           auto t0 = Clock::now();
-          auto work = alltoall(*t.rail, recv, send, d.rail_in, d.mine);
+          auto work = alltoall(*t.rail, recv, send, out_splits, in_splits);
           work->wait();
           nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
         }

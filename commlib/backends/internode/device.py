@@ -282,27 +282,29 @@ def full_twin(w: Wiring, scratch: Scratch, res: DispatchResult, sig: list, num_e
     launches = (f.meta, f.digest, f.pack, f.land, f.recv_chan)
     if any(r is None or type(r) is not loader.Replay or not r.current() for r in launches):
         return None
-    topo, x = w.topology, res.recv_x
-    scales = res.recv_x_scales
+    topo, scales = w.topology, res.recv_x_scales
     fields = {"owner": owner, "fresh": f, "sig": list(sig), "num_experts": num_experts, "row": f.row,
               "g": f.g_flat, "dig": f.dig, "pinned": w.cuda, "ends": f.ends[1:6], "M": topo.num_nodes,
               "P": topo.ranks_per_node, "Kc": w.max_chunks, "Lx": f.Lx, "T": h.num_tokens, "H": h.hidden,
               "C": h.num_channels, "K": res.recv_topk_idx.shape[1], "W": f.packer.row_bytes,
               "scales": -1 if scales is None else scales.shape[1], "weights": res.recv_topk_weights is not None,
-              "dtype": x.dtype, "threads": IK.THREADS, "max_ctas": IK.MAX_CTAS,
+              "dtype": res.recv_x.dtype, "threads": IK.THREADS, "max_ctas": IK.MAX_CTAS,
               "slots": {k: getattr(IK, k) for k in dir(IK) if k.startswith(("META_", "PACK_", "LAND_", "RECV_CHAN_"))
                         and k not in ("META_THREADS", "RECV_CHAN_THREADS")},
-              "finish": functools.partial(full_result, w, f, plan.path, name, h.num_tokens, h.hidden, num_experts,
+              "finish": functools.partial(full_result, w, f, plan.path, h.backend, h.num_tokens, h.hidden, num_experts,
                                           h.num_channels, alignment, ring),
-              "failed": functools.partial(w.exchange_failed, f.g, E=num_experts),
+              "failed": functools.partial(full_failed, w, f.g, num_experts),
               "timed_out": functools.partial(read_timed_out, owner),
               # the Buffer's group (the count exchange) and the rail group; None: the default group, as there
-              "group": (owner.group or dist.group.WORLD) if w.cuda else None,
-              "rail": (net.group or dist.group.WORLD) if w.cuda else None}
+              "group": _group(owner.group) if w.cuda else None, "rail": _group(net.group) if w.cuda else None}
     try:
         return callpath.in_full(fields, *launches)
     except NoTwin:
         return None
+
+
+def _group(g):
+    return dist.group.WORLD if g is None else g
 
 
 def full_result(w: Wiring, f: Fresh, path: str, name: str, T: int, H: int, E: int, C: int, alignment: int,
@@ -317,6 +319,13 @@ def full_result(w: Wiring, f: Fresh, path: str, name: str, T: int, H: int, E: in
     w.count_rows(plan)
     return (make_handle(w, plan, name, T, H, E, C, tir, rank_prefix, chan_prefix, recv_chan_prefix, send_head,
                         recv_src_idx), per_expert(counts["experts"], alignment))
+
+
+def full_failed(w: Wiring, g: torch.Tensor, E: int, sig: list) -> None:
+    """The C++ call path's non-cached dispatch read a digest that flags an error: raise as
+    Wiring.read_counts does (the digest's read counted, then the whole rows read and checked)."""
+    w.reads[0] += 1
+    w.exchange_failed(g, sig, E=E)
 
 
 def read_timed_out(backend, seconds: float) -> None:
@@ -401,5 +410,6 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     return CombineResult(out_y, out_w, blocks=w.take_blocks(keep=out == dev))
 
 
-__all__ = ["HeadRow", "Fresh", "Scratch", "fits", "dispatch", "rows_spec", "send_and_landing", "move", "dispatch_cached",
+__all__ = ["HeadRow", "Fresh", "Scratch", "fits", "dispatch", "make_handle", "per_expert", "full_twin", "full_result",
+           "full_failed", "read_timed_out", "rows_spec", "send_and_landing", "move", "dispatch_cached",
            "combine"]

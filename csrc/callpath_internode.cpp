@@ -330,6 +330,7 @@ struct InEngine : Core {
   std::vector<std::shared_ptr<InFullEntry>> full;   // kept non-cached dispatches (opt-in, see InFull)
   i64 full_found = 0;     // non-cached dispatches that matched a kept one and passed the checks
   void* read_event = nullptr;   // the digest read's event (made by its first record)
+  i64 wait_ns = 0;        // host time in the digest read's wait (the device's earlier work, the peers): benchmarks
 
   explicit InEngine(py::dict s) : Core(s, {kCached, kCombine, kDispatch}), make_twin(s["make_twin"]) {}
 
@@ -550,6 +551,7 @@ struct InEngine : Core {
         cpu_pause();
       }
     }
+    wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
     if (status == 2) std::rethrow_exception(error);
     if (status == 1) {
       ++py_ops.call;
@@ -806,6 +808,7 @@ PYBIND11_MODULE(_commlib_callpath_internode, m) {
       .def(py::init<py::dict>())
       .def_property_readonly("served", &InEngine::served)
       .def_readonly("nccl_ns", &InEngine::nccl_ns)
+      .def_readonly("wait_ns", &InEngine::wait_ns)
       .def_readwrite("test_stream", &InEngine::test_stream)
       .def("layout", [](InEngine&, py::handle, py::handle, py::handle) { return py::none(); })
       .def_readonly("full_found", &InEngine::full_found)

@@ -519,6 +519,41 @@ def test_cpp_dispatch_error_word_raises_as_python(rig, ext):
     assert head1 != head0   # the errored call's head row was still busy: a new one
 
 
+def test_bench_internode_cpp_dispatch_rows(rig, ext):
+    """bench_internode --host's C++ rows with the opt-in non-cached dispatch: the first call of the
+    signature is the Python path's (kept, as Buffer.dispatch keeps it), every timed call runs in C++,
+    the digest read's wait is left out of host_us, and the phases cover the dispatch's steps."""
+    from benchmarks import bench_internode as BI
+    r = rig(1, 1)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    idx, w, lay = r.inp
+    req = DispatchRequest(x, None, idx, w, lay, None, 64, 1, 0, CFG)
+    buf = types.SimpleNamespace(call_path="cpp", _cpp=r.eng, backend=r.be)
+
+    def dispatch():   # what Buffer.dispatch does around the engine's two entry points
+        out = r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)
+        if out is None:
+            res = r.be.dispatch(req)
+            if r.be.last_full_plan is not None:
+                r.eng.keep_dispatch(*_full_args(r, x), r.be.last_full_plan.cpp, res.handle)
+        ext._recorded()
+
+    def host_times(fn, iters, ahead, group, wait_ns=None, excluded_ns=None):
+        for _ in range(iters):
+            fn()
+        t = {"host_us": 10.0, "cpu_us": 9.0}
+        if wait_ns is not None:
+            t.update(total_us=8.0, wait_us=wait_ns() / 1e3)
+        return {**t, **({"excluded_us": excluded_ns() / 1e3} if excluded_ns else {})}
+    rows = BI._cpp_rows(buf, {"dispatch_bf16": dispatch}, 4, 1, None, 1, 1,
+                        types.SimpleNamespace(host_times=host_times), dispatch=True)
+    assert [x["op"] for x in rows] == ["dispatch_bf16_cpp"] and rows[0]["cpp_calls"] == 4 and rows[0]["host_us"] == 8.0
+    steps = ("checks", "enter", "count", "meta", "exchange", "read", "geometry", "alloc", "pack", "network", "land",
+             "handle", "leave", "result")
+    assert set(rows[0]["phases_us"]) == {f"in_dispatch.{p}" for p in steps}, rows[0]["phases_us"]
+    assert not r.be._full_twins   # left off: the Python rows keep no twin
+
+
 def test_c10d_alltoall_from_cpp(ext):
     """The collective the engine issues (torch's c10d ProcessGroup op from C++, waited for) on a
     one-rank gloo group: the rows arrive as torch.distributed's all_to_all_single puts them."""
@@ -612,7 +647,8 @@ def test_bench_internode_cpp_rows_carry_phases(rig, ext, capsys):
     xq, sq, h, y, wts = _dispatch(r, False)
     buf = types.SimpleNamespace(call_path="cpp", _cpp=r.eng, backend=r.be)
 
-    def host_times(fn, iters, ahead, group, excluded_ns=None):
+    def host_times(fn, iters, ahead, group, wait_ns=None, excluded_ns=None):
+        assert wait_ns is None   # no count read in a cached dispatch or combine
         for _ in range(iters):
             fn()
             ext._recorded()

@@ -587,7 +587,8 @@ struct InEngine : Core {
       return py::none();
     }
     py::object backend = live_backend(buffer);
-    if (!backend || backend.ptr() != t.owner || !t.launches_current()) return py::none();
+    if (!backend || backend.ptr() != t.owner || !t.launches_current() || (!test && (!t.group || !t.rail)))
+      return py::none();
     if (!stream_args_ok(prev, async_finish, alloc_on_comm)) return py::none();
     ++full_found;
     ph.mark("checks");

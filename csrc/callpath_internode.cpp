@@ -726,10 +726,7 @@ struct InEngine : Core {
     set_attr(h, N->buffer_id, attr(buffer, N->buffer_id));
     ++served_n[kDispatch];
     ph.mark("handle");
-    std::vector<py::handle> inputs{a.data};
-    for (py::handle o : {a.scales, a.topk, a.w, a.tir})
-      if (!o.is_none()) inputs.push_back(o);
-    py::object overlap = leave(compute, blocks, inputs, async_finish, on_compute);
+    py::object overlap = leave(compute, blocks, dispatch_inputs(a), async_finish, on_compute);
     ph.mark("leave");
     py::object rx = wrap(std::move(recv_x));
     py::object recv_out = a.x_tuple ? py::object(py::make_tuple(rx, wrap(std::move(recv_scales)))) : rx;

@@ -157,13 +157,19 @@ def _cpp(r, ext, recorded) -> tuple:
     return trace, scratch, allocs, other
 
 
-def _named(trace, named: list) -> list:
+def _namer(regions: list):
+    """Addresses inside one of ``regions`` [(label, address, bytes)] as (label, offset); other values as they are."""
     def name(v):
         if type(v) is int and v > 1 << 16:
-            for label, lo, n in named:
+            for label, lo, n in regions:
                 if lo <= v < lo + max(1, n):
                     return (label, v - lo)
         return v
+    return name
+
+
+def _named(trace, regions: list) -> list:
+    name = _namer(regions)
     return [tuple(name(v) if not isinstance(v, tuple) else tuple(map(name, v)) for v in e) for e in trace]
 
 
@@ -393,16 +399,6 @@ def _layout_of(t, named) -> tuple:
     return (tuple(t.shape), t.dtype, tuple(t.stride()), named(t.data_ptr()) if t.numel() else 0)
 
 
-def _namer(regions: list):
-    def name(v):
-        if type(v) is int and v > 1 << 16:
-            for label, lo, n in regions:
-                if lo <= v < lo + max(1, n):
-                    return (label, v - lo)
-        return v
-    return name
-
-
 @pytest.mark.parametrize("fp8,alignment", [(False, 1), (True, 1), (False, 4)])
 def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignment):
     """A non-cached dispatch the C++ engine serves issues what the Python path (device.py dispatch) issues
@@ -434,16 +430,15 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignme
     c_x, c_s = (recv, None) if sq is None else recv
     c_outs = [t for t in (c_x, c_s, c_topk, c_w) if t is not None]
     p_outs = [t for t in (res.recv_x, res.recv_x_scales, res.recv_topk_idx, res.recv_topk_weights) if t is not None]
-    c_named = _namer([("head", *regions["head"]), ("rows", *regions["rows"]), ("block", *regions["block"])]
-                     + [(f"out {i}", *_region(t)) for i, t in enumerate(c_outs)])
-    p_named = _namer([("head", *_region(p_head)), ("rows", *_region(made[0])), ("block", *_region(made[1]))]
-                     + [(f"out {i}", *_region(t)) for i, t in enumerate(p_outs)])
-    name_all = lambda trace, nm: [tuple(nm(v) if not isinstance(v, tuple) else tuple(map(nm, v)) for v in e)
-                                  for e in trace]
+    c_regions = [("head", *regions["head"]), ("rows", *regions["rows"]), ("block", *regions["block"])] + \
+        [(f"out {i}", *_region(t)) for i, t in enumerate(c_outs)]
+    p_regions = [("head", *_region(p_head)), ("rows", *_region(made[0])), ("block", *_region(made[1]))] + \
+        [(f"out {i}", *_region(t)) for i, t in enumerate(p_outs)]
+    c_named, p_named = _namer(c_regions), _namer(p_regions)
     kinds = [e[0] for e in got]
     assert kinds == ["inter_meta_kernel", "allgather", "inter_digest_kernel", "inter_pack_kernel", "a2a",
                      "inter_land_kernel", "inter_recv_chan_kernel"], kinds
-    assert name_all(got, c_named) == name_all(want, p_named)
+    assert _named(got, c_regions) == _named(want, p_regions)
     # _enter's event pair, the digest read, one allocation per Python one, the network's wait, _leave's pair
     assert other == ["record", "wait", "read"] + ["alloc"] * len(made) + ["a2a_wait", "record", "wait"], other
     assert len(made) == 5 + fp8

@@ -26,9 +26,12 @@ namespace {
 // issues; alltoall_base is the name every torch this builds against has).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+// ``sync``: on the current stream, ordered there (no work to wait for, utils/dist.py direct_collective).
 c10::intrusive_ptr<c10d::Work> alltoall(c10d::ProcessGroup& pg, at::Tensor& out, at::Tensor& in,
-                                        std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits) {
+                                        std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits,
+                                        bool sync = false) {
   c10d::AllToAllOptions opts;
+  opts.asyncOp = !sync;
   return pg.alltoall_base(out, in, out_splits, in_splits, opts);
 }
 #pragma GCC diagnostic pop
@@ -501,18 +504,19 @@ struct InEngine : Core {
     return true;
   }
 
-  // The count exchange: every rank's row into ``g`` (what Wiring.gather_into issues: the group's all-gather),
-  // the current (comm) stream waiting for it.
+  // The count exchange: every rank's row into ``g`` (what Wiring.gather_into issues: the group's all-gather
+  // on the current stream, the comm stream).
   void gather(InFull& t) {
     if (test) record(py::make_tuple("allgather", address(t.g), address(t.row), t.row.numel()));
     if (!t.group) return;
     auto t0 = Clock::now();
     c10d::AllgatherOptions opts;
+    opts.asyncOp = false;   // on the comm stream, the digest launch after it there (engine.py _gather_direct)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
     auto work = t.group->_allgather_base(t.g, t.row, opts);
 #pragma GCC diagnostic pop
-    work->wait();
+    if (work) work->wait();   // (a torch that returns one: the stream waits for it)
     nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
   }
 
@@ -691,11 +695,10 @@ struct InEngine : Core {
                                         py::tuple(py::cast(in_splits))));
         if (t.rail) {
           auto t0 = Clock::now();
-          auto work = alltoall(*t.rail, recv, send, out_splits, in_splits);
-          work->wait();
+          auto work = alltoall(*t.rail, recv, send, out_splits, in_splits, true);   // one chunk: network.py sync
+          if (work) work->wait();
           nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
         }
-        if (test) record(py::make_tuple("a2a_wait"));
       }
       ph.mark("network");
       if (J) {

@@ -257,7 +257,7 @@ struct InFull {
   at::Tensor row, g, dig;     // the exchange row, the gathered rows, their digest (the Fresh's)
   at::Tensor head, host_dig;  // the meta kernel's [0] + signature and the digest's host copy (pinned on a GPU)
   bool head_busy = false;     // device.py HeadRow: rewritten only after a host read showed the stream past meta
-  py::object finish, failed, timed_out;  // device.py full_result, Wiring.exchange_failed, read_timed_out
+  py::object finish, failed, timed_out;  // device.py full_result, full_failed, read_timed_out (given the backend)
   c10::intrusive_ptr<c10d::ProcessGroup> group, rail;  // the count exchange's and the network's (null in tests)
 
   explicit InFull(py::dict d) : slots(d["slots"].cast<py::dict>()) {}
@@ -559,7 +559,7 @@ struct InEngine : Core {
     if (status == 2) std::rethrow_exception(error);
     if (status == 1) {
       ++py_ops.call;
-      t.timed_out(static_cast<double>(timeout_ns) / 1e9);
+      t.timed_out(backend, static_cast<double>(timeout_ns) / 1e9);
       throw std::runtime_error("read_timed_out returned");   // it raises
     }
     std::atomic_thread_fence(std::memory_order_acquire);
@@ -640,7 +640,7 @@ struct InEngine : Core {
       Digest d(words.data(), static_cast<i64>(words.size()), M, t.P, t.Kc, t.Lx);
       if (d.error) {   // the checks raise alike on every rank (every rank read the same digest)
         ++py_ops.call;
-        t.failed(py::cast(t.sig));
+        t.failed(backend, py::cast(t.sig));
         throw std::runtime_error("exchange_failed returned");
       }
       t.head_busy = false;   // the host read showed the stream past meta
@@ -723,7 +723,7 @@ struct InEngine : Core {
     }
     // ---- 6. the plan, the rows counted, the handle (device.py full_result: one call into Python)
     ++py_ops.call;
-    py::tuple made = t.finish(counts, a.tir, wrap(rank_prefix), wrap(chan_prefix), wrap(recv_chan_prefix),
+    py::tuple made = t.finish(backend, counts, a.tir, wrap(rank_prefix), wrap(chan_prefix), wrap(recv_chan_prefix),
                               wrap(send_head), wrap(slot), wrap(src), wrap(land_all));
     py::object h = made[0];
     set_attr(h, N->buffer_id, attr(buffer, N->buffer_id));

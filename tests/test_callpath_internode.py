@@ -346,7 +346,12 @@ def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
     r.be.scratch.last = None
     gc.collect()
     assert alive() is not None
-    # the forwarder (2 x 2): no twin yet
+    # no reference cycle through C++: the engine and the backend go once the Buffer lets go of them
+    gone = weakref.ref(r.be)
+    del r, eng, buf, res, twin, run
+    gc.collect()
+    assert gone() is None
+    # the forwarder (2 x 2): no twin
     r2 = rig(2, 1)
     r2.be._full_twins = True
     idx2, w2, lay2 = r2.inp

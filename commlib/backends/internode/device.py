@@ -291,10 +291,10 @@ def full_twin(w: Wiring, scratch: Scratch, res: DispatchResult, sig: list, num_e
               "dtype": res.recv_x.dtype, "threads": IK.THREADS, "max_ctas": IK.MAX_CTAS,
               "slots": {k: getattr(IK, k) for k in dir(IK) if k.startswith(("META_", "PACK_", "LAND_", "RECV_CHAN_"))
                         and k not in ("META_THREADS", "RECV_CHAN_THREADS")},
-              "finish": functools.partial(full_result, w, f, plan.path, h.backend, h.num_tokens, h.hidden, num_experts,
+              # the hooks, called with the backend (held by nothing here: no reference cycle through C++)
+              "finish": functools.partial(full_result, f, plan.path, h.backend, h.num_tokens, h.hidden, num_experts,
                                           h.num_channels, alignment, ring),
-              "failed": functools.partial(full_failed, w, f.g, num_experts),
-              "timed_out": functools.partial(read_timed_out, owner),
+              "failed": functools.partial(full_failed, f.g, num_experts), "timed_out": read_timed_out,
               # the Buffer's group (the count exchange) and the rail group; None: the default group, as there
               "group": _group(owner.group) if w.cuda else None, "rail": _group(net.group) if w.cuda else None}
     try:
@@ -307,12 +307,13 @@ def _group(g):
     return dist.group.WORLD if g is None else g
 
 
-def full_result(w: Wiring, f: Fresh, path: str, name: str, T: int, H: int, E: int, C: int, alignment: int,
-                ring: int, counts: dict, tir, rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot,
+def full_result(f: Fresh, path: str, name: str, T: int, H: int, E: int, C: int, alignment: int, ring: int,
+                backend, counts: dict, tir, rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot,
                 recv_src_idx, land_all) -> tuple:
     """The C++ call path's non-cached dispatch (csrc/callpath_internode.cpp InEngine::dispatch) past its
     device work: what ``dispatch`` makes of the digest (``counts``, parsed there) and the call's int32
     views: the plan, the rows counted, the handle. Returns (handle, num_recv_tokens_per_expert_list)."""
+    w = backend.wiring
     w.reads[0] += 1   # the digest's read (Wiring.read)
     plan = geometry(path, counts, ring, w.max_chunks)
     plan.slot, plan.area_row, plan.land_all = slot, f.area_row, land_all
@@ -321,9 +322,10 @@ def full_result(w: Wiring, f: Fresh, path: str, name: str, T: int, H: int, E: in
                         recv_src_idx), per_expert(counts["experts"], alignment))
 
 
-def full_failed(w: Wiring, g: torch.Tensor, E: int, sig: list) -> None:
+def full_failed(g: torch.Tensor, E: int, backend, sig: list) -> None:
     """The C++ call path's non-cached dispatch read a digest that flags an error: raise as
     Wiring.read_counts does (the digest's read counted, then the whole rows read and checked)."""
+    w = backend.wiring
     w.reads[0] += 1
     w.exchange_failed(g, sig, E=E)
 

@@ -158,12 +158,16 @@ def _cpp(r, ext, recorded) -> tuple:
 
 
 def _namer(regions: list):
-    """Addresses inside one of ``regions`` [(label, address, bytes)] as (label, offset); other values as they are."""
+    """Addresses inside one of ``regions`` [(label, address, bytes)] as (label, offset), else one just past
+    one's end (an empty view at its end); other values as they are."""
     def name(v):
         if type(v) is int and v > 1 << 16:
             for label, lo, n in regions:
                 if lo <= v < lo + max(1, n):
                     return (label, v - lo)
+            for label, lo, n in regions:
+                if v == lo + n:
+                    return (label, n)
         return v
     return name
 
@@ -404,16 +408,21 @@ def _layout_of(t, named) -> tuple:
     return (tuple(t.shape), t.dtype, tuple(t.stride()), named(t.data_ptr()) if t.numel() else 0)
 
 
-@pytest.mark.parametrize("fp8,alignment", [(False, 1), (True, 1), (False, 4)])
-def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignment):
+@pytest.mark.parametrize("fp8,alignment,empty", [(False, 1, False), (True, 1, False), (False, 4, False),
+                                                  (True, 1, True)])
+def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignment, empty):
     """A non-cached dispatch the C++ engine serves issues what the Python path (device.py dispatch) issues
     for the same call: meta, the all-gather, digest, its read, pack, the rail all-to-all, land, recv_chan,
     argument for argument (this call's allocations named: the head row, the rows, the int32 block, the
-    outputs), the same allocations, outputs, handle and plan, counts and per-expert list."""
+    outputs), the same allocations, outputs, handle and plan, counts and per-expert list. ``empty``: a
+    digest of no rows anywhere (zero network chunks: no all-to-all, no land), as every rank reads it."""
     r = rig(1, 1)
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     xq, sq = per_token_cast_to_fp8(x) if fp8 else (x, None)
     req, _, _ = _kept_full(r, ext, xq, sq, alignment)
+    if empty:   # what the digest kernel writes (the fakes, for the Python path) and what the C++ read finds
+        r.fakes.digest.zero_()
+        r.be.scratch.last.dig.zero_()
     before = (dict(r.be.counters), r.be.calls, r.be.host_reads)
     ext._recorded()
     out = r.eng.dispatch(r.buf, *_full_args(r, xq if sq is None else (xq, sq), alignment=alignment), None, False,
@@ -441,8 +450,8 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignme
         [(f"out {i}", *_region(t)) for i, t in enumerate(p_outs)]
     c_named, p_named = _namer(c_regions), _namer(p_regions)
     kinds = [e[0] for e in got]
-    assert kinds == ["inter_meta_kernel", "allgather", "inter_digest_kernel", "inter_pack_kernel", "a2a",
-                     "inter_land_kernel", "inter_recv_chan_kernel"], kinds
+    assert kinds == ["inter_meta_kernel", "allgather", "inter_digest_kernel", "inter_pack_kernel"] + \
+        ([] if empty else ["a2a", "inter_land_kernel"]) + ["inter_recv_chan_kernel"], kinds
     assert _named(got, c_regions) == _named(want, p_regions)
     # _enter's event pair, the digest read, one allocation per Python one, _leave's pair (the collectives run
     # on the comm stream, ordered there: no wait, as network.py's one chunk)
@@ -470,7 +479,20 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignme
             assert _layout_of(a, c_named) == _layout_of(b, p_named), f.name
         else:
             assert a == b, f.name
-    assert cp.num_chunks == 1 and cp.num_recv > 0 and cp.slot is not None and cp.land_all is not None
+    assert (cp.num_chunks, cp.num_recv > 0) == ((0, False) if empty else (1, True))
+    assert cp.slot is not None and cp.land_all is not None
+
+
+def test_digest_read_timeout_retires_the_buffer():
+    """The C++ dispatch's digest read past COMMLIB_TIMEOUT_S (device.read_timed_out): the backend is failed
+    (the Buffer refuses later calls) and CommlibError names the rank and the step."""
+    from commlib.backends.internode import device
+    from commlib.topology import Topology
+    from commlib.utils.errors import CommlibError
+    be = types.SimpleNamespace(topology=Topology(rank=3, num_ranks=4, ranks_per_node=1), failed=None)
+    with pytest.raises(CommlibError, match=r"\[commlib rank 3\] dispatch: the count exchange did not complete within 2.0 s"):
+        device.read_timed_out(be, 2.0)
+    assert be.failed and "rank 3" in be.failed
 
 
 def test_cpp_digest_parse_matches_python(ext):

@@ -225,7 +225,7 @@ def case_callpath_dispatch(ctx):
     assert eng.call_path == "cpp" and eng.backend._full_twins, f"the internode C++ dispatch is off: {why}"
     served = lambda: eng._cpp.served["dispatch"]
     for fp8 in (False, True):
-        for T in (24, 57):
+        for T in (57,):
             s0 = served()
             seeds = [5000 + 1000 * fp8 + 10 * T + k for k in range(4)]
             compare_round(ctx, ref, eng, seeds[0], T, "random", fp8, None, R)   # the Python path, kept for C++

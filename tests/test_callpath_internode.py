@@ -7,8 +7,11 @@ twins exist. A cached dispatch or combine the C++ engine replays issues what the
 (plan_for / run_plan) issues for the same call: the same launches, argument for argument (this
 call's tensors named: inputs, outputs, scratch at its offsets), the same network chunks, the same
 allocations but that two outputs are carved from one; it counts the same; a call that differs in anything the Python replay checks returns
-None. The C++ collective (torch's c10d ProcessGroup from C++) runs on a one-rank gloo group.
-What runs on the GPU: tests/gpu/test_internode_gpu.py test_callpath_matches_python (bit for bit).
+None. A non-cached dispatch it serves (opt-in, one rank per node) issues what device.py dispatch issues
+(launches, the all-gather, the digest read, the all-to-all) and returns the same outputs, handle and plan.
+The C++ collective (torch's c10d ProcessGroup from C++) runs on a one-rank gloo group.
+What runs on the GPU: tests/cases_internode.py case_callpath and case_callpath_dispatch (bit for bit,
+gpu_check.sh stage incpp).
 """
 from __future__ import annotations
 

@@ -498,6 +498,23 @@ def test_digest_read_timeout_retires_the_buffer():
     assert be.failed and "rank 3" in be.failed
 
 
+def test_cpp_dispatch_python_work_per_call(rig, ext):
+    """A C++ non-cached dispatch's Python C-API work, the same every call: reads (the Buffer and its live
+    backend 6, the Config's 5 fields, calls, buffer_id), writes (calls, the handle's buffer_id, the
+    EventOverlap's two) and one call into Python (device.full_result: the plan and the handle)."""
+    r = rig(1, 1)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    _kept_full(r, ext, x)
+    seen = []
+    for _ in range(3):
+        ext._py_ops(False)
+        out = r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)
+        ops = ext._py_ops(False)
+        assert out is not None
+        seen.append((ops["get"], ops["set"], ops["call"]))
+    assert seen == [(13, 4, 1)] * 3, seen
+
+
 def test_cpp_digest_parse_matches_python(ext):
     """The C++ dispatch's digest parse (Digest) reads every field where exchange.parse_digest does."""
     from commlib.backends.internode.exchange import parse_digest

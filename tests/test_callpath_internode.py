@@ -507,10 +507,12 @@ def test_cpp_dispatch_python_work_per_call(rig, ext):
     _kept_full(r, ext, x)
     seen = []
     for _ in range(3):
+        r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)   # (its exit event back in the pool)
         ext._py_ops(False)
         out = r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)
         ops = ext._py_ops(False)
         assert out is not None
+        del out
         seen.append((ops["get"], ops["set"], ops["call"]))
     assert seen == [(13, 4, 1)] * 3, seen
 

@@ -22,17 +22,34 @@
 
 namespace {
 
-// One all-to-all with splits through the group's own op (what torch.distributed's all_to_all_single
-// issues; alltoall_base is the name every torch this builds against has).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-// ``sync``: on the current stream, ordered there (no work to wait for, utils/dist.py direct_collective).
+// A collective's options asyncOp, where this torch's options have it (else the op stays async, and the
+// caller waits for the work it returns, as utils/dist.py direct_collective does).
+template <class Options>
+auto set_async(Options& o, bool v, int) -> decltype(o.asyncOp = v, void()) {
+  o.asyncOp = v;
+}
+template <class Options>
+void set_async(Options&, bool, long) {}
+
+// One all-to-all with splits through the group's own op (what torch.distributed's all_to_all_single
+// issues; alltoall_base is the name every torch this builds against has). ``sync``: on the current
+// stream, ordered there (no work to wait for, utils/dist.py direct_collective).
 c10::intrusive_ptr<c10d::Work> alltoall(c10d::ProcessGroup& pg, at::Tensor& out, at::Tensor& in,
                                         std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits,
                                         bool sync = false) {
   c10d::AllToAllOptions opts;
-  opts.asyncOp = !sync;
+  set_async(opts, !sync, 0);
   return pg.alltoall_base(out, in, out_splits, in_splits, opts);
+}
+
+// The count exchange's all-gather of ``in`` from every rank into ``out`` (the group's own op, what
+// torch.distributed's all_gather_into_tensor issues) on the current stream.
+c10::intrusive_ptr<c10d::Work> allgather(c10d::ProcessGroup& pg, at::Tensor& out, at::Tensor& in) {
+  c10d::AllgatherOptions opts;
+  set_async(opts, false, 0);
+  return pg._allgather_base(out, in, opts);
 }
 #pragma GCC diagnostic pop
 
@@ -510,12 +527,7 @@ struct InEngine : Core {
     if (test) record(py::make_tuple("allgather", address(t.g), address(t.row), t.row.numel()));
     if (!t.group) return;
     auto t0 = Clock::now();
-    c10d::AllgatherOptions opts;
-    opts.asyncOp = false;   // on the comm stream, the digest launch after it there (engine.py _gather_direct)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-    auto work = t.group->_allgather_base(t.g, t.row, opts);
-#pragma GCC diagnostic pop
+    auto work = allgather(*t.group, t.g, t.row);   // on the comm stream, the digest launch after it there
     if (work) work->wait();   // (a torch that returns one: the stream waits for it)
     nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
   }
@@ -787,6 +799,12 @@ PYBIND11_MODULE(_commlib_callpath_internode, m) {
       .def(py::init(&make_in_plan))
       .def_readonly("kind", &InPlan::kind)
       .def_readonly("key", &InPlan::key);
+  m.def("_allgather", [](py::object group, at::Tensor out, at::Tensor in) {
+    // tests: the count exchange as the engine issues it (c10d from C++), waited for
+    auto pg = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+    auto work = allgather(*pg, out, in);
+    if (work) work->wait();
+  });
   m.def("_parse_digest", [](std::vector<i64> d, i64 M, i64 P, i64 Kc, i64 Lx) {
     // tests: the digest parse the dispatch runs, against exchange.parse_digest
     return Digest(d.data(), static_cast<i64>(d.size()), M, P, Kc, Lx).dict();

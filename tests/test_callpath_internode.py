@@ -600,8 +600,9 @@ def test_bench_internode_cpp_dispatch_rows(rig, ext):
 
 
 def test_c10d_alltoall_from_cpp(ext):
-    """The collective the engine issues (torch's c10d ProcessGroup op from C++, waited for) on a
-    one-rank gloo group: the rows arrive as torch.distributed's all_to_all_single puts them."""
+    """The collectives the engine issues (torch's c10d ProcessGroup ops from C++, waited for) on a
+    one-rank gloo group: the rows arrive as torch.distributed's all_to_all_single puts them, and the
+    count exchange's all-gather's."""
     from torch.distributed import HashStore
     made = not dist.is_initialized()
     if made:
@@ -613,6 +614,10 @@ def test_c10d_alltoall_from_cpp(ext):
         ext._alltoall(g, out, x, [6], [6])
         dist.all_to_all_single(ref, x, [6], [6], group=g)
         assert torch.equal(out, ref) and torch.equal(out, x)
+        row = torch.arange(7, dtype=torch.int64) * 3 + 1   # the count exchange's all-gather (one rank: a copy)
+        got = torch.zeros(7, dtype=torch.int64)
+        ext._allgather(g, got, row)
+        assert torch.equal(got, row)
     finally:
         if made:
             dist.destroy_process_group()

@@ -305,6 +305,8 @@ InFullP make_in_full(py::dict d) {
   f->pack = d["pack"].cast<LaunchP>();
   f->land = d["land"].cast<LaunchP>();
   f->recv_chan = d["recv_chan"].cast<LaunchP>();
+  if (!f->meta || !f->digest || !f->pack || !f->land || !f->recv_chan)
+    throw std::invalid_argument("InFull: every kept launch (meta, digest, pack, land, recv_chan) is needed");
   f->sig = d["sig"].cast<std::vector<i64>>();
   f->E = d["num_experts"].cast<i64>();
   if (f->sig.size() < 2) throw std::invalid_argument("InFull: the signature has no call word");

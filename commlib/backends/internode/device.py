@@ -30,8 +30,8 @@ from commlib.backends.common import HOST, int32_columns
 from commlib.cuda import callpath, loader
 from commlib.backends.internode.wiring import Wiring
 from commlib.handle import DispatchHandle
-from commlib.utils.math import align_up
 from commlib.utils.errors import CommlibError
+from commlib.utils.math import align_up
 
 
 class HeadRow:

@@ -641,6 +641,9 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
         os.environ["COMMLIB_NETWORK_CHUNKS"] = str(cap)
         os.environ["COMMLIB_INTERNODE_KERNELS"] = "1"
         buf = Buffer(group, nvl, rdma, backend="internode", ranks_per_node=rpn)
+        # COMMLIB_CALLPATH_INTERNODE_DISPATCH=1 (opt-in): for the C++ rows' non-cached dispatches only
+        cpp_dispatch = getattr(buf.backend, "_full_twins", False) and rpn == 1   # (one rank per node only)
+        buf.backend._full_twins = False
         dev = buf.device
         inp = B.make_inputs(w, me, dev)
         x, idx, wts = inp["x"], inp["topk_idx"], inp["topk_weights"]
@@ -716,7 +719,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
                          "nccl_us": t.get("excluded_us", 0.0), "nccl_calls": n, "nccl": nccl, "ops": counts,
                          "probe_ops": probe_ops, "probe_ops_again": probe_again, "floor_us": fl["host_us"],
                          "nccl_floor_us": sum(c["floor_us"] for c in nccl)})
-        cpp_rows += _cpp_rows(buf, ops, iters, warmup, group, cap, K, HT)
+        cpp_rows += _cpp_rows(buf, ops, iters, warmup, group, cap, K, HT, cpp_dispatch)
         everyone = [None] * R
         dist.all_gather_object(everyone, traces, group=group)
         for r in rows[-len(ops):]:
@@ -739,37 +742,51 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
     return {"rows": rows, "cpp_rows": cpp_rows, "device": str(dev)}
 
 
-def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, HT) -> list:
+def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, HT, dispatch: bool = False) -> list:
     """The cached dispatches and the combine through the internode C++ call path
-    (csrc/callpath_internode.cpp), where it loaded on every rank: host wall / CPU us per call with the
-    host ahead, ``nccl_us`` (the engine's own clock around its NCCL calls and waits), ``own_us`` (the
-    rest: the Buffer's checks and the engine's work, both in C++), ``cpp_calls`` (timed calls it ran),
+    (csrc/callpath_internode.cpp), where it loaded on every rank, and (``dispatch``: the opt-in
+    COMMLIB_CALLPATH_INTERNODE_DISPATCH=1) the non-cached dispatches: host wall / CPU us per call with
+    the host ahead (a dispatch: each waits for its digest read, that wait left out of ``host_us``),
+    ``nccl_us`` (the engine's own clock around its NCCL calls and waits), ``own_us`` (the rest: the
+    Buffer's checks and the engine's work, both in C++), ``cpp_calls`` (timed calls it ran),
     ``phases_us`` (this rank's median us per phase of the same calls timed once more with the C++
     engine's per-phase marks on: commlib.cuda.callpath.phases)."""
     everyone = -slowest([-float(buf.call_path == "cpp")], group)[0] > 0
     if not everyone:
         return []
     buf.backend.set_probe(NULL_PROBE)   # a recording probe sends calls to the Python path
+    dispatch = -slowest([-float(dispatch)], group)[0] > 0
+    buf.backend._full_twins = dispatch   # the next non-cached dispatch leaves its C++ twin
     out = []
     for op, fn in ops.items():
         kind = op.split("_")[0]
-        if kind not in ("cached", "combine"):
+        if kind not in ("cached", "combine") and not (kind == "dispatch" and dispatch):
             continue
-        for _ in range(warmup):
+        for _ in range(warmup + 1):   # (a dispatch: the first of its signature is the Python path's, kept)
             fn()
-        mark = {"ns": buf._cpp.nccl_ns}
+        cpp = buf._cpp
+        mark = {"ns": cpp.nccl_ns, "wait": cpp.wait_ns}
 
         def nccl_ns():
-            v, mark["ns"] = buf._cpp.nccl_ns - mark["ns"], buf._cpp.nccl_ns
+            v, mark["ns"] = cpp.nccl_ns - mark["ns"], cpp.nccl_ns
             return v
-        before = buf._cpp.served[kind]
-        t = HT.host_times(fn, iters, ahead=True, group=group, excluded_ns=nccl_ns)
-        served = buf._cpp.served[kind] - before
+
+        def wait_ns():
+            v, mark["wait"] = cpp.wait_ns - mark["wait"], cpp.wait_ns
+            return v
+        reads = kind == "dispatch"
+        before = cpp.served[kind]
+        t = HT.host_times(fn, iters, ahead=not reads, group=group, wait_ns=wait_ns if reads else None,
+                          excluded_ns=nccl_ns)
+        served = cpp.served[kind] - before
         callpath.phases(True)   # where the C++ call's time goes: the same calls again, timed per phase
-        HT.host_times(fn, iters, ahead=True, group=group)
-        out.append({"op": op + "_cpp", "chunk_cap": cap, "chunks": K, "host_us": t["host_us"], "cpu_us": t["cpu_us"],
-                    "nccl_us": t.get("excluded_us", 0.0), "own_us": t["host_us"] - t.get("excluded_us", 0.0),
-                    "cpp_calls": served, "iters": iters, "phases_us": callpath.phases(False)})
+        HT.host_times(fn, iters, ahead=not reads, group=group)
+        host = t["total_us"] if reads else t["host_us"]   # a dispatch: its digest read's wait left out
+        out.append({"op": op + "_cpp", "chunk_cap": cap, "chunks": K, "host_us": host, "cpu_us": t["cpu_us"],
+                    "nccl_us": t.get("excluded_us", 0.0), "own_us": host - t.get("excluded_us", 0.0),
+                    "wait_us": t.get("wait_us", 0.0), "cpp_calls": served, "iters": iters,
+                    "phases_us": callpath.phases(False)})
+    buf.backend._full_twins = False
     return out
 
 

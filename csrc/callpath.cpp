@@ -465,10 +465,7 @@ struct Engine : Core {
     fields[N->extra] = extra;
     set_attr(h, N->__dict__, fields);
     ph.mark("handle");
-    std::vector<py::handle> inputs{a.data};
-    for (py::handle o : {a.scales, a.topk, a.w, a.tir})
-      if (!o.is_none()) inputs.push_back(o);
-    py::object overlap = leave(compute, blocks, inputs, async_finish, on_compute);
+    py::object overlap = leave(compute, blocks, dispatch_inputs(a), async_finish, on_compute);
     ph.mark("leave");
     py::object recv = a.x_tuple ? py::object(py::make_tuple(wrap(recv_x), wrap(recv_scales))) : wrap(recv_x);
     py::object out = py::make_tuple(recv, wrap(recv_topk), a.w.is_none() ? py::none() : wrap(recv_w), per_expert, h,

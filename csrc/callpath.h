@@ -473,6 +473,14 @@ struct DispatchArgs {
   bool x_tuple;
 };
 
+// The tensor arguments of a non-cached dispatch that Buffer._leave keeps alive (async_finish) and records.
+std::vector<py::handle> dispatch_inputs(const DispatchArgs& a) {
+  std::vector<py::handle> inputs{a.data};
+  for (py::handle o : {a.scales, a.topk, a.w, a.tir})
+    if (!o.is_none()) inputs.push_back(o);
+  return inputs;
+}
+
 // The arguments' parts, or false where they are not what a C++ path takes (topk_idx given, x a
 // tensor or a (tensor, tensor) tuple, exact ints).
 bool split_dispatch(DispatchArgs& a) {

@@ -18,16 +18,38 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <ATen/ops/zeros.h>
+
 namespace {
 
-// One all-to-all with splits through the group's own op (what torch.distributed's all_to_all_single
-// issues; alltoall_base is the name every torch this builds against has).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+// A collective's options asyncOp, where this torch's options have it (else the op stays async, and the
+// caller waits for the work it returns, as utils/dist.py direct_collective does).
+template <class Options>
+auto set_async(Options& o, bool v, int) -> decltype(o.asyncOp = v, void()) {
+  o.asyncOp = v;
+}
+template <class Options>
+void set_async(Options&, bool, long) {}
+
+// One all-to-all with splits through the group's own op (what torch.distributed's all_to_all_single
+// issues; alltoall_base is the name every torch this builds against has). ``sync``: on the current
+// stream, ordered there (no work to wait for, utils/dist.py direct_collective).
 c10::intrusive_ptr<c10d::Work> alltoall(c10d::ProcessGroup& pg, at::Tensor& out, at::Tensor& in,
-                                        std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits) {
+                                        std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits,
+                                        bool sync = false) {
   c10d::AllToAllOptions opts;
+  set_async(opts, !sync, 0);
   return pg.alltoall_base(out, in, out_splits, in_splits, opts);
+}
+
+// The count exchange's all-gather of ``in`` from every rank into ``out`` (the group's own op, what
+// torch.distributed's all_gather_into_tensor issues) on the current stream.
+c10::intrusive_ptr<c10d::Work> allgather(c10d::ProcessGroup& pg, at::Tensor& out, at::Tensor& in) {
+  c10d::AllgatherOptions opts;
+  set_async(opts, false, 0);
+  return pg._allgather_base(out, in, opts);
 }
 #pragma GCC diagnostic pop
 
@@ -176,37 +198,142 @@ InPlanP make_in_plan(py::dict d) {
   return p;
 }
 
+// The digest of the gathered exchange rows by name (backends/internode/exchange.py parse_digest, its order).
+struct Digest {
+  i64 error = 0, num_chunks = 0, num_recv = 0, node_rows = 0;
+  std::vector<i64> mine, rail_in, experts;
+  std::vector<std::vector<i64>> fan_send, fan_recv;  // [Kc][P]
+
+  static i64 length(i64 M, i64 P, i64 Kc, i64 Lx) { return 4 + 2 * M + 2 * Kc * P + Lx; }
+
+  Digest(const i64* d, i64 n, i64 M, i64 P, i64 Kc, i64 Lx) {
+    if (n < length(M, P, Kc, Lx)) throw std::invalid_argument("Digest: shorter than its layout");
+    error = d[0];
+    num_chunks = d[1];
+    num_recv = d[2];
+    node_rows = d[3];
+    const i64 i = 4 + 2 * M, j = i + Kc * P;
+    mine.assign(d + 4, d + 4 + M);
+    rail_in.assign(d + 4 + M, d + i);
+    for (i64 k = 0; k < Kc; ++k) {
+      fan_send.emplace_back(d + i + k * P, d + i + (k + 1) * P);
+      fan_recv.emplace_back(d + j + k * P, d + j + (k + 1) * P);
+    }
+    experts.assign(d + j + Kc * P, d + j + Kc * P + Lx);
+  }
+
+  py::dict dict() const {
+    py::dict o;
+    o["error"] = error;
+    o["num_chunks"] = num_chunks;
+    o["num_recv"] = num_recv;
+    o["node_rows"] = node_rows;
+    o["mine"] = py::cast(mine);
+    o["rail_in"] = py::cast(rail_in);
+    o["fan_send"] = py::cast(fan_send);
+    o["fan_recv"] = py::cast(fan_recv);
+    o["experts"] = py::cast(experts);
+    return o;
+  }
+};
+
+// The kept launches' argument positions a non-cached dispatch sets (backends/internode/kernels.py).
+struct FullSlots {
+  int meta_tir, meta_topk, meta_experts, meta_head;
+  int pack_tir, pack_slot, pack_send_head, pack_rank_prefix, pack_chan_prefix, pack_x, pack_scales, pack_topk, pack_w,
+      pack_send;
+  int land_rows, land_n, land_n_out, land_x, land_scales, land_src, land_topk, land_w, land_pos;
+  int recv_chan_src, recv_chan_out;
+  explicit FullSlots(py::dict d) {
+    auto g = [&](const char* n) { return d[n].cast<int>(); };
+    meta_tir = g("META_TIR"), meta_topk = g("META_TOPK"), meta_experts = g("META_EXPERTS"), meta_head = g("META_HEAD");
+    pack_tir = g("PACK_TIR"), pack_slot = g("PACK_SLOT"), pack_send_head = g("PACK_SEND_HEAD");
+    pack_rank_prefix = g("PACK_RANK_PREFIX"), pack_chan_prefix = g("PACK_CHAN_PREFIX"), pack_x = g("PACK_X");
+    pack_scales = g("PACK_SCALES"), pack_topk = g("PACK_TOPK"), pack_w = g("PACK_W"), pack_send = g("PACK_SEND");
+    land_rows = g("LAND_ROWS"), land_n = g("LAND_N"), land_n_out = g("LAND_N_OUT"), land_x = g("LAND_X");
+    land_scales = g("LAND_SCALES"), land_src = g("LAND_SRC"), land_topk = g("LAND_TOPK"), land_w = g("LAND_W");
+    land_pos = g("LAND_POS"), recv_chan_src = g("RECV_CHAN_SRC"), recv_chan_out = g("RECV_CHAN_OUT");
+  }
+};
+
 // A non-cached dispatch's kept launches on the device path (device.py Fresh, at one network chunk and
-// one rank per node): meta, digest, pack, land (null where the first call landed no rows), recv_chan.
-// Made by device.full_twin after a Python dispatch, only with COMMLIB_CALLPATH_INTERNODE_DISPATCH=1.
+// one rank per node: meta, digest, pack, land, recv_chan) and what serving a call like it needs: the
+// scratch, the shapes, the hooks into Python (device.py full_twin). Made by device.full_twin after a
+// Python dispatch, only with COMMLIB_CALLPATH_INTERNODE_DISPATCH=1.
 struct InFull {
   PyObject* owner = nullptr;  // the backend that made it (identity only)
   py::object fresh;           // device.py Fresh: holds the scratch whose addresses the launches carry
   LaunchP meta, digest, pack, land, recv_chan;
-  std::vector<i64> sig;       // the signature words of the call it was made from (word 1: the call count)
-  i64 E = 0;
+  std::vector<i64> sig;       // the signature words (word 1: the call count, set per call)
+  i64 E = 0, M = 0, P = 0, Kc = 0, Lx = 0, T = 0, H = 0, C = 0, K = 0, W = 0, S = -1;
+  bool weights = false, pinned = false;
+  at::ScalarType dtype = at::kByte;
+  i64 ends[5];                // byte offsets in the int32 block: chan, recv_chan prefixes, send_head, slot, src idx
+  i64 threads = 512, max_ctas = 264;
+  FullSlots slots;
+  at::Tensor row, g, dig;     // the exchange row, the gathered rows, their digest (the Fresh's)
+  at::Tensor head, host_dig;  // the meta kernel's [0] + signature and the digest's host copy (pinned on a GPU)
+  bool head_busy = false;     // device.py HeadRow: rewritten only after a host read showed the stream past meta
+  py::object finish, failed, timed_out;  // device.py full_result, full_failed, read_timed_out (given the backend)
+  c10::intrusive_ptr<c10d::ProcessGroup> group, rail;  // the count exchange's and the network's (null in tests)
+
+  explicit InFull(py::dict d) : slots(d["slots"].cast<py::dict>()) {}
 
   bool launches_current() const {
-    for (const LaunchP& l : {meta, digest, pack, recv_chan})
+    for (const LaunchP& l : {meta, digest, pack, land, recv_chan})
       if (!l->current()) return false;
-    return !land || land->current();
+    return true;
   }
+
+  // A host int64 tensor of n words (pinned where the device reads or writes it).
+  at::Tensor host(i64 n) const {
+    return at::zeros({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(pinned));
+  }
+
+  // kernels.py grid: CTAs of the row kernels for n rows (a warp per row).
+  i64 grid(i64 n) const { return std::max<i64>(1, std::min<i64>(max_ctas, (n + threads / 32 - 1) / (threads / 32))); }
 };
 
 using InFullP = std::shared_ptr<InFull>;
 
 InFullP make_in_full(py::dict d) {
-  auto f = std::make_shared<InFull>();
+  auto f = std::make_shared<InFull>(d);
   f->owner = d["owner"].ptr();
   f->fresh = d["fresh"];
   f->meta = d["meta"].cast<LaunchP>();
   f->digest = d["digest"].cast<LaunchP>();
   f->pack = d["pack"].cast<LaunchP>();
-  if (!d["land"].is_none()) f->land = d["land"].cast<LaunchP>();
+  f->land = d["land"].cast<LaunchP>();
   f->recv_chan = d["recv_chan"].cast<LaunchP>();
+  if (!f->meta || !f->digest || !f->pack || !f->land || !f->recv_chan)
+    throw std::invalid_argument("InFull: every kept launch (meta, digest, pack, land, recv_chan) is needed");
   f->sig = d["sig"].cast<std::vector<i64>>();
   f->E = d["num_experts"].cast<i64>();
   if (f->sig.size() < 2) throw std::invalid_argument("InFull: the signature has no call word");
+  for (auto [n, v] : {std::pair<const char*, i64*>{"M", &f->M}, {"P", &f->P}, {"Kc", &f->Kc}, {"Lx", &f->Lx},
+                      {"T", &f->T}, {"H", &f->H}, {"C", &f->C}, {"K", &f->K}, {"W", &f->W}, {"scales", &f->S},
+                      {"threads", &f->threads}, {"max_ctas", &f->max_ctas}})
+    *v = d[n].cast<i64>();
+  if (f->P != 1 || f->Kc != 1 || f->K <= 0 || f->threads < 32)
+    throw std::invalid_argument("InFull: one rank per node, one network chunk, top-k only");
+  f->weights = d["weights"].cast<bool>();
+  f->pinned = d["pinned"].cast<bool>();
+  f->dtype = d["dtype"].cast<at::ScalarType>();
+  auto ends = d["ends"].cast<std::vector<i64>>();
+  if (ends.size() != 5) throw std::invalid_argument("InFull: five block offsets");
+  std::copy(ends.begin(), ends.end(), f->ends);
+  f->row = d["row"].cast<at::Tensor>();
+  f->g = d["g"].cast<at::Tensor>();
+  f->dig = d["dig"].cast<at::Tensor>();
+  if (f->dig.scalar_type() != at::kLong || f->dig.numel() < Digest::length(f->M, f->P, f->Kc, f->Lx) ||
+      !f->dig.is_contiguous())
+    throw std::invalid_argument("InFull: the digest is not int64 of its layout");
+  f->host_dig = f->host(f->dig.numel());
+  f->finish = d["finish"];
+  f->failed = d["failed"];
+  f->timed_out = d["timed_out"];
+  if (!d["group"].is_none()) f->group = d["group"].cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+  if (!d["rail"].is_none()) f->rail = d["rail"].cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
   return f;
 }
 
@@ -223,9 +350,11 @@ struct InEngine : Core {
   py::object make_twin;   // backend.cpp_twin(handle, kind, x, config, second): the handle's twin, or None
   i64 nccl_ns = 0;        // host time inside the NCCL calls (issue and the stream's wait), for the benchmarks
   std::vector<std::shared_ptr<InFullEntry>> full;   // kept non-cached dispatches (opt-in, see InFull)
-  i64 full_found = 0;     // non-cached dispatches that matched a kept one (tests: the replay is not built yet)
+  i64 full_found = 0;     // non-cached dispatches that matched a kept one and passed the checks
+  void* read_event = nullptr;   // the digest read's event (made by its first record)
+  i64 wait_ns = 0;        // host time in the digest read's wait (the device's earlier work, the peers): benchmarks
 
-  explicit InEngine(py::dict s) : Core(s, {kCached, kCombine}), make_twin(s["make_twin"]) {}
+  explicit InEngine(py::dict s) : Core(s, {kCached, kCombine, kDispatch}), make_twin(s["make_twin"]) {}
 
   // The backend of ``buffer`` if it may serve a call: Buffer alive, backend not failed, its node step
   // open, no recording probe (a probe wants the Python path's step marks and counts).
@@ -384,30 +513,244 @@ struct InEngine : Core {
     if (d.dim() != 2 || e->ntpe.shape.size() != 1 || e->ntpe.shape[0] != twin->E || e->tir.shape.size() != 2 ||
         e->tir.shape[1] != R || e->tir.shape[0] != d.size(0))
       return false;
+    // the twin's shapes are this call's (T, H, dtype, top-k, weights, scales)
+    if (d.size(0) != twin->T || d.size(1) != twin->H || d.scalar_type() != twin->dtype ||
+        e->topk.shape.size() != 2 || e->topk.shape[1] != twin->K || e->w.present != twin->weights ||
+        a.x_tuple != (twin->S >= 0))
+      return false;
     e->twin = std::move(twin);
     keep_entry(full, std::move(e), handle);
     return true;
   }
 
-  // Buffer.dispatch(x, num_tokens_per_rank=..., topk_idx=..., ...) like a kept one: the checks that let
-  // it run here. The steps themselves (meta, the count all-gather, digest and its host read, geometry,
-  // pack, the rail all-to-all, land, recv_chan, the handle) are not built yet: None, the Python path.
+  // The count exchange: every rank's row into ``g`` (what Wiring.gather_into issues: the group's all-gather
+  // on the current stream, the comm stream).
+  void gather(InFull& t) {
+    if (test) record(py::make_tuple("allgather", address(t.g), address(t.row), t.row.numel()));
+    if (!t.group) return;
+    auto t0 = Clock::now();
+    auto work = allgather(*t.group, t.g, t.row);   // on the comm stream, the digest launch after it there
+    if (work) work->wait();   // (a torch that returns one: the stream waits for it)
+    nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+  }
+
+  // The digest's one host read (Wiring.read_counts): a copy into pinned memory on the comm stream, then a
+  // host wait with the GIL released, bounded by the Buffer's timeout; a device error is raised as torch's.
+  std::vector<i64> read_digest(py::handle backend, InFull& t) {
+    const i64 n = t.dig.numel();
+    std::vector<i64> out(n);
+    if (test) {   // no device: the digest tensor holds what the test put there
+      record(py::make_tuple("read", address(t.dig), n * 8));
+      std::memcpy(out.data(), t.dig.data_ptr(), n * 8);
+      return out;
+    }
+    t.host_dig.copy_(t.dig, /*non_blocking=*/true);   // on the current stream: the comm stream
+    impl->record(&read_event, comm.c, static_cast<c10::DeviceIndex>(dev), c10::EventFlag::PYTORCH_DEFAULT);
+    int status = 0;   // 1: past the timeout; 2: the device's error
+    std::exception_ptr error;
+    auto t0 = Clock::now();
+    {
+      py::gil_scoped_release unlocked;
+      const auto limit = std::chrono::nanoseconds(timeout_ns);
+      for (u64 spins = 0;; ++spins) {
+        if ((spins & 63) == 0) {
+          try {
+            if (impl->queryEvent(read_event)) break;
+          } catch (...) {
+            error = std::current_exception();
+            status = 2;
+            break;
+          }
+          if (Clock::now() - t0 > limit) {
+            status = 1;
+            break;
+          }
+        }
+        cpu_pause();
+      }
+    }
+    wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+    if (status == 2) std::rethrow_exception(error);
+    if (status == 1) {
+      ++py_ops.call;
+      t.timed_out(backend, static_cast<double>(timeout_ns) / 1e9);
+      throw std::runtime_error("read_timed_out returned");   // it raises
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    std::memcpy(out.data(), t.host_dig.data_ptr(), n * 8);
+    return out;
+  }
+
+  // Buffer.dispatch(x, num_tokens_per_rank=..., topk_idx=..., ...) like a kept one, run here as the Python
+  // path runs it (backends/internode/device.py dispatch, at one chunk and one rank per node): its 6-tuple,
+  // or None (the Python path runs it; nothing was issued).
   py::object dispatch(py::handle buffer, DispatchArgs a, py::handle prev, bool async_finish, bool alloc_on_comm) {
+    Phases ph("in_dispatch");
     if (full.empty() || !split_dispatch(a)) return py::none();
-    std::shared_ptr<InFullEntry> found;
+    std::shared_ptr<InFullEntry> found;   // held: a keep_dispatch may drop it from ``full``
     for (auto& e : full)
       if (e->fits(a, buffer_type)) {
         found = e;
         break;
       }
     if (!found) return py::none();
+    InFull& t = *found->twin;
     const at::Tensor& x = tensor(a.data);
     if (!x.is_contiguous() || x.get_device() != dev) return py::none();
+    if (a.x_tuple) {   // the scales the transports move as they are (validate.scales_carrier)
+      const at::Tensor& sc = tensor(a.scales);
+      if (sc.scalar_type() != at::kFloat || sc.dim() != 2 || sc.size(1) != t.S || !sc.is_contiguous())
+        return py::none();
+    } else if (t.S >= 0) {
+      return py::none();
+    }
     py::object backend = live_backend(buffer);
-    if (!backend || backend.ptr() != found->twin->owner || !found->twin->launches_current()) return py::none();
+    if (!backend || backend.ptr() != t.owner || !t.launches_current() || (!test && (!t.group || !t.rail)))
+      return py::none();
     if (!stream_args_ok(prev, async_finish, alloc_on_comm)) return py::none();
     ++full_found;
-    return py::none();
+    ph.mark("checks");
+
+    const at::Tensor& tir = tensor(a.tir);
+    const at::Tensor& topk = tensor(a.topk);
+    const u64 w_addr = a.w.is_none() ? 0 : address(tensor(a.w));
+    const u64 s_addr = a.x_tuple ? address(tensor(a.scales)) : 0;
+    Stream compute = current();
+    bool on_compute = enter(compute, prev, alloc_on_comm);
+    ph.mark("enter");
+    i64 calls = as_int(attr(backend, NI->calls)) + 1;   // engine.py _dispatch: the call's signature word
+    set_attr(backend, NI->calls, int_obj(calls));
+    t.sig[1] = calls;
+    ph.mark("count");
+    const FullSlots& sl = t.slots;
+    const i64 R_ = R, M = t.M, T = t.T, H = t.H, C = t.C, K = t.K, Wp = t.W + 4 * t.P;
+    std::vector<at::Tensor> blocks;
+    at::Tensor rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, src, land_all, recv_x, recv_scales,
+        recv_topk, recv_w;
+    py::dict counts;
+    {
+      AllocOn on_comm(*this, comm, true);   // the comm stream current: NCCL's and the host copy's stream
+      // ---- 1. metadata: one launch (the head row: [0] + signature, read through its mapped address)
+      const i64 nh = 1 + static_cast<i64>(t.sig.size());
+      if (t.head_busy || !t.head.defined() || t.head.numel() != nh) t.head = t.host(nh);
+      i64* hw = t.head.data_ptr<i64>();
+      hw[0] = 0;
+      std::copy(t.sig.begin(), t.sig.end(), hw + 1);
+      t.head_busy = true;
+      if (test) record(py::make_tuple("head", address(t.head), nh));
+      Launch& m = *t.meta;
+      m.set_value(sl.meta_tir, static_cast<i64>(address(tir)));
+      m.set_value(sl.meta_head, static_cast<i64>(address(t.head)));
+      m.set_value(sl.meta_topk, static_cast<i64>(address(topk)));
+      m.set_value(sl.meta_experts, 0);
+      m.issue(comm.raw);
+      ph.mark("meta");
+      // ---- 2. one collective, one host read (of the gathered rows' digest)
+      gather(t);
+      ph.mark("exchange");
+      t.digest->issue(comm.raw);
+      std::vector<i64> words = read_digest(backend, t);
+      ph.mark("read");
+      Digest d(words.data(), static_cast<i64>(words.size()), M, t.P, t.Kc, t.Lx);
+      if (d.error) {   // the checks raise alike on every rank (every rank read the same digest)
+        ++py_ops.call;
+        t.failed(backend, py::cast(t.sig));
+        throw std::runtime_error("exchange_failed returned");
+      }
+      t.head_busy = false;   // the host read showed the stream past meta
+      if (d.num_chunks > 1) throw std::runtime_error("commlib internode C++ dispatch: more than one network chunk");
+      i64 S = 0, J = 0;
+      for (i64 v : d.mine) S += v;
+      for (i64 v : d.rail_in) J += v;
+      const i64 N = d.num_recv;
+      counts = d.dict();
+      ph.mark("geometry");
+      // ---- 3. the allocations (Wiring.alloc: on the output stream) and the int32 views
+      at::Tensor rows, block;
+      {
+        AllocOn out(*this, compute, on_compute);
+        rows = blocks.emplace_back(empty({S + J, Wp}, at::kByte));
+        block = blocks.emplace_back(empty({R_ * R_ + 2 * R_ * C + T * R_ + T * M + N + J}, at::kInt));
+        recv_x = blocks.emplace_back(empty({N, H}, t.dtype));
+        if (t.S >= 0) recv_scales = blocks.emplace_back(empty({N, t.S}, at::kFloat));
+        recv_topk = blocks.emplace_back(empty({N, K}, at::kLong));
+        if (t.weights) recv_w = blocks.emplace_back(empty({N, K}, at::kFloat));
+      }
+      if (test) record(py::make_tuple("rows", address(rows), rows.numel(), "block", address(block), block.numel() * 4));
+      const i64* e = t.ends;
+      rank_prefix = carve(block, 0, {R_, R_}, at::kInt);
+      chan_prefix = carve(block, e[0], {R_, C}, at::kInt);
+      recv_chan_prefix = carve(block, e[1], {R_, C}, at::kInt);
+      send_head = carve(block, e[2], {T, R_}, at::kInt);
+      slot = carve(block, e[3], {T, M}, at::kInt);
+      src = carve(block, e[4], {N}, at::kInt);
+      land_all = carve(block, e[4] + 4 * N, {J}, at::kInt);
+      at::Tensor send = carve(rows, 0, {S, Wp}, at::kByte), recv = carve(rows, S * Wp, {J, Wp}, at::kByte);
+      const i64 b = static_cast<i64>(address(rank_prefix));
+      ph.mark("alloc");
+      // ---- 4. pack: the send rows and the handle's matrices
+      Launch& p = *t.pack;
+      p.set_value(sl.pack_tir, static_cast<i64>(address(tir)));
+      p.set_value(sl.pack_x, static_cast<i64>(address(x)));
+      p.set_value(sl.pack_send, static_cast<i64>(address(send)));
+      p.set_value(sl.pack_rank_prefix, b);
+      p.set_value(sl.pack_chan_prefix, b + e[0]);
+      p.set_value(sl.pack_send_head, b + e[2]);
+      p.set_value(sl.pack_slot, b + e[3]);
+      p.set_value(sl.pack_scales, static_cast<i64>(s_addr));
+      p.set_value(sl.pack_topk, static_cast<i64>(address(topk)));
+      p.set_value(sl.pack_w, static_cast<i64>(w_addr));
+      p.issue(comm.raw);
+      ph.mark("pack");
+      // ---- 5. the network chunk (the rail all-to-all), then land and recv_chan
+      if (d.num_chunks == 1) {   // rows from each rail peer, rows to each (what the test records is what runs)
+        std::vector<i64>&out_splits = d.rail_in, &in_splits = d.mine;
+        if (test) record(py::make_tuple("a2a", address(recv), address(send), py::tuple(py::cast(out_splits)),
+                                        py::tuple(py::cast(in_splits))));
+        if (t.rail) {
+          auto t0 = Clock::now();
+          auto work = alltoall(*t.rail, recv, send, out_splits, in_splits, true);   // one chunk: network.py sync
+          if (work) work->wait();
+          nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+        }
+      }
+      ph.mark("network");
+      if (J) {
+        Launch& l = *t.land;
+        l.set_value(sl.land_rows, static_cast<i64>(address(recv)));
+        l.set_value(sl.land_n, J);
+        l.set_value(sl.land_n_out, N);
+        l.set_value(sl.land_x, static_cast<i64>(address(recv_x)));
+        l.set_value(sl.land_src, b + e[4]);
+        l.set_value(sl.land_scales, t.S >= 0 ? static_cast<i64>(address(recv_scales)) : 0);
+        l.set_value(sl.land_topk, static_cast<i64>(address(recv_topk)));
+        l.set_value(sl.land_w, t.weights ? static_cast<i64>(address(recv_w)) : 0);
+        l.set_value(sl.land_pos, b + e[4] + 4 * N);
+        l.grid = static_cast<unsigned>(t.grid(J));
+        l.issue(comm.raw);
+      }
+      Launch& rc = *t.recv_chan;
+      rc.set_value(sl.recv_chan_src, b + e[4]);
+      rc.set_value(sl.recv_chan_out, b + e[1]);
+      rc.issue(comm.raw);
+      ph.mark("land");
+    }
+    // ---- 6. the plan, the rows counted, the handle (device.py full_result: one call into Python)
+    ++py_ops.call;
+    py::tuple made = t.finish(backend, counts, a.tir, wrap(rank_prefix), wrap(chan_prefix), wrap(recv_chan_prefix),
+                              wrap(send_head), wrap(slot), wrap(src), wrap(land_all));
+    py::object h = made[0];
+    set_attr(h, N->buffer_id, attr(buffer, N->buffer_id));
+    ++served_n[kDispatch];
+    ph.mark("handle");
+    py::object overlap = leave(compute, blocks, dispatch_inputs(a), async_finish, on_compute);
+    ph.mark("leave");
+    py::object rx = wrap(std::move(recv_x));
+    py::object recv_out = a.x_tuple ? py::object(py::make_tuple(rx, wrap(std::move(recv_scales)))) : rx;
+    py::object result = py::make_tuple(recv_out, wrap(std::move(recv_topk)),
+                                       t.weights ? wrap(std::move(recv_w)) : py::none(), made[1], h, overlap);
+    ph.mark("result");
+    return result;
   }
 
   // Buffer.dispatch(x, handle=handle, ...) replayed: the 6-tuple it returns, or None.
@@ -458,6 +801,16 @@ PYBIND11_MODULE(_commlib_callpath_internode, m) {
       .def(py::init(&make_in_plan))
       .def_readonly("kind", &InPlan::kind)
       .def_readonly("key", &InPlan::key);
+  m.def("_allgather", [](py::object group, at::Tensor out, at::Tensor in) {
+    // tests: the count exchange as the engine issues it (c10d from C++), waited for
+    auto pg = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+    auto work = allgather(*pg, out, in);
+    if (work) work->wait();
+  });
+  m.def("_parse_digest", [](std::vector<i64> d, i64 M, i64 P, i64 Kc, i64 Lx) {
+    // tests: the digest parse the dispatch runs, against exchange.parse_digest
+    return Digest(d.data(), static_cast<i64>(d.size()), M, P, Kc, Lx).dict();
+  });
   py::class_<InFull, InFullP>(m, "InFull", py::module_local())
       .def(py::init(&make_in_full))
       .def("launches", [](const InFull& f) {   // tests: each kept launch's kernel handle and packed arguments
@@ -476,6 +829,7 @@ PYBIND11_MODULE(_commlib_callpath_internode, m) {
       .def(py::init<py::dict>())
       .def_property_readonly("served", &InEngine::served)
       .def_readonly("nccl_ns", &InEngine::nccl_ns)
+      .def_readonly("wait_ns", &InEngine::wait_ns)
       .def_readwrite("test_stream", &InEngine::test_stream)
       .def("layout", [](InEngine&, py::handle, py::handle, py::handle) { return py::none(); })
       .def_readonly("full_found", &InEngine::full_found)

@@ -209,6 +209,39 @@ def case_callpath(ctx):
             eng.destroy()
 
 
+def case_callpath_dispatch(ctx):
+    """COMMLIB_CALLPATH_INTERNODE_DISPATCH=1, one rank per node: non-cached dispatches served whole by the
+    C++ call path (csrc/callpath_internode.cpp InEngine::dispatch; counted as served there), BF16 and FP8,
+    equal the reference bit for bit (outputs, handle fields, per-expert list, one host read) as the
+    Python path's do, and so do the cached dispatch and combines (Python and C++ replays) on the handle
+    the C++ path made."""
+    R = ctx.world_size
+    os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = "1"
+    try:
+        ref, eng = _buffers(ctx, 1, 1)
+    finally:
+        del os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"]
+    why = commlib.cuda.callpath.why_unavailable
+    assert eng.call_path == "cpp" and eng.backend._full_twins, f"the internode C++ dispatch is off: {why}"
+    served = lambda: eng._cpp.served["dispatch"]
+    for fp8 in (False, True):
+        for T in (57,):
+            s0 = served()
+            seeds = [5000 + 1000 * fp8 + 10 * T + k for k in range(4)]
+            compare_round(ctx, ref, eng, seeds[0], T, "random", fp8, None, R)   # the Python path, kept for C++
+            assert served() == s0, f"[fp8={fp8} T={T}] the first call of a signature is the Python path's"
+            for k, seed in enumerate(seeds[1:]):
+                eng.set_call_path("python" if k == 1 else "cpp")   # the Python path between C++ calls
+                try:
+                    compare_round(ctx, ref, eng, seed, T, "random", fp8, None, R)
+                finally:
+                    eng.set_call_path("cpp")
+            assert served() - s0 == 2, f"[fp8={fp8} T={T}] C++ served {served() - s0} of 2 dispatches"
+    torch.cuda.synchronize()
+    ref.destroy()
+    eng.destroy()
+
+
 def case_matches_reference(ctx):
     """Every topology, routing, BF16 / FP8, one chunk and many (chunk rows 1, 2, 3, ...), zero rows.
     Every host read is the count exchange's digest, not the gathered rows (its size does not grow

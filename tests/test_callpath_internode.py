@@ -7,11 +7,16 @@ twins exist. A cached dispatch or combine the C++ engine replays issues what the
 (plan_for / run_plan) issues for the same call: the same launches, argument for argument (this
 call's tensors named: inputs, outputs, scratch at its offsets), the same network chunks, the same
 allocations but that two outputs are carved from one; it counts the same; a call that differs in anything the Python replay checks returns
-None. The C++ collective (torch's c10d ProcessGroup from C++) runs on a one-rank gloo group.
-What runs on the GPU: tests/gpu/test_internode_gpu.py test_callpath_matches_python (bit for bit).
+None. A non-cached dispatch it serves (opt-in, one rank per node) issues what device.py dispatch issues
+(launches, the all-gather, the digest read, the all-to-all) and returns the same outputs, handle and plan.
+The C++ collective (torch's c10d ProcessGroup from C++) runs on a one-rank gloo group.
+What runs on the GPU: tests/cases_internode.py case_callpath and case_callpath_dispatch (bit for bit,
+gpu_check.sh stage incpp).
 """
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import gc
 import struct
 import types
@@ -155,13 +160,23 @@ def _cpp(r, ext, recorded) -> tuple:
     return trace, scratch, allocs, other
 
 
-def _named(trace, named: list) -> list:
+def _namer(regions: list):
+    """Addresses inside one of ``regions`` [(label, address, bytes)] as (label, offset), else one just past
+    one's end (an empty view at its end); other values as they are."""
     def name(v):
         if type(v) is int and v > 1 << 16:
-            for label, lo, n in named:
+            for label, lo, n in regions:
                 if lo <= v < lo + max(1, n):
                     return (label, v - lo)
+            for label, lo, n in regions:
+                if v == lo + n:
+                    return (label, n)
         return v
+    return name
+
+
+def _named(trace, regions: list) -> list:
+    name = _namer(regions)
     return [tuple(name(v) if not isinstance(v, tuple) else tuple(map(name, v)) for v in e) for e in trace]
 
 
@@ -275,11 +290,23 @@ def _full_args(r, x0, **change) -> tuple:
     return tuple(a.values())
 
 
+def _kept_full(r, ext, x, scales=None, alignment=1):
+    """A Python non-cached dispatch at 2 x 1 with the C++ twin on (COMMLIB_CALLPATH_INTERNODE_DISPATCH=1),
+    kept by the C++ engine as Buffer.dispatch keeps it: (request, result, twin)."""
+    idx, w, lay = r.inp
+    r.be._full_twins = True
+    req = DispatchRequest(x, scales, idx, w, lay, None, 64, alignment, 0, CFG)
+    res = r.be.dispatch(req)
+    twin = r.be.last_full_plan.cpp
+    xa = x if scales is None else (x, scales)
+    assert r.eng.keep_dispatch(*_full_args(r, xa, alignment=alignment), twin, res.handle)
+    return req, res, twin
+
+
 def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
     """COMMLIB_CALLPATH_INTERNODE_DISPATCH=1 (experimental): a non-cached dispatch on the device path at
     one chunk and one rank per node leaves its kept launches for the C++ engine, which keeps them with
-    the call's signature and finds them for a later call with that signature only; its steps are not
-    built yet, so every call still returns None (the Python path)."""
+    the call's signature and serves a later call with that signature only (else None: the Python path)."""
     from commlib.utils import env
     monkeypatch.setenv("COMMLIB_CALLPATH_INTERNODE_DISPATCH", "1")
     assert env.callpath_internode_dispatch()
@@ -302,13 +329,14 @@ def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
     eng, buf = r.eng, r.buf
     assert eng.keep_dispatch(*_full_args(r, x), twin, res.handle)
     assert not eng.keep_dispatch(*_full_args(r, x, topk=None), twin, res.handle)   # no top-k: not taken
+    assert not eng.keep_dispatch(*_full_args(r, x.float()), twin, res.handle)      # not the twin's dtype
     run = lambda *a, prev=None, af=False, alloc=False: eng.dispatch(buf, *a, prev, af, alloc)
-    assert run(*_full_args(r, x)) is None and eng.full_found == 1   # found; the steps are the Python path's
-    assert run(*_full_args(r, x.clone())) is None and eng.full_found == 2   # other tensors, same signature
+    assert run(*_full_args(r, x)) is not None and eng.full_found == 1 and eng.served["dispatch"] == 1
+    assert run(*_full_args(r, x.clone())) is not None and eng.full_found == 2   # other tensors, same signature
     for change in (dict(x=x[:-1]), dict(x=x.float()), dict(x=x.t().contiguous().t()), dict(topk=idx.int()),
                    dict(w=None), dict(w=w.double()), dict(tir=lay.is_token_in_rank.int()), dict(alignment=2),
                    dict(worst=64), dict(config=Config(2, 4, 8, 1, 2)), dict(config=Config(4, 4, 8, 1, 2)),
-                   dict(ntpe=lay.num_tokens_per_expert[:-1])):
+                   dict(ntpe=lay.num_tokens_per_expert[:-1]), dict(x=(x, torch.ones(64, 2)))):
         assert run(*_full_args(r, x, **change)) is None and eng.full_found == 2, list(change)
     assert run(*_full_args(r, x), alloc=True) is None and eng.full_found == 2   # allocate_on_comm without event
     r.be.failed = "boom"
@@ -317,7 +345,7 @@ def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
     r.be.set_probe(RecordingProbe())
     assert run(*_full_args(r, x)) is None and eng.full_found == 2   # a recording probe: the Python path
     r.be.set_probe(NULL_PROBE)
-    assert run(*_full_args(r, x)) is None and eng.full_found == 3
+    assert run(*_full_args(r, x)) is not None and eng.full_found == 3 and eng.served["dispatch"] == 3
     # the twin holds the per-shape scratch its launches point into, past the Scratch's own
     alive = weakref.ref(f)
     del f
@@ -325,7 +353,12 @@ def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
     r.be.scratch.last = None
     gc.collect()
     assert alive() is not None
-    # the forwarder (2 x 2): no twin yet
+    # no reference cycle through C++: the engine and the backend go once the Buffer lets go of them
+    gone = weakref.ref(r.be)
+    del r, eng, buf, res, twin, run
+    gc.collect()
+    assert gone() is None
+    # the forwarder (2 x 2): no twin
     r2 = rig(2, 1)
     r2.be._full_twins = True
     idx2, w2, lay2 = r2.inp
@@ -333,9 +366,243 @@ def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
     assert r2.be.last_full_plan is None
 
 
+def _cpp_full_trace(r, recorded) -> tuple:
+    """The C++ dispatch's recorded operations: (trace of launches, collectives and the read as the Python
+    trace writes them, {label: (address, bytes)} of its head row, rows and int32 block, other operations)."""
+    trace, regions, other = [], {}, []
+    for op in recorded:
+        if op[0] == "launch":
+            lau = r.names[op[1]]
+            trace.append((lau.name, op[3], op[4], tuple(lau.fmt.unpack(op[6][:lau.fmt.size])), op[5]))
+            assert op[2] == COMM
+        elif op[0] in ("a2a", "allgather"):
+            trace.append(tuple(op))
+        elif op[0] == "head":
+            regions["head"] = (op[1], 8 * op[2])
+        elif op[0] == "rows":
+            regions["rows"], regions["block"] = (op[1], op[2]), (op[4], op[5])
+        else:
+            other.append(op[0])
+    return trace, regions, other
+
+
+def _python_full(r, req) -> tuple:
+    """The Python path's non-cached dispatch of ``req`` traced: (result, trace, its allocations, its head row)."""
+    made, real, real_gather = [], torch.empty, r.be._all_gather
+
+    def spy(*args, **kw):
+        t = real(*args, **kw)
+        made.append(t)
+        return t
+
+    def gather(out, row, **kw):
+        r.fakes.trace.append(("allgather", out.data_ptr(), row.data_ptr(), row.numel()))
+        return real_gather(out, row, **kw)
+    r.fakes.trace, r.be._all_gather, torch.empty = [], gather, spy
+    try:
+        res = r.be.dispatch(req)
+    finally:
+        torch.empty, r.be._all_gather = real, real_gather
+    trace, r.fakes.trace = r.fakes.trace, None
+    return res, trace, made, r.be.head._head[0]
+
+
+def _layout_of(t, named) -> tuple:
+    return (tuple(t.shape), t.dtype, tuple(t.stride()), named(t.data_ptr()) if t.numel() else 0)
+
+
+@pytest.mark.parametrize("fp8,alignment,empty", [(False, 1, False), (True, 1, False), (False, 4, False),
+                                                  (True, 1, True)])
+def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignment, empty):
+    """A non-cached dispatch the C++ engine serves issues what the Python path (device.py dispatch) issues
+    for the same call: meta, the all-gather, digest, its read, pack, the rail all-to-all, land, recv_chan,
+    argument for argument (this call's allocations named: the head row, the rows, the int32 block, the
+    outputs), the same allocations, outputs, handle and plan, counts and per-expert list. ``empty``: a
+    digest of no rows anywhere (zero network chunks: no all-to-all, no land), as every rank reads it."""
+    r = rig(1, 1)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    xq, sq = per_token_cast_to_fp8(x) if fp8 else (x, None)
+    req, _, _ = _kept_full(r, ext, xq, sq, alignment)
+    if empty:   # what the digest kernel writes (the fakes, for the Python path) and what the C++ read finds
+        r.fakes.digest.zero_()
+        r.be.scratch.last.dig.zero_()
+    before = (dict(r.be.counters), r.be.calls, r.be.host_reads)
+    ext._recorded()
+    out = r.eng.dispatch(r.buf, *_full_args(r, xq if sq is None else (xq, sq), alignment=alignment), None, False,
+                         False)
+    assert out is not None and r.eng.served["dispatch"] == 1
+    got, regions, other = _cpp_full_trace(r, ext._recorded())
+    mid = (dict(r.be.counters), r.be.calls, r.be.host_reads)
+    res, want, made, p_head = _python_full(r, req)
+    after = (dict(r.be.counters), r.be.calls, r.be.host_reads)
+    delta = lambda a, b: ({k: b[0][k] - a[0][k] for k in a[0]}, b[1] - a[1], b[2] - a[2])
+    assert delta(before, mid) == delta(mid, after) and delta(before, mid)[1:] == (1, 1)
+    # the head row: [0] + signature, the call count its word 2 (the Python call came one later)
+    n_head = regions["head"][1] // 8
+    c_head = list((ctypes.c_int64 * n_head).from_address(regions["head"][0]))
+    p_words = p_head.tolist()
+    assert c_head[2] == r.be.calls - 1 and p_words[2] == r.be.calls
+    assert c_head[:2] + c_head[3:] == p_words[:2] + p_words[3:]
+    recv, c_topk, c_w, c_per_expert, c_h, event = out
+    c_x, c_s = (recv, None) if sq is None else recv
+    c_outs = [t for t in (c_x, c_s, c_topk, c_w) if t is not None]
+    p_outs = [t for t in (res.recv_x, res.recv_x_scales, res.recv_topk_idx, res.recv_topk_weights) if t is not None]
+    c_regions = [("head", *regions["head"]), ("rows", *regions["rows"]), ("block", *regions["block"])] + \
+        [(f"out {i}", *_region(t)) for i, t in enumerate(c_outs)]
+    p_regions = [("head", *_region(p_head)), ("rows", *_region(made[0])), ("block", *_region(made[1]))] + \
+        [(f"out {i}", *_region(t)) for i, t in enumerate(p_outs)]
+    c_named, p_named = _namer(c_regions), _namer(p_regions)
+    kinds = [e[0] for e in got]
+    assert kinds == ["inter_meta_kernel", "allgather", "inter_digest_kernel", "inter_pack_kernel"] + \
+        ([] if empty else ["a2a", "inter_land_kernel"]) + ["inter_recv_chan_kernel"], kinds
+    assert _named(got, c_regions) == _named(want, p_regions)
+    # _enter's event pair, the digest read, one allocation per Python one, _leave's pair (the collectives run
+    # on the comm stream, ordered there: no wait, as network.py's one chunk)
+    assert other == ["record", "wait", "read"] + ["alloc"] * len(made) + ["record", "wait"], other
+    assert len(made) == 5 + fp8
+    # the outputs, the handle and its plan: shapes, dtypes, strides and (named) storage as the Python path's
+    assert [_layout_of(t, c_named) for t in c_outs] == [_layout_of(t, p_named) for t in p_outs]
+    assert c_per_expert == res.num_recv_tokens_per_expert_list and c_h.buffer_id == BUFFER_ID
+    assert event is not None and c_w is not None
+    p_h = res.handle
+    for f in dataclasses.fields(p_h):
+        a, b = getattr(c_h, f.name), getattr(p_h, f.name)
+        if f.name == "buffer_id":
+            continue
+        if isinstance(b, torch.Tensor):
+            assert _layout_of(a, c_named) == _layout_of(b, p_named), f.name
+        elif f.name == "extra":
+            assert set(a) == set(b) and a["num_recv"] == b["num_recv"]
+        else:
+            assert a == b, f.name
+    cp, pp = c_h.extra["plan"], p_h.extra["plan"]
+    for f in dataclasses.fields(pp):
+        a, b = getattr(cp, f.name), getattr(pp, f.name)
+        if isinstance(b, torch.Tensor):
+            assert _layout_of(a, c_named) == _layout_of(b, p_named), f.name
+        else:
+            assert a == b, f.name
+    assert (cp.num_chunks, cp.num_recv > 0) == ((0, False) if empty else (1, True))
+    assert cp.slot is not None and cp.land_all is not None
+
+
+def test_digest_read_timeout_retires_the_buffer():
+    """The C++ dispatch's digest read past COMMLIB_TIMEOUT_S (device.read_timed_out): the backend is failed
+    (the Buffer refuses later calls) and CommlibError names the rank and the step."""
+    from commlib.backends.internode import device
+    from commlib.topology import Topology
+    from commlib.utils.errors import CommlibError
+    be = types.SimpleNamespace(topology=Topology(rank=3, num_ranks=4, ranks_per_node=1), failed=None)
+    with pytest.raises(CommlibError, match=r"\[commlib rank 3\] dispatch: the count exchange did not complete within 2.0 s"):
+        device.read_timed_out(be, 2.0)
+    assert be.failed and "rank 3" in be.failed
+
+
+def test_cpp_dispatch_python_work_per_call(rig, ext):
+    """A C++ non-cached dispatch's Python C-API work, the same every call: reads (the Buffer and its live
+    backend 6, the Config's 5 fields, calls, buffer_id), writes (calls, the handle's buffer_id, the
+    EventOverlap's two) and one call into Python (device.full_result: the plan and the handle)."""
+    r = rig(1, 1)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    _kept_full(r, ext, x)
+    seen = []
+    for _ in range(3):
+        r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)   # (its exit event back in the pool)
+        ext._py_ops(False)
+        out = r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)
+        ops = ext._py_ops(False)
+        assert out is not None
+        del out
+        seen.append((ops["get"], ops["set"], ops["call"]))
+    assert seen == [(13, 4, 1)] * 3, seen
+
+
+def test_cpp_digest_parse_matches_python(ext):
+    """The C++ dispatch's digest parse (Digest) reads every field where exchange.parse_digest does."""
+    from commlib.backends.internode.exchange import parse_digest
+    from commlib.backends.internode.kernels import digest_len
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(300):
+        M, P, Kc, Lx = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (9, 5, 5, 33))
+        d = torch.randint(-5, 1 << 40, (digest_len(M, P, Kc, Lx),), generator=gen).tolist()
+        assert ext._parse_digest(d, M, P, Kc, Lx) == parse_digest(d, M, P, Kc, Lx), (M, P, Kc, Lx)
+    with pytest.raises(ValueError, match="shorter"):
+        ext._parse_digest([0] * 5, 2, 1, 1, 4)
+
+
+def test_cpp_dispatch_error_word_raises_as_python(rig, ext):
+    """A digest that flags an error (a rank refused its input: its row's error word): the C++ dispatch,
+    past the exchange every rank took part in, raises on every rank what the Python path raises (the
+    rows read and checked), with no second collective; the head row stays busy (a new one next call)."""
+    r = rig(1, 1)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    req, _, _ = _kept_full(r, ext, x)
+    f = r.be.scratch.last
+    assert r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False) is not None
+    head0 = [op for op in ext._recorded() if op[0] == "head"][0][1]
+    good_g, good_d = r.fakes.g.clone(), r.fakes.digest.clone()
+    r.fakes.g[1, 0] = 1
+    r.fakes.digest[0] = 1
+    f.g.copy_(r.fakes.g)
+    f.dig.copy_(r.fakes.digest)
+    reads0, calls0 = r.be.host_reads, r.be.calls
+    with pytest.raises(ValueError) as c_err:
+        r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)
+    kinds = [op[0] for op in ext._recorded()]
+    assert kinds.count("allgather") == 1 and "a2a" not in kinds and kinds[-1] == "read"
+    assert (r.be.host_reads - reads0, r.be.calls - calls0) == (2, 1)
+    with pytest.raises(ValueError) as p_err:
+        r.be.dispatch(req)
+    assert str(c_err.value) == str(p_err.value) and "rejected their input" in str(c_err.value)
+    assert (r.be.host_reads - reads0, r.be.calls - calls0) == (4, 2)
+    r.fakes.g.copy_(good_g)
+    r.fakes.digest.copy_(good_d)
+    f.g.copy_(good_g)
+    f.dig.copy_(good_d)
+    assert r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False) is not None
+    head1 = [op for op in ext._recorded() if op[0] == "head"][0][1]
+    assert head1 != head0   # the errored call's head row was still busy: a new one
+
+
+def test_bench_internode_cpp_dispatch_rows(rig, ext):
+    """bench_internode --host's C++ rows with the opt-in non-cached dispatch: the first call of the
+    signature is the Python path's (kept, as Buffer.dispatch keeps it), every timed call runs in C++,
+    the digest read's wait is left out of host_us, and the phases cover the dispatch's steps."""
+    from benchmarks import bench_internode as BI
+    r = rig(1, 1)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    idx, w, lay = r.inp
+    req = DispatchRequest(x, None, idx, w, lay, None, 64, 1, 0, CFG)
+    buf = types.SimpleNamespace(call_path="cpp", _cpp=r.eng, backend=r.be)
+
+    def dispatch():   # what Buffer.dispatch does around the engine's two entry points
+        out = r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)
+        if out is None:
+            res = r.be.dispatch(req)
+            if r.be.last_full_plan is not None:
+                r.eng.keep_dispatch(*_full_args(r, x), r.be.last_full_plan.cpp, res.handle)
+        ext._recorded()
+
+    def host_times(fn, iters, ahead, group, wait_ns=None, excluded_ns=None):
+        for _ in range(iters):
+            fn()
+        t = {"host_us": 10.0, "cpu_us": 9.0}
+        if wait_ns is not None:
+            t.update(total_us=8.0, wait_us=wait_ns() / 1e3)
+        return {**t, **({"excluded_us": excluded_ns() / 1e3} if excluded_ns else {})}
+    rows = BI._cpp_rows(buf, {"dispatch_bf16": dispatch}, 4, 1, None, 1, 1,
+                        types.SimpleNamespace(host_times=host_times), dispatch=True)
+    assert [x["op"] for x in rows] == ["dispatch_bf16_cpp"] and rows[0]["cpp_calls"] == 4 and rows[0]["host_us"] == 8.0
+    steps = ("checks", "enter", "count", "meta", "exchange", "read", "geometry", "alloc", "pack", "network", "land",
+             "handle", "leave", "result")
+    assert set(rows[0]["phases_us"]) == {f"in_dispatch.{p}" for p in steps}, rows[0]["phases_us"]
+    assert not r.be._full_twins   # left off: the Python rows keep no twin
+
+
 def test_c10d_alltoall_from_cpp(ext):
-    """The collective the engine issues (torch's c10d ProcessGroup op from C++, waited for) on a
-    one-rank gloo group: the rows arrive as torch.distributed's all_to_all_single puts them."""
+    """The collectives the engine issues (torch's c10d ProcessGroup ops from C++, waited for) on a
+    one-rank gloo group: the rows arrive as torch.distributed's all_to_all_single puts them, and the
+    count exchange's all-gather's."""
     from torch.distributed import HashStore
     made = not dist.is_initialized()
     if made:
@@ -347,6 +614,10 @@ def test_c10d_alltoall_from_cpp(ext):
         ext._alltoall(g, out, x, [6], [6])
         dist.all_to_all_single(ref, x, [6], [6], group=g)
         assert torch.equal(out, ref) and torch.equal(out, x)
+        row = torch.arange(7, dtype=torch.int64) * 3 + 1   # the count exchange's all-gather (one rank: a copy)
+        got = torch.zeros(7, dtype=torch.int64)
+        ext._allgather(g, got, row)
+        assert torch.equal(got, row)
     finally:
         if made:
             dist.destroy_process_group()
@@ -426,7 +697,8 @@ def test_bench_internode_cpp_rows_carry_phases(rig, ext, capsys):
     xq, sq, h, y, wts = _dispatch(r, False)
     buf = types.SimpleNamespace(call_path="cpp", _cpp=r.eng, backend=r.be)
 
-    def host_times(fn, iters, ahead, group, excluded_ns=None):
+    def host_times(fn, iters, ahead, group, wait_ns=None, excluded_ns=None):
+        assert wait_ns is None   # no count read in a cached dispatch or combine
         for _ in range(iters):
             fn()
             ext._recorded()

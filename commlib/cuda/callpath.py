@@ -259,13 +259,13 @@ def in_plan(fields: dict):
     return load_internode().InPlan(fields)
 
 
-def in_full(owner, fresh, meta, digest, pack, land, recv_chan, sig: list, num_experts: int):
-    """The twin of a non-cached internode dispatch's kept launches (csrc/callpath_internode.cpp InFull;
-    ``fresh``: what holds their scratch; ``land``: None where the call landed no rows)."""
+def in_full(fields: dict, meta, digest, pack, land, recv_chan):
+    """The twin of a non-cached internode dispatch (csrc/callpath_internode.cpp InFull): its kept launches
+    and ``fields`` (backends/internode/device.py full_twin: the scratch, the shapes, the hooks)."""
     mod = load_internode()
-    return mod.InFull({"owner": owner, "fresh": fresh, "meta": launch_of(meta, mod), "digest": launch_of(digest, mod),
-                       "pack": launch_of(pack, mod), "land": None if land is None else launch_of(land, mod),
-                       "recv_chan": launch_of(recv_chan, mod), "sig": list(sig), "num_experts": num_experts})
+    return mod.InFull({**fields, **{k: launch_of(r, mod) for k, r in (("meta", meta), ("digest", digest),
+                                                                          ("pack", pack), ("land", land),
+                                                                          ("recv_chan", recv_chan))}})
 
 
 def in_plan_set():

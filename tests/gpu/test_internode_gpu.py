@@ -17,9 +17,9 @@ sys.path.insert(0, str(HERE.parent))
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 CASES = {
-    2: ["matches_reference", "callpath", "chunk_boundaries", "without_topk", "worst_no_read", "random_stalls", "bad_expert_ids",
+    2: ["matches_reference", "callpath", "callpath_dispatch", "chunk_boundaries", "without_topk", "worst_no_read", "random_stalls", "bad_expert_ids",
         "no_host_sync", "graph_capture", "default_device_meta", "random_routings", "host_ahead_memory"],
-    4: ["matches_reference", "callpath", "worst_no_read", "random_stalls", "no_host_sync", "graph_capture", "default_device_meta",
+    4: ["matches_reference", "callpath", "callpath_dispatch", "worst_no_read", "random_stalls", "no_host_sync", "graph_capture", "default_device_meta",
         "random_routings", "host_ahead_memory"],
 }
 

@@ -13,8 +13,10 @@ experts, Lx experts per rank, W bytes of a packed row, Wc bytes of a combine row
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
+import torch.distributed as dist
 
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from commlib.backends.internode import kernels as IK
@@ -28,6 +30,7 @@ from commlib.backends.common import HOST, int32_columns
 from commlib.cuda import callpath, loader
 from commlib.backends.internode.wiring import Wiring
 from commlib.handle import DispatchHandle
+from commlib.utils.errors import CommlibError
 from commlib.utils.math import align_up
 
 
@@ -242,35 +245,97 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
             tir, send_head = [None if t is None else t.to(out) for t in (
                 recv_x, recv_scales, recv_topk_idx, recv_topk_w, rank_prefix, chan_prefix, recv_chan_prefix,
                 recv_src_idx, tir, send_head)]
-    handle = DispatchHandle(
+    handle = make_handle(w, plan, name, T, H, E, C, tir, rank_prefix, chan_prefix, recv_chan_prefix, send_head,
+                         recv_src_idx)
+    return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w,
+                          per_expert(expert_counts, req.expert_alignment), handle,
+                          blocks=w.take_blocks(keep=out == dev))
+
+
+def make_handle(w: Wiring, plan: Plan, name: str, T: int, H: int, E: int, C: int, tir, rank_prefix, chan_prefix,
+                recv_chan_prefix, send_head, recv_src_idx) -> DispatchHandle:
+    """A non-cached dispatch's handle (its plan in ``extra``)."""
+    return DispatchHandle(
         rank_prefix_matrix=rank_prefix, channel_prefix_matrix=chan_prefix,
         recv_channel_prefix_matrix=recv_chan_prefix, recv_src_idx=recv_src_idx,
         is_token_in_rank=tir, send_head=send_head,
         topology=w.topology, num_tokens=T, hidden=H, num_experts=E, num_channels=C,
-        num_recv_tokens=num_recv, num_worst_tokens=0, backend=name,
-        extra={"plan": plan, "num_recv": num_recv})
-    a = req.expert_alignment
-    per_expert_list = expert_counts if a == 1 else [align_up(c, a) for c in expert_counts]
-    return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_w, per_expert_list, handle,
-                          blocks=w.take_blocks(keep=out == dev))
+        num_recv_tokens=plan.num_recv, num_worst_tokens=0, backend=name,
+        extra={"plan": plan, "num_recv": plan.num_recv})
 
 
-def full_twin(w: Wiring, scratch: Scratch, res: DispatchResult, sig: list, num_experts: int, owner):
+def per_expert(counts: list, alignment: int) -> list:
+    """num_recv_tokens_per_expert_list: this rank's experts' rows, each rounded up to ``alignment``."""
+    return counts if alignment == 1 else [align_up(c, alignment) for c in counts]
+
+
+def full_twin(w: Wiring, scratch: Scratch, res: DispatchResult, sig: list, num_experts: int, alignment: int,
+              ring: int, owner):
     """The C++ call path's twin of the non-cached dispatch just run (csrc/callpath_internode.cpp InFull:
     its Fresh's launches), or None where that path cannot take it: more than one network chunk, the
     forwarder, a network that is not the NCCL rail all-to-all, a launch off the driver's path."""
-    f, plan = scratch.last, res.handle.extra.get("plan")
+    f, plan, h = scratch.last, res.handle.extra.get("plan"), res.handle
     net = w.network
-    if (f is None or plan is None or plan.num_chunks != 1 or w.node.in_area or not w.nccl
-            or getattr(net, "stall_ms", 0) or not hasattr(net, "group")):
+    if (f is None or plan is None or plan.num_chunks != 1 or w.node.in_area or not w.nccl or w.max_chunks != 1
+            or getattr(net, "stall_ms", 0) or not hasattr(net, "group") or res.recv_topk_idx is None):
         return None
     launches = (f.meta, f.digest, f.pack, f.land, f.recv_chan)
-    if any(r is not None and (type(r) is not loader.Replay or not r.current()) for r in launches) or f.meta is None:
+    if any(r is None or type(r) is not loader.Replay or not r.current() for r in launches):
         return None
+    topo, scales = w.topology, res.recv_x_scales
+    fields = {"owner": owner, "fresh": f, "sig": list(sig), "num_experts": num_experts, "row": f.row,
+              "g": f.g_flat, "dig": f.dig, "pinned": w.cuda, "ends": f.ends[1:6], "M": topo.num_nodes,
+              "P": topo.ranks_per_node, "Kc": w.max_chunks, "Lx": f.Lx, "T": h.num_tokens, "H": h.hidden,
+              "C": h.num_channels, "K": res.recv_topk_idx.shape[1], "W": f.packer.row_bytes,
+              "scales": -1 if scales is None else scales.shape[1], "weights": res.recv_topk_weights is not None,
+              "dtype": res.recv_x.dtype, "threads": IK.THREADS, "max_ctas": IK.MAX_CTAS,
+              "slots": {k: getattr(IK, k) for k in dir(IK) if k.startswith(("META_", "PACK_", "LAND_", "RECV_CHAN_"))
+                        and k not in ("META_THREADS", "RECV_CHAN_THREADS")},
+              # the hooks, called with the backend (held by nothing here: no reference cycle through C++)
+              "finish": functools.partial(full_result, f, plan.path, h.backend, h.num_tokens, h.hidden, num_experts,
+                                          h.num_channels, alignment, ring),
+              "failed": functools.partial(full_failed, f.g, num_experts), "timed_out": read_timed_out,
+              # the Buffer's group (the count exchange) and the rail group; None: the default group, as there
+              "group": _group(owner.group) if w.cuda else None, "rail": _group(net.group) if w.cuda else None}
     try:
-        return callpath.in_full(owner, f, *launches, sig, num_experts)
+        return callpath.in_full(fields, *launches)
     except NoTwin:
         return None
+
+
+def _group(g):
+    return dist.group.WORLD if g is None else g
+
+
+def full_result(f: Fresh, path: str, name: str, T: int, H: int, E: int, C: int, alignment: int, ring: int,
+                backend, counts: dict, tir, rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot,
+                recv_src_idx, land_all) -> tuple:
+    """The C++ call path's non-cached dispatch (csrc/callpath_internode.cpp InEngine::dispatch) past its
+    device work: what ``dispatch`` makes of the digest (``counts``, parsed there) and the call's int32
+    views: the plan, the rows counted, the handle. Returns (handle, num_recv_tokens_per_expert_list)."""
+    w = backend.wiring
+    w.reads[0] += 1   # the digest's read (Wiring.read)
+    plan = geometry(path, counts, ring, w.max_chunks)
+    plan.slot, plan.area_row, plan.land_all = slot, f.area_row, land_all
+    w.count_rows(plan)
+    return (make_handle(w, plan, name, T, H, E, C, tir, rank_prefix, chan_prefix, recv_chan_prefix, send_head,
+                        recv_src_idx), per_expert(counts["experts"], alignment))
+
+
+def full_failed(g: torch.Tensor, E: int, backend, sig: list) -> None:
+    """The C++ call path's non-cached dispatch read a digest that flags an error: raise as
+    Wiring.read_counts does (the digest's read counted, then the whole rows read and checked)."""
+    w = backend.wiring
+    w.reads[0] += 1
+    w.exchange_failed(g, sig, E=E)
+
+
+def read_timed_out(backend, seconds: float) -> None:
+    """The C++ non-cached dispatch's digest read did not complete: this Buffer is done (raises)."""
+    msg = (f"[commlib rank {backend.topology.rank}] dispatch: the count exchange did not complete within "
+           f"{seconds:.1f} s (a peer that is not in this dispatch, or a stalled device); this Buffer is unusable")
+    backend.failed = msg
+    raise CommlibError(msg)
 
 
 def rows_spec(w: Wiring, plan: Plan, W: int) -> tuple:
@@ -347,5 +412,6 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     return CombineResult(out_y, out_w, blocks=w.take_blocks(keep=out == dev))
 
 
-__all__ = ["HeadRow", "Fresh", "Scratch", "fits", "dispatch", "rows_spec", "send_and_landing", "move", "dispatch_cached",
+__all__ = ["HeadRow", "Fresh", "Scratch", "fits", "dispatch", "make_handle", "per_expert", "full_twin", "full_result",
+           "full_failed", "read_timed_out", "rows_spec", "send_and_landing", "move", "dispatch_cached",
            "combine"]

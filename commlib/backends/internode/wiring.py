@@ -86,10 +86,15 @@ class Wiring:
         P = topo.ranks_per_node
         counts = parse_digest(self.read(digest).tolist(), topo.num_ranks // P, P, self.max_chunks, E // topo.num_ranks)
         if counts["error"]:
-            self.check(self.read(g), sig, E)
-            raise RuntimeError(f"[commlib rank {topo.rank}] the count exchange flagged an error that its checks "
-                               "did not find (a commlib bug: please report it)")
+            self.exchange_failed(g, sig, E=E)
         return counts
+
+    def exchange_failed(self, g: torch.Tensor, sig: list, E: int) -> None:
+        """The digest flagged an error: the whole gathered rows ``g`` read (a second read, on the error path
+        only) and the checks raise alike on every rank (the C++ call path's dispatch calls it too)."""
+        self.check(self.read(g), sig, E)
+        raise RuntimeError(f"[commlib rank {self.topology.rank}] the count exchange flagged an error that its "
+                           "checks did not find (a commlib bug: please report it)")
 
     def check(self, gh, sig: list, E: int) -> None:
         topo = self.topology

@@ -151,7 +151,7 @@ def test_world_reports_a_case_failing_on_one_rank_within_a_minute():
     from worlds import run_world
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as info:
-        run_world(2, "cases_worlds", ["passes", "fails_on_rank_1_only", "passes"], timeout_s=600)
+        run_world(2, "cases_worlds", ["passes", "fails_on_rank_1_only", "passes"], timeout_s=600, failed_wait_s=4.0)
     took = time.monotonic() - t0
     msg = str(info.value)
     assert "planted failure on rank 1 only" in msg and "rank 1" in msg and "fails_on_rank_1_only" in msg, msg

@@ -353,6 +353,7 @@ struct InEngine : Core {
   i64 full_found = 0;     // non-cached dispatches that matched a kept one and passed the checks
   void* read_event = nullptr;   // the digest read's event (made by its first record)
   i64 wait_ns = 0;        // host time in the digest read's wait (the device's earlier work, the peers): benchmarks
+  Clock::time_point served_at{};   // phases on: when the last served non-cached dispatch returned
 
   explicit InEngine(py::dict s) : Core(s, {kCached, kCombine, kDispatch}), make_twin(s["make_twin"]) {}
 
@@ -536,16 +537,26 @@ struct InEngine : Core {
 
   // The digest's one host read (Wiring.read_counts): a copy into pinned memory on the comm stream, then a
   // host wait with the GIL released, bounded by the Buffer's timeout; a device error is raised as torch's.
-  std::vector<i64> read_digest(py::handle backend, InFull& t) {
+  std::vector<i64> read_digest(py::handle backend, InFull& t, Phases& ph) {
     const i64 n = t.dig.numel();
     std::vector<i64> out(n);
-    if (test) {   // no device: the digest tensor holds what the test put there
+    if (test) {   // no device: the digest tensor holds what the test put there (the marks as on a device)
       record(py::make_tuple("read", address(t.dig), n * 8));
+      for (const char* m : {"read_copy", "read_event", "read_wait"}) ph.mark(m);
       std::memcpy(out.data(), t.dig.data_ptr(), n * 8);
+      ph.mark("read_host");
       return out;
     }
-    t.host_dig.copy_(t.dig, /*non_blocking=*/true);   // on the current stream: the comm stream
+    if (cu_memcpy_dtoh) {   // on the comm stream (the current one), into the pinned host words
+      int rc = cu_memcpy_dtoh(t.host_dig.data_ptr(), address(t.dig), static_cast<size_t>(n * 8),
+                              reinterpret_cast<void*>(comm.raw));
+      if (rc) launch_failed(rc, "cuMemcpyDtoHAsync");
+    } else {
+      t.host_dig.copy_(t.dig, /*non_blocking=*/true);
+    }
+    ph.mark("read_copy");
     impl->record(&read_event, comm.c, static_cast<c10::DeviceIndex>(dev), c10::EventFlag::PYTORCH_DEFAULT);
+    ph.mark("read_event");
     int status = 0;   // 1: past the timeout; 2: the device's error
     std::exception_ptr error;
     auto t0 = Clock::now();
@@ -570,6 +581,7 @@ struct InEngine : Core {
       }
     }
     wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+    ph.mark("read_wait");
     if (status == 2) std::rethrow_exception(error);
     if (status == 1) {
       ++py_ops.call;
@@ -578,6 +590,7 @@ struct InEngine : Core {
     }
     std::atomic_thread_fence(std::memory_order_acquire);
     std::memcpy(out.data(), t.host_dig.data_ptr(), n * 8);
+    ph.mark("read_host");
     return out;
   }
 
@@ -586,6 +599,9 @@ struct InEngine : Core {
   // or None (the Python path runs it; nothing was issued).
   py::object dispatch(py::handle buffer, DispatchArgs a, py::handle prev, bool async_finish, bool alloc_on_comm) {
     Phases ph("in_dispatch");
+    if (phases_on && served_at.time_since_epoch().count())   // since the last served call returned: the
+      ph.extra("outside", static_cast<u64>(std::chrono::duration_cast<std::chrono::nanoseconds>(   // caller's
+                                               Clock::now() - served_at).count()));   // Python, the frees
     if (full.empty() || !split_dispatch(a)) return py::none();
     std::shared_ptr<InFullEntry> found;   // held: a keep_dispatch may drop it from ``full``
     for (auto& e : full)
@@ -649,8 +665,7 @@ struct InEngine : Core {
       gather(t);
       ph.mark("exchange");
       t.digest->issue(comm.raw);
-      std::vector<i64> words = read_digest(backend, t);
-      ph.mark("read");
+      std::vector<i64> words = read_digest(backend, t, ph);
       Digest d(words.data(), static_cast<i64>(words.size()), M, t.P, t.Kc, t.Lx);
       if (d.error) {   // the checks raise alike on every rank (every rank read the same digest)
         ++py_ops.call;
@@ -750,6 +765,7 @@ struct InEngine : Core {
     py::object result = py::make_tuple(recv_out, wrap(std::move(recv_topk)),
                                        t.weights ? wrap(std::move(recv_w)) : py::none(), made[1], h, overlap);
     ph.mark("result");
+    if (phases_on) served_at = Clock::now();
     return result;
   }
 

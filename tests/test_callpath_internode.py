@@ -593,8 +593,8 @@ def test_bench_internode_cpp_dispatch_rows(rig, ext):
     rows = BI._cpp_rows(buf, {"dispatch_bf16": dispatch}, 4, 1, None, 1, 1,
                         types.SimpleNamespace(host_times=host_times), dispatch=True)
     assert [x["op"] for x in rows] == ["dispatch_bf16_cpp"] and rows[0]["cpp_calls"] == 4 and rows[0]["host_us"] == 8.0
-    steps = ("checks", "enter", "count", "meta", "exchange", "read", "geometry", "alloc", "pack", "network", "land",
-             "handle", "leave", "result")
+    steps = ("outside", "checks", "enter", "count", "meta", "exchange", "read_copy", "read_event", "read_wait",
+             "read_host", "geometry", "alloc", "pack", "network", "land", "handle", "leave", "result")
     assert set(rows[0]["phases_us"]) == {f"in_dispatch.{p}" for p in steps}, rows[0]["phases_us"]
     assert not r.be._full_twins   # left off: the Python rows keep no twin
 

@@ -350,8 +350,8 @@ InFullP make_in_full(py::dict d) {
   f->loc = d["loc"].cast<i64>();
   f->reads = d["reads"];
   f->counters = d["counters"];
-  if (!PyList_CheckExact(f->reads.ptr()) || PyList_GET_SIZE(f->reads.ptr()) < 1 || !PyDict_CheckExact(f->counters.ptr()) ||
-      f->alignment < 1)
+  if (!PyList_CheckExact(f->reads.ptr()) || PyList_GET_SIZE(f->reads.ptr()) < 1 ||
+      !PyDict_CheckExact(f->counters.ptr()) || f->alignment < 1)
     throw std::invalid_argument("InFull: reads a list, counters a dict, alignment >= 1");
   f->failed = d["failed"];
   f->timed_out = d["timed_out"];
@@ -627,7 +627,8 @@ struct InEngine : Core {
     const i64 nch = d.num_chunks;
     py::object plan = bare_instance(t.plan_cls.ptr());
     py::dict pf = py::reinterpret_steal<py::dict>(PyDict_Copy(t.plan_fields.ptr()));
-    for (auto& [k, is_dict] : t.plan_fresh) set_item(pf, k.ptr(), is_dict ? py::object(py::dict()) : py::object(py::list()));
+    for (auto& [k, is_dict] : t.plan_fresh)
+      set_item(pf, k.ptr(), is_dict ? py::object(py::dict()) : py::object(py::list()));
     auto one = [&](py::object v) { return nch ? py::object(py::make_tuple(v)) : py::object(py::tuple()); };
     auto lst = [](py::object tup) { return py::reinterpret_steal<py::object>(PySequence_List(tup.ptr())); };
     set_item(pf, NI->num_chunks, int_obj(nch));
@@ -645,7 +646,8 @@ struct InEngine : Core {
     i64 local = 0, inter = 0, intra = 0;   // Wiring.count_rows
     for (size_t m = 0; m < d.mine.size(); ++m) (static_cast<i64>(m) == t.node ? local : inter) += d.mine[m];
     for (i64 k = 0; k < nch; ++k)
-      for (size_t p = 0; p < d.fan_send[k].size(); ++p) (static_cast<i64>(p) == t.loc ? local : intra) += d.fan_send[k][p];
+      for (size_t p = 0; p < d.fan_send[k].size(); ++p)
+        (static_cast<i64>(p) == t.loc ? local : intra) += d.fan_send[k][p];
     set_item(pf, NI->row_counts, py::make_tuple(py::make_tuple(py::handle(N->local_rows), local),
                                                 py::make_tuple(py::handle(NI->internode_rows), inter),
                                                 py::make_tuple(py::handle(N->intranode_rows), intra)));

@@ -67,7 +67,8 @@ def phases_line(label: str, phases_us: dict) -> str:
     """The printed line of a C++ call's per-phase medians (commlib.cuda.callpath.phases: {"op.phase": us})."""
     parts = " ".join(f"{k.split('.', 1)[1]} {v:.2f}" for k, v in phases_us.items())
     total = sum(phases_us.values())
-    wait = phases_us.get("dispatch.wait", 0.0)   # the full dispatch's count poll (not the host's own time)
+    # the full dispatches' count poll and digest wait (not the host's own time)
+    wait = phases_us.get("dispatch.wait", 0.0) + phases_us.get("in_dispatch.read_wait", 0.0)
     own = f", own {total - wait:.1f} without wait" if wait else ""
     return f"# phases (rank 0, median us) {label}: {parts} (sum {total:.1f}{own})"
 

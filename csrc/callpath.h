@@ -216,8 +216,10 @@ py::object make_overlap(py::handle event, py::handle extra) {
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                          void**);
 using ErrorNameFn = int (*)(int, const char**);
+using MemcpyDtoHFn = int (*)(void*, u64, size_t, void*);
 LaunchFn cu_launch = nullptr;
 ErrorNameFn cu_error_name = nullptr;
+MemcpyDtoHFn cu_memcpy_dtoh = nullptr;   // cuMemcpyDtoHAsync_v2: a small read without ATen's copy_
 
 py::list* recorder = nullptr;  // tests: device operations are appended here instead of issued
 int recorder_launch_rc = 0;    // tests: the result the recorded cuLaunchKernel returns
@@ -231,6 +233,7 @@ std::string load_driver() {
   }
   cu_error_name = reinterpret_cast<ErrorNameFn>(dlsym(lib, "cuGetErrorName"));
   cu_launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
+  cu_memcpy_dtoh = reinterpret_cast<MemcpyDtoHFn>(dlsym(lib, "cuMemcpyDtoHAsync_v2"));
   return cu_launch ? "" : "libcuda.so.1 has no cuLaunchKernel";
 }
 
@@ -238,10 +241,10 @@ void record(py::tuple entry) {
   if (recorder) recorder->append(std::move(entry));
 }
 
-[[noreturn]] void launch_failed(int rc) {
+[[noreturn]] void launch_failed(int rc, const char* what = "cuLaunchKernel") {
   const char* name = nullptr;
   if (cu_error_name) cu_error_name(rc, &name);
-  std::string msg = std::string("cuLaunchKernel failed: ") + (name ? name : "?") + " (" + std::to_string(rc) + ")";
+  std::string msg = std::string(what) + " failed: " + (name ? name : "?") + " (" + std::to_string(rc) + ")";
   PyObject* exc = PyObject_CallFunction(G.launch_error, "si", msg.c_str(), rc);
   if (exc) {
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
@@ -297,6 +300,13 @@ struct Phases {
     if (n == kMax) return;
     names[n] = name;
     sums[n++] = ns;
+  }
+  // A sample of ``ns`` for phase ``name`` that no mark measured (time outside the call).
+  void extra(const char* name, u64 ns) {
+    if (phases_on && n < kMax) {
+      names[n] = name;
+      sums[n++] = ns;
+    }
   }
   ~Phases() {
     for (int i = 0; i < n; ++i) add(names[i], sums[i]);

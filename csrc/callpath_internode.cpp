@@ -20,6 +20,8 @@
 
 #include <ATen/ops/zeros.h>
 
+#include <optional>
+
 namespace {
 
 #pragma GCC diagnostic push
@@ -53,7 +55,10 @@ c10::intrusive_ptr<c10d::Work> allgather(c10d::ProcessGroup& pg, at::Tensor& out
 }
 #pragma GCC diagnostic pop
 
-#define INTERNODE_NAMES(X) X(probe) X(recording) X(node) X(calls) X(area_address) X(cpp_internode) X(data_ptr)
+#define INTERNODE_NAMES(X)                                                                                    \
+  X(probe) X(recording) X(node) X(calls) X(area_address) X(cpp_internode) X(data_ptr) X(num_chunks) X(num_recv) \
+  X(node_rows) X(send_splits) X(recv_splits) X(send_starts) X(recv_starts) X(fan_send) X(fan_recv) X(home_lens) \
+  X(slot) X(land_all) X(row_counts) X(plan) X(internode_rows)
 
 struct InNames {
 #define INTERNODE_DECLARE(n) PyObject* n = nullptr;
@@ -274,7 +279,13 @@ struct InFull {
   at::Tensor row, g, dig;     // the exchange row, the gathered rows, their digest (the Fresh's)
   at::Tensor head, host_dig;  // the meta kernel's [0] + signature and the digest's host copy (pinned on a GPU)
   bool head_busy = false;     // device.py HeadRow: rewritten only after a host read showed the stream past meta
-  py::object finish, failed, timed_out;  // device.py full_result, full_failed, read_timed_out (given the backend)
+  py::object failed, timed_out;  // device.py full_failed, read_timed_out (given the backend)
+  // the call's plan (geometry.Plan, made as device.py dispatch makes it): its class, the first call's fields
+  // (the fixed ones this call's too), those holding a list or dict (fresh empty ones per call unless set)
+  py::object plan_cls, plan_fields;
+  std::vector<std::pair<py::object, bool>> plan_fresh;   // (field, is a dict)
+  i64 alignment = 1, node = 0, loc = 0;  // per_expert's; Wiring.count_rows' my_node and my_local_rank
+  py::object reads, counters;            // Wiring.reads ([host reads]) and its counters
   c10::intrusive_ptr<c10d::ProcessGroup> group, rail;  // the count exchange's and the network's (null in tests)
 
   explicit InFull(py::dict d) : slots(d["slots"].cast<py::dict>()) {}
@@ -329,7 +340,19 @@ InFullP make_in_full(py::dict d) {
       !f->dig.is_contiguous())
     throw std::invalid_argument("InFull: the digest is not int64 of its layout");
   f->host_dig = f->host(f->dig.numel());
-  f->finish = d["finish"];
+  f->plan_cls = d["plan_cls"];
+  f->plan_fields = d["plan_fields"];
+  for (auto [k, v] : f->plan_fields.cast<py::dict>())
+    if (PyList_CheckExact(v.ptr()) || PyDict_CheckExact(v.ptr()))
+      f->plan_fresh.emplace_back(py::reinterpret_borrow<py::object>(k), PyDict_CheckExact(v.ptr()));
+  f->alignment = d["alignment"].cast<i64>();
+  f->node = d["node"].cast<i64>();
+  f->loc = d["loc"].cast<i64>();
+  f->reads = d["reads"];
+  f->counters = d["counters"];
+  if (!PyList_CheckExact(f->reads.ptr()) || PyList_GET_SIZE(f->reads.ptr()) < 1 ||
+      !PyDict_CheckExact(f->counters.ptr()) || f->alignment < 1)
+    throw std::invalid_argument("InFull: reads a list, counters a dict, alignment >= 1");
   f->failed = d["failed"];
   f->timed_out = d["timed_out"];
   if (!d["group"].is_none()) f->group = d["group"].cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
@@ -353,6 +376,7 @@ struct InEngine : Core {
   i64 full_found = 0;     // non-cached dispatches that matched a kept one and passed the checks
   void* read_event = nullptr;   // the digest read's event (made by its first record)
   i64 wait_ns = 0;        // host time in the digest read's wait (the device's earlier work, the peers): benchmarks
+  Clock::time_point served_at{};   // phases on: when the last served non-cached dispatch returned
 
   explicit InEngine(py::dict s) : Core(s, {kCached, kCombine, kDispatch}), make_twin(s["make_twin"]) {}
 
@@ -536,16 +560,26 @@ struct InEngine : Core {
 
   // The digest's one host read (Wiring.read_counts): a copy into pinned memory on the comm stream, then a
   // host wait with the GIL released, bounded by the Buffer's timeout; a device error is raised as torch's.
-  std::vector<i64> read_digest(py::handle backend, InFull& t) {
+  std::vector<i64> read_digest(py::handle backend, InFull& t, Phases& ph) {
     const i64 n = t.dig.numel();
     std::vector<i64> out(n);
-    if (test) {   // no device: the digest tensor holds what the test put there
+    if (test) {   // no device: the digest tensor holds what the test put there (the marks as on a device)
       record(py::make_tuple("read", address(t.dig), n * 8));
+      for (const char* m : {"read_copy", "read_event", "read_wait"}) ph.mark(m);
       std::memcpy(out.data(), t.dig.data_ptr(), n * 8);
+      ph.mark("read_host");
       return out;
     }
-    t.host_dig.copy_(t.dig, /*non_blocking=*/true);   // on the current stream: the comm stream
+    if (cu_memcpy_dtoh) {   // on the comm stream (the current one), into the pinned host words
+      int rc = cu_memcpy_dtoh(t.host_dig.data_ptr(), address(t.dig), static_cast<size_t>(n * 8),
+                              reinterpret_cast<void*>(comm.raw));
+      if (rc) launch_failed(rc, "cuMemcpyDtoHAsync");
+    } else {
+      t.host_dig.copy_(t.dig, /*non_blocking=*/true);
+    }
+    ph.mark("read_copy");
     impl->record(&read_event, comm.c, static_cast<c10::DeviceIndex>(dev), c10::EventFlag::PYTORCH_DEFAULT);
+    ph.mark("read_event");
     int status = 0;   // 1: past the timeout; 2: the device's error
     std::exception_ptr error;
     auto t0 = Clock::now();
@@ -570,6 +604,7 @@ struct InEngine : Core {
       }
     }
     wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+    ph.mark("read_wait");
     if (status == 2) std::rethrow_exception(error);
     if (status == 1) {
       ++py_ops.call;
@@ -578,7 +613,49 @@ struct InEngine : Core {
     }
     std::atomic_thread_fence(std::memory_order_acquire);
     std::memcpy(out.data(), t.host_dig.data_ptr(), n * 8);
+    ph.mark("read_host");
     return out;
+  }
+
+  static void set_item(py::handle d, PyObject* key, py::handle v) {
+    if (PyDict_SetItem(d.ptr(), key, v.ptr()) < 0) throw py::error_already_set();
+  }
+
+  // geometry.geometry's Plan of a digest of at most one chunk (S rows sent, J landed) with the call's
+  // slot and land_all, its rows counted as Wiring.count_rows counts them (row_counts, the counters).
+  py::object make_plan(const InFull& t, const Digest& d, i64 S, i64 J, py::object slot, py::object land_all) {
+    const i64 nch = d.num_chunks;
+    py::object plan = bare_instance(t.plan_cls.ptr());
+    py::dict pf = py::reinterpret_steal<py::dict>(PyDict_Copy(t.plan_fields.ptr()));
+    for (auto& [k, is_dict] : t.plan_fresh)
+      set_item(pf, k.ptr(), is_dict ? py::object(py::dict()) : py::object(py::list()));
+    auto one = [&](py::object v) { return nch ? py::object(py::make_tuple(v)) : py::object(py::tuple()); };
+    auto lst = [](py::object tup) { return py::reinterpret_steal<py::object>(PySequence_List(tup.ptr())); };
+    set_item(pf, NI->num_chunks, int_obj(nch));
+    set_item(pf, NI->num_recv, int_obj(d.num_recv));
+    set_item(pf, NI->node_rows, int_obj(d.node_rows));
+    set_item(pf, NI->send_splits, lst(one(py::cast(d.mine))));
+    set_item(pf, NI->recv_splits, lst(one(py::cast(d.rail_in))));
+    set_item(pf, NI->send_starts, nch ? py::cast(std::vector<i64>{0, S}) : py::cast(std::vector<i64>{0}));
+    set_item(pf, NI->recv_starts, nch ? py::cast(std::vector<i64>{0, J}) : py::cast(std::vector<i64>{0}));
+    set_item(pf, NI->fan_send, lst(one(py::cast(d.fan_send.at(0)))));
+    set_item(pf, NI->fan_recv, lst(one(py::cast(d.fan_recv.at(0)))));
+    set_item(pf, NI->home_lens, py::cast(d.mine));
+    set_item(pf, NI->slot, slot);
+    set_item(pf, NI->land_all, land_all);
+    i64 local = 0, inter = 0, intra = 0;   // Wiring.count_rows
+    for (size_t m = 0; m < d.mine.size(); ++m) (static_cast<i64>(m) == t.node ? local : inter) += d.mine[m];
+    for (i64 k = 0; k < nch; ++k)
+      for (size_t p = 0; p < d.fan_send[k].size(); ++p)
+        (static_cast<i64>(p) == t.loc ? local : intra) += d.fan_send[k][p];
+    set_item(pf, NI->row_counts, py::make_tuple(py::make_tuple(py::handle(N->local_rows), local),
+                                                py::make_tuple(py::handle(NI->internode_rows), inter),
+                                                py::make_tuple(py::handle(N->intranode_rows), intra)));
+    set_attr(plan, N->__dict__, pf);
+    add_count(t.counters, N->local_rows, local);
+    add_count(t.counters, NI->internode_rows, inter);
+    add_count(t.counters, N->intranode_rows, intra);
+    return plan;
   }
 
   // Buffer.dispatch(x, num_tokens_per_rank=..., topk_idx=..., ...) like a kept one, run here as the Python
@@ -586,6 +663,9 @@ struct InEngine : Core {
   // or None (the Python path runs it; nothing was issued).
   py::object dispatch(py::handle buffer, DispatchArgs a, py::handle prev, bool async_finish, bool alloc_on_comm) {
     Phases ph("in_dispatch");
+    if (phases_on && served_at.time_since_epoch().count())   // since the last served call returned: the
+      ph.extra("outside", static_cast<u64>(std::chrono::duration_cast<std::chrono::nanoseconds>(   // caller's
+                                               Clock::now() - served_at).count()));   // Python, the frees
     if (full.empty() || !split_dispatch(a)) return py::none();
     std::shared_ptr<InFullEntry> found;   // held: a keep_dispatch may drop it from ``full``
     for (auto& e : full)
@@ -627,7 +707,8 @@ struct InEngine : Core {
     std::vector<at::Tensor> blocks;
     at::Tensor rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, src, land_all, recv_x, recv_scales,
         recv_topk, recv_w;
-    py::dict counts;
+    std::optional<Digest> dg;
+    i64 S = 0, J = 0;
     {
       AllocOn on_comm(*this, comm, true);   // the comm stream current: NCCL's and the host copy's stream
       // ---- 1. metadata: one launch (the head row: [0] + signature, read through its mapped address)
@@ -649,9 +730,8 @@ struct InEngine : Core {
       gather(t);
       ph.mark("exchange");
       t.digest->issue(comm.raw);
-      std::vector<i64> words = read_digest(backend, t);
-      ph.mark("read");
-      Digest d(words.data(), static_cast<i64>(words.size()), M, t.P, t.Kc, t.Lx);
+      std::vector<i64> words = read_digest(backend, t, ph);
+      Digest& d = dg.emplace(words.data(), static_cast<i64>(words.size()), M, t.P, t.Kc, t.Lx);
       if (d.error) {   // the checks raise alike on every rank (every rank read the same digest)
         ++py_ops.call;
         t.failed(backend, py::cast(t.sig));
@@ -659,11 +739,9 @@ struct InEngine : Core {
       }
       t.head_busy = false;   // the host read showed the stream past meta
       if (d.num_chunks > 1) throw std::runtime_error("commlib internode C++ dispatch: more than one network chunk");
-      i64 S = 0, J = 0;
       for (i64 v : d.mine) S += v;
       for (i64 v : d.rail_in) J += v;
       const i64 N = d.num_recv;
-      counts = d.dict();
       ph.mark("geometry");
       // ---- 3. the allocations (Wiring.alloc: on the output stream) and the int32 views
       at::Tensor rows, block;
@@ -735,12 +813,33 @@ struct InEngine : Core {
       rc.issue(comm.raw);
       ph.mark("land");
     }
-    // ---- 6. the plan, the rows counted, the handle (device.py full_result: one call into Python)
-    ++py_ops.call;
-    py::tuple made = t.finish(backend, counts, a.tir, wrap(rank_prefix), wrap(chan_prefix), wrap(recv_chan_prefix),
-                              wrap(send_head), wrap(slot), wrap(src), wrap(land_all));
-    py::object h = made[0];
-    set_attr(h, N->buffer_id, attr(buffer, N->buffer_id));
+    // ---- 6. the plan, the rows counted, the handle: as device.py dispatch makes them (no call into Python)
+    const Digest& d = *dg;
+    const i64 n_recv = d.num_recv;
+    PyObject* reads = t.reads.ptr();                // Wiring.read_counts' read: reads[0] += 1
+    if (PyList_SetItem(reads, 0, int_obj(as_int(PyList_GET_ITEM(reads, 0)) + 1).release().ptr()) < 0)
+      throw py::error_already_set();
+    py::object plan = make_plan(t, d, S, J, wrap(slot), wrap(land_all));
+    py::object h = bare_instance(G.handle);   // device.py make_handle
+    py::dict hf = py::reinterpret_steal<py::dict>(PyDict_Copy(found->handle_template.ptr()));
+    py::dict extra;
+    set_item(extra, NI->plan, plan);
+    set_item(extra, NI->num_recv, int_obj(n_recv));
+    set_item(hf, N->rank_prefix_matrix, wrap(rank_prefix));
+    set_item(hf, N->channel_prefix_matrix, wrap(chan_prefix));
+    set_item(hf, N->recv_channel_prefix_matrix, wrap(recv_chan_prefix));
+    set_item(hf, N->recv_src_idx, wrap(src));
+    set_item(hf, N->is_token_in_rank, a.tir);
+    set_item(hf, N->send_head, wrap(send_head));
+    set_item(hf, N->num_recv_tokens, int_obj(n_recv));
+    set_item(hf, N->extra, extra);
+    set_item(hf, N->buffer_id, attr(buffer, N->buffer_id));
+    set_attr(h, N->__dict__, hf);
+    py::list per_expert(d.experts.size());   // device.py per_expert
+    for (size_t i = 0; i < d.experts.size(); ++i) {
+      const i64 c = d.experts[i], al = t.alignment;
+      per_expert[i] = int_obj(al == 1 ? c : (c + al - 1) / al * al);
+    }
     ++served_n[kDispatch];
     ph.mark("handle");
     py::object overlap = leave(compute, blocks, dispatch_inputs(a), async_finish, on_compute);
@@ -748,8 +847,9 @@ struct InEngine : Core {
     py::object rx = wrap(std::move(recv_x));
     py::object recv_out = a.x_tuple ? py::object(py::make_tuple(rx, wrap(std::move(recv_scales)))) : rx;
     py::object result = py::make_tuple(recv_out, wrap(std::move(recv_topk)),
-                                       t.weights ? wrap(std::move(recv_w)) : py::none(), made[1], h, overlap);
+                                       t.weights ? wrap(std::move(recv_w)) : py::none(), per_expert, h, overlap);
     ph.mark("result");
+    if (phases_on) served_at = Clock::now();
     return result;
   }
 

@@ -465,6 +465,10 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignme
     assert c_per_expert == res.num_recv_tokens_per_expert_list and c_h.buffer_id == BUFFER_ID
     assert event is not None and c_w is not None
     p_h = res.handle
+    # the handle and its plan made in C++: their types and fields as the Python path's, field order included
+    assert type(c_h) is type(p_h) and list(vars(c_h)) == list(vars(p_h))
+    assert type(c_h.extra["plan"]) is type(p_h.extra["plan"]) and list(vars(c_h.extra["plan"])) == \
+        list(vars(p_h.extra["plan"])) and list(c_h.extra) == list(p_h.extra)
     for f in dataclasses.fields(p_h):
         a, b = getattr(c_h, f.name), getattr(p_h, f.name)
         if f.name == "buffer_id":
@@ -484,6 +488,16 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignme
             assert a == b, f.name
     assert (cp.num_chunks, cp.num_recv > 0) == ((0, False) if empty else (1, True))
     assert cp.slot is not None and cp.land_all is not None
+    # no list or dict shared with another plan (the kept calls' dict, the chunk lists: each plan its own)
+    out2 = r.eng.dispatch(r.buf, *_full_args(r, xq if sq is None else (xq, sq), alignment=alignment), None, False,
+                          False)
+    ext._recorded()
+    cp2 = out2[4].extra["plan"]
+    for f in dataclasses.fields(cp2):
+        a, b = getattr(cp, f.name), getattr(cp2, f.name)
+        if isinstance(a, (list, dict)):
+            assert a == b and a is not b, f.name
+    assert out2[4].extra is not c_h.extra and out2[3] is not c_per_expert
 
 
 def test_digest_read_timeout_retires_the_buffer():
@@ -500,8 +514,8 @@ def test_digest_read_timeout_retires_the_buffer():
 
 def test_cpp_dispatch_python_work_per_call(rig, ext):
     """A C++ non-cached dispatch's Python C-API work, the same every call: reads (the Buffer and its live
-    backend 6, the Config's 5 fields, calls, buffer_id), writes (calls, the handle's buffer_id, the
-    EventOverlap's two) and one call into Python (device.full_result: the plan and the handle)."""
+    backend 6, the Config's 5 fields, calls, buffer_id), writes (calls, the plan's and the handle's
+    __dict__, the EventOverlap's two) and no call into Python (the plan and the handle are made in C++)."""
     r = rig(1, 1)
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     _kept_full(r, ext, x)
@@ -514,7 +528,7 @@ def test_cpp_dispatch_python_work_per_call(rig, ext):
         assert out is not None
         del out
         seen.append((ops["get"], ops["set"], ops["call"]))
-    assert seen == [(13, 4, 1)] * 3, seen
+    assert seen == [(13, 5, 0)] * 3, seen
 
 
 def test_cpp_digest_parse_matches_python(ext):
@@ -593,8 +607,8 @@ def test_bench_internode_cpp_dispatch_rows(rig, ext):
     rows = BI._cpp_rows(buf, {"dispatch_bf16": dispatch}, 4, 1, None, 1, 1,
                         types.SimpleNamespace(host_times=host_times), dispatch=True)
     assert [x["op"] for x in rows] == ["dispatch_bf16_cpp"] and rows[0]["cpp_calls"] == 4 and rows[0]["host_us"] == 8.0
-    steps = ("checks", "enter", "count", "meta", "exchange", "read", "geometry", "alloc", "pack", "network", "land",
-             "handle", "leave", "result")
+    steps = ("outside", "checks", "enter", "count", "meta", "exchange", "read_copy", "read_event", "read_wait",
+             "read_host", "geometry", "alloc", "pack", "network", "land", "handle", "leave", "result")
     assert set(rows[0]["phases_us"]) == {f"in_dispatch.{p}" for p in steps}, rows[0]["phases_us"]
     assert not r.be._full_twins   # left off: the Python rows keep no twin
 

@@ -270,7 +270,7 @@ def per_expert(counts: list, alignment: int) -> list:
 
 
 def full_twin(w: Wiring, scratch: Scratch, res: DispatchResult, sig: list, num_experts: int, alignment: int,
-              ring: int, owner):
+              owner):
     """The C++ call path's twin of the non-cached dispatch just run (csrc/callpath_internode.cpp InFull:
     its Fresh's launches), or None where that path cannot take it: more than one network chunk, the
     forwarder, a network that is not the NCCL rail all-to-all, a launch off the driver's path."""
@@ -291,9 +291,12 @@ def full_twin(w: Wiring, scratch: Scratch, res: DispatchResult, sig: list, num_e
               "dtype": res.recv_x.dtype, "threads": IK.THREADS, "max_ctas": IK.MAX_CTAS,
               "slots": {k: getattr(IK, k) for k in dir(IK) if k.startswith(("META_", "PACK_", "LAND_", "RECV_CHAN_"))
                         and k not in ("META_THREADS", "RECV_CHAN_THREADS")},
+              # the plan as ``dispatch`` makes it: its class and fields (the per-call ones set per call), the
+              # rows counted (Wiring.count_rows), the digest's read counted, the per-expert list's alignment
+              "plan_cls": type(plan), "plan_fields": {**vars(plan), "slot": None, "land_all": None},
+              "alignment": alignment,
+              "node": w.my_node, "loc": w.my_local_rank, "reads": w.reads, "counters": w.counters,
               # the hooks, called with the backend (held by nothing here: no reference cycle through C++)
-              "finish": functools.partial(full_result, f, plan.path, h.backend, h.num_tokens, h.hidden, num_experts,
-                                          h.num_channels, alignment, ring),
               "failed": functools.partial(full_failed, f.g, num_experts), "timed_out": read_timed_out,
               # the Buffer's group (the count exchange) and the rail group; None: the default group, as there
               "group": _group(owner.group) if w.cuda else None, "rail": _group(net.group) if w.cuda else None}
@@ -305,21 +308,6 @@ def full_twin(w: Wiring, scratch: Scratch, res: DispatchResult, sig: list, num_e
 
 def _group(g):
     return dist.group.WORLD if g is None else g
-
-
-def full_result(f: Fresh, path: str, name: str, T: int, H: int, E: int, C: int, alignment: int, ring: int,
-                backend, counts: dict, tir, rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot,
-                recv_src_idx, land_all) -> tuple:
-    """The C++ call path's non-cached dispatch (csrc/callpath_internode.cpp InEngine::dispatch) past its
-    device work: what ``dispatch`` makes of the digest (``counts``, parsed there) and the call's int32
-    views: the plan, the rows counted, the handle. Returns (handle, num_recv_tokens_per_expert_list)."""
-    w = backend.wiring
-    w.reads[0] += 1   # the digest's read (Wiring.read)
-    plan = geometry(path, counts, ring, w.max_chunks)
-    plan.slot, plan.area_row, plan.land_all = slot, f.area_row, land_all
-    w.count_rows(plan)
-    return (make_handle(w, plan, name, T, H, E, C, tir, rank_prefix, chan_prefix, recv_chan_prefix, send_head,
-                        recv_src_idx), per_expert(counts["experts"], alignment))
 
 
 def full_failed(g: torch.Tensor, E: int, backend, sig: list) -> None:
@@ -412,6 +400,5 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     return CombineResult(out_y, out_w, blocks=w.take_blocks(keep=out == dev))
 
 
-__all__ = ["HeadRow", "Fresh", "Scratch", "fits", "dispatch", "make_handle", "per_expert", "full_twin", "full_result",
-           "full_failed", "read_timed_out", "rows_spec", "send_and_landing", "move", "dispatch_cached",
-           "combine"]
+__all__ = ["HeadRow", "Fresh", "Scratch", "fits", "dispatch", "make_handle", "per_expert", "full_twin", "full_failed",
+           "read_timed_out", "rows_spec", "send_and_landing", "move", "dispatch_cached", "combine"]

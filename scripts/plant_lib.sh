@@ -22,6 +22,7 @@ open(hits[0], "w").write(texts[hits[0]].replace(os.environ["FROM"], os.environ["
 PYEOF
 }
 plant_loop() {   # plant_loop RUNNER CAUGHT: runs RUNNER (python; prints "RESULT passed" / "RESULT failed...")
+  # (PLANT_ONLY=TEXT: only the plants whose name contains TEXT)
   # unplanted, then once per entry "name@from@to" of PLANTS; a plant is caught when the RESULT line
   # starts with CAUGHT. Returns the plants missed (99: the unplanted run did not pass).
   local runner=$1 caught=$2 base out line name from to missed=0
@@ -30,6 +31,7 @@ plant_loop() {   # plant_loop RUNNER CAUGHT: runs RUNNER (python; prints "RESULT
   [[ "$base" == "RESULT passed" ]] || { echo "[plant] the unplanted code must pass first"; return 99; }
   for p in "${PLANTS[@]}"; do
     IFS='@' read -r name from to <<<"$p"
+    if [[ -n "${PLANT_ONLY:-}" && "$name" != *"$PLANT_ONLY"* ]]; then continue; fi   # a subset, by name
     plant_apply "$from" "$to" || return 98
     out=$($PY "$runner" 2>&1)
     line=$(echo "$out" | grep "^RESULT" | tail -1)

@@ -449,7 +449,7 @@ struct Engine : Core {
       extra[N->recv_counts] = got;
       for (i64 i = 0; i < L; ++i) {
         i64 c = host[G.hc_expert + i];
-        per_expert.append(e.alignment == 1 ? c : (c + e.alignment - 1) / e.alignment * e.alignment);
+        per_expert.append(align_up(c, e.alignment));
       }
     }
     count_call(backend, kDispatch, local, remote);

@@ -836,10 +836,7 @@ struct InEngine : Core {
     set_item(hf, N->buffer_id, attr(buffer, N->buffer_id));
     set_attr(h, N->__dict__, hf);
     py::list per_expert(d.experts.size());   // device.py per_expert
-    for (size_t i = 0; i < d.experts.size(); ++i) {
-      const i64 c = d.experts[i], al = t.alignment;
-      per_expert[i] = int_obj(al == 1 ? c : (c + al - 1) / al * al);
-    }
+    for (size_t i = 0; i < d.experts.size(); ++i) per_expert[i] = int_obj(align_up(d.experts[i], t.alignment));
     ++served_n[kDispatch];
     ph.mark("handle");
     py::object overlap = leave(compute, blocks, dispatch_inputs(a), async_finish, on_compute);

@@ -14,7 +14,7 @@ PLANTS=(
   "cached dispatch: the kept x address replayed, not this call's@    l.set(p.x_slot, address(tensor(xo)));@    (void)xo;"
   "layout: num_tokens_per_expert written into num_tokens_per_rank@    l.set(p.ntpe, address(ntpe));@    l.set(p.ntpe, address(ntpr));"
   "cached FP8 dispatch: the scales carved over recv_x's last 256 bytes (the outputs' one allocation)@    offset2 = two ? align_up(nbytes(shape, dtype), 256) : 0;@    offset2 = two ? align_up(nbytes(shape, dtype), 256) - 256 : 0;"
-  "dispatch: per-expert counts not rounded to the alignment@        per_expert.append(e.alignment == 1 ? c : (c + e.alignment - 1) / e.alignment * e.alignment);@        per_expert.append(c);"
+  "dispatch: per-expert counts not rounded to the alignment@        per_expert.append(align_up(c, e.alignment));@        per_expert.append(c);"
 )
 cat >/tmp/plant_callpath_run.py <<PYEOF
 import sys

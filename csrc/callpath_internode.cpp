@@ -110,6 +110,7 @@ struct InPlan {
   std::vector<Chunk> chunks;
   bool node_after = false;    // the node step follows each landed chunk (and every chunk is waited for)
   bool ordered = true;        // the network completes chunks in order: waiting for the last covers all
+  bool sync = false;          // the chunks on the current stream, ordered there: no work, no wait (network.py)
   bool uses_area = false;
   c10::intrusive_ptr<c10d::ProcessGroup> group;  // the rail group (null in tests: recorded only)
   std::vector<std::pair<py::object, i64>> row_counts;  // (counter, rows) added per call (Wiring.count_rows)
@@ -188,6 +189,7 @@ InPlanP make_in_plan(py::dict d) {
   }
   p->node_after = d["node_after"].cast<bool>();
   p->ordered = d["ordered"].cast<bool>();
+  p->sync = d["sync"].cast<bool>();
   if (!d["group"].is_none()) p->group = d["group"].cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
   for (py::handle rc : d["row_counts"]) {
     py::tuple t = py::reinterpret_borrow<py::tuple>(rc);
@@ -452,13 +454,15 @@ struct InEngine : Core {
                             py::tuple(py::cast(c.in_splits))));
     if (!p.group) return {};
     auto t0 = Clock::now();
-    auto work = alltoall(*p.group, out, send, c.out_splits, c.in_splits);
+    auto work = alltoall(*p.group, out, send, c.out_splits, c.in_splits, p.sync);
     nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
     return work;
   }
 
-  // The current (comm) stream waits for a posted chunk (NCCL: no host wait).
-  void land(const c10::intrusive_ptr<c10d::Work>& work) {
+  // The current (comm) stream waits for a posted chunk (NCCL: no host wait); a sync plan's chunks ran
+  // on it, in its order: nothing to wait for.
+  void land(const InPlan& p, const c10::intrusive_ptr<c10d::Work>& work) {
+    if (p.sync) return;
     if (test) record(py::make_tuple("a2a_wait"));
     if (!work) return;
     auto t0 = Clock::now();
@@ -503,14 +507,14 @@ struct InEngine : Core {
         auto work = post(p, p.chunks[k], scratch);
         ph.mark("a2a");
         if (k && (p.node_after || !p.ordered)) {
-          land(posted);
+          land(p, posted);
           ph.mark("wait");
           if (p.node_after) issue(p.chunks[k - 1].node, src, ph, "node");
         }
         posted = std::move(work);
       }
       if (n) {
-        land(posted);
+        land(p, posted);
         ph.mark("wait");
         if (p.node_after) issue(p.chunks[n - 1].node, src, ph, "node");
       }
@@ -749,10 +753,16 @@ struct InEngine : Core {
         AllocOn out(*this, compute, on_compute);
         rows = blocks.emplace_back(empty({S + J, Wp}, at::kByte));
         block = blocks.emplace_back(empty({R_ * R_ + 2 * R_ * C + T * R_ + T * M + N + J}, at::kInt));
-        recv_x = blocks.emplace_back(empty({N, H}, t.dtype));
-        if (t.S >= 0) recv_scales = blocks.emplace_back(empty({N, t.S}, at::kFloat));
-        recv_topk = blocks.emplace_back(empty({N, K}, at::kLong));
-        if (t.weights) recv_w = blocks.emplace_back(empty({N, K}, at::kFloat));
+        // the outputs: one allocation, each carved at a 256-byte boundary (callpath.h Outputs, as the
+        // replays' and the NVLink dispatch's outputs are); any one of them keeps it alive
+        const i64 o_scales = align_up(N * H * static_cast<i64>(c10::elementSize(t.dtype)), 256);
+        const i64 o_topk = o_scales + (t.S >= 0 ? align_up(N * t.S * 4, 256) : 0);
+        const i64 o_w = o_topk + align_up(N * K * 8, 256);
+        const at::Tensor& outs = blocks.emplace_back(empty({o_w + (t.weights ? N * K * 4 : 0)}, at::kByte));
+        recv_x = carve(outs, 0, {N, H}, t.dtype);
+        if (t.S >= 0) recv_scales = carve(outs, o_scales, {N, t.S}, at::kFloat);
+        recv_topk = carve(outs, o_topk, {N, K}, at::kLong);
+        if (t.weights) recv_w = carve(outs, o_w, {N, K}, at::kFloat);
       }
       if (test) record(py::make_tuple("rows", address(rows), rows.numel(), "block", address(block), block.numel() * 4));
       const i64* e = t.ends;

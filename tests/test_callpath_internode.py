@@ -77,10 +77,13 @@ def rig(ext, monkeypatch):
     monkeypatch.setattr(K, "replay", replay)
     made = []
 
-    def build(P: int, chunks: int):
+    def build(P: int, chunks: int, sync: bool = False):
+        """``sync``: the rail step can issue on the current stream (NCCL's asyncOp=False: no work)."""
         be, fakes, inp, _ = IH.build(2, P, 64, 256, 64, 4, chunks, CFG)
         be._twins, be.timeout_ns = True, 10**9
         fakes.waits = 0
+        if sync:
+            be.network._direct_sync = (lambda out, send, o, i, opts: fakes.all_to_all(out, send, o, i) and None, None)
 
         def wait(work, *a, **k):
             fakes.waits += 1
@@ -184,9 +187,15 @@ def _region(t) -> tuple:
     return t.data_ptr(), t.numel() * t.element_size()
 
 
-@pytest.mark.parametrize("P,chunks,fp8", [(1, 1, False), (1, 1, True), (2, 3, False), (2, 3, True)])
-def test_cpp_replays_issue_what_python_replays_issue(rig, ext, P, chunks, fp8):
-    r = rig(P, chunks)
+@pytest.mark.parametrize("P,chunks,fp8,sync", [(1, 1, False, False), (1, 1, True, False), (2, 3, False, False),
+                                              (2, 3, True, False), (1, 1, True, True), (1, 3, False, True),
+                                              (2, 1, False, True), (2, 3, True, True)])
+def test_cpp_replays_issue_what_python_replays_issue(rig, ext, P, chunks, fp8, sync):
+    """The C++ replays issue what the Python replays issue, launch for launch, chunk for chunk, wait for
+    wait. ``sync``: the chunks go on the current stream where no node step runs beside them (one chunk,
+    or one rank per node), without a wait, in both paths."""
+    r = rig(P, chunks, sync)
+    on_stream = sync and (chunks == 1 or P == 1)
     xq, sq, h, y, wts = _dispatch(r, fp8)
     if P > 1:
         assert h.extra["plan"].num_chunks == chunks
@@ -221,7 +230,7 @@ def test_cpp_replays_issue_what_python_replays_issue(rig, ext, P, chunks, fp8):
         assert [tuple(t.shape) for t in outs] == [tuple(t.shape) for t in p_outs]
         assert [t.dtype for t in outs] == [t.dtype for t in p_outs]
         waits = other_ops.count("a2a_wait")
-        assert waits == p_waits >= 1, (waits, p_waits)   # the comm stream's waits for the network chunks
+        assert waits == p_waits and (waits == 0) == on_stream, (waits, p_waits)   # the comm stream's waits
         assert [o for o in other_ops if o != "a2a_wait"] == ["record", "wait", "record", "wait"]   # _enter, _leave
         if len(outs) == 2:
             mine = dict(enumerate(outs))
@@ -304,14 +313,15 @@ def _kept_full(r, ext, x, scales=None, alignment=1):
 
 
 def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
-    """COMMLIB_CALLPATH_INTERNODE_DISPATCH=1 (experimental): a non-cached dispatch on the device path at
-    one chunk and one rank per node leaves its kept launches for the C++ engine, which keeps them with
-    the call's signature and serves a later call with that signature only (else None: the Python path)."""
+    """COMMLIB_CALLPATH_INTERNODE_DISPATCH (on by default, 0 turns it off): a non-cached dispatch on the
+    device path at one chunk and one rank per node leaves its kept launches for the C++ engine, which keeps
+    them with the call's signature and serves a later call with that signature only (else None: the
+    Python path)."""
     from commlib.utils import env
-    monkeypatch.setenv("COMMLIB_CALLPATH_INTERNODE_DISPATCH", "1")
-    assert env.callpath_internode_dispatch()
+    monkeypatch.setenv("COMMLIB_CALLPATH_INTERNODE_DISPATCH", "0")
+    assert not env.callpath_internode_dispatch()
     monkeypatch.delenv("COMMLIB_CALLPATH_INTERNODE_DISPATCH")
-    assert not env.callpath_internode_dispatch()   # off by default
+    assert env.callpath_internode_dispatch()   # on by default
     r = rig(1, 1)
     idx, w, lay = r.inp
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
@@ -458,8 +468,9 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignme
     assert _named(got, c_regions) == _named(want, p_regions)
     # _enter's event pair, the digest read, one allocation per Python one, _leave's pair (the collectives run
     # on the comm stream, ordered there: no wait, as network.py's one chunk)
-    assert other == ["record", "wait", "read"] + ["alloc"] * len(made) + ["record", "wait"], other
-    assert len(made) == 5 + fp8
+    # the outputs: one allocation (made: rows, block, then one per output)
+    assert other == ["record", "wait", "read"] + ["alloc"] * 3 + ["record", "wait"], other
+    assert len(made) == 2 + len(p_outs) == 5 + fp8
     # the outputs, the handle and its plan: shapes, dtypes, strides and (named) storage as the Python path's
     assert [_layout_of(t, c_named) for t in c_outs] == [_layout_of(t, p_named) for t in p_outs]
     assert c_per_expert == res.num_recv_tokens_per_expert_list and c_h.buffer_id == BUFFER_ID
@@ -488,6 +499,14 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignme
             assert a == b, f.name
     assert (cp.num_chunks, cp.num_recv > 0) == ((0, False) if empty else (1, True))
     assert cp.slot is not None and cp.land_all is not None
+    # the outputs carved from their one allocation, each at a 256-byte boundary
+    ends, offsets = 0, {}
+    for i, t in enumerate(p_outs):
+        offsets[i] = ends
+        ends = -(-(ends + t.numel() * t.element_size()) // 256) * 256
+    mine = dict(enumerate(c_outs))
+    del out, recv, c_x, c_s, c_topk, c_w, c_outs, t
+    check_carved(mine, dict(enumerate(p_outs)), offsets)
     # no list or dict shared with another plan (the kept calls' dict, the chunk lists: each plan its own)
     out2 = r.eng.dispatch(r.buf, *_full_args(r, xq if sq is None else (xq, sq), alignment=alignment), None, False,
                           False)

@@ -15,8 +15,8 @@ Variables:
   COMMLIB_CALLPATH         auto | cpp | python: the NVLink engine's repeated calls through csrc/callpath.cpp (built at
                            first use; auto falls back to the Python call path with a warning where it cannot be built
                            or loaded, cpp raises there) or through Python (default auto)
-  COMMLIB_CALLPATH_INTERNODE_DISPATCH  1: (opt-in) the internode engine's C++ call path runs non-cached
-                           dispatches (one rank per node, one chunk, top-k) whole (default 0)
+  COMMLIB_CALLPATH_INTERNODE_DISPATCH  0: the internode engine's non-cached dispatches stay in Python (default 1:
+                           its C++ call path runs them whole where they fit: one rank per node, one chunk, top-k)
   COMMLIB_GIT_COMMIT       commit to record in results where the tree has no .git (device runs)
   COMMLIB_ISSUE_ORDER      auto | comm_first | compute_first: issue order of the dual pipeline's pairs
   COMMLIB_SM_CARVEOUT      auto | off | N: SMs the dual pipeline keeps GEMMs off while it overlaps (default auto)
@@ -157,7 +157,7 @@ def callpath() -> str:
 
 
 def callpath_internode_dispatch() -> bool:
-    return _flag("COMMLIB_CALLPATH_INTERNODE_DISPATCH")
+    return _flag_on("COMMLIB_CALLPATH_INTERNODE_DISPATCH")
 
 
 def callpath_cache_dir() -> str:

@@ -463,7 +463,8 @@ def twin_on(w: Wiring, kept: _Kept, handle, owner):
         "num_tokens": 0 if dispatch else kept.T, "out_shape": list(s1), "out_dtype": d1,
         "out2_shape": None if spec2 is None else list(spec2[0]), "rows": kept.rows, "width": kept.width,
         "pre": pre, "chunks": chunks, "post": post, "node_after": dispatch and kept.in_area,
-        "ordered": net.ordered, "group": net.group, "row_counts": list(plan.row_counts)})
+        "ordered": net.ordered, "sync": net.on_current_stream(plan.num_chunks, kept.in_area), "group": net.group,
+        "row_counts": list(plan.row_counts)})
     twins = handle.extra.get("cpp_internode")
     if twins is None:
         twins = handle.extra["cpp_internode"] = callpath.in_plan_set()

@@ -39,6 +39,11 @@ class NetworkStep:
     def land(self, posted, what: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def on_current_stream(self, n: int, node_steps: bool) -> bool:
+        """Whether a call of ``n`` chunks, with or without a node step beside them, has its chunks issued
+        on the current stream (``stream`` sets ``sync`` so; a step that can then issues them there)."""
+        return False
+
 
 class RailStep(NetworkStep):
     """The rail all-to-all: host-issued grouped send/recv (NCCL over IB, RoCE, sockets or NVLink;
@@ -59,6 +64,9 @@ class RailStep(NetworkStep):
         # one, which then needs no event to wait for it; gloo keeps the torch.distributed call
         self._direct = direct_collective(group, "all_to_all_single") if nccl else None
         self._direct_sync = direct_collective(group, "all_to_all_single", async_op=False) if nccl else None
+
+    def on_current_stream(self, n, node_steps):
+        return self._direct_sync is not None and (n == 1 or not node_steps)
 
     def stall(self) -> None:
         if self.stall_ms:

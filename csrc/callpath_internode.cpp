@@ -265,8 +265,8 @@ struct FullSlots {
 
 // A non-cached dispatch's kept launches on the device path (device.py Fresh, at one network chunk and
 // one rank per node: meta, digest, pack, land, recv_chan) and what serving a call like it needs: the
-// scratch, the shapes, the hooks into Python (device.py full_twin). Made by device.full_twin after a
-// Python dispatch, only with COMMLIB_CALLPATH_INTERNODE_DISPATCH=1.
+// scratch, the shapes, the hooks into Python (twins.py full_twin). Made by twins.full_twin after a
+// Python dispatch, unless COMMLIB_CALLPATH_INTERNODE_DISPATCH=0.
 struct InFull {
   PyObject* owner = nullptr;  // the backend that made it (identity only)
   py::object fresh;           // device.py Fresh: holds the scratch whose addresses the launches carry
@@ -381,6 +381,9 @@ struct InEngine : Core {
   Clock::time_point served_at{};   // phases on: when the last served non-cached dispatch returned
 
   explicit InEngine(py::dict s) : Core(s, {kCached, kCombine, kDispatch}), make_twin(s["make_twin"]) {}
+  ~InEngine() override {   // (as c10::Event's destructor does: a failure there is a warning)
+    if (read_event && impl) impl->destroyEvent(read_event, static_cast<c10::DeviceIndex>(dev));
+  }
 
   // The backend of ``buffer`` if it may serve a call: Buffer alive, backend not failed, its node step
   // open, no recording probe (a probe wants the Python path's step marks and counts).

@@ -29,7 +29,7 @@ INSIDE = {
     "commlib.backends.internode": ["exchange", "geometry", "rows", "kernels", "fanout",   # engine-free
                                    "network", "node", "groups", "wiring",                  # the seams
                                    "counted", "padded", "kept", "device",                  # the data paths
-                                   "engine"],
+                                   "twins", "engine"],
 }
 
 

@@ -241,7 +241,7 @@ def full_twin(notify, dispatch, sig: list, local_experts: int, channels: int, nu
 
 
 # ------------------------------------------------------------------------------------------------
-# The internode engine's twins (backends/internode/kept.py twin_on)
+# The internode engine's twins (backends/internode/twins.py twin_on)
 # ------------------------------------------------------------------------------------------------
 
 # where a per-call slot of an internode twin's launch takes its value (csrc/callpath_internode.cpp Source)
@@ -261,7 +261,7 @@ def in_plan(fields: dict):
 
 def in_full(fields: dict, meta, digest, pack, land, recv_chan):
     """The twin of a non-cached internode dispatch (csrc/callpath_internode.cpp InFull): its kept launches
-    and ``fields`` (backends/internode/device.py full_twin: the scratch, the shapes, the hooks)."""
+    and ``fields`` (backends/internode/twins.py full_twin: the scratch, the shapes, the hooks)."""
     mod = load_internode()
     return mod.InFull({**fields, **{k: launch_of(r, mod) for k, r in (("meta", meta), ("digest", digest),
                                                                           ("pack", pack), ("land", land),

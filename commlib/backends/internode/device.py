@@ -13,21 +13,18 @@ experts, Lx experts per rank, W bytes of a packed row, Wc bytes of a combine row
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
-import torch.distributed as dist
 
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import N_SIG, row_len
 from commlib.backends.internode.geometry import Plan, geometry
-from commlib.backends.internode.kept import NoTwin, first_combine, first_dispatch, keep
+from commlib.backends.internode.kept import first_combine, first_dispatch, keep
 from commlib.backends.internode.network import stream
 from commlib.backends.internode.rows import (area_row, dispatch_packer, here, int32_len, int32_views, rows_on,
                                              typed_views)
 from commlib.backends.common import HOST, int32_columns
-from commlib.cuda import callpath, loader
 from commlib.backends.internode.wiring import Wiring
 from commlib.handle import DispatchHandle
 from commlib.utils.errors import CommlibError
@@ -269,47 +266,6 @@ def per_expert(counts: list, alignment: int) -> list:
     return counts if alignment == 1 else [align_up(c, alignment) for c in counts]
 
 
-def full_twin(w: Wiring, scratch: Scratch, res: DispatchResult, sig: list, num_experts: int, alignment: int,
-              owner):
-    """The C++ call path's twin of the non-cached dispatch just run (csrc/callpath_internode.cpp InFull:
-    its Fresh's launches), or None where that path cannot take it: more than one network chunk, the
-    forwarder, a network that is not the NCCL rail all-to-all, a launch off the driver's path."""
-    f, plan, h = scratch.last, res.handle.extra.get("plan"), res.handle
-    net = w.network
-    if (f is None or plan is None or plan.num_chunks != 1 or w.node.in_area or not w.nccl or w.max_chunks != 1
-            or getattr(net, "stall_ms", 0) or not hasattr(net, "group") or res.recv_topk_idx is None):
-        return None
-    launches = (f.meta, f.digest, f.pack, f.land, f.recv_chan)
-    if any(r is None or type(r) is not loader.Replay or not r.current() for r in launches):
-        return None
-    topo, scales = w.topology, res.recv_x_scales
-    fields = {"owner": owner, "fresh": f, "sig": list(sig), "num_experts": num_experts, "row": f.row,
-              "g": f.g_flat, "dig": f.dig, "pinned": w.cuda, "ends": f.ends[1:6], "M": topo.num_nodes,
-              "P": topo.ranks_per_node, "Kc": w.max_chunks, "Lx": f.Lx, "T": h.num_tokens, "H": h.hidden,
-              "C": h.num_channels, "K": res.recv_topk_idx.shape[1], "W": f.packer.row_bytes,
-              "scales": -1 if scales is None else scales.shape[1], "weights": res.recv_topk_weights is not None,
-              "dtype": res.recv_x.dtype, "threads": IK.THREADS, "max_ctas": IK.MAX_CTAS,
-              "slots": {k: getattr(IK, k) for k in dir(IK) if k.startswith(("META_", "PACK_", "LAND_", "RECV_CHAN_"))
-                        and k not in ("META_THREADS", "RECV_CHAN_THREADS")},
-              # the plan as ``dispatch`` makes it: its class and fields (the per-call ones set per call), the
-              # rows counted (Wiring.count_rows), the digest's read counted, the per-expert list's alignment
-              "plan_cls": type(plan), "plan_fields": {**vars(plan), "slot": None, "land_all": None},
-              "alignment": alignment,
-              "node": w.my_node, "loc": w.my_local_rank, "reads": w.reads, "counters": w.counters,
-              # the hooks, called with the backend (held by nothing here: no reference cycle through C++)
-              "failed": functools.partial(full_failed, f.g, num_experts), "timed_out": read_timed_out,
-              # the Buffer's group (the count exchange) and the rail group; None: the default group, as there
-              "group": _group(owner.group) if w.cuda else None, "rail": _group(net.group) if w.cuda else None}
-    try:
-        return callpath.in_full(fields, *launches)
-    except NoTwin:
-        return None
-
-
-def _group(g):
-    return dist.group.WORLD if g is None else g
-
-
 def full_failed(g: torch.Tensor, E: int, backend, sig: list) -> None:
     """The C++ call path's non-cached dispatch read a digest that flags an error: raise as
     Wiring.read_counts does (the digest's read counted, then the whole rows read and checked)."""
@@ -400,5 +356,5 @@ def combine(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResult:
     return CombineResult(out_y, out_w, blocks=w.take_blocks(keep=out == dev))
 
 
-__all__ = ["HeadRow", "Fresh", "Scratch", "fits", "dispatch", "make_handle", "per_expert", "full_twin", "full_failed",
+__all__ = ["HeadRow", "Fresh", "Scratch", "fits", "dispatch", "make_handle", "per_expert", "full_failed",
            "read_timed_out", "rows_spec", "send_and_landing", "move", "dispatch_cached", "combine"]

@@ -23,7 +23,8 @@ from commlib.backends.internode import counted, device, padded
 from commlib.backends.internode.exchange import INTERNODE_SIG_FIELDS, check_exchange, row_len
 from commlib.backends.internode.geometry import Plan, ring_rows
 from commlib.backends.internode.groups import capped_nccl_options, choose_node_step, rail_group, same_everywhere
-from commlib.backends.internode.kept import NoTwin, replay, twin_on
+from commlib.backends.internode.kept import replay
+from commlib.backends.internode.twins import NoTwin, full_twin, twin_on
 from commlib.backends.internode.network import NETWORK_STEPS
 from commlib.backends.internode.wiring import Wiring
 from commlib.cuda import callpath
@@ -232,7 +233,7 @@ class InternodeBackend(Backend):
         if self.device_steps and device.fits(req):
             res = device.dispatch(self.wiring, self.head, self.scratch, req, sig, ring, self.name)
             if self._full_twins:
-                twin = device.full_twin(self.wiring, self.scratch, res, sig, E, req.expert_alignment, self)
+                twin = full_twin(self.wiring, self.scratch, res, sig, E, req.expert_alignment, self)
                 self.last_full_plan = None if twin is None else FullTwin(twin)
             return res
         if req.num_worst_tokens:
@@ -272,7 +273,7 @@ class InternodeBackend(Backend):
         return replay(kept, x, second, self.ctx.comm_stream, comm_raw, switch)
 
     def cpp_twin(self, handle, kind: int, x: torch.Tensor, config, second):
-        """The C++ call path's twin (kept.twin_on) of the kept call plan_for gives for a cached dispatch
+        """The C++ call path's twin (twins.twin_on) of the kept call plan_for gives for a cached dispatch
         (``kind`` 0) or a combine (1) with these arguments, made on the handle's first call the C++
         engine sees; None: the call takes the Python path (and, where no twin can be made, from now on)."""
         key = ("dispatch", x.dtype) if kind == 0 else ("combine", 0 if second is None else second.shape[1])

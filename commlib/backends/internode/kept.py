@@ -30,8 +30,7 @@ from commlib.backends.internode.geometry import Plan
 from commlib.backends.internode.network import stream
 from commlib.backends.internode.rows import dispatch_packer
 from commlib.backends.internode.wiring import Wiring
-from commlib.cuda import callpath, loader
-from commlib.cuda.callpath import IN_AREA, IN_OUT0, IN_OUT1, IN_SCRATCH, IN_SECOND, IN_X
+from commlib.cuda import loader
 
 
 class _Plain:
@@ -377,100 +376,5 @@ def first_combine(w: Wiring, plan: Plan, handle, y: torch.Tensor, wts, biases: l
     return kept, outs
 
 
-class NoTwin(Exception):
-    """A kept call the C++ call path cannot replay (a launch off the driver's path, a debug network)."""
-
-
-def _step(replay, fixed: list, per_call: list, grid=None) -> tuple:
-    if type(replay) is not loader.Replay or not replay.current():
-        raise NoTwin("a launch is not a current driver replay")
-    return callpath.in_step(replay, fixed, per_call, grid)
-
-
-def _chunks(kept: _Kept, out_splits: list, in_splits: list, node_steps: list) -> list:
-    """The twin's network chunks: (send row, rows, out row, rows, out splits, in splits, node steps)."""
-    nch, sizes = kept.plan.num_chunks, kept.sizes
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n)
-    return [(starts[k], sizes[k], starts[nch + k], sizes[nch + k], list(out_splits[k]), list(in_splits[k]),
-             node_steps[k]) for k in range(nch)]
-
-
-def _dispatch_twin(kept: "KeptDispatch") -> tuple:
-    """(pre, chunks, post) of a cached dispatch's run, as twin steps (KeptDispatch.run, in its order)."""
-    L, plan, second = kept.launches, kept.plan, kept.second_shape is not None
-    pre, post = [], []
-    if kept.shape[0]:
-        pre.append(_step(L.pack, [(IK.PACK_SLOT, kept.slot_ptr), (IK.PACK_SEND_HEAD, kept.send_head_ptr)],
-                         [(IK.PACK_X, IN_X, 0), (IK.PACK_SEND, IN_SCRATCH, 0)]
-                         + ([(IK.PACK_SCALES, IN_SECOND, 0)] if second else [])))
-    nodes = [[] for _ in range(plan.num_chunks)]
-    if kept.in_area:
-        pre.append(_step(L.barrier, [], []))
-        for k, (off, J, grid) in enumerate(kept.chunks):
-            if J:
-                nodes[k] = [_step(L.forward, [(FORWARD_J, J)], [(FORWARD_LANDED, IN_SCRATCH, off)], grid)]
-        post.append(pre[-1])
-    if kept.land_n:
-        rows = (IK.LAND_ROWS, IN_AREA, 0) if kept.in_area else (IK.LAND_ROWS, IN_SCRATCH, kept.S * kept.width)
-        post.append(_step(L.land, [(IK.LAND_N, kept.land_n), (IK.LAND_N_OUT, plan.num_recv)],
-                          [rows, (IK.LAND_X, IN_OUT0, 0)] + ([(IK.LAND_SCALES, IN_OUT1, 0)] if second else []),
-                          kept.land_grid))
-    return pre, _chunks(kept, plan.recv_splits, plan.send_splits, nodes), post
-
-
-def _combine_twin(kept: "KeptCombine") -> tuple:
-    """(pre, chunks, post) of a combine's run, as twin steps (KeptCombine.run, in its order)."""
-    L, plan, second = kept.launches, kept.plan, kept.K > 0
-    pre, post = [], []
-    if kept.rows_n:
-        pre.append(_step(L.rows, [(IK.ROWS_POS, kept.rows_pos), (IK.ROWS_N, kept.rows_n)],
-                         [(IK.ROWS_Y, IN_X, 0), (IK.ROWS_OUT, IN_AREA if kept.in_area else IN_SCRATCH, 0)]
-                         + ([(IK.ROWS_W, IN_SECOND, 0)] if second else []), kept.rows_grid))
-    nodes = [[] for _ in range(plan.num_chunks)]
-    if kept.in_area:
-        barrier = _step(L.barrier, [], [])
-        pre = [barrier] + pre + [barrier]
-        for k, (off, J, grid, pos) in enumerate(kept.chunks):
-            if J:
-                nodes[k] = [_step(L.reduce, [(REDUCE_POS, pos), (REDUCE_J, J)], [(REDUCE_OUT, IN_SCRATCH, off)], grid)]
-    if kept.T:
-        post.append(_step(L.home, [(IK.HOME_SLOT, kept.slot_ptr)],
-                          [(IK.HOME_BACK, IN_SCRATCH, kept.J * kept.Wc), (IK.HOME_Y, IN_OUT0, 0)]
-                          + ([(IK.HOME_W, IN_OUT1, 0)] if second else [])))
-    return pre, _chunks(kept, plan.send_splits, plan.recv_splits, nodes), post
-
-
-def twin_on(w: Wiring, kept: _Kept, handle, owner):
-    """The C++ twin of ``kept`` (csrc/callpath_internode.cpp InPlan: the same launches, chunks and
-    checks), kept on ``handle`` beside its other twins; ``owner``: the backend. Raises NoTwin where
-    the C++ call path cannot replay it."""
-    net = w.network
-    if getattr(net, "stall_ms", 0) or not hasattr(net, "group") or not w.nccl:
-        raise NoTwin("the network step is not the NCCL rail all-to-all")
-    dispatch = isinstance(kept, KeptDispatch)
-    pre, chunks, post = _dispatch_twin(kept) if dispatch else _combine_twin(kept)
-    (s1, d1), spec2 = kept.outputs
-    plan = kept.plan
-    if plan.row_counts is None:
-        raise NoTwin("the plan's rows were never counted")
-    twin = callpath.in_plan({
-        "owner": owner, "kind": 0 if dispatch else 1, "key": 0 if dispatch else kept.K, "kept": kept,
-        "dtype": kept.dtype, "shape": list(kept.shape),
-        "second_shape": None if kept.second_shape is None else list(kept.second_shape),
-        "config": kept.config, "send_head": kept.send_head_of if dispatch else None,
-        "num_tokens": 0 if dispatch else kept.T, "out_shape": list(s1), "out_dtype": d1,
-        "out2_shape": None if spec2 is None else list(spec2[0]), "rows": kept.rows, "width": kept.width,
-        "pre": pre, "chunks": chunks, "post": post, "node_after": dispatch and kept.in_area,
-        "ordered": net.ordered, "sync": net.on_current_stream(plan.num_chunks, kept.in_area), "group": net.group,
-        "row_counts": list(plan.row_counts)})
-    twins = handle.extra.get("cpp_internode")
-    if twins is None:
-        twins = handle.extra["cpp_internode"] = callpath.in_plan_set()
-    twins.add(twin)
-    return twin
-
-
 __all__ = ["keep", "raw_stream", "Launches", "launches_for", "KeptDispatch", "KeptCombine", "replay", "first_dispatch",
-           "first_combine", "NoTwin", "twin_on"]
+           "first_combine"]

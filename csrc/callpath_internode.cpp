@@ -380,7 +380,12 @@ struct InEngine : Core {
   i64 wait_ns = 0;        // host time in the digest read's wait (the device's earlier work, the peers): benchmarks
   Clock::time_point served_at{};   // phases on: when the last served non-cached dispatch returned
 
-  explicit InEngine(py::dict s) : Core(s, {kCached, kCombine, kDispatch}), make_twin(s["make_twin"]) {}
+  py::object sync_mode = py::none();   // torch._C._cuda_get_sync_debug_mode (None: this torch has no CUDA)
+
+  explicit InEngine(py::dict s) : Core(s, {kCached, kCombine, kDispatch}), make_twin(s["make_twin"]) {
+    py::object c = py::module_::import("torch._C");
+    if (py::hasattr(c, "_cuda_get_sync_debug_mode")) sync_mode = c.attr("_cuda_get_sync_debug_mode");
+  }
   ~InEngine() override {   // (as c10::Event's destructor does: a failure there is a warning)
     if (read_event && impl) impl->destroyEvent(read_event, static_cast<c10::DeviceIndex>(dev));
   }
@@ -565,11 +570,25 @@ struct InEngine : Core {
     nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
   }
 
+  // The host waits for the device below: said as torch says it of its own waits where
+  // torch.cuda.set_sync_debug_mode asks for it (a warning, or the error), so that the count read shows
+  // in that mode whichever path made it.
+  void synchronizing() {
+    if (sync_mode.is_none()) return;
+    const i64 mode = as_int(sync_mode());
+    if (mode == 1) {
+      if (PyErr_WarnEx(PyExc_UserWarning, "called a synchronizing CUDA operation", 1) < 0) throw py::error_already_set();
+    } else if (mode >= 2) {
+      throw std::runtime_error("called a synchronizing CUDA operation");
+    }
+  }
+
   // The digest's one host read (Wiring.read_counts): a copy into pinned memory on the comm stream, then a
   // host wait with the GIL released, bounded by the Buffer's timeout; a device error is raised as torch's.
   std::vector<i64> read_digest(py::handle backend, InFull& t, Phases& ph) {
     const i64 n = t.dig.numel();
     std::vector<i64> out(n);
+    synchronizing();
     if (test) {   // no device: the digest tensor holds what the test put there (the marks as on a device)
       record(py::make_tuple("read", address(t.dig), n * 8));
       for (const char* m : {"read_copy", "read_event", "read_wait"}) ph.mark(m);

@@ -376,6 +376,40 @@ def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
     assert r2.be.last_full_plan is None
 
 
+def test_cpp_noncached_dispatch_count_read_in_sync_debug_mode(rig, ext, monkeypatch):
+    """torch.cuda.set_sync_debug_mode sees the C++ dispatch's count read as it sees the Python path's (a
+    tensor's host read): mode 1 one warning per call, mode 2 the error, mode 0 nothing; the replays that
+    follow never (they do not wait)."""
+    import warnings
+    mode = [0]
+    monkeypatch.setattr(torch._C, "_cuda_get_sync_debug_mode", lambda: mode[0], raising=False)
+    r = rig(1, 1)   # (the engine looks the mode's getter up when it is made)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    _kept_full(r, ext, x)
+    run = lambda: r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)
+
+    def synced(m):
+        mode[0] = m
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = run()
+        assert out is not None
+        return [str(w.message) for w in seen if "called a synchronizing" in str(w.message)], out
+    assert synced(0)[0] == []
+    said, out = synced(1)
+    assert len(said) == 1 and r.eng.served["dispatch"] == 2
+    h = out[4]
+    h.buffer_id = BUFFER_ID
+    r.be.dispatch(DispatchRequest(x, None, None, None, None, h, 0, 1, 0, CFG))   # the kept call for the replay
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert r.eng.cached_dispatch(r.buf, x, h, 1, CFG, None, False, False) is not None
+    assert not [w for w in seen if "synchronizing" in str(w.message)] and r.eng.served["cached"] == 1
+    mode[0] = 2
+    with pytest.raises(RuntimeError, match="called a synchronizing CUDA operation"):
+        run()
+
+
 def _cpp_full_trace(r, recorded) -> tuple:
     """The C++ dispatch's recorded operations: (trace of launches, collectives and the read as the Python
     trace writes them, {label: (address, bytes)} of its head row, rows and int32 block, other operations)."""

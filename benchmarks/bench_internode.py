@@ -641,7 +641,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
         os.environ["COMMLIB_NETWORK_CHUNKS"] = str(cap)
         os.environ["COMMLIB_INTERNODE_KERNELS"] = "1"
         buf = Buffer(group, nvl, rdma, backend="internode", ranks_per_node=rpn)
-        # COMMLIB_CALLPATH_INTERNODE_DISPATCH=1 (opt-in): for the C++ rows' non-cached dispatches only
+        # COMMLIB_CALLPATH_INTERNODE_DISPATCH (on unless 0): for the C++ rows' non-cached dispatches only
         cpp_dispatch = getattr(buf.backend, "_full_twins", False) and rpn == 1   # (one rank per node only)
         buf.backend._full_twins = False
         dev = buf.device
@@ -744,8 +744,8 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
 
 def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, HT, dispatch: bool = False) -> list:
     """The cached dispatches and the combine through the internode C++ call path
-    (csrc/callpath_internode.cpp), where it loaded on every rank, and (``dispatch``: the opt-in
-    COMMLIB_CALLPATH_INTERNODE_DISPATCH=1) the non-cached dispatches: host wall / CPU us per call with
+    (csrc/callpath_internode.cpp), where it loaded on every rank, and (``dispatch``: where
+    COMMLIB_CALLPATH_INTERNODE_DISPATCH is on, the default) the non-cached dispatches: host wall / CPU us per call with
     the host ahead (a dispatch: each waits for its digest read, that wait left out of ``host_us``),
     ``nccl_us`` (the engine's own clock around its NCCL calls and waits), ``own_us`` (the rest: the
     Buffer's checks and the engine's work, both in C++), ``cpp_calls`` (timed calls it ran),

@@ -211,17 +211,21 @@ def case_callpath(ctx):
 
 
 def case_callpath_dispatch(ctx):
-    """COMMLIB_CALLPATH_INTERNODE_DISPATCH=1, one rank per node: non-cached dispatches served whole by the
+    """COMMLIB_CALLPATH_INTERNODE_DISPATCH on, one rank per node: non-cached dispatches served whole by the
     C++ call path (csrc/callpath_internode.cpp InEngine::dispatch; counted as served there), BF16 and FP8,
     equal the reference bit for bit (outputs, handle fields, per-expert list, one host read) as the
     Python path's do, and so do the cached dispatch and combines (Python and C++ replays) on the handle
     the C++ path made."""
     R = ctx.world_size
-    os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = "1"
+    before = os.environ.get("COMMLIB_CALLPATH_INTERNODE_DISPATCH")
+    os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = "1"   # (the default; a run may have turned it off)
     try:
         ref, eng = _buffers(ctx, 1, 1)
-    finally:
-        del os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"]
+    finally:   # as it was, for the cases after this one
+        if before is None:
+            del os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"]
+        else:
+            os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = before
     why = commlib.cuda.callpath.why_unavailable
     assert eng.call_path == "cpp" and eng.backend._full_twins, f"the internode C++ dispatch is off: {why}"
     served = lambda: eng._cpp.served["dispatch"]

@@ -642,7 +642,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
         os.environ["COMMLIB_INTERNODE_KERNELS"] = "1"
         buf = Buffer(group, nvl, rdma, backend="internode", ranks_per_node=rpn)
         # COMMLIB_CALLPATH_INTERNODE_DISPATCH (on unless 0): for the C++ rows' non-cached dispatches only
-        cpp_dispatch = getattr(buf.backend, "_full_twins", False) and rpn == 1   # (one rank per node only)
+        cpp_dispatch = getattr(buf.backend, "_full_twins", False)
         buf.backend._full_twins = False
         dev = buf.device
         inp = B.make_inputs(w, me, dev)

@@ -16,6 +16,7 @@
 
 #include "callpath.h"
 
+#include <numeric>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <ATen/ops/zeros.h>
@@ -58,7 +59,7 @@ c10::intrusive_ptr<c10d::Work> allgather(c10d::ProcessGroup& pg, at::Tensor& out
 #define INTERNODE_NAMES(X)                                                                                    \
   X(probe) X(recording) X(node) X(calls) X(area_address) X(cpp_internode) X(data_ptr) X(num_chunks) X(num_recv) \
   X(node_rows) X(send_splits) X(recv_splits) X(send_starts) X(recv_starts) X(fan_send) X(fan_recv) X(home_lens) \
-  X(slot) X(land_all) X(row_counts) X(plan) X(internode_rows)
+  X(slot) X(land_all) X(row_counts) X(plan) X(internode_rows) X(landed_pos) X(reserve)
 
 struct InNames {
 #define INTERNODE_DECLARE(n) PyObject* n = nullptr;
@@ -263,14 +264,18 @@ struct FullSlots {
   }
 };
 
-// A non-cached dispatch's kept launches on the device path (device.py Fresh, at one network chunk and
-// one rank per node: meta, digest, pack, land, recv_chan) and what serving a call like it needs: the
-// scratch, the shapes, the hooks into Python (twins.py full_twin). Made by twins.full_twin after a
-// Python dispatch, unless COMMLIB_CALLPATH_INTERNODE_DISPATCH=0.
+// A non-cached dispatch's kept launches on the device path (device.py Fresh: meta, digest, pack, land,
+// recv_chan; with the forwarder, P > 1, its barrier and forward too) and what serving a call like it
+// needs: the scratch, the shapes, the hooks into Python (twins.py full_twin). Made by twins.full_twin
+// after a Python dispatch, unless COMMLIB_CALLPATH_INTERNODE_DISPATCH=0.
 struct InFull {
   PyObject* owner = nullptr;  // the backend that made it (identity only)
   py::object fresh;           // device.py Fresh: holds the scratch whose addresses the launches carry
   LaunchP meta, digest, pack, land, recv_chan;
+  LaunchP barrier, forward;   // the forwarder's (P > 1): its node barrier, a landed chunk's forward
+  i64 ring = 1, area_row = 0, Wd = 0;    // rows per chunk slot (geometry.chunk_rows); the areas' row, stride
+  i64 fwd_threads = 512, fwd_ctas = 16;  // fanout.py grid: the forward's threads and most CTAs
+  int fwd_landed = 0, fwd_j = 1;         // fanout.py FORWARD_LANDED, FORWARD_J: the forward's per-chunk slots
   std::vector<i64> sig;       // the signature words (word 1: the call count, set per call)
   i64 E = 0, M = 0, P = 0, Kc = 0, Lx = 0, T = 0, H = 0, C = 0, K = 0, W = 0, S = -1;
   bool weights = false, pinned = false;
@@ -293,8 +298,8 @@ struct InFull {
   explicit InFull(py::dict d) : slots(d["slots"].cast<py::dict>()) {}
 
   bool launches_current() const {
-    for (const LaunchP& l : {meta, digest, pack, land, recv_chan})
-      if (!l->current()) return false;
+    for (const LaunchP& l : {meta, digest, pack, land, recv_chan, barrier, forward})
+      if (l && !l->current()) return false;
     return true;
   }
 
@@ -305,6 +310,12 @@ struct InFull {
 
   // kernels.py grid: CTAs of the row kernels for n rows (a warp per row).
   i64 grid(i64 n) const { return std::max<i64>(1, std::min<i64>(max_ctas, (n + threads / 32 - 1) / (threads / 32))); }
+  // fanout.py NodeFanout.grid: CTAs of a forward of J rows.
+  i64 fwd_grid(i64 J) const {
+    return std::max<i64>(1, std::min<i64>(fwd_ctas, (J + fwd_threads / 32 - 1) / (fwd_threads / 32)));
+  }
+  // geometry.chunk_rows: rows per network chunk of a stream of ``count`` rows.
+  i64 chunk_rows(i64 count) const { return std::max<i64>({1, ring, (count + Kc - 1) / Kc}); }
 };
 
 using InFullP = std::shared_ptr<InFull>;
@@ -327,8 +338,18 @@ InFullP make_in_full(py::dict d) {
                       {"T", &f->T}, {"H", &f->H}, {"C", &f->C}, {"K", &f->K}, {"W", &f->W}, {"scales", &f->S},
                       {"threads", &f->threads}, {"max_ctas", &f->max_ctas}})
     *v = d[n].cast<i64>();
-  if (f->P != 1 || f->Kc != 1 || f->K <= 0 || f->threads < 32)
-    throw std::invalid_argument("InFull: one rank per node, one network chunk, top-k only");
+  for (auto [n, v] : {std::pair<const char*, i64*>{"ring", &f->ring}, {"area_row", &f->area_row},
+                      {"fwd_threads", &f->fwd_threads}, {"fwd_ctas", &f->fwd_ctas}})
+    *v = d[n].cast<i64>();
+  f->Wd = align_up(f->W, 16);   // node.py ForwarderNode.dispatch_begin
+  if (f->P > 1) {
+    f->barrier = d["barrier"].cast<LaunchP>();
+    f->forward = d["forward"].cast<LaunchP>();
+    std::tie(f->fwd_landed, f->fwd_j) = d["fwd_slots"].cast<std::pair<int, int>>();
+  }
+  if (f->P < 1 || f->Kc < 1 || f->K <= 0 || f->threads < 32 || f->fwd_threads < 32 || f->fwd_ctas < 1 ||
+      (f->P > 1 && (!f->barrier || !f->forward)))
+    throw std::invalid_argument("InFull: top-k only; the forwarder's barrier and forward where P > 1");
   f->weights = d["weights"].cast<bool>();
   f->pinned = d["pinned"].cast<bool>();
   f->dtype = d["dtype"].cast<at::ScalarType>();
@@ -647,28 +668,55 @@ struct InEngine : Core {
     if (PyDict_SetItem(d.ptr(), key, v.ptr()) < 0) throw py::error_already_set();
   }
 
-  // geometry.geometry's Plan of a digest of at most one chunk (S rows sent, J landed) with the call's
-  // slot and land_all, its rows counted as Wiring.count_rows counts them (row_counts, the counters).
-  py::object make_plan(const InFull& t, const Digest& d, i64 S, i64 J, py::object slot, py::object land_all) {
+  // geometry.geometry: every stream of the digest cut into its chunks (chunk k of a stream of c rows:
+  // geometry.clip of chunk_rows(c)), each chunk's rows to and from every rail peer, their first rows.
+  struct Chunks {
+    std::vector<std::vector<i64>> send, recv;   // [num_chunks][M]
+    std::vector<i64> send_starts{0}, recv_starts{0};
+    Chunks(const InFull& t, const Digest& d) {
+      auto cut = [&](const std::vector<i64>& counts, i64 k) {
+        std::vector<i64> out;
+        for (i64 c : counts) {
+          const i64 rows = t.chunk_rows(c);
+          out.push_back(std::max<i64>(0, std::min<i64>(rows, c - k * rows)));
+        }
+        return out;
+      };
+      for (i64 k = 0; k < d.num_chunks; ++k) {
+        send.push_back(d.num_chunks == 1 ? d.mine : cut(d.mine, k));
+        recv.push_back(d.num_chunks == 1 ? d.rail_in : cut(d.rail_in, k));
+        send_starts.push_back(send_starts.back() + std::accumulate(send[k].begin(), send[k].end(), i64{0}));
+        recv_starts.push_back(recv_starts.back() + std::accumulate(recv[k].begin(), recv[k].end(), i64{0}));
+      }
+    }
+  };
+
+  // geometry.geometry's Plan of a digest cut into ``c`` with the call's slot, land_all (one rank per
+  // node; else None) and landed_pos (the forwarder's; else a fresh list), its rows counted as
+  // Wiring.count_rows counts them (row_counts, the counters).
+  py::object make_plan(const InFull& t, const Digest& d, const Chunks& c, py::object slot, py::object land_all,
+                       py::object landed_pos) {
     const i64 nch = d.num_chunks;
     py::object plan = bare_instance(t.plan_cls.ptr());
     py::dict pf = py::reinterpret_steal<py::dict>(PyDict_Copy(t.plan_fields.ptr()));
     for (auto& [k, is_dict] : t.plan_fresh)
       set_item(pf, k.ptr(), is_dict ? py::object(py::dict()) : py::object(py::list()));
-    auto one = [&](py::object v) { return nch ? py::object(py::make_tuple(v)) : py::object(py::tuple()); };
-    auto lst = [](py::object tup) { return py::reinterpret_steal<py::object>(PySequence_List(tup.ptr())); };
+    auto first = [&](const std::vector<std::vector<i64>>& v) {   // counts["fan_send"][:num_chunks]
+      return py::cast(std::vector<std::vector<i64>>(v.begin(), v.begin() + nch));
+    };
     set_item(pf, NI->num_chunks, int_obj(nch));
     set_item(pf, NI->num_recv, int_obj(d.num_recv));
     set_item(pf, NI->node_rows, int_obj(d.node_rows));
-    set_item(pf, NI->send_splits, lst(one(py::cast(d.mine))));
-    set_item(pf, NI->recv_splits, lst(one(py::cast(d.rail_in))));
-    set_item(pf, NI->send_starts, nch ? py::cast(std::vector<i64>{0, S}) : py::cast(std::vector<i64>{0}));
-    set_item(pf, NI->recv_starts, nch ? py::cast(std::vector<i64>{0, J}) : py::cast(std::vector<i64>{0}));
-    set_item(pf, NI->fan_send, lst(one(py::cast(d.fan_send.at(0)))));
-    set_item(pf, NI->fan_recv, lst(one(py::cast(d.fan_recv.at(0)))));
+    set_item(pf, NI->send_splits, py::cast(c.send));
+    set_item(pf, NI->recv_splits, py::cast(c.recv));
+    set_item(pf, NI->send_starts, py::cast(c.send_starts));
+    set_item(pf, NI->recv_starts, py::cast(c.recv_starts));
+    set_item(pf, NI->fan_send, first(d.fan_send));
+    set_item(pf, NI->fan_recv, first(d.fan_recv));
     set_item(pf, NI->home_lens, py::cast(d.mine));
     set_item(pf, NI->slot, slot);
     set_item(pf, NI->land_all, land_all);
+    if (!landed_pos.is_none()) set_item(pf, NI->landed_pos, landed_pos);
     i64 local = 0, inter = 0, intra = 0;   // Wiring.count_rows
     for (size_t m = 0; m < d.mine.size(); ++m) (static_cast<i64>(m) == t.node ? local : inter) += d.mine[m];
     for (i64 k = 0; k < nch; ++k)
@@ -734,6 +782,9 @@ struct InEngine : Core {
     at::Tensor rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, src, land_all, recv_x, recv_scales,
         recv_topk, recv_w;
     std::optional<Digest> dg;
+    std::optional<Chunks> cg;
+    py::object landed_pos = py::none();
+    const bool fwd = t.P > 1;   // the forwarder: rows land in this rank's area, the chunks fan out in the node
     i64 S = 0, J = 0;
     {
       AllocOn on_comm(*this, comm, true);   // the comm stream current: NCCL's and the host copy's stream
@@ -764,9 +815,11 @@ struct InEngine : Core {
         throw std::runtime_error("exchange_failed returned");
       }
       t.head_busy = false;   // the host read showed the stream past meta
-      if (d.num_chunks > 1) throw std::runtime_error("commlib internode C++ dispatch: more than one network chunk");
-      for (i64 v : d.mine) S += v;
-      for (i64 v : d.rail_in) J += v;
+      if (d.num_chunks > t.Kc) throw std::runtime_error("commlib internode C++ dispatch: more chunks than its cap");
+      Chunks& c = cg.emplace(t, d);
+      const i64 nch = d.num_chunks;
+      S = c.send_starts.back();
+      J = c.recv_starts.back();
       const i64 N = d.num_recv;
       ph.mark("geometry");
       // ---- 3. the allocations (Wiring.alloc: on the output stream) and the int32 views
@@ -774,7 +827,7 @@ struct InEngine : Core {
       {
         AllocOn out(*this, compute, on_compute);
         rows = blocks.emplace_back(empty({S + J, Wp}, at::kByte));
-        block = blocks.emplace_back(empty({R_ * R_ + 2 * R_ * C + T * R_ + T * M + N + J}, at::kInt));
+        block = blocks.emplace_back(empty({R_ * R_ + 2 * R_ * C + T * R_ + T * M + N + (fwd ? 0 : J)}, at::kInt));
         // the outputs: one allocation, each carved at a 256-byte boundary (callpath.h Outputs, as the
         // replays' and the NVLink dispatch's outputs are); any one of them keeps it alive
         const i64 o_scales = align_up(N * H * static_cast<i64>(c10::elementSize(t.dtype)), 256);
@@ -794,7 +847,7 @@ struct InEngine : Core {
       send_head = carve(block, e[2], {T, R_}, at::kInt);
       slot = carve(block, e[3], {T, M}, at::kInt);
       src = carve(block, e[4], {N}, at::kInt);
-      land_all = carve(block, e[4] + 4 * N, {J}, at::kInt);
+      if (!fwd) land_all = carve(block, e[4] + 4 * N, {J}, at::kInt);
       at::Tensor send = carve(rows, 0, {S, Wp}, at::kByte), recv = carve(rows, S * Wp, {J, Wp}, at::kByte);
       const i64 b = static_cast<i64>(address(rank_prefix));
       ph.mark("alloc");
@@ -812,31 +865,81 @@ struct InEngine : Core {
       p.set_value(sl.pack_w, static_cast<i64>(w_addr));
       p.issue(comm.raw);
       ph.mark("pack");
-      // ---- 5. the network chunk (the rail all-to-all), then land and recv_chan
-      if (d.num_chunks == 1) {   // rows from each rail peer, rows to each (what the test records is what runs)
-        std::vector<i64>&out_splits = d.rail_in, &in_splits = d.mine;
-        if (test) record(py::make_tuple("a2a", address(recv), address(send), py::tuple(py::cast(out_splits)),
-                                        py::tuple(py::cast(in_splits))));
-        if (t.rail) {
-          auto t0 = Clock::now();
-          auto work = alltoall(*t.rail, recv, send, out_splits, in_splits, true);   // one chunk: network.py sync
-          if (work) work->wait();
-          nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+      // ---- 5. the network chunks (the rail all-to-all), with the forwarder their fan-out in the node
+      // (device.py move, node.py ForwarderNode, network.py stream: chunk k + 1 on the wire before chunk k is
+      // waited for and fanned out; one chunk on the current stream, nothing to wait for)
+      i64 area = 0;
+      if (fwd) {   // dispatch_begin: room for the node's rows in every area (collective where they grow), barrier
+        ++py_ops.call;
+        area = as_int(attr(attr(backend, NI->node), NI->reserve)(d.node_rows, t.area_row));
+        t.barrier->issue(comm.raw);
+      }
+      const bool sync = nch == 1;
+      auto post = [&](i64 k) -> c10::intrusive_ptr<c10d::Work> {
+        at::Tensor send_k = carve(rows, c.send_starts[k] * Wp, {c.send_starts[k + 1] - c.send_starts[k], Wp}, at::kByte),
+                   recv_k = carve(rows, (S + c.recv_starts[k]) * Wp, {c.recv_starts[k + 1] - c.recv_starts[k], Wp},
+                                  at::kByte);
+        if (test) record(py::make_tuple("a2a", address(recv_k), address(send_k), py::tuple(py::cast(c.recv[k])),
+                                        py::tuple(py::cast(c.send[k]))));
+        if (!t.rail) return {};
+        auto t0 = Clock::now();
+        auto work = alltoall(*t.rail, recv_k, send_k, c.recv[k], c.send[k], sync);
+        nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+        return sync ? c10::intrusive_ptr<c10d::Work>() : work;   // (sync: ordered on the stream already)
+      };
+      auto land_chunk = [&](const c10::intrusive_ptr<c10d::Work>& work) {
+        if (sync) return;
+        if (test) record(py::make_tuple("a2a_wait"));
+        if (!work) return;
+        auto t0 = Clock::now();
+        work->wait();
+        nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+      };
+      auto fan_out = [&](i64 k) {   // dispatch_chunk: the landed chunk's rows forwarded (no launch for none)
+        const i64 Jk = c.recv_starts[k + 1] - c.recv_starts[k];
+        if (!fwd || !Jk) return;
+        Launch& f = *t.forward;
+        f.set_value(t.fwd_landed, static_cast<i64>(address(recv)) + c.recv_starts[k] * Wp);
+        f.set_value(t.fwd_j, Jk);
+        f.grid = static_cast<unsigned>(t.fwd_grid(Jk));
+        f.issue(comm.raw);
+      };
+      c10::intrusive_ptr<c10d::Work> posted;
+      for (i64 k = 0; k < nch; ++k) {
+        auto next = post(k);
+        if (k && fwd) {   // (one rank per node: NCCL's chunks complete in order, the last one's wait covers all)
+          land_chunk(posted);
+          fan_out(k - 1);
         }
+        posted = std::move(next);
+      }
+      if (nch) {
+        land_chunk(posted);
+        fan_out(nch - 1);
+      }
+      if (fwd) {   // finish_forward: every peer's stores into this rank's area done and visible; then the
+        t.barrier->issue(comm.raw);   // landed rows' positions on every local rank (combine's sources)
+        at::Tensor cols = recv.slice(1, t.W, Wp).clone(at::MemoryFormat::Contiguous).view(at::kInt);
+        std::vector<i64> sizes;
+        for (i64 k = 0; k < nch; ++k) sizes.push_back(c.recv_starts[k + 1] - c.recv_starts[k]);
+        py::list lp;
+        for (at::Tensor& v : cols.split_with_sizes(sizes)) lp.append(wrap(std::move(v)));
+        landed_pos = std::move(lp);
       }
       ph.mark("network");
-      if (J) {
+      const i64 n_rows = fwd ? N : J;   // what land reads: this rank's area (its final rows), else the landed rows
+      if (n_rows) {
         Launch& l = *t.land;
-        l.set_value(sl.land_rows, static_cast<i64>(address(recv)));
-        l.set_value(sl.land_n, J);
+        l.set_value(sl.land_rows, fwd ? area : static_cast<i64>(address(recv)));
+        l.set_value(sl.land_n, n_rows);
         l.set_value(sl.land_n_out, N);
         l.set_value(sl.land_x, static_cast<i64>(address(recv_x)));
         l.set_value(sl.land_src, b + e[4]);
         l.set_value(sl.land_scales, t.S >= 0 ? static_cast<i64>(address(recv_scales)) : 0);
         l.set_value(sl.land_topk, static_cast<i64>(address(recv_topk)));
         l.set_value(sl.land_w, t.weights ? static_cast<i64>(address(recv_w)) : 0);
-        l.set_value(sl.land_pos, b + e[4] + 4 * N);
-        l.grid = static_cast<unsigned>(t.grid(J));
+        l.set_value(sl.land_pos, fwd ? 0 : b + e[4] + 4 * N);
+        l.grid = static_cast<unsigned>(t.grid(n_rows));
         l.issue(comm.raw);
       }
       Launch& rc = *t.recv_chan;
@@ -851,7 +954,7 @@ struct InEngine : Core {
     PyObject* reads = t.reads.ptr();                // Wiring.read_counts' read: reads[0] += 1
     if (PyList_SetItem(reads, 0, int_obj(as_int(PyList_GET_ITEM(reads, 0)) + 1).release().ptr()) < 0)
       throw py::error_already_set();
-    py::object plan = make_plan(t, d, S, J, wrap(slot), wrap(land_all));
+    py::object plan = make_plan(t, d, *cg, wrap(slot), fwd ? py::object(py::none()) : wrap(land_all), landed_pos);
     py::object h = bare_instance(G.handle);   // device.py make_handle
     py::dict hf = py::reinterpret_steal<py::dict>(PyDict_Copy(found->handle_template.ptr()));
     py::dict extra;

@@ -211,40 +211,44 @@ def case_callpath(ctx):
 
 
 def case_callpath_dispatch(ctx):
-    """COMMLIB_CALLPATH_INTERNODE_DISPATCH on, one rank per node: non-cached dispatches served whole by the
-    C++ call path (csrc/callpath_internode.cpp InEngine::dispatch; counted as served there), BF16 and FP8,
-    equal the reference bit for bit (outputs, handle fields, per-expert list, one host read) as the
-    Python path's do, and so do the cached dispatch and combines (Python and C++ replays) on the handle
-    the C++ path made."""
+    """COMMLIB_CALLPATH_INTERNODE_DISPATCH on: non-cached dispatches served whole by the C++ call path
+    (csrc/callpath_internode.cpp InEngine::dispatch; counted as served there) at every multi-node
+    layout, one rank per node and the forwarder (one network chunk, and several: a ring of two rows),
+    BF16 and FP8, equal the reference bit for bit (outputs, handle fields, per-expert list, one host
+    read) as the Python path's do, and so do the cached dispatch and combines (Python and C++ replays)
+    on the handle the C++ path made."""
     R = ctx.world_size
-    before = os.environ.get("COMMLIB_CALLPATH_INTERNODE_DISPATCH")
-    os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = "1"   # (the default; a run may have turned it off)
-    try:
-        ref, eng = _buffers(ctx, 1, 1)
-    finally:   # as it was, for the cases after this one
-        if before is None:
-            del os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"]
-        else:
-            os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = before
-    why = commlib.cuda.callpath.why_unavailable
-    assert eng.call_path == "cpp" and eng.backend._full_twins, f"the internode C++ dispatch is off: {why}"
-    served = lambda: eng._cpp.served["dispatch"]
-    for fp8 in (False, True):
-        for T in (57,):
-            s0 = served()
-            seeds = [5000 + 1000 * fp8 + 10 * T + k for k in range(4)]
-            compare_round(ctx, ref, eng, seeds[0], T, "random", fp8, None, R)   # the Python path, kept for C++
-            assert served() == s0, f"[fp8={fp8} T={T}] the first call of a signature is the Python path's"
-            for k, seed in enumerate(seeds[1:]):
-                eng.set_call_path("python" if k == 1 else "cpp")   # the Python path between C++ calls
-                try:
-                    compare_round(ctx, ref, eng, seed, T, "random", fp8, None, R)
-                finally:
-                    eng.set_call_path("cpp")
-            assert served() - s0 == 2, f"[fp8={fp8} T={T}] C++ served {served() - s0} of 2 dispatches"
-    torch.cuda.synchronize()
-    ref.destroy()
-    eng.destroy()
+    for i, rpn in enumerate(topologies(R)):
+        for chunks, config in ((1, None), (4, TINY)) if rpn > 1 else ((1, None),):
+            before = os.environ.get("COMMLIB_CALLPATH_INTERNODE_DISPATCH")
+            os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = "1"   # (the default; a run may have turned it off)
+            try:
+                ref, eng = _buffers(ctx, rpn, chunks)
+            finally:   # as it was, for the cases after this one
+                if before is None:
+                    del os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"]
+                else:
+                    os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = before
+            why = commlib.cuda.callpath.why_unavailable
+            assert eng.call_path == "cpp" and eng.backend._full_twins, f"the internode C++ dispatch is off: {why}"
+            served = lambda: eng._cpp.served["dispatch"]
+            where = f"rpn={rpn} chunks={chunks}"
+            for fp8 in (False, True):
+                T = 57
+                s0 = served()
+                seeds = [5000 + 1000 * fp8 + 100 * i + 10 * chunks + k for k in range(4)]
+                compare_round(ctx, ref, eng, seeds[0], T, "random", fp8, config, R // rpn)   # Python, kept for C++
+                assert served() == s0, f"[{where} fp8={fp8}] the first call of a signature is the Python path's"
+                for k, seed in enumerate(seeds[1:]):
+                    eng.set_call_path("python" if k == 1 else "cpp")   # the Python path between C++ calls
+                    try:
+                        compare_round(ctx, ref, eng, seed, T, "random", fp8, config, R // rpn)
+                    finally:
+                        eng.set_call_path("cpp")
+                assert served() - s0 == 2, f"[{where} fp8={fp8}] C++ served {served() - s0} of 2 dispatches"
+            torch.cuda.synchronize()
+            ref.destroy()
+            eng.destroy()
 
 
 def case_matches_reference(ctx):

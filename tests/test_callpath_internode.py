@@ -368,12 +368,12 @@ def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
     del r, eng, buf, res, twin, run
     gc.collect()
     assert gone() is None
-    # the forwarder (2 x 2): no twin
+    # the forwarder (2 x 2): a twin too, with its barrier and forward
     r2 = rig(2, 1)
     r2.be._full_twins = True
     idx2, w2, lay2 = r2.inp
     r2.be.dispatch(DispatchRequest(x, None, idx2, w2, lay2, None, 64, 1, 0, CFG))
-    assert r2.be.last_full_plan is None
+    assert r2.be.last_full_plan is not None and r2.be.scratch.last.node_launches is not None
 
 
 def test_cpp_noncached_dispatch_count_read_in_sync_debug_mode(rig, ext, monkeypatch):
@@ -455,15 +455,19 @@ def _layout_of(t, named) -> tuple:
     return (tuple(t.shape), t.dtype, tuple(t.stride()), named(t.data_ptr()) if t.numel() else 0)
 
 
-@pytest.mark.parametrize("fp8,alignment,empty", [(False, 1, False), (True, 1, False), (False, 4, False),
-                                                  (True, 1, True)])
-def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignment, empty):
+@pytest.mark.parametrize("P,chunks,fp8,alignment,empty", [(1, 1, False, 1, False), (1, 1, True, 1, False),
+                                                           (1, 1, False, 4, False), (1, 1, True, 1, True),
+                                                           (2, 1, False, 1, False), (2, 3, True, 1, False),
+                                                           (2, 3, False, 4, False), (2, 3, False, 1, True)])
+def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, P, chunks, fp8, alignment, empty):
     """A non-cached dispatch the C++ engine serves issues what the Python path (device.py dispatch) issues
-    for the same call: meta, the all-gather, digest, its read, pack, the rail all-to-all, land, recv_chan,
-    argument for argument (this call's allocations named: the head row, the rows, the int32 block, the
-    outputs), the same allocations, outputs, handle and plan, counts and per-expert list. ``empty``: a
-    digest of no rows anywhere (zero network chunks: no all-to-all, no land), as every rank reads it."""
-    r = rig(1, 1)
+    for the same call: meta, the all-gather, digest, its read, pack, the rail all-to-all per network chunk
+    (with the forwarder, P > 1: the barriers, each landed chunk's forward after the next chunk is posted,
+    the comm stream's waits), land, recv_chan, argument for argument (this call's allocations named: the
+    head row, the rows, the int32 block, the outputs), the same allocations, outputs, handle and plan,
+    counts and per-expert list. ``empty``: a digest of no rows anywhere (zero network chunks: no
+    all-to-all, no land), as every rank reads it."""
+    r = rig(P, chunks)
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     xq, sq = per_token_cast_to_fp8(x) if fp8 else (x, None)
     req, _, _ = _kept_full(r, ext, xq, sq, alignment)
@@ -497,13 +501,20 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignme
         [(f"out {i}", *_region(t)) for i, t in enumerate(p_outs)]
     c_named, p_named = _namer(c_regions), _namer(p_regions)
     kinds = [e[0] for e in got]
-    assert kinds == ["inter_meta_kernel", "allgather", "inter_digest_kernel", "inter_pack_kernel"] + \
-        ([] if empty else ["a2a", "inter_land_kernel"]) + ["inter_recv_chan_kernel"], kinds
+    K = 0 if empty else chunks
+    if P == 1:
+        network = ["a2a"] * K
+    else:   # chunk k + 1 posted before chunk k's forward (one forward per chunk here: every chunk lands rows)
+        network = ["fanout_barrier_kernel"] + (["a2a"] + ["a2a", "fanout_forward_kernel"] * (K - 1)
+                                               + ["fanout_forward_kernel"] if K else []) + ["fanout_barrier_kernel"]
+    assert kinds == ["inter_meta_kernel", "allgather", "inter_digest_kernel", "inter_pack_kernel"] + network + \
+        ([] if empty else ["inter_land_kernel"]) + ["inter_recv_chan_kernel"], kinds
     assert _named(got, c_regions) == _named(want, p_regions)
-    # _enter's event pair, the digest read, one allocation per Python one, _leave's pair (the collectives run
-    # on the comm stream, ordered there: no wait, as network.py's one chunk)
-    # the outputs: one allocation (made: rows, block, then one per output)
-    assert other == ["record", "wait", "read"] + ["alloc"] * 3 + ["record", "wait"], other
+    # _enter's event pair, the digest read, three allocations (the outputs one: made has rows, block, then one
+    # per output), the comm stream's wait per chunk (none for one chunk: on the comm stream, ordered there, as
+    # network.py's), _leave's pair
+    waits = ["a2a_wait"] * (K if K > 1 else 0)
+    assert other == ["record", "wait", "read"] + ["alloc"] * 3 + waits + ["record", "wait"], other
     assert len(made) == 2 + len(p_outs) == 5 + fp8
     # the outputs, the handle and its plan: shapes, dtypes, strides and (named) storage as the Python path's
     assert [_layout_of(t, c_named) for t in c_outs] == [_layout_of(t, p_named) for t in p_outs]
@@ -529,10 +540,16 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignme
         a, b = getattr(cp, f.name), getattr(pp, f.name)
         if isinstance(b, torch.Tensor):
             assert _layout_of(a, c_named) == _layout_of(b, p_named), f.name
+        elif f.name == "landed_pos":   # the forwarder's: [J_k, P] int32 per chunk, copies of the landed rows'
+            # columns (their values are the pack kernel's: a GPU case, the combine on this handle, checks them)
+            assert len(a) == len(b) == (K if P > 1 else 0), f.name
+            for u, v in zip(a, b):
+                assert (u.shape, u.dtype, u.stride(), u.is_contiguous()) == (v.shape, v.dtype, v.stride(),
+                                                                          v.is_contiguous()), f.name
         else:
             assert a == b, f.name
-    assert (cp.num_chunks, cp.num_recv > 0) == ((0, False) if empty else (1, True))
-    assert cp.slot is not None and cp.land_all is not None
+    assert (cp.num_chunks, cp.num_recv > 0) == ((0, False) if empty else (chunks, True))
+    assert cp.slot is not None and (cp.land_all is not None) == (P == 1)
     # the outputs carved from their one allocation, each at a 256-byte boundary
     ends, offsets = 0, {}
     for i, t in enumerate(p_outs):
@@ -548,7 +565,10 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, fp8, alignme
     cp2 = out2[4].extra["plan"]
     for f in dataclasses.fields(cp2):
         a, b = getattr(cp, f.name), getattr(cp2, f.name)
-        if isinstance(a, (list, dict)):
+        if f.name == "landed_pos":   # (tensors: each call's own copies)
+            assert len(a) == len(b) and a is not b and all(u.data_ptr() != v.data_ptr() for u, v in zip(a, b)
+                                                           if u.numel()), f.name
+        elif isinstance(a, (list, dict)):
             assert a == b and a is not b, f.name
     assert out2[4].extra is not c_h.extra and out2[3] is not c_per_expert
 

@@ -259,13 +259,14 @@ def in_plan(fields: dict):
     return load_internode().InPlan(fields)
 
 
-def in_full(fields: dict, meta, digest, pack, land, recv_chan):
+def in_full(fields: dict, meta, digest, pack, land, recv_chan, barrier=None, forward=None):
     """The twin of a non-cached internode dispatch (csrc/callpath_internode.cpp InFull): its kept launches
-    and ``fields`` (backends/internode/twins.py full_twin: the scratch, the shapes, the hooks)."""
+    (the forwarder's barrier and forward where a node has several ranks) and ``fields``
+    (backends/internode/twins.py full_twin: the scratch, the shapes, the hooks)."""
     mod = load_internode()
-    return mod.InFull({**fields, **{k: launch_of(r, mod) for k, r in (("meta", meta), ("digest", digest),
-                                                                          ("pack", pack), ("land", land),
-                                                                          ("recv_chan", recv_chan))}})
+    named = (("meta", meta), ("digest", digest), ("pack", pack), ("land", land), ("recv_chan", recv_chan),
+             ("barrier", barrier), ("forward", forward))
+    return mod.InFull({**fields, **{k: launch_of(r, mod) for k, r in named if r is not None}})
 
 
 def in_plan_set():

@@ -79,6 +79,7 @@ class Fresh:
         self.digest = keep(IK.digest_spec(self.g, self.dig, n_sig=N_SIG, me=topo.rank, node=topo.node,
                                           loc=topo.local_rank, M=M, P=P, Kc=Kc, ring=ring, Lx=Lx))
         self.meta = self.pack = self.land = self.recv_chan = self.packer = None
+        self.node_launches = None   # the forwarder's barrier and forward, kept for the C++ path (twins.full_twin)
         self.area_row = 0
         # the handle's int32 tensors, views of one allocation (int32_views): these shapes, then the
         # received rows' source indices [N] and (one rank per node) the landed rows' output rows

@@ -233,7 +233,7 @@ class InternodeBackend(Backend):
         if self.device_steps and device.fits(req):
             res = device.dispatch(self.wiring, self.head, self.scratch, req, sig, ring, self.name)
             if self._full_twins:
-                twin = full_twin(self.wiring, self.scratch, res, sig, E, req.expert_alignment, self)
+                twin = full_twin(self.wiring, self.scratch, res, sig, E, req.expert_alignment, ring, self)
                 self.last_full_plan = None if twin is None else FullTwin(twin)
             return res
         if req.num_worst_tokens:

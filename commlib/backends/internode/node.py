@@ -284,6 +284,13 @@ class ForwarderNode(NodeStep):
         self._reserve(plan)
         return self.Wd
 
+    def reserve(self, rows: int, row_bytes: int) -> int:
+        """Room for ``rows`` rows of ``row_bytes`` in every area (``_reserve``'s: collective on the node
+        where they grow, free where they fit) and this rank's area address: a non-cached dispatch's
+        ``dispatch_begin`` on the C++ call path (csrc/callpath_internode.cpp), which issues the barrier."""
+        self._grow(rows, row_bytes)
+        return self.fan.data_address()
+
     def barrier_spec(self) -> tuple:
         return self.fan.barrier_spec()
 

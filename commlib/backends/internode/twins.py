@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.distributed as dist
 
 from commlib.backends.base import DispatchResult
 from commlib.backends.internode import device
 from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.fanout import FORWARD_J, FORWARD_LANDED, REDUCE_J, REDUCE_OUT, REDUCE_POS
-from commlib.backends.internode.kept import KeptCombine, KeptDispatch
+from commlib.backends.internode.fanout import THREADS as FAN_THREADS
+from commlib.backends.internode.kept import KeptCombine, KeptDispatch, keep
 from commlib.backends.internode.wiring import Wiring
 from commlib.cuda import callpath, loader
 from commlib.cuda.callpath import IN_AREA, IN_OUT0, IN_OUT1, IN_SCRATCH, IN_SECOND, IN_X
+from commlib.utils.math import align_up
 
 
 class NoTwin(Exception):
@@ -123,19 +126,27 @@ def twin_on(w: Wiring, kept: KeptDispatch | KeptCombine, handle, owner):
 
 
 def full_twin(w: Wiring, scratch: device.Scratch, res: DispatchResult, sig: list, num_experts: int, alignment: int,
-              owner):
+              ring: int, owner):
     """The C++ call path's twin of the non-cached dispatch just run (csrc/callpath_internode.cpp InFull:
-    its Fresh's launches), or None where that path cannot take it: more than one network chunk, the
-    forwarder, a network that is not the NCCL rail all-to-all, a launch off the driver's path."""
+    its Fresh's launches; with the forwarder, its barrier and forward as kept launches), or None where
+    that path cannot take it: a node step other than the forwarder (several ranks per node), a network
+    that is not the NCCL rail all-to-all, a launch off the driver's path."""
     f, plan, h = scratch.last, res.handle.extra.get("plan"), res.handle
-    net = w.network
-    if (f is None or plan is None or plan.num_chunks != 1 or w.node.in_area or not w.nccl or w.max_chunks != 1
-            or getattr(net, "stall_ms", 0) or not hasattr(net, "group") or res.recv_topk_idx is None):
+    net, topo = w.network, w.topology
+    P = topo.ranks_per_node
+    if (f is None or plan is None or (P > 1 and not w.node.in_area) or not w.nccl or getattr(net, "stall_ms", 0)
+            or not hasattr(net, "group") or res.recv_topk_idx is None):
         return None
-    launches = (f.meta, f.digest, f.pack, f.land, f.recv_chan)
+    launches = [f.meta, f.digest, f.pack, f.land, f.recv_chan]
+    if P > 1:   # node.py ForwarderNode's barrier and forward (the kept calls' launches), made once per shape
+        if f.node_launches is None:
+            W = f.packer.row_bytes
+            one_row = torch.empty(1, W + 4 * P, dtype=torch.uint8, device=w.device)   # (forward_spec's checks)
+            f.node_launches = (keep(w.node.barrier_spec()), keep(w.node.forward_spec(one_row, W, align_up(W, 16))))
+        launches += f.node_launches
     if any(r is None or type(r) is not loader.Replay or not r.current() for r in launches):
         return None
-    topo, scales = w.topology, res.recv_x_scales
+    scales = res.recv_x_scales
     fields = {"owner": owner, "fresh": f, "sig": list(sig), "num_experts": num_experts, "row": f.row,
               "g": f.g_flat, "dig": f.dig, "pinned": w.cuda, "ends": f.ends[1:6], "M": topo.num_nodes,
               "P": topo.ranks_per_node, "Kc": w.max_chunks, "Lx": f.Lx, "T": h.num_tokens, "H": h.hidden,
@@ -152,7 +163,10 @@ def full_twin(w: Wiring, scratch: device.Scratch, res: DispatchResult, sig: list
               # the hooks, called with the backend (held by nothing here: no reference cycle through C++)
               "failed": functools.partial(device.full_failed, f.g, num_experts), "timed_out": device.read_timed_out,
               # the Buffer's group (the count exchange) and the rail group; None: the default group, as there
-              "group": _group(owner.group) if w.cuda else None, "rail": _group(net.group) if w.cuda else None}
+              "group": _group(owner.group) if w.cuda else None, "rail": _group(net.group) if w.cuda else None,
+              # the chunks (geometry.chunk_rows) and the forwarder's areas, grid and per-chunk slots
+              "ring": ring, "area_row": f.area_row, "fwd_threads": FAN_THREADS,
+              "fwd_ctas": w.node.fan.num_ctas if P > 1 else 1, "fwd_slots": (FORWARD_LANDED, FORWARD_J)}
     return callpath.in_full(fields, *launches)
 
 

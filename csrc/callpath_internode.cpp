@@ -733,7 +733,7 @@ struct InEngine : Core {
   }
 
   // Buffer.dispatch(x, num_tokens_per_rank=..., topk_idx=..., ...) like a kept one, run here as the Python
-  // path runs it (backends/internode/device.py dispatch, at one chunk and one rank per node): its 6-tuple,
+  // path runs it (backends/internode/device.py dispatch: one rank per node, or the forwarder): its 6-tuple,
   // or None (the Python path runs it; nothing was issued).
   py::object dispatch(py::handle buffer, DispatchArgs a, py::handle prev, bool async_finish, bool alloc_on_comm) {
     Phases ph("in_dispatch");

@@ -16,7 +16,8 @@ Variables:
                            first use; auto falls back to the Python call path with a warning where it cannot be built
                            or loaded, cpp raises there) or through Python (default auto)
   COMMLIB_CALLPATH_INTERNODE_DISPATCH  0: the internode engine's non-cached dispatches stay in Python (default 1:
-                           its C++ call path runs them whole where they fit: one rank per node, one chunk, top-k)
+                           its C++ call path runs them whole where they fit: the kernels with one rank per node or
+                           the forwarder, top-k)
   COMMLIB_GIT_COMMIT       commit to record in results where the tree has no .git (device runs)
   COMMLIB_ISSUE_ORDER      auto | comm_first | compute_first: issue order of the dual pipeline's pairs
   COMMLIB_SM_CARVEOUT      auto | off | N: SMs the dual pipeline keeps GEMMs off while it overlaps (default auto)

@@ -372,8 +372,14 @@ def test_noncached_dispatch_kept_for_cpp(rig, ext, monkeypatch):
     r2 = rig(2, 1)
     r2.be._full_twins = True
     idx2, w2, lay2 = r2.inp
-    r2.be.dispatch(DispatchRequest(x, None, idx2, w2, lay2, None, 64, 1, 0, CFG))
+    res2 = r2.be.dispatch(DispatchRequest(x, None, idx2, w2, lay2, None, 64, 1, 0, CFG))
     assert r2.be.last_full_plan is not None and r2.be.scratch.last.node_launches is not None
+    # a node step other than the forwarder (the node group's all-to-all): no twin
+    from commlib.backends.internode import twins
+    other = dataclasses.replace(r2.be.wiring, node=types.SimpleNamespace(in_area=False))
+    sig = r2.be.signature(1, 256, 64, False, 4, True, CFG)
+    assert twins.full_twin(other, r2.be.scratch, res2, sig, 64, 1, 1, r2.be) is None
+    assert twins.full_twin(r2.be.wiring, r2.be.scratch, res2, sig, 64, 1, 1, r2.be) is not None
 
 
 def test_cpp_noncached_dispatch_count_read_in_sync_debug_mode(rig, ext, monkeypatch):

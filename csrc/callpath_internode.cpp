@@ -273,7 +273,7 @@ struct InFull {
   py::object fresh;           // device.py Fresh: holds the scratch whose addresses the launches carry
   LaunchP meta, digest, pack, land, recv_chan;
   LaunchP barrier, forward;   // the forwarder's (P > 1): its node barrier, a landed chunk's forward
-  i64 ring = 1, area_row = 0, Wd = 0;    // rows per chunk slot (geometry.chunk_rows); the areas' row, stride
+  i64 ring = 1, area_row = 0;            // rows per chunk slot (geometry.chunk_rows); the areas' widest row
   i64 fwd_threads = 512, fwd_ctas = 16;  // fanout.py grid: the forward's threads and most CTAs
   int fwd_landed = 0, fwd_j = 1;         // fanout.py FORWARD_LANDED, FORWARD_J: the forward's per-chunk slots
   std::vector<i64> sig;       // the signature words (word 1: the call count, set per call)
@@ -341,7 +341,6 @@ InFullP make_in_full(py::dict d) {
   for (auto [n, v] : {std::pair<const char*, i64*>{"ring", &f->ring}, {"area_row", &f->area_row},
                       {"fwd_threads", &f->fwd_threads}, {"fwd_ctas", &f->fwd_ctas}})
     *v = d[n].cast<i64>();
-  f->Wd = align_up(f->W, 16);   // node.py ForwarderNode.dispatch_begin
   if (f->P > 1) {
     f->barrier = d["barrier"].cast<LaunchP>();
     f->forward = d["forward"].cast<LaunchP>();

@@ -472,30 +472,51 @@ struct InEngine : Core {
     ph.mark(phase);
   }
 
-  // One network chunk: the rail all-to-all of its rows (NCCL on the current stream, the comm stream).
-  c10::intrusive_ptr<c10d::Work> post(InPlan& p, Chunk& c, at::Tensor& scratch) {
-    // the chunk's rows as tensors carved without the dispatcher (what scratch.narrow(0, row, rows) views)
-    at::Tensor send = carve(scratch, c.send_row * p.width, {c.send_rows, p.width}, at::kByte),
-               out = carve(scratch, c.out_row * p.width, {c.out_rows, p.width}, at::kByte);
+  // One network chunk: the rail all-to-all of ``send`` into ``out`` on ``group`` (null in tests: recorded
+  // only), issued on the current stream (the comm stream). ``sync``: ordered there, so no work to wait for.
+  c10::intrusive_ptr<c10d::Work> post(c10d::ProcessGroup* group, at::Tensor& out, at::Tensor& send,
+                                      std::vector<i64>& out_splits, std::vector<i64>& in_splits, bool sync) {
     if (test)
-      record(py::make_tuple("a2a", address(out), address(send), py::tuple(py::cast(c.out_splits)),
-                            py::tuple(py::cast(c.in_splits))));
-    if (!p.group) return {};
+      record(py::make_tuple("a2a", address(out), address(send), py::tuple(py::cast(out_splits)),
+                            py::tuple(py::cast(in_splits))));
+    if (!group) return {};
     auto t0 = Clock::now();
-    auto work = alltoall(*p.group, out, send, c.out_splits, c.in_splits, p.sync);
+    auto work = alltoall(*group, out, send, out_splits, in_splits, sync);
     nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
-    return work;
+    return sync ? c10::intrusive_ptr<c10d::Work>() : work;
   }
 
-  // The current (comm) stream waits for a posted chunk (NCCL: no host wait); a sync plan's chunks ran
-  // on it, in its order: nothing to wait for.
-  void land(const InPlan& p, const c10::intrusive_ptr<c10d::Work>& work) {
-    if (p.sync) return;
+  // The current (comm) stream waits for a posted chunk (NCCL: no host wait); ``sync`` chunks ran on it,
+  // in its order: nothing to wait for.
+  void land(bool sync, const c10::intrusive_ptr<c10d::Work>& work) {
+    if (sync) return;
     if (test) record(py::make_tuple("a2a_wait"));
     if (!work) return;
     auto t0 = Clock::now();
     work->wait();
     nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+  }
+
+  // network.py stream: the chunk loop of every call. Chunk k: ``before(k)`` (a node step making its rows),
+  // ``post(k)``, and once it landed ``after(k)`` (a node step on what landed). Chunk k + 1 is posted before
+  // chunk k is waited for; ``each``: every chunk is waited for (a node step after it, or a network that
+  // may complete chunks out of order), else only the last.
+  template <class Before, class Post, class Land, class After>
+  static void stream(i64 n, bool each, Before before, Post post, Land land, After after) {
+    c10::intrusive_ptr<c10d::Work> posted;
+    for (i64 k = 0; k < n; ++k) {
+      before(k);
+      auto next = post(k);
+      if (k && each) {
+        land(posted);
+        after(k - 1);
+      }
+      posted = std::move(next);
+    }
+    if (n) {
+      land(posted);
+      after(n - 1);
+    }
   }
 
   // kept.py replay + run and Buffer._leave. Returns (first output, second output or None, EventOverlap).
@@ -528,24 +549,26 @@ struct InEngine : Core {
         ph.mark("area");
       }
       issue(p.pre, src, ph, "pre");
-      const size_t n = p.chunks.size();
-      c10::intrusive_ptr<c10d::Work> posted;
-      for (size_t k = 0; k < n; ++k) {   // network.py stream(): chunk k + 1 on the wire before chunk k lands
-        if (!p.node_after) issue(p.chunks[k].node, src, ph, "node");
-        auto work = post(p, p.chunks[k], scratch);
-        ph.mark("a2a");
-        if (k && (p.node_after || !p.ordered)) {
-          land(p, posted);
-          ph.mark("wait");
-          if (p.node_after) issue(p.chunks[k - 1].node, src, ph, "node");
-        }
-        posted = std::move(work);
-      }
-      if (n) {
-        land(p, posted);
-        ph.mark("wait");
-        if (p.node_after) issue(p.chunks[n - 1].node, src, ph, "node");
-      }
+      stream(
+          static_cast<i64>(p.chunks.size()), p.node_after || !p.ordered,
+          [&](i64 k) {
+            if (!p.node_after) issue(p.chunks[k].node, src, ph, "node");
+          },
+          [&](i64 k) {   // the chunk's rows as tensors carved without the dispatcher (scratch.narrow's views)
+            Chunk& c = p.chunks[k];
+            at::Tensor send = carve(scratch, c.send_row * p.width, {c.send_rows, p.width}, at::kByte),
+                       out = carve(scratch, c.out_row * p.width, {c.out_rows, p.width}, at::kByte);
+            auto work = post(p.group.get(), out, send, c.out_splits, c.in_splits, p.sync);
+            ph.mark("a2a");
+            return work;
+          },
+          [&](const c10::intrusive_ptr<c10d::Work>& work) {
+            land(p.sync, work);
+            ph.mark("wait");
+          },
+          [&](i64 k) {
+            if (p.node_after) issue(p.chunks[k].node, src, ph, "node");
+          });
       issue(p.post, src, ph, "post");
     }
     py::object counters = attr(backend, N->counters);
@@ -874,48 +897,25 @@ struct InEngine : Core {
         t.barrier->issue(comm.raw);
       }
       const bool sync = nch == 1;
-      auto post = [&](i64 k) -> c10::intrusive_ptr<c10d::Work> {
-        at::Tensor send_k = carve(rows, c.send_starts[k] * Wp, {c.send_starts[k + 1] - c.send_starts[k], Wp}, at::kByte),
-                   recv_k = carve(rows, (S + c.recv_starts[k]) * Wp, {c.recv_starts[k + 1] - c.recv_starts[k], Wp},
-                                  at::kByte);
-        if (test) record(py::make_tuple("a2a", address(recv_k), address(send_k), py::tuple(py::cast(c.recv[k])),
-                                        py::tuple(py::cast(c.send[k]))));
-        if (!t.rail) return {};
-        auto t0 = Clock::now();
-        auto work = alltoall(*t.rail, recv_k, send_k, c.recv[k], c.send[k], sync);
-        nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
-        return sync ? c10::intrusive_ptr<c10d::Work>() : work;   // (sync: ordered on the stream already)
-      };
-      auto land_chunk = [&](const c10::intrusive_ptr<c10d::Work>& work) {
-        if (sync) return;
-        if (test) record(py::make_tuple("a2a_wait"));
-        if (!work) return;
-        auto t0 = Clock::now();
-        work->wait();
-        nccl_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
-      };
-      auto fan_out = [&](i64 k) {   // dispatch_chunk: the landed chunk's rows forwarded (no launch for none)
-        const i64 Jk = c.recv_starts[k + 1] - c.recv_starts[k];
-        if (!fwd || !Jk) return;
-        Launch& f = *t.forward;
-        f.set_value(t.fwd_landed, static_cast<i64>(address(recv)) + c.recv_starts[k] * Wp);
-        f.set_value(t.fwd_j, Jk);
-        f.grid = static_cast<unsigned>(t.fwd_grid(Jk));
-        f.issue(comm.raw);
-      };
-      c10::intrusive_ptr<c10d::Work> posted;
-      for (i64 k = 0; k < nch; ++k) {
-        auto next = post(k);
-        if (k && fwd) {   // (one rank per node: NCCL's chunks complete in order, the last one's wait covers all)
-          land_chunk(posted);
-          fan_out(k - 1);
-        }
-        posted = std::move(next);
-      }
-      if (nch) {
-        land_chunk(posted);
-        fan_out(nch - 1);
-      }
+      stream(   // (one rank per node: NCCL completes the chunks in order, the last one's wait covers all)
+          nch, fwd, [](i64) {},
+          [&](i64 k) {
+            at::Tensor send_k = carve(rows, c.send_starts[k] * Wp, {c.send_starts[k + 1] - c.send_starts[k], Wp},
+                                      at::kByte),
+                       recv_k = carve(rows, (S + c.recv_starts[k]) * Wp,
+                                      {c.recv_starts[k + 1] - c.recv_starts[k], Wp}, at::kByte);
+            return post(t.rail.get(), recv_k, send_k, c.recv[k], c.send[k], sync);
+          },
+          [&](const c10::intrusive_ptr<c10d::Work>& work) { land(sync, work); },
+          [&](i64 k) {   // dispatch_chunk: the landed chunk's rows forwarded (no launch for none)
+            const i64 Jk = c.recv_starts[k + 1] - c.recv_starts[k];
+            if (!fwd || !Jk) return;
+            Launch& f = *t.forward;
+            f.set_value(t.fwd_landed, static_cast<i64>(address(recv)) + c.recv_starts[k] * Wp);
+            f.set_value(t.fwd_j, Jk);
+            f.grid = static_cast<unsigned>(t.fwd_grid(Jk));
+            f.issue(comm.raw);
+          });
       if (fwd) {   // finish_forward: every peer's stores into this rank's area done and visible; then the
         t.barrier->issue(comm.raw);   // landed rows' positions on every local rank (combine's sources)
         at::Tensor cols = recv.slice(1, t.W, Wp).clone(at::MemoryFormat::Contiguous).view(at::kInt);

@@ -218,17 +218,21 @@ def case_callpath_dispatch(ctx):
     read) as the Python path's do, and so do the cached dispatch and combines (Python and C++ replays)
     on the handle the C++ path made."""
     R = ctx.world_size
+    before = os.environ.get("COMMLIB_CALLPATH_INTERNODE_DISPATCH")
+    os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = "1"   # (the default; a run may have turned it off)
+    try:
+        _callpath_dispatch_rounds(ctx, R)
+    finally:   # as it was, for the cases after this one
+        if before is None:
+            del os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"]
+        else:
+            os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = before
+
+
+def _callpath_dispatch_rounds(ctx, R: int) -> None:
     for i, rpn in enumerate(topologies(R)):
         for chunks, config in ((1, None), (4, TINY)) if rpn > 1 else ((1, None),):
-            before = os.environ.get("COMMLIB_CALLPATH_INTERNODE_DISPATCH")
-            os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = "1"   # (the default; a run may have turned it off)
-            try:
-                ref, eng = _buffers(ctx, rpn, chunks)
-            finally:   # as it was, for the cases after this one
-                if before is None:
-                    del os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"]
-                else:
-                    os.environ["COMMLIB_CALLPATH_INTERNODE_DISPATCH"] = before
+            ref, eng = _buffers(ctx, rpn, chunks)
             why = commlib.cuda.callpath.why_unavailable
             assert eng.call_path == "cpp" and eng.backend._full_twins, f"the internode C++ dispatch is off: {why}"
             served = lambda: eng._cpp.served["dispatch"]

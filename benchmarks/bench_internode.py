@@ -629,14 +629,14 @@ def _bare_collective(c):
     return run
 
 
-def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
+def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pin: bool = False):
     from benchmarks import host_timing as HT
     from commlib.buffer import Buffer
     from commlib.fp8 import per_token_cast_to_fp8
 
     R, me, group = ctx.world_size, ctx.rank, ctx.group
     nvl, rdma = B.buffer_bytes(w.hidden, R, rpn, R // rpn)
-    rows, cpp_rows = [], []
+    rows, cpp_rows, pinned = [], [], {}
     for cap in chunk_caps:
         os.environ["COMMLIB_NETWORK_CHUNKS"] = str(cap)
         os.environ["COMMLIB_INTERNODE_KERNELS"] = "1"
@@ -654,6 +654,10 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
             return lambda: buf.dispatch(xx, num_tokens_per_rank=ntr, is_token_in_rank=tir, num_tokens_per_expert=nte,
                                         topk_idx=idx, topk_weights=wts)
         recv_x, _, recv_w, _, handle, _ = full(x)()
+        # --pin: this rank's main thread on a core of its own, NCCL's threads elsewhere (again before
+        # each op: a thread started since is moved too)
+        repin = (lambda: pinned.update(HT.pin_host(me, R))) if pin else (lambda: None)
+        repin()
         y = B.expert_output(recv_x, me)
         ops = {"dispatch_bf16": full(x), "dispatch_fp8": full(xq),
                "cached_bf16": lambda: buf.dispatch(x, handle=handle), "cached_fp8": lambda: buf.dispatch(xq, handle=handle),
@@ -664,6 +668,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
             reads = op.startswith("dispatch")
             for _ in range(warmup):
                 fn()
+            repin()
             counts = HT.count_device_ops(fn)
             probe_ops, probe_again = device_ops(buf, fn), device_ops(buf, fn)
             probe = RecordingProbe(timing=True)
@@ -719,7 +724,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
                          "nccl_us": t.get("excluded_us", 0.0), "nccl_calls": n, "nccl": nccl, "ops": counts,
                          "probe_ops": probe_ops, "probe_ops_again": probe_again, "floor_us": fl["host_us"],
                          "nccl_floor_us": sum(c["floor_us"] for c in nccl)})
-        cpp_rows += _cpp_rows(buf, ops, iters, warmup, group, cap, K, HT, cpp_dispatch)
+        cpp_rows += _cpp_rows(buf, ops, iters, warmup, group, cap, K, HT, cpp_dispatch, repin)
         everyone = [None] * R
         dist.all_gather_object(everyone, traces, group=group)
         for r in rows[-len(ops):]:
@@ -737,12 +742,17 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int):
             c["host_us"], c["floor_us"] = vals[len(keys) + 2 * j], vals[len(keys) + 2 * j + 1]
     for r in cpp_rows:
         keys = ["host_us", "cpu_us", "nccl_us", "own_us"]
+        everyone = [None] * R   # each rank's own figures: [host, own, the phased pass's host, its per-call sum]
+        dist.all_gather_object(everyone, [round(r[k], 1) for k in ("host_us", "own_us", "phased_host_us",
+                                                                   "phased_call_sum_us")], group=group)
+        r["by_rank"] = everyone
         r.update(zip(keys, slowest([float(r[k]) for k in keys], group)))
         r["cpp_calls"] = -slowest([-float(r["cpp_calls"])], group)[0]   # the fewest of any rank
-    return {"rows": rows, "cpp_rows": cpp_rows, "device": str(dev)}
+    return {"rows": rows, "cpp_rows": cpp_rows, "device": str(dev), "pinned": pinned}
 
 
-def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, HT, dispatch: bool = False) -> list:
+def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, HT, dispatch: bool = False,
+              repin=lambda: None) -> list:
     """The cached dispatches and the combine through the internode C++ call path
     (csrc/callpath_internode.cpp), where it loaded on every rank, and (``dispatch``: where
     COMMLIB_CALLPATH_INTERNODE_DISPATCH is on, the default) the non-cached dispatches: host wall / CPU us per call with
@@ -764,6 +774,7 @@ def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, 
             continue
         for _ in range(warmup + 1):   # (a dispatch: the first of its signature is the Python path's, kept)
             fn()
+        repin()
         cpp = buf._cpp
         mark = {"ns": cpp.nccl_ns, "wait": cpp.wait_ns}
 
@@ -780,14 +791,29 @@ def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, 
                           excluded_ns=nccl_ns)
         served = cpp.served[kind] - before
         callpath.phases(True)   # where the C++ call's time goes: the same calls again, timed per phase
-        HT.host_times(fn, iters, ahead=not reads, group=group)
+        again = HT.host_times(fn, iters, ahead=not reads, group=group, wait_ns=wait_ns if reads else None,
+                              excluded_ns=nccl_ns)
+        raw = callpath.phases(False, raw=True)
         host = t["total_us"] if reads else t["host_us"]   # a dispatch: its digest read's wait left out
         out.append({"op": op + "_cpp", "chunk_cap": cap, "chunks": K, "host_us": host, "cpu_us": t["cpu_us"],
                     "nccl_us": t.get("excluded_us", 0.0), "own_us": host - t.get("excluded_us", 0.0),
                     "wait_us": t.get("wait_us", 0.0), "cpp_calls": served, "iters": iters,
-                    "phases_us": callpath.phases(False)})
+                    "phases_us": {k: statistics.median(v) for k, v in raw.items()},
+                    "phased_host_us": again["total_us"] if reads else again["host_us"],
+                    "phased_call_sum_us": _call_sums(raw)})
     buf.backend._full_twins = False
     return out
+
+
+def _call_sums(raw: dict) -> float:
+    """The median over calls of one call's phases summed (the count read's wait left out), from
+    callpath.phases(raw=True): each phase has one sample per call (``outside``, the time before a call,
+    none for the first), so the last n samples of every phase are the last n calls."""
+    mine = {k: v for k, v in raw.items() if not k.endswith((".read_wait", ".wait"))}
+    n = min((len(v) for v in mine.values()), default=0)
+    if not n:
+        return 0.0
+    return statistics.median(sum(v[len(v) - n + i] for v in mine.values()) for i in range(n))
 
 
 def cpp_verdicts(r: dict) -> list:
@@ -815,7 +841,7 @@ def host_main(a, gpus: int) -> int:
         caps = caps[:1]
     kw = dict(ranks_per_node=1, use_gpu=bool(gpus), group_backend="nccl" if gpus else None, emulate_hosts=True) \
         if a.emulate_hosts else dict(ranks_per_node=a.ranks_per_node, use_gpu=bool(gpus))
-    out = parallel_launch(a.ranks, _host_worker, w, a.iters, a.warmup, caps, a.ranks_per_node, **kw)
+    out = parallel_launch(a.ranks, _host_worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.pin, **kw)
     rows = out["rows"]
     for r in rows:
         r["host_over_floor"] = r["total_us"] / (r["floor_us"] + r["nccl_floor_us"]) \
@@ -824,6 +850,10 @@ def host_main(a, gpus: int) -> int:
         r["met"] = all(t["met"] for t in r["targets"])
     shared = bool(gpus) and gpus < a.ranks
     note = ("HBM loopback (ranks share one GPU under MPS)" if shared else "one process per GPU" if gpus else "CPU ranks")
+    if out.get("pinned"):
+        note += f"; main threads pinned (rank 0 on cpu {out['pinned']['main']}, other threads on {len(out['pinned']['others'])} cpus)"
+    elif a.pin:
+        note += "; --pin asked, too few cores: not pinned"
     nodes = a.ranks // a.ranks_per_node
     print(f"# bench_internode --host: {nodes} emulated nodes x {a.ranks_per_node}, {note}; tokens {a.tokens}, hidden "
           f"{a.hidden}, {a.experts} experts; device {out['device']}; the slowest rank's medians of {a.iters} calls (us)")
@@ -856,6 +886,9 @@ def host_main(a, gpus: int) -> int:
         if r.get("phases_us"):
             print(HT.phases_line(f"{a.ranks // a.ranks_per_node} x {a.ranks_per_node} {r['op']} cap {r['chunk_cap']}",
                                  r["phases_us"]))
+        if r.get("by_rank"):
+            print(f"#   {r['op']} cap {r['chunk_cap']} per rank [host, own, phased pass's host, median per-call "
+                  f"phase sum]: {r['by_rank']}")
     for cap in caps:
         mine = [r for r in rows if r["chunk_cap"] == cap]
         if mine and mine[0].get("steps_by_rank"):
@@ -903,6 +936,9 @@ def main(argv=None) -> int:
                    help="one NCCL_HOSTID per rank: NCCL between processes (sharing a GPU, or over its socket transport)")
     p.add_argument("--host", action="store_true",
                    help="only the host-time figures and their targets (bench_host's JSON shape), nothing checked")
+    p.add_argument("--pin", action="store_true",
+                   help="--host: each rank's main thread on a core of its own, every other thread (NCCL's proxy and "
+                        "socket threads) off those cores, as a launcher that binds ranks does")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
                    help="a .json file, or a folder for the standard name (default: benchmarks/results/)")
     a = p.parse_args(argv)

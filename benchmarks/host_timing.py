@@ -21,6 +21,44 @@ _API = {"cudaEventRecord": "event_record", "cudaEventRecordWithFlags": "event_re
 CATEGORIES = ("launch", "copy", "alloc", "event_record", "event_wait", "sync", "collective")
 
 
+def pin_host(rank: int, ranks: int) -> dict:
+    """Pins the calling (main) thread of rank ``rank`` of ``ranks`` to a physical core of its own and
+    every other thread of this process (NCCL's proxy and socket threads, torch's watchdog) off the
+    ranks' cores: what a launcher binding ranks to cores does, so that an emulated transport's
+    socket threads (which move every byte through host memory, unlike an RDMA NIC) do not run on, or
+    beside, the core whose host time is measured. Call it again after new threads may have started;
+    returns {"main": cpu, "others": [cpus]}, or {} where the host has too few cores."""
+    import os
+    import threading
+    allowed = sorted(os.sched_getaffinity(0) | set(_pinned.get("others", ())) | set(_pinned.get("main", ())))
+    cores = {}
+    for cpu in allowed:   # one entry per physical core: its hyperthreads
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                sib = f.read().strip()
+        except OSError:
+            sib = str(cpu)
+        cores.setdefault(sib, []).append(cpu)
+    phys = list(cores.values())
+    if len(phys) < ranks + 2:
+        return {}
+    mains = phys[1:ranks + 1]   # core 0 left to the system
+    taken = {c for core in mains for c in core}
+    others = [c for c in allowed if c not in taken]
+    main = mains[rank][0]
+    me = threading.get_native_id()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {main} if int(tid) == me else others)
+        except OSError:   # a thread that ended meanwhile
+            pass
+    _pinned.update(main=[main], others=others)
+    return {"main": main, "others": others}
+
+
+_pinned: dict = {}
+
+
 def count_device_ops(fn) -> dict:
     """Device operations ``fn()`` issues, by category (see CATEGORIES), from one profiled call, less
     what the profiler itself issues around an empty function (its own synchronisations)."""

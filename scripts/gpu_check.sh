@@ -79,6 +79,7 @@ incpp        | internode | 4 | 420 | env COMMLIB_CALLPATH=cpp COMMLIB_TEST_CASES
 inplant      | internode | 2 | 200 | env PY=$PY bash scripts/plant_internode_kernels.sh
 inalloc      | internode | 4 | 240 | env PY=$PY bash scripts/plant_alloc.sh internode
 inhost       | internode | 2 | 150 | $PY -m benchmarks.bench_internode --host --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 --iters 20 --warmup 3 --json $RES/bench_internode_host_2x1_$(gpu_tag)_$(date +%Y%m%d)_$C.json
+inhostpin    | internode | 2 | 150 | $PY -m benchmarks.bench_internode --host --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 --iters 20 --warmup 3 --pin --json $RES/bench_internode_host_2x1_pin_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 inhost4      | internode | 4 | 200 | $PY -m benchmarks.bench_internode --host --ranks 4 --ranks-per-node 2 --emulate-hosts --chunks 1,4 --iters 10 --warmup 2 --json $RES/bench_internode_host_2x2_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 inprofile    | internode | 2 | 200 | $PY -m benchmarks.bench_internode --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 --iters 10 --warmup 3 --profile
 inbench      | internode | 2 | 150 | $PY -m benchmarks.bench_internode --chunks 1,2,4,8 --json $RES
@@ -179,6 +180,7 @@ gpu_tag() {
 env_info() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nvidia-smi topo -m
+  lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA node|L3|Hypervisor)" || true
   $PY - <<'EOF'
 import torch, sys
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,

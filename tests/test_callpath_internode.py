@@ -689,7 +689,18 @@ def test_bench_internode_cpp_dispatch_rows(rig, ext):
     steps = ("outside", "checks", "enter", "count", "meta", "exchange", "read_copy", "read_event", "read_wait",
              "read_host", "geometry", "alloc", "pack", "network", "land", "handle", "leave", "result")
     assert set(rows[0]["phases_us"]) == {f"in_dispatch.{p}" for p in steps}, rows[0]["phases_us"]
+    assert rows[0]["phased_host_us"] == 8.0 and rows[0]["phased_call_sum_us"] > 0
     assert not r.be._full_twins   # left off: the Python rows keep no twin
+
+
+def test_bench_internode_call_sums():
+    """The per-call phase sum lines up each phase's last n samples (``outside`` has none for the first
+    call) and leaves the count read's wait out."""
+    from benchmarks import bench_internode as BI
+    raw = {"in_dispatch.outside": [1.0, 2.0], "in_dispatch.pack": [10.0, 20.0, 30.0],
+           "in_dispatch.read_wait": [1e3, 1e3, 1e3]}
+    assert BI._call_sums(raw) == 26.5   # calls 2 and 3: 1 + 20, 2 + 30
+    assert BI._call_sums({}) == 0.0
 
 
 def test_c10d_alltoall_from_cpp(ext):

@@ -155,15 +155,17 @@ def load():
     return _module or None
 
 
-def phases(on: bool) -> dict:
+def phases(on: bool, raw: bool = False) -> dict:
     """Opt-in per-phase host timing of the C++ calls (benchmarks.bench_host, bench_internode --host): turn
     it on or off in every loaded module (the NVLink engine's, the internode engine's); returns {"op.phase":
     median microseconds per call} of the calls made since the last phases() call (the internode engine's
-    ops are named in_cached and in_combine). Builds nothing."""
+    ops are named in_cached and in_combine); ``raw``: {"op.phase": [microseconds, one per call]} instead.
+    Builds nothing."""
     out = {}
     for mod in (_module, _internode):
         if mod:
-            out.update({k: statistics.median(v) / 1e3 for k, v in mod._phases(on).items()})
+            for k, v in mod._phases(on).items():
+                out[k] = [ns / 1e3 for ns in v] if raw else statistics.median(v) / 1e3
     return out
 
 

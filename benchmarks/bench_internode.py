@@ -629,7 +629,8 @@ def _bare_collective(c):
     return run
 
 
-def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pin: bool = False):
+def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pin: bool = False,
+                 spin_pause: bool = True):
     from benchmarks import host_timing as HT
     from commlib.buffer import Buffer
     from commlib.fp8 import per_token_cast_to_fp8
@@ -658,6 +659,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
         # each op: a thread started since is moved too)
         repin = (lambda: pinned.update(HT.pin_host(me, R))) if pin else (lambda: None)
         repin()
+        callpath.spin_pause(spin_pause)
         y = B.expert_output(recv_x, me)
         ops = {"dispatch_bf16": full(x), "dispatch_fp8": full(xq),
                "cached_bf16": lambda: buf.dispatch(x, handle=handle), "cached_fp8": lambda: buf.dispatch(xq, handle=handle),
@@ -841,7 +843,8 @@ def host_main(a, gpus: int) -> int:
         caps = caps[:1]
     kw = dict(ranks_per_node=1, use_gpu=bool(gpus), group_backend="nccl" if gpus else None, emulate_hosts=True) \
         if a.emulate_hosts else dict(ranks_per_node=a.ranks_per_node, use_gpu=bool(gpus))
-    out = parallel_launch(a.ranks, _host_worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.pin, **kw)
+    out = parallel_launch(a.ranks, _host_worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.pin,
+                          not a.spin_no_pause, **kw)
     rows = out["rows"]
     for r in rows:
         r["host_over_floor"] = r["total_us"] / (r["floor_us"] + r["nccl_floor_us"]) \
@@ -854,6 +857,8 @@ def host_main(a, gpus: int) -> int:
         note += f"; main threads pinned (rank 0 on cpu {out['pinned']['main']}, other threads on {len(out['pinned']['others'])} cpus)"
     elif a.pin:
         note += "; --pin asked, too few cores: not pinned"
+    if a.spin_no_pause:
+        note += "; C++ host waits spin without pause"
     nodes = a.ranks // a.ranks_per_node
     print(f"# bench_internode --host: {nodes} emulated nodes x {a.ranks_per_node}, {note}; tokens {a.tokens}, hidden "
           f"{a.hidden}, {a.experts} experts; device {out['device']}; the slowest rank's medians of {a.iters} calls (us)")
@@ -939,6 +944,8 @@ def main(argv=None) -> int:
     p.add_argument("--pin", action="store_true",
                    help="--host: each rank's main thread on a core of its own, every other thread (NCCL's proxy and "
                         "socket threads) off those cores, as a launcher that binds ranks does")
+    p.add_argument("--spin-no-pause", action="store_true",
+                   help="--host: the C++ host waits spin without the CPU's pause instruction")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
                    help="a .json file, or a folder for the standard name (default: benchmarks/results/)")
     a = p.parse_args(argv)

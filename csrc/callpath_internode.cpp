@@ -894,7 +894,9 @@ struct InEngine : Core {
       if (fwd) {   // dispatch_begin: room for the node's rows in every area (collective where they grow), barrier
         ++py_ops.call;
         area = as_int(attr(attr(backend, NI->node), NI->reserve)(d.node_rows, t.area_row));
+        ph.mark("reserve");
         t.barrier->issue(comm.raw);
+        ph.mark("barrier");
       }
       const bool sync = nch == 1;
       stream(   // (one rank per node: NCCL completes the chunks in order, the last one's wait covers all)
@@ -904,9 +906,14 @@ struct InEngine : Core {
                                       at::kByte),
                        recv_k = carve(rows, (S + c.recv_starts[k]) * Wp,
                                       {c.recv_starts[k + 1] - c.recv_starts[k], Wp}, at::kByte);
-            return post(t.rail.get(), recv_k, send_k, c.recv[k], c.send[k], sync);
+            auto work = post(t.rail.get(), recv_k, send_k, c.recv[k], c.send[k], sync);
+            ph.mark("a2a");
+            return work;
           },
-          [&](const c10::intrusive_ptr<c10d::Work>& work) { land(sync, work); },
+          [&](const c10::intrusive_ptr<c10d::Work>& work) {
+            land(sync, work);
+            ph.mark("chunk_wait");
+          },
           [&](i64 k) {   // dispatch_chunk: the landed chunk's rows forwarded (no launch for none)
             const i64 Jk = c.recv_starts[k + 1] - c.recv_starts[k];
             if (!fwd || !Jk) return;
@@ -915,17 +922,20 @@ struct InEngine : Core {
             f.set_value(t.fwd_j, Jk);
             f.grid = static_cast<unsigned>(t.fwd_grid(Jk));
             f.issue(comm.raw);
+            ph.mark("forward");
           });
+      ph.mark("network");
       if (fwd) {   // finish_forward: every peer's stores into this rank's area done and visible; then the
         t.barrier->issue(comm.raw);   // landed rows' positions on every local rank (combine's sources)
+        ph.mark("barrier");
         at::Tensor cols = recv.slice(1, t.W, Wp).clone(at::MemoryFormat::Contiguous).view(at::kInt);
         std::vector<i64> sizes;
         for (i64 k = 0; k < nch; ++k) sizes.push_back(c.recv_starts[k + 1] - c.recv_starts[k]);
         py::list lp;
         for (at::Tensor& v : cols.split_with_sizes(sizes)) lp.append(wrap(std::move(v)));
         landed_pos = std::move(lp);
+        ph.mark("landed_pos");
       }
-      ph.mark("network");
       const i64 n_rows = fwd ? N : J;   // what land reads: this rank's area (its final rows), else the landed rows
       if (n_rows) {
         Launch& l = *t.land;

@@ -284,7 +284,8 @@ struct InFull {
   i64 threads = 512, max_ctas = 264;
   FullSlots slots;
   at::Tensor row, g, dig;     // the exchange row, the gathered rows, their digest (the Fresh's)
-  at::Tensor head, host_dig;  // the meta kernel's [0] + signature and the digest's host copy (pinned on a GPU)
+  at::Tensor head, host_dig;  // the meta kernel's [0] + signature and the digest's host words (pinned on a GPU)
+  int dig_out = 0;            // the digest launch's ``out``: on a GPU the pinned host words (mapped), else dig
   bool head_busy = false;     // device.py HeadRow: rewritten only after a host read showed the stream past meta
   py::object failed, timed_out;  // device.py full_failed, read_timed_out (given the backend)
   // the call's plan (geometry.Plan, made as device.py dispatch makes it): its class, the first call's fields
@@ -362,6 +363,7 @@ InFullP make_in_full(py::dict d) {
       !f->dig.is_contiguous())
     throw std::invalid_argument("InFull: the digest is not int64 of its layout");
   f->host_dig = f->host(f->dig.numel());
+  f->dig_out = f->digest->slot("out", 'Q');
   f->plan_cls = d["plan_cls"];
   f->plan_fields = d["plan_fields"];
   for (auto [k, v] : f->plan_fields.cast<py::dict>())
@@ -626,27 +628,21 @@ struct InEngine : Core {
     }
   }
 
-  // The digest's one host read (Wiring.read_counts): a copy into pinned memory on the comm stream, then a
-  // host wait with the GIL released, bounded by the Buffer's timeout; a device error is raised as torch's.
+  // The digest's one host read (Wiring.read_counts): on a GPU the digest kernel wrote the pinned host words
+  // itself (no copy to issue); an event after it on the comm stream, then a host wait with the GIL released,
+  // bounded by the Buffer's timeout; a device error is raised as torch's.
   std::vector<i64> read_digest(py::handle backend, InFull& t, Phases& ph) {
     const i64 n = t.dig.numel();
     std::vector<i64> out(n);
     synchronizing();
     if (test) {   // no device: the digest tensor holds what the test put there (the marks as on a device)
       record(py::make_tuple("read", address(t.dig), n * 8));
-      for (const char* m : {"read_copy", "read_event", "read_wait"}) ph.mark(m);
+      for (const char* m : {"read_event", "read_wait"}) ph.mark(m);
       std::memcpy(out.data(), t.dig.data_ptr(), n * 8);
       ph.mark("read_host");
       return out;
     }
-    if (cu_memcpy_dtoh) {   // on the comm stream (the current one), into the pinned host words
-      int rc = cu_memcpy_dtoh(t.host_dig.data_ptr(), address(t.dig), static_cast<size_t>(n * 8),
-                              reinterpret_cast<void*>(comm.raw));
-      if (rc) launch_failed(rc, "cuMemcpyDtoHAsync");
-    } else {
-      t.host_dig.copy_(t.dig, /*non_blocking=*/true);
-    }
-    ph.mark("read_copy");
+    if (!t.pinned) t.host_dig.copy_(t.dig, /*non_blocking=*/true);   // (a twin's host words are pinned on a GPU)
     impl->record(&read_event, comm.c, static_cast<c10::DeviceIndex>(dev), c10::EventFlag::PYTORCH_DEFAULT);
     ph.mark("read_event");
     int status = 0;   // 1: past the timeout; 2: the device's error
@@ -828,6 +824,8 @@ struct InEngine : Core {
       // ---- 2. one collective, one host read (of the gathered rows' digest)
       gather(t);
       ph.mark("exchange");
+      // on a GPU the digest kernel writes the host's words itself (pinned, mapped: no copy to issue)
+      t.digest->set(t.dig_out, !test && t.pinned ? address(t.host_dig) : address(t.dig));
       t.digest->issue(comm.raw);
       std::vector<i64> words = read_digest(backend, t, ph);
       Digest& d = dg.emplace(words.data(), static_cast<i64>(words.size()), M, t.P, t.Kc, t.Lx);
@@ -849,7 +847,8 @@ struct InEngine : Core {
       {
         AllocOn out(*this, compute, on_compute);
         rows = blocks.emplace_back(empty({S + J, Wp}, at::kByte));
-        block = blocks.emplace_back(empty({R_ * R_ + 2 * R_ * C + T * R_ + T * M + N + (fwd ? 0 : J)}, at::kInt));
+        // (after src: land_all [J], one rank per node; the forwarder's landed positions [J, P])
+        block = blocks.emplace_back(empty({R_ * R_ + 2 * R_ * C + T * R_ + T * M + N + (fwd ? J * t.P : J)}, at::kInt));
         // the outputs: one allocation, each carved at a 256-byte boundary (callpath.h Outputs, as the
         // replays' and the NVLink dispatch's outputs are); any one of them keeps it alive
         const i64 o_scales = align_up(N * H * static_cast<i64>(c10::elementSize(t.dtype)), 256);
@@ -928,7 +927,10 @@ struct InEngine : Core {
       if (fwd) {   // finish_forward: every peer's stores into this rank's area done and visible; then the
         t.barrier->issue(comm.raw);   // landed rows' positions on every local rank (combine's sources)
         ph.mark("barrier");
-        at::Tensor cols = recv.slice(1, t.W, Wp).clone(at::MemoryFormat::Contiguous).view(at::kInt);
+        // (the landed rows' position columns, one strided copy into the block: the handle keeps them)
+        at::Tensor cols = carve(block, e[4] + 4 * N, {J, t.P}, at::kInt);
+        copy_2d(address(cols), static_cast<size_t>(4 * t.P), address(recv) + static_cast<u64>(t.W),
+                static_cast<size_t>(Wp), static_cast<size_t>(4 * t.P), static_cast<size_t>(J), comm.raw, test);
         std::vector<i64> sizes;
         for (i64 k = 0; k < nch; ++k) sizes.push_back(c.recv_starts[k + 1] - c.recv_starts[k]);
         py::list lp;

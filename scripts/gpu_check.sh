@@ -77,6 +77,7 @@ inworlds     | internode | 4 | 420 | $PY -m pytest tests/gpu/test_internode_gpu.
 inwin        | internode | 4 | 240 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k worst_windows
 incpp        | internode | 4 | 420 | env COMMLIB_CALLPATH=cpp COMMLIB_TEST_CASES=callpath,callpath_dispatch $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k "not worst_mode and not worst_windows"
 inplant      | internode | 2 | 200 | env PY=$PY bash scripts/plant_internode_kernels.sh
+inplantcpp   | internode | 4 | 400 | env PY=$PY bash scripts/plant_callpath_internode.sh
 inalloc      | internode | 4 | 240 | env PY=$PY bash scripts/plant_alloc.sh internode
 inhost       | internode | 2 | 150 | $PY -m benchmarks.bench_internode --host --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 --iters 20 --warmup 3 --json $RES/bench_internode_host_2x1_$(gpu_tag)_$(date +%Y%m%d)_$C.json
 inhostpin    | internode | 2 | 150 | $PY -m benchmarks.bench_internode --host --ranks 2 --ranks-per-node 1 --emulate-hosts --chunks 1 --iters 20 --warmup 3 --pin --json $RES/bench_internode_host_2x1_pin_$(gpu_tag)_$(date +%Y%m%d)_$C.json

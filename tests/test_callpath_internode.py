@@ -433,6 +433,8 @@ def _cpp_full_trace(r, recorded) -> tuple:
             regions["rows"], regions["block"] = (op[1], op[2]), (op[4], op[5])
         else:
             other.append(op[0])
+            if op[0] == "copy2d":
+                regions["copy2d"] = tuple(op[1:])
     return trace, regions, other
 
 
@@ -520,7 +522,9 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, P, chunks, f
     # per output), the comm stream's wait per chunk (none for one chunk: on the comm stream, ordered there, as
     # network.py's), _leave's pair
     waits = ["a2a_wait"] * (K if K > 1 else 0)
-    assert other == ["record", "wait", "read"] + ["alloc"] * 3 + waits + ["record", "wait"], other
+    # with the forwarder, the landed rows' position columns: one strided copy into the block (none for no rows)
+    copies = ["copy2d"] if P > 1 and not empty else []
+    assert other == ["record", "wait", "read"] + ["alloc"] * 3 + waits + copies + ["record", "wait"], other
     assert len(made) == 2 + len(p_outs) == 5 + fp8
     # the outputs, the handle and its plan: shapes, dtypes, strides and (named) storage as the Python path's
     assert [_layout_of(t, c_named) for t in c_outs] == [_layout_of(t, p_named) for t in p_outs]
@@ -555,6 +559,13 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, P, chunks, f
         else:
             assert a == b, f.name
     assert (cp.num_chunks, cp.num_recv > 0) == ((0, False) if empty else (chunks, True))
+    if copies:   # from the landed rows (the rows' last J, columns W .. W + 4P) to the plan's landed_pos
+        dst, dpitch, src, spitch, width, height = regions["copy2d"]
+        rows_at, rows_bytes = regions["rows"]
+        block_at, block_bytes = regions["block"]
+        assert (dpitch, width, height) == (4 * P, 4 * P, sum(u.shape[0] for u in cp.landed_pos))
+        assert dst == cp.landed_pos[0].data_ptr() and block_at <= dst and dst + height * dpitch <= block_at + block_bytes
+        assert src == rows_at + rows_bytes - height * spitch + (spitch - 4 * P)
     assert cp.slot is not None and (cp.land_all is not None) == (P == 1)
     # the outputs carved from their one allocation, each at a 256-byte boundary
     ends, offsets = 0, {}
@@ -686,7 +697,7 @@ def test_bench_internode_cpp_dispatch_rows(rig, ext):
     rows = BI._cpp_rows(buf, {"dispatch_bf16": dispatch}, 4, 1, None, 1, 1,
                         types.SimpleNamespace(host_times=host_times), dispatch=True)
     assert [x["op"] for x in rows] == ["dispatch_bf16_cpp"] and rows[0]["cpp_calls"] == 4 and rows[0]["host_us"] == 8.0
-    steps = ("outside", "checks", "enter", "count", "meta", "exchange", "read_copy", "read_event", "read_wait",
+    steps = ("outside", "checks", "enter", "count", "meta", "exchange", "read_event", "read_wait",
              "read_host", "geometry", "alloc", "pack", "a2a", "chunk_wait", "network", "land", "handle", "leave", "result")
     assert set(rows[0]["phases_us"]) == {f"in_dispatch.{p}" for p in steps}, rows[0]["phases_us"]
     assert rows[0]["phased_host_us"] == 8.0 and rows[0]["phased_call_sum_us"] > 0

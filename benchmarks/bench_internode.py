@@ -638,6 +638,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
     R, me, group = ctx.world_size, ctx.rank, ctx.group
     nvl, rdma = B.buffer_bytes(w.hidden, R, rpn, R // rpn)
     rows, cpp_rows, pinned = [], [], {}
+    cpus = {"at start": len(os.sched_getaffinity(0))}   # the main thread's CPUs (what NCCL's set-up leaves it)
     for cap in chunk_caps:
         os.environ["COMMLIB_NETWORK_CHUNKS"] = str(cap)
         os.environ["COMMLIB_INTERNODE_KERNELS"] = "1"
@@ -658,6 +659,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
         # --pin: this rank's main thread on a core of its own, NCCL's threads elsewhere (again before
         # each op: a thread started since is moved too)
         repin = (lambda: pinned.update(HT.pin_host(me, R))) if pin else (lambda: None)
+        cpus.setdefault("after the first call", len(os.sched_getaffinity(0)))
         repin()
         callpath.spin_pause(spin_pause)
         y = B.expert_output(recv_x, me)
@@ -750,7 +752,7 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
         r["by_rank"] = everyone
         r.update(zip(keys, slowest([float(r[k]) for k in keys], group)))
         r["cpp_calls"] = -slowest([-float(r["cpp_calls"])], group)[0]   # the fewest of any rank
-    return {"rows": rows, "cpp_rows": cpp_rows, "device": str(dev), "pinned": pinned}
+    return {"rows": rows, "cpp_rows": cpp_rows, "device": str(dev), "pinned": pinned, "main_cpus": cpus}
 
 
 def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, HT, dispatch: bool = False,
@@ -859,6 +861,8 @@ def host_main(a, gpus: int) -> int:
         note += "; --pin asked, too few cores: not pinned"
     if a.spin_no_pause:
         note += "; C++ host waits spin without pause"
+    if out.get("main_cpus"):
+        note += "; rank 0's main thread may run on " + ", ".join(f"{n} CPUs {k}" for k, n in out["main_cpus"].items())
     nodes = a.ranks // a.ranks_per_node
     print(f"# bench_internode --host: {nodes} emulated nodes x {a.ranks_per_node}, {note}; tokens {a.tokens}, hidden "
           f"{a.hidden}, {a.experts} experts; device {out['device']}; the slowest rank's medians of {a.iters} calls (us)")

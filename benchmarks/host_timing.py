@@ -30,29 +30,29 @@ def pin_host(rank: int, ranks: int) -> dict:
     returns {"main": cpu, "others": [cpus]}, or {} where the host has too few cores."""
     import os
     import threading
-    allowed = sorted(os.sched_getaffinity(0) | set(_pinned.get("others", ())) | set(_pinned.get("main", ())))
-    cores = {}
-    for cpu in allowed:   # one entry per physical core: its hyperthreads
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-                sib = f.read().strip()
-        except OSError:
-            sib = str(cpu)
-        cores.setdefault(sib, []).append(cpu)
-    phys = list(cores.values())
-    if len(phys) < ranks + 2:
-        return {}
-    mains = phys[1:ranks + 1]   # core 0 left to the system
-    taken = {c for core in mains for c in core}
-    others = [c for c in allowed if c not in taken]
-    main = mains[rank][0]
+    if "main" not in _pinned:   # the layout, once, from the process's CPUs before any pinning
+        allowed = sorted(os.sched_getaffinity(0))
+        cores = {}
+        for cpu in allowed:   # one entry per physical core: its hyperthreads
+            try:
+                with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                    sib = f.read().strip()
+            except OSError:
+                sib = str(cpu)
+            cores.setdefault(sib, []).append(cpu)
+        phys = list(cores.values())
+        if len(phys) < ranks + 2:
+            return {}
+        mains = phys[1:ranks + 1]   # core 0 left to the system
+        taken = {c for core in mains for c in core}
+        _pinned.update(main=mains[rank][0], others=[c for c in allowed if c not in taken])
+    main, others = _pinned["main"], _pinned["others"]
     me = threading.get_native_id()
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), {main} if int(tid) == me else others)
         except OSError:   # a thread that ended meanwhile
             pass
-    _pinned.update(main=[main], others=others)
     return {"main": main, "others": others}
 
 

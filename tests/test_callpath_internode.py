@@ -828,3 +828,26 @@ def test_bench_internode_cpp_rows_carry_phases(rig, ext, capsys):
         line = HT.phases_line("2 x 1 " + row["op"], row["phases_us"])
         assert line.startswith("# phases (rank 0, median us) 2 x 1 " + row["op"] + ": checks ") and "(sum " in line
     assert callpath.phases(False) == {}   # left off
+
+
+def test_pin_host_keeps_one_layout(monkeypatch):
+    """bench_internode --pin: each rank's main thread on a core of its own (core 0 and the other ranks'
+    left to the rest), every other thread off the ranks' cores, and the same layout on every later call
+    (a call after the first pinning must not derive it again from the pinned thread's own CPUs)."""
+    import os
+    import threading
+    from benchmarks import host_timing as HT
+    monkeypatch.setattr(HT, "_pinned", {})
+    cpus, set_to = set(range(16)), {}
+    me = threading.get_native_id()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(set_to.get(me, cpus)))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, mask: set_to.__setitem__(tid, set(mask)))
+    first = HT.pin_host(1, 4)
+    assert first["main"] == 2 and sorted(first["others"]) == [0] + list(range(5, 16))
+    assert set_to[me] == {2} and all(m == set(first["others"]) for t, m in set_to.items() if t != me)
+    for _ in range(3):
+        assert HT.pin_host(1, 4) == first
+    monkeypatch.setattr(HT, "_pinned", {})
+    cpus = {0, 1, 2, 3}
+    set_to.clear()
+    assert HT.pin_host(0, 4) == {}   # too few cores: nothing pinned

@@ -4,10 +4,7 @@
 # reference backend, bit for bit): every plant must make it fail with an AssertionError (a mismatch,
 # not a crash). Each plant is its own build (a changed source is a new cache entry). The file is
 # restored after each plant. GPU machine only (scripts/gpu_check.sh cpplant).
-set -u
-cd "$(dirname "$0")/.."
-PY=${PY:-python3}
-source scripts/plant_lib.sh
+source "$(dirname "$0")/plant_lib.sh"
 plant_begin csrc/callpath.cpp csrc/callpath.h
 # name @ text in the source @ its planted replacement
 PLANTS=(

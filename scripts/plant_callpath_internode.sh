@@ -5,10 +5,7 @@
 # and combine on its handles): every plant must make it fail (a mismatch, or a device error where the
 # planted bug sends a kernel to a wrong address). Each plant is its own build. The files are restored
 # after each plant. GPU machine only (scripts/gpu_check.sh inplantcpp).
-set -u
-cd "$(dirname "$0")/.."
-PY=${PY:-python3}
-source scripts/plant_lib.sh
+source "$(dirname "$0")/plant_lib.sh"
 plant_begin csrc/callpath_internode.cpp csrc/callpath.h
 # name @ text in the source @ its planted replacement
 PLANTS=(

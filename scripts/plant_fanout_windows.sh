@@ -4,10 +4,7 @@
 # windows of final rows against a torch oracle): every plant must make it fail. The file is restored
 # after each plant. GPU machine only (scripts/gpu_check.sh fanplant). The engine's side of the
 # windows (padded.py) is planted on CPU stand-ins: tests/cases_internode.py worst_kernel_route.
-set -u
-cd "$(dirname "$0")/.."
-PY=${PY:-python3}
-source scripts/plant_lib.sh
+source "$(dirname "$0")/plant_lib.sh"
 plant_begin csrc/fanout.cu
 # name @ text in the kernel @ its planted replacement
 PLANTS=(

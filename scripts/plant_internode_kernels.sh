@@ -3,10 +3,7 @@
 # on the GPU as 2 emulated hosts, case matches_reference against the reference backend; plants marked
 # "digest": the digest kernel against its torch spec, tests/gpu/test_internode_gpu.py -k digest): every
 # plant must make it fail. The file is restored after each plant. GPU machine only (scripts/gpu_check.sh inplant).
-set -u
-cd "$(dirname "$0")/.."
-PY=${PY:-python3}
-source scripts/plant_lib.sh
+source "$(dirname "$0")/plant_lib.sh"
 plant_begin csrc/internode.cu
 # name @ text in the kernel @ its planted replacement [@ digest]  ('@': the kernel's text has '|')
 PLANTS=(

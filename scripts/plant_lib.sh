@@ -1,5 +1,9 @@
-# Sourced by the plant scripts: each plant replaces one text of one source file (found there exactly
-# once) before its check runs; the original comes back before the next plant and on exit.
+# Sourced by the plant scripts, first: from the repository root, PY the interpreter (python3 unless set).
+# Each plant replaces one text of one source file (found there exactly once) before its check runs; the
+# original comes back before the next plant and on exit.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PY:-python3}
 plant_begin() {   # plant_begin FILE [FILE...]: keep the files' originals (a plant's text is found in one of them)
   PLANT_SRCS=("$@")
   PLANT_ORIG=$(mktemp -d /tmp/plant_orig.XXXXXX)

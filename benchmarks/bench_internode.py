@@ -750,6 +750,9 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
         dist.all_gather_object(everyone, [round(r[k], 1) for k in ("host_us", "own_us", "phased_host_us",
                                                                    "phased_call_sum_us")], group=group)
         r["by_rank"] = everyone
+        phases = [None] * R   # and each rank's phases: the slowest rank's are printed beside rank 0's
+        dist.all_gather_object(phases, r.get("phases_us") or {}, group=group)
+        r["phases_by_rank"] = phases
         r.update(zip(keys, slowest([float(r[k]) for k in keys], group)))
         r["cpp_calls"] = -slowest([-float(r["cpp_calls"])], group)[0]   # the fewest of any rank
     return {"rows": rows, "cpp_rows": cpp_rows, "device": str(dev), "pinned": pinned, "main_cpus": cpus}
@@ -820,6 +823,23 @@ def _call_sums(raw: dict) -> float:
     return statistics.median(sum(v[len(v) - n + i] for v in mine.values()) for i in range(n))
 
 
+def cpp_phase_lines(r: dict, layout: str) -> list:
+    """A C++ row's printed lines: rank 0's phases, every rank's [host, own, the phased pass's host, its
+    median per-call phase sum], and the slowest rank's phases where that is not rank 0."""
+    from benchmarks import host_timing as HT
+    label = f"{layout} {r['op']} cap {r['chunk_cap']}"
+    out = [HT.phases_line(label, r["phases_us"])] if r.get("phases_us") else []
+    by_rank = r.get("by_rank") or []
+    if by_rank:
+        out.append(f"#   {r['op']} cap {r['chunk_cap']} per rank [host, own, phased pass's host, median per-call "
+                   f"phase sum]: {by_rank}")
+        slow = max(range(len(by_rank)), key=lambda i: by_rank[i][0])
+        phases = r.get("phases_by_rank") or []
+        if slow and slow < len(phases) and phases[slow]:
+            out.append(HT.phases_line(label + " (the slowest rank)", phases[slow], slow))
+    return out
+
+
 def cpp_verdicts(r: dict) -> list:
     """The host-time targets a C++ call path row speaks to (own: the Buffer's and the engine's, outside NCCL)."""
     kind = r["op"].split("_")[0]
@@ -836,7 +856,6 @@ def cpp_verdicts(r: dict) -> list:
 
 def host_main(a, gpus: int) -> int:
     """--host: the host-time figures and their targets (module docstring of bench_host for the method)."""
-    from benchmarks import host_timing as HT
     from commlib.utils.launch import parallel_launch
 
     w = B.Workload(a.tokens, a.hidden, a.experts, a.topk, a.groups, a.topk_groups, a.seed)
@@ -892,12 +911,8 @@ def host_main(a, gpus: int) -> int:
             print(f"# target {t['target']} [cap {r['chunk_cap']}]: {t['value']} (needs <= {t['limit']}): "
                   + ("PASS" if t["met"] else "FAIL"))
     for r in cpp_rows:
-        if r.get("phases_us"):
-            print(HT.phases_line(f"{a.ranks // a.ranks_per_node} x {a.ranks_per_node} {r['op']} cap {r['chunk_cap']}",
-                                 r["phases_us"]))
-        if r.get("by_rank"):
-            print(f"#   {r['op']} cap {r['chunk_cap']} per rank [host, own, phased pass's host, median per-call "
-                  f"phase sum]: {r['by_rank']}")
+        for line in cpp_phase_lines(r, f"{a.ranks // a.ranks_per_node} x {a.ranks_per_node}"):
+            print(line)
     for cap in caps:
         mine = [r for r in rows if r["chunk_cap"] == cap]
         if mine and mine[0].get("steps_by_rank"):

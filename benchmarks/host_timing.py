@@ -101,14 +101,14 @@ def device_busy(us: float) -> None:
         torch.cuda._sleep(int(us * 2000))   # ~2 cycles per ns at the H200's clocks: busy well past the loop
 
 
-def phases_line(label: str, phases_us: dict) -> str:
+def phases_line(label: str, phases_us: dict, rank: int = 0) -> str:
     """The printed line of a C++ call's per-phase medians (commlib.cuda.callpath.phases: {"op.phase": us})."""
     parts = " ".join(f"{k.split('.', 1)[1]} {v:.2f}" for k, v in phases_us.items())
     total = sum(phases_us.values())
     # the full dispatches' count poll and digest wait (not the host's own time)
     wait = phases_us.get("dispatch.wait", 0.0) + phases_us.get("in_dispatch.read_wait", 0.0)
     own = f", own {total - wait:.1f} without wait" if wait else ""
-    return f"# phases (rank 0, median us) {label}: {parts} (sum {total:.1f}{own})"
+    return f"# phases (rank {rank}, median us) {label}: {parts} (sum {total:.1f}{own})"
 
 
 QUANTILES = (10, 50, 90)

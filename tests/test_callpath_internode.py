@@ -851,3 +851,18 @@ def test_pin_host_keeps_one_layout(monkeypatch):
     cpus = {0, 1, 2, 3}
     set_to.clear()
     assert HT.pin_host(0, 4) == {}   # too few cores: nothing pinned
+
+
+def test_bench_internode_cpp_phase_lines():
+    """bench_internode --host prints rank 0's phases, every rank's figures and, where another rank is the
+    slowest, that rank's phases too."""
+    from benchmarks import bench_internode as BI
+    r = {"op": "dispatch_bf16_cpp", "chunk_cap": 1, "phases_us": {"in_dispatch.pack": 5.0},
+         "by_rank": [[300.0, 150.0, 290.0, 295.0], [600.0, 330.0, 610.0, 620.0]],
+         "phases_by_rank": [{"in_dispatch.pack": 5.0}, {"in_dispatch.pack": 11.0}]}
+    lines = BI.cpp_phase_lines(r, "2 x 2")
+    assert lines[0].startswith("# phases (rank 0, median us) 2 x 2 dispatch_bf16_cpp cap 1: pack 5.00")
+    assert "per rank" in lines[1] and "[600.0, 330.0, 610.0, 620.0]" in lines[1]
+    assert lines[2].startswith("# phases (rank 1, median us) 2 x 2 dispatch_bf16_cpp cap 1 (the slowest rank): pack 11.00")
+    r["by_rank"].reverse()   # rank 0 the slowest: its line is already there
+    assert len(BI.cpp_phase_lines(r, "2 x 2")) == 2

@@ -629,8 +629,7 @@ def _bare_collective(c):
     return run
 
 
-def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pin: bool = False,
-                 spin_pause: bool = True):
+def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pin: bool = False):
     from benchmarks import host_timing as HT
     from commlib.buffer import Buffer
     from commlib.fp8 import per_token_cast_to_fp8
@@ -661,7 +660,6 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
         repin = (lambda: pinned.update(HT.pin_host(me, R))) if pin else (lambda: None)
         cpus.setdefault("after the first call", len(os.sched_getaffinity(0)))
         repin()
-        callpath.spin_pause(spin_pause)
         y = B.expert_output(recv_x, me)
         ops = {"dispatch_bf16": full(x), "dispatch_fp8": full(xq),
                "cached_bf16": lambda: buf.dispatch(x, handle=handle), "cached_fp8": lambda: buf.dispatch(xq, handle=handle),
@@ -864,8 +862,7 @@ def host_main(a, gpus: int) -> int:
         caps = caps[:1]
     kw = dict(ranks_per_node=1, use_gpu=bool(gpus), group_backend="nccl" if gpus else None, emulate_hosts=True) \
         if a.emulate_hosts else dict(ranks_per_node=a.ranks_per_node, use_gpu=bool(gpus))
-    out = parallel_launch(a.ranks, _host_worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.pin,
-                          not a.spin_no_pause, **kw)
+    out = parallel_launch(a.ranks, _host_worker, w, a.iters, a.warmup, caps, a.ranks_per_node, a.pin, **kw)
     rows = out["rows"]
     for r in rows:
         r["host_over_floor"] = r["total_us"] / (r["floor_us"] + r["nccl_floor_us"]) \
@@ -878,8 +875,6 @@ def host_main(a, gpus: int) -> int:
         note += f"; main threads pinned (rank 0 on cpu {out['pinned']['main']}, other threads on {len(out['pinned']['others'])} cpus)"
     elif a.pin:
         note += "; --pin asked, too few cores: not pinned"
-    if a.spin_no_pause:
-        note += "; C++ host waits spin without pause"
     if out.get("main_cpus"):
         note += "; rank 0's main thread may run on " + ", ".join(f"{n} CPUs {k}" for k, n in out["main_cpus"].items())
     nodes = a.ranks // a.ranks_per_node
@@ -963,8 +958,6 @@ def main(argv=None) -> int:
     p.add_argument("--pin", action="store_true",
                    help="--host: each rank's main thread on a core of its own, every other thread (NCCL's proxy and "
                         "socket threads) off those cores, as a launcher that binds ranks does")
-    p.add_argument("--spin-no-pause", action="store_true",
-                   help="--host: the C++ host waits spin without the CPU's pause instruction")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
                    help="a .json file, or a folder for the standard name (default: benchmarks/results/)")
     a = p.parse_args(argv)

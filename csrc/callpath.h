@@ -291,12 +291,7 @@ void copy_2d(u64 dst, size_t dpitch, u64 src, size_t spitch, size_t width, size_
   if (rc) launch_failed(rc, "cuMemcpy2DAsync");
 }
 
-// Host spin loops' pause (benchmarks: _spin_pause(false) spins without it, to measure what a hypervisor's
-// pause-loop exits cost a waiting thread).
-bool spin_pause = true;
-
 inline void cpu_pause() {
-  if (!spin_pause) return;
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
 #elif defined(__aarch64__)
@@ -1014,8 +1009,6 @@ void def_common(py::module_& m) {
   }, py::arg("count_allocations") = false,
      "tests: the Python C-API work since the last call ({get, set, call, alloc}); counts object allocations "
      "from now while count_allocations");
-  m.def("_spin_pause", [](bool on) { spin_pause = on; }, py::arg("on"),
-        "benchmarks: host waits spin with the CPU's pause instruction (default) or without it");
   m.def("_phases", [](bool on) {
     py::dict out;
     for (auto& p : phase_times) {

@@ -169,14 +169,6 @@ def phases(on: bool, raw: bool = False) -> dict:
     return out
 
 
-def spin_pause(on: bool) -> None:
-    """Benchmarks: the C++ host waits (the count poll, the digest read) spin with the CPU's pause
-    instruction (the default) or without it, in every loaded module. Builds nothing."""
-    for mod in (_module, _internode):
-        if mod:
-            mod._spin_pause(on)
-
-
 def load_internode():
     """The internode engine's extension (csrc/callpath_internode.cpp), as ``load``."""
     if _internode is None:

@@ -8,7 +8,9 @@ allocation (aten::empty*), an event record, an event wait, a host sync, a collec
 from __future__ import annotations
 
 import collections
+import os
 import statistics
+import threading
 import time
 
 import torch
@@ -28,8 +30,6 @@ def pin_host(rank: int, ranks: int) -> dict:
     socket threads (which move every byte through host memory, unlike an RDMA NIC) do not run on, or
     beside, the core whose host time is measured. Call it again after new threads may have started;
     returns {"main": cpu, "others": [cpus]}, or {} where the host has too few cores."""
-    import os
-    import threading
     if "main" not in _pinned:   # the layout, once, from the process's CPUs before any pinning
         allowed = sorted(os.sched_getaffinity(0))
         cores = {}

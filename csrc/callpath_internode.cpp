@@ -923,7 +923,6 @@ struct InEngine : Core {
             f.issue(comm.raw);
             ph.mark("forward");
           });
-      ph.mark("network");
       if (fwd) {   // finish_forward: every peer's stores into this rank's area done and visible; then the
         t.barrier->issue(comm.raw);   // landed rows' positions on every local rank (combine's sources)
         ph.mark("barrier");

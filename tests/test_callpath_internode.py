@@ -698,7 +698,7 @@ def test_bench_internode_cpp_dispatch_rows(rig, ext):
                         types.SimpleNamespace(host_times=host_times), dispatch=True)
     assert [x["op"] for x in rows] == ["dispatch_bf16_cpp"] and rows[0]["cpp_calls"] == 4 and rows[0]["host_us"] == 8.0
     steps = ("outside", "checks", "enter", "count", "meta", "exchange", "read_event", "read_wait",
-             "read_host", "geometry", "alloc", "pack", "a2a", "chunk_wait", "network", "land", "handle", "leave", "result")
+             "read_host", "geometry", "alloc", "pack", "a2a", "chunk_wait", "land", "handle", "leave", "result")
     assert set(rows[0]["phases_us"]) == {f"in_dispatch.{p}" for p in steps}, rows[0]["phases_us"]
     assert rows[0]["phased_host_us"] == 8.0 and rows[0]["phased_call_sum_us"] > 0
     assert not r.be._full_twins   # left off: the Python rows keep no twin

@@ -744,9 +744,8 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
             c["host_us"], c["floor_us"] = vals[len(keys) + 2 * j], vals[len(keys) + 2 * j + 1]
     for r in cpp_rows:
         keys = ["host_us", "cpu_us", "nccl_us", "own_us"]
-        everyone = [None] * R   # each rank's own figures: [host, own, the phased pass's host, its per-call sum]
-        dist.all_gather_object(everyone, [round(r[k], 1) for k in ("host_us", "own_us", "phased_host_us",
-                                                                   "phased_call_sum_us")], group=group)
+        everyone = [None] * R   # each rank's own figures (BY_RANK)
+        dist.all_gather_object(everyone, [round(r[k], 1) for k in BY_RANK[:-1]] + [r["cpu"]], group=group)
         r["by_rank"] = everyone
         phases = [None] * R   # and each rank's phases: the slowest rank's are printed beside rank 0's
         dist.all_gather_object(phases, r.get("phases_us") or {}, group=group)
@@ -795,6 +794,8 @@ def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, 
         t = HT.host_times(fn, iters, ahead=not reads, group=group, wait_ns=wait_ns if reads else None,
                           excluded_ns=nccl_ns)
         served = cpp.served[kind] - before
+        cpu = HT.current_cpu()   # where this rank's main thread ran, and that host's speed right then
+        probe_us = statistics.median(_host_probe(buf.device) for _ in range(5))
         callpath.phases(True)   # where the C++ call's time goes: the same calls again, timed per phase
         again = HT.host_times(fn, iters, ahead=not reads, group=group, wait_ns=wait_ns if reads else None,
                               excluded_ns=nccl_ns)
@@ -805,7 +806,7 @@ def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, 
                     "wait_us": t.get("wait_us", 0.0), "cpp_calls": served, "iters": iters,
                     "phases_us": {k: statistics.median(v) for k, v in raw.items()},
                     "phased_host_us": again["total_us"] if reads else again["host_us"],
-                    "phased_call_sum_us": _call_sums(raw)})
+                    "phased_call_sum_us": _call_sums(raw), "host_probe_us": probe_us, "cpu": cpu})
     buf.backend._full_twins = False
     return out
 
@@ -821,16 +822,22 @@ def _call_sums(raw: dict) -> float:
     return statistics.median(sum(v[len(v) - n + i] for v in mine.values()) for i in range(n))
 
 
+# a C++ row's figures per rank: host and own us, the phased pass's host us and its median per-call phase
+# sum, the host probe's us right after the timed pass (the host's speed then: compare ranks by it), the
+# CPU the main thread was on
+BY_RANK = ("host_us", "own_us", "phased_host_us", "phased_call_sum_us", "host_probe_us", "cpu")
+
+
 def cpp_phase_lines(r: dict, layout: str) -> list:
-    """A C++ row's printed lines: rank 0's phases, every rank's [host, own, the phased pass's host, its
-    median per-call phase sum], and the slowest rank's phases where that is not rank 0."""
+    """A C++ row's printed lines: rank 0's phases, every rank's BY_RANK figures, and the slowest rank's
+    phases where that is not rank 0."""
     from benchmarks import host_timing as HT
     label = f"{layout} {r['op']} cap {r['chunk_cap']}"
     out = [HT.phases_line(label, r["phases_us"])] if r.get("phases_us") else []
     by_rank = r.get("by_rank") or []
     if by_rank:
         out.append(f"#   {r['op']} cap {r['chunk_cap']} per rank [host, own, phased pass's host, median per-call "
-                   f"phase sum]: {by_rank}")
+                   f"phase sum, host probe, cpu]: {by_rank}")
         slow = max(range(len(by_rank)), key=lambda i: by_rank[i][0])
         phases = r.get("phases_by_rank") or []
         if slow and slow < len(phases) and phases[slow]:

@@ -59,6 +59,15 @@ def pin_host(rank: int, ranks: int) -> dict:
 _pinned: dict = {}
 
 
+def current_cpu() -> int:
+    """The CPU the calling thread last ran on (field 39 of /proc/thread-self/stat), -1 where unknown."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def count_device_ops(fn) -> dict:
     """Device operations ``fn()`` issues, by category (see CATEGORIES), from one profiled call, less
     what the profiler itself issues around an empty function (its own synchronisations)."""

@@ -651,8 +651,9 @@ struct InEngine : Core {
     {
       py::gil_scoped_release unlocked;
       const auto limit = std::chrono::nanoseconds(timeout_ns);
+      bool slept = false;
       for (u64 spins = 0;; ++spins) {
-        if ((spins & 63) == 0) {
+        if ((spins & 63) == 0 || slept) {
           try {
             if (impl->queryEvent(read_event)) break;
           } catch (...) {
@@ -665,7 +666,7 @@ struct InEngine : Core {
             break;
           }
         }
-        cpu_pause();
+        slept = wait_step(t0, spin_ns);
       }
     }
     wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();

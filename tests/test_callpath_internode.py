@@ -853,16 +853,37 @@ def test_pin_host_keeps_one_layout(monkeypatch):
     assert HT.pin_host(0, 4) == {}   # too few cores: nothing pinned
 
 
+def test_current_cpu_is_one_the_thread_may_run_on():
+    import os
+    from benchmarks import host_timing as HT
+    assert HT.current_cpu() in os.sched_getaffinity(0)
+
+
+def test_cpu_siblings_probe_shape():
+    """benchmarks.cpu_siblings: a time alone per CPU and a ratio per pair of CPUs (this machine's)."""
+    import os
+    from benchmarks import cpu_siblings as CS
+    old, CS.WORK = CS.WORK, 20_000
+    try:
+        out = CS.probe(reps=1)
+    finally:
+        CS.WORK = old
+    cpus = sorted(os.sched_getaffinity(0))
+    assert out["cpus"] == cpus and sorted(out["alone_us"]) == cpus
+    assert [p[:2] for p in out["pairs"]] == [[a, b] for i, a in enumerate(cpus) for b in cpus[i + 1:]]
+    assert all(p[2] > 0.5 for p in out["pairs"])
+
+
 def test_bench_internode_cpp_phase_lines():
     """bench_internode --host prints rank 0's phases, every rank's figures and, where another rank is the
     slowest, that rank's phases too."""
     from benchmarks import bench_internode as BI
     r = {"op": "dispatch_bf16_cpp", "chunk_cap": 1, "phases_us": {"in_dispatch.pack": 5.0},
-         "by_rank": [[300.0, 150.0, 290.0, 295.0], [600.0, 330.0, 610.0, 620.0]],
+         "by_rank": [[300.0, 150.0, 290.0, 295.0, 340.0, 3], [600.0, 330.0, 610.0, 620.0, 680.0, 7]],
          "phases_by_rank": [{"in_dispatch.pack": 5.0}, {"in_dispatch.pack": 11.0}]}
     lines = BI.cpp_phase_lines(r, "2 x 2")
     assert lines[0].startswith("# phases (rank 0, median us) 2 x 2 dispatch_bf16_cpp cap 1: pack 5.00")
-    assert "per rank" in lines[1] and "[600.0, 330.0, 610.0, 620.0]" in lines[1]
+    assert "per rank" in lines[1] and "host probe, cpu]" in lines[1] and "[600.0, 330.0, 610.0, 620.0, 680.0, 7]" in lines[1]
     assert lines[2].startswith("# phases (rank 1, median us) 2 x 2 dispatch_bf16_cpp cap 1 (the slowest rank): pack 11.00")
     r["by_rank"].reverse()   # rank 0 the slowest: its line is already there
     assert len(BI.cpp_phase_lines(r, "2 x 2")) == 2

@@ -1,0 +1,114 @@
+"""Which CPUs of this host slow each other down: each CPU's speed alone, then every pair's run together.
+
+Two CPUs that share a physical core (SMT siblings, or vCPUs a hypervisor backs with one core's two
+threads; a guest's lscpu need not say so) run the same work together at well under their speed
+alone; so may CPUs whose core a neighbour of the machine keeps busy (their speed alone varies). Host
+times measured on such a CPU are the host's, not the code's: bench_internode --host names the CPU
+each rank ran on beside its figures.
+
+    python -m benchmarks.cpu_siblings [--reps 3] [--json DIR]
+
+Prints each CPU's time alone (min / median of ``reps``), then the pairs whose work took at least
+``--flag`` x their time alone; JSON (``--json``): every pair's ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+WORK = 200_000   # iterations of a pure-Python loop: ~5-10 ms on one core
+
+
+def _work() -> float:
+    t0 = time.perf_counter()
+    acc = 0
+    for i in range(WORK):
+        acc += i & 7
+    return time.perf_counter() - t0
+
+
+def _worker(conn) -> None:
+    """Runs the work on the CPU it is sent, starting at the time it is sent (CLOCK_MONOTONIC: the same
+    clock in every process), and sends back how long it took."""
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        cpu, start = msg
+        os.sched_setaffinity(0, {cpu})
+        while time.perf_counter() < start:
+            pass
+        conn.send(_work())
+
+
+def probe(reps: int = 3) -> dict:
+    """{"cpus": [...], "alone_us": {cpu: [min, median]}, "pairs": [[a, b, ratio], ...]}: ``ratio`` is
+    the mean over both CPUs of (time together / time alone), the median of ``reps`` runs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    ctx = mp.get_context("fork")
+    ends = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_worker, args=(child,), daemon=True) for _, child in ends]
+    for p in procs:
+        p.start()
+    a, b = ends[0][0], ends[1][0]
+    try:
+        alone = {}
+        for cpu in cpus:
+            runs = []
+            for _ in range(reps + 2):
+                a.send((cpu, time.perf_counter() + 1e-3))
+                runs.append(a.recv())
+            alone[cpu] = runs[2:]   # the first two warm the worker on that CPU
+        base = {c: min(v) for c, v in alone.items()}
+        pairs = []
+        for i, x in enumerate(cpus):
+            for y in cpus[i + 1:]:
+                ratios = []
+                for _ in range(reps):
+                    start = time.perf_counter() + 2e-3
+                    a.send((x, start))
+                    b.send((y, start))
+                    tx, ty = a.recv(), b.recv()
+                    ratios.append((tx / base[x] + ty / base[y]) / 2)
+                pairs.append([x, y, round(statistics.median(ratios), 3)])
+    finally:
+        for conn in (a, b):
+            conn.send(None)
+        for p in procs:
+            p.join(timeout=5)
+    return {"cpus": cpus, "work_iters": WORK,
+            "alone_us": {c: [round(min(v) * 1e6, 1), round(statistics.median(v) * 1e6, 1)] for c, v in alone.items()},
+            "pairs": pairs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--flag", type=float, default=1.25, help="print pairs at least this much slower together")
+    ap.add_argument("--json", default=None, help="folder for cpu_siblings_<date>.json")
+    a = ap.parse_args(argv)
+    out = probe(a.reps)
+    fast = min(v[0] for v in out["alone_us"].values())
+    print(f"# cpu_siblings: {len(out['cpus'])} CPUs, a {WORK}-iteration Python loop; alone: min / median us "
+          f"(x the fastest CPU's min)")
+    print("#   " + ", ".join(f"cpu {c}: {m:.0f} / {med:.0f} ({m / fast:.2f})" for c, (m, med) in out["alone_us"].items()))
+    slow = sorted((p for p in out["pairs"] if p[2] >= a.flag), key=lambda p: -p[2])
+    print(f"# pairs at least {a.flag} x slower together than alone: {len(slow)} of {len(out['pairs'])}"
+          + ("" if not slow else ": " + ", ".join(f"{x}+{y} {r:.2f}" for x, y, r in slow)))
+    ratios = [p[2] for p in out["pairs"]]
+    print(f"# all pairs' ratio: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, max {max(ratios):.2f}")
+    if a.json:
+        os.makedirs(a.json, exist_ok=True)
+        path = os.path.join(a.json, f"cpu_siblings_{time.strftime('%Y%m%d_%H%M%S')}.json")
+        with open(path, "w") as f:
+            json.dump(out, f)
+        print(f"# wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

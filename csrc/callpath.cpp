@@ -301,7 +301,8 @@ struct Engine : Core {
       auto last_query = t0;
       const auto limit = std::chrono::nanoseconds(timeout_ns) + std::chrono::seconds(5);
       for (u64 spins = 1; static_cast<u64>(*flag) != seq; ++spins) {
-        if (!wait_step(t0, spin_ns) && (spins & 1023)) continue;
+        cpu_pause();
+        if (spins & 1023) continue;
         auto now = Clock::now();
         if (now - last_query >= std::chrono::microseconds(200)) {
           last_query = now;

@@ -23,7 +23,6 @@
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -298,18 +297,6 @@ inline void cpu_pause() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
-}
-
-// A host wait's step between two polls: a pause while less than ``spin_ns`` passed ``since`` (-1: always),
-// past that a short sleep that leaves the core to the threads beside it (COMMLIB_HOST_SPIN_US). Returns
-// whether it slept (the caller then polls at once: a sleep is worth thousands of pauses).
-inline bool wait_step(Clock::time_point since, i64 spin_ns) {
-  if (spin_ns < 0 || std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count() < spin_ns) {
-    cpu_pause();
-    return false;
-  }
-  std::this_thread::sleep_for(std::chrono::microseconds(20));
-  return true;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -656,7 +643,6 @@ struct Core {
   i64 dev;                   // the Buffer's CUDA device index (-1 in tests)
   i64 rank, R;
   u64 timeout_ns;
-  i64 spin_ns;               // a host wait spins this long, then sleeps between polls (-1: spins throughout)
   c10::Device device{c10::kCPU};
   Stream comm{c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU)), 0};
   py::object comm_obj;       // the torch.cuda.Stream
@@ -679,7 +665,6 @@ struct Core {
     rank = s["rank"].cast<i64>();
     R = s["num_ranks"].cast<i64>();
     timeout_ns = s["timeout_ns"].cast<u64>();
-    spin_ns = s.contains("spin_ns") ? s["spin_ns"].cast<i64>() : -1;
     buffer_type = s["buffer_type"];
     new_event = s["new_event"];
     comm_obj = s["comm_stream"];

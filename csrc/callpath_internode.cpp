@@ -651,9 +651,8 @@ struct InEngine : Core {
     {
       py::gil_scoped_release unlocked;
       const auto limit = std::chrono::nanoseconds(timeout_ns);
-      bool slept = false;
       for (u64 spins = 0;; ++spins) {
-        if ((spins & 63) == 0 || slept) {
+        if ((spins & 63) == 0) {
           try {
             if (impl->queryEvent(read_event)) break;
           } catch (...) {
@@ -666,7 +665,7 @@ struct InEngine : Core {
             break;
           }
         }
-        slept = wait_step(t0, spin_ns);
+        cpu_pause();
       }
     }
     wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();

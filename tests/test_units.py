@@ -82,19 +82,6 @@ def test_ce_bytes(monkeypatch):
         env.ce_sms()
 
 
-def test_host_spin_us(monkeypatch):
-    """COMMLIB_HOST_SPIN_US: -1 (spin throughout) unless set; 0 and more are microseconds; below -1 or
-    not an integer is refused by name."""
-    monkeypatch.delenv("COMMLIB_HOST_SPIN_US", raising=False)
-    assert env.host_spin_us() == -1
-    monkeypatch.setenv("COMMLIB_HOST_SPIN_US", "50")
-    assert env.host_spin_us() == 50
-    for bad in ("-2", "soon"):
-        monkeypatch.setenv("COMMLIB_HOST_SPIN_US", bad)
-        with pytest.raises(ValueError, match="COMMLIB_HOST_SPIN_US"):
-            env.host_spin_us()
-
-
 def test_default_on_switches(monkeypatch):
     """COMMLIB_FAST_LAUNCH and COMMLIB_DEFER_WGRAD are on unless set to 0 / false / no / off."""
     for name, read in (("COMMLIB_FAST_LAUNCH", env.fast_launch), ("COMMLIB_DEFER_WGRAD", env.defer_wgrad)):

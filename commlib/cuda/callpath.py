@@ -314,7 +314,6 @@ def _engine(mod, buffer_type, comm_stream, entry_event, device_index, rank, num_
             ev.record(comm_stream)   # its cudaEvent_t exists from its first record
             return ev, ev.cuda_event
     return mod.Engine({"test": test, "device_index": device_index, "rank": rank, "num_ranks": num_ranks,
-                       "timeout_ns": int(timeout_ns), "spin_ns": max(-1, env.host_spin_us() * 1000),
-                       "buffer_type": buffer_type, "new_event": new_event,
+                       "timeout_ns": int(timeout_ns), "buffer_type": buffer_type, "new_event": new_event,
                        "comm_stream": comm_stream, "entry_event": int(entry), "comm_raw": comm_raw,
                        "make_twin": make_twin})

@@ -15,8 +15,6 @@ Variables:
   COMMLIB_CALLPATH         auto | cpp | python: the NVLink engine's repeated calls through csrc/callpath.cpp (built at
                            first use; auto falls back to the Python call path with a warning where it cannot be built
                            or loaded, cpp raises there) or through Python (default auto)
-  COMMLIB_HOST_SPIN_US     how long a C++ call path's host wait (a count or digest read) spins before it sleeps
-                           between polls, giving its core to the threads beside it (default -1: spins throughout)
   COMMLIB_CALLPATH_INTERNODE_DISPATCH  0: the internode engine's non-cached dispatches stay in Python (default 1:
                            its C++ call path runs them whole where they fit: the kernels with one rank per node or
                            the forwarder, top-k)
@@ -157,13 +155,6 @@ def callpath() -> str:
     if v not in ("auto", "cpp", "python"):
         raise ValueError(f"COMMLIB_CALLPATH={v!r}: expected auto, cpp or python")
     return v
-
-
-def host_spin_us() -> int:
-    value = _int("COMMLIB_HOST_SPIN_US", -1)
-    if value < -1:
-        raise ValueError(f"COMMLIB_HOST_SPIN_US={value}: expected -1 (spin throughout) or microseconds >= 0")
-    return value
 
 
 def callpath_internode_dispatch() -> bool:

@@ -629,7 +629,44 @@ def _bare_collective(c):
     return run
 
 
-def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pin: bool = False):
+def _quiet_mains(me: int, R: int, group) -> list:
+    """--pin quiet: each rank's main-thread CPU, the R quietest right now (host_timing.quiet_cpus),
+    measured by rank 0 while the others sleep (a rank spinning in a collective's wait would slow the
+    CPU it is on), then sent to every rank."""
+    from benchmarks import host_timing as HT
+    dist.barrier(group=group)
+    if me == 0:
+        mains = HT.quiet_cpus(R)
+    else:
+        time.sleep(QUIET_PROBE_S)
+        mains = None
+    got = [mains]
+    dist.broadcast_object_list(got, src=0, group=group)
+    return got[0]
+
+
+QUIET_PROBE_S = 1.0   # longer than rank 0's quiet_cpus on 16 CPUs (~0.2 s)
+
+
+def _drained_host_us(fn, iters: int, group) -> float:
+    """Median host us of ``fn()`` (a bare collective) issued each time on a drained device, the NCCL
+    proxy idle: the condition of a non-cached dispatch's collectives, issued right after its host read
+    (host_times issues them back to back instead, each behind the one before)."""
+    cuda = torch.cuda.is_available()
+    out = []
+    dist.barrier(group=group)
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        out.append((time.perf_counter_ns() - t0) / 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pin: str | None = None):
     from benchmarks import host_timing as HT
     from commlib.buffer import Buffer
     from commlib.fp8 import per_token_cast_to_fp8
@@ -657,7 +694,16 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
         recv_x, _, recv_w, _, handle, _ = full(x)()
         # --pin: this rank's main thread on a core of its own, NCCL's threads elsewhere (again before
         # each op: a thread started since is moved too)
-        repin = (lambda: pinned.update(HT.pin_host(me, R))) if pin else (lambda: None)
+        # (quiet: on the R CPUs that run a fixed loop fastest, measured again before each op)
+        if pin == "quiet":
+            def repin():
+                pinned.update(HT.pin_host(me, R, _quiet_mains(me, R, group)))
+        elif pin:
+            def repin():
+                pinned.update(HT.pin_host(me, R))
+        else:
+            def repin():
+                pass
         cpus.setdefault("after the first call", len(os.sched_getaffinity(0)))
         repin()
         y = B.expert_output(recv_x, me)
@@ -710,12 +756,13 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
                     for _ in range(warmup):
                         bare()
                     f = HT.host_times(bare, iters, ahead=not reads, group=group)
+                    drained = _drained_host_us(bare, iters, group) if reads else 0.0
                 finally:
                     if stream is not None:
                         torch.cuda.set_stream(prev)
                 mine = [p[i] * 1e6 for p in per_call if len(p) == n]
                 nccl.append({"name": c.name, "bytes": c.nbytes, "host_us": statistics.median(mine) if mine else 0.0,
-                             "floor_us": f["host_us"]})
+                             "floor_us": f["host_us"], "floor_drained_us": drained})
             last.clear()
             floor = HT.floor_fn(counts, dev, 1 if reads else 0)
             for _ in range(warmup):
@@ -737,11 +784,11 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
     # the slowest rank's figures
     keys = ["host_us", "cpu_us", "wait_us", "own_us", "total_us", "nccl_us", "backend_us", "floor_us", "nccl_floor_us"]
     for r in rows:
-        vals = slowest([float(r.get(k) or 0.0) for k in keys] + [v for c in r["nccl"] for v in (c["host_us"], c["floor_us"])],
-                       group)
+        per = ("host_us", "floor_us", "floor_drained_us")
+        vals = slowest([float(r.get(k) or 0.0) for k in keys] + [c[k] for c in r["nccl"] for k in per], group)
         r.update({k: v for k, v in zip(keys, vals) if r.get(k) is not None})
         for j, c in enumerate(r["nccl"]):
-            c["host_us"], c["floor_us"] = vals[len(keys) + 2 * j], vals[len(keys) + 2 * j + 1]
+            c.update(zip(per, vals[len(keys) + len(per) * j:len(keys) + len(per) * (j + 1)]))
     for r in cpp_rows:
         keys = ["host_us", "cpu_us", "nccl_us", "own_us"]
         everyone = [None] * R   # each rank's own figures (BY_RANK)
@@ -879,7 +926,8 @@ def host_main(a, gpus: int) -> int:
     shared = bool(gpus) and gpus < a.ranks
     note = ("HBM loopback (ranks share one GPU under MPS)" if shared else "one process per GPU" if gpus else "CPU ranks")
     if out.get("pinned"):
-        note += f"; main threads pinned (rank 0 on cpu {out['pinned']['main']}, other threads on {len(out['pinned']['others'])} cpus)"
+        note += (f"; main threads pinned{' to the quietest CPUs before each op' if a.pin == 'quiet' else ''} "
+                 f"(rank 0 on cpu {out['pinned']['main']}, other threads on {len(out['pinned']['others'])} cpus)")
     elif a.pin:
         note += "; --pin asked, too few cores: not pinned"
     if out.get("main_cpus"):
@@ -899,7 +947,9 @@ def host_main(a, gpus: int) -> int:
               f"{r['floor_us']:8.1f} {r['nccl_floor_us']:8.1f} {r['ops']['total']:>4} {r['probe_ops'].get('total', 0):>5} "
               f"{r['nccl_calls']:>5}  {'PASS' if r['met'] else 'FAIL'}")
         for i, c in enumerate(r["nccl"]):
-            print(f"#   {r['op']} NCCL call {i}: {c['name']} {c['bytes']} B, {c['host_us']:.1f} us, bare {c['floor_us']:.1f} us")
+            print(f"#   {r['op']} NCCL call {i}: {c['name']} {c['bytes']} B, {c['host_us']:.1f} us, bare {c['floor_us']:.1f} us"
+                  + (f" (bare, each issued on a drained device as the dispatch issues it: {c['floor_drained_us']:.1f} us)"
+                     if c.get("floor_drained_us") else ""))
     cpp_rows = out.get("cpp_rows", [])
     if cpp_rows:
         print(f"# C++ call path (csrc/callpath_internode.cpp), host ahead: {'op':>12} {'cap':>3} {'K':>2} {'host':>8} "
@@ -962,9 +1012,10 @@ def main(argv=None) -> int:
                    help="one NCCL_HOSTID per rank: NCCL between processes (sharing a GPU, or over its socket transport)")
     p.add_argument("--host", action="store_true",
                    help="only the host-time figures and their targets (bench_host's JSON shape), nothing checked")
-    p.add_argument("--pin", action="store_true",
+    p.add_argument("--pin", nargs="?", const="fixed", default=None, choices=("fixed", "quiet"),
                    help="--host: each rank's main thread on a core of its own, every other thread (NCCL's proxy and "
-                        "socket threads) off those cores, as a launcher that binds ranks does")
+                        "socket threads) off those cores, as a launcher that binds ranks does; quiet: on the CPUs "
+                        "that run a fixed loop fastest, measured before each op (a lent machine's CPUs differ)")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
                    help="a .json file, or a folder for the standard name (default: benchmarks/results/)")
     a = p.parse_args(argv)

@@ -23,12 +23,17 @@ import time
 WORK = 200_000   # iterations of a pure-Python loop: ~5-10 ms on one core
 
 
-def _work() -> float:
+def loop_seconds(iters: int) -> float:
+    """Seconds of a pure-Python loop of ``iters`` iterations on the calling thread."""
     t0 = time.perf_counter()
     acc = 0
-    for i in range(WORK):
+    for i in range(iters):
         acc += i & 7
     return time.perf_counter() - t0
+
+
+def _work() -> float:
+    return loop_seconds(WORK)
 
 
 def _worker(conn) -> None:

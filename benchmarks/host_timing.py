@@ -23,15 +23,23 @@ _API = {"cudaEventRecord": "event_record", "cudaEventRecordWithFlags": "event_re
 CATEGORIES = ("launch", "copy", "alloc", "event_record", "event_wait", "sync", "collective")
 
 
-def pin_host(rank: int, ranks: int) -> dict:
+def pin_host(rank: int, ranks: int, mains: list | None = None) -> dict:
     """Pins the calling (main) thread of rank ``rank`` of ``ranks`` to a physical core of its own and
     every other thread of this process (NCCL's proxy and socket threads, torch's watchdog) off the
     ranks' cores: what a launcher binding ranks to cores does, so that an emulated transport's
     socket threads (which move every byte through host memory, unlike an RDMA NIC) do not run on, or
     beside, the core whose host time is measured. Call it again after new threads may have started;
-    returns {"main": cpu, "others": [cpus]}, or {} where the host has too few cores."""
-    if "main" not in _pinned:   # the layout, once, from the process's CPUs before any pinning
-        allowed = sorted(os.sched_getaffinity(0))
+    returns {"main": cpu, "others": [cpus]}, or {} where the host has too few cores.
+    ``mains``: each rank's main-thread CPU, chosen by the caller (quiet_cpus); the others are every CPU of
+    the process's first affinity but those."""
+    if "allowed" not in _pinned:
+        _pinned["allowed"] = sorted(os.sched_getaffinity(0))   # before any pinning
+    allowed = _pinned["allowed"]
+    if mains is not None:
+        if len(allowed) < ranks + 2 or len(mains) != ranks:
+            return {}
+        _pinned.update(main=mains[rank], others=[c for c in allowed if c not in mains])
+    elif "main" not in _pinned:   # the layout, once
         cores = {}
         for cpu in allowed:   # one entry per physical core: its hyperthreads
             try:
@@ -57,6 +65,26 @@ def pin_host(rank: int, ranks: int) -> dict:
 
 
 _pinned: dict = {}
+
+
+def quiet_cpus(n: int, iters: int = 50_000, reps: int = 3) -> list:
+    """The ``n`` CPUs of this process's first affinity that run a short pure-Python loop fastest right now,
+    fastest first, each timed alone on the calling thread (pinned there in turn, its affinity restored
+    after). A lent machine's vCPUs are not alike: a neighbour of the machine can leave some at half
+    speed for minutes (benchmarks.cpu_siblings); a rank's main thread pinned to one of the quiet ones
+    measures the code, not the neighbour."""
+    from benchmarks.cpu_siblings import loop_seconds
+    allowed = _pinned.get("allowed") or sorted(os.sched_getaffinity(0))
+    me = threading.get_native_id()
+    before = os.sched_getaffinity(me)
+    best = {}
+    try:
+        for cpu in allowed:
+            os.sched_setaffinity(me, {cpu})
+            best[cpu] = min(loop_seconds(iters) for _ in range(reps))
+    finally:
+        os.sched_setaffinity(me, before)
+    return sorted(best, key=best.get)[:n]
 
 
 def current_cpu() -> int:

@@ -677,7 +677,7 @@ def test_bench_internode_cpp_dispatch_rows(rig, ext):
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     idx, w, lay = r.inp
     req = DispatchRequest(x, None, idx, w, lay, None, 64, 1, 0, CFG)
-    buf = types.SimpleNamespace(call_path="cpp", _cpp=r.eng, backend=r.be)
+    buf = types.SimpleNamespace(call_path="cpp", _cpp=r.eng, backend=r.be, device=torch.device("cpu"))
 
     def dispatch():   # what Buffer.dispatch does around the engine's two entry points
         out = r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)
@@ -695,7 +695,7 @@ def test_bench_internode_cpp_dispatch_rows(rig, ext):
             t.update(total_us=8.0, wait_us=wait_ns() / 1e3)
         return {**t, **({"excluded_us": excluded_ns() / 1e3} if excluded_ns else {})}
     rows = BI._cpp_rows(buf, {"dispatch_bf16": dispatch}, 4, 1, None, 1, 1,
-                        types.SimpleNamespace(host_times=host_times), dispatch=True)
+                        types.SimpleNamespace(host_times=host_times, current_cpu=lambda: 0), dispatch=True)
     assert [x["op"] for x in rows] == ["dispatch_bf16_cpp"] and rows[0]["cpp_calls"] == 4 and rows[0]["host_us"] == 8.0
     steps = ("outside", "checks", "enter", "count", "meta", "exchange", "read_event", "read_wait",
              "read_host", "geometry", "alloc", "pack", "a2a", "chunk_wait", "land", "handle", "leave", "result")
@@ -810,7 +810,7 @@ def test_bench_internode_cpp_rows_carry_phases(rig, ext, capsys):
     from benchmarks import host_timing as HT
     r = rig(1, 1)
     xq, sq, h, y, wts = _dispatch(r, False)
-    buf = types.SimpleNamespace(call_path="cpp", _cpp=r.eng, backend=r.be)
+    buf = types.SimpleNamespace(call_path="cpp", _cpp=r.eng, backend=r.be, device=torch.device("cpu"))
 
     def host_times(fn, iters, ahead, group, wait_ns=None, excluded_ns=None):
         assert wait_ns is None   # no count read in a cached dispatch or combine
@@ -821,7 +821,7 @@ def test_bench_internode_cpp_rows_carry_phases(rig, ext, capsys):
     ops = {"cached_bf16": lambda: r.eng.cached_dispatch(r.buf, xq, h, 1, CFG, None, False, False),
            "combine": lambda: r.eng.combine(r.buf, y, h, wts, CFG, None, False, False),
            "dispatch_bf16": lambda: pytest.fail("a non-cached dispatch has no C++ row")}
-    rows = BI._cpp_rows(buf, ops, 4, 1, None, 4, 1, types.SimpleNamespace(host_times=host_times))
+    rows = BI._cpp_rows(buf, ops, 4, 1, None, 4, 1, types.SimpleNamespace(host_times=host_times, current_cpu=lambda: 0))
     assert [x["op"] for x in rows] == ["cached_bf16_cpp", "combine_cpp"]
     for row, op in zip(rows, ("in_cached", "in_combine")):
         assert row["cpp_calls"] == 4 and set(row["phases_us"]) == {f"{op}.{p}" for p in PHASES}, row
@@ -851,6 +851,29 @@ def test_pin_host_keeps_one_layout(monkeypatch):
     cpus = {0, 1, 2, 3}
     set_to.clear()
     assert HT.pin_host(0, 4) == {}   # too few cores: nothing pinned
+
+
+def test_pin_host_quiet(monkeypatch):
+    """bench_internode --pin quiet: quiet_cpus ranks the CPUs by a loop timed on each (the thread's own
+    affinity restored after), and pin_host puts each rank's main thread on its chosen CPU, every other
+    thread on the CPUs no rank's main thread has."""
+    import os
+    import threading
+    from benchmarks import cpu_siblings as CS
+    from benchmarks import host_timing as HT
+    monkeypatch.setattr(HT, "_pinned", {})
+    me = threading.get_native_id()
+    set_to = {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(set_to.get(pid, set(range(8)))))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, mask: set_to.__setitem__(tid, set(mask)))
+    slow = {0: 5.0, 3: 9.0, 5: 2.0}   # seconds of the loop on a CPU (others 1.0)
+    monkeypatch.setattr(CS, "loop_seconds", lambda iters: slow.get(next(iter(set_to[me])), 1.0))
+    set_to[me] = set(range(8))
+    mains = HT.quiet_cpus(4)
+    assert mains == [1, 2, 4, 6] and set_to[me] == set(range(8))
+    got = HT.pin_host(2, 4, mains)
+    assert got == {"main": 4, "others": [0, 3, 5, 7]} and set_to[me] == {4}
+    assert HT.pin_host(2, 4, [1, 2, 3]) == {}   # not one CPU per rank
 
 
 def test_current_cpu_is_one_the_thread_may_run_on():

@@ -648,22 +648,35 @@ def _quiet_mains(me: int, R: int, group) -> list:
 QUIET_PROBE_S = 1.0   # longer than rank 0's quiet_cpus on 16 CPUs (~0.2 s)
 
 
-def _drained_host_us(fn, iters: int, group) -> float:
-    """Median host us of ``fn()`` (a bare collective) issued each time on a drained device, the NCCL
-    proxy idle: the condition of a non-cached dispatch's collectives, issued right after its host read
-    (host_times issues them back to back instead, each behind the one before)."""
+def _bare_sequence_us(colls: list, iters: int, group, read_after: int = 0) -> list:
+    """Median host us of each probe Collective of ``colls`` replayed bare in the order a non-cached
+    dispatch issues them, the host waiting for the device after call ``read_after`` (the count read),
+    call after call: each bare call meets the conditions the engine's does (the all-gather issued
+    behind the last call's rows on the wire, the network chunks right after the host waited).
+    host_times's replay of one call back to back, each behind the one before, meets neither."""
+    bares = [_bare_collective(c) for c in colls]
+    per = [[] for _ in colls]
     cuda = torch.cuda.is_available()
-    out = []
-    dist.barrier(group=group)
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append((time.perf_counter_ns() - t0) / 1e3)
     if cuda:
         torch.cuda.synchronize()
-    return statistics.median(out)
+    dist.barrier(group=group)
+    for _ in range(iters):
+        for i, (c, run) in enumerate(zip(colls, bares)):
+            prev = torch.cuda.current_stream() if cuda and c.stream is not None else None
+            if prev is not None:
+                torch.cuda.set_stream(c.stream)
+            try:
+                t0 = time.perf_counter_ns()
+                run()
+                per[i].append((time.perf_counter_ns() - t0) / 1e3)
+                if i == read_after and cuda:
+                    torch.cuda.current_stream().synchronize()
+            finally:
+                if prev is not None:
+                    torch.cuda.set_stream(prev)
+    if cuda:
+        torch.cuda.synchronize()
+    return [statistics.median(p) for p in per]
 
 
 def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pin: str | None = None):
@@ -756,13 +769,15 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
                     for _ in range(warmup):
                         bare()
                     f = HT.host_times(bare, iters, ahead=not reads, group=group)
-                    drained = _drained_host_us(bare, iters, group) if reads else 0.0
                 finally:
                     if stream is not None:
                         torch.cuda.set_stream(prev)
                 mine = [p[i] * 1e6 for p in per_call if len(p) == n]
                 nccl.append({"name": c.name, "bytes": c.nbytes, "host_us": statistics.median(mine) if mine else 0.0,
-                             "floor_us": f["host_us"], "floor_drained_us": drained})
+                             "floor_us": f["host_us"]})
+            if reads and last:   # the dispatch's calls in its own order, the host waiting after the all-gather
+                for c, v in zip(nccl, _bare_sequence_us(last, iters, group)):
+                    c["floor_back_to_back_us"], c["floor_us"] = c["floor_us"], v
             last.clear()
             floor = HT.floor_fn(counts, dev, 1 if reads else 0)
             for _ in range(warmup):
@@ -784,8 +799,9 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
     # the slowest rank's figures
     keys = ["host_us", "cpu_us", "wait_us", "own_us", "total_us", "nccl_us", "backend_us", "floor_us", "nccl_floor_us"]
     for r in rows:
-        per = ("host_us", "floor_us", "floor_drained_us")
-        vals = slowest([float(r.get(k) or 0.0) for k in keys] + [c[k] for c in r["nccl"] for k in per], group)
+        per = ("host_us", "floor_us", "floor_back_to_back_us")
+        vals = slowest([float(r.get(k) or 0.0) for k in keys] + [c.get(k, 0.0) for c in r["nccl"] for k in per],
+                       group)
         r.update({k: v for k, v in zip(keys, vals) if r.get(k) is not None})
         for j, c in enumerate(r["nccl"]):
             c.update(zip(per, vals[len(keys) + len(per) * j:len(keys) + len(per) * (j + 1)]))
@@ -906,6 +922,33 @@ def cpp_verdicts(r: dict) -> list:
     return out
 
 
+# the C++ call's phases that are NCCL calls' issue: (phase, the Python row's NCCL calls it stands for)
+CPP_NCCL_PHASES = {"dispatch": (("exchange", slice(0, 1)), ("a2a", slice(1, None))),
+                   "cached": (("a2a", slice(0, None)),), "combine": (("a2a", slice(0, None)),)}
+
+
+def cpp_nccl_verdicts(r: dict, py: dict | None) -> list:
+    """A C++ row's NCCL calls against the bare calls of the Python row of the same op (same run): each
+    phase that issues NCCL calls (the dispatch's all-gather, the network chunks), the slowest rank's
+    median, over the sum of those calls' bare host time (the slowest rank's, issued as the engine
+    issues them)."""
+    kind = r["op"].split("_")[0]
+    phases = r.get("phases_by_rank") or []
+    if not py or not py.get("nccl") or not phases:
+        return []
+    prefix = {"dispatch": "in_dispatch", "cached": "in_cached", "combine": "in_combine"}[kind]
+    out = []
+    for phase, calls in CPP_NCCL_PHASES[kind]:
+        bare = sum(c["floor_us"] for c in py["nccl"][calls])
+        mine = max((p.get(f"{prefix}.{phase}", 0.0) for p in phases), default=0.0)
+        if bare and mine:
+            out.append({"target": f"{r['op']}: NCCL issue in phase '{phase}' (slowest rank's median us) / its bare "
+                                  "calls' (10% for noise)",
+                        "value": round(mine / bare, 2), "limit": HOST_TARGETS["nccl_over_bare"],
+                        "met": mine / bare <= HOST_TARGETS["nccl_over_bare"]})
+    return out
+
+
 def host_main(a, gpus: int) -> int:
     """--host: the host-time figures and their targets (module docstring of bench_host for the method)."""
     from commlib.utils.launch import parallel_launch
@@ -948,14 +991,15 @@ def host_main(a, gpus: int) -> int:
               f"{r['nccl_calls']:>5}  {'PASS' if r['met'] else 'FAIL'}")
         for i, c in enumerate(r["nccl"]):
             print(f"#   {r['op']} NCCL call {i}: {c['name']} {c['bytes']} B, {c['host_us']:.1f} us, bare {c['floor_us']:.1f} us"
-                  + (f" (bare, each issued on a drained device as the dispatch issues it: {c['floor_drained_us']:.1f} us)"
-                     if c.get("floor_drained_us") else ""))
+                  + (f" (in the dispatch's sequence; {c['floor_back_to_back_us']:.1f} us replayed back to back)"
+                     if c.get("floor_back_to_back_us") else ""))
     cpp_rows = out.get("cpp_rows", [])
     if cpp_rows:
         print(f"# C++ call path (csrc/callpath_internode.cpp), host ahead: {'op':>12} {'cap':>3} {'K':>2} {'host':>8} "
               f"{'nccl':>8} {'own':>8} {'cpu':>8} {'calls':>5}  verdict")
+    by_op = {(r["op"], r["chunk_cap"]): r for r in rows}
     for r in cpp_rows:
-        r["targets"] = cpp_verdicts(r)
+        r["targets"] = cpp_verdicts(r) + cpp_nccl_verdicts(r, by_op.get((r["op"][:-len("_cpp")], r["chunk_cap"])))
         r["met"] = all(t["met"] for t in r["targets"])
         print(f"  {r['op']:>14} {r['chunk_cap']:>3} {r['chunks']:>2} {r['host_us']:8.1f} {r['nccl_us']:8.1f} "
               f"{r['own_us']:8.1f} {r['cpu_us']:8.1f} {int(r['cpp_calls']):>5}  {'PASS' if r['met'] else 'FAIL'}")

@@ -897,6 +897,21 @@ def test_cpu_siblings_probe_shape():
     assert all(p[2] > 0.5 for p in out["pairs"])
 
 
+def test_bench_internode_cpp_nccl_verdicts():
+    """A C++ row's NCCL-issuing phases (the slowest rank's) against the bare calls of the Python row of the
+    same op: the dispatch's exchange against its all-gather, its a2a against the network chunks' sum."""
+    from benchmarks import bench_internode as BI
+    py = {"nccl": [{"floor_us": 40.0}, {"floor_us": 30.0}, {"floor_us": 30.0}]}
+    r = {"op": "dispatch_bf16_cpp", "phases_by_rank": [{"in_dispatch.exchange": 30.0, "in_dispatch.a2a": 50.0},
+                                                       {"in_dispatch.exchange": 42.0, "in_dispatch.a2a": 70.0}]}
+    got = BI.cpp_nccl_verdicts(r, py)
+    assert [(t["value"], t["met"]) for t in got] == [(1.05, True), (1.17, False)]
+    assert "'exchange'" in got[0]["target"] and "'a2a'" in got[1]["target"]
+    cached = {"op": "cached_fp8_cpp", "phases_by_rank": [{"in_cached.a2a": 33.0}]}
+    assert [t["value"] for t in BI.cpp_nccl_verdicts(cached, {"nccl": [{"floor_us": 30.0}]})] == [1.1]
+    assert BI.cpp_nccl_verdicts(cached, None) == []
+
+
 def test_bench_internode_cpp_phase_lines():
     """bench_internode --host prints rank 0's phases, every rank's figures and, where another rank is the
     slowest, that rank's phases too."""

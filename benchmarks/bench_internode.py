@@ -688,6 +688,8 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
     nvl, rdma = B.buffer_bytes(w.hidden, R, rpn, R // rpn)
     rows, cpp_rows, pinned = [], [], {}
     cpus = {"at start": len(os.sched_getaffinity(0))}   # the main thread's CPUs (what NCCL's set-up leaves it)
+    from benchmarks.cpu_siblings import cpu_times, steal_percent
+    times0 = cpu_times()
     for cap in chunk_caps:
         os.environ["COMMLIB_NETWORK_CHUNKS"] = str(cap)
         os.environ["COMMLIB_INTERNODE_KERNELS"] = "1"
@@ -815,7 +817,8 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
         r["phases_by_rank"] = phases
         r.update(zip(keys, slowest([float(r[k]) for k in keys], group)))
         r["cpp_calls"] = -slowest([-float(r["cpp_calls"])], group)[0]   # the fewest of any rank
-    return {"rows": rows, "cpp_rows": cpp_rows, "device": str(dev), "pinned": pinned, "main_cpus": cpus}
+    return {"rows": rows, "cpp_rows": cpp_rows, "device": str(dev), "pinned": pinned, "main_cpus": cpus,
+            "steal_percent": steal_percent(times0, cpu_times())}
 
 
 def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, HT, dispatch: bool = False,
@@ -975,6 +978,11 @@ def host_main(a, gpus: int) -> int:
         note += "; --pin asked, too few cores: not pinned"
     if out.get("main_cpus"):
         note += "; rank 0's main thread may run on " + ", ".join(f"{n} CPUs {k}" for k, n in out["main_cpus"].items())
+    steal = out.get("steal_percent") or {}
+    if steal:   # the hypervisor's: a lent machine's vCPUs can lose time to its neighbours
+        worst = max(steal, key=steal.get)
+        note += (f"; steal over the run {sum(steal.values()) / len(steal):.1f}% of the CPUs' time on average, "
+                 f"{steal[worst]:.1f}% on cpu {worst}")
     nodes = a.ranks // a.ranks_per_node
     print(f"# bench_internode --host: {nodes} emulated nodes x {a.ranks_per_node}, {note}; tokens {a.tokens}, hidden "
           f"{a.hidden}, {a.experts} experts; device {out['device']}; the slowest rank's medians of {a.iters} calls (us)")
@@ -1028,7 +1036,8 @@ def host_main(a, gpus: int) -> int:
     if a.json is not None:
         cmd = "python -m benchmarks.bench_internode " + " ".join(shlex.quote(v) for v in a.argv)
         doc = results.result_document("bench_internode_host", cmd.strip(), rows + cpp_rows, world_size=a.ranks,
-                                      targets=HOST_TARGETS, mode=note, passed=passed)
+                                      targets=HOST_TARGETS, mode=note, passed=passed,
+                                      steal_percent=out.get("steal_percent") or {})
         print(f"# wrote {results.write_result(doc, a.json)}")
     return 0
 

@@ -9,7 +9,8 @@ each rank ran on beside its figures.
     python -m benchmarks.cpu_siblings [--reps 3] [--json DIR]
 
 Prints each CPU's time alone (min / median of ``reps``), then the pairs whose work took at least
-``--flag`` x their time alone; JSON (``--json``): every pair's ratio.
+``--flag`` x their time alone, and each CPU's steal time over the probe (/proc/stat: the hypervisor
+running something else while the vCPU wanted to run); JSON (``--json``): every pair's ratio.
 """
 from __future__ import annotations
 
@@ -50,10 +51,36 @@ def _worker(conn) -> None:
         conn.send(_work())
 
 
+def cpu_times() -> dict:
+    """{cpu: (steal, total)} jiffies from /proc/stat: steal is the time the hypervisor ran something
+    else while this vCPU wanted to run ({} where there is no /proc/stat)."""
+    out = {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *vals = line.split()
+                if name.startswith("cpu") and name != "cpu":
+                    v = [int(x) for x in vals]
+                    out[int(name[3:])] = (v[7] if len(v) > 7 else 0, sum(v[:8]))
+    except OSError:
+        pass
+    return out
+
+
+def steal_percent(before: dict, after: dict) -> dict:
+    """{cpu: % of its time stolen by the hypervisor} between two cpu_times()."""
+    out = {}
+    for c, (s1, t1) in after.items():
+        s0, t0 = before.get(c, (s1, t1))
+        out[c] = round(100.0 * (s1 - s0) / (t1 - t0), 1) if t1 > t0 else 0.0
+    return out
+
+
 def probe(reps: int = 3) -> dict:
     """{"cpus": [...], "alone_us": {cpu: [min, median]}, "pairs": [[a, b, ratio], ...]}: ``ratio`` is
     the mean over both CPUs of (time together / time alone), the median of ``reps`` runs."""
     cpus = sorted(os.sched_getaffinity(0))
+    before = cpu_times()
     ctx = mp.get_context("fork")
     ends = [ctx.Pipe() for _ in range(2)]
     procs = [ctx.Process(target=_worker, args=(child,), daemon=True) for _, child in ends]
@@ -87,7 +114,7 @@ def probe(reps: int = 3) -> dict:
             p.join(timeout=5)
     return {"cpus": cpus, "work_iters": WORK,
             "alone_us": {c: [round(min(v) * 1e6, 1), round(statistics.median(v) * 1e6, 1)] for c, v in alone.items()},
-            "pairs": pairs}
+            "pairs": pairs, "steal_percent": steal_percent(before, cpu_times())}
 
 
 def main(argv=None) -> int:
@@ -104,6 +131,10 @@ def main(argv=None) -> int:
     slow = sorted((p for p in out["pairs"] if p[2] >= a.flag), key=lambda p: -p[2])
     print(f"# pairs at least {a.flag} x slower together than alone: {len(slow)} of {len(out['pairs'])}"
           + ("" if not slow else ": " + ", ".join(f"{x}+{y} {r:.2f}" for x, y, r in slow)))
+    steal = out["steal_percent"]
+    if steal:
+        print("# steal (% of each CPU's time the hypervisor gave to others during the probe): "
+              + ", ".join(f"cpu {c}: {v:g}" for c, v in steal.items()))
     ratios = [p[2] for p in out["pairs"]]
     print(f"# all pairs' ratio: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, max {max(ratios):.2f}")
     if a.json:

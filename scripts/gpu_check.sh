@@ -45,6 +45,7 @@ C=${COMMLIB_GIT_COMMIT:-local}
 STAGES='
 env          | setup     | 0 |  60 | bash -c env_info
 compile      | setup     | 1 | 150 | bash -c compile_kernels
+cpusib       | setup     | 0 |  60 | $PY -m benchmarks.cpu_siblings --json $RES
 wheel        | setup     | 2 | 200 | bash -c wheel_check
 cpu          | setup     | 0 |  60 | $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k "imports or assemble or nvrtc"
 smoke        | nvlink    | 2 |  90 | env COMMLIB_TEST_CASES=smoke $PY -m pytest tests/gpu/test_nvlink.py -x -q -p no:cacheprovider -k two_ranks

@@ -895,6 +895,8 @@ def test_cpu_siblings_probe_shape():
     assert out["cpus"] == cpus and sorted(out["alone_us"]) == cpus
     assert [p[:2] for p in out["pairs"]] == [[a, b] for i, a in enumerate(cpus) for b in cpus[i + 1:]]
     assert all(p[2] > 0.5 for p in out["pairs"])
+    assert set(out["steal_percent"]) >= set(cpus) and all(0.0 <= v <= 100.0 for v in out["steal_percent"].values())
+    assert CS.steal_percent({0: (10, 100)}, {0: (30, 200)}) == {0: 20.0}
 
 
 def test_bench_internode_cpp_nccl_verdicts():

@@ -15,10 +15,10 @@ running something else while the vCPU wanted to run); JSON (``--json``): every p
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 
 WORK = 200_000   # iterations of a pure-Python loop: ~5-10 ms on one core
@@ -121,7 +121,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--flag", type=float, default=1.25, help="print pairs at least this much slower together")
-    ap.add_argument("--json", default=None, help="folder for cpu_siblings_<date>.json")
+    ap.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
+                    help="a .json file, or a folder for the standard name (default: benchmarks/results/)")
     a = ap.parse_args(argv)
     out = probe(a.reps)
     fast = min(v[0] for v in out["alone_us"].values())
@@ -137,12 +138,11 @@ def main(argv=None) -> int:
               + ", ".join(f"cpu {c}: {v:g}" for c, v in steal.items()))
     ratios = [p[2] for p in out["pairs"]]
     print(f"# all pairs' ratio: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}, max {max(ratios):.2f}")
-    if a.json:
-        os.makedirs(a.json, exist_ok=True)
-        path = os.path.join(a.json, f"cpu_siblings_{time.strftime('%Y%m%d_%H%M%S')}.json")
-        with open(path, "w") as f:
-            json.dump(out, f)
-        print(f"# wrote {path}")
+    if a.json is not None:   # (after the probe: its workers were forked before anything touched a GPU)
+        from commlib.bench import results
+        cmd = "python -m benchmarks.cpu_siblings " + " ".join(argv if argv is not None else sys.argv[1:])
+        doc = results.result_document("cpu_siblings", cmd.strip(), [], **out)
+        print(f"# wrote {results.write_result(doc, a.json)}")
     return 0
 
 

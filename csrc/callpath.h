@@ -216,26 +216,8 @@ py::object make_overlap(py::handle event, py::handle extra) {
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                          void**);
 using ErrorNameFn = int (*)(int, const char**);
-// cuMemcpy2DAsync_v2's argument (the driver's CUDA_MEMCPY2D, field for field; memory type 2: device)
-struct Memcpy2D {
-  size_t src_x = 0, src_y = 0;
-  int src_type = 2;
-  const void* src_host = nullptr;
-  u64 src_device = 0;
-  void* src_array = nullptr;
-  size_t src_pitch = 0;
-  size_t dst_x = 0, dst_y = 0;
-  int dst_type = 2;
-  void* dst_host = nullptr;
-  u64 dst_device = 0;
-  void* dst_array = nullptr;
-  size_t dst_pitch = 0;
-  size_t width = 0, height = 0;
-};
-using Memcpy2DFn = int (*)(const Memcpy2D*, void*);
 LaunchFn cu_launch = nullptr;
 ErrorNameFn cu_error_name = nullptr;
-Memcpy2DFn cu_memcpy_2d = nullptr;   // cuMemcpy2DAsync_v2: a strided device copy without ATen's copy_
 
 py::list* recorder = nullptr;  // tests: device operations are appended here instead of issued
 int recorder_launch_rc = 0;    // tests: the result the recorded cuLaunchKernel returns
@@ -249,7 +231,6 @@ std::string load_driver() {
   }
   cu_error_name = reinterpret_cast<ErrorNameFn>(dlsym(lib, "cuGetErrorName"));
   cu_launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
-  cu_memcpy_2d = reinterpret_cast<Memcpy2DFn>(dlsym(lib, "cuMemcpy2DAsync_v2"));
   return cu_launch ? "" : "libcuda.so.1 has no cuLaunchKernel";
 }
 
@@ -267,28 +248,6 @@ void record(py::tuple entry) {
     Py_DECREF(exc);
   }
   throw py::error_already_set();
-}
-
-// ``height`` rows of ``width`` bytes from ``src`` (rows ``spitch`` apart) to ``dst`` (``dpitch`` apart) on
-// ``stream``, one driver call; ``host`` (tests, no device): recorded, then copied on the host.
-void copy_2d(u64 dst, size_t dpitch, u64 src, size_t spitch, size_t width, size_t height, u64 stream, bool host) {
-  if (!height || !width) return;
-  if (host) {
-    record(py::make_tuple("copy2d", dst, dpitch, src, spitch, width, height));
-    for (size_t i = 0; i < height; ++i)
-      std::memcpy(reinterpret_cast<char*>(dst + i * dpitch), reinterpret_cast<const char*>(src + i * spitch), width);
-    return;
-  }
-  if (!cu_memcpy_2d) throw std::runtime_error("callpath: the CUDA driver has no cuMemcpy2DAsync_v2");
-  Memcpy2D c;
-  c.src_device = src;
-  c.src_pitch = spitch;
-  c.dst_device = dst;
-  c.dst_pitch = dpitch;
-  c.width = width;
-  c.height = height;
-  const int rc = cu_memcpy_2d(&c, reinterpret_cast<void*>(stream));
-  if (rc) launch_failed(rc, "cuMemcpy2DAsync");
 }
 
 inline void cpu_pause() {

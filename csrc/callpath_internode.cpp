@@ -275,7 +275,7 @@ struct InFull {
   LaunchP barrier, forward;   // the forwarder's (P > 1): its node barrier, a landed chunk's forward
   i64 ring = 1, area_row = 0;            // rows per chunk slot (geometry.chunk_rows); the areas' widest row
   i64 fwd_threads = 512, fwd_ctas = 16;  // fanout.py grid: the forward's threads and most CTAs
-  int fwd_landed = 0, fwd_j = 1;         // fanout.py FORWARD_LANDED, FORWARD_J: the forward's per-chunk slots
+  int fwd_landed = 0, fwd_j = 1, fwd_pos = 10;  // fanout.py FORWARD_LANDED, FORWARD_J, FORWARD_POS: per-chunk slots
   std::vector<i64> sig;       // the signature words (word 1: the call count, set per call)
   i64 E = 0, M = 0, P = 0, Kc = 0, Lx = 0, T = 0, H = 0, C = 0, K = 0, W = 0, S = -1;
   bool weights = false, pinned = false;
@@ -345,7 +345,7 @@ InFullP make_in_full(py::dict d) {
   if (f->P > 1) {
     f->barrier = d["barrier"].cast<LaunchP>();
     f->forward = d["forward"].cast<LaunchP>();
-    std::tie(f->fwd_landed, f->fwd_j) = d["fwd_slots"].cast<std::pair<int, int>>();
+    std::tie(f->fwd_landed, f->fwd_j, f->fwd_pos) = d["fwd_slots"].cast<std::tuple<int, int, int>>();
   }
   if (f->P < 1 || f->Kc < 1 || f->K <= 0 || f->threads < 32 || f->fwd_threads < 32 || f->fwd_ctas < 1 ||
       (f->P > 1 && (!f->barrier || !f->forward)))
@@ -913,27 +913,24 @@ struct InEngine : Core {
             land(sync, work);
             ph.mark("chunk_wait");
           },
-          [&](i64 k) {   // dispatch_chunk: the landed chunk's rows forwarded (no launch for none)
-            const i64 Jk = c.recv_starts[k + 1] - c.recv_starts[k];
+          [&](i64 k) {   // dispatch_chunk: the landed chunk's rows forwarded (no launch for none), their
+            const i64 Jk = c.recv_starts[k + 1] - c.recv_starts[k];   // positions stored into the block
             if (!fwd || !Jk) return;
             Launch& f = *t.forward;
             f.set_value(t.fwd_landed, static_cast<i64>(address(recv)) + c.recv_starts[k] * Wp);
             f.set_value(t.fwd_j, Jk);
+            f.set_value(t.fwd_pos, b + e[4] + 4 * N + 4 * t.P * c.recv_starts[k]);
             f.grid = static_cast<unsigned>(t.fwd_grid(Jk));
             f.issue(comm.raw);
             ph.mark("forward");
           });
-      if (fwd) {   // finish_forward: every peer's stores into this rank's area done and visible; then the
-        t.barrier->issue(comm.raw);   // landed rows' positions on every local rank (combine's sources)
-        ph.mark("barrier");
-        // (the landed rows' position columns, one strided copy into the block: the handle keeps them)
-        at::Tensor cols = carve(block, e[4] + 4 * N, {J, t.P}, at::kInt);
-        copy_2d(address(cols), static_cast<size_t>(4 * t.P), address(recv) + static_cast<u64>(t.W),
-                static_cast<size_t>(Wp), static_cast<size_t>(4 * t.P), static_cast<size_t>(J), comm.raw, test);
-        std::vector<i64> sizes;
-        for (i64 k = 0; k < nch; ++k) sizes.push_back(c.recv_starts[k + 1] - c.recv_starts[k]);
+      if (fwd) {   // finish_forward: every peer's stores into this rank's area done and visible; the landed
+        t.barrier->issue(comm.raw);   // rows' positions on every local rank (combine's sources, stored by
+        ph.mark("barrier");           // the forward kernel into the block) as the plan's per-chunk views
         py::list lp;
-        for (at::Tensor& v : cols.split_with_sizes(sizes)) lp.append(wrap(std::move(v)));
+        for (i64 k = 0; k < nch; ++k)
+          lp.append(wrap(carve(block, e[4] + 4 * N + 4 * t.P * c.recv_starts[k],
+                               {c.recv_starts[k + 1] - c.recv_starts[k], t.P}, at::kInt)));
         landed_pos = std::move(lp);
         ph.mark("landed_pos");
       }

@@ -79,11 +79,13 @@ __global__ void __launch_bounds__(32) notify(const u64* peer_bases, int local_ra
 // with lo <= pos < hi at peer_bases[p] + data_offset + (pos - lo) * dst_stride (the host puts the
 // window's first area row into data_offset; one window of everything: lo 0, hi INT_MAX). V: int4
 // when every size, stride and base is 16-byte aligned, else u32 (the host checks multiples of 4).
+// pos_out (nullptr: none): row j's P positions also stored at pos_out[j * P + p], whatever the window
+// (what combine reads later: the landed rows themselves are the call's scratch).
 // ------------------------------------------------------------------------------------------------
 template <typename V>
 __device__ __forceinline__ void forward_rows(const u8* landed, int J, int row_stride, int W, int P,
                                              const u64* peer_bases, u64 data_offset, int dst_stride, int lo,
-                                             int hi) {
+                                             int hi, int* pos_out) {
     constexpr int U = kForwardUnroll;
     const int lane = lane_id();
     const int warps = blockDim.x >> 5;
@@ -92,6 +94,7 @@ __device__ __forceinline__ void forward_rows(const u8* landed, int J, int row_st
     for (int j = blockIdx.x * warps + warp_id(); j < J; j += gridDim.x * warps) {
         const u8* row = landed + (i64)j * row_stride;
         const int pos_lane = lane < P ? reinterpret_cast<const int*>(row + W)[lane] : -1;
+        if (pos_out != nullptr && lane < P) pos_out[(i64)j * P + lane] = pos_lane;
         const bool in_window = pos_lane >= lo && pos_lane < hi;  // (pos -1 is below every lo >= 0)
         if (!__any_sync(FULL_MASK, in_window)) continue;          // warp-uniform: no store, no load
         V* dst[CL_MAX_RANKS];
@@ -119,13 +122,13 @@ __device__ __forceinline__ void forward_rows(const u8* landed, int J, int row_st
 
 __global__ void __launch_bounds__(1024) dispatch(const u8* landed, int J, int row_stride, int W,
                                                 int P, const u64* peer_bases, u64 data_offset,
-                                                int dst_stride, int lo, int hi) {
+                                                int dst_stride, int lo, int hi, int* pos_out) {
     u64 bits = (u64)W | (u64)row_stride | (u64)dst_stride | reinterpret_cast<u64>(landed) | data_offset;
     for (int p = 0; p < P; ++p) bits |= peer_bases[p];
     if ((bits & 15) == 0)
-        forward_rows<int4>(landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride, lo, hi);
+        forward_rows<int4>(landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride, lo, hi, pos_out);
     else
-        forward_rows<u32>(landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride, lo, hi);
+        forward_rows<u32>(landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride, lo, hi, pos_out);
     // This thread's stores into the peers are performed system-wide before it exits (the barrier
     // kernel after it fences again before its release: belt and braces, one fence per thread).
     __threadfence_system();

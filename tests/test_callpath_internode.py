@@ -29,6 +29,7 @@ import torch.distributed as dist
 import internode_host as IH
 from carved import check_carved
 from commlib.backends.base import CombineRequest, DispatchRequest
+from commlib.backends.internode.fanout import FORWARD_POS
 from commlib.backends.probe import NULL_PROBE, RecordingProbe
 from commlib.buffer import Buffer
 from commlib.config import Config
@@ -433,8 +434,6 @@ def _cpp_full_trace(r, recorded) -> tuple:
             regions["rows"], regions["block"] = (op[1], op[2]), (op[4], op[5])
         else:
             other.append(op[0])
-            if op[0] == "copy2d":
-                regions["copy2d"] = tuple(op[1:])
     return trace, regions, other
 
 
@@ -522,9 +521,8 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, P, chunks, f
     # per output), the comm stream's wait per chunk (none for one chunk: on the comm stream, ordered there, as
     # network.py's), _leave's pair
     waits = ["a2a_wait"] * (K if K > 1 else 0)
-    # with the forwarder, the landed rows' position columns: one strided copy into the block (none for no rows)
-    copies = ["copy2d"] if P > 1 and not empty else []
-    assert other == ["record", "wait", "read"] + ["alloc"] * 3 + waits + copies + ["record", "wait"], other
+    # (with the forwarder, the forward kernel stores the landed rows' positions into the block: no copy)
+    assert other == ["record", "wait", "read"] + ["alloc"] * 3 + waits + ["record", "wait"], other
     assert len(made) == 2 + len(p_outs) == 5 + fp8
     # the outputs, the handle and its plan: shapes, dtypes, strides and (named) storage as the Python path's
     assert [_layout_of(t, c_named) for t in c_outs] == [_layout_of(t, p_named) for t in p_outs]
@@ -550,22 +548,19 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, P, chunks, f
         a, b = getattr(cp, f.name), getattr(pp, f.name)
         if isinstance(b, torch.Tensor):
             assert _layout_of(a, c_named) == _layout_of(b, p_named), f.name
-        elif f.name == "landed_pos":   # the forwarder's: [J_k, P] int32 per chunk, copies of the landed rows'
-            # columns (their values are the pack kernel's: a GPU case, the combine on this handle, checks them)
+        elif f.name == "landed_pos":   # the forwarder's: [J_k, P] int32 per chunk, views of the int32 block
+            # after the source rows, where the forward launches (argument FORWARD_POS, compared above) store
+            # the landed rows' positions (their values: a GPU case, the combine on this handle, checks them)
             assert len(a) == len(b) == (K if P > 1 else 0), f.name
             for u, v in zip(a, b):
-                assert (u.shape, u.dtype, u.stride(), u.is_contiguous()) == (v.shape, v.dtype, v.stride(),
-                                                                          v.is_contiguous()), f.name
+                assert _layout_of(u, c_named) == _layout_of(v, p_named) and u.is_contiguous(), f.name
+                assert u.numel() == 0 or c_named(u.data_ptr())[0] == "block", f.name
         else:
             assert a == b, f.name
     assert (cp.num_chunks, cp.num_recv > 0) == ((0, False) if empty else (chunks, True))
-    if copies:   # from the landed rows (the rows' last J, columns W .. W + 4P) to the plan's landed_pos
-        dst, dpitch, src, spitch, width, height = regions["copy2d"]
-        rows_at, rows_bytes = regions["rows"]
-        block_at, block_bytes = regions["block"]
-        assert (dpitch, width, height) == (4 * P, 4 * P, sum(u.shape[0] for u in cp.landed_pos))
-        assert dst == cp.landed_pos[0].data_ptr() and block_at <= dst and dst + height * dpitch <= block_at + block_bytes
-        assert src == rows_at + rows_bytes - height * spitch + (spitch - 4 * P)
+    if P > 1 and not empty:   # each chunk's forward stores its positions at that chunk's rows of landed_pos
+        fwd = [e for e in got if e[0] == "fanout_forward_kernel"]
+        assert [e[3][FORWARD_POS] for e in fwd] == [u.data_ptr() for u in cp.landed_pos]
     assert cp.slot is not None and (cp.land_all is not None) == (P == 1)
     # the outputs carved from their one allocation, each at a 256-byte boundary
     ends, offsets = 0, {}

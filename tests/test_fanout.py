@@ -41,7 +41,8 @@ def test_launch_arguments_match_the_kernels(fan):
     W, P = 1036, 4
     landed = torch.zeros(40, W + 4 * P + 12, dtype=torch.uint8)[:, :W + 4 * P]
     fan.forward(landed, W)
-    fan.forward(landed, W, row_bytes=1040)
+    landed_pos = torch.empty(40, P, dtype=torch.int32)
+    fan.forward(landed, W, row_bytes=1040, pos_out=landed_pos)
     pos = torch.full((5, P), -1, dtype=torch.int32)
     out = torch.zeros(5, 2 * 7168 + 4 * 9 + 4, dtype=torch.uint8)
     fan.reduce(pos, 7168, 9, out)
@@ -55,11 +56,11 @@ def test_launch_arguments_match_the_kernels(fan):
     b, f1, f2, r1, r2 = fan.launches
     assert b[2:4] == (1, F.BARRIER_THREADS)
     assert b[4] == (fan.peer_bases.data_ptr(), 1, 4, F.SIGNAL_OFFSET, 7_000_000_000)
-    # (landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride, lo, hi); 40 rows, 16 warps per
-    # CTA: 3 CTAs; no window: every final row, from the area's first row
+    # (landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride, lo, hi, pos_out); 40 rows, 16 warps
+    # per CTA: 3 CTAs; no window: every final row, from the area's first row; no pos_out: 0
     assert f1[2:] == (3, F.THREADS, (landed.data_ptr(), 40, W + 4 * P + 12, W, P, fan.peer_bases.data_ptr(),
-                                     F.DATA_OFFSET, W, 0, F.FORWARD_ALL))
-    assert f2[4][7] == 1040
+                                     F.DATA_OFFSET, W, 0, F.FORWARD_ALL, 0))
+    assert f2[4][7] == 1040 and f2[4][F.FORWARD_POS] == landed_pos.data_ptr()
     # (pos, J, P, peer_bases, data_offset, src_stride, H, K, out, out_stride); 5 rows: 1 CTA
     assert r1[2:] == (1, F.THREADS, (pos.data_ptr(), 5, P, fan.peer_bases.data_ptr(), F.DATA_OFFSET,
                                      2 * 7168 + 36, 7168, 9, out.data_ptr(), out.stride(0)))
@@ -73,9 +74,15 @@ def test_kept_slots_name_their_tensors(fan):
     W, P = 1036, 4
     landed = torch.zeros(40, W + 4 * P, dtype=torch.uint8)
     spec = fan.forward_spec(landed, W, 1040)
-    assert spec[4][F.FORWARD_LANDED] == landed.data_ptr()
+    assert spec[4][F.FORWARD_LANDED] == landed.data_ptr() and spec[4][F.FORWARD_POS] == 0
     fan.forward(landed, W, 1040)
     assert fan.launches[-1] == spec[:4] + (tuple(spec[4]),)
+    landed_pos = torch.empty(40, P, dtype=torch.int32)
+    assert fan.forward_spec(landed, W, 1040, pos_out=landed_pos)[4][F.FORWARD_POS] == landed_pos.data_ptr()
+    for bad in (torch.empty(40, P, dtype=torch.int64), torch.empty(39, P, dtype=torch.int32),
+                torch.empty(P, 40, dtype=torch.int32).t()):   # a dtype, a shape, not contiguous
+        with pytest.raises(ValueError, match="pos_out"):
+            fan.forward_spec(landed, W, 1040, pos_out=bad)
     pos = torch.full((5, P), -1, dtype=torch.int32)
     out = torch.zeros(5, 2 * 7168 + 4 * 9, dtype=torch.uint8)
     spec = fan.reduce_spec(pos, 7168, 9, out)
@@ -94,7 +101,7 @@ def test_forward_window_arguments(fan):
     landed = torch.zeros(40, W + 4 * P, dtype=torch.uint8)
     fan.forward(landed, W, 1040, (100, 150, 50))
     args = fan.launches[-1][4]
-    assert args[6:] == (F.DATA_OFFSET + 50 * 1040, 1040, 100, 150)
+    assert args[6:] == (F.DATA_OFFSET + 50 * 1040, 1040, 100, 150, 0)
     assert fan.forward_spec(landed, W, 1040, (100, 150, 50))[4] == list(args)
     rows = (1 << 20) // 1040
     fan.forward(landed, W, 1040, (0, rows, 0))                      # exactly the area

@@ -62,7 +62,7 @@ class _Fan:
     def barrier(self):
         pass
 
-    def forward(self, landed, W, row_bytes, window=None):
+    def forward(self, landed, W, row_bytes, window=None, pos_out=None):
         pass
 
     def reduce(self, pos, H, K, out, row_bytes):
@@ -75,8 +75,8 @@ class _Fan:
     def barrier_spec(self):
         return ("fanout", "barrier", 1, 32, [0] * 5, 0)
 
-    def forward_spec(self, landed, W, row_bytes, window=None):
-        return ("fanout", "forward", 1, 32, [0] * 10, 0) if landed.shape[0] else None
+    def forward_spec(self, landed, W, row_bytes, window=None, pos_out=None):
+        return ("fanout", "forward", 1, 32, [0] * 11, 0) if landed.shape[0] else None
 
     def reduce_spec(self, pos, H, K, out, row_bytes):
         return ("fanout", "reduce", 1, 32, [0] * 10, 0) if pos.shape[0] else None
@@ -217,6 +217,10 @@ def test_forwarder_path_counts(kernels):
         assert one[op]["event_ops"] == 0, (op, one[op])
     for op, per_chunk in (("dispatch", 3), ("cached dispatch", 3), ("combine", 2)):
         assert three[op]["total"] - one[op]["total"] == 2 * per_chunk + 1, (op, one[op], three[op])
+    # the landed rows' positions (combine's sources) are stored by the forward kernel: no copy beside the
+    # one rank per node path's (the digest's read)
+    local = _calls(2, 1, 1, ONE_ROW_RING)
+    assert one["dispatch"]["copies"] == three["dispatch"]["copies"] == local["dispatch"]["copies"], (one, three)
 
 
 @pytest.mark.parametrize("P", [1, 2])

@@ -137,6 +137,14 @@ def expect_equal(errors: list, got: torch.Tensor, want: torch.Tensor, what: str)
         errors.append(f"{what}: {bad.shape[0]} bytes differ, first (row, byte): {bad[:5].tolist()}")
 
 
+def expect_positions(errors: list, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """``got`` (a forward's pos_out, on the device) equals the landed rows' positions ``want`` [J, P]."""
+    got = got.cpu()
+    if not torch.equal(got, want.to(torch.int32)):
+        bad = (got != want).nonzero()
+        errors.append(f"{what}: {bad.shape[0]} positions differ, first (row, p): {bad[:5].tolist()}")
+
+
 def raise_errors(ctx, errors: list) -> None:
     if errors:
         raise AssertionError(f"rank {ctx.rank}: " + "\n".join(errors))
@@ -175,12 +183,17 @@ def run_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int, pad
     fan.barrier()               # peers are done reading my rows (a reduce before this round)
     own.fill_(SENTINEL)         # (the engine writes nothing here; the test's sentinel is a write)
     fan.barrier()               # my rows are filled before any peer forwards into them
-    for chunk in mine:
-        fan.forward(chunk, W, row_bytes)
+    # every other round also has the positions stored (pos_out: combine's sources), over a sentinel
+    outs = [torch.full((c.shape[0], P), -7, dtype=torch.int32, device=dev) if seed % 2 else None for c in mine]
+    for chunk, out in zip(mine, outs):
+        fan.forward(chunk, W, row_bytes, pos_out=out)
     fan.barrier()
     got = own.cpu()
     want = forward_oracle(payloads, pos, me, N[me], W, rb)
     expect_equal(errors, got, want, f"forward round seed {seed} W {W} pad {pad} row_bytes {row_bytes}")
+    for k, out in enumerate(outs):
+        if out is not None:
+            expect_positions(errors, out, pos[me][k], f"forward round seed {seed} W {W} chunk {k}: pos_out")
 
 
 def case_forward(ctx):
@@ -232,9 +245,13 @@ def case_forward_windows(ctx):
                 fan.barrier()           # peers are done reading my rows
                 own.fill_(SENTINEL)
                 fan.barrier()           # my rows are filled before any peer forwards into them
-                for chunk in mine:
-                    fan.forward(chunk, W, None, (lo, lo + win, at))
+                outs = [torch.full((c.shape[0], P), -7, dtype=torch.int32, device=dev) for c in mine]
+                for chunk, out in zip(mine, outs):   # (every row's positions, in the window or not)
+                    fan.forward(chunk, W, None, (lo, lo + win, at), pos_out=out)
                 fan.barrier()
+                for k, out in enumerate(outs):
+                    expect_positions(errors, out, pos[me][k], f"window seed {seed} rows [{lo}, {lo + win}) "
+                                                              f"chunk {k}: pos_out")
                 want = torch.full((2 * win, W), SENTINEL, dtype=torch.uint8)
                 rows = every[lo:lo + win]
                 want[at:at + rows.shape[0]] = rows

@@ -24,7 +24,7 @@ from commlib.backends.internode.kept import first_combine, first_dispatch, keep
 from commlib.backends.internode.network import stream
 from commlib.backends.internode.rows import (area_row, dispatch_packer, here, int32_len, int32_views, rows_on,
                                              typed_views)
-from commlib.backends.common import HOST, int32_columns
+from commlib.backends.common import HOST
 from commlib.backends.internode.wiring import Wiring
 from commlib.handle import DispatchHandle
 from commlib.utils.errors import CommlibError
@@ -176,13 +176,16 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
     # one allocator call on the output stream (Wiring.alloc) for the send and landing rows, the handle's
     # (and the plan's) int32 tensors as views of one block, and the outputs
     in_area = w.node.in_area
-    ints = (*f.shapes, (num_recv,), (0 if in_area else plan.recv_starts[-1],))
+    # (after the source rows: one rank per node, each landed row's output row; with the forwarder, each
+    # landed row's positions on every local rank, which the forward kernel stores there for combine)
+    J, P = plan.recv_starts[-1], w.topology.ranks_per_node
+    ints = (*f.shapes, (num_recv,), (J, P) if in_area else (J,))
     rows, block, recv_x, recv_scales, recv_topk_idx, recv_topk_w = w.alloc(
         rows_spec(w, plan, W), (int32_len(*ints), torch.int32), ((num_recv, H), x.dtype),
         ((num_recv, scales.shape[1]), torch.float32) if scales is not None else None,
         ((num_recv, K), torch.int64) if K else None, ((num_recv, K), torch.float32) if wts is not None else None)
     send, recv = send_and_landing(plan, rows)
-    rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, recv_src_idx, land_all = int32_views(
+    rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, recv_src_idx, tail = int32_views(
         dev, *ints, block=block)
     if f.pack is None:
         topo = w.topology
@@ -204,11 +207,11 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
         probe.mark("pack")
 
     # ---- 4. network chunks (and the forwarder), 5. land ----
-    landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer)
+    landed, addr, stride, pos_off, n_rows = move(w, send, recv, W, plan, packer, tail if in_area else None)
     if rec:
         probe.mark("network")
     if not in_area:   # combine gathers its rows by where each landed row went
-        plan.land_all = land_all
+        plan.land_all = tail
     if rec:
         probe.mark("outputs")
     if f.land is None and n_rows:
@@ -294,11 +297,13 @@ def send_and_landing(plan: Plan, rows: torch.Tensor) -> tuple:
     return rows[:S], rows[S:]
 
 
-def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer) -> tuple:
+def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer, positions=None) -> tuple:
     """The network chunks. One rank per node: every chunk lands in one buffer (rows carry their final
     row at byte W); with the forwarder, chunk k fans out while k + 1 is on the wire and the rows sit
-    at their final rows of this rank's area. Returns (the landing buffer or None, address, row
-    stride, position byte or -1, rows) of what ``IK.land`` reads."""
+    at their final rows of this rank's area, and the forward kernel stores each landed row's
+    positions into ``positions`` (int32 [J, P]: the plan's landed_pos, combine's sources). Returns
+    (the landing buffer or None, address, row stride, position byte or -1, rows) of what ``IK.land``
+    reads."""
     P = w.topology.ranks_per_node
     nch, ss, rs = plan.num_chunks, plan.send_starts, plan.recv_starts
     w.count_rows(plan)
@@ -312,14 +317,15 @@ def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer) -> tup
         return recv, recv.data_ptr(), W + 4 * P, W, rs[-1]
     w.node.dispatch_begin(plan, W, packer)
 
+    # the landed rows' positions on every local rank (the forwarder's combine sources), per chunk
+    plan.landed_pos = [positions] if nch == 1 else list(positions.split([rs[k + 1] - rs[k] for k in range(nch)]))
+
     def fan_out(k, landed):
         w.phase(f"dispatch (fan-out of chunk {k})")
-        w.node.dispatch_chunk(k, landed, plan, W, cached=True)   # positions kept below, for all chunks at once
+        w.node.dispatch_chunk(k, landed, plan, W, cached=True, pos_out=plan.landed_pos[k])
 
     stream(w.network, nch, post, "dispatch", after=fan_out)
     w.node.finish_forward()
-    # the landed rows' positions on every local rank: the forwarder's combine sources
-    plan.landed_pos = list(int32_columns(recv, W, W + 4 * P).split([rs[k + 1] - rs[k] for k in range(nch)]))
     addr, stride = w.node.address()
     return recv, addr, stride, -1, plan.num_recv
 

@@ -16,7 +16,8 @@ The kernels:
             timeout with "[commlib] rank L fanout barrier: waited for local rank q (epoch e, seen s)".
   forward   a landed chunk (uint8 [J, >= W + 4 P]: W payload bytes, then P int32 = the row's final row
             on local rank p, -1 where p does not get it): the payload of row j is stored straight into
-            local rank p's data area at row pos[j, p] (row stride ``row_bytes``, default W). With a
+            local rank p's data area at row pos[j, p] (row stride ``row_bytes``, default W), and, given
+            ``pos_out`` (int32 [J, P]), the positions into pos_out[j] (combine's sources). With a
             window [lo, hi) of final rows and a first area row ``at``: only the pairs with
             lo <= pos[j, p] < hi are stored, at area row at + pos[j, p] - lo (no window: lo 0, hi
             unbounded, at 0); a row none of whose positions is in the window is not even read.
@@ -83,7 +84,7 @@ BARRIER_THREADS = 32         # one warp (csrc/fanout.cu: lane q speaks for local
 THREADS = 512                # forward / reduce: a warp per row
 GROWTH_ALIGN = 2 << 20       # data areas grow in 2 MiB steps, by at least half their size
 # argument slots of forward_spec / reduce_spec a kept launch sets per call (with its grid)
-FORWARD_LANDED, FORWARD_J, REDUCE_POS, REDUCE_J, REDUCE_OUT = 0, 1, 0, 1, 8
+FORWARD_LANDED, FORWARD_J, FORWARD_POS, REDUCE_POS, REDUCE_J, REDUCE_OUT = 0, 1, 10, 0, 1, 8
 FORWARD_ALL = (1 << 31) - 1  # hi of the window of every final row
 assert SIGNAL_BYTES >= 8 * (loader.MAX_RANKS + 1)
 
@@ -189,19 +190,22 @@ class NodeFanout:
         """CTAs of forward / reduce for J rows (a warp per row, at most num_ctas)."""
         return max(1, min(self.num_ctas, -(-J // (THREADS // 32))))
 
-    def forward(self, landed: torch.Tensor, W: int, row_bytes: int | None = None, window: tuple | None = None) -> None:
+    def forward(self, landed: torch.Tensor, W: int, row_bytes: int | None = None, window: tuple | None = None,
+                pos_out: torch.Tensor | None = None) -> None:
         """Store the W payload bytes of every landed row at its final row on each local rank that gets
         it (``landed``: uint8 [J, >= W + 4 P], see the module docstring). ``row_bytes``: the row stride
         of the data areas (default W). W, the strides and landed's address: multiples of 4.
         ``window`` (lo, hi, at): only final rows lo <= pos < hi, stored at area row at + pos - lo
-        (module docstring); the area must hold at + hi - lo rows."""
-        spec = self.forward_spec(landed, W, row_bytes, window)
+        (module docstring); the area must hold at + hi - lo rows. ``pos_out``: int32 [J, P]
+        (contiguous), where every row's P positions are also stored."""
+        spec = self.forward_spec(landed, W, row_bytes, window, pos_out)
         if spec is not None:
             loader.launch(*spec)
 
-    def forward_spec(self, landed: torch.Tensor, W: int, row_bytes: int | None = None, window: tuple | None = None):
-        """``forward``'s checks, then its launch as a spec (None: no rows); argument FORWARD_LANDED is
-        landed's address."""
+    def forward_spec(self, landed: torch.Tensor, W: int, row_bytes: int | None = None, window: tuple | None = None,
+                     pos_out: torch.Tensor | None = None):
+        """``forward``'s checks, then its launch as a spec (None: no rows); arguments FORWARD_LANDED and
+        FORWARD_POS are landed's and pos_out's addresses (0: none)."""
         self._alive()
         P = self.num_local
         dst_stride = int(W if row_bytes is None else row_bytes)
@@ -226,9 +230,14 @@ class NodeFanout:
                              f"({dst_stride}) and landed's address must be positive multiples of 4")
         if dst_stride < W:
             raise ValueError(f"NodeFanout.forward: row_bytes ({dst_stride}) < W ({W})")
+        if pos_out is not None and (pos_out.dtype != torch.int32 or tuple(pos_out.shape) != (J, P)
+                                    or pos_out.device != self.device or not pos_out.is_contiguous()):
+            raise ValueError(f"NodeFanout.forward: pos_out must be a contiguous int32 [{J}, {P}] tensor on "
+                             f"{self.device}, got {tuple(pos_out.shape)} {pos_out.dtype} strides {pos_out.stride()} "
+                             f"on {pos_out.device}")
         return (FAMILY, "fanout_forward_kernel", self.grid(J), THREADS,
                 [landed.data_ptr(), J, row_stride, W, P, self.peer_bases.data_ptr(), DATA_OFFSET + at * dst_stride,
-                 dst_stride, lo, hi], 0)
+                 dst_stride, lo, hi, 0 if pos_out is None else pos_out.data_ptr()], 0)
 
     def reduce(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, row_bytes: int | None = None) -> None:
         """out[j] = the local ranks' rows pos[j, p] summed in ascending p (module docstring): bf16 [H]

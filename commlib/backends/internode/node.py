@@ -46,7 +46,11 @@ class NodeStep:
     def dispatch_begin(self, plan: Plan, W: int, packer: Packer) -> None:
         raise NotImplementedError
 
-    def dispatch_chunk(self, k: int, landed: torch.Tensor, plan: Plan, W: int, cached: bool) -> None:
+    def dispatch_chunk(self, k: int, landed: torch.Tensor, plan: Plan, W: int, cached: bool, hi=None,
+                       pos_out=None) -> None:
+        """Chunk k's landed rows to the node's ranks (``cached``: the plan holds what combine needs
+        already). An in-area step also takes ``hi`` (a window of final rows) and ``pos_out`` (where
+        the rows' positions go, for combine)."""
         raise NotImplementedError
 
     def dispatch_end(self, plan: Plan, W: int) -> torch.Tensor:
@@ -88,7 +92,7 @@ class GroupNode(NodeStep):
         else:
             self._out = torch.empty(rows, W, dtype=torch.uint8, device=self.device)
 
-    def dispatch_chunk(self, k, landed, plan, W, cached):
+    def dispatch_chunk(self, k, landed, plan, W, cached, hi=None, pos_out=None):
         P, loc = self.P, self.loc
         if plan.path == "padded":   # every landed chunk to every rank of the node; keep the rows set for me
             got = landed if P == 1 else self.all_gather(landed.flatten()).view(P * landed.shape[0], -1)
@@ -217,11 +221,12 @@ class ForwarderNode(NodeStep):
             self._pad = torch.zeros(1, W, dtype=torch.uint8, device=self.device)
             fill_ids(self._pad, packer)
 
-    def dispatch_chunk(self, k, landed, plan, W, cached, hi=None):
-        """Chunk k's rows into the areas (``hi``: window [0, hi) of a windowed dispatch)."""
+    def dispatch_chunk(self, k, landed, plan, W, cached, hi=None, pos_out=None):
+        """Chunk k's rows into the areas (``hi``: window [0, hi) of a windowed dispatch); ``pos_out``: where
+        the forward kernel also stores the rows' positions (a cached dispatch has them already)."""
         if not cached:
             plan.landed_pos.append(int32_columns(landed, W, W + 4 * self.P))   # combine's sources
-        self.fan.forward(landed, W, self.Wd, None if hi is None else (0, hi, 0))
+        self.fan.forward(landed, W, self.Wd, None if hi is None else (0, hi, 0), pos_out)
         self.probe.op("launches")
 
     def finish_forward(self) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from commlib.backends.base import DispatchResult
 from commlib.backends.internode import device
 from commlib.backends.internode import kernels as IK
-from commlib.backends.internode.fanout import FORWARD_J, FORWARD_LANDED, REDUCE_J, REDUCE_OUT, REDUCE_POS
+from commlib.backends.internode.fanout import FORWARD_J, FORWARD_LANDED, FORWARD_POS, REDUCE_J, REDUCE_OUT, REDUCE_POS
 from commlib.backends.internode.fanout import THREADS as FAN_THREADS
 from commlib.backends.internode.kept import KeptCombine, KeptDispatch, keep
 from commlib.backends.internode.wiring import Wiring
@@ -166,7 +166,7 @@ def full_twin(w: Wiring, scratch: device.Scratch, res: DispatchResult, sig: list
               "group": _group(owner.group) if w.cuda else None, "rail": _group(net.group) if w.cuda else None,
               # the chunks (geometry.chunk_rows) and the forwarder's areas, grid and per-chunk slots
               "ring": ring, "area_row": f.area_row, "fwd_threads": FAN_THREADS,
-              "fwd_ctas": w.node.fan.num_ctas if P > 1 else 1, "fwd_slots": (FORWARD_LANDED, FORWARD_J)}
+              "fwd_ctas": w.node.fan.num_ctas if P > 1 else 1, "fwd_slots": (FORWARD_LANDED, FORWARD_J, FORWARD_POS)}
     return callpath.in_full(fields, *launches)
 
 

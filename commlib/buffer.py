@@ -569,9 +569,11 @@ class Buffer(LowLatencyMode):
                 out = cp.dispatch(self, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                   num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                                   config, previous_event, async_finish, allocate_on_comm_stream)
-            except RuntimeError as e:
-                if not isinstance(e, CommlibError) and is_device_failure(e):   # as the backend's dispatch does
+            except RuntimeError as e:   # as the backend's own dispatch does, where it has its way (NVLink)
+                if (hasattr(self.backend, "_device_failure") and not isinstance(e, CommlibError)
+                        and is_device_failure(e)):
                     raise self.backend._device_failure("dispatch", e) from e
+                self._retire_on_device_failure(e)   # (else the Buffer's: CommlibError, the backend failed)
                 raise
             if out is not None:
                 return out

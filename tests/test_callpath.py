@@ -227,10 +227,12 @@ def test_buffer_call_path_switch():
     assert b.call_path == "cpp" and b._cp is b._cpp
 
 
-@pytest.mark.parametrize("op", ["layout", "cached_dispatch", "combine"])
+@pytest.mark.parametrize("op", ["layout", "cached_dispatch", "combine", "dispatch"])
 def test_buffer_retires_on_a_device_failure_in_cpp(op):
     """A CUDA failure inside a C++ call retires the Buffer as in Buffer._run (CommlibError, backend.failed);
-    a host-side error raises as itself; what the C++ call returns is the Buffer's result."""
+    a host-side error raises as itself; what the C++ call returns is the Buffer's result. ``dispatch`` (the
+    internode engine's non-cached one in C++): a backend without an own _device_failure (the internode
+    engine's) is retired the Buffer's way too."""
     calls = []
 
     class FakeEngine:
@@ -250,7 +252,8 @@ def test_buffer_retires_on_a_device_failure_in_cpp(op):
     h = handle_of()
     run = {"layout": lambda: b.get_dispatch_layout(torch.zeros(4, 2, dtype=torch.int64), 8),
            "cached_dispatch": lambda: b.dispatch(torch.zeros(8, 256), handle=h),
-           "combine": lambda: b.combine(torch.zeros(5, 256), h)}[op]
+           "combine": lambda: b.combine(torch.zeros(5, 256), h),
+           "dispatch": lambda: b.dispatch(torch.zeros(8, 256), topk_idx=torch.zeros(8, 2, dtype=torch.int64))}[op]
     b._cp = FakeEngine(("out",))
     assert run() == ("out",) and calls == [(op, b)]
     b._cp = FakeEngine(RuntimeError("host-side"))

@@ -868,7 +868,9 @@ struct InEngine : Core {
       send_head = carve(block, e[2], {T, R_}, at::kInt);
       slot = carve(block, e[3], {T, M}, at::kInt);
       src = carve(block, e[4], {N}, at::kInt);
-      if (!fwd) land_all = carve(block, e[4] + 4 * N, {J}, at::kInt);
+      // after src: one rank per node, land_all [J]; with the forwarder, the landed rows' positions [J, P]
+      const i64 tail = e[4] + 4 * N;
+      if (!fwd) land_all = carve(block, tail, {J}, at::kInt);
       at::Tensor send = carve(rows, 0, {S, Wp}, at::kByte), recv = carve(rows, S * Wp, {J, Wp}, at::kByte);
       const i64 b = static_cast<i64>(address(rank_prefix));
       ph.mark("alloc");
@@ -919,7 +921,7 @@ struct InEngine : Core {
             Launch& f = *t.forward;
             f.set_value(t.fwd_landed, static_cast<i64>(address(recv)) + c.recv_starts[k] * Wp);
             f.set_value(t.fwd_j, Jk);
-            f.set_value(t.fwd_pos, b + e[4] + 4 * N + 4 * t.P * c.recv_starts[k]);
+            f.set_value(t.fwd_pos, b + tail + 4 * t.P * c.recv_starts[k]);
             f.grid = static_cast<unsigned>(t.fwd_grid(Jk));
             f.issue(comm.raw);
             ph.mark("forward");
@@ -929,7 +931,7 @@ struct InEngine : Core {
         ph.mark("barrier");           // the forward kernel into the block) as the plan's per-chunk views
         py::list lp;
         for (i64 k = 0; k < nch; ++k)
-          lp.append(wrap(carve(block, e[4] + 4 * N + 4 * t.P * c.recv_starts[k],
+          lp.append(wrap(carve(block, tail + 4 * t.P * c.recv_starts[k],
                                {c.recv_starts[k + 1] - c.recv_starts[k], t.P}, at::kInt)));
         landed_pos = std::move(lp);
         ph.mark("landed_pos");
@@ -945,7 +947,7 @@ struct InEngine : Core {
         l.set_value(sl.land_scales, t.S >= 0 ? static_cast<i64>(address(recv_scales)) : 0);
         l.set_value(sl.land_topk, static_cast<i64>(address(recv_topk)));
         l.set_value(sl.land_w, t.weights ? static_cast<i64>(address(recv_w)) : 0);
-        l.set_value(sl.land_pos, fwd ? 0 : b + e[4] + 4 * N);
+        l.set_value(sl.land_pos, fwd ? 0 : b + tail);
         l.grid = static_cast<unsigned>(t.grid(n_rows));
         l.issue(comm.raw);
       }

@@ -46,6 +46,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.cpu_siblings import cpu_times, loop_seconds, steal_percent
 from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import row_len as exchange_row_len
 from commlib.backends.probe import NULL_PROBE, RecordingProbe
@@ -538,9 +539,7 @@ def _host_probe(dev) -> float:
     t0 = time.perf_counter()
     for _ in range(HOST_PROBE_ALLOCS):
         torch.empty(64, dtype=torch.int32, device=dev)
-    acc = 0
-    for i in range(HOST_PROBE_LOOP):
-        acc += i & 7
+    loop_seconds(HOST_PROBE_LOOP)
     return (time.perf_counter() - t0) * 1e6
 
 
@@ -688,8 +687,14 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
     nvl, rdma = B.buffer_bytes(w.hidden, R, rpn, R // rpn)
     rows, cpp_rows, pinned = [], [], {}
     cpus = {"at start": len(os.sched_getaffinity(0))}   # the main thread's CPUs (what NCCL's set-up leaves it)
-    from benchmarks.cpu_siblings import cpu_times, steal_percent
     times0 = cpu_times()
+
+    def repin():
+        """--pin: this rank's main thread on a core of its own, NCCL's threads elsewhere (again before each
+        op: a thread started since is moved too); quiet: on the R CPUs that run a fixed loop fastest, measured
+        again each time."""
+        if pin:
+            pinned.update(HT.pin_host(me, R, _quiet_mains(me, R, group) if pin == "quiet" else None))
     for cap in chunk_caps:
         os.environ["COMMLIB_NETWORK_CHUNKS"] = str(cap)
         os.environ["COMMLIB_INTERNODE_KERNELS"] = "1"
@@ -707,18 +712,6 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
             return lambda: buf.dispatch(xx, num_tokens_per_rank=ntr, is_token_in_rank=tir, num_tokens_per_expert=nte,
                                         topk_idx=idx, topk_weights=wts)
         recv_x, _, recv_w, _, handle, _ = full(x)()
-        # --pin: this rank's main thread on a core of its own, NCCL's threads elsewhere (again before
-        # each op: a thread started since is moved too)
-        # (quiet: on the R CPUs that run a fixed loop fastest, measured again before each op)
-        if pin == "quiet":
-            def repin():
-                pinned.update(HT.pin_host(me, R, _quiet_mains(me, R, group)))
-        elif pin:
-            def repin():
-                pinned.update(HT.pin_host(me, R))
-        else:
-            def repin():
-                pass
         cpus.setdefault("after the first call", len(os.sched_getaffinity(0)))
         repin()
         y = B.expert_output(recv_x, me)

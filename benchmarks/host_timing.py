@@ -16,6 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.cpu_siblings import loop_seconds
+
 # profiler event name -> category (CPU-side API calls; kernels and copies are read from device events)
 _API = {"cudaEventRecord": "event_record", "cudaEventRecordWithFlags": "event_record",
         "cudaStreamWaitEvent": "event_wait", "cudaEventSynchronize": "sync", "cudaStreamSynchronize": "sync",
@@ -73,7 +75,6 @@ def quiet_cpus(n: int, iters: int = 50_000, reps: int = 3) -> list:
     after). A lent machine's vCPUs are not alike: a neighbour of the machine can leave some at half
     speed for minutes (benchmarks.cpu_siblings); a rank's main thread pinned to one of the quiet ones
     measures the code, not the neighbour."""
-    from benchmarks.cpu_siblings import loop_seconds
     allowed = _pinned.get("allowed") or sorted(os.sched_getaffinity(0))
     me = threading.get_native_id()
     before = os.sched_getaffinity(me)

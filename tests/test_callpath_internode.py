@@ -854,7 +854,6 @@ def test_pin_host_quiet(monkeypatch):
     thread on the CPUs no rank's main thread has."""
     import os
     import threading
-    from benchmarks import cpu_siblings as CS
     from benchmarks import host_timing as HT
     monkeypatch.setattr(HT, "_pinned", {})
     me = threading.get_native_id()
@@ -862,7 +861,7 @@ def test_pin_host_quiet(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(set_to.get(pid, set(range(8)))))
     monkeypatch.setattr(os, "sched_setaffinity", lambda tid, mask: set_to.__setitem__(tid, set(mask)))
     slow = {0: 5.0, 3: 9.0, 5: 2.0}   # seconds of the loop on a CPU (others 1.0)
-    monkeypatch.setattr(CS, "loop_seconds", lambda iters: slow.get(next(iter(set_to[me])), 1.0))
+    monkeypatch.setattr(HT, "loop_seconds", lambda iters: slow.get(next(iter(set_to[me])), 1.0))
     set_to[me] = set(range(8))
     mains = HT.quiet_cpus(4)
     assert mains == [1, 2, 4, 6] and set_to[me] == set(range(8))

@@ -893,6 +893,27 @@ def test_cpu_siblings_probe_shape():
     assert CS.steal_percent({0: (10, 100)}, {0: (30, 200)}) == {0: 20.0}
 
 
+def test_thread_cpu_finds_a_busy_thread_of_a_child(tmp_path):
+    """benchmarks.thread_cpu: a grandchild's spinning thread (one that ends before the command does)
+    shows up as about one CPU; the sleeping main threads do not; the command's status comes back."""
+    import json
+    import sys
+    from benchmarks import thread_cpu as TC
+    spin = ("import threading, time\n"
+            "def spin():\n"
+            "    t = time.monotonic()\n"
+            "    while time.monotonic() - t < 1.2: pass\n"
+            "th = threading.Thread(target=spin); th.start(); th.join(); time.sleep(0.4)\n"
+            "raise SystemExit(3)")
+    child = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {spin!r}]))"
+    out = tmp_path / "t.json"
+    assert TC.main(["--interval", "0.1", "--json", str(out), "--", sys.executable, "-c", child]) == 3
+    got = json.loads(out.read_text())
+    busy = [t for t in got["threads"] if t["cpu_share"] > 0.3]
+    assert len(busy) == 1 and busy[0]["cpu_share"] < 1.2, got["threads"]
+    assert got["busy_threads"]["max"] == 1 and got["busy_threads"]["min"] == 0
+
+
 def test_bench_internode_cpp_nccl_verdicts():
     """A C++ row's NCCL-issuing phases (the slowest rank's) against the bare calls of the Python row of the
     same op: the dispatch's exchange against its all-gather, its a2a against the network chunks' sum."""

@@ -59,7 +59,7 @@ c10::intrusive_ptr<c10d::Work> allgather(c10d::ProcessGroup& pg, at::Tensor& out
 #define INTERNODE_NAMES(X)                                                                                    \
   X(probe) X(recording) X(node) X(calls) X(area_address) X(cpp_internode) X(data_ptr) X(num_chunks) X(num_recv) \
   X(node_rows) X(send_splits) X(recv_splits) X(send_starts) X(recv_starts) X(fan_send) X(fan_recv) X(home_lens) \
-  X(slot) X(land_all) X(row_counts) X(plan) X(internode_rows) X(landed_pos) X(reserve)
+  X(slot) X(land_all) X(row_counts) X(plan) X(internode_rows) X(landed_pos) X(reserve) X(fan) X(settled)
 
 struct InNames {
 #define INTERNODE_DECLARE(n) PyObject* n = nullptr;
@@ -544,10 +544,13 @@ struct InEngine : Core {
       u64 src[kNumSources] = {address(tensor(xo)), second.is_none() ? 0 : address(tensor(second)), address(out1),
                               p.out.two ? address(out2) : 0, address(scratch), 0};
       if (test) record(py::make_tuple("scratch", src[kScratch], p.rows * p.width));
-      if (p.uses_area) {
-        ++py_ops.call;
-        py::object a = attr(attr(backend, NI->node), NI->area_address)();
-        src[kArea] = static_cast<u64>(as_int(a));
+      if (p.uses_area) {   // (the plan's rows fit: its first call reserved them, and areas only grow)
+        i64 a = settled_area(backend, 0);
+        if (a < 0) {
+          ++py_ops.call;
+          a = as_int(attr(attr(backend, NI->node), NI->area_address)());
+        }
+        src[kArea] = static_cast<u64>(a);
         ph.mark("area");
       }
       issue(p.pre, src, ph, "pre");
@@ -602,6 +605,16 @@ struct InEngine : Core {
     e->twin = std::move(twin);
     keep_entry(full, std::move(e), handle);
     return true;
+  }
+
+  // This rank's forwarder area address where every area already holds ``need`` bytes (node.fan.settled:
+  // (capacity, address) as the areas' last opening left them, None while closed), read without a call into
+  // Python; -1 where the node's reserve (or area_address) must run.
+  static i64 settled_area(py::handle backend, i64 need) {
+    py::object s = attr(attr(attr(backend, NI->node), NI->fan), NI->settled);
+    if (!PyTuple_Check(s.ptr()) || PyTuple_GET_SIZE(s.ptr()) != 2) return -1;
+    if (need > as_int(PyTuple_GET_ITEM(s.ptr(), 0))) return -1;
+    return as_int(PyTuple_GET_ITEM(s.ptr(), 1));
   }
 
   // The count exchange: every rank's row into ``g`` (what Wiring.gather_into issues: the group's all-gather
@@ -893,8 +906,11 @@ struct InEngine : Core {
       // waited for and fanned out; one chunk on the current stream, nothing to wait for)
       i64 area = 0;
       if (fwd) {   // dispatch_begin: room for the node's rows in every area (collective where they grow), barrier
-        ++py_ops.call;
-        area = as_int(attr(attr(backend, NI->node), NI->reserve)(d.node_rows, t.area_row));
+        area = settled_area(backend, d.node_rows * t.area_row);   // (every local rank reads the same digest:
+        if (area < 0) {                                          // all of them fit, or all call reserve)
+          ++py_ops.call;
+          area = as_int(attr(attr(backend, NI->node), NI->reserve)(d.node_rows, t.area_row));
+        }
         ph.mark("reserve");
         t.barrier->issue(comm.raw);
         ph.mark("barrier");

@@ -183,6 +183,18 @@ env_info() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nvidia-smi topo -m
   lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA node|L3|Hypervisor)" || true
+  # the clock every host time is read with (a clocksource without a vDSO path costs a syscall a read)
+  echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null) (of:" \
+    "$(cat /sys/devices/system/clocksource/clocksource0/available_clocksource 2>/dev/null))"
+  $PY - <<'EOF'
+import time
+t = time.perf_counter_ns
+n = 100000
+a = t()
+for _ in range(n):
+    t()
+print(f"perf_counter_ns: {(t() - a) / n:.0f} ns a read (a Python call included)")
+EOF
   $PY - <<'EOF'
 import torch, sys
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,

@@ -90,6 +90,7 @@ class _HostFan(fanout.NodeFanout):
         self.capacity = 64 << 20
         self.area = torch.zeros(fanout.DATA_OFFSET + self.capacity, dtype=torch.uint8)
         self.mem = types.SimpleNamespace(base=self.area.data_ptr(), close=lambda: None)
+        self.settled = (self.capacity, self.mem.base + fanout.DATA_OFFSET)
         self.peer_bases = torch.zeros(P, dtype=torch.int64)
 
     def rows(self, n, row_bytes):

@@ -616,6 +616,41 @@ def test_cpp_dispatch_python_work_per_call(rig, ext):
     assert seen == [(13, 5, 0)] * 3, seen
 
 
+def test_cpp_forwarder_dispatch_reserves_only_where_the_areas_are_short(rig, ext):
+    """With the forwarder, a C++ non-cached dispatch whose node rows fit the areas (their ``fan.settled``
+    capacity) calls nothing in Python; where they do not (or the areas are closed: settled None) it calls
+    the node's reserve, as the Python path's dispatch_begin does, and issues the same work."""
+    r = rig(2, 1)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    _kept_full(r, ext, x)
+    assert r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False) is not None   # (its first: the pools)
+    fan = r.be.node.fan
+    kept = fan.settled
+    grown = []
+    real = type(r.be.node).reserve
+    r.be.node.reserve = lambda rows, row_bytes: grown.append(rows * row_bytes) or real(r.be.node, rows, row_bytes)
+    seen = []
+    try:
+        for settled in (kept, (0, kept[1]), None, kept):
+            fan.settled = settled
+            ext._recorded()
+            ext._py_ops(True)
+            out = r.eng.dispatch(r.buf, *_full_args(r, x), None, False, False)
+            calls = ext._py_ops(False)["call"]
+            assert out is not None
+            del out
+            seen.append((calls, len(grown), [o for o in ext._recorded() if o[0] == "launch"]))
+    finally:
+        fan.settled = kept
+        del r.be.node.reserve
+    assert [s[:2] for s in seen] == [(0, 0), (1, 1), (1, 2), (0, 2)], [s[:2] for s in seen]
+    assert grown[0] > 0
+    area = struct.pack("<Q", kept[1])   # the land kernel reads this rank's area at the address settled holds
+    for s in seen:
+        assert [o[1:6] for o in s[2]] == [o[1:6] for o in seen[0][2]]   # the same kernels, grids and streams
+        assert any(area in o[6] for o in s[2])
+
+
 def test_cpp_digest_parse_matches_python(ext):
     """The C++ dispatch's digest parse (Digest) reads every field where exchange.parse_digest does."""
     from commlib.backends.internode.exchange import parse_digest
@@ -766,8 +801,9 @@ def test_phases_of_the_internode_calls(rig, ext, P, chunks):
 @pytest.mark.parametrize("P,chunks", [(1, 1), (2, 3)])
 def test_python_work_and_device_operations_per_call(rig, ext, P, chunks):
     """What one replayed call costs the host besides its device work, counted (the same on every call):
-    Python attribute reads and writes, calls into Python (the forwarder's area address only), and the
-    device operations: the entry and exit event pairs, two allocations (the outputs in one block, the
+    Python attribute reads and writes, no call into Python (the forwarder's area address is read from
+    its node's ``fan.settled``; with the areas closed, its area_address is called), and the device
+    operations: the entry and exit event pairs, two allocations (the outputs in one block, the
     scratch), one all-to-all and one wait per chunk, the kept launches. The NVLink cached dispatch
     (tests/test_callpath.py) reads 18 attributes, writes 3, calls nothing."""
     r = rig(P, chunks)
@@ -790,12 +826,22 @@ def test_python_work_and_device_operations_per_call(rig, ext, P, chunks):
         assert all(s == seen[0] for s in seen), seen
         ops, kinds = seen[0]
         # reads: Buffer (2), live backend (6), handle (2: extra, send_head / num_tokens), calls, replayed, counters,
-        # the forwarder's node and its area_address method; writes: calls, replayed, the EventOverlap's two
-        assert (ops["get"], ops["set"], ops["call"]) == (14 + 2 * (P > 1), 4, int(P > 1)), (op, ops)
+        # the forwarder's node, its fan and the fan's settled areas; writes: calls, replayed, the EventOverlap's two
+        assert (ops["get"], ops["set"], ops["call"]) == (14 + 3 * (P > 1), 4, 0), (op, ops)
         assert ops["alloc"] > 0
         assert kinds.count("alloc") == 2 and kinds.count("a2a") == K and kinds.count("a2a_wait") >= 1, kinds
         assert [k for k in kinds if k in ("record", "wait")] == ["record", "wait", "record", "wait"], kinds
         assert len(kinds) == 2 + 2 + 1 + kinds.count("launch") + K + kinds.count("a2a_wait") + 2, kinds
+        if P > 1:   # the areas closed (settled None): the node's area_address is called, as the Python path does
+            fan, kept = r.be.node.fan, r.be.node.fan.settled
+            fan.settled = None
+            try:
+                ext._py_ops(True)
+                assert f() is not None
+                assert ext._py_ops(False)["call"] == 1
+                ext._recorded()
+            finally:
+                fan.settled = kept
 
 
 def test_bench_internode_cpp_rows_carry_phases(rig, ext, capsys):

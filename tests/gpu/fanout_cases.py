@@ -155,6 +155,7 @@ def finish(fan: NodeFanout) -> None:
     fan.barrier()
     torch.cuda.synchronize()
     fan.close()
+    assert fan.settled is None   # closed: the C++ call path asks the node (which raises)
 
 
 # ------------------------------------------------------------------ forward
@@ -179,6 +180,9 @@ def run_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int, pad
     payloads = [[torch.randint(0, 256, (J, W), dtype=torch.uint8, generator=g) for J in row] for row in sizes]
     mine = [landed_chunk(payloads[me][k], pos[me][k], _stride(W, P, pad), dev) for k in range(len(sizes[me]))]
     fan.reserve(max(N), rb)
+    if fan.settled != (fan.capacity, fan.data_address()):   # what the C++ call path reads instead of reserving
+        errors.append(f"forward round seed {seed}: settled {fan.settled}, capacity {fan.capacity}, area "
+                      f"{fan.data_address()}")
     own = fan.rows(N[me], rb)
     fan.barrier()               # peers are done reading my rows (a reduce before this round)
     own.fill_(SENTINEL)         # (the engine writes nothing here; the test's sentinel is a write)

@@ -119,6 +119,9 @@ class NodeFanout:
         self.num_ctas = int(num_ctas)
         self.timeout_ns = int(float(env.timeout_s() if timeout_s is None else timeout_s) * 1e9)
         self.capacity = 0  # bytes of the data area
+        # (capacity, data_address()) while open, else None: what a call whose rows fit reads instead of
+        # calling reserve and data_address (the C++ call path: no call into Python)
+        self.settled: tuple | None = None
         with torch.cuda.device(self.device):
             for name in loader.FAMILIES[FAMILY]:  # compile / load now, never inside a graph capture
                 loader._launcher(FAMILY, name, self.device.index)
@@ -132,6 +135,7 @@ class NodeFanout:
         self.mem = PeerMemory(DATA_OFFSET + capacity, self.group, self.local_rank, self.num_local, self.device)
         self.peer_bases.copy_(self.mem.peer_bases)
         self.capacity = capacity
+        self.settled = (capacity, self.mem.base + DATA_OFFSET)
         self.mem.all_opened(self.group, self.local_rank, self.num_local)  # (syncs the device first)
 
     def reserve(self, rows: int, row_bytes: int) -> None:
@@ -151,6 +155,7 @@ class NodeFanout:
         # every rank's work on the old buffers (its own and its peers') is done before any is freed
         torch.cuda.synchronize(self.device)
         dist.all_gather_object([None] * self.num_local, self.local_rank, group=self.group)
+        self.settled = None
         self.mem.close()
         self.mem = None
         self._open(capacity)
@@ -282,5 +287,6 @@ class NodeFanout:
         """Free this rank's buffer and close its peer mappings (waits for this device; collective-free).
         Peers must be done with this rank's buffer: call it after a barrier every rank has passed."""
         if self.mem is not None:
+            self.settled = None
             self.mem.close()
             self.mem = None

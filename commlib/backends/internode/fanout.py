@@ -155,9 +155,7 @@ class NodeFanout:
         # every rank's work on the old buffers (its own and its peers') is done before any is freed
         torch.cuda.synchronize(self.device)
         dist.all_gather_object([None] * self.num_local, self.local_rank, group=self.group)
-        self.settled = None
-        self.mem.close()
-        self.mem = None
+        self.close()
         self._open(capacity)
 
     def rows(self, n: int, row_bytes: int) -> torch.Tensor:

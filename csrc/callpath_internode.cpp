@@ -268,6 +268,9 @@ struct FullSlots {
 // recv_chan; with the forwarder, P > 1, its barrier and forward too) and what serving a call like it
 // needs: the scratch, the shapes, the hooks into Python (twins.py full_twin). Made by twins.full_twin
 // after a Python dispatch, unless COMMLIB_CALLPATH_INTERNODE_DISPATCH=0.
+// fanout.py SYNC_*: the node barrier's pieces a forward takes (csrc/common.cuh NODE_SYNC_*).
+constexpr i64 kSyncEnter = 1, kSyncArriveEnd = 2, kSyncWaitEnd = 4;
+
 struct InFull {
   PyObject* owner = nullptr;  // the backend that made it (identity only)
   py::object fresh;           // device.py Fresh: holds the scratch whose addresses the launches carry
@@ -275,7 +278,7 @@ struct InFull {
   LaunchP barrier, forward;   // the forwarder's (P > 1): its node barrier, a landed chunk's forward
   i64 ring = 1, area_row = 0;            // rows per chunk slot (geometry.chunk_rows); the areas' widest row
   i64 fwd_threads = 512, fwd_ctas = 16;  // fanout.py grid: the forward's threads and most CTAs
-  int fwd_landed = 0, fwd_j = 1, fwd_pos = 10;  // fanout.py FORWARD_LANDED, FORWARD_J, FORWARD_POS: per-chunk slots
+  int fwd_landed = 0, fwd_j = 1, fwd_pos = 10, fwd_sync = 14;  // fanout.py FORWARD_LANDED, _J, _POS, _SYNC: per chunk
   std::vector<i64> sig;       // the signature words (word 1: the call count, set per call)
   i64 E = 0, M = 0, P = 0, Kc = 0, Lx = 0, T = 0, H = 0, C = 0, K = 0, W = 0, S = -1;
   bool weights = false, pinned = false;
@@ -345,7 +348,7 @@ InFullP make_in_full(py::dict d) {
   if (f->P > 1) {
     f->barrier = d["barrier"].cast<LaunchP>();
     f->forward = d["forward"].cast<LaunchP>();
-    std::tie(f->fwd_landed, f->fwd_j, f->fwd_pos) = d["fwd_slots"].cast<std::tuple<int, int, int>>();
+    std::tie(f->fwd_landed, f->fwd_j, f->fwd_pos, f->fwd_sync) = d["fwd_slots"].cast<std::tuple<int, int, int, int>>();
   }
   if (f->P < 1 || f->Kc < 1 || f->K <= 0 || f->threads < 32 || f->fwd_threads < 32 || f->fwd_ctas < 1 ||
       (f->P > 1 && (!f->barrier || !f->forward)))
@@ -905,15 +908,13 @@ struct InEngine : Core {
       // (device.py move, node.py ForwarderNode, network.py stream: chunk k + 1 on the wire before chunk k is
       // waited for and fanned out; one chunk on the current stream, nothing to wait for)
       i64 area = 0;
-      if (fwd) {   // dispatch_begin: room for the node's rows in every area (collective where they grow), barrier
-        area = settled_area(backend, d.node_rows * t.area_row);   // (every local rank reads the same digest:
-        if (area < 0) {                                          // all of them fit, or all call reserve)
-          ++py_ops.call;
+      if (fwd) {   // dispatch_begin: room for the node's rows in every area (collective where they grow); the
+        area = settled_area(backend, d.node_rows * t.area_row);   // barrier before the forwards is chunk 0's
+        if (area < 0) {                                          // (every local rank reads the same digest:
+          ++py_ops.call;                                         // all of them fit, or all call reserve)
           area = as_int(attr(attr(backend, NI->node), NI->reserve)(d.node_rows, t.area_row));
         }
         ph.mark("reserve");
-        t.barrier->issue(comm.raw);
-        ph.mark("barrier");
       }
       const bool sync = nch == 1;
       stream(   // (one rank per node: NCCL completes the chunks in order, the last one's wait covers all)
@@ -931,20 +932,23 @@ struct InEngine : Core {
             land(sync, work);
             ph.mark("chunk_wait");
           },
-          [&](i64 k) {   // dispatch_chunk: the landed chunk's rows forwarded (no launch for none), their
-            const i64 Jk = c.recv_starts[k + 1] - c.recv_starts[k];   // positions stored into the block
-            if (!fwd || !Jk) return;
+          [&](i64 k) {   // dispatch_chunk: the landed chunk's rows forwarded, their positions stored into the
+            const i64 Jk = c.recv_starts[k + 1] - c.recv_starts[k];   // block; chunk 0's forward enters the node
+            const i64 sync = (k == 0 ? kSyncEnter : 0) |              // barrier before the stores, the last one
+                             (k == nch - 1 ? kSyncArriveEnd | kSyncWaitEnd : 0);   // the barrier after them
+            if (!fwd || (!Jk && !sync)) return;                       // (fanout.py sync; no launch for neither)
             Launch& f = *t.forward;
             f.set_value(t.fwd_landed, static_cast<i64>(address(recv)) + c.recv_starts[k] * Wp);
             f.set_value(t.fwd_j, Jk);
             f.set_value(t.fwd_pos, b + tail + 4 * t.P * c.recv_starts[k]);
+            f.set_value(t.fwd_sync, sync);
             f.grid = static_cast<unsigned>(t.fwd_grid(Jk));
             f.issue(comm.raw);
             ph.mark("forward");
           });
-      if (fwd) {   // finish_forward: every peer's stores into this rank's area done and visible; the landed
-        t.barrier->issue(comm.raw);   // rows' positions on every local rank (combine's sources, stored by
-        ph.mark("barrier");           // the forward kernel into the block) as the plan's per-chunk views
+      if (fwd) {   // finish_forward (no chunks: the two barriers no forward took); the landed rows' positions
+        for (int i = 0; i < (nch ? 0 : 2); ++i) t.barrier->issue(comm.raw);   // on every local rank (combine's
+        ph.mark("barrier");   // sources, stored by the forward kernel into the block) as the plan's per-chunk views
         py::list lp;
         for (i64 k = 0; k < nch; ++k)
           lp.append(wrap(carve(block, tail + 4 * t.P * c.recv_starts[k],

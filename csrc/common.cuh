@@ -571,3 +571,108 @@ __device__ __forceinline__ void channel_remote_rows(const int* rpm, const int* r
     }
     out_off[R - 1] = off;
 }
+
+// ------------------------------------------------------------------------------------------------
+// The node barrier in pieces (the internode forwarder: csrc/fanout.cu, and internode.cu's combine rows)
+//
+// Every local rank p of a node owns a signal area at peer_bases[p] + signal_offset (mapped by every
+// process of the node): arrival u64 [CL_MAX_RANKS] (barriers local rank q entered, added by q), then
+// its ticket u64 (barriers it entered, << 32) and its done count u64 (CTAs of the running kernel past
+// their work). A kernel that takes part in barriers gets `sync` flags:
+//   NODE_SYNC_ENTER       a whole barrier at its start: CTA 0 arrives (the kernels before it on the
+//                         stream are complete), every CTA waits for every local rank's arrival
+//   NODE_SYNC_ARRIVE_END  arrive at its end, once every CTA's stores are visible system-wide (the
+//                         last CTA to finish arrives)
+//   NODE_SYNC_WAIT_END    with ARRIVE_END: that CTA then waits (a whole barrier at the end)
+//   NODE_SYNC_WAIT_START  every CTA waits at its start for the barrier this rank arrived at last
+//                         (the other half of an earlier kernel's ARRIVE_END)
+// The barriers a kernel enters (ENTER, ARRIVE_END) are numbered from its ticket: every CTA adds to
+// it once at its start, CTA 0 n << 32 - (grid - 1) (n barriers), the others 1, so it grows by n << 32
+// and each CTA decodes the number before this kernel's from what it read, in any order (CTA 0 reads
+// a small low half; another reads one >= 2^31 only after CTA 0's add, high half then + n - 1). A rank
+// is at most one barrier ahead of a peer (it needs everyone's arrival to leave one; an ARRIVE_END is
+// followed by a wait before the next arrival), so waiting for ">= barrier number" never confuses two.
+// Nothing host-side changes between calls: graph replays advance the tickets like eager calls.
+// ------------------------------------------------------------------------------------------------
+#define NODE_SYNC_ENTER 1
+#define NODE_SYNC_ARRIVE_END 2
+#define NODE_SYNC_WAIT_END 4
+#define NODE_SYNC_WAIT_START 8
+#define NODE_SYNC_TICKET CL_MAX_RANKS      // u64 index of the ticket after the arrival array
+#define NODE_SYNC_DONE (CL_MAX_RANKS + 1)  // u64 index of the done count
+
+struct NodeSync {
+    const u64* peer_bases;  // peer_bases[p]: local rank p's buffer in this process (nullptr: no sync)
+    int local_rank, P;
+    u64 signal_offset, timeout_ns;
+    int flags;
+    __device__ __forceinline__ u64* signal(int p) const {
+        return reinterpret_cast<u64*>(peer_bases[p] + signal_offset);
+    }
+    __device__ __forceinline__ int entered() const {
+        return ((flags & NODE_SYNC_ENTER) ? 1 : 0) + ((flags & NODE_SYNC_ARRIVE_END) ? 1 : 0);
+    }
+};
+
+__device__ __forceinline__ void node_red_add_release_sys(u64* p, u64 v) {
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// One warp: lane q < P adds this rank's arrival at local rank q (after a system-wide fence, so every
+// write this thread saw or made, and through the CTA barrier before it the CTA's, comes first).
+__device__ __forceinline__ void node_arrive(const NodeSync& s) {
+    asm volatile("fence.sc.sys;" ::: "memory");
+    const int lane = lane_id();
+    if (lane < s.P) node_red_add_release_sys(s.signal(lane) + s.local_rank, 1ull);
+}
+
+// One warp: until every own arrival[q] >= barrier (acquire, system scope); traps after the timeout.
+__device__ __forceinline__ void node_wait(const NodeSync& s, u64 barrier) {
+    const int lane = lane_id();
+    const u64* own = s.signal(s.local_rank);
+    warp_wait_until<false>(own + lane, barrier, ~0ull, lane < s.P, lane, WaitSite{"fanout", "node barrier",
+                           s.local_rank, -1, false}, s.timeout_ns);
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+// At a kernel's start, every thread of every CTA (before any early exit). *s_base (shared memory):
+// the barriers this rank entered before this kernel; node_sync_end reads it.
+__device__ __forceinline__ void node_sync_begin(const NodeSync& s, u64* s_base) {
+    if (s.flags == 0) return;
+    const int n = s.entered();
+    if (threadIdx.x == 0) {
+        u64* ticket = s.signal(s.local_rank) + NODE_SYNC_TICKET;
+        u64 base;
+        if (n) {
+            const u64 add = blockIdx.x == 0 ? ((u64)n << 32) - (u64)(gridDim.x - 1) : 1ull;
+            const u64 old = atomicAdd(reinterpret_cast<unsigned long long*>(ticket), (unsigned long long)add);
+            base = (old >> 32) - ((blockIdx.x != 0 && (old & 0xffffffffull) >= 0x80000000ull) ? (u64)(n - 1) : 0ull);
+        } else {
+            base = ld_volatile(ticket) >> 32;   // (no kernel of this rank's stream adds to it meanwhile)
+        }
+        *s_base = base;
+    }
+    if ((s.flags & NODE_SYNC_ENTER) && blockIdx.x == 0 && threadIdx.x < 32) node_arrive(s);
+    __syncthreads();
+    if (s.flags & (NODE_SYNC_ENTER | NODE_SYNC_WAIT_START)) {
+        if (threadIdx.x < 32) node_wait(s, *s_base + ((s.flags & NODE_SYNC_ENTER) ? 1 : 0));
+        __syncthreads();
+    }
+}
+
+// At a kernel's end, every thread of every CTA (no early exit before it). *s_last: shared scratch.
+__device__ __forceinline__ void node_sync_end(const NodeSync& s, const u64* s_base, int* s_last) {
+    if (!(s.flags & NODE_SYNC_ARRIVE_END)) return;
+    __threadfence_system();   // this thread's stores (into peers, or rows peers read) system-wide
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64* done = s.signal(s.local_rank) + NODE_SYNC_DONE;
+        const u64 before = atomicAdd(reinterpret_cast<unsigned long long*>(done), 1ull);
+        *s_last = before == (u64)(gridDim.x - 1);
+        if (*s_last) st_volatile(done, 0ull);   // every CTA has added: the next kernel starts from 0
+    }
+    __syncthreads();
+    if (!*s_last || threadIdx.x >= 32) return;
+    node_arrive(s);
+    if (s.flags & NODE_SYNC_WAIT_END) node_wait(s, *s_base + (u64)s.entered());
+}

@@ -2,14 +2,18 @@
 //
 // Every local rank p of the node owns one peer-memory buffer that every process of the node maps
 // (commlib/backends/nvlink/peer_memory.py); peer_bases[p] is its address in this process. Layout:
-//   [signal_offset, + 8 * CL_MAX_RANKS)            arrival[q]: barriers local rank q has entered
-//   [signal_offset + 8 * CL_MAX_RANKS, + 8)        epoch: barriers this rank has entered (own word)
+//   [signal_offset, + 8 * (CL_MAX_RANKS + 2))      the node barrier's signal area (common.cuh NodeSync:
+//                                                  arrival[q], this rank's ticket and done count)
 //   [data_offset, ...)                             rows (the landing buffer of this rank)
 //
 // Kernels (commlib::fanout::; the loader's names fanout_<name>_kernel):
 //   notify    the barrier: all P local ranks meet (device side, CUDA-graph replayable)
 //   dispatch  the forward step: each landed row -> its final row on every local rank that gets it
 //   combine   the reduce step: per landed row, the sum (ascending p) of the local ranks' rows
+// dispatch and combine also take the barrier's pieces (`sync`, common.cuh NODE_SYNC_*), so that a call
+// needs no notify launch of its own: a dispatch's first forward enters the barrier before its stores
+// and its last one the barrier after them; the combine rows kernel arrives after this rank's rows,
+// the first reduce waits for every rank's.
 // (named as DeepEP's kernels, so profilers and DeepEP's tests that read kernel names find
 // `::notify`, `::dispatch` and `::combine` in an internode call)
 //
@@ -19,57 +23,21 @@
 typedef unsigned char u8;
 typedef unsigned short u16;
 
-#define FANOUT_EPOCH_WORD CL_MAX_RANKS  // u64 index of the epoch word after the arrival array
-
 // Vectors of a row each lane keeps in flight.
 constexpr int kForwardUnroll = 4;
 constexpr int kReduceUnroll = 2;
 
-__device__ __forceinline__ void red_add_release_sys(u64* p, u64 v) {
-    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 namespace commlib::fanout {
 
 // ------------------------------------------------------------------------------------------------
-// Barrier: one CTA (one warp works; lane q speaks for local rank q).
-//   epoch = ++own epoch word; arrival[local_rank] += 1 at every local rank (own included, release,
-//   system scope); wait until own arrival[q] >= epoch for every q (acquire, system scope).
-// A rank can be at most one barrier ahead of another (it needs everyone's arrival to leave one), so
-// ">=" never confuses two epochs. Nothing host-side changes between calls: graph replays advance
-// the epoch like eager calls.
+// Barrier: one CTA of one warp (lane q speaks for local rank q): common.cuh node_sync_begin with
+// NODE_SYNC_ENTER (arrive at every local rank, release, system scope; wait until every own arrival
+// >= this barrier's number, acquire). A peer that never comes traps after timeout_ns, naming it.
 // ------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(32) notify(const u64* peer_bases, int local_rank, int P,
                                               u64 signal_offset, u64 timeout_ns) {
-    if (threadIdx.x >= 32 || blockIdx.x != 0) return;  // whole warps / CTAs leave
-    const int lane = lane_id();
-    u64* own = reinterpret_cast<u64*>(peer_bases[local_rank] + signal_offset);
-    u64 epoch = 0;
-    if (lane == 0) {
-        epoch = ld_volatile(own + FANOUT_EPOCH_WORD) + 1;  // only this rank's stream writes it
-        st_volatile(own + FANOUT_EPOCH_WORD, epoch);
-    }
-    epoch = __shfl_sync(FULL_MASK, epoch, 0);
-    // The kernels before this one on the stream (forward's stores into peers, or this rank's writes
-    // of its own rows, or its reads of peers' rows) are complete; order them before the arrivals.
-    asm volatile("fence.sc.sys;" ::: "memory");
-    if (lane < P) red_add_release_sys(reinterpret_cast<u64*>(peer_bases[lane] + signal_offset) + local_rank, 1ull);
-    if (lane < P) {
-        const u64* word = own + lane;
-        u64 seen = ld_acquire_sys(word);
-        if (seen < epoch) {
-            const u64 start = global_timer_ns();
-            while ((seen = ld_acquire_sys(word)) < epoch) {
-                if (global_timer_ns() - start > timeout_ns) {
-                    printf("[commlib] rank %d fanout barrier: waited for local rank %d (epoch %llu, seen %llu)\n",
-                           local_rank, lane, epoch, seen);
-                    asm volatile("trap;");
-                }
-            }
-        }
-    }
-    __syncwarp();
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    __shared__ u64 s_base;
+    node_sync_begin(NodeSync{peer_bases, local_rank, P, signal_offset, timeout_ns, NODE_SYNC_ENTER}, &s_base);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -122,7 +90,12 @@ __device__ __forceinline__ void forward_rows(const u8* landed, int J, int row_st
 
 __global__ void __launch_bounds__(1024) dispatch(const u8* landed, int J, int row_stride, int W,
                                                 int P, const u64* peer_bases, u64 data_offset,
-                                                int dst_stride, int lo, int hi, int* pos_out) {
+                                                int dst_stride, int lo, int hi, int* pos_out, int local_rank,
+                                                u64 signal_offset, u64 timeout_ns, int sync) {
+    __shared__ u64 s_base;
+    __shared__ int s_last;
+    const NodeSync ns{peer_bases, local_rank, P, signal_offset, timeout_ns, sync};
+    node_sync_begin(ns, &s_base);   // ENTER on a call's first forward: every peer past its reads of its area
     u64 bits = (u64)W | (u64)row_stride | (u64)dst_stride | reinterpret_cast<u64>(landed) | data_offset;
     for (int p = 0; p < P; ++p) bits |= peer_bases[p];
     if ((bits & 15) == 0)
@@ -132,6 +105,7 @@ __global__ void __launch_bounds__(1024) dispatch(const u8* landed, int J, int ro
     // This thread's stores into the peers are performed system-wide before it exits (the barrier
     // kernel after it fences again before its release: belt and braces, one fence per thread).
     __threadfence_system();
+    node_sync_end(ns, &s_base, &s_last);   // ARRIVE_END | WAIT_END on a call's last forward
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -222,7 +196,10 @@ __device__ __forceinline__ void reduce_rows(const int* pos, int J, int P, const 
 __global__ void __launch_bounds__(1024) combine(const int* pos, int J, int P,
                                                const u64* peer_bases, u64 data_offset,
                                                int src_stride, int H, int K, u8* out,
-                                               int out_stride) {
+                                               int out_stride, int local_rank, u64 signal_offset,
+                                               u64 timeout_ns, int sync) {
+    __shared__ u64 s_base;
+    node_sync_begin(NodeSync{peer_bases, local_rank, P, signal_offset, timeout_ns, sync}, &s_base);
     u64 bits = (u64)src_stride | (u64)out_stride | reinterpret_cast<u64>(out) | data_offset;
     for (int p = 0; p < P; ++p) bits |= peer_bases[p];
     if (H % 8 == 0 && (bits & 15) == 0)

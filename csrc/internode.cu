@@ -366,16 +366,24 @@ __global__ void __launch_bounds__(256) recv_chan(
 }
 
 // out row j (stride out_stride) = y row d | w row d, d = pos[j] (pos == 0: d = j): the combine row
-// (_Packer y bf16 [H], w float32 [K]). y_bytes = 2 H.
+// (_Packer y bf16 [H], w float32 [K]). y_bytes = 2 H. Into the forwarder's area (P > 1) it also takes the
+// node barrier's pieces (common.cuh NodeSync; sync 0: none): a barrier before its stores (every peer past
+// its reads of this rank's area) and an arrival after them (the first reduce waits for every rank's).
 __global__ void __launch_bounds__(512) rows(
     const int* __restrict__ pos, int n, const u8* __restrict__ y, int y_bytes, const float* __restrict__ w, int K,
-    u8* __restrict__ out, int out_stride) {
+    u8* __restrict__ out, int out_stride, const u64* peer_bases, int local_rank, int P, u64 signal_offset,
+    u64 timeout_ns, int sync) {
+    __shared__ u64 s_base;
+    __shared__ int s_last;
+    const NodeSync ns{peer_bases, local_rank, P, signal_offset, timeout_ns, sync};
+    node_sync_begin(ns, &s_base);
     for (int j = blockIdx.x * (blockDim.x >> 5) + warp_id(); j < n; j += gridDim.x * (blockDim.x >> 5)) {
         const int d = pos ? pos[j] : j;
         u8* dst = out + (i64)j * out_stride;
         warp_copy_words((u32*)dst, (const u32*)(y + (i64)d * y_bytes), y_bytes >> 2);
         if (K) warp_copy_words((u32*)(dst + y_bytes), (const u32*)(w + (i64)d * K), K);
     }
+    node_sync_end(ns, &s_base, &s_last);
 }
 
 // Token t: y = bf16(0 + float(b0) + float(b1), + float(back row slot.y) for m ascending with

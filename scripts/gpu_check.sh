@@ -73,6 +73,7 @@ host         | nvlink    | 2 | 150 | $PY -m benchmarks.bench_host --world 1,2 --
 fanout       | internode | 4 | 240 | $PY -m pytest tests/gpu/test_fanout_gpu.py -x -q -p no:cacheprovider
 fanwin       | internode | 4 | 150 | env COMMLIB_TEST_CASES=forward_windows $PY -m pytest tests/gpu/test_fanout_gpu.py -x -q -p no:cacheprovider
 fanplant     | internode | 2 | 240 | env PY=$PY bash scripts/plant_fanout_windows.sh
+fansync      | internode | 2 | 240 | env PY=$PY bash scripts/plant_fanout_sync.sh
 inworst      | internode | 2 | 120 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k worst_mode
 inworlds     | internode | 4 | 420 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k "not worst_mode and not worst_windows"
 inwin        | internode | 4 | 240 | $PY -m pytest tests/gpu/test_internode_gpu.py -x -q -p no:cacheprovider -k worst_windows

@@ -511,9 +511,10 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, P, chunks, f
     K = 0 if empty else chunks
     if P == 1:
         network = ["a2a"] * K
-    else:   # chunk k + 1 posted before chunk k's forward (one forward per chunk here: every chunk lands rows)
-        network = ["fanout_barrier_kernel"] + (["a2a"] + ["a2a", "fanout_forward_kernel"] * (K - 1)
-                                               + ["fanout_forward_kernel"] if K else []) + ["fanout_barrier_kernel"]
+    else:   # chunk k + 1 posted before chunk k's forward (one forward per chunk here: every chunk lands rows);
+        # the first and last forward take the node barriers, which need launches of their own only with no chunk
+        network = (["a2a"] + ["a2a", "fanout_forward_kernel"] * (K - 1) + ["fanout_forward_kernel"] if K
+                   else ["fanout_barrier_kernel"] * 2)
     assert kinds == ["inter_meta_kernel", "allgather", "inter_digest_kernel", "inter_pack_kernel"] + network + \
         ([] if empty else ["inter_land_kernel"]) + ["inter_recv_chan_kernel"], kinds
     assert _named(got, c_regions) == _named(want, p_regions)

@@ -56,16 +56,55 @@ def test_launch_arguments_match_the_kernels(fan):
     b, f1, f2, r1, r2 = fan.launches
     assert b[2:4] == (1, F.BARRIER_THREADS)
     assert b[4] == (fan.peer_bases.data_ptr(), 1, 4, F.SIGNAL_OFFSET, 7_000_000_000)
-    # (landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride, lo, hi, pos_out); 40 rows, 16 warps
-    # per CTA: 3 CTAs; no window: every final row, from the area's first row; no pos_out: 0
+    # (landed, J, row_stride, W, P, peer_bases, data_offset, dst_stride, lo, hi, pos_out, local_rank,
+    # signal_offset, timeout_ns, sync); 40 rows, 16 warps per CTA: 3 CTAs; no window: every final row, from
+    # the area's first row; no pos_out: 0; no sync: 0
     assert f1[2:] == (3, F.THREADS, (landed.data_ptr(), 40, W + 4 * P + 12, W, P, fan.peer_bases.data_ptr(),
-                                     F.DATA_OFFSET, W, 0, F.FORWARD_ALL, 0))
+                                     F.DATA_OFFSET, W, 0, F.FORWARD_ALL, 0, 1, F.SIGNAL_OFFSET, 7_000_000_000, 0))
     assert f2[4][7] == 1040 and f2[4][F.FORWARD_POS] == landed_pos.data_ptr()
-    # (pos, J, P, peer_bases, data_offset, src_stride, H, K, out, out_stride); 5 rows: 1 CTA
+    # (pos, J, P, peer_bases, data_offset, src_stride, H, K, out, out_stride, local_rank, signal_offset,
+    # timeout_ns, sync); 5 rows: 1 CTA
     assert r1[2:] == (1, F.THREADS, (pos.data_ptr(), 5, P, fan.peer_bases.data_ptr(), F.DATA_OFFSET,
-                                     2 * 7168 + 36, 7168, 9, out.data_ptr(), out.stride(0)))
+                                     2 * 7168 + 36, 7168, 9, out.data_ptr(), out.stride(0), 1, F.SIGNAL_OFFSET,
+                                     7_000_000_000, 0))
     assert r2[4][5] == 14384
-    assert F.DATA_OFFSET % 128 == 0 and F.DATA_OFFSET >= 8 * (loader.MAX_RANKS + 1)
+    assert F.DATA_OFFSET % 128 == 0 and F.DATA_OFFSET >= 8 * (loader.MAX_RANKS + 2)
+
+
+def test_sync_flags(fan):
+    """The barrier's pieces (``sync``): in their slot, packable; a forward or reduce with flags launches
+    even with no rows (one CTA that only syncs), without flags it does not; flags that cannot go together
+    are refused; kernels.rows_spec takes sync_args the same way; chunk_syncs puts the first and last
+    flags on a call's first and last chunk."""
+    from commlib.backends.internode import kernels as IK
+    W, P = 1036, 4
+    landed = torch.zeros(40, W + 4 * P, dtype=torch.uint8)
+    spec = fan.forward_spec(landed, W, 1040, sync=F.SYNC_ENTER | F.SYNC_ARRIVE_END | F.SYNC_WAIT_END)
+    assert spec[4][F.FORWARD_SYNC] == 7 and spec[2] == 3
+    _packs(F.FAMILY, "fanout_forward_kernel", tuple(spec[4]))
+    none = landed[:0]
+    assert fan.forward_spec(none, W, 1040) is None
+    spec = fan.forward_spec(none, W, 1040, sync=F.SYNC_ENTER)
+    assert spec[2] == 1 and spec[4][F.FORWARD_J] == 0 and spec[4][F.FORWARD_SYNC] == F.SYNC_ENTER
+    assert spec[4][2] == landed.stride(0)   # a kept launch made from it serves rows later: the real stride
+    _packs(F.FAMILY, "fanout_forward_kernel", tuple(spec[4]))
+    pos, out = torch.empty(0, P, dtype=torch.int32), torch.zeros(0, 2 * 64 + 8, dtype=torch.uint8)
+    assert fan.reduce_spec(pos, 64, 2, out) is None
+    spec = fan.reduce_spec(pos, 64, 2, out, sync=F.SYNC_WAIT_START)
+    assert spec[2] == 1 and spec[4][F.REDUCE_J] == 0 and spec[4][F.REDUCE_SYNC] == F.SYNC_WAIT_START
+    _packs(F.FAMILY, "fanout_reduce_kernel", tuple(spec[4]))
+    for bad in (F.SYNC_WAIT_END, F.SYNC_WAIT_START | F.SYNC_ENTER, F.SYNC_WAIT_START | F.SYNC_ARRIVE_END, 16):
+        with pytest.raises(ValueError, match="sync flags"):
+            fan.forward_spec(landed, W, 1040, sync=bad)
+    y = torch.zeros(3, 64, dtype=torch.bfloat16)
+    args = fan.sync_args(F.SYNC_ENTER | F.SYNC_ARRIVE_END)
+    assert args == [fan.peer_bases.data_ptr(), 1, 4, F.SIGNAL_OFFSET, 7_000_000_000, 3]
+    spec = IK.rows_spec(None, 0, y, None, 1 << 20, 128, args)
+    assert spec is not None and spec[2] == 1 and spec[4][IK.ROWS_SYNC] == 3
+    _packs(IK.FAMILY, "inter_rows_kernel", tuple(spec[4]))
+    assert IK.rows_spec(None, 0, y, None, 1 << 20, 128) is None
+    assert IK.rows_spec(None, 3, y, None, 1 << 20, 128)[4][IK.ROWS_SYNC] == 0
+    assert F.chunk_syncs(0, 1, 6) == [] and F.chunk_syncs(1, 1, 6) == [7] and F.chunk_syncs(3, 1, 6) == [1, 0, 6]
 
 
 def test_kept_slots_name_their_tensors(fan):
@@ -101,7 +140,7 @@ def test_forward_window_arguments(fan):
     landed = torch.zeros(40, W + 4 * P, dtype=torch.uint8)
     fan.forward(landed, W, 1040, (100, 150, 50))
     args = fan.launches[-1][4]
-    assert args[6:] == (F.DATA_OFFSET + 50 * 1040, 1040, 100, 150, 0)
+    assert args[6:11] == (F.DATA_OFFSET + 50 * 1040, 1040, 100, 150, 0)
     assert fan.forward_spec(landed, W, 1040, (100, 150, 50))[4] == list(args)
     rows = (1 << 20) // 1040
     fan.forward(landed, W, 1040, (0, rows, 0))                      # exactly the area

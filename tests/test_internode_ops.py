@@ -62,10 +62,10 @@ class _Fan:
     def barrier(self):
         pass
 
-    def forward(self, landed, W, row_bytes, window=None, pos_out=None):
+    def forward(self, landed, W, row_bytes, window=None, pos_out=None, sync=0):
         pass
 
-    def reduce(self, pos, H, K, out, row_bytes):
+    def reduce(self, pos, H, K, out, row_bytes, sync=0):
         pass
 
     def data_address(self):
@@ -75,11 +75,14 @@ class _Fan:
     def barrier_spec(self):
         return ("fanout", "barrier", 1, 32, [0] * 5, 0)
 
-    def forward_spec(self, landed, W, row_bytes, window=None, pos_out=None):
-        return ("fanout", "forward", 1, 32, [0] * 11, 0) if landed.shape[0] else None
+    def forward_spec(self, landed, W, row_bytes, window=None, pos_out=None, sync=0):
+        return ("fanout", "forward", 1, 32, [0] * 15, 0) if landed.shape[0] or sync else None
 
-    def reduce_spec(self, pos, H, K, out, row_bytes):
-        return ("fanout", "reduce", 1, 32, [0] * 10, 0) if pos.shape[0] else None
+    def reduce_spec(self, pos, H, K, out, row_bytes, sync=0):
+        return ("fanout", "reduce", 1, 32, [0] * 14, 0) if pos.shape[0] or sync else None
+
+    def sync_args(self, sync):
+        return [0, 0, 2, 0, 0, sync]
 
     def grid(self, J):
         return 1

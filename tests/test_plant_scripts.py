@@ -25,7 +25,7 @@ def plants(script: pathlib.Path) -> tuple[list, list]:
 
 def test_scripts_found():
     assert {p.name for p in SCRIPTS} >= {"plant_callpath.sh", "plant_callpath_internode.sh", "plant_internode_kernels.sh",
-                                        "plant_fanout_windows.sh"}
+                                        "plant_fanout_windows.sh", "plant_fanout_sync.sh"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

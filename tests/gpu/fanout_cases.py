@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib.backends.internode.fanout import NodeFanout
+from commlib.backends.internode.fanout import (SYNC_ARRIVE_END, SYNC_ENTER, SYNC_WAIT_END, SYNC_WAIT_START,
+                                               NodeFanout, chunk_syncs)
 from commlib.utils.timing import capture_graph
 
 TIMEOUT_S = 60.0
@@ -324,6 +325,91 @@ def case_dispatch_then_combine(ctx):
         for i in range(3):
             run_forward_round(ctx, fan, errors, 400 + i, 2 * 512 + 36, 0, None)
             run_reduce_round(ctx, fan, errors, 500 + i, 512, 5, None, None)
+    finally:
+        finish(fan)
+    raise_errors(ctx, errors)
+
+
+# ------------------------------------------------------------------ the barrier's pieces (sync flags)
+LATE_CYCLES = 100_000_000   # about 50 ms of a late rank's stream (torch.cuda._sleep) before its step
+
+
+def run_sync_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int, late: int) -> None:
+    """A forward round as the engine runs it (node.py ForwarderNode): no barrier launch, chunk 0's
+    forward with SYNC_ENTER, the last one's with SYNC_ARRIVE_END | SYNC_WAIT_END (an empty chunk there
+    launches only to sync). Local rank ``late`` sleeps on its stream before it fills its rows: without
+    the entering barrier a peer's stores land before that fill (sentinel where rows belong); without
+    the one at the end a rank reads its rows before the late rank's stores (sentinel again)."""
+    P, me, dev = ctx.world_size, ctx.rank, ctx.device
+    g = torch.Generator().manual_seed(seed)
+    sizes = chunk_sizes(g, P, 3)   # (rank 0's first chunk is empty: a forward that only enters the barrier)
+    if seed % 2 == 0:              # an empty last chunk: a forward that only takes the barrier after
+        sizes[P - 1][2] = 0
+    pos, N = positions(g, P, sizes)
+    payloads = [[torch.randint(0, 256, (J, W), dtype=torch.uint8, generator=g) for J in row] for row in sizes]
+    mine = [landed_chunk(payloads[me][k], pos[me][k], _stride(W, P, 0), dev) for k in range(len(sizes[me]))]
+    own = fan.rows(N[me], W)
+    if me == late:
+        torch.cuda._sleep(LATE_CYCLES)
+    own.fill_(SENTINEL)   # (before the entering barrier: no peer stores into it before this)
+    syncs = chunk_syncs(len(mine), SYNC_ENTER, SYNC_ARRIVE_END | SYNC_WAIT_END)
+    outs = [torch.full((c.shape[0], P), -7, dtype=torch.int32, device=dev) for c in mine]
+    for chunk, out, sync in zip(mine, outs, syncs):
+        fan.forward(chunk, W, None, pos_out=out if chunk.shape[0] else None, sync=sync)
+    got = own.cpu()
+    expect_equal(errors, got, forward_oracle(payloads, pos, me, N[me], W, W),
+                 f"sync forward round seed {seed} W {W} (late rank {late})")
+    for k, out in enumerate(outs):
+        expect_positions(errors, out, pos[me][k], f"sync forward round seed {seed} chunk {k}: pos_out")
+
+
+def run_sync_reduce_round(ctx, fan: NodeFanout, errors: list, seed: int, H: int, K: int, late_write: int,
+                          late_read: int) -> None:
+    """A reduce round as the engine runs it: this rank's rows written by kernels.rows with SYNC_ENTER |
+    SYNC_ARRIVE_END, chunk 0's reduce with SYNC_WAIT_START (launched even with no rows), no barrier
+    launch. Rank ``late_write`` sleeps before its rows: without the arrival after them, or the first
+    reduce's wait, a peer sums stale rows. Rank ``late_read`` sleeps before its reduces: without the
+    entering barrier, the next round's rows overwrite what it still reads (its sums come out wrong)."""
+    from commlib.backends.internode import kernels as IK
+    P, me, dev = ctx.world_size, ctx.rank, ctx.device
+    W = 2 * H + 4 * K
+    g = torch.Generator().manual_seed(seed)
+    sizes = chunk_sizes(g, P, 3)
+    pos, N = positions(g, P, sizes, keep=0.7)
+    vals = [reduce_values(g, N[p], H, K) for p in range(P)]
+    ys, ws = [v[0] for v in vals], [v[1] for v in vals]
+    y, w = ys[me].to(dev), (ws[me].to(dev) if K else None)
+    if me == late_write:
+        torch.cuda._sleep(LATE_CYCLES)
+    IK.rows(None, N[me], y, w, fan.data_address(), W, fan.sync_args(SYNC_ENTER | SYNC_ARRIVE_END))
+    if me == late_read:
+        torch.cuda._sleep(LATE_CYCLES)
+    outs = []
+    for k in range(len(sizes[me])):
+        out = torch.full((sizes[me][k], W), SENTINEL, dtype=torch.uint8, device=dev)
+        fan.reduce(pos[me][k].to(dev), H, K, out, None, SYNC_WAIT_START if k == 0 else 0)
+        outs.append(out)
+    for k, out in enumerate(outs):
+        expect_equal(errors, out.cpu(), reduce_oracle(ys, ws, pos[me][k]),
+                     f"sync reduce round seed {seed} H {H} K {K} chunk {k} (late {late_write} / {late_read})")
+
+
+def case_sync_pieces(ctx):
+    """Forward and reduce rounds with the barriers folded into the kernels (sync flags), one rank late
+    in turn, interleaved with plain barrier launches (both count barriers alike: the tickets). The areas
+    are reserved once, up front, so no host-side collective lines the ranks up between rounds."""
+    P = ctx.world_size
+    errors: list = []
+    fan = NodeFanout(ctx.group, ctx.device, num_ctas=3, timeout_s=TIMEOUT_S)
+    try:
+        fan.reserve(4096, 2 * 7168 + 64)
+        for i in range(2 * P):
+            run_sync_forward_round(ctx, fan, errors, 900 + i, (1024, 12, 2 * 7168 + 36)[i % 3], i % P)
+            run_sync_reduce_round(ctx, fan, errors, 950 + i, (512, 7168, 64)[i % 3], (5, 1, 0)[i % 3], i % P,
+                                  (i + 1) % P)
+            if i % 3 == 2:
+                fan.barrier()
+        torch.cuda.synchronize()
     finally:
         finish(fan)
     raise_errors(ctx, errors)

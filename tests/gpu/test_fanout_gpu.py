@@ -26,7 +26,8 @@ from commlib.buffer import _cupy_available as _have_cupy
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or not _have_cupy(), reason="needs a GPU and CuPy")]
 
-CASES = ["forward", "forward_windows", "reduce", "dispatch_then_combine", "graph_forward", "graph_combine", "refusals"]
+CASES = ["forward", "forward_windows", "reduce", "dispatch_then_combine", "sync_pieces", "graph_forward",
+         "graph_combine", "refusals"]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -6,14 +6,22 @@ landed network chunk, W payload bytes of a row.
 Every local rank owns one peer-memory buffer (``commlib.backends.nvlink.peer_memory.PeerMemory``)
 that every process of the node maps:
   [0, SIGNAL_BYTES)           signal area: arrival u64 [MAX_RANKS] (barriers local rank q entered,
-                              added by q), then this rank's epoch u64 (barriers it entered)
+                              added by q), then this rank's ticket u64 (barriers it entered << 32)
+                              and its done count u64 (csrc/common.cuh NodeSync)
   [DATA_OFFSET, + capacity)   data area: this rank's landing rows (``rows``), DATA_OFFSET a multiple
                               of SLOT_ALIGN
 The kernels:
-  barrier   one CTA: epoch += 1; arrival[me] += 1 at every local rank (release, system scope); wait
-            until every own arrival[q] >= epoch (acquire). Device-side only (no host sync), so it can
-            be captured in a CUDA graph and replayed; a peer that never comes traps after the
-            timeout with "[commlib] rank L fanout barrier: waited for local rank q (epoch e, seen s)".
+  barrier   one CTA: arrival[me] += 1 at every local rank (release, system scope); wait until every
+            own arrival[q] >= the number of barriers this rank entered (acquire). Device-side only
+            (no host sync), so it can be captured in a CUDA graph and replayed; a peer that never
+            comes traps after the timeout with "[commlib] rank L timeout in fanout ... waiting for
+            node barrier from rank q: expected >= e, seen s".
+  sync      forward and reduce (and kernels.rows into an area) also take the barrier in pieces,
+            ``sync`` flags (csrc/common.cuh NODE_SYNC_*): SYNC_ENTER, a whole barrier at the
+            kernel's start; SYNC_ARRIVE_END, the arrival once every CTA's stores are visible (the
+            last CTA); SYNC_WAIT_END, with it, that CTA's wait (a whole barrier at the end);
+            SYNC_WAIT_START, every CTA's wait at the start for the barrier this rank arrived at
+            last. A kernel with flags runs even with no rows (a launch that only syncs).
   forward   a landed chunk (uint8 [J, >= W + 4 P]: W payload bytes, then P int32 = the row's final row
             on local rank p, -1 where p does not get it): the payload of row j is stored straight into
             local rank p's data area at row pos[j, p] (row stride ``row_bytes``, default W), and, given
@@ -27,7 +35,7 @@ The kernels:
             followed by ``.to(torch.bfloat16)``, bit for bit. A row of the data areas is H bf16 then K
             float32, packed (``rows.combine_packer(H, K)``).
 
-Protocol (every local rank makes the same calls in the same order, on one stream each):
+Protocol (every local rank makes the same barriers in the same order, on one stream each):
   dispatch   barrier            every peer is past its reads of the previous call's rows (here: its
                                 own rows, read after the last barrier of that call)
              forward per chunk  plain stores into the peers' data areas
@@ -38,7 +46,11 @@ Protocol (every local rank makes the same calls in the same order, on one stream
              write own rows     into ``rows(n, row_bytes)``
              barrier            every peer's rows are written
              reduce per chunk   loads from the peers' data areas
-The next call's first barrier keeps a peer from overwriting rows still being read. Nothing here
+The next call's first barrier keeps a peer from overwriting rows still being read. The engine's calls
+(node.py ForwarderNode, kept.py) fold the barriers into the kernels beside them (``sync``): a
+dispatch's first forward has SYNC_ENTER and its last SYNC_ARRIVE_END | SYNC_WAIT_END (both at one
+chunk); a combine's rows kernel has SYNC_ENTER | SYNC_ARRIVE_END and its first reduce SYNC_WAIT_START,
+the same barriers in the same order with no launch of their own. Nothing here
 checks that a position is below the rows reserved (that would need a host sync): the caller's
 plan does (positions are final output rows, < the rows it reserved). A windowed forward is bounded
 by construction: it stores only into area rows [at, at + hi - lo), which ``forward`` checks.
@@ -78,15 +90,29 @@ from commlib.utils.math import align_up
 
 FAMILY = "fanout"
 SIGNAL_OFFSET = 0
-SIGNAL_BYTES = 4096          # arrival [MAX_RANKS] u64 + epoch u64 (csrc/fanout.cu), padded to a page
+SIGNAL_BYTES = 4096          # arrival [MAX_RANKS] u64 + ticket u64 + done u64 (csrc/common.cuh), padded to a page
 DATA_OFFSET = align_up(SIGNAL_BYTES, SLOT_ALIGN)
 BARRIER_THREADS = 32         # one warp (csrc/fanout.cu: lane q speaks for local rank q)
 THREADS = 512                # forward / reduce: a warp per row
 GROWTH_ALIGN = 2 << 20       # data areas grow in 2 MiB steps, by at least half their size
 # argument slots of forward_spec / reduce_spec a kept launch sets per call (with its grid)
-FORWARD_LANDED, FORWARD_J, FORWARD_POS, REDUCE_POS, REDUCE_J, REDUCE_OUT = 0, 1, 10, 0, 1, 8
+FORWARD_LANDED, FORWARD_J, FORWARD_POS, FORWARD_SYNC = 0, 1, 10, 14
+REDUCE_POS, REDUCE_J, REDUCE_OUT, REDUCE_SYNC = 0, 1, 8, 13
 FORWARD_ALL = (1 << 31) - 1  # hi of the window of every final row
-assert SIGNAL_BYTES >= 8 * (loader.MAX_RANKS + 1)
+# the barrier's pieces a forward / reduce / rows kernel takes (csrc/common.cuh NODE_SYNC_*)
+SYNC_ENTER, SYNC_ARRIVE_END, SYNC_WAIT_END, SYNC_WAIT_START = 1, 2, 4, 8
+SYNC_ALL = SYNC_ENTER | SYNC_ARRIVE_END | SYNC_WAIT_END | SYNC_WAIT_START
+assert SIGNAL_BYTES >= 8 * (loader.MAX_RANKS + 2)
+
+
+def chunk_syncs(n: int, first: int, last: int) -> list:
+    """The sync flags of a call's n per-chunk launches: ``first`` on chunk 0, ``last`` on chunk n - 1
+    (both on one chunk), 0 elsewhere."""
+    flags = [0] * n
+    if n:
+        flags[0] |= first
+        flags[-1] |= last
+    return flags
 
 
 class _DeviceRows:
@@ -193,23 +219,40 @@ class NodeFanout:
         """CTAs of forward / reduce for J rows (a warp per row, at most num_ctas)."""
         return max(1, min(self.num_ctas, -(-J // (THREADS // 32))))
 
+    def sync_args(self, sync: int) -> list:
+        """The barrier's arguments of a kernel that takes its pieces (kernels.rows_spec's ``sync``): the
+        peers' addresses, local rank, P, signal offset, timeout and the flags."""
+        self._alive()
+        return [self.peer_bases.data_ptr(), self.local_rank, self.num_local, SIGNAL_OFFSET, self.timeout_ns, int(sync)]
+
+    def _check_sync(self, sync: int) -> int:
+        sync = int(sync)
+        if sync & ~SYNC_ALL or (sync & SYNC_WAIT_END and not sync & SYNC_ARRIVE_END) \
+                or (sync & SYNC_WAIT_START and sync & (SYNC_ENTER | SYNC_ARRIVE_END)):
+            raise ValueError(f"[commlib local rank {self.local_rank}] NodeFanout: sync flags {sync:#x}: "
+                             "WAIT_END needs ARRIVE_END, WAIT_START goes alone")
+        return sync
+
     def forward(self, landed: torch.Tensor, W: int, row_bytes: int | None = None, window: tuple | None = None,
-                pos_out: torch.Tensor | None = None) -> None:
+                pos_out: torch.Tensor | None = None, sync: int = 0) -> None:
         """Store the W payload bytes of every landed row at its final row on each local rank that gets
         it (``landed``: uint8 [J, >= W + 4 P], see the module docstring). ``row_bytes``: the row stride
         of the data areas (default W). W, the strides and landed's address: multiples of 4.
         ``window`` (lo, hi, at): only final rows lo <= pos < hi, stored at area row at + pos - lo
         (module docstring); the area must hold at + hi - lo rows. ``pos_out``: int32 [J, P]
-        (contiguous), where every row's P positions are also stored."""
-        spec = self.forward_spec(landed, W, row_bytes, window, pos_out)
+        (contiguous), where every row's P positions are also stored. ``sync``: the barrier's pieces it
+        takes (module docstring; with flags it runs even with no rows)."""
+        spec = self.forward_spec(landed, W, row_bytes, window, pos_out, sync)
         if spec is not None:
             loader.launch(*spec)
 
     def forward_spec(self, landed: torch.Tensor, W: int, row_bytes: int | None = None, window: tuple | None = None,
-                     pos_out: torch.Tensor | None = None):
-        """``forward``'s checks, then its launch as a spec (None: no rows); arguments FORWARD_LANDED and
-        FORWARD_POS are landed's and pos_out's addresses (0: none)."""
+                     pos_out: torch.Tensor | None = None, sync: int = 0):
+        """``forward``'s checks, then its launch as a spec (None: no rows and no sync); arguments
+        FORWARD_LANDED, FORWARD_POS and FORWARD_SYNC are landed's and pos_out's addresses (0: none) and
+        the sync flags."""
         self._alive()
+        sync = self._check_sync(sync)
         P = self.num_local
         dst_stride = int(W if row_bytes is None else row_bytes)
         lo, hi, at = (0, FORWARD_ALL, 0) if window is None else (int(v) for v in window)
@@ -222,8 +265,11 @@ class NodeFanout:
             raise ValueError(f"NodeFanout.forward: landed must be a 2-D uint8 tensor on {self.device}, got "
                              f"{tuple(landed.shape)} {landed.dtype} on {landed.device}")
         J = landed.shape[0]
-        if J == 0:
-            return None
+        tail = [self.local_rank, SIGNAL_OFFSET, self.timeout_ns, sync]
+        if J == 0:   # nothing to store: a launch only where it syncs
+            return None if not sync else (FAMILY, "fanout_forward_kernel", 1, THREADS,
+                                          [0, 0, landed.stride(0), W, P, self.peer_bases.data_ptr(), DATA_OFFSET,
+                                           dst_stride, lo, hi, 0] + tail, 0)
         if landed.shape[1] < W + 4 * P or (landed.shape[1] > 1 and landed.stride(1) != 1):
             raise ValueError(f"NodeFanout.forward: landed rows must hold W + 4 P = {W + 4 * P} contiguous bytes, got "
                              f"shape {tuple(landed.shape)} strides {landed.stride()}")
@@ -240,20 +286,25 @@ class NodeFanout:
                              f"on {pos_out.device}")
         return (FAMILY, "fanout_forward_kernel", self.grid(J), THREADS,
                 [landed.data_ptr(), J, row_stride, W, P, self.peer_bases.data_ptr(), DATA_OFFSET + at * dst_stride,
-                 dst_stride, lo, hi, 0 if pos_out is None else pos_out.data_ptr()], 0)
+                 dst_stride, lo, hi, 0 if pos_out is None else pos_out.data_ptr()] + tail, 0)
 
-    def reduce(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, row_bytes: int | None = None) -> None:
+    def reduce(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, row_bytes: int | None = None,
+               sync: int = 0) -> None:
         """out[j] = the local ranks' rows pos[j, p] summed in ascending p (module docstring): bf16 [H]
         then float32 [K] packed into the uint8 row out[j] (``out``: uint8 [J, >= 2 H + 4 K], row
-        stride even). ``pos``: int32 [J, P]; ``row_bytes``: the data areas' row stride (default 2 H + 4 K)."""
-        spec = self.reduce_spec(pos.contiguous(), H, K, out, row_bytes)
+        stride even). ``pos``: int32 [J, P]; ``row_bytes``: the data areas' row stride (default 2 H + 4 K);
+        ``sync``: the barrier's pieces it takes (SYNC_WAIT_START: it runs even with no rows)."""
+        spec = self.reduce_spec(pos.contiguous(), H, K, out, row_bytes, sync)
         if spec is not None:
             loader.launch(*spec)
 
-    def reduce_spec(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, row_bytes: int | None = None):
-        """``reduce``'s checks, then its launch as a spec (None: no rows); argument REDUCE_OUT is out's
-        address. ``pos`` (contiguous) must stay alive while the spec is used (its address is in it)."""
+    def reduce_spec(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, row_bytes: int | None = None,
+                    sync: int = 0):
+        """``reduce``'s checks, then its launch as a spec (None: no rows and no sync); arguments
+        REDUCE_OUT and REDUCE_SYNC are out's address and the sync flags. ``pos`` (contiguous) must stay
+        alive while the spec is used (its address is in it)."""
         self._alive()
+        sync = self._check_sync(sync)
         P = self.num_local
         W = 2 * H + 4 * K
         src_stride = int(W if row_bytes is None else row_bytes)
@@ -268,13 +319,16 @@ class NodeFanout:
         if H < 0 or K < 0 or src_stride < W or src_stride % 2 or out.stride(0) % 2 or out.data_ptr() % 2:
             raise ValueError(f"NodeFanout.reduce: H ({H}), K ({K}), row_bytes ({src_stride} >= {W}), out's row "
                              "stride and address must be even")
-        if J == 0:
-            return None
+        tail = [self.local_rank, SIGNAL_OFFSET, self.timeout_ns, sync]
+        if J == 0:   # nothing to sum: a launch only where it syncs
+            return None if not sync else (FAMILY, "fanout_reduce_kernel", 1, THREADS,
+                                          [0, 0, P, self.peer_bases.data_ptr(), DATA_OFFSET, src_stride, H, K, 0,
+                                           out.stride(0) if out.dim() == 2 else 0] + tail, 0)
         if not pos.is_contiguous():
             raise ValueError(f"NodeFanout.reduce: pos must be contiguous, got strides {pos.stride()}")
         return (FAMILY, "fanout_reduce_kernel", self.grid(J), THREADS,
                 [pos.data_ptr(), J, P, self.peer_bases.data_ptr(), DATA_OFFSET, src_stride, H, K, out.data_ptr(),
-                 out.stride(0)], 0)
+                 out.stride(0)] + tail, 0)
 
     # ------------------------------------------------------------------ lifetime
     def _alive(self) -> None:

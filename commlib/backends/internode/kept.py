@@ -25,7 +25,9 @@ import torch
 
 from commlib.backends.base import set_stream
 from commlib.backends.internode import kernels as IK
-from commlib.backends.internode.fanout import FORWARD_J, FORWARD_LANDED, REDUCE_J, REDUCE_OUT, REDUCE_POS
+from commlib.backends.internode.fanout import (FORWARD_J, FORWARD_LANDED, FORWARD_SYNC, REDUCE_J, REDUCE_OUT,
+                                               REDUCE_POS, REDUCE_SYNC, SYNC_ARRIVE_END, SYNC_ENTER, SYNC_WAIT_END,
+                                               SYNC_WAIT_START, chunk_syncs)
 from commlib.backends.internode.geometry import Plan
 from commlib.backends.internode.network import stream
 from commlib.backends.internode.rows import dispatch_packer
@@ -138,7 +140,7 @@ class _Kept:
 class KeptDispatch(_Kept):
     """A cached dispatch on the kernels: pack by the plan's slots and the handle's send_head, the
     network chunks (with the forwarder: each landed chunk stored into the node's areas between two
-    barriers), land (no routing columns)."""
+    barriers, which the first and last forward take), land (no routing columns)."""
 
     op = "cached dispatch"
 
@@ -161,7 +163,9 @@ class KeptDispatch(_Kept):
         self.slot_ptr, self.send_head_ptr = plan.slot.data_ptr(), self.send_head.data_ptr()
         if self.in_area:
             self.Wd = w.node.kept_begin(plan, W)   # room in the areas (collective where they grow)
-            self.chunks = [((S + rs[k]) * self.width, rs[k + 1] - rs[k], w.node.grid(rs[k + 1] - rs[k]))
+            # per chunk (landed rows' byte offset, rows, grid, the barrier's pieces its forward takes)
+            syncs = chunk_syncs(nch, SYNC_ENTER, SYNC_ARRIVE_END | SYNC_WAIT_END)
+            self.chunks = [((S + rs[k]) * self.width, rs[k + 1] - rs[k], w.node.grid(rs[k + 1] - rs[k]), syncs[k])
                            for k in range(nch)]
             self.land_n, self.land_stride, self.land_pos_off = n, self.Wd, -1
         else:
@@ -198,24 +202,25 @@ class KeptDispatch(_Kept):
         nch, net = plan.num_chunks, w.network
         ss, rs = plan.send_splits, plan.recv_splits
         fan_out = None
-        if self.in_area:
-            if L.barrier is None:
-                L.barrier = keep(node.barrier_spec())
-            L.barrier.issue(raw)   # every peer is past its reads of this rank's area (its last call)
-            chunks, W, Wd = self.chunks, self.W, self.Wd
+        if self.in_area:   # chunk 0's forward enters the barrier (every peer past its reads of this rank's
+            chunks, W, Wd = self.chunks, self.W, self.Wd   # area), the last one the barrier after the stores
 
             def fan_out(k, landed):
-                off, J, grid = chunks[k]
-                if J:
+                off, J, grid, sync = chunks[k]
+                if J or sync:
                     if L.forward is None:
-                        L.forward = keep(node.forward_spec(landed, W, Wd))
+                        L.forward = keep(node.forward_spec(landed, W, Wd, sync))
                     f = L.forward
-                    f.args[FORWARD_LANDED], f.args[FORWARD_J], f.grid = base + off, J, grid
+                    f.args[FORWARD_LANDED], f.args[FORWARD_J], f.args[FORWARD_SYNC], f.grid = base + off, J, sync, grid
                     f.issue(raw)
-            launches += 2 + sum(1 for c in chunks if c[1])
+            launches += sum(1 for c in chunks if c[1] or c[3])
         stream(net, nch, lambda k: net.post(views[k], ss[k], rs[k], out=views[nch + k]), "dispatch", after=fan_out)
-        if self.in_area:
-            L.barrier.issue(raw)   # every peer's stores into this rank's area are done and visible
+        if self.in_area and not nch:   # no forward took the barriers
+            if L.barrier is None:
+                L.barrier = keep(node.barrier_spec())
+            L.barrier.issue(raw)
+            L.barrier.issue(raw)
+            launches += 2
         w.count_rows(plan)
         if probe.recording:
             probe.mark("network")
@@ -256,11 +261,16 @@ class KeptCombine(_Kept):
         self.outputs = (((T, H), torch.bfloat16), ((T, K), torch.float32) if K else None)
         if self.in_area:
             self.Wd = w.node.kept_begin(plan, Wc)   # (free: the dispatch reserved room for these rows)
-            self.chunks = [(rs[k] * Wc, rs[k + 1] - rs[k], w.node.grid(rs[k + 1] - rs[k]), plan.landed_pos[k].data_ptr())
-                           for k in range(nch)]
+            # per chunk (partials' byte offset, rows, grid, positions, the barrier's pieces its reduce takes:
+            # the first waits for every rank's rows, which the rows kernel arrived after)
+            syncs = chunk_syncs(nch, SYNC_WAIT_START, 0)
+            self.chunks = [(rs[k] * Wc, rs[k + 1] - rs[k], w.node.grid(rs[k + 1] - rs[k]), plan.landed_pos[k].data_ptr(),
+                            syncs[k]) for k in range(nch)]
+            self.rows_sync = w.node.sync_args(SYNC_ENTER | SYNC_ARRIVE_END)
             self.rows_n, self.rows_pos = plan.num_recv, 0
         else:
             self.rows_n, self.rows_pos = J, plan.land_all.data_ptr()
+            self.rows_sync = None
         self.rows_grid, self.slot_ptr = IK.grid(self.rows_n), plan.slot.data_ptr()
         self.launches = launches_for(w, ("combine", T, H, K, y.dtype, self.in_area))
 
@@ -275,11 +285,11 @@ class KeptCombine(_Kept):
         base, Wc = block.data_ptr(), self.Wc
         launches = 0
         rows = None
-        if self.rows_n:
+        if self.rows_n or self.in_area:   # (into the area: the barrier's pieces, even with no rows)
             out = node.area_address() if self.in_area else base
             if L.rows is None:
                 L.rows = keep(IK.rows_spec(None if self.in_area else plan.land_all, self.rows_n, y, wts, out,
-                                           self.Wd if self.in_area else Wc))
+                                           self.Wd if self.in_area else Wc, self.rows_sync))
             rows = L.rows
             a = rows.args
             a[IK.ROWS_POS], a[IK.ROWS_N], a[IK.ROWS_Y], a[IK.ROWS_OUT] = self.rows_pos, self.rows_n, y.data_ptr(), out
@@ -288,25 +298,22 @@ class KeptCombine(_Kept):
             rows.grid = self.rows_grid
             launches += 1
         before = None
-        if self.in_area:   # this rank's rows into its area between barriers; the forwarder sums them per chunk
-            if L.barrier is None:
-                L.barrier = keep(node.barrier_spec())
-            L.barrier.issue(raw)
-            if rows is not None:
-                rows.issue(raw)
-            L.barrier.issue(raw)
+        if self.in_area:   # this rank's rows into its area between barriers (the rows kernel enters the first and
+            rows.issue(raw)   # arrives at the second, the first reduce waits for it); the forwarder sums them per chunk
             chunks, H, K, Wd = self.chunks, self.H, self.K, self.Wd
 
             def before(k):
-                off, J, grid, pos = chunks[k]
-                if J:
+                off, J, grid, pos, sync = chunks[k]
+                if J or sync:
                     if L.reduce is None:
                         L.reduce = keep(node.reduce_spec(plan.landed_pos[k], H, K, block[plan.recv_starts[k]:
-                                                                                         plan.recv_starts[k + 1]], Wd))
+                                                                                         plan.recv_starts[k + 1]], Wd,
+                                                         sync))
                     r = L.reduce
-                    r.args[REDUCE_POS], r.args[REDUCE_J], r.args[REDUCE_OUT], r.grid = pos, J, base + off, grid
+                    r.args[REDUCE_POS], r.args[REDUCE_J], r.args[REDUCE_OUT], r.args[REDUCE_SYNC], r.grid = \
+                        pos, J, base + off, sync, grid
                     r.issue(raw)
-            launches += 2 + sum(1 for c in chunks if c[1])
+            launches += sum(1 for c in chunks if c[1] or c[4])
         elif rows is not None:
             rows.issue(raw)
         if probe.recording:

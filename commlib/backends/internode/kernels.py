@@ -48,7 +48,7 @@ PACK_TIR, PACK_SLOT, PACK_SEND_HEAD, PACK_RANK_PREFIX, PACK_CHAN_PREFIX = 11, 14
 PACK_X, PACK_SCALES, PACK_TOPK, PACK_W, PACK_SEND = 18, 20, 22, 23, 25
 LAND_ROWS, LAND_N, LAND_N_OUT, LAND_X, LAND_SCALES, LAND_SRC, LAND_TOPK, LAND_W, LAND_POS = 0, 1, 4, 5, 7, 9, 10, 11, 16
 RECV_CHAN_SRC, RECV_CHAN_OUT = 0, 7
-ROWS_POS, ROWS_N, ROWS_Y, ROWS_W, ROWS_OUT = 0, 1, 2, 4, 6
+ROWS_POS, ROWS_N, ROWS_Y, ROWS_W, ROWS_OUT, ROWS_SYNC = 0, 1, 2, 4, 6, 13
 HOME_BACK, HOME_SLOT, HOME_Y, HOME_W = 0, 2, 9, 10
 
 
@@ -228,14 +228,16 @@ def recv_chan_spec(src_idx: torch.Tensor, g: torch.Tensor, out: torch.Tensor, *,
             [src_idx.data_ptr(), g.data_ptr(), g.shape[1], n_sig, me, R, C, out.data_ptr()], 0)
 
 
-def rows(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int) -> None:
+def rows(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int, sync=None) -> None:
     """Combine rows at device address ``out_addr`` (stride ``out_stride``): row j = y row pos[j] | w row
-    pos[j] (``pos`` None: row j)."""
-    launch(rows_spec(pos, n, y, w, out_addr, out_stride))
+    pos[j] (``pos`` None: row j); ``sync``: rows_spec's."""
+    launch(rows_spec(pos, n, y, w, out_addr, out_stride, sync))
 
 
-def rows_spec(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int):
-    """``rows``' checks, then its launch (None: no rows)."""
+def rows_spec(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int, sync=None):
+    """``rows``' checks, then its launch (None: no rows and no sync). ``sync``: into the forwarder's area,
+    the node barrier's arguments with its flags (fanout.NodeFanout.sync_args; argument ROWS_SYNC the
+    flags), with which it runs even with no rows; None: none."""
     if not (y.dtype == torch.bfloat16 and y.is_contiguous()):
         _fail("combine x must be contiguous bf16")
     K = w.shape[1] if w is not None else 0
@@ -246,11 +248,12 @@ def rows_spec(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int):
         _fail("4-byte aligned rows wide enough for y and w")
     if not (pos is None or (pos.dtype == torch.int32 and pos.is_contiguous())):
         _fail("pos must be contiguous int32")
-    if n == 0:
+    tail = list(sync) if sync is not None else [0, 0, 0, 0, 0, 0]
+    if n == 0 and not tail[-1]:
         return None
     return (FAMILY, "inter_rows_kernel", grid(n), THREADS,
             [0 if pos is None else pos.data_ptr(), n, y.data_ptr(), 2 * y.shape[1], 0 if w is None else w.data_ptr(),
-             K, int(out_addr), out_stride], 0)
+             K, int(out_addr), out_stride] + tail, 0)
 
 
 def home(back: torch.Tensor, slot: torch.Tensor, biases: list, out_y: torch.Tensor, out_w, *, H: int, K: int) -> None:

@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 
 from commlib.backends.common import Packer, a2a_rows, gather, int32_columns, sum_rows
-from commlib.backends.internode.fanout import NodeFanout
+from commlib.backends.internode.fanout import (SYNC_ARRIVE_END, SYNC_ENTER, SYNC_WAIT_END, SYNC_WAIT_START,
+                                               NodeFanout)
 from commlib.backends.internode.geometry import Plan, compact
 from commlib.backends.internode.rows import fill_ids
 from commlib.backends.probe import Probe
@@ -178,6 +179,9 @@ class ForwarderNode(NodeStep):
 
     name = "kernel"
     in_area = True
+    # a dispatch's barriers not yet taken by a forward (finish_forward issues them), whether its forwards
+    # take them (not a windowed one's), whether a combine's first reduce waits for its rows kernel's arrival
+    _owed, _fold, _await = 0, False, False
 
     def __init__(self, group, device, num_ctas: int, timeout_s: float, probe: Probe, budget: int = 0,
                  window_rows: int | None = None) -> None:
@@ -213,10 +217,10 @@ class ForwarderNode(NodeStep):
                           f"({self.budget / 2**20:.0f} MiB), which it stands for")
 
     def dispatch_begin(self, plan, W, packer):
+        """Room in the areas; the barrier before the forwards comes with the first (fanout.py sync)."""
         self.Wd = align_up(W, 16)
         self._reserve(plan)
-        self.fan.barrier()
-        self.probe.op("launches")
+        self._owed, self._fold = 2, True
         if plan.path == "padded":   # rows past the received count read as padding
             self._pad = torch.zeros(1, W, dtype=torch.uint8, device=self.device)
             fill_ids(self._pad, packer)
@@ -226,13 +230,21 @@ class ForwarderNode(NodeStep):
         the forward kernel also stores the rows' positions (a cached dispatch has them already)."""
         if not cached:
             plan.landed_pos.append(int32_columns(landed, W, W + 4 * self.P))   # combine's sources
-        self.fan.forward(landed, W, self.Wd, None if hi is None else (0, hi, 0), pos_out)
-        self.probe.op("launches")
+        sync = 0
+        if self._fold:   # chunk 0's forward enters the barrier before the stores, the last one the one after
+            sync = (SYNC_ENTER if k == 0 else 0) | (SYNC_ARRIVE_END | SYNC_WAIT_END if k == plan.num_chunks - 1 else 0)
+            self._owed -= bool(sync & SYNC_ENTER) + bool(sync & SYNC_ARRIVE_END)
+        self.fan.forward(landed, W, self.Wd, None if hi is None else (0, hi, 0), pos_out, sync)
+        if landed.shape[0] or sync:
+            self.probe.op("launches")
 
     def finish_forward(self) -> None:
-        """The barrier after the chunks: every peer's stores into this rank's area are done and visible."""
-        self.fan.barrier()
-        self.probe.op("launches")
+        """The barrier after the chunks (every peer's stores into this rank's area are done and visible),
+        where the last forward did not take it (a windowed dispatch, no chunks)."""
+        for _ in range(self._owed):
+            self.fan.barrier()
+            self.probe.op("launches")
+        self._owed, self._fold = 0, False
 
     def dispatch_end(self, plan, W):
         self.finish_forward()
@@ -272,6 +284,7 @@ class ForwarderNode(NodeStep):
         self._grow(n if win >= n else 2 * win, row)
         self.fan.barrier()
         self.probe.op("launches")
+        self._owed, self._fold = 1, False
         return max(win, 1)
 
     def dispatch_window(self, landed: torch.Tensor, W: int, lo: int, hi: int, at: int) -> None:
@@ -307,24 +320,33 @@ class ForwarderNode(NodeStep):
         """CTAs of a forward / reduce of J rows."""
         return self.fan.grid(J)
 
-    def forward_spec(self, landed: torch.Tensor, W: int, Wd: int):
+    def forward_spec(self, landed: torch.Tensor, W: int, Wd: int, sync: int = 0):
         """``dispatch_chunk``'s forward of ``landed`` into rows of stride Wd, as a launch spec."""
-        return self.fan.forward_spec(landed, W, Wd)
+        return self.fan.forward_spec(landed, W, Wd, sync=sync)
 
-    def reduce_spec(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, Wd: int):
+    def reduce_spec(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, Wd: int, sync: int = 0):
         """``combine_chunk``'s reduce of the rows at ``pos`` into ``out`` (areas' stride Wd), as a launch spec."""
-        return self.fan.reduce_spec(pos, H, K, out, Wd)
+        return self.fan.reduce_spec(pos, H, K, out, Wd, sync)
+
+    def sync_args(self, sync: int) -> list:
+        """The node barrier's arguments of a kernel that takes its pieces (kernels.rows_spec's ``sync``)."""
+        return self.fan.sync_args(sync)
 
     def combine_begin(self, rows, plan, row_bytes):
         """This rank's rows into its area, between barriers (peers are past their reads of it before,
-        every rank's rows are there after). ``rows``: uint8 [n, row_bytes], or a callable that writes
-        them given the areas' address and row stride (a kernel)."""
+        every rank's rows are there after). ``rows``: uint8 [n, row_bytes] (a copy between two barrier
+        launches), or a callable that writes them given the areas' address, row stride and the barrier's
+        arguments (kernels.rows: the barrier before its stores and the arrival after them in the kernel,
+        the first reduce's wait the other half)."""
         self.Wd = align_up(row_bytes, 16)
         self._reserve(plan, self.Wd)   # free but after a windowed dispatch: it reserved room for these rows
-        self.fan.barrier()
+        self._await = callable(rows)
         if callable(rows):
-            rows(self.fan.data_address(), self.Wd)
-        elif rows.shape[0]:
+            rows(self.fan.data_address(), self.Wd, self.fan.sync_args(SYNC_ENTER | SYNC_ARRIVE_END))
+            self.probe.op("launches")
+            return
+        self.fan.barrier()
+        if rows.shape[0]:
             self.fan.rows(rows.shape[0], self.Wd)[:, :row_bytes].copy_(rows)
         self.fan.barrier()
         self.probe.op("launches", 2)
@@ -333,8 +355,10 @@ class ForwarderNode(NodeStep):
         pos = plan.landed_pos[k]
         if out is None:
             out = torch.empty(pos.shape[0], packer.row_bytes, dtype=torch.uint8, device=self.device)
-        self.fan.reduce(pos, H, K, out, self.Wd)
-        self.probe.op("launches")
+        sync = SYNC_WAIT_START if k == 0 and self._await else 0   # every rank's rows are in its area
+        self.fan.reduce(pos, H, K, out, self.Wd, sync)
+        if pos.shape[0] or sync:
+            self.probe.op("launches")
         return out
 
     def close(self) -> None:

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from commlib.backends.base import DispatchResult
 from commlib.backends.internode import device
 from commlib.backends.internode import kernels as IK
-from commlib.backends.internode.fanout import FORWARD_J, FORWARD_LANDED, FORWARD_POS, REDUCE_J, REDUCE_OUT, REDUCE_POS
+from commlib.backends.internode.fanout import (FORWARD_J, FORWARD_LANDED, FORWARD_POS, FORWARD_SYNC, REDUCE_J,
+                                               REDUCE_OUT, REDUCE_POS, REDUCE_SYNC)
 from commlib.backends.internode.fanout import THREADS as FAN_THREADS
 from commlib.backends.internode.kept import KeptCombine, KeptDispatch, keep
 from commlib.backends.internode.wiring import Wiring
@@ -59,12 +60,13 @@ def _dispatch_twin(kept: KeptDispatch) -> tuple:
                          [(IK.PACK_X, IN_X, 0), (IK.PACK_SEND, IN_SCRATCH, 0)]
                          + ([(IK.PACK_SCALES, IN_SECOND, 0)] if second else [])))
     nodes = [[] for _ in range(plan.num_chunks)]
-    if kept.in_area:
-        pre.append(_step(L.barrier, [], []))
-        for k, (off, J, grid) in enumerate(kept.chunks):
-            if J:
-                nodes[k] = [_step(L.forward, [(FORWARD_J, J)], [(FORWARD_LANDED, IN_SCRATCH, off)], grid)]
-        post.append(pre[-1])
+    if kept.in_area:   # the first and last forward take the barriers (KeptDispatch.run); none: two launches
+        for k, (off, J, grid, sync) in enumerate(kept.chunks):
+            if J or sync:
+                nodes[k] = [_step(L.forward, [(FORWARD_J, J), (FORWARD_SYNC, sync)], [(FORWARD_LANDED, IN_SCRATCH, off)],
+                                  grid)]
+        if not kept.chunks:
+            post += [_step(L.barrier, [], [])] * 2
     if kept.land_n:
         rows = (IK.LAND_ROWS, IN_AREA, 0) if kept.in_area else (IK.LAND_ROWS, IN_SCRATCH, kept.S * kept.width)
         post.append(_step(L.land, [(IK.LAND_N, kept.land_n), (IK.LAND_N_OUT, plan.num_recv)],
@@ -77,17 +79,16 @@ def _combine_twin(kept: KeptCombine) -> tuple:
     """(pre, chunks, post) of a combine's run, as twin steps (KeptCombine.run, in its order)."""
     L, plan, second = kept.launches, kept.plan, kept.K > 0
     pre, post = [], []
-    if kept.rows_n:
+    if kept.rows_n or kept.in_area:   # (into the area it takes the barriers' pieces, even with no rows)
         pre.append(_step(L.rows, [(IK.ROWS_POS, kept.rows_pos), (IK.ROWS_N, kept.rows_n)],
                          [(IK.ROWS_Y, IN_X, 0), (IK.ROWS_OUT, IN_AREA if kept.in_area else IN_SCRATCH, 0)]
                          + ([(IK.ROWS_W, IN_SECOND, 0)] if second else []), kept.rows_grid))
     nodes = [[] for _ in range(plan.num_chunks)]
     if kept.in_area:
-        barrier = _step(L.barrier, [], [])
-        pre = [barrier] + pre + [barrier]
-        for k, (off, J, grid, pos) in enumerate(kept.chunks):
-            if J:
-                nodes[k] = [_step(L.reduce, [(REDUCE_POS, pos), (REDUCE_J, J)], [(REDUCE_OUT, IN_SCRATCH, off)], grid)]
+        for k, (off, J, grid, pos, sync) in enumerate(kept.chunks):
+            if J or sync:
+                nodes[k] = [_step(L.reduce, [(REDUCE_POS, pos), (REDUCE_J, J), (REDUCE_SYNC, sync)],
+                                  [(REDUCE_OUT, IN_SCRATCH, off)], grid)]
     if kept.T:
         post.append(_step(L.home, [(IK.HOME_SLOT, kept.slot_ptr)],
                           [(IK.HOME_BACK, IN_SCRATCH, kept.J * kept.Wc), (IK.HOME_Y, IN_OUT0, 0)]
@@ -166,7 +167,8 @@ def full_twin(w: Wiring, scratch: device.Scratch, res: DispatchResult, sig: list
               "group": _group(owner.group) if w.cuda else None, "rail": _group(net.group) if w.cuda else None,
               # the chunks (geometry.chunk_rows) and the forwarder's areas, grid and per-chunk slots
               "ring": ring, "area_row": f.area_row, "fwd_threads": FAN_THREADS,
-              "fwd_ctas": w.node.fan.num_ctas if P > 1 else 1, "fwd_slots": (FORWARD_LANDED, FORWARD_J, FORWARD_POS)}
+              "fwd_ctas": w.node.fan.num_ctas if P > 1 else 1,
+              "fwd_slots": (FORWARD_LANDED, FORWARD_J, FORWARD_POS, FORWARD_SYNC)}
     return callpath.in_full(fields, *launches)
 
 

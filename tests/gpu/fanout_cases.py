@@ -335,11 +335,12 @@ LATE_CYCLES = 100_000_000   # about 50 ms of a late rank's stream (torch.cuda._s
 
 
 def run_sync_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int, late: int) -> None:
-    """A forward round as the engine runs it (node.py ForwarderNode): no barrier launch, chunk 0's
-    forward with SYNC_ENTER, the last one's with SYNC_ARRIVE_END | SYNC_WAIT_END (an empty chunk there
-    launches only to sync). Local rank ``late`` sleeps on its stream before it fills its rows: without
-    the entering barrier a peer's stores land before that fill (sentinel where rows belong); without
-    the one at the end a rank reads its rows before the late rank's stores (sentinel again)."""
+    """A forward round as the engine runs it (node.py ForwarderNode): chunk 0's forward with SYNC_ENTER,
+    the last one's with SYNC_ARRIVE_END | SYNC_WAIT_END (an empty chunk there launches only to sync).
+    The test's own sentinel fill comes after a barrier launch (peers past their reads of this rank's
+    rows). Local rank ``late`` sleeps on its stream before that fill: without the entering barrier a
+    peer's stores land before it (sentinel where rows belong); without the one at the end a rank
+    reads its rows before the late rank's stores (sentinel again)."""
     P, me, dev = ctx.world_size, ctx.rank, ctx.device
     g = torch.Generator().manual_seed(seed)
     sizes = chunk_sizes(g, P, 3)   # (rank 0's first chunk is empty: a forward that only enters the barrier)
@@ -349,9 +350,10 @@ def run_sync_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int
     payloads = [[torch.randint(0, 256, (J, W), dtype=torch.uint8, generator=g) for J in row] for row in sizes]
     mine = [landed_chunk(payloads[me][k], pos[me][k], _stride(W, P, 0), dev) for k in range(len(sizes[me]))]
     own = fan.rows(N[me], W)
+    fan.barrier()           # peers are done reading my rows (the reduce round before)
     if me == late:
         torch.cuda._sleep(LATE_CYCLES)
-    own.fill_(SENTINEL)   # (before the entering barrier: no peer stores into it before this)
+    own.fill_(SENTINEL)     # (before the entering barrier: no peer stores into it before this)
     syncs = chunk_syncs(len(mine), SYNC_ENTER, SYNC_ARRIVE_END | SYNC_WAIT_END)
     outs = [torch.full((c.shape[0], P), -7, dtype=torch.int32, device=dev) for c in mine]
     for chunk, out, sync in zip(mine, outs, syncs):
@@ -364,12 +366,13 @@ def run_sync_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int
 
 
 def run_sync_reduce_round(ctx, fan: NodeFanout, errors: list, seed: int, H: int, K: int, late_write: int,
-                          late_read: int) -> None:
-    """A reduce round as the engine runs it: this rank's rows written by kernels.rows with SYNC_ENTER |
-    SYNC_ARRIVE_END, chunk 0's reduce with SYNC_WAIT_START (launched even with no rows), no barrier
-    launch. Rank ``late_write`` sleeps before its rows: without the arrival after them, or the first
-    reduce's wait, a peer sums stale rows. Rank ``late_read`` sleeps before its reduces: without the
-    entering barrier, the next round's rows overwrite what it still reads (its sums come out wrong)."""
+                          late_read: int, enter: bool) -> None:
+    """A reduce round: this rank's rows written by kernels.rows with SYNC_ARRIVE_END, chunk 0's reduce
+    with SYNC_WAIT_START (launched even with no rows). ``enter``: as the engine runs it, the rows kernel
+    also enters the barrier before its stores (SYNC_ENTER); else a barrier launch does, then rank
+    ``late_write`` sleeps before its rows, so that without the arrival after them or the first reduce's
+    wait a peer sums stale rows. Rank ``late_read`` sleeps before its reduces: without the entering
+    barrier of an ``enter`` round after it, that round's rows overwrite what it still reads."""
     from commlib.backends.internode import kernels as IK
     P, me, dev = ctx.world_size, ctx.rank, ctx.device
     W = 2 * H + 4 * K
@@ -379,9 +382,11 @@ def run_sync_reduce_round(ctx, fan: NodeFanout, errors: list, seed: int, H: int,
     vals = [reduce_values(g, N[p], H, K) for p in range(P)]
     ys, ws = [v[0] for v in vals], [v[1] for v in vals]
     y, w = ys[me].to(dev), (ws[me].to(dev) if K else None)
+    if not enter:
+        fan.barrier()
     if me == late_write:
         torch.cuda._sleep(LATE_CYCLES)
-    IK.rows(None, N[me], y, w, fan.data_address(), W, fan.sync_args(SYNC_ENTER | SYNC_ARRIVE_END))
+    IK.rows(None, N[me], y, w, fan.data_address(), W, fan.sync_args((SYNC_ENTER if enter else 0) | SYNC_ARRIVE_END))
     if me == late_read:
         torch.cuda._sleep(LATE_CYCLES)
     outs = []
@@ -396,8 +401,8 @@ def run_sync_reduce_round(ctx, fan: NodeFanout, errors: list, seed: int, H: int,
 
 def case_sync_pieces(ctx):
     """Forward and reduce rounds with the barriers folded into the kernels (sync flags), one rank late
-    in turn, interleaved with plain barrier launches (both count barriers alike: the tickets). The areas
-    are reserved once, up front, so no host-side collective lines the ranks up between rounds."""
+    in turn, beside plain barrier launches (both count barriers alike: the tickets). The areas are
+    reserved once, up front, so no host-side collective lines the ranks up between rounds."""
     P = ctx.world_size
     errors: list = []
     fan = NodeFanout(ctx.group, ctx.device, num_ctas=3, timeout_s=TIMEOUT_S)
@@ -405,10 +410,10 @@ def case_sync_pieces(ctx):
         fan.reserve(4096, 2 * 7168 + 64)
         for i in range(2 * P):
             run_sync_forward_round(ctx, fan, errors, 900 + i, (1024, 12, 2 * 7168 + 36)[i % 3], i % P)
-            run_sync_reduce_round(ctx, fan, errors, 950 + i, (512, 7168, 64)[i % 3], (5, 1, 0)[i % 3], i % P,
-                                  (i + 1) % P)
-            if i % 3 == 2:
-                fan.barrier()
+            H, K = (512, 7168, 64)[i % 3], (5, 1, 0)[i % 3]
+            # a late writer, and a late reader just before an entering rows kernel, then the engine's round
+            run_sync_reduce_round(ctx, fan, errors, 950 + i, H, K, i % P, (i + 1) % P, False)
+            run_sync_reduce_round(ctx, fan, errors, 970 + i, H, K, (i + 1) % P, -1, True)
         torch.cuda.synchronize()
     finally:
         finish(fan)

@@ -579,8 +579,10 @@ __device__ __forceinline__ void channel_remote_rows(const int* rpm, const int* r
 // process of the node): arrival u64 [CL_MAX_RANKS] (barriers local rank q entered, added by q), then
 // its ticket u64 (barriers it entered, << 32) and its done count u64 (CTAs of the running kernel past
 // their work). A kernel that takes part in barriers gets `sync` flags:
-//   NODE_SYNC_ENTER       a whole barrier at its start: CTA 0 arrives (the kernels before it on the
-//                         stream are complete), every CTA waits for every local rank's arrival
+//   NODE_SYNC_ENTER       a whole barrier at its start: the first CTA to start arrives (the kernels
+//                         before it on the stream are complete), every CTA waits for every local
+//                         rank's arrival (waiting CTAs hold their SMs: such kernels keep their grids
+//                         small, and no CTA waits on one that may not have started)
 //   NODE_SYNC_ARRIVE_END  arrive at its end, once every CTA's stores are visible system-wide (the
 //                         last CTA to finish arrives)
 //   NODE_SYNC_WAIT_END    with ARRIVE_END: that CTA then waits (a whole barrier at the end)
@@ -589,7 +591,8 @@ __device__ __forceinline__ void channel_remote_rows(const int* rpm, const int* r
 // The barriers a kernel enters (ENTER, ARRIVE_END) are numbered from its ticket: every CTA adds to
 // it once at its start, CTA 0 n << 32 - (grid - 1) (n barriers), the others 1, so it grows by n << 32
 // and each CTA decodes the number before this kernel's from what it read, in any order (CTA 0 reads
-// a small low half; another reads one >= 2^31 only after CTA 0's add, high half then + n - 1). A rank
+// a small low half; another reads one >= 2^31 only after CTA 0's add, high half then + n - 1); the
+// one CTA that reads a low half of 0 added first (it runs: it arrives for ENTER). A rank
 // is at most one barrier ahead of a peer (it needs everyone's arrival to leave one; an ARRIVE_END is
 // followed by a wait before the next arrival), so waiting for ">= barrier number" never confuses two.
 // Nothing host-side changes between calls: graph replays advance the tickets like eager calls.
@@ -640,19 +643,24 @@ __device__ __forceinline__ void node_wait(const NodeSync& s, u64 barrier) {
 __device__ __forceinline__ void node_sync_begin(const NodeSync& s, u64* s_base) {
     if (s.flags == 0) return;
     const int n = s.entered();
+    __shared__ int s_first;
     if (threadIdx.x == 0) {
         u64* ticket = s.signal(s.local_rank) + NODE_SYNC_TICKET;
         u64 base;
+        int first = 0;
         if (n) {
             const u64 add = blockIdx.x == 0 ? ((u64)n << 32) - (u64)(gridDim.x - 1) : 1ull;
             const u64 old = atomicAdd(reinterpret_cast<unsigned long long*>(ticket), (unsigned long long)add);
             base = (old >> 32) - ((blockIdx.x != 0 && (old & 0xffffffffull) >= 0x80000000ull) ? (u64)(n - 1) : 0ull);
+            first = (old & 0xffffffffull) == 0;
         } else {
             base = ld_volatile(ticket) >> 32;   // (no kernel of this rank's stream adds to it meanwhile)
         }
         *s_base = base;
+        s_first = first;
     }
-    if ((s.flags & NODE_SYNC_ENTER) && blockIdx.x == 0 && threadIdx.x < 32) node_arrive(s);
+    __syncthreads();
+    if ((s.flags & NODE_SYNC_ENTER) && s_first && threadIdx.x < 32) node_arrive(s);
     __syncthreads();
     if (s.flags & (NODE_SYNC_ENTER | NODE_SYNC_WAIT_START)) {
         if (threadIdx.x < 32) node_wait(s, *s_base + ((s.flags & NODE_SYNC_ENTER) ? 1 : 0));

@@ -271,7 +271,7 @@ class KeptCombine(_Kept):
         else:
             self.rows_n, self.rows_pos = J, plan.land_all.data_ptr()
             self.rows_sync = None
-        self.rows_grid, self.slot_ptr = IK.grid(self.rows_n), plan.slot.data_ptr()
+        self.rows_grid, self.slot_ptr = IK.grid(self.rows_n, synced=self.in_area), plan.slot.data_ptr()
         self.launches = launches_for(w, ("combine", T, H, K, y.dtype, self.in_area))
 
     def fits(self, handle, y, wts, config) -> bool:

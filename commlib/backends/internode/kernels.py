@@ -21,6 +21,7 @@ META_THREADS = 1024
 THREADS = 512
 RECV_CHAN_THREADS = 256
 MAX_CTAS = 264   # two waves of 132 SMs: these kernels copy rows at HBM speed, not the network's
+SYNC_MAX_CTAS = 64   # a rows kernel that waits in the node barrier at its start (csrc/common.cuh NodeSync)
 
 
 def _fail(what: str) -> None:
@@ -28,9 +29,11 @@ def _fail(what: str) -> None:
     raise ValueError(f"commlib internode kernels: {what}")
 
 
-def grid(n: int) -> int:
-    """CTAs of the row kernels (pack, land, rows, home) for ``n`` rows: a warp per row."""
-    return max(1, min(MAX_CTAS, -(-n // (THREADS // 32))))
+def grid(n: int, synced: bool = False) -> int:
+    """CTAs of the row kernels (pack, land, rows, home) for ``n`` rows: a warp per row; ``synced``: a rows
+    kernel that takes the node barrier's pieces (its CTAs wait at its start, holding their SMs, while the
+    node's other ranks' kernels must start): at most SYNC_MAX_CTAS."""
+    return max(1, min(SYNC_MAX_CTAS if synced else MAX_CTAS, -(-n // (THREADS // 32))))
 
 
 def launch(spec) -> None:
@@ -251,7 +254,7 @@ def rows_spec(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int, s
     tail = list(sync) if sync is not None else [0, 0, 0, 0, 0, 0]
     if n == 0 and not tail[-1]:
         return None
-    return (FAMILY, "inter_rows_kernel", grid(n), THREADS,
+    return (FAMILY, "inter_rows_kernel", grid(n, synced=bool(tail[-1])), THREADS,
             [0 if pos is None else pos.data_ptr(), n, y.data_ptr(), 2 * y.shape[1], 0 if w is None else w.data_ptr(),
              K, int(out_addr), out_stride] + tail, 0)
 

@@ -104,8 +104,9 @@ def land(rows_addr, n, row_stride, pos_off, x_out, s_out=None, src_out=None, top
                 w_out[d] = torch.where(keep, ws, torch.zeros_like(ws))
 
 
-def rows(pos, n, y, w, out_addr, out_stride):
-    """out row j = y row d | w row d, d = pos[j] (or j)."""
+def rows(pos, n, y, w, out_addr, out_stride, sync=None):
+    """out row j = y row d | w row d, d = pos[j] (or j); ``sync`` (the node barrier's pieces): the stand-in
+    forwarder lines its ranks up itself (its gathers)."""
     _count("rows")
     out = _rows_at(out_addr, n, out_stride)
     yb = _u8(y)
@@ -210,7 +211,7 @@ class Forwarder:
     def combine_begin(self, rows_fn, plan, row_bytes):
         self.Wd = -(-row_bytes // 16) * 16
         self._reserve(plan.node_rows, plan.area_row)
-        rows_fn(self.area.data_ptr(), self.Wd)
+        rows_fn(self.area.data_ptr(), self.Wd, None)
         self._peers = [a[:(a.numel() // self.Wd) * self.Wd].view(-1, self.Wd) for a in self._gather(self.area)]
 
     def combine_chunk(self, k, plan, packer, H, K, out=None):

@@ -12,17 +12,4 @@ PLANTS=(
   "no wait in the barrier at a kernel's start@if (s.flags & (NODE_SYNC_ENTER | NODE_SYNC_WAIT_START)) {@if (s.flags & NODE_SYNC_WAIT_START) {"
   "no wait for an earlier kernel's arrival@if (s.flags & (NODE_SYNC_ENTER | NODE_SYNC_WAIT_START)) {@if (s.flags & NODE_SYNC_ENTER) {"
 )
-cat >/tmp/plant_fansync.py <<PYEOF
-import sys
-sys.path.insert(0, "$PWD/tests")
-sys.path.insert(0, "$PWD/tests/gpu")
-from worlds import run_world
-if __name__ == "__main__":
-    try:
-        err = run_world(2, "fanout_cases", ["sync_pieces"], use_gpu=True, group_backend="gloo", timeout_s=200,
-                        case_timeout_s=150)["sync_pieces"]
-    except RuntimeError as e:   # a rank died or hung: failed as well
-        err = f"the world failed: {e}"
-    print("RESULT", "passed" if err is None else "failed: " + err.strip().splitlines()[-1][:300])
-PYEOF
-plant_loop /tmp/plant_fansync.py "RESULT failed"
+plant_world_case fanout_cases sync_pieces

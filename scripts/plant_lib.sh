@@ -44,3 +44,21 @@ plant_loop() {   # plant_loop RUNNER CAUGHT: runs RUNNER (python; prints "RESULT
   done
   return $missed
 }
+plant_world_case() {   # plant_world_case MODULE CASE: plant_loop over one case of a 2-process GPU world
+  # (tests/worlds.py run_world on tests/gpu/MODULE.py's case_CASE); a world that dies or hangs fails too
+  local runner=/tmp/plant_world_$2.py
+  cat >"$runner" <<PYEOF
+import sys
+sys.path.insert(0, "$PWD/tests")
+sys.path.insert(0, "$PWD/tests/gpu")
+from worlds import run_world
+if __name__ == "__main__":
+    try:
+        err = run_world(2, "$1", ["$2"], use_gpu=True, group_backend="gloo", timeout_s=200,
+                        case_timeout_s=150)["$2"]
+    except RuntimeError as e:   # a rank died (a planted store past the buffer) or hung: failed as well
+        err = f"the world failed: {e}"
+    print("RESULT", "passed" if err is None else "failed: " + err.strip().splitlines()[-1][:300])
+PYEOF
+  plant_loop "$runner" "RESULT failed"
+}

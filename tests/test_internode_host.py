@@ -238,3 +238,87 @@ def test_dispatch_launches_point_at_the_handle_and_outputs(P):
         (ptr(res.recv_x), ptr(h.recv_src_idx), ptr(res.recv_topk_idx), ptr(res.recv_topk_weights), h.num_recv_tokens)
     assert land[IK.LAND_POS] == (ptr(plan.land_all) if P == 1 else 0)
     assert (chan[IK.RECV_CHAN_SRC], chan[IK.RECV_CHAN_OUT]) == (ptr(h.recv_src_idx), ptr(h.recv_channel_prefix_matrix))
+
+
+def _node_barriers(trace: list) -> list:
+    """A call's launches as the node barrier sees them, in order: ("barrier",) for a barrier launch,
+    ("forward" / "reduce" / "rows", rows, sync flags) for a kernel of the forwarder's (fanout.py sync)."""
+    from commlib.backends.internode import fanout as F
+    out = []
+    for e in trace:
+        name, args = e[0], e[3] if len(e) > 3 else ()
+        if name == "fanout_barrier_kernel":
+            out.append(("barrier",))
+        elif name == "fanout_forward_kernel":
+            out.append(("forward", args[F.FORWARD_J], args[F.FORWARD_SYNC]))
+        elif name == "fanout_reduce_kernel":
+            out.append(("reduce", args[F.REDUCE_J], args[F.REDUCE_SYNC]))
+        elif name == "inter_rows_kernel":
+            out.append(("rows", args[IK.ROWS_N], args[IK.ROWS_SYNC]))
+    return out
+
+
+def _check_node_protocol(steps: list, op: str) -> None:
+    """fanout.py's protocol, whatever carries the barriers: a call enters two barriers (every local
+    rank alike, so their counts stay in step); a dispatch's stores come after the first (a forward
+    that enters it takes it before its own stores) and before the second, which is a whole one (the
+    landed rows are read after it); a combine's rows come between its two barriers and no reduce reads
+    before the second is waited for (a split one: its first reduce waits)."""
+    from commlib.backends.internode import fanout as F
+    entered, waited = 0, 0
+    for step in steps:
+        kind, sync = step[0], (step[2] if len(step) > 2 else 0)
+        if kind == "barrier":
+            entered, waited = entered + 1, entered + 1
+            continue
+        if sync & F.SYNC_ENTER:
+            entered, waited = entered + 1, entered + 1
+        if sync & F.SYNC_WAIT_START:
+            waited = entered
+        if kind in ("forward", "rows"):   # stores into areas: after the first barrier, before the second
+            assert waited == 1 and entered == 1, (op, steps)
+        if kind == "reduce":              # loads from peers' areas: after every rank's rows
+            assert waited == 2, (op, steps)
+        if sync & F.SYNC_ARRIVE_END:
+            entered += 1
+            if sync & F.SYNC_WAIT_END:
+                waited = entered
+    assert entered == 2, (op, steps)
+    if op != "combine":
+        assert waited == 2, (op, steps)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_forwarder_calls_keep_the_node_barrier_protocol(chunks):
+    """2 x 2 (the forwarder): the Python paths and the Buffer's replays of a dispatch, cached dispatch
+    and combine each enter the node barrier twice, in fanout.py's order, with the barriers folded into
+    the kernels beside them (no barrier launch of their own)."""
+    be, fakes, inp, cfg = IH.build(2, 2, 64, 256, 64, 4, chunks, Config(2, 4, 8, 1, 2))
+    with IH.patched(fakes):
+        from commlib.backends.base import CombineRequest, DispatchRequest
+        idx, w, lay = inp
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        held = []
+        calls = {}
+        res = None
+
+        def dispatch():
+            nonlocal res
+            res = be.dispatch(DispatchRequest(x, None, idx, w, lay, None, 64, 1, 0, cfg))
+            return res
+        calls["dispatch"] = _traced(fakes, dispatch, {"x": x}, held)
+        h = res.handle
+        assert h.extra["plan"].num_chunks == chunks
+        y = torch.randn(h.num_recv_tokens, 256).to(torch.bfloat16)
+        cached = DispatchRequest(x, None, None, None, None, h, 0, 1, 0, cfg)
+        calls["cached dispatch"] = _traced(fakes, lambda: be.dispatch(cached), {"x": x}, held)
+        kept = be.plan_for(h, ("dispatch", x.dtype), x, cfg, None)
+        calls["cached replay"] = _traced(fakes, lambda: be.run_plan(kept, x, None, 0), {"x": x}, held)
+        comb = CombineRequest(y, h, res.recv_topk_weights, [], cfg)
+        calls["combine"] = _traced(fakes, lambda: be.combine(comb), {"y": y}, held)
+        kept = be.plan_for(h, ("combine", 4), y, cfg, res.recv_topk_weights)
+        calls["combine replay"] = _traced(fakes, lambda: be.run_plan(kept, y, res.recv_topk_weights, 0), {"y": y}, held)
+    for op, trace in calls.items():
+        steps = _node_barriers(trace)
+        assert steps and not any(s[0] == "barrier" for s in steps), (op, steps)
+        _check_node_protocol(steps, "combine" if op.startswith("combine") else "dispatch")

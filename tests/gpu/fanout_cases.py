@@ -9,7 +9,10 @@ checks its own results bit for bit against an oracle written here in plain torch
   reduce    each landed row: a float32 loop over local ranks p = 0, 1, ... adding rank p's row where
             pos[j, p] >= 0 to zeros, then bf16 (weights stay float32), compared as raw bytes;
   graphs    barrier + forward + barrier (and barrier + write + barrier + reduce) captured once and
-            replayed 3 times with new contents in the same tensors, then an eager round again.
+            replayed 3 times with new contents in the same tensors, then an eager round again;
+  sync      the barriers folded into the kernels (fanout.py sync flags), one rank late in turn
+            (torch.cuda._sleep on its stream), against the same oracles (scripts/plant_fanout_sync.sh
+            drops each wait: every plant must fail it).
 The oracles share no code with commlib (reference.sum_rows included).
 
 What the checks catch (planted by hand; the window plants: scripts/plant_fanout_windows.sh): a

@@ -104,9 +104,9 @@ def land(rows_addr, n, row_stride, pos_off, x_out, s_out=None, src_out=None, top
                 w_out[d] = torch.where(keep, ws, torch.zeros_like(ws))
 
 
-def rows(pos, n, y, w, out_addr, out_stride, sync=None):
-    """out row j = y row d | w row d, d = pos[j] (or j); ``sync`` (the node barrier's pieces): the stand-in
-    forwarder lines its ranks up itself (its gathers)."""
+def rows(pos, n, y, w, out_addr, out_stride, sync=None, max_ctas=None):
+    """out row j = y row d | w row d, d = pos[j] (or j); ``sync`` (the node barrier's pieces) and
+    ``max_ctas``: the stand-in forwarder lines its ranks up itself (its gathers), no grid here."""
     _count("rows")
     out = _rows_at(out_addr, n, out_stride)
     yb = _u8(y)
@@ -150,6 +150,7 @@ class Forwarder:
 
     name = "kernel"
     in_area = True
+    gpu_share = 1
 
     def __init__(self, group, loc: int, P: int, window_rows: int = 0) -> None:
         self.group, self.loc, self.P = group, loc, P

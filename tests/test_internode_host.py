@@ -294,6 +294,7 @@ def test_forwarder_calls_keep_the_node_barrier_protocol(chunks):
     and combine each enter the node barrier twice, in fanout.py's order, with the barriers folded into
     the kernels beside them (no barrier launch of their own)."""
     be, fakes, inp, cfg = IH.build(2, 2, 64, 256, 64, 4, chunks, Config(2, 4, 8, 1, 2))
+    be.node.gpu_share = 4   # four ranks on one GPU: the synced rows kernel's grid is split four ways
     with IH.patched(fakes):
         from commlib.backends.base import CombineRequest, DispatchRequest
         idx, w, lay = inp
@@ -318,6 +319,7 @@ def test_forwarder_calls_keep_the_node_barrier_protocol(chunks):
         calls["combine"] = _traced(fakes, lambda: be.combine(comb), {"y": y}, held)
         kept = be.plan_for(h, ("combine", 4), y, cfg, res.recv_topk_weights)
         calls["combine replay"] = _traced(fakes, lambda: be.run_plan(kept, y, res.recv_topk_weights, 0), {"y": y}, held)
+    assert h.extra["plan"].kept[("combine", 4)].rows_ctas == IK.MAX_CTAS // 4
     for op, trace in calls.items():
         steps = _node_barriers(trace)
         assert steps and not any(s[0] == "barrier" for s in steps), (op, steps)

@@ -92,7 +92,7 @@ def choose_node_step(engine, world_ranks: list) -> NodeStep:
         e.node_group = node_groups(topo, world_ranks, pg_options=options)
     if forwarder:
         return NODE_STEPS["kernel"](side, e.comm_device, e.nccl_ctas, e.ctx.timeout_s, e.probe,
-                                    budget=e.ctx.num_nvl_bytes)
+                                    budget=e.ctx.num_nvl_bytes, gpu_share=getattr(e.ctx, "gpu_share", 1))
     return NODE_STEPS["nccl"](e.node_group, topo.local_rank, topo.ranks_per_node, e.comm_device, e._wait_for)
 
 

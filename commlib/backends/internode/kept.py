@@ -267,11 +267,12 @@ class KeptCombine(_Kept):
             self.chunks = [(rs[k] * Wc, rs[k + 1] - rs[k], w.node.grid(rs[k + 1] - rs[k]), plan.landed_pos[k].data_ptr(),
                             syncs[k]) for k in range(nch)]
             self.rows_sync = w.node.sync_args(SYNC_ENTER | SYNC_ARRIVE_END)
+            self.rows_ctas = IK.synced_ctas(w.node.gpu_share)   # (its CTAs wait at its start)
             self.rows_n, self.rows_pos = plan.num_recv, 0
         else:
             self.rows_n, self.rows_pos = J, plan.land_all.data_ptr()
-            self.rows_sync = None
-        self.rows_grid, self.slot_ptr = IK.grid(self.rows_n, synced=self.in_area), plan.slot.data_ptr()
+            self.rows_sync, self.rows_ctas = None, IK.MAX_CTAS
+        self.rows_grid, self.slot_ptr = IK.grid(self.rows_n, self.rows_ctas), plan.slot.data_ptr()
         self.launches = launches_for(w, ("combine", T, H, K, y.dtype, self.in_area))
 
     def fits(self, handle, y, wts, config) -> bool:
@@ -289,7 +290,7 @@ class KeptCombine(_Kept):
             out = node.area_address() if self.in_area else base
             if L.rows is None:
                 L.rows = keep(IK.rows_spec(None if self.in_area else plan.land_all, self.rows_n, y, wts, out,
-                                           self.Wd if self.in_area else Wc, self.rows_sync))
+                                           self.Wd if self.in_area else Wc, self.rows_sync, self.rows_ctas))
             rows = L.rows
             a = rows.args
             a[IK.ROWS_POS], a[IK.ROWS_N], a[IK.ROWS_Y], a[IK.ROWS_OUT] = self.rows_pos, self.rows_n, y.data_ptr(), out

@@ -21,7 +21,6 @@ META_THREADS = 1024
 THREADS = 512
 RECV_CHAN_THREADS = 256
 MAX_CTAS = 264   # two waves of 132 SMs: these kernels copy rows at HBM speed, not the network's
-SYNC_MAX_CTAS = 64   # a rows kernel that waits in the node barrier at its start (csrc/common.cuh NodeSync)
 
 
 def _fail(what: str) -> None:
@@ -29,11 +28,17 @@ def _fail(what: str) -> None:
     raise ValueError(f"commlib internode kernels: {what}")
 
 
-def grid(n: int, synced: bool = False) -> int:
-    """CTAs of the row kernels (pack, land, rows, home) for ``n`` rows: a warp per row; ``synced``: a rows
-    kernel that takes the node barrier's pieces (its CTAs wait at its start, holding their SMs, while the
-    node's other ranks' kernels must start): at most SYNC_MAX_CTAS."""
-    return max(1, min(SYNC_MAX_CTAS if synced else MAX_CTAS, -(-n // (THREADS // 32))))
+def grid(n: int, max_ctas: int = MAX_CTAS) -> int:
+    """CTAs of the row kernels (pack, land, rows, home) for ``n`` rows: a warp per row, at most ``max_ctas``."""
+    return max(1, min(max_ctas, -(-n // (THREADS // 32))))
+
+
+def synced_ctas(gpu_share: int) -> int:
+    """The most CTAs of a rows kernel that takes the node barrier's pieces, with ``gpu_share`` ranks on
+    one GPU: its CTAs wait at its start, holding their SMs, and the node's other ranks' kernels must
+    start beside them, so those sharing a GPU split MAX_CTAS (a V3 combine's 264 waiting CTAs in each
+    of four processes on one GPU left a peer's kernel no SM). Ranks on GPUs of their own keep it all."""
+    return max(1, MAX_CTAS // max(1, int(gpu_share)))
 
 
 def launch(spec) -> None:
@@ -231,16 +236,17 @@ def recv_chan_spec(src_idx: torch.Tensor, g: torch.Tensor, out: torch.Tensor, *,
             [src_idx.data_ptr(), g.data_ptr(), g.shape[1], n_sig, me, R, C, out.data_ptr()], 0)
 
 
-def rows(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int, sync=None) -> None:
+def rows(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int, sync=None, max_ctas: int = MAX_CTAS) -> None:
     """Combine rows at device address ``out_addr`` (stride ``out_stride``): row j = y row pos[j] | w row
-    pos[j] (``pos`` None: row j); ``sync``: rows_spec's."""
-    launch(rows_spec(pos, n, y, w, out_addr, out_stride, sync))
+    pos[j] (``pos`` None: row j); ``sync``, ``max_ctas``: rows_spec's."""
+    launch(rows_spec(pos, n, y, w, out_addr, out_stride, sync, max_ctas))
 
 
-def rows_spec(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int, sync=None):
+def rows_spec(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int, sync=None, max_ctas: int = MAX_CTAS):
     """``rows``' checks, then its launch (None: no rows and no sync). ``sync``: into the forwarder's area,
     the node barrier's arguments with its flags (fanout.NodeFanout.sync_args; argument ROWS_SYNC the
-    flags), with which it runs even with no rows; None: none."""
+    flags), with which it runs even with no rows; None: none. ``max_ctas``: its grid's bound (a synced
+    one: synced_ctas)."""
     if not (y.dtype == torch.bfloat16 and y.is_contiguous()):
         _fail("combine x must be contiguous bf16")
     K = w.shape[1] if w is not None else 0
@@ -254,7 +260,7 @@ def rows_spec(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int, s
     tail = list(sync) if sync is not None else [0, 0, 0, 0, 0, 0]
     if n == 0 and not tail[-1]:
         return None
-    return (FAMILY, "inter_rows_kernel", grid(n, synced=bool(tail[-1])), THREADS,
+    return (FAMILY, "inter_rows_kernel", grid(n, max_ctas), THREADS,
             [0 if pos is None else pos.data_ptr(), n, y.data_ptr(), 2 * y.shape[1], 0 if w is None else w.data_ptr(),
              K, int(out_addr), out_stride] + tail, 0)
 

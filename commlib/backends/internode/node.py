@@ -182,9 +182,10 @@ class ForwarderNode(NodeStep):
     # a dispatch's barriers not yet taken by a forward (finish_forward issues them), whether its forwards
     # take them (not a windowed one's), whether a combine's first reduce waits for its rows kernel's arrival
     _owed, _fold, _await = 0, False, False
+    gpu_share = 1   # ranks of the Buffer's group on one GPU (kernels.synced_ctas)
 
     def __init__(self, group, device, num_ctas: int, timeout_s: float, probe: Probe, budget: int = 0,
-                 window_rows: int | None = None) -> None:
+                 window_rows: int | None = None, gpu_share: int = 1) -> None:
         with torch.cuda.device(device):
             self.fan = NodeFanout(group, device, num_ctas=num_ctas, timeout_s=timeout_s)
         self.P = self.fan.num_local
@@ -192,6 +193,7 @@ class ForwarderNode(NodeStep):
         self.probe = probe
         self.Wd = 0
         self.budget = budget   # the Buffer's num_nvl_bytes: the areas count against it
+        self.gpu_share = max(1, int(gpu_share))
         self._told = False
         self.window_rows = int(env.fanout_window_rows() if window_rows is None else window_rows)
         theirs = [None] * self.P

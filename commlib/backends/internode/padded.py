@@ -320,7 +320,8 @@ def _combine_kernels(w: Wiring, req: CombineRequest, plan: Plan) -> CombineResul
     K = wts.shape[1] if wts is not None else 0
     crows = plan.crows
     per = M * crows
-    node.combine_begin(lambda addr, stride, sync: IK.rows(None, N, y, wts, addr, stride, sync), plan, 2 * H + 4 * K)
+    node.combine_begin(lambda addr, stride, sync: IK.rows(None, N, y, wts, addr, stride, sync,
+                                                          IK.synced_ctas(node.gpu_share)), plan, 2 * H + 4 * K)
     # the node partials this rank sends and the partials that come back (views of one block), the outputs
     both, out_y, out_w = w.alloc(((2 * plan.slots, 2 * H + 4 * K), torch.uint8), ((T, H), torch.bfloat16),
                                  ((T, K), torch.float32) if K else None)

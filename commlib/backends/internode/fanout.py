@@ -105,14 +105,23 @@ SYNC_ALL = SYNC_ENTER | SYNC_ARRIVE_END | SYNC_WAIT_END | SYNC_WAIT_START
 assert SIGNAL_BYTES >= 8 * (loader.MAX_RANKS + 2)
 
 
-def chunk_syncs(n: int, first: int, last: int) -> list:
-    """The sync flags of a call's n per-chunk launches: ``first`` on chunk 0, ``last`` on chunk n - 1
+# Where the engine's calls take their barriers (node.py, kept.py; csrc/callpath_internode.cpp mirrors the
+# dispatch's): (first chunk's, last chunk's) launch of a dispatch's forwards and a combine's reduces, and the
+# combine's rows kernel (the module docstring's protocol)
+DISPATCH_SYNC = (SYNC_ENTER, SYNC_ARRIVE_END | SYNC_WAIT_END)
+COMBINE_SYNC = (SYNC_WAIT_START, 0)
+COMBINE_ROWS_SYNC = SYNC_ENTER | SYNC_ARRIVE_END
+
+
+def chunk_sync(k: int, n: int, first: int, last: int) -> int:
+    """The sync flags of chunk k's launch of a call's n: ``first`` on chunk 0, ``last`` on chunk n - 1
     (both on one chunk), 0 elsewhere."""
-    flags = [0] * n
-    if n:
-        flags[0] |= first
-        flags[-1] |= last
-    return flags
+    return (first if k == 0 else 0) | (last if k == n - 1 else 0)
+
+
+def chunk_syncs(n: int, first: int, last: int) -> list:
+    """``chunk_sync`` of each of a call's n chunks."""
+    return [chunk_sync(k, n, first, last) for k in range(n)]
 
 
 class _DeviceRows:
@@ -265,28 +274,27 @@ class NodeFanout:
             raise ValueError(f"NodeFanout.forward: landed must be a 2-D uint8 tensor on {self.device}, got "
                              f"{tuple(landed.shape)} {landed.dtype} on {landed.device}")
         J = landed.shape[0]
-        tail = [self.local_rank, SIGNAL_OFFSET, self.timeout_ns, sync]
-        if J == 0:   # nothing to store: a launch only where it syncs
-            return None if not sync else (FAMILY, "fanout_forward_kernel", 1, THREADS,
-                                          [0, 0, landed.stride(0), W, P, self.peer_bases.data_ptr(), DATA_OFFSET,
-                                           dst_stride, lo, hi, 0] + tail, 0)
-        if landed.shape[1] < W + 4 * P or (landed.shape[1] > 1 and landed.stride(1) != 1):
-            raise ValueError(f"NodeFanout.forward: landed rows must hold W + 4 P = {W + 4 * P} contiguous bytes, got "
-                             f"shape {tuple(landed.shape)} strides {landed.stride()}")
+        if J == 0 and not sync:   # nothing to store and no barrier to take: no launch
+            return None
         row_stride = landed.stride(0)
-        if W % 4 or row_stride % 4 or dst_stride % 4 or landed.data_ptr() % 4 or W <= 0:
-            raise ValueError(f"NodeFanout.forward: W ({W}), the landed row stride ({row_stride}), row_bytes "
-                             f"({dst_stride}) and landed's address must be positive multiples of 4")
-        if dst_stride < W:
-            raise ValueError(f"NodeFanout.forward: row_bytes ({dst_stride}) < W ({W})")
-        if pos_out is not None and (pos_out.dtype != torch.int32 or tuple(pos_out.shape) != (J, P)
-                                    or pos_out.device != self.device or not pos_out.is_contiguous()):
-            raise ValueError(f"NodeFanout.forward: pos_out must be a contiguous int32 [{J}, {P}] tensor on "
-                             f"{self.device}, got {tuple(pos_out.shape)} {pos_out.dtype} strides {pos_out.stride()} "
-                             f"on {pos_out.device}")
+        if J:   # (with no rows the kernel only syncs: it reads no argument of the rows)
+            if landed.shape[1] < W + 4 * P or (landed.shape[1] > 1 and landed.stride(1) != 1):
+                raise ValueError(f"NodeFanout.forward: landed rows must hold W + 4 P = {W + 4 * P} contiguous bytes, "
+                                 f"got shape {tuple(landed.shape)} strides {landed.stride()}")
+            if W % 4 or row_stride % 4 or dst_stride % 4 or landed.data_ptr() % 4 or W <= 0:
+                raise ValueError(f"NodeFanout.forward: W ({W}), the landed row stride ({row_stride}), row_bytes "
+                                 f"({dst_stride}) and landed's address must be positive multiples of 4")
+            if dst_stride < W:
+                raise ValueError(f"NodeFanout.forward: row_bytes ({dst_stride}) < W ({W})")
+            if pos_out is not None and (pos_out.dtype != torch.int32 or tuple(pos_out.shape) != (J, P)
+                                        or pos_out.device != self.device or not pos_out.is_contiguous()):
+                raise ValueError(f"NodeFanout.forward: pos_out must be a contiguous int32 [{J}, {P}] tensor on "
+                                 f"{self.device}, got {tuple(pos_out.shape)} {pos_out.dtype} strides "
+                                 f"{pos_out.stride()} on {pos_out.device}")
         return (FAMILY, "fanout_forward_kernel", self.grid(J), THREADS,
                 [landed.data_ptr(), J, row_stride, W, P, self.peer_bases.data_ptr(), DATA_OFFSET + at * dst_stride,
-                 dst_stride, lo, hi, 0 if pos_out is None else pos_out.data_ptr()] + tail, 0)
+                 dst_stride, lo, hi, 0 if pos_out is None else pos_out.data_ptr(), self.local_rank, SIGNAL_OFFSET,
+                 self.timeout_ns, sync], 0)
 
     def reduce(self, pos: torch.Tensor, H: int, K: int, out: torch.Tensor, row_bytes: int | None = None,
                sync: int = 0) -> None:
@@ -319,16 +327,13 @@ class NodeFanout:
         if H < 0 or K < 0 or src_stride < W or src_stride % 2 or out.stride(0) % 2 or out.data_ptr() % 2:
             raise ValueError(f"NodeFanout.reduce: H ({H}), K ({K}), row_bytes ({src_stride} >= {W}), out's row "
                              "stride and address must be even")
-        tail = [self.local_rank, SIGNAL_OFFSET, self.timeout_ns, sync]
-        if J == 0:   # nothing to sum: a launch only where it syncs
-            return None if not sync else (FAMILY, "fanout_reduce_kernel", 1, THREADS,
-                                          [0, 0, P, self.peer_bases.data_ptr(), DATA_OFFSET, src_stride, H, K, 0,
-                                           out.stride(0) if out.dim() == 2 else 0] + tail, 0)
-        if not pos.is_contiguous():
+        if J == 0 and not sync:   # nothing to sum and no barrier to wait for: no launch
+            return None
+        if J and not pos.is_contiguous():
             raise ValueError(f"NodeFanout.reduce: pos must be contiguous, got strides {pos.stride()}")
         return (FAMILY, "fanout_reduce_kernel", self.grid(J), THREADS,
                 [pos.data_ptr(), J, P, self.peer_bases.data_ptr(), DATA_OFFSET, src_stride, H, K, out.data_ptr(),
-                 out.stride(0)] + tail, 0)
+                 out.stride(0), self.local_rank, SIGNAL_OFFSET, self.timeout_ns, sync], 0)
 
     # ------------------------------------------------------------------ lifetime
     def _alive(self) -> None:

@@ -25,9 +25,9 @@ import torch
 
 from commlib.backends.base import set_stream
 from commlib.backends.internode import kernels as IK
-from commlib.backends.internode.fanout import (FORWARD_J, FORWARD_LANDED, FORWARD_SYNC, REDUCE_J, REDUCE_OUT,
-                                               REDUCE_POS, REDUCE_SYNC, SYNC_ARRIVE_END, SYNC_ENTER, SYNC_WAIT_END,
-                                               SYNC_WAIT_START, chunk_syncs)
+from commlib.backends.internode.fanout import (COMBINE_ROWS_SYNC, COMBINE_SYNC, DISPATCH_SYNC, FORWARD_J,
+                                               FORWARD_LANDED, FORWARD_SYNC, REDUCE_J, REDUCE_OUT, REDUCE_POS,
+                                               REDUCE_SYNC, chunk_syncs)
 from commlib.backends.internode.geometry import Plan
 from commlib.backends.internode.network import stream
 from commlib.backends.internode.rows import dispatch_packer
@@ -164,7 +164,7 @@ class KeptDispatch(_Kept):
         if self.in_area:
             self.Wd = w.node.kept_begin(plan, W)   # room in the areas (collective where they grow)
             # per chunk (landed rows' byte offset, rows, grid, the barrier's pieces its forward takes)
-            syncs = chunk_syncs(nch, SYNC_ENTER, SYNC_ARRIVE_END | SYNC_WAIT_END)
+            syncs = chunk_syncs(nch, *DISPATCH_SYNC)
             self.chunks = [((S + rs[k]) * self.width, rs[k + 1] - rs[k], w.node.grid(rs[k + 1] - rs[k]), syncs[k])
                            for k in range(nch)]
             self.land_n, self.land_stride, self.land_pos_off = n, self.Wd, -1
@@ -263,10 +263,10 @@ class KeptCombine(_Kept):
             self.Wd = w.node.kept_begin(plan, Wc)   # (free: the dispatch reserved room for these rows)
             # per chunk (partials' byte offset, rows, grid, positions, the barrier's pieces its reduce takes:
             # the first waits for every rank's rows, which the rows kernel arrived after)
-            syncs = chunk_syncs(nch, SYNC_WAIT_START, 0)
+            syncs = chunk_syncs(nch, *COMBINE_SYNC)
             self.chunks = [(rs[k] * Wc, rs[k + 1] - rs[k], w.node.grid(rs[k + 1] - rs[k]), plan.landed_pos[k].data_ptr(),
                             syncs[k]) for k in range(nch)]
-            self.rows_sync = w.node.sync_args(SYNC_ENTER | SYNC_ARRIVE_END)
+            self.rows_sync = w.node.sync_args(COMBINE_ROWS_SYNC)
             self.rows_ctas = IK.synced_ctas(w.node.gpu_share)   # (its CTAs wait at its start)
             self.rows_n, self.rows_pos = plan.num_recv, 0
         else:

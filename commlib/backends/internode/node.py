@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 
 from commlib.backends.common import Packer, a2a_rows, gather, int32_columns, sum_rows
-from commlib.backends.internode.fanout import (SYNC_ARRIVE_END, SYNC_ENTER, SYNC_WAIT_END, SYNC_WAIT_START,
-                                               NodeFanout)
+from commlib.backends.internode.fanout import (COMBINE_ROWS_SYNC, COMBINE_SYNC, DISPATCH_SYNC, SYNC_ARRIVE_END,
+                                               SYNC_ENTER, NodeFanout, chunk_sync)
 from commlib.backends.internode.geometry import Plan, compact
 from commlib.backends.internode.rows import fill_ids
 from commlib.backends.probe import Probe
@@ -234,7 +234,7 @@ class ForwarderNode(NodeStep):
             plan.landed_pos.append(int32_columns(landed, W, W + 4 * self.P))   # combine's sources
         sync = 0
         if self._fold:   # chunk 0's forward enters the barrier before the stores, the last one the one after
-            sync = (SYNC_ENTER if k == 0 else 0) | (SYNC_ARRIVE_END | SYNC_WAIT_END if k == plan.num_chunks - 1 else 0)
+            sync = chunk_sync(k, plan.num_chunks, *DISPATCH_SYNC)
             self._owed -= bool(sync & SYNC_ENTER) + bool(sync & SYNC_ARRIVE_END)
         self.fan.forward(landed, W, self.Wd, None if hi is None else (0, hi, 0), pos_out, sync)
         if landed.shape[0] or sync:
@@ -344,7 +344,7 @@ class ForwarderNode(NodeStep):
         self._reserve(plan, self.Wd)   # free but after a windowed dispatch: it reserved room for these rows
         self._await = callable(rows)
         if callable(rows):
-            rows(self.fan.data_address(), self.Wd, self.fan.sync_args(SYNC_ENTER | SYNC_ARRIVE_END))
+            rows(self.fan.data_address(), self.Wd, self.fan.sync_args(COMBINE_ROWS_SYNC))
             self.probe.op("launches")
             return
         self.fan.barrier()
@@ -357,7 +357,7 @@ class ForwarderNode(NodeStep):
         pos = plan.landed_pos[k]
         if out is None:
             out = torch.empty(pos.shape[0], packer.row_bytes, dtype=torch.uint8, device=self.device)
-        sync = SYNC_WAIT_START if k == 0 and self._await else 0   # every rank's rows are in its area
+        sync = chunk_sync(k, plan.num_chunks, *COMBINE_SYNC) if self._await else 0   # every rank's rows are there
         self.fan.reduce(pos, H, K, out, self.Wd, sync)
         if pos.shape[0] or sync:
             self.probe.op("launches")

@@ -188,3 +188,35 @@ def test_recording_probe_times_collectives_and_keeps_them_for_a_replay():
     assert probe.collective_s == c.seconds and not probe.collectives
     c.fn(*c.args, **c.kwargs).wait()   # the bare replay: the same call again
     assert issued == [(6, 3), "wait"] * 3
+
+
+def test_host_compare_pairs_rounds_and_refuses_mixed_devices(tmp_path):
+    """benchmarks.host_compare: per op the baseline's and the change's means over ranks, averaged over
+    their rounds, and the ratio (hand-computed here); ops missing from a file are left out; inputs
+    from two devices are refused; the JSON names its inputs and their device, not this machine's."""
+    from benchmarks import host_compare as HC
+
+    def doc(own_by_rank, device="H200", extra_op=False):
+        rows = [{"op": "combine_cpp", "chunk_cap": 1, "own_us": max(own_by_rank), "host_us": 2 * max(own_by_rank),
+                 "by_rank": [[2 * o, o] for o in own_by_rank]}]
+        if extra_op:
+            rows.append({"op": "cached_bf16_cpp", "chunk_cap": 1, "own_us": 1.0, "host_us": 2.0, "by_rank": [[2, 1]]})
+        return {"device": {"name": device}, "git": {"commit": "abc"}, "command": "x", "rows": rows}
+    files = {}
+    for name, d in {"a": doc([80, 60]), "b": doc([70, 70], extra_op=True), "c": doc([50, 30]),
+                    "d": doc([40, 40])}.items():
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(d))
+    out = tmp_path / "cmp.json"
+    assert HC.main(["--base", str(files["a"]), str(files["b"]), "--new", str(files["c"]), str(files["d"]),
+                    "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert [r["op"] for r in got["rows"]] == ["combine_cpp"]          # cached_bf16 is in one file only
+    own = got["rows"][0]["own_mean"]
+    assert own["base"] == [70.0, 70.0] and own["new"] == [40.0, 40.0] and abs(own["ratio"] - 40 / 70) < 1e-12
+    assert got["rows"][0]["own_slowest"]["base"] == [80, 70]
+    assert got["device"] == {"name": "H200"} and [i["role"] for i in got["inputs"]] == ["base", "base", "new", "new"]
+    assert got["ratios"][0]["own_mean_ratio"] == round(40 / 70, 4)
+    files["d"].write_text(json.dumps(doc([40, 40], device="A100")))
+    with pytest.raises(SystemExit, match="different devices"):
+        HC.main(["--base", str(files["a"]), "--new", str(files["d"])])

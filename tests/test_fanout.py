@@ -104,9 +104,9 @@ def test_sync_flags(fan):
     _packs(IK.FAMILY, "inter_rows_kernel", tuple(spec[4]))
     assert IK.rows_spec(None, 0, y, None, 1 << 20, 128) is None
     # many rows: a synced rows kernel's grid split among the ranks sharing a GPU (its CTAs wait at its start)
-    assert IK.rows_spec(None, 8192, y, None, 1 << 20, 128, args, IK.synced_ctas(4))[2] == IK.MAX_CTAS // 4
+    assert IK.rows_spec(None, 8192, y, None, 1 << 20, 128, args, IK.synced_ctas(4))[2] == IK.MAX_CTAS // 8
     assert IK.rows_spec(None, 8192, y, None, 1 << 20, 128)[2] == IK.MAX_CTAS == IK.synced_ctas(1)
-    assert IK.synced_ctas(2) == IK.MAX_CTAS // 2 and IK.synced_ctas(10 ** 6) == 1
+    assert IK.synced_ctas(2) == IK.MAX_CTAS // 4 and IK.synced_ctas(10 ** 6) == 1
     assert IK.rows_spec(None, 3, y, None, 1 << 20, 128)[4][IK.ROWS_SYNC] == 0
     assert F.chunk_syncs(0, 1, 6) == [] and F.chunk_syncs(1, 1, 6) == [7] and F.chunk_syncs(3, 1, 6) == [1, 0, 6]
 

@@ -319,7 +319,7 @@ def test_forwarder_calls_keep_the_node_barrier_protocol(chunks):
         calls["combine"] = _traced(fakes, lambda: be.combine(comb), {"y": y}, held)
         kept = be.plan_for(h, ("combine", 4), y, cfg, res.recv_topk_weights)
         calls["combine replay"] = _traced(fakes, lambda: be.run_plan(kept, y, res.recv_topk_weights, 0), {"y": y}, held)
-    assert h.extra["plan"].kept[("combine", 4)].rows_ctas == IK.MAX_CTAS // 4
+    assert h.extra["plan"].kept[("combine", 4)].rows_ctas == IK.MAX_CTAS // 8
     for op, trace in calls.items():
         steps = _node_barriers(trace)
         assert steps and not any(s[0] == "barrier" for s in steps), (op, steps)

@@ -35,10 +35,13 @@ def grid(n: int, max_ctas: int = MAX_CTAS) -> int:
 
 def synced_ctas(gpu_share: int) -> int:
     """The most CTAs of a rows kernel that takes the node barrier's pieces, with ``gpu_share`` ranks on
-    one GPU: its CTAs wait at its start, holding their SMs, and the node's other ranks' kernels must
-    start beside them, so those sharing a GPU split MAX_CTAS (a V3 combine's 264 waiting CTAs in each
-    of four processes on one GPU left a peer's kernel no SM). Ranks on GPUs of their own keep it all."""
-    return max(1, MAX_CTAS // max(1, int(gpu_share)))
+    one GPU. Its CTAs wait at its start, holding their SMs, while every rank of the node must start one
+    of its own. A rank on a GPU of its own keeps MAX_CTAS. Ranks sharing a GPU (CUDA MPS) also share its
+    CTA slots (two of these CTAs per SM): filling them with waiting CTAs leaves a peer's kernel, or an
+    NCCL kernel it waits behind, none. A V3 combine hung with 264 CTAs in each of four processes, and
+    again with 66 (run 34), so sharing ranks take half the slots between them."""
+    share = max(1, int(gpu_share))
+    return MAX_CTAS if share == 1 else max(1, MAX_CTAS // (2 * share))
 
 
 def launch(spec) -> None:

@@ -220,6 +220,11 @@ def test_forwarder_path_counts(kernels):
         assert one[op]["event_ops"] == 0, (op, one[op])
     for op, per_chunk in (("dispatch", 3), ("cached dispatch", 3), ("combine", 2)):
         assert three[op]["total"] - one[op]["total"] == 2 * per_chunk + 1, (op, one[op], three[op])
+    # four chunks: a dispatch and a combine within the budget's one more per extra chunk (their outputs
+    # one allocation each); a cached dispatch over it, by the 2 x 2 stream waits (docs/notes chunk operations)
+    four = _calls(2, 2, 4, ONE_ROW_RING)
+    assert four["chunks"] == 4 and four["dispatch"]["total"] <= 23 and four["combine"]["total"] <= 13, four
+    assert four["cached dispatch"]["total"] == 16, four
     # the landed rows' positions (combine's sources) are stored by the forward kernel: no copy beside the
     # one rank per node path's (the digest's read)
     local = _calls(2, 1, 1, ONE_ROW_RING)

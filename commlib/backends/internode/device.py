@@ -22,8 +22,8 @@ from commlib.backends.internode.exchange import N_SIG, row_len
 from commlib.backends.internode.geometry import Plan, geometry
 from commlib.backends.internode.kept import first_combine, first_dispatch, keep
 from commlib.backends.internode.network import stream
-from commlib.backends.internode.rows import (area_row, dispatch_packer, here, int32_len, int32_views, rows_on,
-                                             typed_views)
+from commlib.backends.internode.rows import (area_row, dispatch_packer, here, int32_len, int32_views, output_layout,
+                                             rows_on, typed_views)
 from commlib.backends.common import HOST
 from commlib.backends.internode.wiring import Wiring
 from commlib.handle import DispatchHandle
@@ -173,17 +173,17 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
         f.area_row = area_row(f.packer, H, K)
     packer = f.packer
     W = packer.row_bytes
-    # one allocator call on the output stream (Wiring.alloc) for the send and landing rows, the handle's
-    # (and the plan's) int32 tensors as views of one block, and the outputs
+    # on the output stream (Wiring.alloc): the send and landing rows, the handle's (and the plan's) int32
+    # tensors as views of one block, and the outputs as views of one more (as the C++ path carves them)
     in_area = w.node.in_area
     # (after the source rows: one rank per node, each landed row's output row; with the forwarder, each
     # landed row's positions on every local rank, which the forward kernel stores there for combine)
     J, P = plan.recv_starts[-1], w.topology.ranks_per_node
     ints = (*f.shapes, (num_recv,), (J, P) if in_area else (J,))
     rows, block, recv_x, recv_scales, recv_topk_idx, recv_topk_w = w.alloc(
-        rows_spec(w, plan, W), (int32_len(*ints), torch.int32), ((num_recv, H), x.dtype),
-        ((num_recv, scales.shape[1]), torch.float32) if scales is not None else None,
-        ((num_recv, K), torch.int64) if K else None, ((num_recv, K), torch.float32) if wts is not None else None)
+        rows_spec(w, plan, W), (int32_len(*ints), torch.int32), outputs=output_layout((
+            ((num_recv, H), x.dtype), ((num_recv, scales.shape[1]), torch.float32) if scales is not None else None,
+            ((num_recv, K), torch.int64) if K else None, ((num_recv, K), torch.float32) if wts is not None else None)))
     send, recv = send_and_landing(plan, rows)
     rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, recv_src_idx, tail = int32_views(
         dev, *ints, block=block)

@@ -30,7 +30,7 @@ from commlib.backends.internode.fanout import (COMBINE_ROWS_SYNC, COMBINE_SYNC, 
                                                REDUCE_SYNC, chunk_syncs)
 from commlib.backends.internode.geometry import Plan
 from commlib.backends.internode.network import stream
-from commlib.backends.internode.rows import dispatch_packer
+from commlib.backends.internode.rows import dispatch_packer, output_layout
 from commlib.backends.internode.wiring import Wiring
 from commlib.cuda import loader
 
@@ -120,16 +120,17 @@ class _Kept:
                 and second.device == self.device and second.is_contiguous())
 
     def alloc_outputs(self) -> tuple:
-        """The outputs (first, second or None) on the current stream (a replay's)."""
-        (s1, d1), spec2 = self.outputs
-        dev = self.device
-        return (torch.empty(s1, dtype=d1, device=dev),
-                torch.empty(spec2[0], dtype=spec2[1], device=dev) if spec2 is not None else None)
+        """The outputs (first, second or None) on the current stream (a replay's): views of one
+        allocation (``layout``: rows.output_layout), as the C++ replays carve theirs."""
+        nbytes, (p1, p2) = self.layout
+        block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return (block.view(p1[0]).as_strided(p1[1], p1[2], p1[3]),
+                None if p2 is None else block.view(p2[0]).as_strided(p2[1], p2[2], p2[3]))
 
     def alloc_first(self) -> tuple:
-        """The full path's scratch and outputs: one allocator call on the output stream (Wiring.alloc),
-        the Buffer's result ``blocks``. Returns (scratch, (first, second or None))."""
-        block, first, second = self.w.alloc(((self.rows, self.width), torch.uint8), *self.outputs)
+        """The full path's scratch and outputs on the output stream (Wiring.alloc), the Buffer's result
+        ``blocks``. Returns (scratch, (first, second or None))."""
+        block, first, second = self.w.alloc(((self.rows, self.width), torch.uint8), outputs=self.layout)
         return block, (first, second)
 
     def scratch(self) -> torch.Tensor:
@@ -154,6 +155,7 @@ class KeptDispatch(_Kept):
         self.sizes = [ss[k + 1] - ss[k] for k in range(nch)] + [rs[k + 1] - rs[k] for k in range(nch)]
         n = plan.num_recv
         self.outputs = (((n, x.shape[1]), x.dtype), ((n, scales.shape[1]), torch.float32) if scales is not None else None)
+        self.layout = output_layout(self.outputs)
         sh = handle.send_head
         self.send_head_of = sh   # what fits() compares the handle's with
         if not (sh.dtype == torch.int32 and tuple(sh.shape) == (x.shape[0], topo.num_ranks)):
@@ -259,6 +261,7 @@ class KeptCombine(_Kept):
         self.sizes = [rs[k + 1] - rs[k] for k in range(nch)] + [ss[k + 1] - ss[k] for k in range(nch)]
         self.T = T = handle.num_tokens
         self.outputs = (((T, H), torch.bfloat16), ((T, K), torch.float32) if K else None)
+        self.layout = output_layout(self.outputs)
         if self.in_area:
             self.Wd = w.node.kept_begin(plan, Wc)   # (free: the dispatch reserved room for these rows)
             # per chunk (partials' byte offset, rows, grid, positions, the barrier's pieces its reduce takes:

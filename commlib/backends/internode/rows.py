@@ -98,6 +98,30 @@ def typed_views(device, *parts) -> list:
     return out
 
 
+OUT_ALIGN = 256   # the outputs' byte boundary in their one allocation (csrc/callpath.h Outputs: the same)
+
+
+def output_layout(specs) -> tuple:
+    """Where a call's outputs of ``specs`` ((shape, dtype) each, 2-D, or None) lie in one allocation:
+    (its bytes, per spec (dtype, shape, strides, offset in elements) or None), each at an OUT_ALIGN
+    boundary in spec order. A kept call computes it once, a non-cached dispatch per call."""
+    at, parts = 0, []
+    for sp in specs:
+        if sp is None:
+            parts.append(None)
+            continue
+        (n, m), dtype = sp
+        parts.append((dtype, (n, m), (m, 1), at // dtype.itemsize))
+        at += -(-n * m * dtype.itemsize // OUT_ALIGN) * OUT_ALIGN
+    return at, parts
+
+
+def output_views(block: torch.Tensor, layout: tuple) -> list:
+    """The outputs of ``layout`` (``output_layout``) as views of ``block`` (uint8 of its bytes): a call's
+    outputs from one allocator call, any one of them keeping it alive (two C calls per output)."""
+    return [None if p is None else block.view(p[0]).as_strided(p[1], p[2], p[3]) for p in layout[1]]
+
+
 def int32_len(*shapes) -> tuple:
     """The shape of one int32 block that holds tensors of ``shapes`` (``int32_views``)."""
     return (sum([math.prod(s) for s in shapes]),)
@@ -134,4 +158,4 @@ def with_positions(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["dispatch_packer", "combine_packer", "payload", "area_row", "fill_ids", "here", "rows_on", "typed_views",
-           "int32_len", "int32_views", "with_positions"]
+           "output_layout", "output_views", "OUT_ALIGN", "int32_len", "int32_views", "with_positions"]

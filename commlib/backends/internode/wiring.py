@@ -18,6 +18,7 @@ from commlib.backends.internode.exchange import check_exchange, parse_digest
 from commlib.backends.internode.geometry import Plan
 from commlib.backends.internode.network import NetworkStep
 from commlib.backends.internode.node import NodeStep
+from commlib.backends.internode.rows import output_views
 from commlib.backends.probe import Probe
 from commlib.topology import Topology
 
@@ -52,13 +53,17 @@ class Wiring:
         self.cuda = self.device.type == "cuda"
         self.dev_index = self.device.index if self.cuda and self.device.index is not None else -1
 
-    def alloc(self, *specs) -> list:
-        """A call's outputs ((shape, dtype) per spec, None for none) on its output stream: the caller's,
+    def alloc(self, *specs, outputs=()) -> list:
+        """A call's tensors ((shape, dtype) per spec, None for none) on its output stream: the caller's,
         where the Buffer says so (base.alloc_outputs: freed blocks go back to the caller's pool, in its
-        stream order), else the current one; kept in ``blocks`` for the result."""
+        stream order), else the current one; kept in ``blocks`` for the result. ``outputs`` (an
+        rows.output_layout): the call's outputs, views of one more allocation, after them."""
         ctx = self.ctx
         out, back = (ctx.out_stream, ctx.comm_stream) if ctx is not None else (None, None)
-        return alloc_outputs(out, back, specs, self.device, self.blocks)
+        if not outputs:
+            return alloc_outputs(out, back, specs, self.device, self.blocks)
+        made = alloc_outputs(out, back, (*specs, ((outputs[0],), torch.uint8)), self.device, self.blocks)
+        return made[:-1] + output_views(made[-1], outputs)
 
     def take_blocks(self, keep: bool = True) -> Optional[tuple]:
         """The result's ``blocks`` (what ``alloc`` made since the last call), and a fresh list; None

@@ -107,6 +107,7 @@ struct InPlan {
   i64 T = 0;                  // combine: the handle's num_tokens
   Outputs out;                // the outputs (FP8 scales, combined weights: in the first's allocation)
   i64 rows = 0, width = 0;    // the scratch, uint8 [rows, width]
+  at::Tensor scratch;         // it, in the engine's staging rows (kept.py _Kept.scratch; undefined: one per call)
   std::vector<Step> pre, post;
   std::vector<Chunk> chunks;
   bool node_after = false;    // the node step follows each landed chunk (and every chunk is waited for)
@@ -178,6 +179,11 @@ InPlanP make_in_plan(py::dict d) {
   p->out = Outputs(d["out_shape"].cast<Shape>(), d["out_dtype"].cast<at::ScalarType>(), d["out2_shape"], at::kFloat);
   p->rows = d["rows"].cast<i64>();
   p->width = d["width"].cast<i64>();
+  if (!d["scratch"].is_none()) {
+    p->scratch = d["scratch"].cast<at::Tensor>();
+    if (p->scratch.scalar_type() != at::kByte || !p->scratch.is_contiguous() || p->scratch.numel() != p->rows * p->width)
+      throw std::invalid_argument("InPlan: the scratch must be contiguous uint8 [rows, width]");
+  }
   p->pre = make_steps(d["pre"]);
   p->post = make_steps(d["post"]);
   for (py::handle c : d["chunks"]) {
@@ -542,7 +548,7 @@ struct InEngine : Core {
     ph.mark("count");
     {
       AllocOn on_comm(*this, comm, true);   // the comm stream current: the scratch's and NCCL's stream
-      at::Tensor scratch = empty({p.rows, p.width}, at::kByte);
+      at::Tensor scratch = p.scratch.defined() ? p.scratch : empty({p.rows, p.width}, at::kByte);
       ph.mark("scratch");
       u64 src[kNumSources] = {address(tensor(xo)), second.is_none() ? 0 : address(tensor(second)), address(out1),
                               p.out.two ? address(out2) : 0, address(scratch), 0};

@@ -27,6 +27,44 @@ def test_calls_per_op_stay_within_budget():
             assert got[op]["python_calls"] <= py and got[op]["c_calls"] <= c, (P, op, got[op])
 
 
+def test_kept_calls_share_the_staging_rows():
+    """The kept calls' scratch is the engine's staging rows (Wiring.staging): two handles' cached
+    dispatches and combines all use it, none allocates its own; a call needing more grows it (a quarter
+    of headroom), a call kept before keeps its rows; past the Buffer's num_rdma_bytes it warns, once."""
+    import types
+    import warnings
+    from commlib.backends.base import CombineRequest, DispatchRequest
+    be, fakes, inp, cfg = IH.build(2, 2, 64, 256, 64, 4, 2, Config(2, 4, 8, 1, 2))
+    w, (idx, wts, lay) = be.wiring, inp
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    kept = []
+    with IH.patched(fakes):
+        for _ in range(2):   # two handles, each with its cached dispatch and combine
+            res = be.dispatch(DispatchRequest(x, None, idx, wts, lay, None, 64, 1, 0, cfg))
+            h = res.handle
+            be.dispatch(DispatchRequest(x, None, None, None, None, h, 0, 1, 0, cfg))
+            y = torch.zeros(h.num_recv_tokens, 256, dtype=torch.bfloat16)
+            be.combine(CombineRequest(y, h, res.recv_topk_weights, [], cfg))
+            kept += list(h.extra["plan"].kept.values())
+    stage = w.stage
+    assert len(kept) == 4 and stage is not None and stage.dim() == 1 and stage.dtype == torch.uint8
+    for k in kept:
+        assert k.scratch().untyped_storage().data_ptr() == stage.untyped_storage().data_ptr()
+        assert k.scratch().shape == (k.rows, k.width)
+    held = w.staging(3, 8)   # an earlier call's rows, then a call that needs more
+    need = stage.numel() + 1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        w.ctx = types.SimpleNamespace(num_rdma_bytes=need, comm_stream=None)
+        grown = w.staging(1, need)
+        again = w.staging(1, need + need // 8)
+    assert grown.shape == (1, need) and w.stage.numel() == need + (need >> 2)
+    assert again.untyped_storage().data_ptr() == grown.untyped_storage().data_ptr()   # within the headroom
+    assert held.untyped_storage().data_ptr() == stage.untyped_storage().data_ptr() != grown.untyped_storage().data_ptr()
+    assert kept[0].scratch().untyped_storage().data_ptr() == stage.untyped_storage().data_ptr()
+    assert sum("num_rdma_bytes" in str(m.message) for m in seen) == 1
+
+
 def test_dispatch_keeps_its_scratch_and_launches_per_shape():
     """A non-cached dispatch of a shape seen before reuses its scratch and its kept launches (the same
     objects, nothing rebuilt); another shape (FP8 x) gets its own, and the first is still there."""
@@ -140,18 +178,19 @@ def test_replays_issue_what_the_full_path_issues(P, chunks, fp8):
         assert h.extra["plan"].num_chunks == (chunks if P > 1 else 1)
         y = torch.randn(h.num_recv_tokens, 256).to(torch.bfloat16)
         held = []
+        stage = lambda **kw: dict(kw, stage=be.wiring.stage)   # the kept calls' scratch: the engine's staging rows
         full = _traced(fakes, lambda: be.dispatch(DispatchRequest(xq, sq, None, None, None, h, 0, 1, 0, cfg)),
-                       {"x": xq, "scales": sq}, held)
+                       lambda: stage(x=xq, scales=sq), held)
         x2, s2 = xq.clone(), (sq.clone() if sq is not None else None)   # other addresses
         kept = be.plan_for(h, ("dispatch", xq.dtype), x2, cfg, s2)
         assert kept is not None and be.plan_for(h, ("dispatch", xq.dtype), x2[:-1], cfg, s2) is None
-        again = _traced(fakes, lambda: be.run_plan(kept, x2, s2, 0), {"x": x2, "scales": s2}, held)
+        again = _traced(fakes, lambda: be.run_plan(kept, x2, s2, 0), lambda: stage(x=x2, scales=s2), held)
         assert again == full and len(full) >= 3
-        full = _traced(fakes, lambda: be.combine(CombineRequest(y, h, wts, [], cfg)), {"y": y, "w": wts}, held)
+        full = _traced(fakes, lambda: be.combine(CombineRequest(y, h, wts, [], cfg)), lambda: stage(y=y, w=wts), held)
         y2, w2 = y.clone(), wts.clone()
         kept = be.plan_for(h, ("combine", wts.shape[1]), y2, cfg, w2)
         assert kept is not None and be.plan_for(h, ("combine", wts.shape[1]), y2, cfg, None) is None
-        again = _traced(fakes, lambda: be.run_plan(kept, y2, w2, 0), {"y": y2, "w": w2}, held)
+        again = _traced(fakes, lambda: be.run_plan(kept, y2, w2, 0), lambda: stage(y=y2, w=w2), held)
         assert again == full and len(full) >= 3
 
 
@@ -169,7 +208,7 @@ def _handle_names(h) -> dict:
 def test_kept_launches_issue_what_first_ones_issue(P, chunks):
     """A dispatch, its cached dispatch and its combine on the launches kept from the calls of another
     routing's handle (the shared per-shape launches) issue what an engine's first such calls issue for
-    the same calls, argument for argument (addresses named: inputs, the kept scratch, the handle's and
+    the same calls, argument for argument (addresses named: inputs, the staging rows, the handle's and
     plan's tensors, the calls' allocations and outputs; the row counts)."""
     from commlib.backends.base import CombineRequest, DispatchRequest
     cfg = Config(2, 4, 8, 1, 2)
@@ -188,7 +227,7 @@ def test_kept_launches_issue_what_first_ones_issue(P, chunks):
         fan = getattr(be.node, "fan", None)   # the forwarder's: the peers' addresses and this rank's area
         out = {"x": x, "tir": inp[2].is_token_in_rank, "topk": inp[0], "w": inp[1], "head": be.head._head[0],
                "row": f.row, "g": f.g, "dig": f.dig, "before": f.before, "spos": f.spos,
-               "peers": fan and fan.peer_bases, "area": fan and fan.area}
+               "peers": fan and fan.peer_bases, "area": fan and fan.area, "stage": be.wiring.stage}
         if res is not None:
             out.update(_handle_names(res.handle), y=ys.get(res.handle.num_recv_tokens), rw=res.recv_topk_weights)
         return out

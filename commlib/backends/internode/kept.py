@@ -106,6 +106,7 @@ class _Kept:
         self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
         self.second_shape = None if second is None else second.shape
         self.in_area = w.node.in_area
+        self._scratch = None
 
     def fits(self, x: torch.Tensor, second, config) -> bool:
         """Whether a call with ``x``, ``second`` (FP8 scales / combine weights) and ``config`` is the
@@ -128,14 +129,23 @@ class _Kept:
                 None if p2 is None else block.view(p2[0]).as_strided(p2[1], p2[2], p2[3]))
 
     def alloc_first(self) -> tuple:
-        """The full path's scratch and outputs on the output stream (Wiring.alloc), the Buffer's result
-        ``blocks``. Returns (scratch, (first, second or None))."""
-        block, first, second = self.w.alloc(((self.rows, self.width), torch.uint8), outputs=self.layout)
-        return block, (first, second)
+        """The full path's scratch (``scratch``; inside a CUDA graph capture, an allocation of the
+        graph's, with the outputs) and its outputs on the output stream (Wiring.alloc), the Buffer's
+        result ``blocks``. Returns (scratch, (first, second or None))."""
+        w = self.w
+        if w.cuda and torch._C._cuda_isCurrentStreamCapturing():
+            block, first, second = w.alloc(((self.rows, self.width), torch.uint8), outputs=self.layout)
+            return block, (first, second)
+        first, second = w.alloc(outputs=self.layout)
+        return self.scratch(), (first, second)
 
     def scratch(self) -> torch.Tensor:
-        """A replay's scratch, on the current (comm) stream: freed in its order when the call returns."""
-        return torch.empty(self.rows, self.width, dtype=torch.uint8, device=self.w.device)
+        """The call's scratch uint8 [rows, width]: its rows in the engine's staging rows (Wiring.staging),
+        taken at its first use outside a capture and kept (a later growth leaves this call its buffer)."""
+        s = self._scratch
+        if s is None:
+            s = self._scratch = self.w.staging(self.rows, self.width)
+        return s
 
 
 class KeptDispatch(_Kept):

@@ -116,6 +116,7 @@ def twin_on(w: Wiring, kept: KeptDispatch | KeptCombine, handle, owner):
         "config": kept.config, "send_head": kept.send_head_of if dispatch else None,
         "num_tokens": 0 if dispatch else kept.T, "out_shape": list(s1), "out_dtype": d1,
         "out2_shape": None if spec2 is None else list(spec2[0]), "rows": kept.rows, "width": kept.width,
+        "scratch": kept.scratch(),
         "pre": pre, "chunks": chunks, "post": post, "node_after": dispatch and kept.in_area,
         "ordered": net.ordered, "sync": net.on_current_stream(plan.num_chunks, kept.in_area), "group": net.group,
         "row_counts": list(plan.row_counts)})

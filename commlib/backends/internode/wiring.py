@@ -8,6 +8,7 @@ Legend: R ranks, M nodes, P ranks per node, Kc the most chunks a call may use, E
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,6 +42,8 @@ class Wiring:
     ctx: Any = None                 # the Backend's BackendContext (out_stream, comm_stream); None: current stream
     blocks: list = dataclasses.field(default_factory=list)         # this call's ``alloc`` tensors
     kept: dict = dataclasses.field(default_factory=dict)           # kept.Launches per kind and shape
+    stage: Optional[torch.Tensor] = None   # the network staging rows (``staging``), uint8 [bytes]
+    stage_told: bool = False
     # the topology's ints the calls read (its properties cost a Python call each), and the device's
     # (torch.device.type builds a string per read): whether it is a GPU, its index (-1: the current)
     my_node: int = dataclasses.field(init=False)
@@ -64,6 +67,34 @@ class Wiring:
             return alloc_outputs(out, back, specs, self.device, self.blocks)
         made = alloc_outputs(out, back, (*specs, ((outputs[0],), torch.uint8)), self.device, self.blocks)
         return made[:-1] + output_views(made[-1], outputs)
+
+    def staging(self, rows: int, width: int) -> torch.Tensor:
+        """uint8 [rows, width] of the engine's network staging rows (what a kept call sends and lands on
+        the rail; the Buffer's num_rdma_bytes stands for them), kept between calls instead of allocated
+        per call. Every call that uses them runs on the comm stream and waits there for its collectives,
+        so one call's use follows the last one's. Grown (a new buffer, a quarter of headroom, made on the
+        comm stream) where too small; a view holds its buffer, so calls kept before keep the old one. A
+        call captured in a CUDA graph allocates its own instead (kept.py)."""
+        n = rows * width
+        st = self.stage
+        if st is None or st.numel() < n:
+            ctx = self.ctx
+            comm = ctx.comm_stream if ctx is not None and self.cuda else None
+            back = torch.cuda.current_stream(self.device) if comm is not None else None
+            if comm is not None:
+                torch.cuda.set_stream(comm)
+            try:
+                st = self.stage = torch.empty(n + (n >> 2), dtype=torch.uint8, device=self.device)
+            finally:
+                if back is not None:
+                    torch.cuda.set_stream(back)
+            budget = getattr(ctx, "num_rdma_bytes", 0) if ctx is not None else 0
+            if budget and st.numel() > budget and not self.stage_told:
+                self.stage_told = True
+                warnings.warn(f"commlib rank {self.topology.rank}: the internode engine's staging rows "
+                              f"({st.numel() / 2**20:.0f} MiB) exceed the Buffer's num_rdma_bytes "
+                              f"({budget / 2**20:.0f} MiB), which they stand for")
+        return st[:n].view(rows, width)
 
     def take_blocks(self, keep: bool = True) -> Optional[tuple]:
         """The result's ``blocks`` (what ``alloc`` made since the last call), and a fresh list; None

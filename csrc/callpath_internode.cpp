@@ -114,6 +114,13 @@ struct InPlan {
   bool ordered = true;        // the network completes chunks in order: waiting for the last covers all
   bool sync = false;          // the chunks on the current stream, ordered there: no work, no wait (network.py)
   bool uses_area = false;
+  // a cached dispatch's chunks on two streams (fanout.py chunk_sides, network.py stream's ``sides``): per
+  // chunk whether it runs on the side stream, that stream (its id, raw handle), its fork and join events
+  std::vector<char> sides;
+  i64 side_id = 0;
+  u64 side_raw = 0;
+  void *fork_ev = nullptr, *join_ev = nullptr;
+  py::object side_keep;       // the torch stream and events (alive while the twin is)
   c10::intrusive_ptr<c10d::ProcessGroup> group;  // the rail group (null in tests: recorded only)
   std::vector<std::pair<py::object, i64>> row_counts;  // (counter, rows) added per call (Wiring.count_rows)
 
@@ -197,6 +204,17 @@ InPlanP make_in_plan(py::dict d) {
   p->node_after = d["node_after"].cast<bool>();
   p->ordered = d["ordered"].cast<bool>();
   p->sync = d["sync"].cast<bool>();
+  if (!d["two"].is_none()) {
+    py::dict t = d["two"].cast<py::dict>();
+    for (py::handle b : t["sides"]) p->sides.push_back(b.cast<bool>() ? 1 : 0);
+    if (p->sides.size() != p->chunks.size() || !p->node_after)
+      throw std::invalid_argument("InPlan: two streams need a node step after each chunk and a side per chunk");
+    p->side_id = t["stream_id"].cast<i64>();
+    p->side_raw = t["raw"].cast<u64>();
+    p->fork_ev = reinterpret_cast<void*>(t["fork"].cast<u64>());
+    p->join_ev = reinterpret_cast<void*>(t["join"].cast<u64>());
+    p->side_keep = t["keep"];
+  }
   if (!d["group"].is_none()) p->group = d["group"].cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
   for (py::handle rc : d["row_counts"]) {
     py::tuple t = py::reinterpret_borrow<py::tuple>(rc);
@@ -472,15 +490,51 @@ struct InEngine : Core {
            s.is_contiguous();
   }
 
-  // ``steps``' launches on the comm stream with this call's addresses; their time is phase ``phase``.
-  void issue(const std::vector<Step>& steps, const u64* src, Phases& ph, const char* phase) {
+  // ``steps``' launches on the comm stream (or ``raw``) with this call's addresses; their time is phase ``phase``.
+  void issue(const std::vector<Step>& steps, const u64* src, Phases& ph, const char* phase, u64 raw = 0) {
     if (steps.empty()) return;
     for (const Step& s : steps) {
       Launch& l = *s.launch;
       for (auto& sl : s.slots) l.set(static_cast<int>(sl[0]), src[sl[1]] + static_cast<u64>(sl[2]));
-      l.issue(comm.raw);
+      l.issue(raw ? raw : comm.raw);
     }
     ph.mark(phase);
+  }
+
+  // network.py _two_streams (a cached dispatch with the forwarder, p.sides): the side stream forks from the
+  // comm stream; chunk k's collective (on the current stream, ordered there) and forward on its side's stream;
+  // the comm stream joins the side one before the last forward. The comm stream current again at the end.
+  void two_streams(InPlan& p, const u64* src, Phases& ph, at::Tensor& scratch) {
+    Stream side{test ? c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU))
+                     : c10::Stream::unpack3(p.side_id, static_cast<c10::DeviceIndex>(dev), c10::kCUDA),
+                test ? comm.raw + 1 : p.side_raw};
+    if (test) record(py::make_tuple("fork", comm.raw, side.raw));
+    else {
+      event_record(p.fork_ev, comm);
+      event_wait(p.fork_ev, side);
+    }
+    const i64 n = static_cast<i64>(p.chunks.size());
+    struct Back {   // the comm stream current again, also after an error
+      Core& e;
+      ~Back() { if (!e.test) e.impl->exchangeStream(e.comm.c); }
+    } back{*this};
+    for (i64 k = 0; k < n; ++k) {
+      const Stream& s = p.sides[k] ? side : comm;
+      if (!test) impl->exchangeStream(s.c);   // NCCL's collective on the chunk's stream
+      Chunk& c = p.chunks[k];
+      at::Tensor send = carve(scratch, c.send_row * p.width, {c.send_rows, p.width}, at::kByte),
+                 out = carve(scratch, c.out_row * p.width, {c.out_rows, p.width}, at::kByte);
+      post(p.group.get(), out, send, c.out_splits, c.in_splits, true);
+      ph.mark("a2a");
+      if (k == n - 1) {
+        if (test) record(py::make_tuple("join", side.raw, comm.raw));
+        else {
+          event_record(p.join_ev, side);
+          event_wait(p.join_ev, comm);
+        }
+      }
+      issue(c.node, src, ph, "node", s.raw);
+    }
   }
 
   // One network chunk: the rail all-to-all of ``send`` into ``out`` on ``group`` (null in tests: recorded
@@ -563,7 +617,8 @@ struct InEngine : Core {
         ph.mark("area");
       }
       issue(p.pre, src, ph, "pre");
-      stream(
+      if (!p.sides.empty() && p.chunks.size() > 1) two_streams(p, src, ph, scratch);
+      else stream(
           static_cast<i64>(p.chunks.size()), p.node_after || !p.ordered,
           [&](i64 k) {
             if (!p.node_after) issue(p.chunks[k].node, src, ph, "node");

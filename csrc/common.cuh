@@ -587,8 +587,11 @@ __device__ __forceinline__ void channel_remote_rows(const int* rpm, const int* r
 //                         last CTA to finish arrives)
 //   NODE_SYNC_WAIT_END    with ARRIVE_END: that CTA then waits (a whole barrier at the end)
 //   NODE_SYNC_WAIT_START  every CTA waits at its start for the barrier this rank arrived at last
-//                         (the other half of an earlier kernel's ARRIVE_END)
-// The barriers a kernel enters (ENTER, ARRIVE_END) are numbered from its ticket: every CTA adds to
+//                         (the other half of an earlier kernel's ARRIVE_END or ARRIVE_START)
+//   NODE_SYNC_ARRIVE_START  the first CTA to start arrives, nobody waits: ENTER's first half, whose
+//                         other half is a later kernel's WAIT_START (every kernel that waits for it
+//                         runs after this one on its stream, or on a stream forked after it)
+// The barriers a kernel enters (ENTER, ARRIVE_START, ARRIVE_END) are numbered from its ticket: every CTA adds to
 // it once at its start, CTA 0 n << 32 - (grid - 1) (n barriers), the others 1, so it grows by n << 32
 // and each CTA decodes the number before this kernel's from what it read, in any order (CTA 0 reads
 // a small low half; another reads one >= 2^31 only after CTA 0's add, high half then + n - 1); the
@@ -601,6 +604,7 @@ __device__ __forceinline__ void channel_remote_rows(const int* rpm, const int* r
 #define NODE_SYNC_ARRIVE_END 2
 #define NODE_SYNC_WAIT_END 4
 #define NODE_SYNC_WAIT_START 8
+#define NODE_SYNC_ARRIVE_START 16
 #define NODE_SYNC_TICKET CL_MAX_RANKS      // u64 index of the ticket after the arrival array
 #define NODE_SYNC_DONE (CL_MAX_RANKS + 1)  // u64 index of the done count
 
@@ -613,7 +617,7 @@ struct NodeSync {
         return reinterpret_cast<u64*>(peer_bases[p] + signal_offset);
     }
     __device__ __forceinline__ int entered() const {
-        return ((flags & NODE_SYNC_ENTER) ? 1 : 0) + ((flags & NODE_SYNC_ARRIVE_END) ? 1 : 0);
+        return ((flags & (NODE_SYNC_ENTER | NODE_SYNC_ARRIVE_START)) ? 1 : 0) + ((flags & NODE_SYNC_ARRIVE_END) ? 1 : 0);
     }
 };
 
@@ -660,7 +664,7 @@ __device__ __forceinline__ void node_sync_begin(const NodeSync& s, u64* s_base) 
         s_first = first;
     }
     __syncthreads();
-    if ((s.flags & NODE_SYNC_ENTER) && s_first && threadIdx.x < 32) node_arrive(s);
+    if ((s.flags & (NODE_SYNC_ENTER | NODE_SYNC_ARRIVE_START)) && s_first && threadIdx.x < 32) node_arrive(s);
     __syncthreads();
     if (s.flags & (NODE_SYNC_ENTER | NODE_SYNC_WAIT_START)) {
         if (threadIdx.x < 32) node_wait(s, *s_base + ((s.flags & NODE_SYNC_ENTER) ? 1 : 0));

@@ -235,13 +235,20 @@ __device__ __forceinline__ void warp_copy_words(u32* dst, const u32* src, int wo
 // rank_prefix [R, R] and chan_prefix [R, C] (CTA 0). Cached (g == 0): reads send_head and slot.
 // Send row (send_stride bytes): x (x_bytes) | scales (s_bytes) | src_idx int32 | topk int64 [K] |
 // weights float32 [K] (w != 0) | P int32 positions. Dynamic shared memory: ints [R + Kc M + M].
+// With the forwarder, a cached dispatch's pack arrives at the node barrier its forwards wait for
+// (common.cuh NodeSync, sync NODE_SYNC_ARRIVE_START; 0: none): this rank is past its earlier reads of
+// every area, so the forwards of both streams (kept.py) may store once every rank's pack arrived.
 __global__ void __launch_bounds__(512) pack(
     const i64* __restrict__ g, int row_len, int n_sig, int me, int T, int R, int M, int P, int Kc, int ring,
     int C, const u8* __restrict__ tir, const int* __restrict__ before, const int* __restrict__ spos,
     int* __restrict__ slot, int* __restrict__ send_head, int* __restrict__ rank_prefix,
     int* __restrict__ chan_prefix, const u8* __restrict__ x, int x_bytes, const u8* __restrict__ scales,
     int s_bytes, const i64* __restrict__ topk, const float* __restrict__ w, int K, u8* __restrict__ send,
-    int send_stride) {
+    int send_stride, const u64* peer_bases, int local_rank, int num_local, u64 signal_offset, u64 timeout_ns,
+    int sync) {
+    __shared__ u64 s_base;
+    const NodeSync ns{peer_bases, local_rank, num_local, signal_offset, timeout_ns, sync};
+    node_sync_begin(ns, &s_base);
     extern __shared__ int s_dyn[];
     int* base = s_dyn;              // [R] rows of lower ranks on every rank
     int* seg = base + R;            // [Kc * M]

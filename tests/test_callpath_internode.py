@@ -29,7 +29,7 @@ import torch.distributed as dist
 import internode_host as IH
 from carved import check_carved
 from commlib.backends.base import CombineRequest, DispatchRequest
-from commlib.backends.internode.fanout import FORWARD_POS
+from commlib.backends.internode.fanout import FORWARD_POS, chunk_sides
 from commlib.backends.probe import NULL_PROBE, RecordingProbe
 from commlib.buffer import Buffer
 from commlib.config import Config
@@ -144,16 +144,18 @@ def _python(r, key, a, b, h) -> tuple:
     return trace, [o for o in outs if o is not None], kept.scratch(), len(made)
 
 
-def _cpp(r, ext, recorded) -> tuple:
+def _cpp(r, ext, recorded, streams=None) -> tuple:
     """The C++ call's recorded operations as the Python trace's entries: (trace, scratch (address, bytes),
-    allocations, the other operations)."""
+    allocations, the other operations); ``streams`` gets each launch's (name, stream)."""
     trace, scratch, allocs, other = [], None, 0, []
     for op in recorded:
         if op[0] == "launch":
             lau = r.names[op[1]]
             args = lau.fmt.unpack(op[6][:lau.fmt.size])
             trace.append((lau.name, op[3], op[4], tuple(args), op[5]))
-            assert op[2] == COMM
+            if streams is not None:
+                streams.append((lau.name, op[2]))
+            assert op[2] in (COMM, COMM + 1)   # the comm stream, or a cached dispatch's side stream (test mode)
         elif op[0] == "a2a":
             trace.append(tuple(op))
         elif op[0] == "scratch":
@@ -217,7 +219,8 @@ def test_cpp_replays_issue_what_python_replays_issue(rig, ext, P, chunks, fp8, s
             out = r.eng.combine(r.buf, a, h, b, CFG, None, False, False)
             assert out is not None and out[1] is not None
             outs, key = [out[0], out[1]], ("combine", b.shape[1])
-        got, scratch, allocs, other_ops = _cpp(r, ext, ext._recorded())
+        streams = []
+        got, scratch, allocs, other_ops = _cpp(r, ext, ext._recorded(), streams)
         w0 = r.fakes.waits
         want, p_outs, p_scratch, p_allocs = _python(r, key, a, b, h)
         p_waits = r.fakes.waits - w0
@@ -233,9 +236,18 @@ def test_cpp_replays_issue_what_python_replays_issue(rig, ext, P, chunks, fp8, s
         assert len({t.untyped_storage().data_ptr() for t in p_outs}) == 1
         assert [tuple(t.shape) for t in outs] == [tuple(t.shape) for t in p_outs]
         assert [t.dtype for t in outs] == [t.dtype for t in p_outs]
+        # a cached dispatch with the forwarder and several chunks: its chunks on two streams, the side stream's
+        # fork before the first and its join before the last forward (network.py stream), no wait between
+        two = op == "cached" and P > 1 and chunks > 1 and sync
         waits = other_ops.count("a2a_wait")
-        assert waits == p_waits and (waits == 0) == on_stream, (waits, p_waits)   # the comm stream's waits
-        assert [o for o in other_ops if o != "a2a_wait"] == ["record", "wait", "record", "wait"]   # _enter, _leave
+        assert waits == p_waits and (waits == 0) == (on_stream or two), (waits, p_waits)   # the comm stream's waits
+        # _enter, _leave (and the fork and join)
+        assert [o for o in other_ops if o != "a2a_wait"] == (["record", "wait", "fork", "join", "record", "wait"] if two
+                                                             else ["record", "wait", "record", "wait"]), other_ops
+        sides = chunk_sides(chunks)
+        want_streams = [COMM + 1 if two and sides[k] else COMM for k in range(chunks)] if P > 1 and op == "cached" else []
+        assert [st for name, st in streams if name == "fanout_forward_kernel"] == want_streams, streams
+        assert all(st == COMM for name, st in streams if name != "fanout_forward_kernel"), streams
         if len(outs) == 2:
             mine = dict(enumerate(outs))
             del out, outs

@@ -93,9 +93,12 @@ def test_sync_flags(fan):
     spec = fan.reduce_spec(pos, 64, 2, out, sync=F.SYNC_WAIT_START)
     assert spec[2] == 1 and spec[4][F.REDUCE_J] == 0 and spec[4][F.REDUCE_SYNC] == F.SYNC_WAIT_START
     _packs(F.FAMILY, "fanout_reduce_kernel", tuple(spec[4]))
-    for bad in (F.SYNC_WAIT_END, F.SYNC_WAIT_START | F.SYNC_ENTER, F.SYNC_WAIT_START | F.SYNC_ARRIVE_END, 16):
+    for bad in (F.SYNC_WAIT_END, F.SYNC_WAIT_START | F.SYNC_ENTER, F.SYNC_ARRIVE_START, 32):
         with pytest.raises(ValueError, match="sync flags"):
             fan.forward_spec(landed, W, 1040, sync=bad)
+    # a cached dispatch's last forward: the wait for its pack's arrival, then the barrier after its stores
+    spec = fan.forward_spec(landed, W, 1040, sync=F.SYNC_WAIT_START | F.SYNC_ARRIVE_END | F.SYNC_WAIT_END)
+    assert spec[4][F.FORWARD_SYNC] == 14
     y = torch.zeros(3, 64, dtype=torch.bfloat16)
     args = fan.sync_args(F.SYNC_ENTER | F.SYNC_ARRIVE_END)
     assert args == [fan.peer_bases.data_ptr(), 1, 4, F.SIGNAL_OFFSET, 7_000_000_000, 3]
@@ -109,6 +112,22 @@ def test_sync_flags(fan):
     assert IK.synced_ctas(2) == IK.MAX_CTAS // 4 and IK.synced_ctas(10 ** 6) == 1
     assert IK.rows_spec(None, 3, y, None, 1 << 20, 128)[4][IK.ROWS_SYNC] == 0
     assert F.chunk_syncs(0, 1, 6) == [] and F.chunk_syncs(1, 1, 6) == [7] and F.chunk_syncs(3, 1, 6) == [1, 0, 6]
+    # a cached dispatch: the last chunk on the current stream, the ones before alternating; the first forward
+    # of each stream waits for the packs' arrival, the last one takes the barrier after the stores
+    ws, end = F.SYNC_WAIT_START, F.SYNC_ARRIVE_END | F.SYNC_WAIT_END
+    assert F.chunk_sides(1) == [False] and F.chunk_sides(4) == [True, False, True, False]
+    assert F.cached_syncs(1) == [ws | end] and F.cached_syncs(2) == [ws, ws | end]
+    assert F.cached_syncs(4) == [ws, ws, 0, end] and F.cached_syncs(5) == [ws, ws, 0, 0, end]
+    # and its pack (kernels.pack_spec): the arrival alone, in its slot, launched even with no tokens
+    x, sh, slot = torch.zeros(0, 64, dtype=torch.bfloat16), torch.zeros(0, 8, dtype=torch.int32), \
+        torch.zeros(0, 2, dtype=torch.int32)
+    send = torch.zeros(0, 128 + 4 + 4 * P, dtype=torch.uint8)
+    geo = dict(me=0, M=2, P=P, Kc=1, ring=1)
+    assert IK.pack_spec(None, send, slot, sh, x, None, None, None, **geo) is None
+    spec = IK.pack_spec(None, send, slot, sh, x, None, None, None, **geo, sync=fan.sync_args(F.CACHED_PACK_SYNC))
+    assert spec[2] == 1 and spec[4][IK.PACK_SYNC] == F.SYNC_ARRIVE_START and spec[4][IK.PACK_SYNC - 5:] == \
+        fan.sync_args(F.SYNC_ARRIVE_START)
+    _packs(IK.FAMILY, "inter_pack_kernel", tuple(spec[4]))
 
 
 def test_kept_slots_name_their_tensors(fan):

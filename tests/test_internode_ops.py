@@ -35,9 +35,22 @@ class _LoopNet(NetworkStep):
     wait per land, none where ``stream`` let the chunks run on the current stream (``sync``)."""
 
     ordered = True
+    two_streams = True   # as RailStep with NCCL: a cached dispatch's chunks on two streams, a fork and a join
 
     def __init__(self, probe) -> None:
         self.probe = probe
+
+    def fork(self):
+        self.probe.op("event_ops")
+
+    def join(self):
+        self.probe.op("event_ops")
+
+    def use(self, side):
+        pass
+
+    def done(self):
+        pass
 
     def post(self, send, send_splits, recv_splits, out=None):
         self.probe.op("collectives")
@@ -208,23 +221,23 @@ def test_each_extra_chunk_costs_one_collective(kernels):
 
 def test_forwarder_path_counts(kernels):
     """2 x 2 through the forwarder: the same budget at one chunk (the two barriers and the forward /
-    reduce launch inside it, the collective on the current stream); with more chunks, each on the
-    group's stream so that the node step of one overlaps the next on the wire: per extra chunk the
-    collective, its stream wait (dispatch) and one forward (dispatch) or reduce (combine) launch,
-    and one stream wait more than at one chunk (the first chunk's; combine: the last one's)."""
-    one, three = _calls(2, 2, 1, ONE_ROW_RING), _calls(2, 2, 3, ONE_ROW_RING)
-    assert one["chunks"] == 1 and three["chunks"] == 3
+    reduce launch inside it, the collective on the current stream); with more chunks, so that the node
+    step of one overlaps the next on the wire, per extra chunk: a dispatch's collective (on the group's
+    stream), its stream wait and its forward, and one stream wait more (the first chunk's); a cached
+    dispatch's collective and forward, each chunk on one of two streams, and the side stream's fork and
+    join once; a combine's reduce and collective, and the wait for the last. Within the budget at four
+    chunks (one more per extra chunk): a dispatch 22 of 23, a cached dispatch 13 of 13, a combine 12 of 13."""
+    one, three, four = (_calls(2, 2, k, ONE_ROW_RING) for k in (1, 3, 4))
+    assert one["chunks"] == 1 and three["chunks"] == 3 and four["chunks"] == 4
     assert one["dispatch"]["total"] <= 20, one["dispatch"]
     assert one["cached dispatch"]["total"] <= 10 and one["combine"]["total"] <= 10, one
     for op in ("dispatch", "cached dispatch", "combine"):
         assert one[op]["event_ops"] == 0, (op, one[op])
-    for op, per_chunk in (("dispatch", 3), ("cached dispatch", 3), ("combine", 2)):
-        assert three[op]["total"] - one[op]["total"] == 2 * per_chunk + 1, (op, one[op], three[op])
-    # four chunks: a dispatch and a combine within the budget's one more per extra chunk (their outputs
-    # one allocation each); a cached dispatch over it, by the 2 x 2 stream waits (docs/notes chunk operations)
-    four = _calls(2, 2, 4, ONE_ROW_RING)
-    assert four["chunks"] == 4 and four["dispatch"]["total"] <= 23 and four["combine"]["total"] <= 13, four
-    assert four["cached dispatch"]["total"] == 15, four
+    for op, per_chunk, once in (("dispatch", 3, 1), ("cached dispatch", 2, 2), ("combine", 2, 1)):
+        assert three[op]["total"] - one[op]["total"] == 2 * per_chunk + once, (op, one[op], three[op])
+        assert four[op]["total"] - one[op]["total"] == 3 * per_chunk + once, (op, one[op], four[op])
+        assert four[op]["total"] <= (20 if op == "dispatch" else 10) + 3, (op, four[op])
+    assert three["cached dispatch"]["event_ops"] == four["cached dispatch"]["event_ops"] == 2, (three, four)
     # the landed rows' positions (combine's sources) are stored by the forward kernel: no copy beside the
     # one rank per node path's (the digest's read)
     local = _calls(2, 1, 1, ONE_ROW_RING)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib.backends.internode.fanout import (SYNC_ARRIVE_END, SYNC_ENTER, SYNC_WAIT_END, SYNC_WAIT_START,
-                                               NodeFanout, chunk_syncs)
+from commlib.backends.internode.fanout import (CACHED_PACK_SYNC, SYNC_ARRIVE_END, SYNC_ENTER, SYNC_WAIT_END,
+                                               SYNC_WAIT_START, NodeFanout, cached_syncs, chunk_sides, chunk_syncs)
 from commlib.utils.timing import capture_graph
 
 TIMEOUT_S = 60.0
@@ -337,13 +337,18 @@ def case_dispatch_then_combine(ctx):
 LATE_CYCLES = 100_000_000   # about 50 ms of a late rank's stream (torch.cuda._sleep) before its step
 
 
-def run_sync_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int, late: int) -> None:
+def run_sync_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int, late: int,
+                           cached: bool = False) -> None:
     """A forward round as the engine runs it (node.py ForwarderNode): chunk 0's forward with SYNC_ENTER,
     the last one's with SYNC_ARRIVE_END | SYNC_WAIT_END (an empty chunk there launches only to sync).
-    The test's own sentinel fill comes after a barrier launch (peers past their reads of this rank's
-    rows). Local rank ``late`` sleeps on its stream before that fill: without the entering barrier a
-    peer's stores land before it (sentinel where rows belong); without the one at the end a rank
-    reads its rows before the late rank's stores (sentinel again)."""
+    ``cached``: as a cached dispatch runs it (kept.py): a pack of no tokens arrives (CACHED_PACK_SYNC),
+    the chunks' forwards alternate between a side stream forked after it and this one (chunk_sides),
+    the first on each waiting for every rank's pack (cached_syncs), this stream joining the side one
+    before the last. The test's own sentinel fill comes after a barrier launch (peers past their reads
+    of this rank's rows). Local rank ``late`` sleeps on its stream before that fill: without the
+    entering barrier (or a stream's wait for it) a peer's stores land before it (sentinel where rows
+    belong); without the one at the end a rank reads its rows before the late rank's stores (sentinel
+    again)."""
     P, me, dev = ctx.world_size, ctx.rank, ctx.device
     g = torch.Generator().manual_seed(seed)
     sizes = chunk_sizes(g, P, 3)   # (rank 0's first chunk is empty: a forward that only enters the barrier)
@@ -357,10 +362,27 @@ def run_sync_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int
     if me == late:
         torch.cuda._sleep(LATE_CYCLES)
     own.fill_(SENTINEL)     # (before the entering barrier: no peer stores into it before this)
-    syncs = chunk_syncs(len(mine), SYNC_ENTER, SYNC_ARRIVE_END | SYNC_WAIT_END)
     outs = [torch.full((c.shape[0], P), -7, dtype=torch.int32, device=dev) for c in mine]
-    for chunk, out, sync in zip(mine, outs, syncs):
-        fan.forward(chunk, W, None, pos_out=out if chunk.shape[0] else None, sync=sync)
+    if not cached:
+        syncs = chunk_syncs(len(mine), SYNC_ENTER, SYNC_ARRIVE_END | SYNC_WAIT_END)
+        for chunk, out, sync in zip(mine, outs, syncs):
+            fan.forward(chunk, W, None, pos_out=out if chunk.shape[0] else None, sync=sync)
+    else:
+        from commlib.backends.internode import kernels as IK
+        Hp = 64   # a pack of no tokens, only its arrival (kernels.pack_spec: launched for its flags)
+        no = torch.zeros(0, Hp, dtype=torch.bfloat16, device=dev)
+        IK.launch(IK.pack_spec(None, torch.zeros(0, 2 * Hp + 4 + 4 * P, dtype=torch.uint8, device=dev),
+                               torch.zeros(0, 2, dtype=torch.int32, device=dev),
+                               torch.zeros(0, 2 * P, dtype=torch.int32, device=dev), no, None, None, None,
+                               me=me, M=2, P=P, Kc=1, ring=1, sync=fan.sync_args(CACHED_PACK_SYNC)))
+        main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        side.wait_stream(main)
+        n, sides, syncs = len(mine), chunk_sides(len(mine)), cached_syncs(len(mine))
+        for k, (chunk, out, sync) in enumerate(zip(mine, outs, syncs)):
+            if k == n - 1:
+                main.wait_stream(side)
+            with torch.cuda.stream(side if sides[k] else main):
+                fan.forward(chunk, W, None, pos_out=out if chunk.shape[0] else None, sync=sync)
     got = own.cpu()
     expect_equal(errors, got, forward_oracle(payloads, pos, me, N[me], W, W),
                  f"sync forward round seed {seed} W {W} (late rank {late})")
@@ -404,7 +426,8 @@ def run_sync_reduce_round(ctx, fan: NodeFanout, errors: list, seed: int, H: int,
 
 def case_sync_pieces(ctx):
     """Forward and reduce rounds with the barriers folded into the kernels (sync flags), one rank late
-    in turn, beside plain barrier launches (both count barriers alike: the tickets). The areas are
+    in turn, beside plain barrier launches (both count barriers alike: the tickets); forward rounds as
+    a dispatch and as a cached dispatch (a pack's arrival, two streams) runs them. The areas are
     reserved once, up front, so no host-side collective lines the ranks up between rounds."""
     P = ctx.world_size
     errors: list = []
@@ -413,6 +436,8 @@ def case_sync_pieces(ctx):
         fan.reserve(4096, 2 * 7168 + 64)
         for i in range(2 * P):
             run_sync_forward_round(ctx, fan, errors, 900 + i, (1024, 12, 2 * 7168 + 36)[i % 3], i % P)
+            # as a cached dispatch: its pack's arrival, the forwards on two streams
+            run_sync_forward_round(ctx, fan, errors, 920 + i, (1024, 12, 2 * 7168 + 36)[i % 3], (i + 1) % P, True)
             H, K = (512, 7168, 64)[i % 3], (5, 1, 0)[i % 3]
             # a late writer, and a late reader just before an entering rows kernel, then the engine's round
             run_sync_reduce_round(ctx, fan, errors, 950 + i, H, K, i % P, (i + 1) % P, False)

@@ -21,7 +21,9 @@ The kernels:
             kernel's start; SYNC_ARRIVE_END, the arrival once every CTA's stores are visible (the
             last CTA); SYNC_WAIT_END, with it, that CTA's wait (a whole barrier at the end);
             SYNC_WAIT_START, every CTA's wait at the start for the barrier this rank arrived at
-            last. A kernel with flags runs even with no rows (a launch that only syncs).
+            last; SYNC_ARRIVE_START (a cached dispatch's pack, kernels.pack_spec), the arrival
+            alone, which later kernels' SYNC_WAIT_START complete. A kernel with flags runs even
+            with no rows (a launch that only syncs).
   forward   a landed chunk (uint8 [J, >= W + 4 P]: W payload bytes, then P int32 = the row's final row
             on local rank p, -1 where p does not get it): the payload of row j is stored straight into
             local rank p's data area at row pos[j, p] (row stride ``row_bytes``, default W), and, given
@@ -50,7 +52,9 @@ The next call's first barrier keeps a peer from overwriting rows still being rea
 (node.py ForwarderNode, kept.py) fold the barriers into the kernels beside them (``sync``): a
 dispatch's first forward has SYNC_ENTER and its last SYNC_ARRIVE_END | SYNC_WAIT_END (both at one
 chunk); a combine's rows kernel has SYNC_ENTER | SYNC_ARRIVE_END and its first reduce SYNC_WAIT_START,
-the same barriers in the same order with no launch of their own. Nothing here
+the same barriers in the same order with no launch of their own. A cached dispatch, its chunks on two
+streams, has its pack arrive (SYNC_ARRIVE_START) and the first forward of each stream wait
+(SYNC_WAIT_START) instead of the first forward's SYNC_ENTER (``cached_syncs``). Nothing here
 checks that a position is below the rows reserved (that would need a host sync): the caller's
 plan does (positions are final output rows, < the rows it reserved). A windowed forward is bounded
 by construction: it stores only into area rows [at, at + hi - lo), which ``forward`` checks.
@@ -100,8 +104,8 @@ FORWARD_LANDED, FORWARD_J, FORWARD_POS, FORWARD_SYNC = 0, 1, 10, 14
 REDUCE_POS, REDUCE_J, REDUCE_OUT, REDUCE_SYNC = 0, 1, 8, 13
 FORWARD_ALL = (1 << 31) - 1  # hi of the window of every final row
 # the barrier's pieces a forward / reduce / rows kernel takes (csrc/common.cuh NODE_SYNC_*)
-SYNC_ENTER, SYNC_ARRIVE_END, SYNC_WAIT_END, SYNC_WAIT_START = 1, 2, 4, 8
-SYNC_ALL = SYNC_ENTER | SYNC_ARRIVE_END | SYNC_WAIT_END | SYNC_WAIT_START
+SYNC_ENTER, SYNC_ARRIVE_END, SYNC_WAIT_END, SYNC_WAIT_START, SYNC_ARRIVE_START = 1, 2, 4, 8, 16
+SYNC_ALL = SYNC_ENTER | SYNC_ARRIVE_END | SYNC_WAIT_END | SYNC_WAIT_START | SYNC_ARRIVE_START
 assert SIGNAL_BYTES >= 8 * (loader.MAX_RANKS + 2)
 
 
@@ -122,6 +126,32 @@ def chunk_sync(k: int, n: int, first: int, last: int) -> int:
 def chunk_syncs(n: int, first: int, last: int) -> list:
     """``chunk_sync`` of each of a call's n chunks."""
     return [chunk_sync(k, n, first, last) for k in range(n)]
+
+
+# A cached dispatch (kept.py) runs its chunks on two streams (network.py ``stream`` with ``sides``): each
+# chunk's collective and forward on one stream, chunk k + 1 on the other, so that its collective needs no
+# wait for chunk k's and its forward none for its own collective. Its pack arrives at the entering barrier
+# (CACHED_PACK_SYNC) before the side stream forks; the first forward on each stream waits for it; the last
+# chunk runs on the current stream after it joined the side stream, and its forward takes the barrier after
+# the stores.
+CACHED_PACK_SYNC = SYNC_ARRIVE_START
+
+
+def chunk_sides(n: int) -> list:
+    """Per chunk of a call's n, whether it runs on the side stream: the last on the current stream, the
+    ones before alternating back."""
+    return [(n - 1 - k) % 2 == 1 for k in range(n)]
+
+
+def cached_syncs(n: int) -> list:
+    """The sync flags of a cached dispatch's n forwards (their pack arrived): SYNC_WAIT_START on the first
+    forward of each stream, SYNC_ARRIVE_END | SYNC_WAIT_END on the last."""
+    sides, seen, out = chunk_sides(n), set(), []
+    for k in range(n):
+        f = 0 if sides[k] in seen else SYNC_WAIT_START
+        seen.add(sides[k])
+        out.append(f | (SYNC_ARRIVE_END | SYNC_WAIT_END if k == n - 1 else 0))
+    return out
 
 
 class _DeviceRows:
@@ -236,10 +266,11 @@ class NodeFanout:
 
     def _check_sync(self, sync: int) -> int:
         sync = int(sync)
-        if sync & ~SYNC_ALL or (sync & SYNC_WAIT_END and not sync & SYNC_ARRIVE_END) \
-                or (sync & SYNC_WAIT_START and sync & (SYNC_ENTER | SYNC_ARRIVE_END)):
+        if sync & ~(SYNC_ALL & ~SYNC_ARRIVE_START) or (sync & SYNC_WAIT_END and not sync & SYNC_ARRIVE_END) \
+                or (sync & SYNC_WAIT_START and sync & SYNC_ENTER):
             raise ValueError(f"[commlib local rank {self.local_rank}] NodeFanout: sync flags {sync:#x}: "
-                             "WAIT_END needs ARRIVE_END, WAIT_START goes alone")
+                             "WAIT_END needs ARRIVE_END, WAIT_START does not go with ENTER (a whole barrier), "
+                             "ARRIVE_START is a pack's")
         return sync
 
     def forward(self, landed: torch.Tensor, W: int, row_bytes: int | None = None, window: tuple | None = None,

@@ -25,9 +25,9 @@ import torch
 
 from commlib.backends.base import set_stream
 from commlib.backends.internode import kernels as IK
-from commlib.backends.internode.fanout import (COMBINE_ROWS_SYNC, COMBINE_SYNC, DISPATCH_SYNC, FORWARD_J,
+from commlib.backends.internode.fanout import (CACHED_PACK_SYNC, COMBINE_ROWS_SYNC, COMBINE_SYNC, FORWARD_J,
                                                FORWARD_LANDED, FORWARD_SYNC, REDUCE_J, REDUCE_OUT, REDUCE_POS,
-                                               REDUCE_SYNC, chunk_syncs)
+                                               REDUCE_SYNC, cached_syncs, chunk_sides, chunk_syncs)
 from commlib.backends.internode.geometry import Plan
 from commlib.backends.internode.network import stream
 from commlib.backends.internode.rows import dispatch_packer, output_layout
@@ -151,7 +151,8 @@ class _Kept:
 class KeptDispatch(_Kept):
     """A cached dispatch on the kernels: pack by the plan's slots and the handle's send_head, the
     network chunks (with the forwarder: each landed chunk stored into the node's areas between two
-    barriers, which the first and last forward take), land (no routing columns)."""
+    barriers, on two streams: fanout.py's CACHED_PACK_SYNC / cached_syncs / chunk_sides), land (no
+    routing columns)."""
 
     op = "cached dispatch"
 
@@ -173,10 +174,13 @@ class KeptDispatch(_Kept):
                              f"[{x.shape[0]}, {topo.num_ranks}], got {sh.dtype} {list(sh.shape)}")
         self.send_head = sh if sh.device == dev and sh.is_contiguous() else sh.to(dev).contiguous()   # kept alive
         self.slot_ptr, self.send_head_ptr = plan.slot.data_ptr(), self.send_head.data_ptr()
+        self.pack_sync, self.sides = None, None
         if self.in_area:
             self.Wd = w.node.kept_begin(plan, W)   # room in the areas (collective where they grow)
-            # per chunk (landed rows' byte offset, rows, grid, the barrier's pieces its forward takes)
-            syncs = chunk_syncs(nch, *DISPATCH_SYNC)
+            # the pack arrives at the barrier before the stores; per chunk (landed rows' byte offset, rows,
+            # grid, the barrier's pieces its forward takes), each on its stream (chunk_sides)
+            self.pack_sync, self.sides = w.node.sync_args(CACHED_PACK_SYNC), chunk_sides(nch)
+            syncs = cached_syncs(nch)
             self.chunks = [((S + rs[k]) * self.width, rs[k + 1] - rs[k], w.node.grid(rs[k + 1] - rs[k]), syncs[k])
                            for k in range(nch)]
             self.land_n, self.land_stride, self.land_pos_off = n, self.Wd, -1
@@ -195,12 +199,12 @@ class KeptDispatch(_Kept):
             block = self.scratch()
         base, S, node = block.data_ptr(), self.S, w.node
         launches = 0
-        if x.shape[0]:
+        if x.shape[0] or self.in_area:   # (with the forwarder the pack arrives at the barrier, even with no rows)
             if L.pack is None:
                 topo = w.topology
                 L.pack = keep(IK.pack_spec(None, block[:S], plan.slot, self.send_head, x, scales, None, None,
                                            me=topo.rank, M=topo.num_nodes, P=topo.ranks_per_node, Kc=w.max_chunks,
-                                           ring=1))
+                                           ring=1, sync=self.pack_sync))
             a = L.pack.args
             a[IK.PACK_X], a[IK.PACK_SEND], a[IK.PACK_SLOT], a[IK.PACK_SEND_HEAD] = \
                 x.data_ptr(), base, self.slot_ptr, self.send_head_ptr
@@ -214,9 +218,9 @@ class KeptDispatch(_Kept):
         nch, net = plan.num_chunks, w.network
         ss, rs = plan.send_splits, plan.recv_splits
         fan_out = None
-        if self.in_area:   # chunk 0's forward enters the barrier (every peer past its reads of this rank's
-            chunks, W, Wd = self.chunks, self.W, self.Wd   # area), the last one the barrier after the stores
-
+        if self.in_area:   # the first forward on each stream waits for every rank's pack (every peer past its
+            chunks, W, Wd = self.chunks, self.W, self.Wd   # reads of this rank's area), the last one takes the
+                                                            # barrier after the stores
             def fan_out(k, landed):
                 off, J, grid, sync = chunks[k]
                 if J or sync:
@@ -224,15 +228,16 @@ class KeptDispatch(_Kept):
                         L.forward = keep(node.forward_spec(landed, W, Wd, sync))
                     f = L.forward
                     f.args[FORWARD_LANDED], f.args[FORWARD_J], f.args[FORWARD_SYNC], f.grid = base + off, J, sync, grid
-                    f.issue(raw)
+                    r = net.chunk_raw   # (the chunk's stream where the chunks run on two)
+                    f.issue(raw if r is None else r)
             launches += sum(1 for c in chunks if c[1] or c[3])
-        stream(net, nch, lambda k: net.post(views[k], ss[k], rs[k], out=views[nch + k]), "dispatch", after=fan_out)
-        if self.in_area and not nch:   # no forward took the barriers
+        stream(net, nch, lambda k: net.post(views[k], ss[k], rs[k], out=views[nch + k]), "dispatch", after=fan_out,
+               sides=self.sides)
+        if self.in_area and not nch:   # no forward took the barrier after the pack's arrival
             if L.barrier is None:
                 L.barrier = keep(node.barrier_spec())
             L.barrier.issue(raw)
-            L.barrier.issue(raw)
-            launches += 2
+            launches += 1
         w.count_rows(plan)
         if probe.recording:
             probe.mark("network")

@@ -56,7 +56,7 @@ def launch(spec) -> None:
 # rows' positions, count, y, weights and out; home's back rows, slots, out_y and out_w.
 META_TIR, META_TOPK, META_EXPERTS, META_HEAD = 0, 1, 2, 3
 PACK_TIR, PACK_SLOT, PACK_SEND_HEAD, PACK_RANK_PREFIX, PACK_CHAN_PREFIX = 11, 14, 15, 16, 17
-PACK_X, PACK_SCALES, PACK_TOPK, PACK_W, PACK_SEND = 18, 20, 22, 23, 25
+PACK_X, PACK_SCALES, PACK_TOPK, PACK_W, PACK_SEND, PACK_SYNC = 18, 20, 22, 23, 25, 32
 LAND_ROWS, LAND_N, LAND_N_OUT, LAND_X, LAND_SCALES, LAND_SRC, LAND_TOPK, LAND_W, LAND_POS = 0, 1, 4, 5, 7, 9, 10, 11, 16
 RECV_CHAN_SRC, RECV_CHAN_OUT = 0, 7
 ROWS_POS, ROWS_N, ROWS_Y, ROWS_W, ROWS_OUT, ROWS_SYNC = 0, 1, 2, 4, 6, 13
@@ -156,8 +156,10 @@ def pack(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor, x: 
 
 def pack_spec(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor, x: torch.Tensor, scales, topk, w, *,
               me: int, M: int, P: int, Kc: int, ring: int, n_sig: int = 0, tir=None, before=None, spos=None,
-              rank_prefix=None, chan_prefix=None):
-    """``pack``'s checks, then its launch (None: nothing to pack)."""
+              rank_prefix=None, chan_prefix=None, sync=None):
+    """``pack``'s checks, then its launch (None: nothing to pack and no sync). ``sync``: the node
+    barrier's arguments with its flags (fanout.NodeFanout.sync_args; argument PACK_SYNC the flags: a
+    cached dispatch's pack arrives for its forwards, kept.py), with which it runs even with no tokens."""
     T = x.shape[0]
     R = send_head.shape[1]
     K = topk.shape[1] if topk is not None else 0
@@ -176,7 +178,8 @@ def pack_spec(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor
                 and chan_prefix is not None):
             _fail("a fresh pack needs tir, before, spos and the matrices")
         C = chan_prefix.shape[1]
-    if T == 0 and g is None:   # a fresh pack still writes the matrices
+    tail = list(sync) if sync is not None else [0, 0, 0, 0, 0, 0]
+    if T == 0 and g is None and not tail[-1]:   # a fresh pack still writes the matrices
         return None
     fresh = g is not None
     return (FAMILY, "inter_pack_kernel", grid(T), THREADS,
@@ -185,7 +188,7 @@ def pack_spec(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor
              slot.data_ptr(), send_head.data_ptr(), rank_prefix.data_ptr() if fresh else 0,
              chan_prefix.data_ptr() if fresh else 0, x.data_ptr(), x_bytes, 0 if scales is None else scales.data_ptr(),
              s_bytes, 0 if topk is None else topk.data_ptr(), 0 if w is None else w.data_ptr(), K, send.data_ptr(),
-             send.shape[1]], 4 * (R + Kc * M + M))
+             send.shape[1]] + tail, 4 * (R + Kc * M + M))
 
 
 def land(rows_addr: int, n: int, row_stride: int, pos_off: int, x_out: torch.Tensor, s_out=None,

@@ -55,18 +55,18 @@ def _dispatch_twin(kept: KeptDispatch) -> tuple:
     """(pre, chunks, post) of a cached dispatch's run, as twin steps (KeptDispatch.run, in its order)."""
     L, plan, second = kept.launches, kept.plan, kept.second_shape is not None
     pre, post = [], []
-    if kept.shape[0]:
+    if kept.shape[0] or kept.in_area:   # (with the forwarder its pack arrives at the barrier, even with no rows)
         pre.append(_step(L.pack, [(IK.PACK_SLOT, kept.slot_ptr), (IK.PACK_SEND_HEAD, kept.send_head_ptr)],
                          [(IK.PACK_X, IN_X, 0), (IK.PACK_SEND, IN_SCRATCH, 0)]
                          + ([(IK.PACK_SCALES, IN_SECOND, 0)] if second else [])))
     nodes = [[] for _ in range(plan.num_chunks)]
-    if kept.in_area:   # the first and last forward take the barriers (KeptDispatch.run); none: two launches
+    if kept.in_area:   # the forwards take the barrier's pieces (KeptDispatch.run); no chunk: one barrier launch
         for k, (off, J, grid, sync) in enumerate(kept.chunks):
             if J or sync:
                 nodes[k] = [_step(L.forward, [(FORWARD_J, J), (FORWARD_SYNC, sync)], [(FORWARD_LANDED, IN_SCRATCH, off)],
                                   grid)]
         if not kept.chunks:
-            post += [_step(L.barrier, [], [])] * 2
+            post.append(_step(L.barrier, [], []))
     if kept.land_n:
         rows = (IK.LAND_ROWS, IN_AREA, 0) if kept.in_area else (IK.LAND_ROWS, IN_SCRATCH, kept.S * kept.width)
         post.append(_step(L.land, [(IK.LAND_N, kept.land_n), (IK.LAND_N_OUT, plan.num_recv)],
@@ -109,6 +109,14 @@ def twin_on(w: Wiring, kept: KeptDispatch | KeptCombine, handle, owner):
     plan = kept.plan
     if plan.row_counts is None:
         raise NoTwin("the plan's rows were never counted")
+    two = None   # a cached dispatch's chunks on two streams (network.py stream's ``sides``)
+    if dispatch and kept.sides is not None and plan.num_chunks > 1 and net.two_streams:
+        if w.cuda:
+            side, _, raw, fork_ev, join_ev = net.side(w.dev_index if w.dev_index >= 0 else torch.cuda.current_device())
+            two = {"sides": list(kept.sides), "stream_id": side.stream_id, "raw": raw, "fork": fork_ev.cuda_event,
+                   "join": join_ev.cuda_event, "keep": (side, fork_ev, join_ev)}
+        else:   # (tests: the C++ path records its streams)
+            two = {"sides": list(kept.sides), "stream_id": 0, "raw": 0, "fork": 0, "join": 0, "keep": None}
     twin = callpath.in_plan({
         "owner": owner, "kind": 0 if dispatch else 1, "key": 0 if dispatch else kept.K, "kept": kept,
         "dtype": kept.dtype, "shape": list(kept.shape),
@@ -119,6 +127,7 @@ def twin_on(w: Wiring, kept: KeptDispatch | KeptCombine, handle, owner):
         "scratch": kept.scratch(),
         "pre": pre, "chunks": chunks, "post": post, "node_after": dispatch and kept.in_area,
         "ordered": net.ordered, "sync": net.on_current_stream(plan.num_chunks, kept.in_area), "group": net.group,
+        "two": two,
         "row_counts": list(plan.row_counts)})
     twins = handle.extra.get("cpp_internode")
     if twins is None:

@@ -93,6 +93,36 @@ struct Chunk {
 
 // A kept cached dispatch (kind 0, key: x's ScalarType) or combine (kind 1, key: the weights' columns)
 // of one handle: what a call must match, its outputs and scratch, its launches and chunks.
+// The side stream a dispatch's chunks alternate with (network.py RailStep.side: its torch stream, and
+// its fork and join events, each recorded once so that its cudaEvent_t exists); unset: one stream.
+struct SideStream {
+  bool set = false;
+  i64 id = 0;
+  u64 raw = 0;
+  void *fork_ev = nullptr, *join_ev = nullptr;
+  py::object keep;            // the torch stream and events (alive while the twin is)
+
+  void parse(py::handle o) {
+    if (o.is_none()) return;
+    py::dict t = py::reinterpret_borrow<py::dict>(o);
+    set = true;
+    id = t["stream_id"].cast<i64>();
+    raw = t["raw"].cast<u64>();
+    fork_ev = reinterpret_cast<void*>(t["fork"].cast<u64>());
+    join_ev = reinterpret_cast<void*>(t["join"].cast<u64>());
+    keep = t["keep"];
+  }
+};
+
+// fanout.py chunk_sides and two_stream_syncs: chunk k of n on the side stream (the last on the comm
+// stream, the ones before alternating), and the node barrier's pieces its forward takes after the pack's
+// arrival (the first forward of each stream waits, the last takes the barrier after the stores).
+constexpr i64 kSyncArriveEnd = 2, kSyncWaitEnd = 4, kSyncWaitStart = 8;
+inline bool chunk_side(i64 k, i64 n) { return (n - 1 - k) % 2 == 1; }
+inline i64 two_stream_sync(i64 k, i64 n) {
+  return (k <= 1 ? kSyncWaitStart : 0) | (k == n - 1 ? kSyncArriveEnd | kSyncWaitEnd : 0);
+}
+
 struct InPlan {
   PyObject* owner = nullptr;  // the backend that made it (identity only)
   int kind = 0;
@@ -114,13 +144,7 @@ struct InPlan {
   bool ordered = true;        // the network completes chunks in order: waiting for the last covers all
   bool sync = false;          // the chunks on the current stream, ordered there: no work, no wait (network.py)
   bool uses_area = false;
-  // a cached dispatch's chunks on two streams (fanout.py chunk_sides, network.py stream's ``sides``): per
-  // chunk whether it runs on the side stream, that stream (its id, raw handle), its fork and join events
-  std::vector<char> sides;
-  i64 side_id = 0;
-  u64 side_raw = 0;
-  void *fork_ev = nullptr, *join_ev = nullptr;
-  py::object side_keep;       // the torch stream and events (alive while the twin is)
+  SideStream side;            // a cached dispatch's chunks on two streams (network.py stream's ``sides``)
   c10::intrusive_ptr<c10d::ProcessGroup> group;  // the rail group (null in tests: recorded only)
   std::vector<std::pair<py::object, i64>> row_counts;  // (counter, rows) added per call (Wiring.count_rows)
 
@@ -204,17 +228,8 @@ InPlanP make_in_plan(py::dict d) {
   p->node_after = d["node_after"].cast<bool>();
   p->ordered = d["ordered"].cast<bool>();
   p->sync = d["sync"].cast<bool>();
-  if (!d["two"].is_none()) {
-    py::dict t = d["two"].cast<py::dict>();
-    for (py::handle b : t["sides"]) p->sides.push_back(b.cast<bool>() ? 1 : 0);
-    if (p->sides.size() != p->chunks.size() || !p->node_after)
-      throw std::invalid_argument("InPlan: two streams need a node step after each chunk and a side per chunk");
-    p->side_id = t["stream_id"].cast<i64>();
-    p->side_raw = t["raw"].cast<u64>();
-    p->fork_ev = reinterpret_cast<void*>(t["fork"].cast<u64>());
-    p->join_ev = reinterpret_cast<void*>(t["join"].cast<u64>());
-    p->side_keep = t["keep"];
-  }
+  p->side.parse(d["two"]);
+  if (p->side.set && !p->node_after) throw std::invalid_argument("InPlan: two streams need a node step after each chunk");
   if (!d["group"].is_none()) p->group = d["group"].cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
   for (py::handle rc : d["row_counts"]) {
     py::tuple t = py::reinterpret_borrow<py::tuple>(rc);
@@ -292,9 +307,6 @@ struct FullSlots {
 // recv_chan; with the forwarder, P > 1, its barrier and forward too) and what serving a call like it
 // needs: the scratch, the shapes, the hooks into Python (twins.py full_twin). Made by twins.full_twin
 // after a Python dispatch, unless COMMLIB_CALLPATH_INTERNODE_DISPATCH=0.
-// fanout.py SYNC_*: the node barrier's pieces a forward takes (csrc/common.cuh NODE_SYNC_*).
-constexpr i64 kSyncEnter = 1, kSyncArriveEnd = 2, kSyncWaitEnd = 4;
-
 struct InFull {
   PyObject* owner = nullptr;  // the backend that made it (identity only)
   py::object fresh;           // device.py Fresh: holds the scratch whose addresses the launches carry
@@ -303,6 +315,7 @@ struct InFull {
   i64 ring = 1, area_row = 0;            // rows per chunk slot (geometry.chunk_rows); the areas' widest row
   i64 fwd_threads = 512, fwd_ctas = 16;  // fanout.py grid: the forward's threads and most CTAs
   int fwd_landed = 0, fwd_j = 1, fwd_pos = 10, fwd_sync = 14;  // fanout.py FORWARD_LANDED, _J, _POS, _SYNC: per chunk
+  SideStream side;            // the chunks on two streams, with the forwarder (network.py stream's ``sides``)
   std::vector<i64> sig;       // the signature words (word 1: the call count, set per call)
   i64 E = 0, M = 0, P = 0, Kc = 0, Lx = 0, T = 0, H = 0, C = 0, K = 0, W = 0, S = -1;
   bool weights = false, pinned = false;
@@ -373,6 +386,7 @@ InFullP make_in_full(py::dict d) {
     f->barrier = d["barrier"].cast<LaunchP>();
     f->forward = d["forward"].cast<LaunchP>();
     std::tie(f->fwd_landed, f->fwd_j, f->fwd_pos, f->fwd_sync) = d["fwd_slots"].cast<std::tuple<int, int, int, int>>();
+    f->side.parse(d["two"]);
   }
   if (f->P < 1 || f->Kc < 1 || f->K <= 0 || f->threads < 32 || f->fwd_threads < 32 || f->fwd_ctas < 1 ||
       (f->P > 1 && (!f->barrier || !f->forward)))
@@ -501,39 +515,36 @@ struct InEngine : Core {
     ph.mark(phase);
   }
 
-  // network.py _two_streams (a cached dispatch with the forwarder, p.sides): the side stream forks from the
-  // comm stream; chunk k's collective (on the current stream, ordered there) and forward on its side's stream;
-  // the comm stream joins the side one before the last forward. The comm stream current again at the end.
-  void two_streams(InPlan& p, const u64* src, Phases& ph, at::Tensor& scratch) {
+  // network.py _two_streams (a dispatch with the forwarder, ``ss`` set, n > 1): the side stream forks from
+  // the comm stream; chunk k's collective (``post(k)``, NCCL on the current stream, ordered there) and its
+  // forward (``after(k, raw)``) run on chunk_side's stream; the comm stream joins the side one before the
+  // last forward. The comm stream current again at the end, also after an error.
+  template <class Post, class After>
+  void two_streams(i64 n, const SideStream& ss, Post post, After after) {
     Stream side{test ? c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU))
-                     : c10::Stream::unpack3(p.side_id, static_cast<c10::DeviceIndex>(dev), c10::kCUDA),
-                test ? comm.raw + 1 : p.side_raw};
+                     : c10::Stream::unpack3(ss.id, static_cast<c10::DeviceIndex>(dev), c10::kCUDA),
+                test ? comm.raw + 1 : ss.raw};
     if (test) record(py::make_tuple("fork", comm.raw, side.raw));
     else {
-      event_record(p.fork_ev, comm);
-      event_wait(p.fork_ev, side);
+      event_record(ss.fork_ev, comm);
+      event_wait(ss.fork_ev, side);
     }
-    const i64 n = static_cast<i64>(p.chunks.size());
-    struct Back {   // the comm stream current again, also after an error
+    struct Back {
       Core& e;
       ~Back() { if (!e.test) e.impl->exchangeStream(e.comm.c); }
     } back{*this};
     for (i64 k = 0; k < n; ++k) {
-      const Stream& s = p.sides[k] ? side : comm;
-      if (!test) impl->exchangeStream(s.c);   // NCCL's collective on the chunk's stream
-      Chunk& c = p.chunks[k];
-      at::Tensor send = carve(scratch, c.send_row * p.width, {c.send_rows, p.width}, at::kByte),
-                 out = carve(scratch, c.out_row * p.width, {c.out_rows, p.width}, at::kByte);
-      post(p.group.get(), out, send, c.out_splits, c.in_splits, true);
-      ph.mark("a2a");
+      const Stream& s = chunk_side(k, n) ? side : comm;
+      if (!test) impl->exchangeStream(s.c);
+      post(k);
       if (k == n - 1) {
         if (test) record(py::make_tuple("join", side.raw, comm.raw));
         else {
-          event_record(p.join_ev, side);
-          event_wait(p.join_ev, comm);
+          event_record(ss.join_ev, side);
+          event_wait(ss.join_ev, comm);
         }
       }
-      issue(c.node, src, ph, "node", s.raw);
+      after(k, s.raw);
     }
   }
 
@@ -617,7 +628,17 @@ struct InEngine : Core {
         ph.mark("area");
       }
       issue(p.pre, src, ph, "pre");
-      if (!p.sides.empty() && p.chunks.size() > 1) two_streams(p, src, ph, scratch);
+      if (p.side.set && p.chunks.size() > 1)
+        two_streams(
+            static_cast<i64>(p.chunks.size()), p.side,
+            [&](i64 k) {
+              Chunk& c = p.chunks[k];
+              at::Tensor send = carve(scratch, c.send_row * p.width, {c.send_rows, p.width}, at::kByte),
+                         out = carve(scratch, c.out_row * p.width, {c.out_rows, p.width}, at::kByte);
+              post(p.group.get(), out, send, c.out_splits, c.in_splits, true);
+              ph.mark("a2a");
+            },
+            [&](i64 k, u64 raw) { issue(p.chunks[k].node, src, ph, "node", raw); });
       else stream(
           static_cast<i64>(p.chunks.size()), p.node_after || !p.ordered,
           [&](i64 k) {
@@ -966,49 +987,56 @@ struct InEngine : Core {
       p.issue(comm.raw);
       ph.mark("pack");
       // ---- 5. the network chunks (the rail all-to-all), with the forwarder their fan-out in the node
-      // (device.py move, node.py ForwarderNode, network.py stream: chunk k + 1 on the wire before chunk k is
-      // waited for and fanned out; one chunk on the current stream, nothing to wait for)
+      // (device.py move, node.py ForwarderNode, network.py stream: chunk k + 1 on the wire while chunk k is
+      // fanned out; with the forwarder on two streams, else chunk k waited for first; one chunk on the current
+      // stream, nothing to wait for)
       i64 area = 0;
       if (fwd) {   // dispatch_begin: room for the node's rows in every area (collective where they grow); the
-        area = settled_area(backend, d.node_rows * t.area_row);   // barrier before the forwards is chunk 0's
+        area = settled_area(backend, d.node_rows * t.area_row);   // barrier before the forwards is the pack's
         if (area < 0) {                                          // (every local rank reads the same digest:
           ++py_ops.call;                                         // all of them fit, or all call reserve)
           area = as_int(attr(attr(backend, NI->node), NI->reserve)(d.node_rows, t.area_row));
         }
         ph.mark("reserve");
       }
-      const bool sync = nch == 1;
-      stream(   // (one rank per node: NCCL completes the chunks in order, the last one's wait covers all)
-          nch, fwd, [](i64) {},
-          [&](i64 k) {
-            at::Tensor send_k = carve(rows, c.send_starts[k] * Wp, {c.send_starts[k + 1] - c.send_starts[k], Wp},
-                                      at::kByte),
-                       recv_k = carve(rows, (S + c.recv_starts[k]) * Wp,
-                                      {c.recv_starts[k + 1] - c.recv_starts[k], Wp}, at::kByte);
-            auto work = post(t.rail.get(), recv_k, send_k, c.recv[k], c.send[k], sync);
-            ph.mark("a2a");
-            return work;
-          },
-          [&](const c10::intrusive_ptr<c10d::Work>& work) {
-            land(sync, work);
-            ph.mark("chunk_wait");
-          },
-          [&](i64 k) {   // dispatch_chunk: the landed chunk's rows forwarded, their positions stored into the
-            const i64 Jk = c.recv_starts[k + 1] - c.recv_starts[k];   // block; chunk 0's forward enters the node
-            const i64 sync = (k == 0 ? kSyncEnter : 0) |              // barrier before the stores, the last one
-                             (k == nch - 1 ? kSyncArriveEnd | kSyncWaitEnd : 0);   // the barrier after them
-            if (!fwd || (!Jk && !sync)) return;                       // (fanout.py sync; no launch for neither)
-            Launch& f = *t.forward;
-            f.set_value(t.fwd_landed, static_cast<i64>(address(recv)) + c.recv_starts[k] * Wp);
-            f.set_value(t.fwd_j, Jk);
-            f.set_value(t.fwd_pos, b + tail + 4 * t.P * c.recv_starts[k]);
-            f.set_value(t.fwd_sync, sync);
-            f.grid = static_cast<unsigned>(t.fwd_grid(Jk));
-            f.issue(comm.raw);
-            ph.mark("forward");
-          });
-      if (fwd) {   // finish_forward (no chunks: the two barriers no forward took); the landed rows' positions
-        for (int i = 0; i < (nch ? 0 : 2); ++i) t.barrier->issue(comm.raw);   // on every local rank (combine's
+      auto post_k = [&](i64 k, bool on_stream) {
+        at::Tensor send_k = carve(rows, c.send_starts[k] * Wp, {c.send_starts[k + 1] - c.send_starts[k], Wp},
+                                  at::kByte),
+                   recv_k = carve(rows, (S + c.recv_starts[k]) * Wp, {c.recv_starts[k + 1] - c.recv_starts[k], Wp},
+                                  at::kByte);
+        auto work = post(t.rail.get(), recv_k, send_k, c.recv[k], c.send[k], on_stream);
+        ph.mark("a2a");
+        return work;
+      };
+      // dispatch_chunk: the landed chunk's rows forwarded, their positions stored into the block; the pack
+      // arrived at the node barrier before the stores, the first forward of each stream waits for it, the
+      // last takes the barrier after them (fanout.py two_stream_syncs; no launch for no rows and no flags)
+      auto forward_k = [&](i64 k, u64 raw) {
+        const i64 Jk = c.recv_starts[k + 1] - c.recv_starts[k], sync = two_stream_sync(k, nch);
+        if (!fwd || (!Jk && !sync)) return;
+        Launch& f = *t.forward;
+        f.set_value(t.fwd_landed, static_cast<i64>(address(recv)) + c.recv_starts[k] * Wp);
+        f.set_value(t.fwd_j, Jk);
+        f.set_value(t.fwd_pos, b + tail + 4 * t.P * c.recv_starts[k]);
+        f.set_value(t.fwd_sync, sync);
+        f.grid = static_cast<unsigned>(t.fwd_grid(Jk));
+        f.issue(raw);
+        ph.mark("forward");
+      };
+      if (fwd && t.side.set && nch > 1) {   // the chunks on two streams (network.py stream's ``sides``)
+        two_streams(nch, t.side, [&](i64 k) { post_k(k, true); }, forward_k);
+      } else {
+        const bool sync = nch == 1;
+        stream(   // (one rank per node: NCCL completes the chunks in order, the last one's wait covers all)
+            nch, fwd, [](i64) {}, [&](i64 k) { return post_k(k, sync); },
+            [&](const c10::intrusive_ptr<c10d::Work>& work) {
+              land(sync, work);
+              ph.mark("chunk_wait");
+            },
+            [&](i64 k) { forward_k(k, comm.raw); });
+      }
+      if (fwd) {   // finish_forward (no chunks: the barrier no forward took); the landed rows' positions
+        if (!nch) t.barrier->issue(comm.raw);   // on every local rank (combine's
         ph.mark("barrier");   // sources, stored by the forward kernel into the block) as the plan's per-chunk views
         py::list lp;
         for (i64 k = 0; k < nch; ++k)

@@ -432,15 +432,18 @@ def test_cpp_noncached_dispatch_count_read_in_sync_debug_mode(rig, ext, monkeypa
         run()
 
 
-def _cpp_full_trace(r, recorded) -> tuple:
+def _cpp_full_trace(r, recorded, streams=None) -> tuple:
     """The C++ dispatch's recorded operations: (trace of launches, collectives and the read as the Python
-    trace writes them, {label: (address, bytes)} of its head row, rows and int32 block, other operations)."""
+    trace writes them, {label: (address, bytes)} of its head row, rows and int32 block, other operations);
+    ``streams`` gets each launch's (name, stream)."""
     trace, regions, other = [], {}, []
     for op in recorded:
         if op[0] == "launch":
             lau = r.names[op[1]]
             trace.append((lau.name, op[3], op[4], tuple(lau.fmt.unpack(op[6][:lau.fmt.size])), op[5]))
-            assert op[2] == COMM
+            if streams is not None:
+                streams.append((lau.name, op[2]))
+            assert op[2] in (COMM, COMM + 1)   # the comm stream, or the side stream (test mode)
         elif op[0] in ("a2a", "allgather"):
             trace.append(tuple(op))
         elif op[0] == "head":
@@ -477,19 +480,22 @@ def _layout_of(t, named) -> tuple:
     return (tuple(t.shape), t.dtype, tuple(t.stride()), named(t.data_ptr()) if t.numel() else 0)
 
 
-@pytest.mark.parametrize("P,chunks,fp8,alignment,empty", [(1, 1, False, 1, False), (1, 1, True, 1, False),
-                                                           (1, 1, False, 4, False), (1, 1, True, 1, True),
-                                                           (2, 1, False, 1, False), (2, 3, True, 1, False),
-                                                           (2, 3, False, 4, False), (2, 3, False, 1, True)])
-def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, P, chunks, fp8, alignment, empty):
+@pytest.mark.parametrize("P,chunks,fp8,alignment,empty,two", [
+    (1, 1, False, 1, False, False), (1, 1, True, 1, False, False), (1, 1, False, 4, False, False),
+    (1, 1, True, 1, True, False), (2, 1, False, 1, False, False), (2, 3, True, 1, False, False),
+    (2, 3, False, 4, False, False), (2, 3, False, 1, True, False), (2, 3, True, 1, False, True),
+    (2, 1, False, 1, False, True)])
+def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, P, chunks, fp8, alignment, empty, two):
     """A non-cached dispatch the C++ engine serves issues what the Python path (device.py dispatch) issues
     for the same call: meta, the all-gather, digest, its read, pack, the rail all-to-all per network chunk
     (with the forwarder, P > 1: the barriers, each landed chunk's forward after the next chunk is posted,
     the comm stream's waits), land, recv_chan, argument for argument (this call's allocations named: the
     head row, the rows, the int32 block, the outputs), the same allocations, outputs, handle and plan,
     counts and per-expert list. ``empty``: a digest of no rows anywhere (zero network chunks: no
-    all-to-all, no land), as every rank reads it."""
-    r = rig(P, chunks)
+    all-to-all, no land), as every rank reads it. ``two``: NCCL's collectives on the current stream
+    (asyncOp=False), so with the forwarder and several chunks they alternate between the comm stream and
+    a side stream with their forwards (network.py stream's ``sides``): a fork, a join, no waits."""
+    r = rig(P, chunks, two)
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     xq, sq = per_token_cast_to_fp8(x) if fp8 else (x, None)
     req, _, _ = _kept_full(r, ext, xq, sq, alignment)
@@ -501,7 +507,8 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, P, chunks, f
     out = r.eng.dispatch(r.buf, *_full_args(r, xq if sq is None else (xq, sq), alignment=alignment), None, False,
                          False)
     assert out is not None and r.eng.served["dispatch"] == 1
-    got, regions, other = _cpp_full_trace(r, ext._recorded())
+    streams = []
+    got, regions, other = _cpp_full_trace(r, ext._recorded(), streams)
     mid = (dict(r.be.counters), r.be.calls, r.be.host_reads)
     res, want, made, p_head = _python_full(r, req)
     after = (dict(r.be.counters), r.be.calls, r.be.host_reads)
@@ -524,21 +531,29 @@ def test_cpp_noncached_dispatch_issues_what_python_issues(rig, ext, P, chunks, f
     c_named, p_named = _namer(c_regions), _namer(p_regions)
     kinds = [e[0] for e in got]
     K = 0 if empty else chunks
+    alternate = two and P > 1 and K > 1
     if P == 1:
         network = ["a2a"] * K
+    elif alternate:   # each chunk's forward right after its collective, on its stream
+        network = ["a2a", "fanout_forward_kernel"] * K
     else:   # chunk k + 1 posted before chunk k's forward (one forward per chunk here: every chunk lands rows);
-        # the first and last forward take the node barriers, which need launches of their own only with no chunk
+        # the pack arrives at the first node barrier, the first forward waits, the last takes the second,
+        # which needs a launch of its own only with no chunk
         network = (["a2a"] + ["a2a", "fanout_forward_kernel"] * (K - 1) + ["fanout_forward_kernel"] if K
-                   else ["fanout_barrier_kernel"] * 2)
+                   else ["fanout_barrier_kernel"])
     assert kinds == ["inter_meta_kernel", "allgather", "inter_digest_kernel", "inter_pack_kernel"] + network + \
         ([] if empty else ["inter_land_kernel"]) + ["inter_recv_chan_kernel"], kinds
     assert _named(got, c_regions) == _named(want, p_regions)
     # _enter's event pair, the digest read, three allocations (rows, block, the outputs: views of one in both
     # paths), the comm stream's wait per chunk (none for one chunk: on the comm stream, ordered there, as
     # network.py's), _leave's pair
-    waits = ["a2a_wait"] * (K if K > 1 else 0)
+    waits = ["fork", "join"] if alternate else ["a2a_wait"] * (K if K > 1 else 0)
     # (with the forwarder, the forward kernel stores the landed rows' positions into the block: no copy)
     assert other == ["record", "wait", "read"] + ["alloc"] * 3 + waits + ["record", "wait"], other
+    sides = chunk_sides(K)
+    assert [st for name, st in streams if name == "fanout_forward_kernel"] == \
+        [COMM + 1 if alternate and sides[k] else COMM for k in range(K if P > 1 else 0)], streams
+    assert all(st == COMM for name, st in streams if name != "fanout_forward_kernel"), streams
     assert len(made) == 3 and len({t.untyped_storage().data_ptr() for t in p_outs}) == 1
     # the outputs, the handle and its plan: shapes, dtypes, strides and (named) storage as the Python path's
     assert [_layout_of(t, c_named) for t in c_outs] == [_layout_of(t, p_named) for t in p_outs]

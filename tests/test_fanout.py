@@ -116,15 +116,15 @@ def test_sync_flags(fan):
     # of each stream waits for the packs' arrival, the last one takes the barrier after the stores
     ws, end = F.SYNC_WAIT_START, F.SYNC_ARRIVE_END | F.SYNC_WAIT_END
     assert F.chunk_sides(1) == [False] and F.chunk_sides(4) == [True, False, True, False]
-    assert F.cached_syncs(1) == [ws | end] and F.cached_syncs(2) == [ws, ws | end]
-    assert F.cached_syncs(4) == [ws, ws, 0, end] and F.cached_syncs(5) == [ws, ws, 0, 0, end]
+    assert F.two_stream_syncs(1) == [ws | end] and F.two_stream_syncs(2) == [ws, ws | end]
+    assert F.two_stream_syncs(4) == [ws, ws, 0, end] and F.two_stream_syncs(5) == [ws, ws, 0, 0, end]
     # and its pack (kernels.pack_spec): the arrival alone, in its slot, launched even with no tokens
     x, sh, slot = torch.zeros(0, 64, dtype=torch.bfloat16), torch.zeros(0, 8, dtype=torch.int32), \
         torch.zeros(0, 2, dtype=torch.int32)
     send = torch.zeros(0, 128 + 4 + 4 * P, dtype=torch.uint8)
     geo = dict(me=0, M=2, P=P, Kc=1, ring=1)
     assert IK.pack_spec(None, send, slot, sh, x, None, None, None, **geo) is None
-    spec = IK.pack_spec(None, send, slot, sh, x, None, None, None, **geo, sync=fan.sync_args(F.CACHED_PACK_SYNC))
+    spec = IK.pack_spec(None, send, slot, sh, x, None, None, None, **geo, sync=fan.sync_args(F.DISPATCH_PACK_SYNC))
     assert spec[2] == 1 and spec[4][IK.PACK_SYNC] == F.SYNC_ARRIVE_START and spec[4][IK.PACK_SYNC - 5:] == \
         fan.sync_args(F.SYNC_ARRIVE_START)
     _packs(IK.FAMILY, "inter_pack_kernel", tuple(spec[4]))

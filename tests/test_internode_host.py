@@ -345,7 +345,7 @@ def _check_node_protocol(steps: list, op: str, sides: list = None) -> None:
 def test_forwarder_calls_keep_the_node_barrier_protocol(chunks):
     """2 x 2 (the forwarder): the Python paths and the Buffer's replays of a dispatch, cached dispatch
     and combine each enter the node barrier twice, in fanout.py's order, with the barriers folded into
-    the kernels beside them (no barrier launch of their own); a cached dispatch's pack arrives and its
+    the kernels beside them (no barrier launch of their own); a dispatch's pack arrives and its
     forwards, on two streams, wait on each."""
     be, fakes, inp, cfg = IH.build(2, 2, 64, 256, 64, 4, chunks, Config(2, 4, 8, 1, 2))
     be.node.gpu_share = 4   # four ranks on one GPU: the synced rows kernel's grid is split four ways
@@ -378,7 +378,7 @@ def test_forwarder_calls_keep_the_node_barrier_protocol(chunks):
     for op, trace in calls.items():
         steps = _node_barriers(trace)
         assert steps and not any(s[0] == "barrier" for s in steps), (op, steps)
-        two = op.startswith("cached")   # its pack arrives, its forwards on two streams (kept.py)
+        two = not op.startswith("combine")   # a dispatch's pack arrives, its forwards on two streams
         assert two == (steps[0][0] == "pack"), (op, steps)
         _check_node_protocol(steps, "combine" if op.startswith("combine") else "dispatch",
                              chunk_sides(chunks) if two else None)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commlib.backends.internode.fanout import (CACHED_PACK_SYNC, SYNC_ARRIVE_END, SYNC_ENTER, SYNC_WAIT_END,
-                                               SYNC_WAIT_START, NodeFanout, cached_syncs, chunk_sides, chunk_syncs)
+from commlib.backends.internode.fanout import (DISPATCH_PACK_SYNC, SYNC_ARRIVE_END, SYNC_ENTER, SYNC_WAIT_END,
+                                               SYNC_WAIT_START, NodeFanout, two_stream_syncs, chunk_sides, chunk_syncs)
 from commlib.utils.timing import capture_graph
 
 TIMEOUT_S = 60.0
@@ -341,9 +341,9 @@ def run_sync_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int
                            cached: bool = False) -> None:
     """A forward round as the engine runs it (node.py ForwarderNode): chunk 0's forward with SYNC_ENTER,
     the last one's with SYNC_ARRIVE_END | SYNC_WAIT_END (an empty chunk there launches only to sync).
-    ``cached``: as a cached dispatch runs it (kept.py): a pack of no tokens arrives (CACHED_PACK_SYNC),
+    ``cached``: as a cached dispatch runs it (kept.py): a pack of no tokens arrives (DISPATCH_PACK_SYNC),
     the chunks' forwards alternate between a side stream forked after it and this one (chunk_sides),
-    the first on each waiting for every rank's pack (cached_syncs), this stream joining the side one
+    the first on each waiting for every rank's pack (two_stream_syncs), this stream joining the side one
     before the last. The test's own sentinel fill comes after a barrier launch (peers past their reads
     of this rank's rows). Local rank ``late`` sleeps on its stream before that fill: without the
     entering barrier (or a stream's wait for it) a peer's stores land before it (sentinel where rows
@@ -374,10 +374,10 @@ def run_sync_forward_round(ctx, fan: NodeFanout, errors: list, seed: int, W: int
         IK.launch(IK.pack_spec(None, torch.zeros(0, 2 * Hp + 4 + 4 * P, dtype=torch.uint8, device=dev),
                                torch.zeros(0, 2, dtype=torch.int32, device=dev),
                                torch.zeros(0, 2 * P, dtype=torch.int32, device=dev), no, None, None, None,
-                               me=me, M=2, P=P, Kc=1, ring=1, sync=fan.sync_args(CACHED_PACK_SYNC)))
+                               me=me, M=2, P=P, Kc=1, ring=1, sync=fan.sync_args(DISPATCH_PACK_SYNC)))
         main, side = torch.cuda.current_stream(), torch.cuda.Stream()
         side.wait_stream(main)
-        n, sides, syncs = len(mine), chunk_sides(len(mine)), cached_syncs(len(mine))
+        n, sides, syncs = len(mine), chunk_sides(len(mine)), two_stream_syncs(len(mine))
         for k, (chunk, out, sync) in enumerate(zip(mine, outs, syncs)):
             if k == n - 1:
                 main.wait_stream(side)

@@ -19,6 +19,7 @@ import torch
 from commlib.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from commlib.backends.internode import kernels as IK
 from commlib.backends.internode.exchange import N_SIG, row_len
+from commlib.backends.internode.fanout import chunk_sides
 from commlib.backends.internode.geometry import Plan, geometry
 from commlib.backends.internode.kept import first_combine, first_dispatch, keep
 from commlib.backends.internode.network import stream
@@ -187,11 +188,12 @@ def dispatch(w: Wiring, head: HeadRow, scratch: Scratch, req: DispatchRequest, s
     send, recv = send_and_landing(plan, rows)
     rank_prefix, chan_prefix, recv_chan_prefix, send_head, slot, recv_src_idx, tail = int32_views(
         dev, *ints, block=block)
-    if f.pack is None:
+    if f.pack is None:   # (with the forwarder it arrives at the node barrier before the forwards' stores)
         topo = w.topology
         f.pack = keep(IK.pack_spec(f.g, send, slot, send_head, x, scales, topk, wts, me=f.me, M=topo.num_nodes,
                                    P=topo.ranks_per_node, Kc=Kc, ring=ring, n_sig=N_SIG, tir=tir, before=f.before,
-                                   spos=f.spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix))
+                                   spos=f.spos, rank_prefix=rank_prefix, chan_prefix=chan_prefix,
+                                   sync=w.node.pack_sync() if in_area else None))
     b, ends = rank_prefix.data_ptr(), f.ends
     a = f.pack.args
     a[IK.PACK_TIR], a[IK.PACK_X], a[IK.PACK_SEND] = tir.data_ptr(), x.data_ptr(), send.data_ptr()
@@ -299,8 +301,9 @@ def send_and_landing(plan: Plan, rows: torch.Tensor) -> tuple:
 
 def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer, positions=None) -> tuple:
     """The network chunks. One rank per node: every chunk lands in one buffer (rows carry their final
-    row at byte W); with the forwarder, chunk k fans out while k + 1 is on the wire and the rows sit
-    at their final rows of this rank's area, and the forward kernel stores each landed row's
+    row at byte W); with the forwarder, chunk k fans out while k + 1 is on the wire (the chunks on two
+    streams, network.stream ``sides``; the pack arrived at the barrier before the stores) and the rows
+    sit at their final rows of this rank's area, and the forward kernel stores each landed row's
     positions into ``positions`` (int32 [J, P]: the plan's landed_pos, combine's sources). Returns
     (the landing buffer or None, address, row stride, position byte or -1, rows) of what ``IK.land``
     reads."""
@@ -315,7 +318,7 @@ def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer, positi
     if not w.node.in_area:
         stream(w.network, nch, post, "dispatch")
         return recv, recv.data_ptr(), W + 4 * P, W, rs[-1]
-    w.node.dispatch_begin(plan, W, packer)
+    w.node.dispatch_begin(plan, W, packer, arrived=True)
 
     # the landed rows' positions on every local rank (the forwarder's combine sources), per chunk
     plan.landed_pos = [positions] if nch == 1 else list(positions.split([rs[k + 1] - rs[k] for k in range(nch)]))
@@ -324,7 +327,7 @@ def move(w: Wiring, send: torch.Tensor, recv, W: int, plan: Plan, packer, positi
         w.phase(f"dispatch (fan-out of chunk {k})")
         w.node.dispatch_chunk(k, landed, plan, W, cached=True, pos_out=plan.landed_pos[k])
 
-    stream(w.network, nch, post, "dispatch", after=fan_out)
+    stream(w.network, nch, post, "dispatch", after=fan_out, sides=chunk_sides(nch))
     w.node.finish_forward()
     addr, stride = w.node.address()
     return recv, addr, stride, -1, plan.num_recv

@@ -52,9 +52,10 @@ The next call's first barrier keeps a peer from overwriting rows still being rea
 (node.py ForwarderNode, kept.py) fold the barriers into the kernels beside them (``sync``): a
 dispatch's first forward has SYNC_ENTER and its last SYNC_ARRIVE_END | SYNC_WAIT_END (both at one
 chunk); a combine's rows kernel has SYNC_ENTER | SYNC_ARRIVE_END and its first reduce SYNC_WAIT_START,
-the same barriers in the same order with no launch of their own. A cached dispatch, its chunks on two
-streams, has its pack arrive (SYNC_ARRIVE_START) and the first forward of each stream wait
-(SYNC_WAIT_START) instead of the first forward's SYNC_ENTER (``cached_syncs``). Nothing here
+the same barriers in the same order with no launch of their own. A dispatch on the kernel path (fresh
+or cached), its chunks on two streams, has its pack arrive (SYNC_ARRIVE_START) and the first forward
+of each stream wait (SYNC_WAIT_START) instead of the first forward's SYNC_ENTER (``two_stream_syncs``);
+the torch steps' and the windowed dispatches' forwards keep SYNC_ENTER. Nothing here
 checks that a position is below the rows reserved (that would need a host sync): the caller's
 plan does (positions are final output rows, < the rows it reserved). A windowed forward is bounded
 by construction: it stores only into area rows [at, at + hi - lo), which ``forward`` checks.
@@ -128,13 +129,14 @@ def chunk_syncs(n: int, first: int, last: int) -> list:
     return [chunk_sync(k, n, first, last) for k in range(n)]
 
 
-# A cached dispatch (kept.py) runs its chunks on two streams (network.py ``stream`` with ``sides``): each
+# A dispatch on the kernel path (device.py, kept.py) runs its chunks on two streams (network.py ``stream``
+# with ``sides``; csrc/callpath_internode.cpp mirrors it): each
 # chunk's collective and forward on one stream, chunk k + 1 on the other, so that its collective needs no
 # wait for chunk k's and its forward none for its own collective. Its pack arrives at the entering barrier
-# (CACHED_PACK_SYNC) before the side stream forks; the first forward on each stream waits for it; the last
+# (DISPATCH_PACK_SYNC) before the side stream forks; the first forward on each stream waits for it; the last
 # chunk runs on the current stream after it joined the side stream, and its forward takes the barrier after
 # the stores.
-CACHED_PACK_SYNC = SYNC_ARRIVE_START
+DISPATCH_PACK_SYNC = SYNC_ARRIVE_START
 
 
 def chunk_sides(n: int) -> list:
@@ -143,9 +145,9 @@ def chunk_sides(n: int) -> list:
     return [(n - 1 - k) % 2 == 1 for k in range(n)]
 
 
-def cached_syncs(n: int) -> list:
-    """The sync flags of a cached dispatch's n forwards (their pack arrived): SYNC_WAIT_START on the first
-    forward of each stream, SYNC_ARRIVE_END | SYNC_WAIT_END on the last."""
+def two_stream_syncs(n: int) -> list:
+    """The sync flags of a kernel-path dispatch's n forwards (their pack arrived): SYNC_WAIT_START on the
+    first forward of each stream, SYNC_ARRIVE_END | SYNC_WAIT_END on the last."""
     sides, seen, out = chunk_sides(n), set(), []
     for k in range(n):
         f = 0 if sides[k] in seen else SYNC_WAIT_START

@@ -25,9 +25,9 @@ import torch
 
 from commlib.backends.base import set_stream
 from commlib.backends.internode import kernels as IK
-from commlib.backends.internode.fanout import (CACHED_PACK_SYNC, COMBINE_ROWS_SYNC, COMBINE_SYNC, FORWARD_J,
+from commlib.backends.internode.fanout import (COMBINE_ROWS_SYNC, COMBINE_SYNC, FORWARD_J,
                                                FORWARD_LANDED, FORWARD_SYNC, REDUCE_J, REDUCE_OUT, REDUCE_POS,
-                                               REDUCE_SYNC, cached_syncs, chunk_sides, chunk_syncs)
+                                               REDUCE_SYNC, two_stream_syncs, chunk_sides, chunk_syncs)
 from commlib.backends.internode.geometry import Plan
 from commlib.backends.internode.network import stream
 from commlib.backends.internode.rows import dispatch_packer, output_layout
@@ -151,7 +151,7 @@ class _Kept:
 class KeptDispatch(_Kept):
     """A cached dispatch on the kernels: pack by the plan's slots and the handle's send_head, the
     network chunks (with the forwarder: each landed chunk stored into the node's areas between two
-    barriers, on two streams: fanout.py's CACHED_PACK_SYNC / cached_syncs / chunk_sides), land (no
+    barriers, on two streams: fanout.py's DISPATCH_PACK_SYNC / two_stream_syncs / chunk_sides), land (no
     routing columns)."""
 
     op = "cached dispatch"
@@ -179,8 +179,8 @@ class KeptDispatch(_Kept):
             self.Wd = w.node.kept_begin(plan, W)   # room in the areas (collective where they grow)
             # the pack arrives at the barrier before the stores; per chunk (landed rows' byte offset, rows,
             # grid, the barrier's pieces its forward takes), each on its stream (chunk_sides)
-            self.pack_sync, self.sides = w.node.sync_args(CACHED_PACK_SYNC), chunk_sides(nch)
-            syncs = cached_syncs(nch)
+            self.pack_sync, self.sides = w.node.pack_sync(), chunk_sides(nch)
+            syncs = two_stream_syncs(nch)
             self.chunks = [((S + rs[k]) * self.width, rs[k + 1] - rs[k], w.node.grid(rs[k + 1] - rs[k]), syncs[k])
                            for k in range(nch)]
             self.land_n, self.land_stride, self.land_pos_off = n, self.Wd, -1

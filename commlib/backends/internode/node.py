@@ -21,8 +21,9 @@ from typing import Callable
 import torch
 
 from commlib.backends.common import Packer, a2a_rows, gather, int32_columns, sum_rows
-from commlib.backends.internode.fanout import (COMBINE_ROWS_SYNC, COMBINE_SYNC, DISPATCH_SYNC, SYNC_ARRIVE_END,
-                                               SYNC_ENTER, NodeFanout, chunk_sync)
+from commlib.backends.internode.fanout import (COMBINE_ROWS_SYNC, COMBINE_SYNC, DISPATCH_PACK_SYNC, DISPATCH_SYNC,
+                                               SYNC_ARRIVE_END, SYNC_ENTER, NodeFanout, chunk_sync,
+                                               two_stream_syncs)
 from commlib.backends.internode.geometry import Plan, compact
 from commlib.backends.internode.rows import fill_ids
 from commlib.backends.probe import Probe
@@ -180,8 +181,9 @@ class ForwarderNode(NodeStep):
     name = "kernel"
     in_area = True
     # a dispatch's barriers not yet taken by a forward (finish_forward issues them), whether its forwards
-    # take them (not a windowed one's), whether a combine's first reduce waits for its rows kernel's arrival
-    _owed, _fold, _await = 0, False, False
+    # take them (not a windowed one's), whether a combine's first reduce waits for its rows kernel's arrival,
+    # a dispatch's forwards' flags after its pack's arrival (None: chunk 0's forward enters)
+    _owed, _fold, _await, _syncs = 0, False, False, None
     gpu_share = 1   # ranks of the Buffer's group on one GPU (kernels.synced_ctas)
 
     def __init__(self, group, device, num_ctas: int, timeout_s: float, probe: Probe, budget: int = 0,
@@ -218,11 +220,14 @@ class ForwarderNode(NodeStep):
                           f"num_worst_tokens combine's rows, x {row_bytes} bytes) exceeds the Buffer's num_nvl_bytes "
                           f"({self.budget / 2**20:.0f} MiB), which it stands for")
 
-    def dispatch_begin(self, plan, W, packer):
-        """Room in the areas; the barrier before the forwards comes with the first (fanout.py sync)."""
+    def dispatch_begin(self, plan, W, packer, arrived: bool = False):
+        """Room in the areas; the barrier before the forwards comes with the first (fanout.py sync), or
+        (``arrived``: the pack kernel arrived at it, DISPATCH_PACK_SYNC) with the first of each stream
+        (the chunks on two streams: fanout.two_stream_syncs)."""
         self.Wd = align_up(W, 16)
         self._reserve(plan)
-        self._owed, self._fold = 2, True
+        self._owed, self._fold = (1, True) if arrived else (2, True)
+        self._syncs = two_stream_syncs(plan.num_chunks) if arrived else None
         if plan.path == "padded":   # rows past the received count read as padding
             self._pad = torch.zeros(1, W, dtype=torch.uint8, device=self.device)
             fill_ids(self._pad, packer)
@@ -233,8 +238,9 @@ class ForwarderNode(NodeStep):
         if not cached:
             plan.landed_pos.append(int32_columns(landed, W, W + 4 * self.P))   # combine's sources
         sync = 0
-        if self._fold:   # chunk 0's forward enters the barrier before the stores, the last one the one after
-            sync = chunk_sync(k, plan.num_chunks, *DISPATCH_SYNC)
+        if self._fold:   # chunk 0's forward enters the barrier before the stores (or, after the pack's
+            s = self._syncs   # arrival, the first of each stream waits), the last one the one after
+            sync = s[k] if s is not None else chunk_sync(k, plan.num_chunks, *DISPATCH_SYNC)
             self._owed -= bool(sync & SYNC_ENTER) + bool(sync & SYNC_ARRIVE_END)
         self.fan.forward(landed, W, self.Wd, None if hi is None else (0, hi, 0), pos_out, sync)
         if landed.shape[0] or sync:
@@ -246,7 +252,12 @@ class ForwarderNode(NodeStep):
         for _ in range(self._owed):
             self.fan.barrier()
             self.probe.op("launches")
-        self._owed, self._fold = 0, False
+        self._owed, self._fold, self._syncs = 0, False, None
+
+    def pack_sync(self) -> list:
+        """The node barrier's arguments of a kernel-path dispatch's pack, which arrives at the barrier
+        before the forwards' stores (kernels.pack_spec ``sync``; dispatch_begin ``arrived``)."""
+        return self.fan.sync_args(DISPATCH_PACK_SYNC)
 
     def dispatch_end(self, plan, W):
         self.finish_forward()

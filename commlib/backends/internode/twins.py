@@ -109,14 +109,7 @@ def twin_on(w: Wiring, kept: KeptDispatch | KeptCombine, handle, owner):
     plan = kept.plan
     if plan.row_counts is None:
         raise NoTwin("the plan's rows were never counted")
-    two = None   # a cached dispatch's chunks on two streams (network.py stream's ``sides``)
-    if dispatch and kept.sides is not None and plan.num_chunks > 1 and net.two_streams:
-        if w.cuda:
-            side, _, raw, fork_ev, join_ev = net.side(w.dev_index if w.dev_index >= 0 else torch.cuda.current_device())
-            two = {"sides": list(kept.sides), "stream_id": side.stream_id, "raw": raw, "fork": fork_ev.cuda_event,
-                   "join": join_ev.cuda_event, "keep": (side, fork_ev, join_ev)}
-        else:   # (tests: the C++ path records its streams)
-            two = {"sides": list(kept.sides), "stream_id": 0, "raw": 0, "fork": 0, "join": 0, "keep": None}
+    two = _side(w) if dispatch and kept.sides is not None and plan.num_chunks > 1 else None
     twin = callpath.in_plan({
         "owner": owner, "kind": 0 if dispatch else 1, "key": 0 if dispatch else kept.K, "kept": kept,
         "dtype": kept.dtype, "shape": list(kept.shape),
@@ -178,8 +171,23 @@ def full_twin(w: Wiring, scratch: device.Scratch, res: DispatchResult, sig: list
               # the chunks (geometry.chunk_rows) and the forwarder's areas, grid and per-chunk slots
               "ring": ring, "area_row": f.area_row, "fwd_threads": FAN_THREADS,
               "fwd_ctas": w.node.fan.num_ctas if P > 1 else 1,
-              "fwd_slots": (FORWARD_LANDED, FORWARD_J, FORWARD_POS, FORWARD_SYNC)}
+              "fwd_slots": (FORWARD_LANDED, FORWARD_J, FORWARD_POS, FORWARD_SYNC),
+              "two": _side(w) if P > 1 else None}
     return callpath.in_full(fields, *launches)
+
+
+def _side(w: Wiring):
+    """The side stream a dispatch's chunks alternate with (network.py stream's ``sides``; csrc
+    SideStream), or None where the network runs one stream. In tests (no CUDA) the C++ path records its
+    streams instead."""
+    net = w.network
+    if not getattr(net, "two_streams", False):
+        return None
+    if not w.cuda:
+        return {"stream_id": 0, "raw": 0, "fork": 0, "join": 0, "keep": None}
+    side, _, raw, fork_ev, join_ev = net.side(w.dev_index if w.dev_index >= 0 else torch.cuda.current_device())
+    return {"stream_id": side.stream_id, "raw": raw, "fork": fork_ev.cuda_event, "join": join_ev.cuda_event,
+            "keep": (side, fork_ev, join_ev)}
 
 
 def _group(g):

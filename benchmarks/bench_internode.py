@@ -718,6 +718,12 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
         ops = {"dispatch_bf16": full(x), "dispatch_fp8": full(xq),
                "cached_bf16": lambda: buf.dispatch(x, handle=handle), "cached_fp8": lambda: buf.dispatch(xq, handle=handle),
                "combine": lambda: buf.combine(y, handle, topk_weights=recv_w)}
+        # a handle's first cached dispatch and first combine: the Python path, which builds the handle's kept
+        # call (the C++ path serves its later ones). A training step's cached dispatch (the combine's backward)
+        # is its handle's first, so this is what a step pays there; each call takes a handle no call used yet
+        fresh = FreshHandles(lambda: full(x)()[4], warmup + 2 * iters + 4)
+        ops["cached_bf16_first"] = lambda: buf.dispatch(x, handle=fresh.next("cached"))
+        ops["combine_first"] = lambda: buf.combine(y, fresh.next("combine"), topk_weights=recv_w)
         K = handle.extra["plan"].num_chunks
         traces = {}
         for op, fn in ops.items():
@@ -814,6 +820,22 @@ def _host_worker(ctx, w, iters: int, warmup: int, chunk_caps: list, rpn: int, pi
             "steal_percent": steal_percent(times0, cpu_times())}
 
 
+class FreshHandles:
+    """``n`` handles made up front by ``make`` (a non-cached dispatch, collective: every rank makes the same
+    number in the same order), handed out one per call and per kind (``next(kind)``), so that each timed
+    call is the first of its kind on its handle; more are made (inside the timing) only past ``n``."""
+
+    def __init__(self, make, n: int) -> None:
+        self.make, self.handles, self.used = make, [make() for _ in range(n)], {}
+
+    def next(self, kind: str):
+        i = self.used.get(kind, 0)
+        self.used[kind] = i + 1
+        while i >= len(self.handles):
+            self.handles.append(self.make())
+        return self.handles[i]
+
+
 def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, HT, dispatch: bool = False,
               repin=lambda: None) -> list:
     """The cached dispatches and the combine through the internode C++ call path
@@ -833,8 +855,8 @@ def _cpp_rows(buf, ops: dict, iters: int, warmup: int, group, cap: int, K: int, 
     out = []
     for op, fn in ops.items():
         kind = op.split("_")[0]
-        if kind not in ("cached", "combine") and not (kind == "dispatch" and dispatch):
-            continue
+        if (kind not in ("cached", "combine") and not (kind == "dispatch" and dispatch)) or op.endswith("_first"):
+            continue   # (a handle's first cached call is the Python path's: the C++ path serves later ones)
         for _ in range(warmup + 1):   # (a dispatch: the first of its signature is the Python path's, kept)
             fn()
         repin()

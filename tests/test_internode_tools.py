@@ -220,3 +220,20 @@ def test_host_compare_pairs_rounds_and_refuses_mixed_devices(tmp_path):
     files["d"].write_text(json.dumps(doc([40, 40], device="A100")))
     with pytest.raises(SystemExit, match="different devices"):
         HC.main(["--base", str(files["a"]), "--new", str(files["d"])])
+
+
+def test_fresh_handles_give_each_call_a_handle_unused_for_its_kind():
+    """bench_internode --host's first-call rows (cached_bf16_first, combine_first): every call of a kind
+    gets a handle no earlier call of that kind had, made up front (a collective, the same count on every
+    rank), more made only past the count."""
+    made = []
+
+    def make():
+        made.append(object())
+        return made[-1]
+    fresh = bench_internode.FreshHandles(make, 3)
+    assert len(made) == 3
+    cached = [fresh.next("cached") for _ in range(3)]
+    combine = [fresh.next("combine") for _ in range(2)]
+    assert cached == made and combine == made[:2] and len(made) == 3
+    assert fresh.next("cached") is made[3] and len(made) == 4 and fresh.next("combine") is made[2]

@@ -10,7 +10,7 @@ plant_begin csrc/callpath_internode.cpp csrc/callpath.h
 # name @ text in the source @ its planted replacement
 PLANTS=(
   "dispatch: the digest kernel writes its device words, the host reads its own (stale) words@      t.digest->set(t.dig_out, !test && t.pinned ? address(t.host_dig) : address(t.dig));@      t.digest->set(t.dig_out, address(t.dig));"
-  "dispatch with the forwarder: every chunk's landed positions stored at chunk 0's rows of the block@            f.set_value(t.fwd_pos, b + tail + 4 * t.P * c.recv_starts[k]);@            f.set_value(t.fwd_pos, b + tail);"
+  "dispatch with the forwarder: every chunk's landed positions stored at chunk 0's rows of the block@        f.set_value(t.fwd_pos, b + tail + 4 * t.P * c.recv_starts[k]);@        f.set_value(t.fwd_pos, b + tail);"
 )
 cat >/tmp/plant_callpath_internode_run.py <<PYEOF
 import os, sys

@@ -493,7 +493,8 @@ def _annotate(ctx, buf, w, rows, cap, per_token_cast_to_fp8, iters, profile=Fals
 # --host: the host-time figures of the internode engine, in bench_host's shape
 # ------------------------------------------------------------------------------------------------
 
-HOST_OPS = ("dispatch_bf16", "dispatch_fp8", "cached_bf16", "cached_fp8", "combine")
+HOST_OPS = ("dispatch_bf16", "dispatch_fp8", "cached_bf16", "cached_fp8", "combine",
+            "cached_bf16_first", "combine_first")
 # Host-time targets (issue: the internode engine rebuilt): us, device operations per call; the
 # NCCL calls' limit is relative (each one against a bare NCCL call of the same size, same run)
 HOST_TARGETS = {"dispatch_own_us": 200.0, "cached_own_us": 60.0, "combine_own_us": 60.0,

@@ -64,6 +64,8 @@ def test_kept_calls_share_the_staging_rows():
     assert held.untyped_storage().data_ptr() == stage.untyped_storage().data_ptr() != grown.untyped_storage().data_ptr()
     assert kept[0].scratch().untyped_storage().data_ptr() == stage.untyped_storage().data_ptr()
     assert sum("num_rdma_bytes" in str(m.message) for m in seen) == 1
+    be.destroy()   # the Buffer's destroy lets the engine's staging rows go
+    assert w.stage is None
 
 
 def test_dispatch_keeps_its_scratch_and_launches_per_shape():

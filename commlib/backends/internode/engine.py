@@ -108,10 +108,14 @@ class InternodeBackend(Backend):
             self.node.probe = probe
 
     def destroy(self) -> None:
-        """Free the node step's IPC area (collective-free, as the nvlink engine: safe from __del__)."""
+        """Free the node step's IPC area and the staging rows (collective-free, as the nvlink engine: safe
+        from __del__; kept calls of live handles hold their rows until they go)."""
         if self.node is not None:
             self.node.close()
             self.node = None
+        w = getattr(self, "wiring", None)   # (an __init__ that failed early has none)
+        if w is not None:
+            w.stage = None
 
     @property
     def host_reads(self) -> int:

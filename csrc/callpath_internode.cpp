@@ -91,8 +91,6 @@ struct Chunk {
   std::vector<Step> node;                       // its node step (forward after it landed, or reduce before it)
 };
 
-// A kept cached dispatch (kind 0, key: x's ScalarType) or combine (kind 1, key: the weights' columns)
-// of one handle: what a call must match, its outputs and scratch, its launches and chunks.
 // The side stream a dispatch's chunks alternate with (network.py RailStep.side: its torch stream, and
 // its fork and join events, each recorded once so that its cudaEvent_t exists); unset: one stream.
 struct SideStream {
@@ -123,6 +121,8 @@ inline i64 two_stream_sync(i64 k, i64 n) {
   return (k <= 1 ? kSyncWaitStart : 0) | (k == n - 1 ? kSyncArriveEnd | kSyncWaitEnd : 0);
 }
 
+// A kept cached dispatch (kind 0, key: x's ScalarType) or combine (kind 1, key: the weights' columns)
+// of one handle: what a call must match, its outputs and scratch, its launches and chunks.
 struct InPlan {
   PyObject* owner = nullptr;  // the backend that made it (identity only)
   int kind = 0;
@@ -628,30 +628,24 @@ struct InEngine : Core {
         ph.mark("area");
       }
       issue(p.pre, src, ph, "pre");
+      auto post_k = [&](i64 k, bool on_stream) {   // the chunk's rows as tensors carved without the dispatcher
+        Chunk& c = p.chunks[k];                    // (scratch.narrow's views)
+        at::Tensor send = carve(scratch, c.send_row * p.width, {c.send_rows, p.width}, at::kByte),
+                   out = carve(scratch, c.out_row * p.width, {c.out_rows, p.width}, at::kByte);
+        auto work = post(p.group.get(), out, send, c.out_splits, c.in_splits, on_stream);
+        ph.mark("a2a");
+        return work;
+      };
       if (p.side.set && p.chunks.size() > 1)
         two_streams(
-            static_cast<i64>(p.chunks.size()), p.side,
-            [&](i64 k) {
-              Chunk& c = p.chunks[k];
-              at::Tensor send = carve(scratch, c.send_row * p.width, {c.send_rows, p.width}, at::kByte),
-                         out = carve(scratch, c.out_row * p.width, {c.out_rows, p.width}, at::kByte);
-              post(p.group.get(), out, send, c.out_splits, c.in_splits, true);
-              ph.mark("a2a");
-            },
+            static_cast<i64>(p.chunks.size()), p.side, [&](i64 k) { post_k(k, true); },
             [&](i64 k, u64 raw) { issue(p.chunks[k].node, src, ph, "node", raw); });
       else stream(
           static_cast<i64>(p.chunks.size()), p.node_after || !p.ordered,
           [&](i64 k) {
             if (!p.node_after) issue(p.chunks[k].node, src, ph, "node");
           },
-          [&](i64 k) {   // the chunk's rows as tensors carved without the dispatcher (scratch.narrow's views)
-            Chunk& c = p.chunks[k];
-            at::Tensor send = carve(scratch, c.send_row * p.width, {c.send_rows, p.width}, at::kByte),
-                       out = carve(scratch, c.out_row * p.width, {c.out_rows, p.width}, at::kByte);
-            auto work = post(p.group.get(), out, send, c.out_splits, c.in_splits, p.sync);
-            ph.mark("a2a");
-            return work;
-          },
+          [&](i64 k) { return post_k(k, p.sync); },
           [&](const c10::intrusive_ptr<c10d::Work>& work) {
             land(p.sync, work);
             ph.mark("wait");
@@ -1035,9 +1029,9 @@ struct InEngine : Core {
             },
             [&](i64 k) { forward_k(k, comm.raw); });
       }
-      if (fwd) {   // finish_forward (no chunks: the barrier no forward took); the landed rows' positions
-        if (!nch) t.barrier->issue(comm.raw);   // on every local rank (combine's
-        ph.mark("barrier");   // sources, stored by the forward kernel into the block) as the plan's per-chunk views
+      if (fwd) {   // finish_forward (no chunks: the barrier no forward took); the landed rows' positions on
+        if (!nch) t.barrier->issue(comm.raw);   // every local rank (combine's sources, stored by the forward
+        ph.mark("barrier");                      // kernel into the block) as the plan's per-chunk views
         py::list lp;
         for (i64 k = 0; k < nch; ++k)
           lp.append(wrap(carve(block, tail + 4 * t.P * c.recv_starts[k],

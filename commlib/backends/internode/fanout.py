@@ -147,13 +147,10 @@ def chunk_sides(n: int) -> list:
 
 def two_stream_syncs(n: int) -> list:
     """The sync flags of a kernel-path dispatch's n forwards (their pack arrived): SYNC_WAIT_START on the
-    first forward of each stream, SYNC_ARRIVE_END | SYNC_WAIT_END on the last."""
-    sides, seen, out = chunk_sides(n), set(), []
-    for k in range(n):
-        f = 0 if sides[k] in seen else SYNC_WAIT_START
-        seen.add(sides[k])
-        out.append(f | (SYNC_ARRIVE_END | SYNC_WAIT_END if k == n - 1 else 0))
-    return out
+    first forward of each stream (chunks 0 and 1: chunk_sides alternates), SYNC_ARRIVE_END |
+    SYNC_WAIT_END on the last."""
+    return [(SYNC_WAIT_START if k <= 1 else 0) | (SYNC_ARRIVE_END | SYNC_WAIT_END if k == n - 1 else 0)
+            for k in range(n)]
 
 
 class _DeviceRows:

@@ -33,6 +33,11 @@ def grid(n: int, max_ctas: int = MAX_CTAS) -> int:
     return max(1, min(max_ctas, -(-n // (THREADS // 32))))
 
 
+def _sync_tail(sync) -> list:
+    """A launch's trailing node-barrier arguments (fanout.NodeFanout.sync_args; None: none, flags 0)."""
+    return list(sync) if sync is not None else [0, 0, 0, 0, 0, 0]
+
+
 def synced_ctas(gpu_share: int) -> int:
     """The most CTAs of a rows kernel that takes the node barrier's pieces, with ``gpu_share`` ranks on
     one GPU. Its CTAs wait at its start, holding their SMs, while every rank of the node must start one
@@ -178,7 +183,7 @@ def pack_spec(g, send: torch.Tensor, slot: torch.Tensor, send_head: torch.Tensor
                 and chan_prefix is not None):
             _fail("a fresh pack needs tir, before, spos and the matrices")
         C = chan_prefix.shape[1]
-    tail = list(sync) if sync is not None else [0, 0, 0, 0, 0, 0]
+    tail = _sync_tail(sync)
     if T == 0 and g is None and not tail[-1]:   # a fresh pack still writes the matrices
         return None
     fresh = g is not None
@@ -263,7 +268,7 @@ def rows_spec(pos, n: int, y: torch.Tensor, w, out_addr: int, out_stride: int, s
         _fail("4-byte aligned rows wide enough for y and w")
     if not (pos is None or (pos.dtype == torch.int32 and pos.is_contiguous())):
         _fail("pos must be contiguous int32")
-    tail = list(sync) if sync is not None else [0, 0, 0, 0, 0, 0]
+    tail = _sync_tail(sync)
     if n == 0 and not tail[-1]:
         return None
     return (FAMILY, "inter_rows_kernel", grid(n, max_ctas), THREADS,

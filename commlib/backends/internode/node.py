@@ -226,7 +226,7 @@ class ForwarderNode(NodeStep):
         (the chunks on two streams: fanout.two_stream_syncs)."""
         self.Wd = align_up(W, 16)
         self._reserve(plan)
-        self._owed, self._fold = (1, True) if arrived else (2, True)
+        self._owed, self._fold = 1 if arrived else 2, True
         self._syncs = two_stream_syncs(plan.num_chunks) if arrived else None
         if plan.path == "padded":   # rows past the received count read as padding
             self._pad = torch.zeros(1, W, dtype=torch.uint8, device=self.device)

@@ -81,13 +81,7 @@ class Wiring:
             ctx = self.ctx
             comm = ctx.comm_stream if ctx is not None and self.cuda else None
             back = torch.cuda.current_stream(self.device) if comm is not None else None
-            if comm is not None:
-                torch.cuda.set_stream(comm)
-            try:
-                st = self.stage = torch.empty(n + (n >> 2), dtype=torch.uint8, device=self.device)
-            finally:
-                if back is not None:
-                    torch.cuda.set_stream(back)
+            st = self.stage = alloc_outputs(comm, back, (((n + (n >> 2),), torch.uint8),), self.device, [])[0]
             budget = getattr(ctx, "num_rdma_bytes", 0) if ctx is not None else 0
             if budget and st.numel() > budget and not self.stage_told:
                 self.stage_told = True
